@@ -1,0 +1,26 @@
+"""The only place that reads clocks.
+
+Intervals use ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux: nanosecond resolution,
+shared by every process on the host, so a proxy and a simulator can compare stamps). uvloop's
+``loop.time()`` is only millisecond-accurate and is not used for measurement. Calendar time is
+read once per request, together with a monotonic reading, to anchor that request's offsets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+monotonic_ns = time.perf_counter_ns
+wall_ns = time.time_ns
+
+
+class Anchor(NamedTuple):
+    """A wall-clock instant and the monotonic instant read right after it."""
+
+    wall_ns: int
+    mono_ns: int
+
+
+def anchor() -> Anchor:
+    return Anchor(time.time_ns(), time.perf_counter_ns())

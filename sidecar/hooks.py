@@ -1,0 +1,65 @@
+"""The sink interface, and fan-out of finished records to sinks with per-sink failure isolation.
+
+A sink's ``on_record`` runs on the event loop right after a request ends, so it must be
+synchronous and cheap; a sink that does I/O owns a bounded queue and a task or thread of its own.
+A sink that raises is counted and logged (rate-limited) and the other sinks still get the record:
+a passive measurement tool drops a measurement rather than hurt the traffic it measures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from sidecar.record import RequestRecord
+
+log = logging.getLogger(__name__)
+
+_LOG_EVERY_S = 10.0  # a sink failing on every request must not flood the log
+
+
+@runtime_checkable
+class RecordSink(Protocol):
+    """Receives every finished record. ``name`` labels its error counter."""
+
+    name: str
+
+    def on_record(self, record: RequestRecord) -> None: ...
+
+
+class SinkFanout:
+    """Delivers each record to every sink; failures are isolated per sink and counted."""
+
+    def __init__(self, sinks: Iterable[RecordSink] = ()) -> None:
+        self._sinks: list[RecordSink] = list(sinks)
+        self.errors: dict[str, int] = {sink.name: 0 for sink in self._sinks}
+        self.records_delivered = 0
+        self._last_logged: dict[str, float] = {}
+
+    @property
+    def sinks(self) -> tuple[RecordSink, ...]:
+        return tuple(self._sinks)
+
+    def add(self, sink: RecordSink) -> None:
+        if any(existing.name == sink.name for existing in self._sinks):
+            raise ValueError(f"a sink named {sink.name!r} is already registered")
+        self._sinks.append(sink)
+        self.errors[sink.name] = 0
+
+    def on_record(self, record: RequestRecord) -> None:
+        self.records_delivered += 1
+        for sink in self._sinks:
+            try:
+                sink.on_record(record)
+            except Exception:
+                self.errors[sink.name] += 1
+                now = time.monotonic()
+                if now - self._last_logged.get(sink.name, float("-inf")) >= _LOG_EVERY_S:
+                    self._last_logged[sink.name] = now
+                    log.exception(
+                        "sink %r failed on a record (%d failures so far); serving goes on",
+                        sink.name,
+                        self.errors[sink.name],
+                    )

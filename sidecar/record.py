@@ -1,0 +1,231 @@
+"""The per-request timing record: built once by the proxy (or a load generator), then frozen.
+
+One `RequestRecord` per request that reached the measuring process, whatever happened to it.
+Instants are monotonic nanosecond offsets from one anchor, the moment the whole request had
+arrived (``t_arrive`` in spec/metrics.md, offset 0); a single wall-clock reading (`wall_time_ns`)
+ties that anchor to calendar time. Offsets, not absolute monotonic values, keep records small,
+comparable across processes and serialisable without leaking a host's uptime.
+
+Each vantage point has its own `Timeline` (spec/metrics.md section 1):
+
+- ``client``: instants on the client-facing socket. ``start_ns`` is 0 (t_arrive).
+- ``server``: instants on the upstream socket. ``start_ns`` is t_up_send.
+
+A timeline's ``marks`` hold only the events that carried at least one output token (the spec
+says role-only, empty, usage-only chunks and comments are not tokens); the count of every other
+event is kept in ``events_total`` so nothing is silently lost.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+RECORD_VERSION = 1
+
+
+class Outcome(str, enum.Enum):
+    """How a request ended. Every request ends in exactly one of these (spec section 4)."""
+
+    OK = "ok"
+    HTTP_ERROR = "http_error"  # the upstream answered with an error status or an error event
+    UPSTREAM_ERROR = "upstream_error"  # connect refused, reset, malformed stream
+    TIMEOUT = "timeout"
+    CLIENT_CANCELLED = "client_cancelled"
+    REJECTED = "rejected"  # refused by the measuring process's own limits
+
+
+class Vantage(str, enum.Enum):
+    CLIENT = "client"
+    SERVER = "server"
+    ENGINE = "engine"
+
+
+class TokenSource(str, enum.Enum):
+    """Where the output-token counts came from; anything but USAGE is an estimate."""
+
+    USAGE = "usage"  # upstream usage accounting (exact)
+    CHUNK_COUNT = "chunk_count"  # one token per token-carrying event (estimate)
+    NONE = "none"  # no token-carrying event was seen
+
+
+class ChunkMark(NamedTuple):
+    """One token-carrying event: when it was seen (ns since t_arrive) and how many tokens."""
+
+    offset_ns: int
+    n_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """What one vantage point saw of a request.
+
+    ``start_ns``: the vantage's origin (0 for the client, t_up_send for the server side).
+    ``marks``: token-carrying events in order of arrival.
+    ``end_ns``: the stream's end (last byte / close / error) as seen from this side, or None if
+    the request never got that far (e.g. rejected before it was sent upstream).
+    ``events_total``: every SSE event seen on this side, token-carrying or not ([DONE] excluded).
+    """
+
+    start_ns: int
+    marks: tuple[ChunkMark, ...] = ()
+    end_ns: int | None = None
+    events_total: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start_ns": self.start_ns,
+            "marks": [[m.offset_ns, m.n_tokens] for m in self.marks],
+            "end_ns": self.end_ns,
+            "events_total": self.events_total,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Timeline:
+        return cls(
+            start_ns=int(data["start_ns"]),
+            marks=tuple(ChunkMark(int(o), int(n)) for o, n in data.get("marks", ())),
+            end_ns=None if data.get("end_ns") is None else int(data["end_ns"]),
+            events_total=int(data.get("events_total", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTiming:
+    """vLLM's own per-request timings (``metrics`` in the final usage chunk with
+    ``--enable-per-request-metrics``). Kept as reported, in milliseconds; note that vLLM's
+    ``time_to_first_token_ms`` excludes queue time (spec/vllm-protocol.md A1)."""
+
+    time_to_first_token_ms: float | None = None
+    generation_time_ms: float | None = None
+    queue_time_ms: float | None = None
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "time_to_first_token_ms": self.time_to_first_token_ms,
+            "generation_time_ms": self.generation_time_ms,
+            "queue_time_ms": self.queue_time_ms,
+            "mean_itl_ms": self.mean_itl_ms,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineTiming:
+        def num(key: str) -> float | None:
+            value = data.get(key)
+            return None if value is None else float(value)
+
+        return cls(
+            time_to_first_token_ms=num("time_to_first_token_ms"),
+            generation_time_ms=num("generation_time_ms"),
+            queue_time_ms=num("queue_time_ms"),
+            mean_itl_ms=num("mean_itl_ms"),
+            tokens_per_second=num("tokens_per_second"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """Everything measured about one request. Immutable; built by a builder, then frozen.
+
+    Token counts: ``n_in``/``n_out``/``n_cached`` come from the upstream's usage when
+    ``token_source`` is USAGE; otherwise ``n_out`` is an estimate (or None) and says so.
+    """
+
+    request_id: str
+    wall_time_ns: int  # time.time_ns() at t_arrive
+    outcome: Outcome
+    endpoint: str  # "chat" | "completions" | the path, for pass-through requests
+    model: str | None = None
+    client_stream: bool = True  # did the client ask for a stream?
+    upstream_stream: bool = True  # was the upstream asked for a stream?
+    client: Timeline = field(default_factory=lambda: Timeline(start_ns=0))
+    server: Timeline | None = None
+    engine: EngineTiming | None = None
+    n_in: int | None = None
+    n_out: int | None = None
+    n_cached: int | None = None
+    token_source: TokenSource = TokenSource.NONE
+    finish_reason: str | None = None
+    http_status: int | None = None
+    error_type: str | None = None  # short machine-readable cause, never free text from a body
+    replica: str | None = None
+    route_policy: str | None = None
+    attributes: Mapping[str, str] = field(default_factory=dict)  # bounded extras (slo class, ...)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    def timeline(self, vantage: Vantage) -> Timeline | None:
+        if vantage is Vantage.CLIENT:
+            return self.client
+        if vantage is Vantage.SERVER:
+            return self.server
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": RECORD_VERSION,
+            "request_id": self.request_id,
+            "wall_time_ns": self.wall_time_ns,
+            "outcome": self.outcome.value,
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "client_stream": self.client_stream,
+            "upstream_stream": self.upstream_stream,
+            "client": self.client.to_dict(),
+            "server": None if self.server is None else self.server.to_dict(),
+            "engine": None if self.engine is None else self.engine.to_dict(),
+            "n_in": self.n_in,
+            "n_out": self.n_out,
+            "n_cached": self.n_cached,
+            "token_source": self.token_source.value,
+            "finish_reason": self.finish_reason,
+            "http_status": self.http_status,
+            "error_type": self.error_type,
+            "replica": self.replica,
+            "route_policy": self.route_policy,
+            "attributes": dict(self.attributes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RequestRecord:
+        version = data.get("v", RECORD_VERSION)
+        if version != RECORD_VERSION:
+            raise ValueError(
+                f"unsupported record version {version!r} (this build reads {RECORD_VERSION})"
+            )
+
+        def opt_int(key: str) -> int | None:
+            value = data.get(key)
+            return None if value is None else int(value)
+
+        server = data.get("server")
+        engine = data.get("engine")
+        return cls(
+            request_id=str(data["request_id"]),
+            wall_time_ns=int(data["wall_time_ns"]),
+            outcome=Outcome(data["outcome"]),
+            endpoint=str(data["endpoint"]),
+            model=data.get("model"),
+            client_stream=bool(data.get("client_stream", True)),
+            upstream_stream=bool(data.get("upstream_stream", True)),
+            client=Timeline.from_dict(data["client"]),
+            server=None if server is None else Timeline.from_dict(server),
+            engine=None if engine is None else EngineTiming.from_dict(engine),
+            n_in=opt_int("n_in"),
+            n_out=opt_int("n_out"),
+            n_cached=opt_int("n_cached"),
+            token_source=TokenSource(data.get("token_source", TokenSource.NONE.value)),
+            finish_reason=data.get("finish_reason"),
+            http_status=opt_int("http_status"),
+            error_type=data.get("error_type"),
+            replica=data.get("replica"),
+            route_policy=data.get("route_policy"),
+            attributes={str(k): str(v) for k, v in (data.get("attributes") or {}).items()},
+        )

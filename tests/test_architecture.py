@@ -1,0 +1,101 @@
+"""The import rules of design.md, held by parsing every module's imports."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
+
+# top-level unit -> sidecar units it may import (itself always allowed). "*" = anything.
+ALLOWED: dict[str, set[str]] = {
+    "__init__": set(),
+    "__main__": {"*"},
+    "cli": {"*"},
+    "config": set(),
+    "clock": set(),
+    "record": set(),
+    "stats": {"record"},
+    "hooks": {"record"},
+    "protocol": set(),
+    "tracefile": {"record"},
+    "proxy": {"protocol", "record", "clock", "hooks", "config", "stats"},
+    "sinks": {"record", "stats", "hooks", "config", "clock"},
+    "replay": {"protocol", "tracefile", "record", "stats", "clock"},
+    "sim": {"protocol"},
+    "demo": {"*"},
+}
+
+# Third-party packages each unit may use (the standard library is always allowed).
+THIRD_PARTY: dict[str, set[str]] = {
+    "protocol": set(),
+    "record": set(),
+    "clock": set(),
+    "stats": {"numpy"},
+}
+
+
+def unit_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_modules(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: list[str] = []
+    package_parts = ["sidecar", *path.relative_to(PACKAGE).parent.parts]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package_parts[: len(package_parts) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names.append(module)
+            if module == "sidecar":  # `from sidecar import stats`
+                names.extend(f"sidecar.{alias.name}" for alias in node.names)
+    return names
+
+
+def violations(unit: str, modules: list[str]) -> list[str]:
+    """Why each import of ``modules`` by ``unit`` breaks the rules (empty when none does)."""
+    problems: list[str] = []
+    allowed = ALLOWED[unit]
+    for module in modules:
+        parts = module.split(".")
+        top = parts[0]
+        if top == "vllm":
+            problems.append("imports vllm: the sidecar never imports the engine it measures")
+        elif top == "sidecar":
+            target = parts[1] if len(parts) > 1 else "__init__"
+            if target not in ("__init__", unit) and "*" not in allowed and target not in allowed:
+                problems.append(f"unit {unit!r} may not import sidecar.{target}")
+        elif unit in THIRD_PARTY and top not in sys.stdlib_module_names:
+            if top not in THIRD_PARTY[unit]:
+                problems.append(f"unit {unit!r} may not depend on {top!r}")
+    return problems
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_imports_follow_the_design(path: Path) -> None:
+    unit = unit_of(path)
+    assert unit in ALLOWED, f"{path}: new top-level unit {unit!r}: add it to the design rules"
+    assert violations(unit, imported_modules(path)) == []
+
+
+def test_the_rules_catch_violations() -> None:
+    assert violations("sim", ["sidecar.proxy.app", "sidecar.protocol.sse"]) == [
+        "unit 'sim' may not import sidecar.proxy"
+    ]
+    assert violations("protocol", ["aiohttp", "json"]) == [
+        "unit 'protocol' may not depend on 'aiohttp'"
+    ]
+    assert violations("cli", ["vllm.engine"]) != []

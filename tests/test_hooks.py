@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from sidecar.hooks import RecordSink, SinkFanout
+from sidecar.record import Outcome, RequestRecord
+
+
+class Collecting:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.records: list[RequestRecord] = []
+
+    def on_record(self, record: RequestRecord) -> None:
+        self.records.append(record)
+
+
+class Failing:
+    name = "broken"
+
+    def on_record(self, record: RequestRecord) -> None:
+        raise RuntimeError("disk on fire")
+
+
+def record() -> RequestRecord:
+    return RequestRecord(request_id="x", wall_time_ns=0, outcome=Outcome.OK, endpoint="chat")
+
+
+def test_a_failing_sink_is_counted_and_the_others_still_get_the_record(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    first, last = Collecting("first"), Collecting("last")
+    fanout = SinkFanout([first, Failing(), last])
+    with caplog.at_level(logging.ERROR):
+        fanout.on_record(record())
+        fanout.on_record(record())
+    assert len(first.records) == 2 and len(last.records) == 2
+    assert fanout.errors == {"first": 0, "broken": 2, "last": 0}
+    assert fanout.records_delivered == 2
+    # Logged once, not once per record.
+    assert sum("disk on fire" in r.getMessage() or r.exc_text is not None
+               for r in caplog.records) == 1
+
+
+def test_sink_names_are_unique_and_protocol_is_structural() -> None:
+    fanout = SinkFanout()
+    sink = Collecting("a")
+    assert isinstance(sink, RecordSink)
+    fanout.add(sink)
+    with pytest.raises(ValueError, match="already registered"):
+        fanout.add(Collecting("a"))

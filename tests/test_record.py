@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from sidecar.record import (
+    ChunkMark,
+    EngineTiming,
+    Outcome,
+    RequestRecord,
+    Timeline,
+    TokenSource,
+    Vantage,
+)
+
+
+def full_record() -> RequestRecord:
+    return RequestRecord(
+        request_id="req-1",
+        wall_time_ns=1_700_000_000_000_000_000,
+        outcome=Outcome.OK,
+        endpoint="chat",
+        model="m",
+        client=Timeline(start_ns=0, marks=(ChunkMark(120, 1), ChunkMark(150, 3)), end_ns=160,
+                        events_total=4),
+        server=Timeline(start_ns=5, marks=(ChunkMark(119, 1), ChunkMark(149, 3)), end_ns=158,
+                        events_total=5),
+        engine=EngineTiming(time_to_first_token_ms=1.5, queue_time_ms=0.25),
+        n_in=12,
+        n_out=4,
+        n_cached=0,
+        token_source=TokenSource.USAGE,
+        finish_reason="length",
+        http_status=200,
+        replica="http://127.0.0.1:8100",
+        route_policy="least_outstanding",
+        attributes={"slo_class": "default"},
+    )
+
+
+def test_round_trip_through_json() -> None:
+    record = full_record()
+    text = json.dumps(record.to_dict())
+    assert RequestRecord.from_dict(json.loads(text)) == record
+
+
+def test_record_is_frozen() -> None:
+    record = full_record()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.outcome = Outcome.TIMEOUT  # type: ignore[misc]
+
+
+def test_timeline_by_vantage() -> None:
+    record = full_record()
+    assert record.timeline(Vantage.CLIENT) is record.client
+    assert record.timeline(Vantage.SERVER) is record.server
+    assert record.timeline(Vantage.ENGINE) is None
+    assert record.ok
+
+
+def test_unknown_version_is_refused_clearly() -> None:
+    data = full_record().to_dict()
+    data["v"] = 99
+    with pytest.raises(ValueError, match="unsupported record version 99"):
+        RequestRecord.from_dict(data)
+
+
+def test_outcomes_are_the_six_of_the_spec() -> None:
+    assert {o.value for o in Outcome} == {
+        "ok", "http_error", "upstream_error", "timeout", "client_cancelled", "rejected",
+    }

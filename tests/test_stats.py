@@ -1,0 +1,247 @@
+"""Hand-worked answers for every formula in spec/metrics.md."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sidecar import stats
+from sidecar.record import ChunkMark, Outcome, RequestRecord, Timeline, TokenSource, Vantage
+
+MS = 1_000_000  # ns
+
+
+def marks(*pairs: tuple[float, int]) -> tuple[ChunkMark, ...]:
+    return tuple(ChunkMark(int(ms * MS), n) for ms, n in pairs)
+
+
+def make_record(
+    client_marks: tuple[ChunkMark, ...] = (),
+    *,
+    n_out: int | None = None,
+    n_in: int | None = 10,
+    outcome: Outcome = Outcome.OK,
+    server: Timeline | None = None,
+    end_ms: float | None = None,
+    wall_ms: float = 0.0,
+    source: TokenSource = TokenSource.USAGE,
+) -> RequestRecord:
+    end_ns = int(end_ms * MS) if end_ms is not None else (
+        client_marks[-1].offset_ns if client_marks else None
+    )
+    return RequestRecord(
+        request_id="r",
+        wall_time_ns=int(wall_ms * MS),
+        outcome=outcome,
+        endpoint="chat",
+        client=Timeline(start_ns=0, marks=client_marks, end_ns=end_ns,
+                        events_total=len(client_marks)),
+        server=server,
+        n_in=n_in,
+        n_out=n_out,
+        token_source=source,
+    )
+
+
+def test_spec_worked_example() -> None:
+    # spec/metrics.md section 1: 4 tokens, first at 120 ms, then gaps of 30, 40, 40 ms.
+    record = make_record(marks((120, 1), (150, 1), (190, 1), (230, 1)), n_out=4)
+    m = stats.request_metrics(record, Vantage.CLIENT)
+    assert m is not None
+    assert m.ttft_s == pytest.approx(0.120)
+    assert m.itl_s == pytest.approx((0.030, 0.040, 0.040))
+    assert m.itl_tokens == (1, 1, 1)
+    assert m.tpot_s == pytest.approx(0.110 / 3)
+    assert round(m.tpot_s * 1000, 1) == 36.7
+    assert m.e2e_s == pytest.approx(0.230)
+
+
+def test_multi_token_chunks() -> None:
+    # Chunks of 1, 3 and 2 tokens (speculative decoding / stream interval), usage says 6.
+    record = make_record(marks((100, 1), (130, 3), (170, 2)), n_out=6)
+    m = stats.request_metrics(record, Vantage.CLIENT)
+    assert m is not None
+    assert m.ttft_s == pytest.approx(0.100)
+    assert m.itl_s == pytest.approx((0.030, 0.040))
+    assert m.itl_tokens == (3, 2)
+    # TPOT = (170 - 100) / (6 - 1) = 14 ms, not the per-event mean of 35 ms.
+    assert m.tpot_s == pytest.approx(0.014)
+    assert m.e2e_s == pytest.approx(0.170)
+    per_token = stats.token_normalised_itl(m.itl_s, m.itl_tokens)
+    assert per_token == pytest.approx([0.010, 0.010, 0.010, 0.020, 0.020])
+
+
+def test_n_out_falls_back_to_event_tokens_without_usage() -> None:
+    record = make_record(marks((100, 1), (130, 3), (170, 2)), n_out=None,
+                         source=TokenSource.CHUNK_COUNT)
+    m = stats.request_metrics(record, Vantage.CLIENT)
+    assert m is not None and m.n_out == 6
+    assert m.tpot_s == pytest.approx(0.014)
+
+
+def test_single_token_reply_has_no_tpot_and_is_counted() -> None:
+    single = make_record(marks((80, 1)), n_out=1)
+    m = stats.request_metrics(single, Vantage.CLIENT)
+    assert m is not None
+    assert (m.ttft_s, m.itl_s, m.tpot_s, m.e2e_s) == (pytest.approx(0.08), (), None,
+                                                     pytest.approx(0.08))
+    report = stats.vantage_report([single, make_record(marks((100, 1), (140, 1)), n_out=2)],
+                                  Vantage.CLIENT)
+    assert report.requests == 2
+    assert report.tpot_excluded == 1
+    assert report.tpot.count == 1 and report.tpot.mean == pytest.approx(0.040)
+    assert report.ttft.count == 2
+
+
+def test_server_vantage_starts_at_upstream_send() -> None:
+    # Proxy: request arrived at 0, sent upstream at 2 ms; upstream events at 112, 142 ms,
+    # written to the client at 113, 143 ms.
+    server = Timeline(start_ns=2 * MS, marks=marks((112, 1), (142, 1)), end_ns=145 * MS)
+    record = make_record(marks((113, 1), (143, 1)), n_out=2, server=server)
+    client_m = stats.request_metrics(record, Vantage.CLIENT)
+    server_m = stats.request_metrics(record, Vantage.SERVER)
+    assert client_m is not None and server_m is not None
+    assert client_m.ttft_s == pytest.approx(0.113)
+    assert server_m.ttft_s == pytest.approx(0.110)
+    assert server_m.itl_s == pytest.approx((0.030,))
+    assert stats.request_metrics(make_record(marks((5, 1))), Vantage.SERVER) is None
+
+
+def test_no_token_event_gives_e2e_from_stream_end() -> None:
+    # A non-streaming client: the client side sees only the end of the response at 250 ms.
+    record = make_record((), n_out=5, end_ms=250)
+    m = stats.request_metrics(record, Vantage.CLIENT)
+    assert m is not None
+    assert m.ttft_s is None and m.tpot_s is None and m.itl_s == ()
+    assert m.e2e_s == pytest.approx(0.250)
+    report = stats.vantage_report([record], Vantage.CLIENT)
+    assert report.no_first_token == 1 and report.tpot_excluded == 0
+    assert report.e2e.count == 1 and report.ttft.count == 0
+
+
+def test_errors_are_out_of_latency_but_in_outcomes() -> None:
+    ok = make_record(marks((100, 1), (130, 1)), n_out=2)
+    failed = make_record(marks((50, 1)), n_out=None, outcome=Outcome.HTTP_ERROR)
+    cancelled = make_record(marks((60, 1), (90, 1)), outcome=Outcome.CLIENT_CANCELLED)
+    report = stats.vantage_report([ok, failed, cancelled], Vantage.CLIENT)
+    assert report.requests == 1
+    assert report.ttft.count == 1 and report.ttft.min == pytest.approx(0.100)
+    assert report.itl.count == 1
+    counts = stats.outcome_counts([ok, failed, cancelled])
+    assert counts[Outcome.OK] == 1
+    assert counts[Outcome.HTTP_ERROR] == 1
+    assert counts[Outcome.CLIENT_CANCELLED] == 1
+    assert counts[Outcome.TIMEOUT] == 0 and set(counts) == set(Outcome)
+
+
+def test_itl_pools_events_across_requests() -> None:
+    a = make_record(marks((100, 1), (110, 1), (130, 1)), n_out=3)  # gaps 10, 20
+    b = make_record(marks((200, 1), (240, 1)), n_out=2)  # gap 40
+    report = stats.vantage_report([a, b], Vantage.CLIENT)
+    assert report.itl.count == 3
+    assert report.itl.mean == pytest.approx((0.010 + 0.020 + 0.040) / 3)
+    assert report.itl.p(50) == pytest.approx(0.020)
+    # TPOT is per request: a = 30/2 = 15 ms, b = 40 ms.
+    assert report.tpot.count == 2 and report.tpot.mean == pytest.approx(0.0275)
+
+
+def test_summary_percentiles_hand_worked() -> None:
+    s = stats.summarize([4.0, 1.0, 3.0, 2.0])
+    assert s.count == 4
+    assert s.mean == pytest.approx(2.5)
+    assert s.std == pytest.approx(math.sqrt(1.25))  # population std
+    assert (s.min, s.max) == (1.0, 4.0)
+    # Linear interpolation between closest ranks: rank = q/100 * (n - 1).
+    assert s.p(50) == pytest.approx(2.5)
+    assert s.p(90) == pytest.approx(3.7)
+    assert s.p(95) == pytest.approx(3.85)
+    assert s.p(99) == pytest.approx(3.97)
+    assert s.p(99.9) == pytest.approx(3.997)
+    assert s.to_dict()["p99.9"] == pytest.approx(3.997)
+
+
+def test_empty_run_has_no_nan_and_no_crash() -> None:
+    s = stats.summarize([])
+    assert s.count == 0 and s.mean is None and s.p(99) is None
+    assert all(v is None or v == 0 for v in s.to_dict().values())
+    report = stats.vantage_report([], Vantage.SERVER)
+    assert report.requests == 0 and report.itl_per_token.count == 0
+    t = stats.throughput([], 0.0)
+    assert (t.requests_per_s, t.output_tokens_per_s, t.completed_requests) == (0.0, 0.0, 0)
+    g = stats.goodput([], stats.SLO(ttft_s=0.5), 0.0)
+    assert g.attainment is None and g.good_requests_per_s == 0.0
+    assert stats.measured_interval_s([]) == 0.0
+    assert stats.engine_report([]).requests == 0
+
+
+def test_summary_ignores_non_finite_values() -> None:
+    s = stats.summarize([1.0, float("nan"), 3.0, float("inf")])
+    assert s.count == 2 and s.mean == pytest.approx(2.0)
+
+
+def test_throughput_counts_completed_requests_and_says_which_tokens() -> None:
+    a = make_record(marks((100, 1), (200, 1)), n_in=100, n_out=20)
+    b = make_record(marks((100, 1)), n_in=50, n_out=10)
+    failed = make_record((), n_in=999, n_out=999, outcome=Outcome.UPSTREAM_ERROR, end_ms=5)
+    t = stats.throughput([a, b, failed], interval_s=2.0)
+    assert t.completed_requests == 2
+    assert t.requests_per_s == pytest.approx(1.0)
+    assert t.input_tokens_per_s == pytest.approx(75.0)
+    assert t.output_tokens_per_s == pytest.approx(15.0)
+    assert t.total_tokens_per_s == pytest.approx(90.0)
+    assert not t.output_tokens_estimated
+    est = make_record(marks((100, 2), (200, 3)), n_out=None, source=TokenSource.CHUNK_COUNT)
+    t2 = stats.throughput([est], interval_s=1.0)
+    assert t2.output_tokens_per_s == pytest.approx(5.0) and t2.output_tokens_estimated
+
+
+def test_goodput_has_failures_in_the_denominator() -> None:
+    slo = stats.SLO(ttft_s=0.5, tpot_s=0.05)
+    good = make_record(marks((100, 1), (130, 1), (160, 1)), n_out=3)  # ttft .1, tpot .03
+    slow_first = make_record(marks((600, 1), (610, 1)), n_out=2)  # ttft .6 > .5
+    slow_tokens = make_record(marks((100, 1), (200, 1)), n_out=2)  # tpot .1 > .05
+    failed = make_record((), outcome=Outcome.TIMEOUT, end_ms=30_000)
+    single = make_record(marks((200, 1)), n_out=1)  # no TPOT: judged on TTFT alone
+    g = stats.goodput([good, slow_first, slow_tokens, failed, single], slo, interval_s=2.0)
+    assert g.total_requests == 5
+    assert g.good_requests == 2
+    assert g.attainment == pytest.approx(0.4)
+    assert g.good_requests_per_s == pytest.approx(1.0)
+    assert g.good_output_tokens == 4 and g.good_output_tokens_per_s == pytest.approx(2.0)
+    assert g.judged_without == {"tpot": 1}
+    assert slo.describe() == "ttft<=500ms, tpot<=50ms"
+
+
+def test_goodput_boundary_is_inclusive() -> None:
+    at_limit = make_record(marks((500, 1), (550, 1)), n_out=2)
+    g = stats.goodput([at_limit], stats.SLO(ttft_s=0.5, tpot_s=0.05), interval_s=1.0)
+    assert g.good_requests == 1
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_slo_rejects_meaningless_thresholds(bad: float) -> None:
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        stats.SLO(ttft_s=bad)
+
+
+def test_measured_interval_spans_first_arrival_to_last_end() -> None:
+    a = make_record(marks((100, 1)), wall_ms=1_000, end_ms=150)  # ends at 1150 ms
+    b = make_record(marks((300, 1)), wall_ms=1_500, end_ms=400)  # ends at 1900 ms
+    assert stats.measured_interval_s([a, b]) == pytest.approx(0.9)
+
+
+def test_engine_report_keeps_vllm_semantics_apart() -> None:
+    from dataclasses import replace
+
+    from sidecar.record import EngineTiming
+
+    base = make_record(marks((100, 1), (130, 1)), n_out=2)
+    with_engine = replace(base, engine=EngineTiming(time_to_first_token_ms=40.0,
+                                                    queue_time_ms=55.0, mean_itl_ms=30.0,
+                                                    generation_time_ms=70.0))
+    report = stats.engine_report([with_engine, base])
+    assert report.requests == 1
+    assert report.queue_time.mean == pytest.approx(0.055)
+    assert report.ttft_from_scheduled.mean == pytest.approx(0.040)
+    assert report.mean_itl.mean == pytest.approx(0.030)
