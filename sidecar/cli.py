@@ -8,18 +8,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from sidecar import __version__
+from aiohttp import web
 
-AsyncCommand = Callable[[argparse.Namespace], Awaitable[int]]
+from sidecar import __version__
+from sidecar.config import (
+    ConfigError,
+    ProxyConfig,
+    RoutePolicy,
+    build_config,
+    load_config_file,
+    parse_slo,
+)
+from sidecar.hooks import SinkFanout
+from sidecar.proxy.app import ProxyServer
+from sidecar.sinks.window import WindowSink
+from sidecar.stats import SLO
+
+AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 EPILOG = """\
 examples:
   sidecar sim --replicas 2 --port 8100 --model demo-model
       serve two simulated vLLM replicas on 127.0.0.1:8100 and :8101
+  sidecar proxy --upstream http://127.0.0.1:8100 --upstream http://127.0.0.1:8101
+      measure traffic sent to 127.0.0.1:8080 on its way to two replicas;
+      live statistics at http://127.0.0.1:9464/stats
 
 run 'sidecar COMMAND --help' for a command's options and examples.
 """
@@ -32,6 +51,138 @@ def run_coroutine(command: AsyncCommand, args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - Windows, or a stripped install
         return asyncio.run(command(args))
     return uvloop.run(command(args))
+
+
+PROXY_DESCRIPTION = """\
+Relay the OpenAI-compatible API of one or more vLLM (or SGLang) replicas and time every streamed
+chunk on both sides: client-visible (the socket to the client) and server-side (the socket to
+the replica). Streamed and non-streamed /v1/chat/completions and /v1/completions are measured;
+every other path is passed through. Each request ends in exactly one record with its outcome.
+
+Every setting can also come from an environment variable SIDECAR_<NAME> (e.g.
+SIDECAR_UPSTREAMS=http://a:8000,http://b:8000, SIDECAR_TTFT_TIMEOUT=30s) or a config file
+(--config FILE, JSON or TOML, keys named like the flags with underscores). Flags win over the
+environment, which wins over the file.
+"""
+
+PROXY_EPILOG = """\
+examples:
+  sidecar proxy --upstream http://127.0.0.1:8000
+      sidecar in a vLLM pod: clients talk to :8080, vLLM listens on :8000
+  sidecar proxy --upstream http://10.0.0.5:8000 --upstream http://10.0.0.6:8000 \\
+      --route-policy prefix --listen 0.0.0.0:8080 --slo ttft=500ms,tpot=50ms
+      a small gateway in front of two replicas, routing shared prefixes together
+  curl -s http://127.0.0.1:9464/stats | python -m json.tool
+      live percentiles per vantage (client / server / engine) over the last 60 s
+"""
+
+
+def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    # Every default is None: an absent flag lets the environment or the config file decide.
+    parser.add_argument("--config", metavar="FILE", help="JSON or TOML file of settings")
+    parser.add_argument("--upstream", dest="upstreams", action="append", metavar="URL",
+                        help="a replica's base URL (repeat for several)")
+    parser.add_argument("--listen", metavar="HOST:PORT", help="traffic listener [127.0.0.1:8080]")
+    parser.add_argument("--metrics-listen", metavar="HOST:PORT",
+                        help="admin/metrics listener, never the traffic port [127.0.0.1:9464]")
+    parser.add_argument("--route-policy", choices=[p.value for p in RoutePolicy],
+                        help="how requests are spread over replicas [least_outstanding]")
+    parser.add_argument("--session-header", metavar="NAME",
+                        help="header naming the session for --route-policy session "
+                             "[X-Session-ID; falls back to the body's `user`]")
+    for name, default in (("connect-timeout", "5s"), ("ttft-timeout", "300s"),
+                          ("idle-timeout", "60s"), ("total-timeout", "0 = off")):
+        parser.add_argument(f"--{name}", metavar="DURATION",
+                            help=f"e.g. 500ms, 30s, 2m; 0 disables [{default}]")
+    parser.add_argument("--max-body-bytes", type=int, metavar="N",
+                        help="larger request bodies get 413 [16 MiB]")
+    parser.add_argument("--max-concurrency", type=int, metavar="N",
+                        help="requests in flight beyond this get 429 [4096]")
+    parser.add_argument("--no-inject-usage", dest="inject_usage", action="store_const",
+                        const=False, help="do not ask the upstream for per-chunk usage (token "
+                        "counts per event become estimates)")
+    parser.add_argument("--assemble-nonstream", action="store_const", const=True,
+                        help="stream from the upstream for non-streaming clients, so the server "
+                        "side gets TTFT/ITL; the client still gets one JSON body")
+    parser.add_argument("--retry-connect", type=int, metavar="N",
+                        help="other replicas to try when connecting fails [1]")
+    parser.add_argument("--health-interval", metavar="DURATION",
+                        help="active health checks (GET /health); 0 disables [5s]")
+    parser.add_argument("--eject-after", type=int, metavar="N",
+                        help="consecutive failures that eject a replica [2]")
+    parser.add_argument("--window", dest="window_s", metavar="DURATION",
+                        help="live statistics window [60s]")
+    parser.add_argument("--slo", metavar="SPEC",
+                        help="declared SLOs for goodput, e.g. ttft=500ms,tpot=50ms,e2e=20s")
+    parser.add_argument("--log-requests", action="store_const", const=True,
+                        help="log one line per request (ids, outcome, counts; never text)")
+
+
+def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("upstreams", "listen", "metrics_listen", "route_policy", "session_header",
+             "connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
+             "max_body_bytes", "max_concurrency", "inject_usage", "assemble_nonstream",
+             "retry_connect", "health_interval", "eject_after", "window_s", "log_requests")
+    return {name: getattr(args, name, None) for name in names}
+
+
+async def run_proxy(args: argparse.Namespace) -> int:
+    try:
+        file_settings = load_config_file(args.config) if args.config else None
+        config = build_config(_proxy_flags(args), file_settings=file_settings)
+        slo = _slo_from(parse_slo(args.slo)) if args.slo else None
+    except ConfigError as exc:
+        print(f"sidecar proxy: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    server, _window = build_proxy_server(config, slo)
+    await server.start()
+    print(f"proxy listening on {server.url} -> {', '.join(config.upstreams)} "
+          f"(route policy {config.route_policy.value})", flush=True)
+    print(f"admin on {server.admin_url} (/stats, /replicas, /healthz)", flush=True)
+    try:
+        await wait_for_shutdown_signal()
+    finally:
+        await server.close()
+    return 0
+
+
+def _slo_from(thresholds: dict[str, float]) -> SLO:
+    return SLO(ttft_s=thresholds.get("ttft"), tpot_s=thresholds.get("tpot"),
+               e2e_s=thresholds.get("e2e"))
+
+
+def build_proxy_server(config: ProxyConfig,
+                       slo: SLO | None = None) -> tuple[ProxyServer, WindowSink]:
+    """The proxy with its sinks wired: the one place that knows both."""
+    window = WindowSink(config.window_s, config.window_max_records)
+    fanout = SinkFanout([window])
+
+    async def stats_handler(_request: web.Request) -> web.Response:
+        return web.json_response(window.snapshot(slo))
+
+    server = ProxyServer(config, fanout, admin_routes=[web.get("/stats", stats_handler)])
+    return server, window
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Return on SIGINT or SIGTERM (graceful stop: in-flight requests get to finish)."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
+            pass
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim_cli.add_arguments(sim_parser)
     sim_parser.set_defaults(handler=sim_cli.run)
+
+    proxy_parser = commands.add_parser(
+        "proxy",
+        help="relay OpenAI-compatible traffic to vLLM replicas and measure every chunk",
+        description=PROXY_DESCRIPTION,
+        epilog=PROXY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_proxy_arguments(proxy_parser)
+    proxy_parser.set_defaults(handler=run_proxy)
     return parser
 
 

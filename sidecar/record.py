@@ -44,11 +44,16 @@ class Vantage(str, enum.Enum):
 
 
 class TokenSource(str, enum.Enum):
-    """Where the output-token counts came from; anything but USAGE is an estimate."""
+    """Where the output-token counts came from."""
 
-    USAGE = "usage"  # upstream usage accounting (exact)
-    CHUNK_COUNT = "chunk_count"  # one token per token-carrying event (estimate)
-    NONE = "none"  # no token-carrying event was seen
+    USAGE = "usage"  # N_out and every per-event count from the upstream's usage (exact)
+    USAGE_TOTAL = "usage_total"  # N_out from usage (exact); per-event counts estimated (1/event)
+    CHUNK_COUNT = "chunk_count"  # no usage at all: one token per token-carrying event (estimate)
+    NONE = "none"  # no token-carrying event and no usage
+
+    @property
+    def total_exact(self) -> bool:
+        return self in (TokenSource.USAGE, TokenSource.USAGE_TOTAL)
 
 
 class ChunkMark(NamedTuple):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from sidecar.record import Outcome, RequestRecord, Timeline, TokenSource, Vantage
+from sidecar.record import Outcome, RequestRecord, Timeline, Vantage
 
 NS_PER_S = 1_000_000_000
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0, 99.9)
@@ -270,7 +270,7 @@ def throughput(records: Iterable[RequestRecord], interval_s: float) -> Throughpu
         # proxy streamed from the upstream on its behalf.
         timeline = record.server if record.server is not None else record.client
         n_out += output_tokens(record, timeline)
-        if record.token_source is not TokenSource.USAGE:
+        if not record.token_source.total_exact:
             estimated = True
     rate = (1.0 / interval_s) if interval_s > 0 else 0.0
     return Throughput(

@@ -1,0 +1,275 @@
+"""Frozen settings of the proxy, from CLI flags, environment variables and a config file.
+
+Precedence (highest first): command-line flag, environment variable ``SIDECAR_<NAME>``, config
+file (``--config FILE``, JSON, or TOML on Python >= 3.11), built-in default. Every setting has
+one name used in all three places: flag ``--connect-timeout``, env ``SIDECAR_CONNECT_TIMEOUT``,
+file key ``connect_timeout``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used, with a message that says which and why."""
+
+
+class RoutePolicy(str, enum.Enum):
+    LEAST_OUTSTANDING = "least_outstanding"
+    ROUND_ROBIN = "round_robin"
+    SESSION = "session"  # session affinity: X-Session-ID header (configurable) or the `user` field
+    PREFIX = "prefix"  # prefix affinity: hash of the prompt's first block
+
+
+_DURATION_RE = re.compile(
+    r"(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>us|µs|ms|s|m|h)?"
+)
+_DURATION_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """'500ms' -> 0.5, '2s' -> 2.0, '1m' -> 60.0, '250us' -> 0.00025, 3 -> 3.0 (seconds)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _DURATION_RE.fullmatch(str(text).strip().lower())
+        if match is None:
+            raise ConfigError(
+                f"not a duration: {text!r} (use e.g. 500ms, 2s, 1m, or a number of seconds)"
+            )
+        value = float(match["number"]) * _DURATION_UNITS[match["unit"] or "s"]
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"a duration must be a finite, non-negative number: {text!r}")
+    return value
+
+
+def parse_hostport(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """'127.0.0.1:8000' / ':8000' / '8000' / '[::1]:8000' -> (host, port)."""
+    raw = text.strip()
+    host, sep, port_text = raw.rpartition(":")
+    if not sep:
+        host, port_text = "", raw
+    host = host.strip("[]") or default_host
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"not HOST:PORT: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"port out of range in {text!r}")
+    return host, port
+
+
+def normalise_upstream(url: str) -> str:
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"an upstream must be an http(s) URL like http://127.0.0.1:8000: {url!r}")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        # People paste OpenAI base URLs; the proxy relays paths as the client sent them.
+        path = path[: -len("/v1")]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    upstreams: tuple[str, ...]
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464
+    route_policy: RoutePolicy = RoutePolicy.LEAST_OUTSTANDING
+    session_header: str = "X-Session-ID"
+    prefix_block_chars: int = 256  # prefix affinity hashes this many leading prompt characters
+    prefix_block_tokens: int = 64  # ... or this many leading token ids for token-id prompts
+    # Timeouts in seconds; 0 disables one.
+    connect_timeout: float = 5.0
+    ttft_timeout: float = 300.0  # upstream send -> first token-carrying event
+    idle_timeout: float = 60.0  # longest gap between two upstream reads once streaming
+    total_timeout: float = 0.0  # whole request; off by default (long generations are legitimate)
+    # Limits.
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_concurrency: int = 4096  # requests in flight through the proxy; excess gets 429
+    max_event_bytes: int = 4 * 1024 * 1024  # one SSE event; larger is a malformed upstream
+    # Behaviour.
+    inject_usage: bool = True  # ask the upstream for (continuous) usage, strip what we added
+    assemble_nonstream: bool = False  # stream from the upstream for non-streaming clients
+    retry_connect: int = 1  # other replicas to try when connecting fails (before any byte)
+    health_interval: float = 5.0  # active health checks (GET /health); 0 disables
+    health_timeout: float = 2.0
+    eject_after: int = 2  # consecutive failures (health or connect) that eject a replica
+    window_s: float = 60.0  # live statistics window
+    window_max_records: int = 100_000  # bound on the live window, whatever the traffic
+    log_requests: bool = False  # one log line per request (no text, no credentials)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ConfigError("at least one --upstream URL is required")
+        positive_ints = ("max_body_bytes", "max_concurrency", "max_event_bytes", "eject_after",
+                         "window_max_records", "prefix_block_chars", "prefix_block_tokens")
+        for name in positive_ints:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_connect < 0:
+            raise ConfigError("retry_connect must be >= 0")
+        if self.window_s <= 0:
+            raise ConfigError("window_s must be > 0")
+        if self.listen_port != 0 and self.listen_port == self.metrics_port and (
+            self.listen_host == self.metrics_host
+        ):
+            raise ConfigError(
+                "the metrics port must differ from the traffic port (admin data stays off the "
+                "path clients use)"
+            )
+
+
+_DURATIONS = {"connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
+              "health_interval", "health_timeout", "window_s"}
+_BOOLS = {"inject_usage", "assemble_nonstream", "log_requests"}
+_INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
+         "window_max_records", "prefix_block_chars", "prefix_block_tokens"}
+# "listen" and "metrics_listen" are HOST:PORT shorthands for the host/port pairs.
+SETTING_NAMES = tuple(f.name for f in fields(ProxyConfig) if f.name != "extra") + (
+    "listen",
+    "metrics_listen",
+)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in _DURATIONS:
+        return parse_duration(value)
+    if name in _BOOLS:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}: not a boolean: {value!r}")
+    if name in _INTS:
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: not an integer: {value!r}") from None
+    if name == "route_policy":
+        try:
+            return RoutePolicy(str(value))
+        except ValueError:
+            choices = ", ".join(p.value for p in RoutePolicy)
+            raise ConfigError(f"route_policy must be one of {choices}: {value!r}") from None
+    if name == "upstreams":
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(normalise_upstream(str(item)) for item in items if str(item).strip())
+    if name == "listen_port" or name == "metrics_port":
+        return int(value)
+    return str(value)
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from None
+    if file.suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            raise ConfigError("TOML config files need Python >= 3.11; use JSON") from None
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{file}: invalid TOML: {exc}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{file}: invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: the top level must be a table/object of settings")
+    proxy_section = data.get("proxy", data)
+    if not isinstance(proxy_section, dict):
+        raise ConfigError(f"{file}: [proxy] must be a table of settings")
+    return dict(proxy_section)
+
+
+def build_config(
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    file_settings: Mapping[str, Any] | None = None,
+) -> ProxyConfig:
+    """Merge settings (flag > env > file > default) into a validated ProxyConfig.
+
+    ``flags`` holds only the flags the user gave (None means not given). Unknown keys in the
+    file are an error: a misspelt setting silently ignored is a measurement configured wrong.
+    """
+    environ = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    for key, value in (file_settings or {}).items():
+        if key not in SETTING_NAMES:
+            raise ConfigError(f"unknown setting {key!r} in config file")
+        merged[key] = value
+    for name in SETTING_NAMES:
+        env_value = environ.get(f"SIDECAR_{name.upper()}")
+        if env_value is not None and env_value != "":
+            merged[name] = env_value
+    for name, value in flags.items():
+        if value is None:
+            continue
+        if name not in SETTING_NAMES:
+            raise ConfigError(f"unknown setting {name!r}")
+        if isinstance(value, (list, tuple)) and not value:
+            continue
+        merged[name] = value
+    for hostport, host_key, port_key in (("listen", "listen_host", "listen_port"),
+                                         ("metrics_listen", "metrics_host", "metrics_port")):
+        raw = merged.pop(hostport, None)
+        if raw is not None:
+            merged[host_key], merged[port_key] = parse_hostport(str(raw))
+    coerced = {name: _coerce(name, value) for name, value in merged.items()}
+    if "upstreams" not in coerced:
+        raise ConfigError(
+            "at least one upstream is required: --upstream URL (or SIDECAR_UPSTREAMS, "
+            "or `upstreams` in the config file)"
+        )
+    return ProxyConfig(**coerced)
+
+
+
+
+SLO_METRICS = ("ttft", "tpot", "e2e")
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft=500ms,tpot=50ms,e2e=20s' -> {'ttft': 0.5, 'tpot': 0.05, 'e2e': 20.0} (seconds)."""
+    thresholds: dict[str, float] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in SLO_METRICS:
+            raise ConfigError(
+                f"bad SLO term {part!r}: use NAME=DURATION with NAME in {', '.join(SLO_METRICS)}"
+            )
+        if name in thresholds:
+            raise ConfigError(f"SLO {name} declared twice in {text!r}")
+        seconds = parse_duration(value)
+        if seconds <= 0:
+            raise ConfigError(f"SLO {name} must be > 0: {part!r}")
+        thresholds[name] = seconds
+    if not thresholds:
+        raise ConfigError(f"empty SLO declaration: {text!r}")
+    return thresholds

@@ -1,0 +1,94 @@
+"""Serving: the traffic listener and the separate admin listener.
+
+The admin listener (metrics port) is never the traffic port: what it shows (per-replica state,
+live statistics) stays off the path clients use. Routes for it are added by whoever wires the
+sinks (cli.py), since the proxy itself knows no sink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from sidecar.config import ProxyConfig
+from sidecar.hooks import SinkFanout
+from sidecar.proxy.relay import Proxy
+
+
+def build_traffic_app(proxy: Proxy) -> web.Application:
+    app = web.Application(client_max_size=proxy.config.max_body_bytes)
+    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    return app
+
+
+def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> web.Application:
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "in_flight": proxy.in_flight})
+
+    async def replicas(_request: web.Request) -> web.Response:
+        return web.json_response({
+            "route_policy": proxy.config.route_policy.value,
+            "replicas": [
+                {"url": r.url, "healthy": r.healthy, "outstanding": r.outstanding,
+                 "requests_total": r.requests_total, "ejections": r.ejections,
+                 "consecutive_failures": r.consecutive_failures}
+                for r in proxy.router.replicas
+            ],
+            "requests_total": proxy.requests_total,
+            "records_total": proxy.records_total,
+            "sink_errors": proxy.fanout.errors,
+            "rewritten_events": proxy.rewritten_events,
+        })
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/replicas", replicas)
+    app.add_routes(list(extra_routes))
+    return app
+
+
+class ProxyServer:
+    """Both listeners of one proxy. ``port`` 0 in the config means an ephemeral port."""
+
+    def __init__(self, config: ProxyConfig, fanout: SinkFanout | None = None,
+                 admin_routes: Sequence[web.RouteDef] = ()) -> None:
+        self.config = config
+        self.proxy = Proxy(config, fanout)
+        self._admin_routes = admin_routes
+        self._runners: list[web.AppRunner] = []
+        self.url = ""
+        self.admin_url = ""
+
+    async def start(self) -> None:
+        await self.proxy.start()
+        # handler_cancellation: a client that disconnects cancels its handler at once, so the
+        # upstream request is closed (and vLLM aborts it) even while waiting for a token.
+        traffic = web.AppRunner(build_traffic_app(self.proxy), handler_cancellation=True,
+                                access_log=None)
+        admin = web.AppRunner(build_admin_app(self.proxy, self._admin_routes), access_log=None)
+        try:
+            self.url = await self._serve(traffic, self.config.listen_host,
+                                         self.config.listen_port)
+            self.admin_url = await self._serve(admin, self.config.metrics_host,
+                                               self.config.metrics_port)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _serve(self, runner: web.AppRunner, host: str, port: int) -> str:
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        server: Any = site._server  # aiohttp keeps the bound socket here; needed for port 0
+        bound = server.sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        return f"http://{shown}:{bound[1]}"
+
+    async def close(self) -> None:
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+        await self.proxy.close()

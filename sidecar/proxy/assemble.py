@@ -1,0 +1,182 @@
+"""Assemble a non-streaming answer from a stream (the proxy's opt-in `assemble_nonstream` mode).
+
+A non-streaming client sees only E2E. With this mode on, the proxy asks the upstream for a
+stream anyway, so the server side gets TTFT and ITL, and hands the client the JSON body vLLM
+would have returned for ``stream: false`` (spec/vllm-protocol.md, "Non-streaming responses"):
+the same keys in the same order, nulls included. What cannot be rebuilt from chunks exactly
+(``prompt_logprobs``, ``prompt_token_ids``, tool-call assembly) is left null / as streamed and
+is documented in the README; the record says the answer was assembled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    role: str | None = None
+    text_parts: list[str] = field(default_factory=list)
+    reasoning_parts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    logprobs: dict[str, list[Any]] | None = None
+    token_ids: list[int] | None = None
+
+
+class StreamAssembler:
+    """Fed every parsed chunk object of a stream, builds the non-streaming response body."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.id: str | None = None
+        self.created: int | None = None
+        self.model: str | None = None
+        self.system_fingerprint: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.metrics: Any = None
+        self.kv_transfer_params: Any = None
+        self._choices: dict[int, _Choice] = {}
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        self.id = self.id or _str(chunk.get("id"))
+        if self.created is None and isinstance(chunk.get("created"), int):
+            self.created = chunk["created"]
+        self.model = self.model or _str(chunk.get("model"))
+        if isinstance(chunk.get("system_fingerprint"), str):
+            self.system_fingerprint = chunk["system_fingerprint"]
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        if chunk.get("metrics") is not None:
+            self.metrics = chunk["metrics"]
+        if chunk.get("kv_transfer_params") is not None:
+            self.kv_transfer_params = chunk["kv_transfer_params"]
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return
+        for raw in choices:
+            if not isinstance(raw, dict):
+                continue
+            index = raw.get("index", 0)
+            if not isinstance(index, int):
+                continue
+            choice = self._choices.setdefault(index, _Choice(index))
+            self._feed_choice(choice, raw)
+
+    def _feed_choice(self, choice: _Choice, raw: dict[str, Any]) -> None:
+        if self.endpoint == "chat":
+            delta = raw.get("delta")
+            if isinstance(delta, dict):
+                if isinstance(delta.get("role"), str):
+                    choice.role = delta["role"]
+                if isinstance(delta.get("content"), str):
+                    choice.text_parts.append(delta["content"])
+                reasoning = delta.get("reasoning", delta.get("reasoning_content"))
+                if isinstance(reasoning, str):
+                    choice.reasoning_parts.append(reasoning)
+        elif isinstance(raw.get("text"), str):
+            choice.text_parts.append(raw["text"])
+        if raw.get("finish_reason") is not None:
+            choice.finish_reason = raw["finish_reason"]
+            choice.stop_reason = raw.get("stop_reason")
+        logprobs = raw.get("logprobs")
+        if isinstance(logprobs, dict):
+            merged = choice.logprobs if choice.logprobs is not None else {}
+            for key, value in logprobs.items():
+                if isinstance(value, list):
+                    merged.setdefault(key, []).extend(value)
+            choice.logprobs = merged
+        token_ids = raw.get("token_ids")
+        if isinstance(token_ids, list):
+            choice.token_ids = (choice.token_ids or []) + token_ids
+
+    def body(self) -> bytes:
+        """The assembled response, serialised like vLLM's JSONResponse (compact, UTF-8)."""
+        choices = [self._choices[i] for i in sorted(self._choices)]
+        if self.endpoint == "chat":
+            payload: dict[str, Any] = {
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [self._chat_choice(c) for c in choices],
+                "service_tier": None,
+                "system_fingerprint": self.system_fingerprint,
+                "usage": self._usage(),
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "kv_transfer_params": self.kv_transfer_params,
+                "ec_transfer_params": None,
+                "metrics": self.metrics,
+            }
+        else:
+            payload = {
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [self._completion_choice(c) for c in choices],
+                "service_tier": None,
+                "system_fingerprint": self.system_fingerprint,
+                "usage": self._usage(),
+                "kv_transfer_params": self.kv_transfer_params,
+                "ec_transfer_params": None,
+                "metrics": self.metrics,
+            }
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+    def _usage(self) -> dict[str, Any] | None:
+        if self.usage is None:
+            return None
+        usage = self.usage
+        return {
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "total_tokens": usage.get("total_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "prompt_tokens_details": usage.get("prompt_tokens_details"),
+            "completion_tokens_details": usage.get("completion_tokens_details"),
+        }
+
+    @staticmethod
+    def _chat_choice(choice: _Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "message": {
+                "role": choice.role or "assistant",
+                "content": "".join(choice.text_parts),
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": "".join(choice.reasoning_parts) if choice.reasoning_parts else None,
+            },
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+            "token_ids": choice.token_ids,
+            "routed_experts": None,
+            "weight_versions": None,
+        }
+
+    @staticmethod
+    def _completion_choice(choice: _Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "text": "".join(choice.text_parts),
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+            "token_ids": choice.token_ids,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+            "weight_versions": None,
+        }
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

@@ -1,0 +1,129 @@
+"""The only mutable timing state: built while a request is in flight, frozen once at the end.
+
+Per-event stamps go into ``array('q')`` buffers (8 bytes per stamp, no object per event), so a
+long stream costs little memory while in flight and appending is cheap on the per-chunk path.
+``freeze()`` turns them into the immutable `RequestRecord`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping
+
+from sidecar.record import (
+    ChunkMark,
+    EngineTiming,
+    Outcome,
+    RequestRecord,
+    Timeline,
+    TokenSource,
+)
+
+
+class RecordBuilder:
+    __slots__ = (
+        "request_id", "wall_time_ns", "arrive_ns", "endpoint", "model", "client_stream",
+        "upstream_stream", "up_send_ns", "up_headers_ns", "up_end_ns", "down_end_ns",
+        "_up_offsets", "_down_offsets", "_tokens", "up_events", "down_events", "n_in", "n_out",
+        "n_cached", "token_source", "finish_reason", "http_status", "error_type", "outcome",
+        "replica", "route_policy", "engine", "attributes", "frozen",
+    )
+
+    def __init__(self, request_id: str, wall_time_ns: int, arrive_ns: int, endpoint: str) -> None:
+        self.request_id = request_id
+        self.wall_time_ns = wall_time_ns
+        self.arrive_ns = arrive_ns  # monotonic ns of t_arrive: every offset is relative to it
+        self.endpoint = endpoint
+        self.model: str | None = None
+        self.client_stream = False
+        self.upstream_stream = False
+        self.up_send_ns: int | None = None
+        self.up_headers_ns: int | None = None
+        self.up_end_ns: int | None = None
+        self.down_end_ns: int | None = None
+        self._up_offsets = array("q")
+        self._down_offsets = array("q")
+        self._tokens = array("q")
+        self.up_events = 0
+        self.down_events = 0
+        self.n_in: int | None = None
+        self.n_out: int | None = None
+        self.n_cached: int | None = None
+        self.token_source = TokenSource.NONE
+        self.finish_reason: str | None = None
+        self.http_status: int | None = None
+        self.error_type: str | None = None
+        self.outcome: Outcome | None = None
+        self.replica: str | None = None
+        self.route_policy: str | None = None
+        self.engine: EngineTiming | None = None
+        self.attributes: dict[str, str] = {}
+        self.frozen = False
+
+    # -- per-event path: keep these tiny --------------------------------------------------
+
+    def upstream_token_event(self, now_ns: int, n_tokens: int) -> None:
+        self._up_offsets.append(now_ns - self.arrive_ns)
+        self._tokens.append(n_tokens)
+
+    def client_token_write(self, now_ns: int) -> None:
+        self._down_offsets.append(now_ns - self.arrive_ns)
+
+    # -- outcome ---------------------------------------------------------------------------
+
+    def fail(self, outcome: Outcome, error_type: str, http_status: int | None = None) -> None:
+        """Record the first failure; later ones (e.g. a write error after a timeout) don't
+        overwrite the cause."""
+        if self.outcome is None or self.outcome is Outcome.OK:
+            self.outcome = outcome
+            self.error_type = error_type
+            if http_status is not None:
+                self.http_status = http_status
+
+    def offset(self, now_ns: int) -> int:
+        return now_ns - self.arrive_ns
+
+    def freeze(self, extra_attributes: Mapping[str, str] | None = None) -> RequestRecord:
+        self.frozen = True
+        tokens = self._tokens
+        server: Timeline | None = None
+        if self.up_send_ns is not None:
+            server = Timeline(
+                start_ns=self.up_send_ns,
+                marks=tuple(map(ChunkMark, self._up_offsets, tokens)),
+                end_ns=self.up_end_ns,
+                events_total=self.up_events,
+            )
+        client = Timeline(
+            start_ns=0,
+            # Client writes can be fewer than upstream events (client gone mid-stream); map stops
+            # at the shorter.
+            marks=tuple(map(ChunkMark, self._down_offsets, tokens)),
+            end_ns=self.down_end_ns,
+            events_total=self.down_events,
+        )
+        attributes = self.attributes
+        if extra_attributes:
+            attributes = {**attributes, **extra_attributes}
+        return RequestRecord(
+            request_id=self.request_id,
+            wall_time_ns=self.wall_time_ns,
+            outcome=self.outcome or Outcome.OK,
+            endpoint=self.endpoint,
+            model=self.model,
+            client_stream=self.client_stream,
+            upstream_stream=self.upstream_stream,
+            client=client,
+            server=server,
+            engine=self.engine,
+            n_in=self.n_in,
+            n_out=self.n_out,
+            n_cached=self.n_cached,
+            token_source=self.token_source,
+            finish_reason=self.finish_reason,
+            http_status=self.http_status,
+            error_type=self.error_type,
+            replica=self.replica,
+            route_policy=self.route_policy,
+            attributes=attributes,
+        )

@@ -1,0 +1,861 @@
+"""The measuring relay: one handler for every request, one record for every request.
+
+Stamps (all ``time.perf_counter_ns()``, see clock.py), as spec/metrics.md names them:
+t_arrive (request body fully read), t_up_send (just before the request goes to the upstream;
+includes taking a pooled connection, or connecting when the pool has none), upstream response
+headers, every upstream read (all events parsed from one read share its stamp: that is when their
+bytes arrived), every write of an event to the client (after the write call returned: the bytes
+are in the kernel's socket buffer), and the end of the stream on each side.
+
+The per-event path does: parse (SSEParser), classify (one json.loads), count tokens, append two
+ints, and write. Events are forwarded as the upstream's bytes unless the proxy itself changed
+the request (usage injection), in which case only what it added is cut out (rewrite.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from sidecar import clock
+from sidecar.config import ProxyConfig, RoutePolicy
+from sidecar.hooks import SinkFanout
+from sidecar.protocol.openai import (
+    ChunkKind,
+    ErrorInfo,
+    TokenCounter,
+    Usage,
+    classify_chunk,
+    endpoint_for_path,
+    error_body,
+)
+from sidecar.protocol.sse import DONE_EVENT, SSEError, SSEParser, encode_data_event
+from sidecar.proxy.assemble import StreamAssembler
+from sidecar.proxy.builder import RecordBuilder
+from sidecar.proxy.rewrite import (
+    NO_CHANGE,
+    UsagePlan,
+    apply_usage_plan,
+    insert_member,
+    plan_usage,
+    without_usage,
+)
+from sidecar.proxy.routing import Replica, Router
+from sidecar.record import EngineTiming, Outcome, TokenSource
+
+log = logging.getLogger("sidecar.proxy")
+
+# RFC 9110 section 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_LEN = 128
+MAX_NON_SSE_BODY = 64 * 1024 * 1024  # an upstream's non-streamed answer is read whole
+
+
+@dataclass(slots=True)
+class _Watchdog:
+    """Timeouts enforced by cancelling the handler task; ``fired`` says which one did it."""
+
+    task: asyncio.Task[Any] | None
+    fired: str | None = None
+    handle: asyncio.TimerHandle | None = None
+
+    def arm(self, delay_s: float, name: str) -> None:
+        self.disarm()
+        if delay_s > 0 and self.task is not None:
+            self.handle = asyncio.get_running_loop().call_later(delay_s, self._fire, name)
+
+    def disarm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def _fire(self, name: str) -> None:
+        self.handle = None
+        if self.fired is None and self.task is not None:
+            self.fired = name
+            self.task.cancel()
+
+    def absorb(self) -> None:
+        """Our own cancellation was handled: clear it so that later awaits work (3.11+)."""
+        uncancel = getattr(self.task, "uncancel", None)
+        if uncancel is not None:
+            uncancel()
+
+
+class _IdleWatchdog:
+    """The idle timeout: fires when no upstream read happened for ``idle_s``.
+
+    The per-read cost is one attribute store (`last_ns`); the timer wakes up at most about once
+    per idle period to look at it, instead of being re-armed on every read.
+    """
+
+    __slots__ = ("task", "idle_ns", "last_ns", "fired", "handle")
+
+    def __init__(self, task: asyncio.Task[Any] | None, idle_s: float) -> None:
+        self.task = task
+        self.idle_ns = int(idle_s * 1e9)
+        self.last_ns = clock.monotonic_ns()
+        self.fired: str | None = None
+        self.handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        if self.idle_ns > 0 and self.task is not None:
+            self.last_ns = clock.monotonic_ns()
+            self.handle = asyncio.get_running_loop().call_later(self.idle_ns / 1e9, self._check)
+
+    def _check(self) -> None:
+        remaining = self.last_ns + self.idle_ns - clock.monotonic_ns()
+        if remaining > 0:
+            self.handle = asyncio.get_running_loop().call_later(remaining / 1e9, self._check)
+            return
+        self.handle = None
+        if self.fired is None and self.task is not None:
+            self.fired = "idle_timeout"
+            self.task.cancel()
+
+    def disarm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def absorb(self) -> None:
+        uncancel = getattr(self.task, "uncancel", None)
+        if uncancel is not None:
+            uncancel()
+
+
+class _Timeouts:
+    """The three timeouts of one generation request; each cancels the handler task when it
+    fires, and `fired` names the one that did (a client disconnect cancels with none)."""
+
+    __slots__ = ("total", "ttft", "idle")
+
+    def __init__(self, config: ProxyConfig, streaming: bool) -> None:
+        task = asyncio.current_task()
+        self.total = _Watchdog(task)
+        self.total.arm(config.total_timeout, "total_timeout")
+        self.ttft = _Watchdog(task)
+        if streaming:
+            self.ttft.arm(config.ttft_timeout, "ttft_timeout")
+        self.idle = _IdleWatchdog(task, config.idle_timeout if streaming else 0.0)
+
+    @property
+    def fired(self) -> str | None:
+        return self.ttft.fired or self.idle.fired or self.total.fired
+
+    def absorb(self) -> None:
+        self.total.absorb()
+
+    def disarm(self) -> None:
+        self.total.disarm()
+        self.ttft.disarm()
+        self.idle.disarm()
+
+
+class UpstreamFailure(Exception):
+    def __init__(self, outcome: Outcome, error_type: str, status: int, message: str,
+                 err_type: str = "BadGateway") -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.error_type = error_type  # the record's short cause
+        self.status = status
+        self.message = message
+        self.err_type = err_type  # the `type` of the vLLM-shaped error the client gets
+
+
+def filtered_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    connection_tokens = {
+        token.strip().lower()
+        for value in (headers.get("Connection") or "").split(",")
+        for token in [value]
+        if token.strip()
+    }
+    out: CIMultiDict[str] = CIMultiDict()
+    items = headers.items()
+    for name, value in items:
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in connection_tokens:
+            continue
+        out.add(name, value)
+    return out
+
+
+def request_id_from(headers: CIMultiDictProxy[str]) -> str:
+    given = headers.get(REQUEST_ID_HEADER)
+    if given and len(given) <= MAX_REQUEST_ID_LEN and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def prompt_prefix_key(body: Mapping[str, Any], chars: int, tokens: int) -> bytes | None:
+    """The prompt's first block, for prefix affinity: text (first ``chars`` characters, chat
+    messages concatenated in order) or token ids (first ``tokens``)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt[:chars].encode("utf-8", "replace")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt[:tokens]):
+        return b",".join(str(t).encode() for t in prompt[:tokens])
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        size = 0
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(
+                    p.get("text", "") for p in content if isinstance(p, dict)
+                    and isinstance(p.get("text"), str)
+                )
+            if isinstance(content, str):
+                parts.append(f"{message.get('role')}:{content}")
+                size += len(parts[-1])
+                if size >= chars:
+                    break
+        if parts:
+            return "\n".join(parts)[:chars].encode("utf-8", "replace")
+    return None
+
+
+def error_event(endpoint: str, message: str, err_type: str, code: int) -> bytes:
+    """A mid-stream error event the way vLLM writes it (chat compact, completions spaced)."""
+    body = error_body(message, err_type, code)
+    if endpoint == "chat":
+        return encode_data_event(json.dumps(body, separators=(",", ":")))
+    return encode_data_event(json.dumps(body))
+
+
+def json_error(status: int, message: str, err_type: str,
+               request_id: str | None = None) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.json_response(error_body(message, err_type, status), status=status,
+                             headers=headers)
+
+
+class Proxy:
+    """Holds the upstream pool, routing and sinks; `handle` is the aiohttp handler."""
+
+    def __init__(self, config: ProxyConfig, fanout: SinkFanout | None = None) -> None:
+        self.config = config
+        self.fanout = fanout or SinkFanout()
+        self.router = Router([Replica(url, i) for i, url in enumerate(config.upstreams)],
+                             config.route_policy)
+        self.in_flight = 0
+        self.requests_total = 0
+        self.records_total = 0
+        self.rewritten_events = 0  # events re-encoded because they could not be edited as text
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300,
+                                         keepalive_timeout=30)
+        # auto_decompress off: bytes go to the client as the upstream sent them. The proxy asks
+        # for identity encoding on the endpoints it parses.
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              timeout=aiohttp.ClientTimeout(total=None))
+        if self.config.health_interval > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="health-checks")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Proxy.start() was not awaited")
+        return self._session
+
+    async def _health_loop(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        while True:
+            await asyncio.gather(*(self._check(r, timeout) for r in self.router.replicas))
+            await asyncio.sleep(self.config.health_interval)
+
+    async def _check(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
+        try:
+            async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
+                await resp.read()
+                healthy = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            healthy = False
+        if healthy:
+            if not replica.healthy:
+                log.warning("replica %s is healthy again: back in rotation", replica.label)
+            replica.record_success()
+        elif replica.record_failure(self.config.eject_after):
+            log.warning("replica %s failed %d health checks: ejected", replica.label,
+                        replica.consecutive_failures)
+
+    # -- the handler ----------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        endpoint = endpoint_for_path(request.path) if request.method == "POST" else None
+        request_id = request_id_from(request.headers)
+        wall, arrive = clock.anchor()
+        builder = RecordBuilder(request_id, wall, arrive, endpoint or request.path)
+        builder.route_policy = self.config.route_policy.value
+        self.requests_total += 1
+        self.in_flight += 1
+        try:
+            if self.in_flight > self.config.max_concurrency:
+                builder.fail(Outcome.REJECTED, "max_concurrency", 429)
+                return await self._respond_error(
+                    request, builder, 429,
+                    f"The sidecar is at its limit of {self.config.max_concurrency} concurrent "
+                    "requests; retry later.", "TooManyRequests")
+            declared = request.content_length
+            if declared is not None and declared > self.config.max_body_bytes:
+                builder.fail(Outcome.REJECTED, "body_too_large", 413)
+                return await self._respond_error(
+                    request, builder, 413,
+                    f"Request body of {declared} bytes exceeds the sidecar's limit of "
+                    f"{self.config.max_body_bytes} bytes.", "RequestEntityTooLarge")
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                builder.fail(Outcome.REJECTED, "body_too_large", 413)
+                return await self._respond_error(
+                    request, builder, 413,
+                    f"Request body exceeds the sidecar's limit of {self.config.max_body_bytes} "
+                    "bytes.", "RequestEntityTooLarge")
+            # t_arrive: the whole request is here. Offsets count from this instant.
+            builder.wall_time_ns, builder.arrive_ns = clock.anchor()
+            if endpoint is None:
+                return await self._pass_through(request, body, builder)
+            return await self._generate(request, body, endpoint, builder)
+        except asyncio.CancelledError:
+            # The client went away (aiohttp cancels the handler on disconnect).
+            builder.fail(Outcome.CLIENT_CANCELLED, "client_disconnected")
+            raise
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            builder.fail(Outcome.CLIENT_CANCELLED, "client_disconnected")
+            return web.Response(status=499)  # never reaches anyone: the socket is gone
+        except Exception as exc:
+            # A proxy bug must still end in a record and an answer; say what it was.
+            log.exception("request %s failed inside the proxy", request_id)
+            builder.fail(Outcome.UPSTREAM_ERROR, f"proxy_error:{type(exc).__name__}", 500)
+            return json_error(500, "The sidecar failed while relaying this request.",
+                              "InternalServerError", request_id)
+        finally:
+            self.in_flight -= 1
+            if builder.down_end_ns is None:
+                builder.down_end_ns = builder.offset(clock.monotonic_ns())
+            self._emit(builder)
+
+    def _emit(self, builder: RecordBuilder) -> None:
+        if builder.frozen:
+            return
+        record = builder.freeze()
+        self.records_total += 1
+        self.fanout.on_record(record)
+        if self.config.log_requests:
+            log.info("request %s %s model=%s replica=%s outcome=%s status=%s n_in=%s n_out=%s",
+                     record.request_id, record.endpoint, record.model, record.replica,
+                     record.outcome.value, record.http_status, record.n_in, record.n_out)
+
+    async def _respond_error(self, request: web.Request, builder: RecordBuilder, status: int,
+                             message: str, err_type: str) -> web.StreamResponse:
+        response = json_error(status, message, err_type, builder.request_id)
+        builder.http_status = status
+        await response.prepare(request)
+        await response.write_eof()
+        builder.down_end_ns = builder.offset(clock.monotonic_ns())
+        return response
+
+    # -- upstream connection with retry ---------------------------------------------------
+
+    def _upstream_headers(self, request: web.Request, request_id: str,
+                          parsed: bool) -> CIMultiDict[str]:
+        headers = filtered_headers(request.headers)
+        headers[REQUEST_ID_HEADER] = request_id
+        if parsed:
+            # The proxy reads these bodies; ask for them uncompressed.
+            headers["Accept-Encoding"] = "identity"
+        return headers
+
+    async def _open_upstream(
+        self, request: web.Request, body: bytes, headers: CIMultiDict[str],
+        builder: RecordBuilder, *, session_key: str | None = None,
+        prefix_key: bytes | None = None, read_timeout: float | None = None,
+    ) -> tuple[aiohttp.ClientResponse, Replica]:
+        """Send the request to a replica; a connect failure is retried on another replica
+        (never after a byte went to the client, which cannot have happened yet here)."""
+        tried: list[Replica] = []
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.config.connect_timeout or None,
+            sock_read=read_timeout or None,
+        )
+        last_error = "no replica"
+        timed_out = False
+        while len(tried) <= self.config.retry_connect:
+            replica = self.router.choose(session_key=session_key, prefix_key=prefix_key,
+                                         exclude=tried)
+            if replica is None:
+                break
+            replica.outstanding += 1
+            replica.requests_total += 1
+            builder.replica = replica.label
+            builder.up_send_ns = builder.offset(clock.monotonic_ns())
+            try:
+                response = await self.session.request(
+                    request.method, replica.url + request.path_qs, data=body, headers=headers,
+                    timeout=timeout, allow_redirects=False)
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
+                    aiohttp.ServerDisconnectedError) as exc:
+                # Nothing was processed upstream (no connection, or a pooled connection the
+                # server had already closed): safe to try another replica.
+                timed_out = isinstance(exc, aiohttp.ConnectionTimeoutError)
+                replica.outstanding -= 1
+                if replica.record_failure(self.config.eject_after):
+                    log.warning("replica %s ejected after connect failures", replica.label)
+                tried.append(replica)
+                last_error = f"{type(exc).__name__}"
+                continue
+            except BaseException:
+                replica.outstanding -= 1
+                raise
+            builder.up_headers_ns = builder.offset(clock.monotonic_ns())
+            return response, replica
+        if timed_out:
+            raise UpstreamFailure(Outcome.TIMEOUT, "connect_timeout", 504,
+                                  "The sidecar timed out connecting to the upstream replicas.",
+                                  "GatewayTimeout")
+        raise UpstreamFailure(Outcome.UPSTREAM_ERROR, f"connect_failed:{last_error}", 502,
+                              "The sidecar could not connect to any upstream replica.")
+
+    # -- pass-through paths ---------------------------------------------------------------
+
+    async def _pass_through(self, request: web.Request, body: bytes,
+                            builder: RecordBuilder) -> web.StreamResponse:
+        builder.client_stream = builder.upstream_stream = False
+        headers = self._upstream_headers(request, builder.request_id, parsed=False)
+        try:
+            upstream, replica = await self._open_upstream(
+                request, body, headers, builder,
+                read_timeout=self.config.idle_timeout)
+        except UpstreamFailure as failure:
+            builder.fail(failure.outcome, failure.error_type, failure.status)
+            return await self._respond_error(request, builder, failure.status, failure.message,
+                                             failure.err_type)
+        try:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            response.headers.update(filtered_headers(upstream.headers))
+            response.headers[REQUEST_ID_HEADER] = builder.request_id
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            await response.prepare(request)
+            async for data in upstream.content.iter_any():
+                await response.write(data)
+            builder.up_end_ns = builder.offset(clock.monotonic_ns())
+            await response.write_eof()
+            builder.down_end_ns = builder.offset(clock.monotonic_ns())
+            builder.http_status = upstream.status
+            if upstream.status >= 400:
+                builder.fail(Outcome.HTTP_ERROR, f"http_{upstream.status}", upstream.status)
+            return response
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                asyncio.TimeoutError) as exc:
+            outcome = Outcome.TIMEOUT if isinstance(exc, asyncio.TimeoutError) else \
+                Outcome.UPSTREAM_ERROR
+            builder.fail(outcome, type(exc).__name__, upstream.status)
+            upstream.close()
+            # Headers are out: the only honest signal left is to cut the client's connection
+            # rather than end the body as if it were complete.
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        finally:
+            replica.outstanding -= 1
+            upstream.release()
+
+    # -- generation endpoints -------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, body: bytes, endpoint: str,
+                        builder: RecordBuilder) -> web.StreamResponse:
+        config = self.config
+        try:
+            parsed: Any = json.loads(body)
+        except (ValueError, RecursionError):
+            parsed = None
+        upstream_body = body
+        plan: UsagePlan = NO_CHANGE
+        assemble = False
+        session_key: str | None = None
+        prefix_key: bytes | None = None
+        if isinstance(parsed, dict):
+            model = parsed.get("model")
+            builder.model = model if isinstance(model, str) else None
+            builder.client_stream = parsed.get("stream") is True
+            if builder.client_stream:
+                plan = plan_usage(parsed, config.inject_usage)
+                if plan.modifies:
+                    upstream_body = _dumps(apply_usage_plan(parsed, plan))
+            elif config.assemble_nonstream and not parsed.get("use_beam_search"):
+                assemble = True
+                upstream_body = _dumps({**parsed, "stream": True, "stream_options": {
+                    "include_usage": True, "continuous_usage_stats": True}})
+            if config.route_policy is RoutePolicy.SESSION:
+                session_key = request.headers.get(config.session_header) or (
+                    parsed.get("user") if isinstance(parsed.get("user"), str) else None)
+            elif config.route_policy is RoutePolicy.PREFIX:
+                prefix_key = prompt_prefix_key(parsed, config.prefix_block_chars,
+                                               config.prefix_block_tokens)
+        builder.upstream_stream = builder.client_stream or assemble
+        if assemble:
+            builder.attributes["assembled"] = "true"
+        headers = self._upstream_headers(request, builder.request_id, parsed=True)
+        timeouts = _Timeouts(config, builder.upstream_stream)
+        upstream: aiohttp.ClientResponse | None = None
+        replica: Replica | None = None
+        response: web.StreamResponse | None = None
+        completed = False
+        try:
+            try:
+                upstream, replica = await self._open_upstream(
+                    request, upstream_body, headers, builder, session_key=session_key,
+                    prefix_key=prefix_key)
+            except UpstreamFailure as failure:
+                builder.fail(failure.outcome, failure.error_type, failure.status)
+                return await self._respond_error(request, builder, failure.status,
+                                                 failure.message, failure.err_type)
+            timeouts.idle.start()
+            builder.http_status = upstream.status
+            content_type = upstream.headers.get("Content-Type", "")
+            if upstream.status != 200 or not content_type.startswith("text/event-stream"):
+                timeouts.ttft.disarm()
+                response = await self._relay_whole(request, upstream, endpoint, builder,
+                                                   assemble)
+            elif assemble:
+                response = await self._assemble(request, upstream, endpoint, builder,
+                                                timeouts)
+            else:
+                response = web.StreamResponse(status=200, reason=upstream.reason)
+                response.headers.update(filtered_headers(upstream.headers))
+                response.headers[REQUEST_ID_HEADER] = builder.request_id
+                await response.prepare(request)
+                await self._relay_stream(upstream, response, endpoint, builder, plan,
+                                         timeouts)
+            completed = True
+            return response
+        except asyncio.CancelledError:
+            fired = timeouts.fired
+            if fired is None:
+                raise  # the client disconnected: handled (and re-raised) by `handle`
+            timeouts.absorb()
+            return await self._fail_open(request, response, endpoint, builder, Outcome.TIMEOUT,
+                                         fired, 504, "The upstream did not answer in time "
+                                         f"({fired.replace('_', ' ')}).", "GatewayTimeout")
+        except UpstreamFailure as failure:
+            return await self._fail_open(request, response, endpoint, builder, failure.outcome,
+                                         failure.error_type, failure.status, failure.message,
+                                         failure.err_type)
+        except ConnectionResetError:
+            # Writing to the client failed: the client is gone (`handle` records that).
+            raise
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError) as exc:
+            return await self._fail_open(request, response, endpoint, builder,
+                                         Outcome.UPSTREAM_ERROR, f"upstream_{type(exc).__name__}",
+                                         502, "The upstream connection broke mid-response.",
+                                         "BadGateway")
+        finally:
+            timeouts.disarm()
+            if upstream is not None:
+                if completed:
+                    upstream.release()
+                else:
+                    # Closing (not releasing) drops the connection, so vLLM sees the disconnect
+                    # and aborts the request, freeing its KV cache.
+                    upstream.close()
+            if replica is not None:
+                replica.outstanding -= 1
+
+    async def _fail_open(self, request: web.Request, response: web.StreamResponse | None,
+                         endpoint: str, builder: RecordBuilder, outcome: Outcome,
+                         error_type: str, status: int, message: str,
+                         err_type: str) -> web.StreamResponse:
+        """End a failed request the way the client can understand: a JSON error before any
+        byte went out, else an error event and [DONE] on the open stream."""
+        builder.fail(outcome, error_type, status)
+        if builder.up_end_ns is None:
+            builder.up_end_ns = builder.offset(clock.monotonic_ns())
+        if response is None or not response.prepared:
+            return await self._respond_error(request, builder, status, message, err_type)
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError,
+                                 RuntimeError):
+            await response.write(error_event(endpoint, message, err_type, status))
+            await response.write(DONE_EVENT)
+            await response.write_eof()
+        builder.down_end_ns = builder.offset(clock.monotonic_ns())
+        return response
+
+    async def _relay_whole(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                           endpoint: str, builder: RecordBuilder,
+                           assemble: bool) -> web.StreamResponse:
+        """A non-SSE answer (a non-streaming response, or an error before the stream)."""
+        data = await upstream.content.read(MAX_NON_SSE_BODY)
+        builder.up_end_ns = builder.offset(clock.monotonic_ns())
+        response = web.Response(body=data, status=upstream.status, reason=upstream.reason)
+        response.headers.update(filtered_headers(upstream.headers))
+        response.headers[REQUEST_ID_HEADER] = builder.request_id
+        await response.prepare(request)
+        await response.write_eof()
+        builder.down_end_ns = builder.offset(clock.monotonic_ns())
+        try:
+            obj: Any = json.loads(data)
+        except (ValueError, RecursionError):
+            obj = None
+        if upstream.status >= 400:
+            error = ErrorInfo.from_obj(obj.get("error")) if isinstance(obj, dict) else None
+            builder.fail(Outcome.HTTP_ERROR, _error_type(error, upstream.status),
+                         upstream.status)
+        elif isinstance(obj, dict):
+            usage = Usage.from_obj(obj.get("usage"))
+            if usage is not None:
+                builder.n_in, builder.n_out = usage.prompt_tokens, usage.completion_tokens
+                builder.n_cached = usage.cached_tokens
+                builder.token_source = TokenSource.USAGE_TOTAL
+            choices = obj.get("choices")
+            if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                reason = choices[0].get("finish_reason")
+                builder.finish_reason = reason if isinstance(reason, str) else None
+            builder.engine = _engine_timing(obj.get("metrics")) or builder.engine
+        return response
+
+    async def _relay_stream(self, upstream: aiohttp.ClientResponse,
+                            response: web.StreamResponse, endpoint: str,
+                            builder: RecordBuilder, plan: UsagePlan,
+                            timeouts: _Timeouts) -> None:
+        """The per-event hot path."""
+        parser = SSEParser(max_event_size=self.config.max_event_bytes)
+        counter = TokenCounter()
+        now = clock.monotonic_ns
+        write = response.write
+        strip = plan.strip_chunk_usage
+        drop_usage_chunk = plan.drop_usage_chunk
+        held: bytes | None = None  # a finish chunk waiting for the fingerprint (see below)
+        held_cut: int | None = None
+        held_tokens = False
+        usage: Usage | None = None
+        saw_done = False
+        first_token = True
+        idle = timeouts.idle
+        async for data in upstream.content.iter_any():
+            t_up = now()
+            idle.last_ns = t_up
+            try:
+                events = parser.feed(data)
+            except SSEError as exc:
+                raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_event", 502,
+                                      f"The upstream sent an unparseable stream: {exc}") from exc
+            for event in events:
+                builder.up_events += 1
+                payload = event.data
+                if payload is None:  # a comment (keep-alive): forwarded as is, in order
+                    if held is not None:
+                        await self._flush_held(write, builder, held, held_tokens)
+                        held = None
+                    await write(event.raw)
+                    builder.down_events += 1
+                    continue
+                info = classify_chunk(payload)
+                kind = info.kind
+                n_tokens = counter.observe(info)
+                if kind is ChunkKind.TOKEN:
+                    builder.upstream_token_event(t_up, n_tokens)
+                    if first_token:
+                        first_token = False
+                        timeouts.ttft.disarm()
+                elif kind is ChunkKind.DONE:
+                    saw_done = True
+                elif kind is ChunkKind.USAGE:
+                    builder.engine = _engine_metrics(info) or builder.engine
+                elif kind is ChunkKind.ERROR:
+                    error = info.error
+                    status = error.code if error and isinstance(error.code, int) else 500
+                    builder.fail(Outcome.HTTP_ERROR, _error_type(error, status), status)
+                elif kind is ChunkKind.MALFORMED:
+                    builder.fail(Outcome.UPSTREAM_ERROR, "malformed_chunk", 502)
+                if info.finish_reason is not None:
+                    builder.finish_reason = info.finish_reason
+                out = event.raw
+                cut: int | None = None
+                if info.usage is not None:
+                    usage = info.usage
+                    if strip and kind is not ChunkKind.USAGE:
+                        out, cut, reencoded = without_usage(out, payload)
+                        self.rewritten_events += reencoded
+                if held is not None:
+                    if kind is ChunkKind.USAGE and info.system_fingerprint is not None:
+                        held = insert_member(held, held_cut, "system_fingerprint",
+                                             info.system_fingerprint)
+                    await self._flush_held(write, builder, held, held_tokens)
+                    held = None
+                if drop_usage_chunk:
+                    if kind is ChunkKind.USAGE:
+                        continue  # the client did not ask for usage: it never sees this chunk
+                    if info.finish_reason is not None:
+                        # Without include_usage vLLM puts system_fingerprint on the finish
+                        # chunk; with it, on the usage chunk. Hold the finish chunk until the
+                        # usage chunk (sent right after it) gives the fingerprint back.
+                        held, held_cut, held_tokens = out, cut, kind is ChunkKind.TOKEN
+                        continue
+                await write(out)
+                builder.down_events += 1
+                if kind is ChunkKind.TOKEN:
+                    builder.client_token_write(now())
+        builder.up_end_ns = builder.offset(now())
+        if held is not None:
+            await self._flush_held(write, builder, held, held_tokens)
+        # Token accounting: the final usage (or the last cumulative one) is authoritative.
+        if usage is not None:
+            builder.n_in = usage.prompt_tokens
+            builder.n_out = usage.completion_tokens
+            builder.n_cached = usage.cached_tokens
+            builder.token_source = TokenSource.USAGE if counter.exact else TokenSource.USAGE_TOTAL
+        elif counter.total:
+            builder.n_out = counter.total
+            builder.token_source = TokenSource.CHUNK_COUNT
+        parser.close()
+        if not saw_done:
+            where = "mid_event" if parser.truncated else "without_done"
+            raise UpstreamFailure(Outcome.UPSTREAM_ERROR, f"stream_cut_{where}", 502,
+                                  "The upstream stream ended before [DONE].")
+        await response.write_eof()
+        builder.down_end_ns = builder.offset(now())
+
+    @staticmethod
+    async def _flush_held(write: Any, builder: RecordBuilder, held: bytes,
+                          is_token: bool) -> None:
+        await write(held)
+        builder.down_events += 1
+        if is_token:
+            builder.client_token_write(clock.monotonic_ns())
+
+    async def _assemble(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                        endpoint: str, builder: RecordBuilder,
+                        timeouts: _Timeouts) -> web.StreamResponse:
+        """Stream from the upstream, answer the non-streaming client with one JSON body."""
+        parser = SSEParser(max_event_size=self.config.max_event_bytes)
+        counter = TokenCounter()
+        assembler = StreamAssembler(endpoint)
+        usage: Usage | None = None
+        error: ErrorInfo | None = None
+        saw_done = False
+        async for data in upstream.content.iter_any():
+            t_up = clock.monotonic_ns()
+            timeouts.idle.last_ns = t_up
+            try:
+                events = parser.feed(data)
+            except SSEError as exc:
+                raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_event", 502,
+                                      f"The upstream sent an unparseable stream: {exc}") from exc
+            for event in events:
+                builder.up_events += 1
+                if event.data is None:
+                    continue
+                info = classify_chunk(event.data)
+                n_tokens = counter.observe(info)
+                if info.kind is ChunkKind.TOKEN:
+                    builder.upstream_token_event(t_up, n_tokens)
+                    timeouts.ttft.disarm()
+                elif info.kind is ChunkKind.DONE:
+                    saw_done = True
+                    continue
+                elif info.kind is ChunkKind.ERROR:
+                    error = info.error
+                elif info.kind is ChunkKind.MALFORMED:
+                    raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "malformed_chunk", 502,
+                                          "The upstream sent a malformed chunk.")
+                if info.usage is not None:
+                    usage = info.usage
+                if info.kind is ChunkKind.USAGE:
+                    builder.engine = _engine_metrics(info) or builder.engine
+                if info.finish_reason is not None:
+                    builder.finish_reason = info.finish_reason
+                chunk = json.loads(event.data)
+                if isinstance(chunk, dict):
+                    assembler.feed(chunk)
+        builder.up_end_ns = builder.offset(clock.monotonic_ns())
+        parser.close()
+        if usage is not None:
+            builder.n_in, builder.n_out = usage.prompt_tokens, usage.completion_tokens
+            builder.n_cached = usage.cached_tokens
+            builder.token_source = TokenSource.USAGE if counter.exact else TokenSource.USAGE_TOTAL
+        if error is not None:
+            status = error.code if isinstance(error.code, int) else 500
+            builder.fail(Outcome.HTTP_ERROR, _error_type(error, status), status)
+            response: web.StreamResponse = json_error(
+                status, error.message, error.type or "InternalServerError", builder.request_id)
+        elif not saw_done:
+            raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "stream_cut_without_done", 502,
+                                  "The upstream stream ended before [DONE].")
+        else:
+            response = web.Response(body=assembler.body(), status=200,
+                                    content_type="application/json")
+            response.headers[REQUEST_ID_HEADER] = builder.request_id
+        await response.prepare(request)
+        await response.write_eof()
+        builder.down_end_ns = builder.offset(clock.monotonic_ns())
+        return response
+
+
+_SAFE_ERROR_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _error_type(error: ErrorInfo | None, status: int) -> str:
+    """The upstream's error type when it is a short identifier (it becomes a label), else
+    ``http_<status>``: free text from a body never reaches records or metrics."""
+    if error is not None and error.type and _SAFE_ERROR_TYPE.fullmatch(error.type):
+        return error.type
+    return f"http_{status}"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _engine_metrics(info: Any) -> EngineTiming | None:
+    metrics = info.metrics
+    if metrics is None:
+        return None
+    return EngineTiming(
+        time_to_first_token_ms=metrics.time_to_first_token_ms,
+        generation_time_ms=metrics.generation_time_ms,
+        queue_time_ms=metrics.queue_time_ms,
+        mean_itl_ms=metrics.mean_itl_ms,
+        tokens_per_second=metrics.tokens_per_second,
+    )
+
+
+def _engine_timing(obj: Any) -> EngineTiming | None:
+    if not isinstance(obj, dict):
+        return None
+    return EngineTiming.from_dict(obj)

@@ -1,0 +1,91 @@
+"""Replica state and routing policies. Pure: no I/O, so every policy has exact tests.
+
+Policies pick among the *healthy* replicas (all of them when none is healthy: a proxy that
+refuses everything because its health view is stale is worse than one that tries).
+
+- least_outstanding: fewest requests in flight; ties broken round-robin so equal replicas share.
+- round_robin: in turn.
+- session: rendezvous (highest-random-weight) hashing of the session key, so a session sticks to
+  one replica and only the sessions of a replica that leaves move. No key -> least_outstanding.
+- prefix: rendezvous hashing of the prompt's first block, so requests that share a prefix land
+  where that prefix is cached. No prompt -> least_outstanding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sidecar.config import RoutePolicy
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    """One upstream and what the proxy knows of it (mutable, owned by the event loop)."""
+
+    url: str
+    index: int
+    outstanding: int = 0
+    healthy: bool = True
+    consecutive_failures: int = 0
+    ejections: int = 0
+    requests_total: int = 0
+    label: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.label = self.url.split("://", 1)[-1]
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.healthy = True
+
+    def record_failure(self, eject_after: int) -> bool:
+        """Count a failure; returns True if this failure ejected the replica."""
+        self.consecutive_failures += 1
+        if self.healthy and self.consecutive_failures >= eject_after:
+            self.healthy = False
+            self.ejections += 1
+            return True
+        return False
+
+
+def _weight(key: bytes, replica: Replica) -> bytes:
+    return hashlib.blake2b(key + b"\x00" + replica.url.encode(), digest_size=8).digest()
+
+
+def rendezvous(key: bytes, candidates: Sequence[Replica]) -> Replica:
+    return max(candidates, key=lambda replica: _weight(key, replica))
+
+
+class Router:
+    def __init__(self, replicas: Sequence[Replica], policy: RoutePolicy) -> None:
+        if not replicas:
+            raise ValueError("a router needs at least one replica")
+        self.replicas = list(replicas)
+        self.policy = policy
+        self._turn = 0
+
+    def candidates(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
+        pool = [r for r in self.replicas if r not in exclude]
+        healthy = [r for r in pool if r.healthy]
+        return healthy or pool
+
+    def choose(self, *, session_key: str | None = None, prefix_key: bytes | None = None,
+               exclude: Sequence[Replica] = ()) -> Replica | None:
+        pool = self.candidates(exclude)
+        if not pool:
+            return None
+        if self.policy is RoutePolicy.ROUND_ROBIN:
+            return self._next_in_turn(pool)
+        if self.policy is RoutePolicy.SESSION and session_key:
+            return rendezvous(session_key.encode(), pool)
+        if self.policy is RoutePolicy.PREFIX and prefix_key:
+            return rendezvous(prefix_key, pool)
+        least = min(r.outstanding for r in pool)
+        return self._next_in_turn([r for r in pool if r.outstanding == least])
+
+    def _next_in_turn(self, pool: list[Replica]) -> Replica:
+        # Walk the global turn counter so that ties rotate over the full replica list order.
+        self._turn += 1
+        return pool[self._turn % len(pool)]

@@ -1,0 +1,1 @@
+"""Record sinks: where finished RequestRecords go (live window, Prometheus, OTel, capture)."""

@@ -1,0 +1,120 @@
+"""A bounded live window of recent records, summarised on demand (the proxy's /stats JSON).
+
+Holds the records that ended within the last ``window_s`` seconds, and never more than
+``max_records`` of them (the oldest go first, and are counted), so memory stays bounded whatever
+the traffic. Summaries are computed only when asked, off the per-request path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from sidecar import clock, stats
+from sidecar.record import RequestRecord, Vantage
+
+GENERATION_ENDPOINTS = frozenset({"chat", "completions"})
+
+DEFINITIONS = {
+    "ttft": "first token-carrying event - vantage start (client: request fully received by the "
+            "proxy; server: request sent upstream); sample = request",
+    "itl": "gap between consecutive token-carrying events; sample = event (SSE chunk)",
+    "itl_per_token": "each ITL gap / tokens in its event, repeated per token (derived view)",
+    "tpot": "(E2E - TTFT) / (N_out - 1), N_out <= 1 excluded and counted; sample = request",
+    "e2e": "last token-carrying event (stream end if none) - vantage start; sample = request",
+    "percentiles": "numpy linear interpolation; std is the population std",
+    "latency_population": "successful chat/completions requests that ended in the window",
+    "units": "seconds",
+}
+
+
+def _end_wall_ns(record: RequestRecord) -> int:
+    end = record.client.end_ns
+    if end is None and record.client.marks:
+        end = record.client.marks[-1].offset_ns
+    return record.wall_time_ns + (end or 0)
+
+
+class WindowSink:
+    name = "window"
+
+    def __init__(self, window_s: float = 60.0, max_records: int = 100_000,
+                 wall_ns: Callable[[], int] = clock.wall_ns) -> None:
+        if window_s <= 0 or max_records <= 0:
+            raise ValueError("window_s and max_records must be positive")
+        self.window_s = window_s
+        self.max_records = max_records
+        self._records: deque[RequestRecord] = deque()
+        self._wall_ns = wall_ns
+        self.evicted_over_cap = 0
+
+    def on_record(self, record: RequestRecord) -> None:
+        self._records.append(record)
+        if len(self._records) > self.max_records:
+            self._records.popleft()
+            self.evicted_over_cap += 1
+
+    def records(self) -> list[RequestRecord]:
+        """The records that ended within the window (older ones are dropped here)."""
+        horizon = self._wall_ns() - int(self.window_s * 1e9)
+        while self._records and _end_wall_ns(self._records[0]) < horizon:
+            self._records.popleft()
+        return [r for r in self._records if _end_wall_ns(r) >= horizon]
+
+    def snapshot(self, slo: stats.SLO | None = None) -> dict[str, Any]:
+        records = self.records()
+        generation = [r for r in records if r.endpoint in GENERATION_ENDPOINTS]
+        interval = min(self.window_s, stats.measured_interval_s(generation)) if generation else 0.0
+        out: dict[str, Any] = {
+            "window_s": self.window_s,
+            "interval_s": interval,
+            "records": len(records),
+            "generation_requests": len(generation),
+            "evicted_over_cap": self.evicted_over_cap,
+            "outcomes": {o.value: n for o, n in stats.outcome_counts(generation).items()},
+            "other_paths": len(records) - len(generation),
+            "vantages": {},
+            "definitions": DEFINITIONS,
+        }
+        for vantage in (Vantage.CLIENT, Vantage.SERVER):
+            report = stats.vantage_report(generation, vantage)
+            out["vantages"][vantage.value] = {
+                "requests": report.requests,
+                "tpot_excluded_n_out_le_1": report.tpot_excluded,
+                "no_first_token": report.no_first_token,
+                "ttft": report.ttft.to_dict(),
+                "itl": report.itl.to_dict(),
+                "itl_per_token": report.itl_per_token.to_dict(),
+                "tpot": report.tpot.to_dict(),
+                "e2e": report.e2e.to_dict(),
+            }
+        engine = stats.engine_report(generation)
+        out["vantages"]["engine"] = {
+            "requests": engine.requests,
+            "queue_time": engine.queue_time.to_dict(),
+            "ttft_from_scheduled": engine.ttft_from_scheduled.to_dict(),
+            "mean_itl": engine.mean_itl.to_dict(),
+            "generation_time": engine.generation_time.to_dict(),
+        }
+        t = stats.throughput(generation, interval)
+        out["throughput"] = {
+            "requests_per_s": t.requests_per_s,
+            "input_tokens_per_s": t.input_tokens_per_s,
+            "output_tokens_per_s": t.output_tokens_per_s,
+            "total_tokens_per_s": t.total_tokens_per_s,
+            "output_tokens_estimated": t.output_tokens_estimated,
+        }
+        if slo is not None:
+            g = stats.goodput(generation, slo, interval)
+            out["goodput"] = {
+                "slo": slo.describe(),
+                "vantage": g.vantage.value,
+                "good_requests": g.good_requests,
+                "denominator_all_requests": g.total_requests,
+                "attainment": g.attainment,
+                "good_requests_per_s": g.good_requests_per_s,
+                "good_output_tokens_per_s": g.good_output_tokens_per_s,
+                "judged_without": dict(g.judged_without),
+            }
+        return out

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import (
+    ConfigError,
+    RoutePolicy,
+    build_config,
+    load_config_file,
+    parse_duration,
+    parse_hostport,
+    parse_slo,
+)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("500ms", 0.5), ("2s", 2.0), ("1m", 60.0), ("250us", 0.00025), ("1.5", 1.5), (3, 3.0),
+    ("0", 0.0), ("1h", 3600.0),
+])
+def test_durations(text: str | int, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1s", "1 parsec", "nan", ""])
+def test_bad_durations_say_so(bad: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_duration(bad)
+
+
+def test_hostport() -> None:
+    assert parse_hostport("0.0.0.0:8080") == ("0.0.0.0", 8080)
+    assert parse_hostport(":9000") == ("127.0.0.1", 9000)
+    assert parse_hostport("[::1]:81") == ("::1", 81)
+    with pytest.raises(ConfigError, match="not HOST:PORT"):
+        parse_hostport("localhost:http")
+
+
+def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
+    file = tmp_path / "sidecar.json"
+    file.write_text(json.dumps({"upstreams": ["http://file:1"], "ttft_timeout": "10s",
+                                "idle_timeout": "7s", "route_policy": "round_robin"}))
+    env = {"SIDECAR_TTFT_TIMEOUT": "20s", "SIDECAR_IDLE_TIMEOUT": "8s"}
+    config = build_config({"idle_timeout": "9s", "upstreams": None}, env,
+                          load_config_file(file))
+    assert config.upstreams == ("http://file:1",)
+    assert config.ttft_timeout == 20.0  # env beats file
+    assert config.idle_timeout == 9.0  # flag beats env
+    assert config.route_policy is RoutePolicy.ROUND_ROBIN
+
+
+def test_upstreams_from_env_and_v1_suffix_is_dropped() -> None:
+    config = build_config({}, {"SIDECAR_UPSTREAMS": "http://a:8000/v1, http://b:8000/"})
+    assert config.upstreams == ("http://a:8000", "http://b:8000")
+
+
+def test_listen_shorthand() -> None:
+    config = build_config({"upstreams": ["http://a:1"], "listen": "0.0.0.0:81",
+                           "metrics_listen": "127.0.0.1:82"}, {})
+    assert (config.listen_host, config.listen_port) == ("0.0.0.0", 81)
+    assert (config.metrics_host, config.metrics_port) == ("127.0.0.1", 82)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({}, "at least one upstream"),
+    ({"upstreams": ["ftp://x"]}, "http\\(s\\) URL"),
+    ({"upstreams": ["http://a:1"], "route_policy": "random"}, "route_policy must be one of"),
+    ({"upstreams": ["http://a:1"], "max_concurrency": "0"}, "max_concurrency must be > 0"),
+    ({"upstreams": ["http://a:1"], "listen": "127.0.0.1:9000",
+      "metrics_listen": "127.0.0.1:9000"}, "metrics port must differ"),
+])
+def test_bad_settings_are_refused_with_a_reason(flags: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_config(flags, {})
+
+
+def test_unknown_file_keys_are_errors(tmp_path: Path) -> None:
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps({"upstreams": ["http://a:1"], "ttft_timout": "1s"}))
+    with pytest.raises(ConfigError, match="unknown setting 'ttft_timout'"):
+        build_config({}, {}, load_config_file(file))
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    file = tmp_path / "c.toml"
+    file.write_text('[proxy]\nupstreams = ["http://a:1"]\nassemble_nonstream = true\n')
+    config = build_config({}, {}, load_config_file(file))
+    assert config.assemble_nonstream is True
+
+
+def test_slo_declarations() -> None:
+    assert parse_slo("ttft=500ms,tpot=50ms,e2e=20s") == {"ttft": 0.5, "tpot": 0.05, "e2e": 20.0}
+    for bad, message in (("ttft=0", "must be > 0"), ("itl=5ms", "bad SLO term"),
+                         ("ttft=1s,ttft=2s", "declared twice"), ("", "empty SLO")):
+        with pytest.raises(ConfigError, match=message):
+            parse_slo(bad)

@@ -1,0 +1,422 @@
+"""The measuring proxy over real sockets: simulator replicas <- proxy <- real clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from sidecar.cli import build_proxy_server
+from sidecar.config import build_config
+from sidecar.proxy.app import ProxyServer
+from sidecar.record import Outcome, RequestRecord, TokenSource
+from sidecar.sim.engine import EngineConfig
+from sidecar.sim.server import RunningReplica, SimConfig, close_replicas, start_replicas
+from sidecar.sinks.window import WindowSink
+
+FAST_ENGINE = EngineConfig(step_floor_s=0.002, per_token_s=0.0)
+
+
+class Collect:
+    name = "collect"
+
+    def __init__(self) -> None:
+        self.records: list[RequestRecord] = []
+        self.arrived = asyncio.Event()
+
+    def on_record(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        self.arrived.set()
+
+    async def wait_for(self, count: int, timeout: float = 10.0) -> list[RequestRecord]:
+        async def until() -> None:
+            while len(self.records) < count:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+        await asyncio.wait_for(until(), timeout)
+        return self.records
+
+
+class Stack:
+    def __init__(self, replicas: list[RunningReplica], server: ProxyServer, window: WindowSink,
+                 records: Collect) -> None:
+        self.replicas = replicas
+        self.server = server
+        self.window = window
+        self.records = records
+        self.spare: RunningReplica = replicas[0]
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def direct(self) -> str:
+        """A replica of its own, not behind the proxy, that has seen the same sequence of
+        requests as the proxied one: the simulator's output depends on a per-replica request
+        counter, so comparisons send the same requests in the same order to both."""
+        return self.spare.url
+
+
+@asynccontextmanager
+async def stack(n_replicas: int = 1, sim: SimConfig | None = None,
+                **settings: Any) -> AsyncIterator[Stack]:
+    sim_config = sim or SimConfig(model="m", engine=FAST_ENGINE)
+    replicas = await start_replicas(sim_config, n_replicas)
+    # Started on its own so that it is "replica 0" too, with replica 0's seed.
+    (spare,) = await start_replicas(sim_config, 1)
+    flags = {"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
+             "metrics_listen": "127.0.0.1:0", "health_interval": "0", **settings}
+    server, window = build_proxy_server(build_config(flags, {}))
+    records = Collect()
+    server.proxy.fanout.add(records)
+    await server.start()
+    stack = Stack(replicas, server, window, records)
+    stack.spare = spare
+    try:
+        yield stack
+    finally:
+        await server.close()
+        await close_replicas([*replicas, spare])
+
+
+CREATED = re.compile(rb'"created": ?\d+')
+
+
+def normalised(body: bytes) -> bytes:
+    return CREATED.sub(b'"created":0', body)
+
+
+async def post(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> tuple[int, bytes, Any]:
+    async with session.post(url + path, json=body, headers=headers) as response:
+        return response.status, await response.read(), response.headers
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 6, "ignore_eos": True}
+COMPLETION = {"model": "m", "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True}
+USAGE_OPTIONS: list[dict[str, Any] | None] = [
+    None,
+    {"include_usage": True},
+    {"include_usage": True, "continuous_usage_stats": True},
+    {"continuous_usage_stats": True},
+]
+
+
+@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT),
+                                       ("/v1/completions", COMPLETION)])
+@pytest.mark.parametrize("options", USAGE_OPTIONS)
+async def test_streams_reach_the_client_byte_for_byte(path: str, base: dict[str, Any],
+                                                      options: dict[str, Any] | None) -> None:
+    """Whatever usage options the client chose, it gets the bytes it would get directly,
+    while the proxy counts tokens exactly from the usage it added."""
+    body = {**base, "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    async with stack() as s, aiohttp.ClientSession() as session:
+        rid = {"X-Request-Id": "same-id-1"}
+        status_d, direct, _ = await post(session, s.direct, path, body, rid)
+        status_p, proxied, headers = await post(session, s.url, path, body, rid)
+        assert status_d == status_p == 200
+        assert normalised(proxied) == normalised(direct)
+        assert headers["X-Request-Id"] == "same-id-1"
+        (record,) = await s.records.wait_for(1)
+    assert record.outcome is Outcome.OK
+    assert record.n_out == 6 and record.n_in is not None and record.n_in > 0
+    assert record.token_source is TokenSource.USAGE
+    assert [m.n_tokens for m in record.client.marks] == [1] * 6
+    assert record.server is not None and len(record.server.marks) == 6
+    assert record.finish_reason == "length"
+
+
+@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT),
+                                       ("/v1/completions", COMPLETION)])
+async def test_non_streaming_bodies_are_unchanged(path: str, base: dict[str, Any]) -> None:
+    async with stack() as s, aiohttp.ClientSession() as session:
+        rid = {"X-Request-Id": "same-id-2"}
+        _, direct, _ = await post(session, s.direct, path, base, rid)
+        _, proxied, _ = await post(session, s.url, path, base, rid)
+        assert normalised(proxied) == normalised(direct)
+        (record,) = await s.records.wait_for(1)
+    assert record.outcome is Outcome.OK and not record.client_stream
+    assert record.n_out == 6 and record.token_source is TokenSource.USAGE_TOTAL
+    assert record.client.marks == () and record.client.end_ns is not None
+
+
+async def test_openai_client_gets_identical_results_through_the_proxy() -> None:
+    async with stack() as s:
+        results = []
+        for base in (s.direct, s.url):
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-secret-key")
+            try:
+                stream = await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                    stream=True, extra_body={"ignore_eos": True},
+                    extra_headers={"X-Request-Id": "oa-1"})
+                chunks = [c.model_dump(exclude={"created"}) async for c in stream]
+                completion = await client.completions.create(
+                    model="m", prompt="hello", max_tokens=4, extra_body={"ignore_eos": True},
+                    extra_headers={"X-Request-Id": "oa-2"})
+                results.append((chunks, completion.model_dump(exclude={"created"})))
+            finally:
+                await client.close()
+        assert results[0] == results[1]
+        records = await s.records.wait_for(2)
+    # Credentials never reach a record.
+    assert "sk-secret-key" not in json.dumps([r.to_dict() for r in records])
+
+
+async def test_multi_token_chunks_are_counted_exactly() -> None:
+    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0,
+                                                   stream_interval=3))
+    async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
+        status, body, _ = await post(session, s.url, "/v1/chat/completions",
+                                     {**CHAT, "max_tokens": 8, "stream": True})
+        assert status == 200 and b'"usage"' not in body
+        (record,) = await s.records.wait_for(1)
+    # First token alone, then every 3 tokens, the rest at the end: 1 + 3 + 3 + 1.
+    assert [m.n_tokens for m in record.client.marks] == [1, 3, 3, 1]
+    assert record.n_out == 8 and record.token_source is TokenSource.USAGE
+
+
+async def test_without_usage_injection_counts_are_labelled_estimates() -> None:
+    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0,
+                                                   stream_interval=2))
+    async with stack(sim=sim, inject_usage=False) as s, aiohttp.ClientSession() as session:
+        await post(session, s.url, "/v1/completions", {**COMPLETION, "stream": True})
+        (record,) = await s.records.wait_for(1)
+    assert record.token_source is TokenSource.CHUNK_COUNT
+    assert record.n_out == len(record.client.marks) < 6  # an undercount, and labelled so
+
+
+async def test_server_side_stamps_match_the_simulators_ground_truth(tmp_path: Path) -> None:
+    truth_file = tmp_path / "truth.jsonl"
+    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.02, per_token_s=0.0),
+                    ground_truth_path=str(truth_file))
+    async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
+        await post(session, s.url, "/v1/chat/completions",
+                   {**CHAT, "max_tokens": 10, "stream": True}, {"X-Request-Id": "gt-1"})
+        (record,) = await s.records.wait_for(1)
+    truth = [json.loads(line) for line in truth_file.read_text().splitlines()]
+    (line,) = [t for t in truth if t["request_id"] == "gt-1"]
+    token_stamps = [ns for ns, kind in zip(line["chunk_ns"], line["chunk_kinds"], strict=True)
+                    if kind == "token"]
+    assert record.server is not None
+    marks = record.server.marks
+    assert len(marks) == len(token_stamps) == 10
+    assert [m.n_tokens for m in marks] == [n for n, k in zip(
+        line["chunk_tokens"], line["chunk_kinds"], strict=True) if k == "token"]
+    # ITL: every gap the proxy saw against the gap the simulator wrote. The engine steps every
+    # 20 ms, so a mark paired with the wrong chunk would be off by >= 20 ms; the tolerance
+    # (5 ms) is far above the proxy's real error (see benchmarks/RESULTS.md) and far below that.
+    proxy_gaps = [b.offset_ns - a.offset_ns for a, b in zip(marks, marks[1:])]
+    truth_gaps = [b - a for a, b in zip(token_stamps, token_stamps[1:])]
+    assert max(abs(p - t) for p, t in zip(proxy_gaps, truth_gaps, strict=True)) < 5_000_000
+    proxy_ttft = marks[0].offset_ns - record.server.start_ns
+    truth_ttft = token_stamps[0] - line["received_ns"]
+    assert truth_ttft > 0 and abs(proxy_ttft - truth_ttft) < 5_000_000
+
+
+async def test_assembled_non_streaming_answer_has_the_upstreams_shape() -> None:
+    async with stack(assemble_nonstream=True) as s, aiohttp.ClientSession() as session:
+        for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+            rid = {"X-Request-Id": f"asm-{path}"}
+            _, direct, _ = await post(session, s.direct, path, base, rid)
+            _, assembled, _ = await post(session, s.url, path, base, rid)
+            assert normalised(assembled) == normalised(direct)
+        records = await s.records.wait_for(2)
+    for record in records:
+        assert record.attributes["assembled"] == "true" and not record.client_stream
+        assert record.server is not None and len(record.server.marks) == 6
+        assert record.client.marks == () and record.n_out == 6
+
+
+FAULTS: list[tuple[str, Outcome, str]] = [
+    ("error_status=500", Outcome.HTTP_ERROR, "InternalServerError"),
+    ("error_event_after=2", Outcome.HTTP_ERROR, "InternalServerError"),
+    ("reset_after=2", Outcome.UPSTREAM_ERROR, "upstream_"),
+    ("close_after=2", Outcome.UPSTREAM_ERROR, "stream_cut_without_done"),
+    ("malformed_after=1", Outcome.UPSTREAM_ERROR, "malformed_chunk"),
+    ("stall_ms=1500@after=2", Outcome.TIMEOUT, "idle_timeout"),
+    ("slow_headers_ms=1500", Outcome.TIMEOUT, "ttft_timeout"),
+]
+
+
+@pytest.mark.parametrize("fault,outcome,error_type", FAULTS)
+async def test_every_fault_ends_in_one_record_while_other_streams_go_on(
+        fault: str, outcome: Outcome, error_type: str) -> None:
+    async with stack(idle_timeout="500ms", ttft_timeout="700ms") as s, \
+            aiohttp.ClientSession() as session:
+        healthy_body = {**CHAT, "max_tokens": 20, "stream": True}
+        healthy = [asyncio.create_task(post(session, s.url, "/v1/chat/completions",
+                                            healthy_body)) for _ in range(3)]
+        status, body, _ = await post(session, s.url, "/v1/chat/completions",
+                                     {**CHAT, "max_tokens": 8, "stream": True},
+                                     {"X-Sim-Fault": fault, "X-Request-Id": "faulty"})
+        others = await asyncio.gather(*healthy)
+        records = await s.records.wait_for(4)
+    assert all(st == 200 and b"data: [DONE]" in b for st, b, _ in others)
+    assert len(records) == 4  # requests in == records out
+    (faulty,) = [r for r in records if r.request_id == "faulty"]
+    assert faulty.outcome is outcome
+    assert faulty.error_type is not None and faulty.error_type.startswith(error_type)
+    assert all(r.outcome is Outcome.OK for r in records if r is not faulty)
+    if fault.startswith(("error_status", "slow_headers")):
+        assert status in (500, 504)
+        assert json.loads(body)["error"]["code"] == status
+    elif fault.startswith("malformed"):
+        # Passive: the malformed event is relayed as it came, and so is the rest.
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert len(faulty.client.marks) == 8
+    else:
+        # Mid-stream: the client gets an error event in vLLM's shape, then [DONE].
+        assert status == 200
+        assert body.endswith(b"data: [DONE]\n\n")
+        assert b'"error":' in body
+
+
+async def test_client_disconnect_closes_the_upstream_and_the_engine_aborts() -> None:
+    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.05, per_token_s=0.0))
+    async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
+        async with session.post(s.url + "/v1/chat/completions",
+                                json={**CHAT, "max_tokens": 200, "stream": True}) as response:
+            await response.content.readline()  # the stream has started
+        (record,) = await s.records.wait_for(1)
+        assert record.outcome is Outcome.CLIENT_CANCELLED
+
+        async def aborted() -> float:
+            async with session.get(s.replicas[0].url + "/metrics") as metrics:
+                text = await metrics.text()
+            match = re.search(r'vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} '
+                              r'([0-9.]+)', text)
+            return float(match.group(1)) if match else 0.0
+
+        for _ in range(100):
+            if await aborted() >= 1:
+                break
+            await asyncio.sleep(0.02)
+        assert await aborted() == 1.0
+
+
+async def test_limits_reject_with_a_record() -> None:
+    async with stack(max_body_bytes="1000", max_concurrency="1") as s, \
+            aiohttp.ClientSession() as session:
+        status, body, _ = await post(session, s.url, "/v1/completions",
+                                     {**COMPLETION, "prompt": "x" * 2000})
+        assert status == 413 and json.loads(body)["error"]["code"] == 413
+        slow = asyncio.create_task(post(session, s.url, "/v1/completions",
+                                        {**COMPLETION, "max_tokens": 50, "stream": True}))
+        await asyncio.sleep(0.05)
+        status, body, _ = await post(session, s.url, "/v1/completions", COMPLETION)
+        assert status == 429 and "limit of 1 concurrent" in json.loads(body)["error"]["message"]
+        await slow
+        records = await s.records.wait_for(3)
+    outcomes = sorted(r.outcome.value for r in records)
+    assert outcomes == ["ok", "rejected", "rejected"]
+    assert {r.http_status for r in records if r.outcome is Outcome.REJECTED} == {413, 429}
+
+
+async def test_upstream_errors_are_relayed_unchanged() -> None:
+    async with stack() as s, aiohttp.ClientSession() as session:
+        for body in ({**CHAT, "model": "nope"}, {"model": "m", "messages": "not a list"}):
+            direct = await post(session, s.direct, "/v1/chat/completions", body)
+            proxied = await post(session, s.url, "/v1/chat/completions", body)
+            assert proxied[:2] == direct[:2] and direct[0] in (400, 404)
+        async with session.post(s.url + "/v1/completions", data=b"{not json") as response:
+            assert response.status == 400
+        records = await s.records.wait_for(3)
+    assert all(r.outcome is Outcome.HTTP_ERROR for r in records)
+    assert {r.http_status for r in records} == {400, 404}
+    assert "NotFoundError" in {r.error_type for r in records}
+
+
+async def test_other_paths_pass_through() -> None:
+    async with stack() as s, aiohttp.ClientSession() as session:
+        for method, path, body in (("GET", "/v1/models", None), ("GET", "/health", None),
+                                   ("GET", "/version", None),
+                                   ("POST", "/tokenize", {"model": "m", "prompt": "hi there"})):
+            got = []
+            for base in (s.direct, s.url):
+                async with session.request(method, base + path, json=body) as response:
+                    got.append((response.status, await response.read()))
+            # /v1/models carries a creation time and a random permission id per call.
+            direct, proxied = (
+                (status, re.sub(rb"modelperm-[0-9a-f]+", b"modelperm-x", normalised(body)))
+                for status, body in got
+            )
+            assert direct == proxied, path
+        records = await s.records.wait_for(4)
+    assert {r.endpoint for r in records} == {"/v1/models", "/health", "/version", "/tokenize"}
+    assert all(r.outcome is Outcome.OK for r in records)
+
+
+async def test_authorization_is_forwarded_and_never_kept() -> None:
+    sim = SimConfig(model="m", engine=FAST_ENGINE, api_key="sk-top-secret")
+    async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
+        denied = await post(session, s.url, "/v1/completions", COMPLETION)
+        allowed = await post(session, s.url, "/v1/completions", COMPLETION,
+                             {"Authorization": "Bearer sk-top-secret"})
+        records = await s.records.wait_for(2)
+    assert denied[0] == 401 and allowed[0] == 200
+    assert "sk-top-secret" not in json.dumps([r.to_dict() for r in records])
+
+
+async def test_round_robin_spreads_and_connect_failures_retry_elsewhere() -> None:
+    async with stack(n_replicas=2, route_policy="round_robin") as s, \
+            aiohttp.ClientSession() as session:
+        for _ in range(4):
+            await post(session, s.url, "/v1/completions", COMPLETION)
+        records = await s.records.wait_for(4)
+        assert {r.replica for r in records} == {u.url.split("://")[1] for u in s.replicas}
+        await s.replicas[0].close()  # one replica dies
+        for _ in range(4):
+            status, _, _ = await post(session, s.url, "/v1/completions", COMPLETION)
+            assert status == 200  # retried on the other before any byte went out
+        records = await s.records.wait_for(8)
+        dead = s.server.proxy.router.replicas[0]
+        assert not dead.healthy and dead.ejections == 1
+
+
+async def test_health_checks_eject_and_restore() -> None:
+    async with stack(n_replicas=2, health_interval="50ms", eject_after="1") as s:
+        router = s.server.proxy.router
+
+        async def until(predicate: Callable[[], bool]) -> None:
+            for _ in range(200):
+                if predicate():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError("condition not reached")
+
+        await until(lambda: all(r.healthy for r in router.replicas))
+        await s.replicas[1].close()
+        await until(lambda: not router.replicas[1].healthy)
+        assert router.replicas[0].healthy
+
+
+async def test_stats_endpoint_reports_both_vantages_with_definitions() -> None:
+    async with stack() as s, aiohttp.ClientSession() as session:
+        for _ in range(3):
+            await post(session, s.url, "/v1/chat/completions", {**CHAT, "stream": True})
+        await s.records.wait_for(3)
+        async with session.get(s.server.admin_url + "/stats") as response:
+            snapshot = await response.json()
+        async with session.get(s.server.admin_url + "/replicas") as response:
+            replicas = await response.json()
+    assert snapshot["outcomes"]["ok"] == 3
+    client, server = snapshot["vantages"]["client"], snapshot["vantages"]["server"]
+    assert client["ttft"]["count"] == server["ttft"]["count"] == 3
+    assert client["itl"]["count"] == 15  # 5 gaps x 3 requests, sample = event
+    assert client["ttft"]["p50"] >= server["ttft"]["p50"] > 0
+    assert "sample = event" in snapshot["definitions"]["itl"]
+    assert replicas["records_total"] == 3

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sidecar.proxy.rewrite import (
+    apply_usage_plan,
+    event_payload,
+    insert_member,
+    plan_usage,
+    strip_usage_member,
+    without_usage,
+)
+
+CHAT_WITH_USAGE = (
+    '{"id":"chatcmpl-abc123","object":"chat.completion.chunk","created":1700000000,"model":"M",'
+    '"choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null,'
+    '"token_ids":null}],"usage":{"prompt_tokens":12,"total_tokens":13,"completion_tokens":1,'
+    '"completion_tokens_details":null},"kv_transfer_params":null}'
+)
+CHAT_WITHOUT_USAGE = (
+    '{"id":"chatcmpl-abc123","object":"chat.completion.chunk","created":1700000000,"model":"M",'
+    '"choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null,'
+    '"token_ids":null}],"kv_transfer_params":null}'
+)
+
+
+@pytest.mark.parametrize(
+    ("body", "include", "continuous", "add_include", "add_continuous"),
+    [
+        ({"stream": True}, False, False, True, True),
+        ({"stream": True, "stream_options": {"include_usage": True}}, True, False, False, True),
+        ({"stream": True, "stream_options": {"include_usage": True,
+                                             "continuous_usage_stats": True}},
+         True, True, False, False),
+        # continuous without include_usage means nothing to vLLM: treated as neither.
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+         False, False, True, True),
+    ],
+)
+def test_plan_adds_only_what_the_client_did_not_ask(
+    body: dict[str, object], include: bool, continuous: bool, add_include: bool,
+    add_continuous: bool,
+) -> None:
+    original = json.loads(json.dumps(body))
+    plan = plan_usage(body, inject=True)
+    assert (plan.client_include_usage, plan.client_continuous) == (include, continuous)
+    assert (plan.add_include_usage, plan.add_continuous) == (add_include, add_continuous)
+    assert plan.drop_usage_chunk == add_include
+    new_body = apply_usage_plan(body, plan)
+    assert new_body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert body == original  # the client's request object is never edited in place
+
+
+def test_plan_without_injection_changes_nothing() -> None:
+    body = {"stream": True}
+    plan = plan_usage(body, inject=False)
+    assert not plan.modifies and apply_usage_plan(body, plan) is body
+
+
+def test_strip_usage_restores_the_exact_bytes() -> None:
+    stripped = strip_usage_member(CHAT_WITH_USAGE)
+    assert stripped is not None
+    text, position = stripped
+    assert text == CHAT_WITHOUT_USAGE
+    assert CHAT_WITH_USAGE[position:].startswith(',"usage"')
+
+
+def test_strip_ignores_usage_words_inside_text() -> None:
+    tricky = CHAT_WITH_USAGE.replace('"content":"Hello"',
+                                     '"content":"say \\",\\"usage\\":{} to me"')
+    stripped = strip_usage_member(tricky)
+    assert stripped is not None
+    assert json.loads(stripped[0])["choices"][0]["delta"]["content"] == 'say ","usage":{} to me'
+    assert "usage" not in json.loads(stripped[0])
+
+
+def test_spaced_json_and_nested_details() -> None:
+    spaced = ('{"id": "cmpl-1", "choices": [{"text": "x"}], "usage": {"prompt_tokens": 1, '
+              '"prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens": 1}, "z": 1}')
+    stripped = strip_usage_member(spaced)
+    assert stripped is not None
+    assert json.loads(stripped[0]) == {"id": "cmpl-1", "choices": [{"text": "x"}], "z": 1}
+
+
+def test_without_usage_on_a_raw_event_and_the_fallback() -> None:
+    raw = f"data: {CHAT_WITH_USAGE}\n\n".encode()
+    out, cut, reencoded = without_usage(raw, CHAT_WITH_USAGE)
+    assert out == f"data: {CHAT_WITHOUT_USAGE}\n\n".encode() and cut is not None
+    assert not reencoded
+    # An event split over two data lines cannot be edited as text: re-encoded compactly.
+    multi = (b'data: {"choices":[],\ndata: "usage":{"prompt_tokens":1,"completion_tokens":2,'
+             b'"total_tokens":3}}\n\n')
+    data = '{"choices":[],\n"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'
+    out, cut, reencoded = without_usage(multi, data)
+    assert out == b'data: {"choices":[]}\n\n' and reencoded and cut is None
+    assert event_payload(multi) is None
+
+
+def test_insert_fingerprint_where_usage_was() -> None:
+    finish_with_usage = CHAT_WITH_USAGE.replace('"finish_reason":null', '"finish_reason":"stop"')
+    raw = f"data: {finish_with_usage}\n\n".encode()
+    out, cut, _ = without_usage(raw, finish_with_usage)
+    restored = insert_member(out, cut, "system_fingerprint", "vllm-0.33.0-1a2b3c4d")
+    payload = event_payload(restored)
+    assert payload is not None
+    assert payload.endswith('}],"system_fingerprint":"vllm-0.33.0-1a2b3c4d",'
+                            '"kv_transfer_params":null}')
+    # Without a cut position: before kv_transfer_params, else before the closing brace.
+    assert insert_member(b'data: {"a":1}\n\n', None, "k", "v") == b'data: {"a":1,"k":"v"}\n\n'
