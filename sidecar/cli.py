@@ -34,6 +34,8 @@ AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 EPILOG = """\
 examples:
+  sidecar demo
+      simulated replicas, the proxy and a load, with a live table of latencies
   sidecar sim --replicas 2 --port 8100 --model demo-model
       serve two simulated vLLM replicas on 127.0.0.1:8100 and :8101
   sidecar proxy --upstream http://127.0.0.1:8100 --upstream http://127.0.0.1:8101
@@ -220,6 +222,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_proxy_arguments(proxy_parser)
     proxy_parser.set_defaults(handler=run_proxy)
+
+    from sidecar import demo  # imported here: demo builds on this module's wiring
+
+    demo_parser = commands.add_parser(
+        "demo",
+        help="simulated replicas + proxy + open-loop load, with a live table (no GPU)",
+        description=demo.DESCRIPTION,
+        epilog=demo.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(handler=demo.run)
     return parser
 
 

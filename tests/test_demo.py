@@ -1,0 +1,28 @@
+"""The README's main job, `sidecar demo`, run as a user would run it (short)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+
+def test_demo_runs_end_to_end_and_summarises() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sidecar", "demo", "--duration", "2s", "--rate", "6",
+         "--replicas", "2", "--seed", "3"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "proxy:" in out and "TTFT p50" in out
+    ok = re.search(r"outcomes: ok=(\d+), http_error=0, upstream_error=0, timeout=0", out)
+    assert ok is not None and int(ok.group(1)) > 0
+    assert "[client]" in out and "[server]" in out
+    assert re.search(r"goodput under SLO \(ttft<=500ms, tpot<=50ms, e2e<=20000ms", out)
+
+
+def test_demo_refuses_bad_arguments() -> None:
+    done = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--slo", "ttft=fast"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "not a duration" in done.stderr
