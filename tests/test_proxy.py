@@ -265,8 +265,12 @@ async def test_every_fault_ends_in_one_record_while_other_streams_go_on(
                                      {"X-Sim-Fault": fault, "X-Request-Id": "faulty"})
         others = await asyncio.gather(*healthy)
         records = await s.records.wait_for(4)
+        proxy = s.server.proxy
+        assert proxy.requests_total == proxy.records_total == 4  # requests in == records out
+        assert proxy.in_flight == 0
+        assert all(r.outstanding == 0 for r in proxy.router.replicas)
     assert all(st == 200 and b"data: [DONE]" in b for st, b, _ in others)
-    assert len(records) == 4  # requests in == records out
+    assert len(records) == 4
     (faulty,) = [r for r in records if r.request_id == "faulty"]
     assert faulty.outcome is outcome
     assert faulty.error_type is not None and faulty.error_type.startswith(error_type)

@@ -206,8 +206,8 @@ def prompt_prefix_key(body: Mapping[str, Any], chars: int, tokens: int) -> bytes
     """The prompt's first block, for prefix affinity: text (first ``chars`` characters, chat
     messages concatenated in order) or token ids (first ``tokens``)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt:
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of prompts: route by the first
     if isinstance(prompt, str):
         return prompt[:chars].encode("utf-8", "replace")
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt[:tokens]):

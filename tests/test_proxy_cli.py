@@ -1,0 +1,74 @@
+"""`sidecar proxy` as an operator runs it: a process, flags, signals."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+
+@contextmanager
+def process(*args: str) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def read_url(proc: subprocess.Popen[str], pattern: str) -> str:
+    assert proc.stdout is not None
+    for _ in range(10):
+        line = proc.stdout.readline()
+        match = re.search(pattern, line)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"no line matching {pattern!r}")
+
+
+def test_proxy_process_serves_and_stops_cleanly_on_sigterm() -> None:
+    with process("sim", "--replicas", "1", "--port", "0") as sim:
+        upstream = read_url(sim, r"listening on (http://\S+)")
+        with process("proxy", "--upstream", upstream, "--listen", "127.0.0.1:0",
+                     "--metrics-listen", "127.0.0.1:0", "--health-interval", "0") as proxy:
+            url = read_url(proxy, r"proxy listening on (http://\S+)")
+            admin = read_url(proxy, r"admin on (http://\S+)")
+            body = json.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 3,
+                               "stream": True}).encode()
+            request = urllib.request.Request(url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert response.read().endswith(b"data: [DONE]\n\n")
+            with urllib.request.urlopen(admin + "/stats", timeout=10) as response:
+                assert json.load(response)["outcomes"]["ok"] == 1
+            proxy.send_signal(signal.SIGTERM)
+            assert proxy.wait(timeout=15) == 0
+        sim.send_signal(signal.SIGINT)
+        assert sim.wait(timeout=15) == 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((), "at least one upstream"),
+    (("--upstream", "localhost:8000"), "http(s) URL"),
+    (("--upstream", "http://127.0.0.1:1", "--ttft-timeout", "soon"), "not a duration"),
+    (("--upstream", "http://127.0.0.1:1", "--slo", "ttft=1s,latency=2s"), "bad SLO term"),
+])
+def test_bad_settings_exit_2_with_the_reason(args: tuple[str, ...], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "sidecar", "proxy", *args],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2
+    assert message in done.stderr

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from sidecar.proxy.relay import filtered_headers, prompt_prefix_key, request_id_from
+
+
+def test_hop_by_hop_headers_are_dropped_and_the_rest_forwarded() -> None:
+    headers = CIMultiDict([
+        ("Connection", "keep-alive, X-Private-Hop"), ("Keep-Alive", "timeout=5"),
+        ("Transfer-Encoding", "chunked"), ("Host", "client.example"), ("Content-Length", "10"),
+        ("X-Private-Hop", "drop me"), ("Upgrade", "h2c"), ("TE", "trailers"),
+        ("Authorization", "Bearer sk-x"), ("traceparent", "00-abc-def-01"),
+        ("tracestate", "k=v"), ("X-Session-ID", "s1"), ("Accept", "text/event-stream"),
+    ])
+    out = filtered_headers(headers)
+    assert sorted(out.keys()) == sorted(
+        ["Authorization", "traceparent", "tracestate", "X-Session-ID", "Accept"])
+    assert out["traceparent"] == "00-abc-def-01"
+
+
+def test_request_ids_are_honoured_when_sane_else_generated() -> None:
+    given = CIMultiDictProxy(CIMultiDict({"X-Request-Id": "abc-123"}))
+    assert request_id_from(given) == "abc-123"
+    for bad in ("x" * 500, "line\nbreak"):
+        generated = request_id_from(CIMultiDictProxy(CIMultiDict({"X-Request-Id": bad})))
+        assert generated != bad and len(generated) == 32
+    assert len(request_id_from(CIMultiDictProxy(CIMultiDict()))) == 32
+
+
+def test_prefix_keys() -> None:
+    assert prompt_prefix_key({"prompt": "abcdef"}, chars=3, tokens=2) == b"abc"
+    assert prompt_prefix_key({"prompt": [[5, 6, 7]]}, chars=3, tokens=2) == b"5,6"
+    assert prompt_prefix_key({"prompt": [5, 6, 7]}, chars=3, tokens=2) == b"5,6"
+    chat = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert prompt_prefix_key(chat, chars=100, tokens=2) == b"system:be brief\nuser:hi"
+    assert prompt_prefix_key({"messages": "junk"}, chars=10, tokens=2) is None
