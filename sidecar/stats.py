@@ -442,3 +442,40 @@ def engine_report(records: Iterable[RequestRecord]) -> EngineReport:
         mean_itl=summarize(itl),
         generation_time=summarize(generation),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Named SLO classes
+
+
+DEFAULT_SLO_CLASS = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class SLOPolicy:
+    """Named SLO classes; a record's class is ``record.attributes["slo_class"]`` (set by the
+    proxy from a header or the model), falling back to ``default_class``."""
+
+    classes: Mapping[str, SLO]
+    default_class: str = DEFAULT_SLO_CLASS
+
+    def __post_init__(self) -> None:
+        if self.default_class not in self.classes:
+            raise ValueError(f"default SLO class {self.default_class!r} is not declared")
+
+    def class_of(self, record: RequestRecord) -> str:
+        name = record.attributes.get("slo_class")
+        return name if name is not None and name in self.classes else self.default_class
+
+    def judge(self, record: RequestRecord,
+              vantage: Vantage = Vantage.CLIENT) -> tuple[str, bool]:
+        """(class name, good?) for one request: good = succeeded and met every declared
+        threshold of its class, from ``vantage``."""
+        name = self.class_of(record)
+        if not record.ok:
+            return name, False
+        metrics = request_metrics(record, vantage)
+        if metrics is None:
+            return name, False
+        met, _unjudged = slo_verdict(metrics, self.classes[name])
+        return name, met

@@ -245,3 +245,22 @@ def test_engine_report_keeps_vllm_semantics_apart() -> None:
     assert report.queue_time.mean == pytest.approx(0.055)
     assert report.ttft_from_scheduled.mean == pytest.approx(0.040)
     assert report.mean_itl.mean == pytest.approx(0.030)
+
+
+def test_slo_policy_judges_each_request_by_its_class() -> None:
+    from dataclasses import replace
+
+    policy = stats.SLOPolicy({"default": stats.SLO(ttft_s=0.5),
+                              "interactive": stats.SLO(ttft_s=0.1)})
+    fast = make_record(marks((80, 1), (100, 1)), n_out=2)
+    medium = make_record(marks((300, 1), (320, 1)), n_out=2)
+    assert policy.judge(fast) == ("default", True)
+    assert policy.judge(medium) == ("default", True)
+    medium_interactive = replace(medium, attributes={"slo_class": "interactive"})
+    assert policy.judge(medium_interactive) == ("interactive", False)
+    unknown = replace(fast, attributes={"slo_class": "batch"})
+    assert policy.class_of(unknown) == "default"
+    failed = make_record((), outcome=Outcome.TIMEOUT, end_ms=10)
+    assert policy.judge(failed) == ("default", False)
+    with pytest.raises(ValueError, match="not declared"):
+        stats.SLOPolicy({"a": stats.SLO(ttft_s=1.0)})
