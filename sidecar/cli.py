@@ -15,6 +15,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 from sidecar import __version__
 from sidecar.config import (
@@ -23,12 +30,12 @@ from sidecar.config import (
     RoutePolicy,
     build_config,
     load_config_file,
-    parse_slo,
 )
 from sidecar.hooks import SinkFanout
 from sidecar.proxy.app import ProxyServer
+from sidecar.sinks.prometheus import LiveCollector, PrometheusSink, ReplicaState
 from sidecar.sinks.window import WindowSink
-from sidecar.stats import SLO
+from sidecar.stats import SLO, SLOPolicy
 
 AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -115,7 +122,28 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", dest="window_s", metavar="DURATION",
                         help="live statistics window [60s]")
     parser.add_argument("--slo", metavar="SPEC",
-                        help="declared SLOs for goodput, e.g. ttft=500ms,tpot=50ms,e2e=20s")
+                        help="the default SLO class, e.g. ttft=500ms,tpot=50ms,e2e=20s")
+    parser.add_argument("--slo-class", dest="slo_classes", action="append", metavar="NAME:SPEC",
+                        help="a named SLO class, e.g. interactive:ttft=200ms,tpot=30ms (repeat)")
+    parser.add_argument("--slo-class-header", metavar="NAME",
+                        help="request header whose value names the SLO class (e.g. X-Priority)")
+    parser.add_argument("--slo-model-class", dest="slo_model_classes", action="append",
+                        metavar="MODEL=CLASS", help="SLO class of a model's requests (repeat)")
+    parser.add_argument("--otel-endpoint", metavar="URL",
+                        help="OTLP/HTTP endpoint for metrics (default: OTEL_EXPORTER_OTLP_ENDPOINT "
+                        "when set; no OpenTelemetry export otherwise)")
+    parser.add_argument("--otel-exponential-histograms", action="store_const", const=True,
+                        help="export base-2 exponential histograms instead of the conventions' "
+                        "explicit buckets")
+    parser.add_argument("--otel-traces", action="store_const", const=True,
+                        help="also export one span per request (OTLP/HTTP)")
+    parser.add_argument("--otel-provider-name", metavar="NAME",
+                        help="gen_ai.provider.name attribute [vllm]")
+    parser.add_argument("--label-cap", type=int, metavar="N",
+                        help="distinct model/replica label values before 'other' [64]")
+    parser.add_argument("--engine-scrape-interval", metavar="DURATION",
+                        help="scrape each upstream's /metrics for the engine view; 0 disables "
+                        "[15s]")
     parser.add_argument("--log-requests", action="store_const", const=True,
                         help="log one line per request (ids, outcome, counts; never text)")
 
@@ -124,7 +152,10 @@ def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
     names = ("upstreams", "listen", "metrics_listen", "route_policy", "session_header",
              "connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
              "max_body_bytes", "max_concurrency", "inject_usage", "assemble_nonstream",
-             "retry_connect", "health_interval", "eject_after", "window_s", "log_requests")
+             "retry_connect", "health_interval", "eject_after", "window_s", "log_requests",
+             "slo", "slo_classes", "slo_class_header", "slo_model_classes", "otel_endpoint",
+             "otel_exponential_histograms", "otel_traces", "otel_provider_name", "label_cap",
+             "engine_scrape_interval")
     return {name: getattr(args, name, None) for name in names}
 
 
@@ -132,13 +163,12 @@ async def run_proxy(args: argparse.Namespace) -> int:
     try:
         file_settings = load_config_file(args.config) if args.config else None
         config = build_config(_proxy_flags(args), file_settings=file_settings)
-        slo = _slo_from(parse_slo(args.slo)) if args.slo else None
     except ConfigError as exc:
         print(f"sidecar proxy: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    server, _window = build_proxy_server(config, slo)
+    server, _window = build_proxy_server(config)
     await server.start()
     print(f"proxy listening on {server.url} -> {', '.join(config.upstreams)} "
           f"(route policy {config.route_policy.value})", flush=True)
@@ -150,21 +180,38 @@ async def run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slo_from(thresholds: dict[str, float]) -> SLO:
-    return SLO(ttft_s=thresholds.get("ttft"), tpot_s=thresholds.get("tpot"),
-               e2e_s=thresholds.get("e2e"))
+def slo_policy_of(config: ProxyConfig) -> SLOPolicy | None:
+    classes = {
+        name: SLO(ttft_s=t.get("ttft"), tpot_s=t.get("tpot"), e2e_s=t.get("e2e"))
+        for name, t in config.slo_thresholds().items()
+    }
+    return SLOPolicy(classes) if classes else None
 
 
-def build_proxy_server(config: ProxyConfig,
-                       slo: SLO | None = None) -> tuple[ProxyServer, WindowSink]:
+def build_proxy_server(config: ProxyConfig) -> tuple[ProxyServer, WindowSink]:
     """The proxy with its sinks wired: the one place that knows both."""
+    slo_policy = slo_policy_of(config)
     window = WindowSink(config.window_s, config.window_max_records)
-    fanout = SinkFanout([window])
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    prometheus = PrometheusSink(registry, slo_policy, label_cap=config.label_cap)
+    fanout = SinkFanout([window, prometheus])
+    server = ProxyServer(config, fanout)
+    router = server.proxy.router
+    registry.register(LiveCollector(
+        window, fanout, slo_policy,
+        lambda: [ReplicaState(r.label, r.outstanding, r.healthy) for r in router.replicas]))
 
     async def stats_handler(_request: web.Request) -> web.Response:
-        return web.json_response(window.snapshot(slo))
+        return web.json_response(window.snapshot(slo_policy))
 
-    server = ProxyServer(config, fanout, admin_routes=[web.get("/stats", stats_handler)])
+    async def metrics_handler(_request: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    server.add_admin_routes([web.get("/stats", stats_handler),
+                             web.get("/metrics", metrics_handler)])
     return server, window
 
 

@@ -110,7 +110,23 @@ class ProxyConfig:
     window_s: float = 60.0  # live statistics window
     window_max_records: int = 100_000  # bound on the live window, whatever the traffic
     log_requests: bool = False  # one log line per request (no text, no credentials)
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    # SLOs: the default class ("ttft=500ms,tpot=50ms"), named classes (name -> spec), and how a
+    # request picks its class: a header naming the class, else its model, else "default".
+    slo: str | None = None
+    slo_classes: Mapping[str, str] = field(default_factory=dict)
+    slo_class_header: str | None = None
+    slo_model_classes: Mapping[str, str] = field(default_factory=dict)
+    # Export.
+    otel_endpoint: str | None = None
+    otel_exponential_histograms: bool = False
+    otel_traces: bool = False
+    otel_provider_name: str = "vllm"
+    label_cap: int = 64  # distinct values per metric label (model, replica) before "other"
+    engine_scrape_interval: float = 15.0  # upstream /metrics scrapes for the engine view; 0=off
+
+    def slo_thresholds(self) -> dict[str, dict[str, float]]:
+        """SLO class name -> {metric: seconds}; empty when no SLO was declared."""
+        return _slo_thresholds(self)
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -124,6 +140,10 @@ class ProxyConfig:
             raise ConfigError("retry_connect must be >= 0")
         if self.window_s <= 0:
             raise ConfigError("window_s must be > 0")
+        thresholds = self.slo_thresholds()
+        for model, name in self.slo_model_classes.items():
+            if name not in thresholds:
+                raise ConfigError(f"model {model!r} maps to undeclared SLO class {name!r}")
         if self.listen_port != 0 and self.listen_port == self.metrics_port and (
             self.listen_host == self.metrics_host
         ):
@@ -133,11 +153,24 @@ class ProxyConfig:
             )
 
 
+def _slo_thresholds(config: ProxyConfig) -> dict[str, dict[str, float]]:
+    classes = {"default": parse_slo(config.slo)} if config.slo else {}
+    for name, spec in config.slo_classes.items():
+        if name == "default" and "default" in classes:
+            raise ConfigError("SLO class 'default' declared by both --slo and --slo-class")
+        classes[name] = parse_slo(spec)
+    if classes and "default" not in classes:
+        raise ConfigError("named SLO classes need a default class too: add --slo SPEC")
+    return classes
+
+
 _DURATIONS = {"connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
-              "health_interval", "health_timeout", "window_s"}
-_BOOLS = {"inject_usage", "assemble_nonstream", "log_requests"}
+              "health_interval", "health_timeout", "window_s", "engine_scrape_interval"}
+_BOOLS = {"inject_usage", "assemble_nonstream", "log_requests", "otel_exponential_histograms",
+          "otel_traces"}
 _INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
-         "window_max_records", "prefix_block_chars", "prefix_block_tokens"}
+         "window_max_records", "prefix_block_chars", "prefix_block_tokens", "label_cap"}
+_MAPPINGS = {"slo_classes": ":", "slo_model_classes": "="}
 # "listen" and "metrics_listen" are HOST:PORT shorthands for the host/port pairs.
 SETTING_NAMES = tuple(f.name for f in fields(ProxyConfig) if f.name != "extra") + (
     "listen",
@@ -173,7 +206,23 @@ def _coerce(name: str, value: Any) -> Any:
         return tuple(normalise_upstream(str(item)) for item in items if str(item).strip())
     if name == "listen_port" or name == "metrics_port":
         return int(value)
+    if name in _MAPPINGS:
+        return _mapping(name, value, _MAPPINGS[name])
     return str(value)
+
+
+def _mapping(name: str, value: Any, separator: str) -> dict[str, str]:
+    """A mapping from a file table, or from 'k<sep>v' items (flags, env: ';'-separated)."""
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    items = value.split(";") if isinstance(value, str) else list(value)
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, rest = str(item).partition(separator)
+        if not sep or not key.strip() or not rest.strip():
+            raise ConfigError(f"{name}: expected KEY{separator}VALUE, got {item!r}")
+        out[key.strip()] = rest.strip()
+    return out
 
 
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import aiohttp
 
 from sidecar import stats
 from sidecar.cli import build_proxy_server, wait_for_shutdown_signal
-from sidecar.config import build_config, parse_duration, parse_slo
+from sidecar.config import ConfigError, build_config, parse_duration, parse_slo
 from sidecar.record import RequestRecord, Vantage
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
@@ -72,7 +72,7 @@ async def run(args: argparse.Namespace) -> int:
     try:
         duration = parse_duration(args.duration)
         thresholds = parse_slo(args.slo)
-    except ValueError as exc:
+    except ConfigError as exc:
         print(f"sidecar demo: {exc}", file=sys.stderr)
         return 2
     if args.rate <= 0 or args.replicas < 1:
@@ -83,14 +83,16 @@ async def run(args: argparse.Namespace) -> int:
     replicas = await start_replicas(SimConfig(model=args.model, engine=EngineConfig()),
                                     args.replicas)
     config = build_config({"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
-                           "metrics_listen": "127.0.0.1:0", "window_s": "10s"}, {})
-    server, window = build_proxy_server(config, slo)
+                           "metrics_listen": "127.0.0.1:0", "window_s": "10s",
+                           "slo": args.slo}, {})
+    server, window = build_proxy_server(config)
     everything = RecordList()
     server.proxy.fanout.add(everything)
     await server.start()
     out = sys.stdout
     print(f"replicas: {', '.join(r.url for r in replicas)}", file=out)
-    print(f"proxy:    {server.url}   live stats: {server.admin_url}/stats", file=out)
+    print(f"proxy:    {server.url}   live stats: {server.admin_url}/stats   "
+          f"Prometheus: {server.admin_url}/metrics", file=out)
     print(f"load:     open loop, Poisson, {args.rate:g} req/s for {duration:g} s; "
           f"SLO {slo.describe()}\n", file=out, flush=True)
     started = time.monotonic()

@@ -5,89 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from proxy_stack import FAST_ENGINE, stack
 
-from sidecar.cli import build_proxy_server
-from sidecar.config import build_config
-from sidecar.proxy.app import ProxyServer
-from sidecar.record import Outcome, RequestRecord, TokenSource
+from sidecar.record import Outcome, TokenSource
 from sidecar.sim.engine import EngineConfig
-from sidecar.sim.server import RunningReplica, SimConfig, close_replicas, start_replicas
-from sidecar.sinks.window import WindowSink
-
-FAST_ENGINE = EngineConfig(step_floor_s=0.002, per_token_s=0.0)
-
-
-class Collect:
-    name = "collect"
-
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-        self.arrived = asyncio.Event()
-
-    def on_record(self, record: RequestRecord) -> None:
-        self.records.append(record)
-        self.arrived.set()
-
-    async def wait_for(self, count: int, timeout: float = 10.0) -> list[RequestRecord]:
-        async def until() -> None:
-            while len(self.records) < count:
-                self.arrived.clear()
-                await self.arrived.wait()
-
-        await asyncio.wait_for(until(), timeout)
-        return self.records
-
-
-class Stack:
-    def __init__(self, replicas: list[RunningReplica], server: ProxyServer, window: WindowSink,
-                 records: Collect) -> None:
-        self.replicas = replicas
-        self.server = server
-        self.window = window
-        self.records = records
-        self.spare: RunningReplica = replicas[0]
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    @property
-    def direct(self) -> str:
-        """A replica of its own, not behind the proxy, that has seen the same sequence of
-        requests as the proxied one: the simulator's output depends on a per-replica request
-        counter, so comparisons send the same requests in the same order to both."""
-        return self.spare.url
-
-
-@asynccontextmanager
-async def stack(n_replicas: int = 1, sim: SimConfig | None = None,
-                **settings: Any) -> AsyncIterator[Stack]:
-    sim_config = sim or SimConfig(model="m", engine=FAST_ENGINE)
-    replicas = await start_replicas(sim_config, n_replicas)
-    # Started on its own so that it is "replica 0" too, with replica 0's seed.
-    (spare,) = await start_replicas(sim_config, 1)
-    flags = {"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
-             "metrics_listen": "127.0.0.1:0", "health_interval": "0", **settings}
-    server, window = build_proxy_server(build_config(flags, {}))
-    records = Collect()
-    server.proxy.fanout.add(records)
-    await server.start()
-    stack = Stack(replicas, server, window, records)
-    stack.spare = spare
-    try:
-        yield stack
-    finally:
-        await server.close()
-        await close_replicas([*replicas, spare])
-
+from sidecar.sim.server import SimConfig
 
 CREATED = re.compile(rb'"created": ?\d+')
 
@@ -219,8 +149,8 @@ async def test_server_side_stamps_match_the_simulators_ground_truth(tmp_path: Pa
     # ITL: every gap the proxy saw against the gap the simulator wrote. The engine steps every
     # 20 ms, so a mark paired with the wrong chunk would be off by >= 20 ms; the tolerance
     # (5 ms) is far above the proxy's real error (see benchmarks/RESULTS.md) and far below that.
-    proxy_gaps = [b.offset_ns - a.offset_ns for a, b in zip(marks, marks[1:])]
-    truth_gaps = [b - a for a, b in zip(token_stamps, token_stamps[1:])]
+    proxy_gaps = [b.offset_ns - a.offset_ns for a, b in pairwise(marks)]
+    truth_gaps = [b - a for a, b in pairwise(token_stamps)]
     assert max(abs(p - t) for p, t in zip(proxy_gaps, truth_gaps, strict=True)) < 5_000_000
     proxy_ttft = marks[0].offset_ns - record.server.start_ns
     truth_ttft = token_stamps[0] - line["received_ns"]

@@ -56,10 +56,14 @@ class ProxyServer:
                  admin_routes: Sequence[web.RouteDef] = ()) -> None:
         self.config = config
         self.proxy = Proxy(config, fanout)
-        self._admin_routes = admin_routes
+        self._admin_routes: list[web.RouteDef] = list(admin_routes)
         self._runners: list[web.AppRunner] = []
         self.url = ""
         self.admin_url = ""
+
+    def add_admin_routes(self, routes: Sequence[web.RouteDef]) -> None:
+        """Routes for the admin listener (before `start`): /stats, /metrics, ..."""
+        self._admin_routes.extend(routes)
 
     async def start(self) -> None:
         await self.proxy.start()

@@ -262,6 +262,7 @@ class Proxy:
         self.requests_total = 0
         self.records_total = 0
         self.rewritten_events = 0  # events re-encoded because they could not be edited as text
+        self._slo_class_names = frozenset(config.slo_thresholds())
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
 
@@ -387,6 +388,21 @@ class Proxy:
         await response.write_eof()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         return response
+
+    def _slo_class(self, request: web.Request, model: str | None) -> str | None:
+        """The request's SLO class: named by the class header, else by its model, else none
+        (sinks then use the default class). Unknown header values are ignored, so a client
+        cannot invent classes (and labels)."""
+        if not self._slo_class_names:
+            return None
+        header = self.config.slo_class_header
+        if header is not None:
+            named = request.headers.get(header)
+            if named is not None and named in self._slo_class_names:
+                return named
+        if model is not None:
+            return self.config.slo_model_classes.get(model)
+        return None
 
     # -- upstream connection with retry ---------------------------------------------------
 
@@ -530,6 +546,13 @@ class Proxy:
         builder.upstream_stream = builder.client_stream or assemble
         if assemble:
             builder.attributes["assembled"] = "true"
+        slo_class = self._slo_class(request, builder.model)
+        if slo_class is not None:
+            builder.attributes["slo_class"] = slo_class
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None and _TRACEPARENT.fullmatch(traceparent):
+            # Kept so that a tracing sink can parent its span; it is an id, not content.
+            builder.attributes["traceparent"] = traceparent
         headers = self._upstream_headers(request, builder.request_id, parsed=True)
         timeouts = _Timeouts(config, builder.upstream_stream)
         upstream: aiohttp.ClientResponse | None = None
@@ -827,6 +850,7 @@ class Proxy:
         return response
 
 
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _SAFE_ERROR_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 

@@ -62,7 +62,7 @@ class WindowSink:
             self._records.popleft()
         return [r for r in self._records if _end_wall_ns(r) >= horizon]
 
-    def snapshot(self, slo: stats.SLO | None = None) -> dict[str, Any]:
+    def snapshot(self, slo_policy: stats.SLOPolicy | None = None) -> dict[str, Any]:
         records = self.records()
         generation = [r for r in records if r.endpoint in GENERATION_ENDPOINTS]
         interval = min(self.window_s, stats.measured_interval_s(generation)) if generation else 0.0
@@ -105,16 +105,22 @@ class WindowSink:
             "total_tokens_per_s": t.total_tokens_per_s,
             "output_tokens_estimated": t.output_tokens_estimated,
         }
-        if slo is not None:
-            g = stats.goodput(generation, slo, interval)
-            out["goodput"] = {
-                "slo": slo.describe(),
-                "vantage": g.vantage.value,
-                "good_requests": g.good_requests,
-                "denominator_all_requests": g.total_requests,
-                "attainment": g.attainment,
-                "good_requests_per_s": g.good_requests_per_s,
-                "good_output_tokens_per_s": g.good_output_tokens_per_s,
-                "judged_without": dict(g.judged_without),
-            }
+        if slo_policy is not None:
+            by_class: dict[str, list[RequestRecord]] = {name: [] for name in slo_policy.classes}
+            for record in generation:
+                by_class[slo_policy.class_of(record)].append(record)
+            out["goodput"] = {}
+            for name, members in by_class.items():
+                slo = slo_policy.classes[name]
+                g = stats.goodput(members, slo, interval)
+                out["goodput"][name] = {
+                    "slo": slo.describe(),
+                    "vantage": g.vantage.value,
+                    "good_requests": g.good_requests,
+                    "denominator_all_requests": g.total_requests,
+                    "attainment": g.attainment,
+                    "good_requests_per_s": g.good_requests_per_s,
+                    "good_output_tokens_per_s": g.good_output_tokens_per_s,
+                    "judged_without": dict(g.judged_without),
+                }
         return out

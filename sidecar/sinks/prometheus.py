@@ -1,0 +1,303 @@
+"""Prometheus export: mergeable histograms per vantage, goodput counters, exact window gauges.
+
+Why these buckets. Percentiles across many sidecars must come from mergeable data
+(spec/metrics.md section 3): `histogram_quantile(q, sum by (le) (rate(..._bucket[5m])))`. Its
+error is bounded by the width of the bucket the quantile falls in, so the buckets are a
+log-spaced E6 series (1, 1.5, 2.2, 3.3, 4.7, 6.8 per decade: neighbours at most 1.5x apart)
+from 100 µs, below any inter-token gap a GPU produces, to 1000 s, beyond any sane request.
+vLLM's own ITL buckets start at 10 ms, where a fast decode step already is; ours resolve a
+sub-millisecond proxy overhead and a 5 ms ITL alike. Every declared SLO threshold is added as a
+bucket boundary too, so `le="<threshold>"` counts exactly the requests under it. One set serves
+every latency metric, so panels can put client, server and engine side by side.
+
+Exact figures for one sidecar come from the window gauges (numpy over the live window, computed
+at scrape time, off the request path). Labels are bounded: model and replica values past
+``label_cap`` distinct ones become "other"; endpoint is chat|completions|other; outcome, vantage
+and SLO class come from closed sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sidecar import stats
+from sidecar.hooks import SinkFanout
+from sidecar.record import Outcome, RequestRecord, TokenSource, Vantage
+from sidecar.sinks.window import GENERATION_ENDPOINTS, WindowSink
+
+E6 = (1.0, 1.5, 2.2, 3.3, 4.7, 6.8)
+OTHER = "other"
+
+
+def e6_buckets(low_exponent: int = -4, high_exponent: int = 3) -> tuple[float, ...]:
+    """E6 series from 10**low to 10**high inclusive: 100 µs .. 1000 s by default."""
+    values = [round(m * 10.0**e, 10) for e in range(low_exponent, high_exponent) for m in E6]
+    values.append(float(10**high_exponent))
+    return tuple(values)
+
+
+def latency_buckets(extra: Iterable[float] = ()) -> tuple[float, ...]:
+    return tuple(sorted(set(e6_buckets()) | {round(x, 10) for x in extra if x > 0}))
+
+
+# Token counts: 1-2-5 per decade up to 1M tokens (vLLM's TOK_B shape, extended).
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 6) for m in (1, 2, 5)) + (1e6,)
+
+
+class LabelLimiter:
+    """Caps the distinct values one label takes: the first ``cap`` pass, the rest are 'other'.
+
+    A client chooses the model name it sends; without a cap it could create series without end.
+    """
+
+    __slots__ = ("cap", "_seen")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str | None) -> str:
+        if value is None or value == "":
+            return "unknown"
+        if value in self._seen:
+            return value
+        if len(self._seen) < self.cap:
+            self._seen.add(value)
+            return value
+        return OTHER
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    replica: str
+    in_flight: int
+    healthy: bool
+
+
+class PrometheusSink:
+    """Turns each record into histogram observations and counter increments (synchronous,
+    a few microseconds plus ~1 µs per streamed event)."""
+
+    name = "prometheus"
+
+    def __init__(self, registry: CollectorRegistry, slo_policy: stats.SLOPolicy | None = None,
+                 label_cap: int = 64) -> None:
+        self.registry = registry
+        self.slo_policy = slo_policy
+        self._model = LabelLimiter(label_cap)
+        self._replica = LabelLimiter(label_cap)
+        thresholds = [
+            limit
+            for slo in (slo_policy.classes.values() if slo_policy else ())
+            for limit in (slo.ttft_s, slo.tpot_s, slo.e2e_s)
+            if limit is not None
+        ]
+        buckets = latency_buckets(thresholds)
+        self.latency_buckets = buckets
+        hist_labels = ("model", "replica", "vantage")
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, hist_labels, registry=registry, buckets=buckets)
+
+        self.ttft = histogram(
+            "sidecar_time_to_first_token_seconds",
+            "Time to the first token-carrying event, per request. client: from the request "
+            "fully received by the proxy; server: from the request sent upstream; engine: vLLM's "
+            "own, from scheduling (queue excluded).")
+        self.itl = histogram(
+            "sidecar_inter_token_latency_seconds",
+            "Gap between consecutive token-carrying events (sample = event, not token).")
+        self.tpot = histogram(
+            "sidecar_time_per_output_token_seconds",
+            "(E2E - TTFT) / (N_out - 1) per request; requests with N_out <= 1 are not observed "
+            "(see sidecar_requests_without_tpot_total). engine: vLLM's mean ITL.")
+        self.e2e = histogram(
+            "sidecar_e2e_request_latency_seconds",
+            "From the vantage's start to the last token-carrying event (or the stream end).")
+        self.engine_queue = Histogram(
+            "sidecar_engine_queue_time_seconds",
+            "Queue time vLLM reported for the request (--enable-per-request-metrics).",
+            ("model", "replica"), registry=registry, buckets=buckets)
+        self.prompt_len = Histogram(
+            "sidecar_request_prompt_tokens", "Prompt tokens per successful request (usage).",
+            ("model",), registry=registry, buckets=TOKEN_BUCKETS)
+        self.output_len = Histogram(
+            "sidecar_request_generation_tokens",
+            "Output tokens per successful request (usage, else the estimate).",
+            ("model",), registry=registry, buckets=TOKEN_BUCKETS)
+        self.requests = Counter(
+            "sidecar_requests", "Requests that reached the sidecar, by outcome.",
+            ("model", "replica", "endpoint", "outcome"), registry=registry)
+        self.prompt_tokens = Counter(
+            "sidecar_prompt_tokens", "Prompt tokens of successful requests (upstream usage).",
+            ("model", "replica"), registry=registry)
+        self.generation_tokens = Counter(
+            "sidecar_generation_tokens", "Output tokens of successful requests.",
+            ("model", "replica"), registry=registry)
+        self.cached_tokens = Counter(
+            "sidecar_cached_prompt_tokens",
+            "Prompt tokens the upstream served from its prefix cache (when it reports them).",
+            ("model", "replica"), registry=registry)
+        self.estimated = Counter(
+            "sidecar_requests_with_estimated_tokens",
+            "Successful requests whose per-event or total token counts are estimates "
+            "(no usage from the upstream).", ("model",), registry=registry)
+        self.no_tpot = Counter(
+            "sidecar_requests_without_tpot",
+            "Successful requests with N_out <= 1: no TPOT, excluded from its histogram.",
+            ("model",), registry=registry)
+        slo_labels = ("slo_class",)
+        self.slo_requests = Counter(
+            "sidecar_slo_requests",
+            "Goodput denominator: every chat/completions request of the class, failures "
+            "included.", slo_labels, registry=registry)
+        self.slo_good = Counter(
+            "sidecar_slo_good_requests",
+            "Requests that succeeded and met every threshold of their SLO class (client "
+            "vantage).", slo_labels, registry=registry)
+        self.slo_good_tokens = Counter(
+            "sidecar_slo_good_generation_tokens",
+            "Output tokens of the requests counted in sidecar_slo_good_requests_total.",
+            slo_labels, registry=registry)
+        threshold = Gauge(
+            "sidecar_slo_threshold_seconds",
+            "Declared SLO thresholds, by class and metric (ttft, tpot, e2e).",
+            ("slo_class", "metric"), registry=registry)
+        if slo_policy is not None:
+            for name, slo in slo_policy.classes.items():
+                for metric, limit in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s),
+                                      ("e2e", slo.e2e_s)):
+                    if limit is not None:
+                        threshold.labels(name, metric).set(limit)
+
+    def on_record(self, record: RequestRecord) -> None:
+        generation = record.endpoint in GENERATION_ENDPOINTS
+        model = self._model(record.model) if generation else OTHER
+        replica = self._replica(record.replica)
+        endpoint = record.endpoint if generation else OTHER
+        self.requests.labels(model, replica, endpoint, record.outcome.value).inc()
+        if not generation:
+            return
+        if self.slo_policy is not None:
+            slo_class, good = self.slo_policy.judge(record)
+            self.slo_requests.labels(slo_class).inc()
+            if good:
+                self.slo_good.labels(slo_class).inc()
+                self.slo_good_tokens.labels(slo_class).inc(
+                    stats.output_tokens(record, record.client))
+        if record.outcome is not Outcome.OK:
+            return
+        for vantage in (Vantage.CLIENT, Vantage.SERVER):
+            metrics = stats.request_metrics(record, vantage)
+            if metrics is None:
+                continue
+            labels = (model, replica, vantage.value)
+            if metrics.ttft_s is not None:
+                self.ttft.labels(*labels).observe(metrics.ttft_s)
+            if metrics.e2e_s is not None:
+                self.e2e.labels(*labels).observe(metrics.e2e_s)
+            if metrics.tpot_s is not None:
+                self.tpot.labels(*labels).observe(metrics.tpot_s)
+            elif vantage is Vantage.CLIENT and metrics.n_out <= 1:
+                self.no_tpot.labels(model).inc()
+            if metrics.itl_s:
+                observe = self.itl.labels(*labels).observe
+                for gap in metrics.itl_s:
+                    observe(gap)
+        engine = record.engine
+        if engine is not None:
+            labels = (model, replica, Vantage.ENGINE.value)
+            if engine.time_to_first_token_ms is not None:
+                self.ttft.labels(*labels).observe(engine.time_to_first_token_ms / 1000)
+            if engine.mean_itl_ms is not None:
+                self.tpot.labels(*labels).observe(engine.mean_itl_ms / 1000)
+            if engine.queue_time_ms is not None:
+                self.engine_queue.labels(model, replica).observe(engine.queue_time_ms / 1000)
+        if record.n_in is not None:
+            self.prompt_tokens.labels(model, replica).inc(record.n_in)
+            self.prompt_len.labels(model).observe(record.n_in)
+        n_out = stats.output_tokens(record, record.server or record.client)
+        self.generation_tokens.labels(model, replica).inc(n_out)
+        self.output_len.labels(model).observe(n_out)
+        if record.n_cached:
+            self.cached_tokens.labels(model, replica).inc(record.n_cached)
+        if record.token_source is not TokenSource.USAGE:
+            self.estimated.labels(model).inc()
+
+
+WINDOW_QUANTILES = (0.5, 0.9, 0.99)
+
+
+class LiveCollector(Collector):
+    """Gauges computed at scrape time: exact window quantiles and attainment, replica state,
+    sink errors. Nothing here runs on the request path."""
+
+    def __init__(self, window: WindowSink, fanout: SinkFanout,
+                 slo_policy: stats.SLOPolicy | None,
+                 replicas: Callable[[], Sequence[ReplicaState]]) -> None:
+        self.window = window
+        self.fanout = fanout
+        self.slo_policy = slo_policy
+        self.replicas = replicas
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # computed on each scrape; no fixed description needed at registration
+
+    def collect(self) -> Iterator[Metric]:
+        window_s = f"{self.window.window_s:g}"
+        records = [r for r in self.window.records() if r.endpoint in GENERATION_ENDPOINTS]
+        latency = GaugeMetricFamily(
+            "sidecar_window_latency_seconds",
+            f"Exact quantiles over the last {window_s} s (numpy, linear interpolation; this "
+            "sidecar only: never average these across sidecars, use the histograms).",
+            labels=("metric", "vantage", "quantile"))
+        for vantage in (Vantage.CLIENT, Vantage.SERVER):
+            report = stats.vantage_report(records, vantage)
+            for metric, summary in (("ttft", report.ttft), ("itl", report.itl),
+                                    ("tpot", report.tpot), ("e2e", report.e2e)):
+                if summary.count == 0:
+                    continue
+                for q in WINDOW_QUANTILES:
+                    value = summary.p(q * 100)
+                    if value is not None:
+                        latency.add_metric((metric, vantage.value, f"{q:g}"), value)
+        yield latency
+        outcomes = GaugeMetricFamily(
+            "sidecar_window_requests", f"Requests that ended in the last {window_s} s.",
+            labels=("outcome",))
+        for outcome, count in stats.outcome_counts(records).items():
+            outcomes.add_metric((outcome.value,), count)
+        yield outcomes
+        if self.slo_policy is not None:
+            attainment = GaugeMetricFamily(
+                "sidecar_window_slo_attainment",
+                f"Good / all requests of the class over the last {window_s} s (failures "
+                "included; absent when no request of the class ended in the window).",
+                labels=("slo_class",))
+            by_class: dict[str, list[bool]] = {}
+            for record in records:
+                name, good = self.slo_policy.judge(record)
+                by_class.setdefault(name, []).append(good)
+            for name, verdicts in sorted(by_class.items()):
+                attainment.add_metric((name,), sum(verdicts) / len(verdicts))
+            yield attainment
+        in_flight = GaugeMetricFamily("sidecar_in_flight_requests",
+                                      "Requests in flight per replica.", labels=("replica",))
+        up = GaugeMetricFamily("sidecar_replica_healthy",
+                               "1 if the replica is in rotation (health checks).",
+                               labels=("replica",))
+        for state in self.replicas():
+            in_flight.add_metric((state.replica,), state.in_flight)
+            up.add_metric((state.replica,), 1.0 if state.healthy else 0.0)
+        yield in_flight
+        yield up
+        errors = CounterMetricFamily("sidecar_sink_errors",
+                                     "Records a sink failed to take.", labels=("sink",))
+        for sink, count in self.fanout.errors.items():
+            errors.add_metric((sink,), count)
+        yield errors
