@@ -14,6 +14,7 @@ from aiohttp import web
 
 from sidecar.config import ProxyConfig
 from sidecar.hooks import SinkFanout
+from sidecar.proxy.engine_view import merge_views
 from sidecar.proxy.relay import Proxy
 
 
@@ -33,9 +34,11 @@ def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> 
             "replicas": [
                 {"url": r.url, "healthy": r.healthy, "outstanding": r.outstanding,
                  "requests_total": r.requests_total, "ejections": r.ejections,
-                 "consecutive_failures": r.consecutive_failures}
+                 "consecutive_failures": r.consecutive_failures,
+                 "engine": r.engine.to_dict()}
                 for r in proxy.router.replicas
             ],
+            "engine_totals": merge_views(r.engine for r in proxy.router.replicas),
             "requests_total": proxy.requests_total,
             "records_total": proxy.records_total,
             "sink_errors": proxy.fanout.errors,

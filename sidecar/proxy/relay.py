@@ -43,6 +43,7 @@ from sidecar.protocol.openai import (
 from sidecar.protocol.sse import DONE_EVENT, SSEError, SSEParser, encode_data_event
 from sidecar.proxy.assemble import StreamAssembler
 from sidecar.proxy.builder import RecordBuilder
+from sidecar.proxy.engine_view import parse_engine_metrics
 from sidecar.proxy.rewrite import (
     NO_CHANGE,
     UsagePlan,
@@ -265,6 +266,7 @@ class Proxy:
         self._slo_class_names = frozenset(config.slo_thresholds())
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._engine_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -277,12 +279,15 @@ class Proxy:
                                               timeout=aiohttp.ClientTimeout(total=None))
         if self.config.health_interval > 0:
             self._health_task = asyncio.create_task(self._health_loop(), name="health-checks")
+        if self.config.engine_scrape_interval > 0:
+            self._engine_task = asyncio.create_task(self._engine_loop(), name="engine-scrapes")
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._engine_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._session is not None:
             await self._session.close()
 
@@ -297,6 +302,33 @@ class Proxy:
         while True:
             await asyncio.gather(*(self._check(r, timeout) for r in self.router.replicas))
             await asyncio.sleep(self.config.health_interval)
+
+    async def _engine_loop(self) -> None:
+        while True:
+            await self.scrape_engines()
+            await asyncio.sleep(self.config.engine_scrape_interval)
+
+    async def scrape_engines(self) -> None:
+        """Read every replica's /metrics once (the engine's own view: queue, KV, cache)."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        await asyncio.gather(*(self._scrape(r, timeout) for r in self.router.replicas))
+
+    async def _scrape(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
+        try:
+            async with self.session.get(replica.url + "/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    replica.engine.fail(f"http_{resp.status}")
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            replica.engine.fail(type(exc).__name__)
+            return
+        try:
+            values, flavour = parse_engine_metrics(text)
+        except ValueError:
+            replica.engine.fail("unparseable_metrics")
+            return
+        replica.engine.update(values, flavour)
 
     async def _check(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
         try:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sidecar.config import RoutePolicy
+from sidecar.proxy.engine_view import EngineView
 
 
 @dataclass(slots=True, eq=False)
@@ -31,6 +32,7 @@ class Replica:
     consecutive_failures: int = 0
     ejections: int = 0
     requests_total: int = 0
+    engine: EngineView = field(default_factory=EngineView)
     label: str = field(init=False)
 
     def __post_init__(self) -> None:
