@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -108,6 +109,41 @@ def request_metrics(record: RequestRecord, vantage: Vantage) -> RequestMetrics |
     if timeline is None:
         return None
     return timeline_metrics(timeline, output_tokens(record, timeline))
+
+
+class RequestLatency(NamedTuple):
+    """TTFT, TPOT and E2E of one request (seconds), without the per-event ITL list: what SLO
+    judgement and per-request export need, at a fraction of `request_metrics`' cost."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    n_out: int
+
+
+def request_latency(record: RequestRecord, vantage: Vantage) -> RequestLatency | None:
+    timeline = record.timeline(vantage)
+    if timeline is None:
+        return None
+    n_out = output_tokens(record, timeline)
+    first = ttft_ns(timeline)
+    last = e2e_ns(timeline)
+    tpot = tpot_ns(first, last, n_out)
+    return RequestLatency(
+        ttft_s=None if first is None else first / NS_PER_S,
+        tpot_s=None if tpot is None else tpot / NS_PER_S,
+        e2e_s=None if last is None else last / NS_PER_S,
+        n_out=n_out,
+    )
+
+
+def itl_seconds(timeline: Timeline) -> npt.NDArray[np.float64]:
+    """The ITL gaps of a timeline as a numpy array (seconds), for bulk export."""
+    marks = timeline.marks
+    if len(marks) < 2:
+        return np.empty(0, dtype=np.float64)
+    offsets = np.fromiter((m.offset_ns for m in marks), dtype=np.int64, count=len(marks))
+    return np.diff(offsets) / NS_PER_S
 
 
 def token_normalised_itl(itl: Sequence[float], tokens: Sequence[int]) -> list[float]:
@@ -334,7 +370,16 @@ class SLO:
         return ", ".join(parts) if parts else "no SLO declared"
 
 
-def slo_verdict(metrics: RequestMetrics, slo: SLO) -> tuple[bool, tuple[str, ...]]:
+class _Latencies(Protocol):
+    @property
+    def ttft_s(self) -> float | None: ...
+    @property
+    def tpot_s(self) -> float | None: ...
+    @property
+    def e2e_s(self) -> float | None: ...
+
+
+def slo_verdict(metrics: _Latencies, slo: SLO) -> tuple[bool, tuple[str, ...]]:
     """(met, names of declared thresholds that could not be judged) for one request."""
     unjudged: list[str] = []
     met = True
@@ -474,8 +519,8 @@ class SLOPolicy:
         name = self.class_of(record)
         if not record.ok:
             return name, False
-        metrics = request_metrics(record, vantage)
-        if metrics is None:
+        latency = request_latency(record, vantage)
+        if latency is None:
             return name, False
-        met, _unjudged = slo_verdict(metrics, self.classes[name])
+        met, _unjudged = slo_verdict(latency, self.classes[name])
         return name, met

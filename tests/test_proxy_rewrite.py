@@ -59,29 +59,46 @@ def test_plan_without_injection_changes_nothing() -> None:
     assert not plan.modifies and apply_usage_plan(body, plan) is body
 
 
+def event(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
 def test_strip_usage_restores_the_exact_bytes() -> None:
-    stripped = strip_usage_member(CHAT_WITH_USAGE)
+    stripped = strip_usage_member(event(CHAT_WITH_USAGE))
     assert stripped is not None
-    text, position = stripped
-    assert text == CHAT_WITHOUT_USAGE
-    assert CHAT_WITH_USAGE[position:].startswith(',"usage"')
+    out, position = stripped
+    assert out == event(CHAT_WITHOUT_USAGE)
+    assert event(CHAT_WITH_USAGE)[position:].startswith(b',"usage"')
 
 
 def test_strip_ignores_usage_words_inside_text() -> None:
     tricky = CHAT_WITH_USAGE.replace('"content":"Hello"',
                                      '"content":"say \\",\\"usage\\":{} to me"')
-    stripped = strip_usage_member(tricky)
+    stripped = strip_usage_member(event(tricky))
     assert stripped is not None
-    assert json.loads(stripped[0])["choices"][0]["delta"]["content"] == 'say ","usage":{} to me'
-    assert "usage" not in json.loads(stripped[0])
+    obj = json.loads(stripped[0][len(b"data: "):])
+    assert obj["choices"][0]["delta"]["content"] == 'say ","usage":{} to me'
+    assert "usage" not in obj
 
 
 def test_spaced_json_and_nested_details() -> None:
     spaced = ('{"id": "cmpl-1", "choices": [{"text": "x"}], "usage": {"prompt_tokens": 1, '
               '"prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens": 1}, "z": 1}')
-    stripped = strip_usage_member(spaced)
+    stripped = strip_usage_member(event(spaced))
     assert stripped is not None
-    assert json.loads(stripped[0]) == {"id": "cmpl-1", "choices": [{"text": "x"}], "z": 1}
+    assert json.loads(stripped[0][len(b"data: "):]) == {
+        "id": "cmpl-1", "choices": [{"text": "x"}], "z": 1}
+
+
+@pytest.mark.parametrize("payload", [
+    '{"usage":{"prompt_tokens":1}}',  # first member: no comma before it
+    '{"a":1,"usage":{"x":{"y":{"z":1}}}}',  # nested deeper than vLLM's usage ever is
+    '{"a":1,"usage":[1,2]}',  # not an object
+])
+def test_shapes_that_cannot_be_edited_as_text_are_left_to_the_fallback(payload: str) -> None:
+    assert strip_usage_member(event(payload)) is None
+    out, _, reencoded = without_usage(event(payload), payload)
+    assert reencoded and "usage" not in json.loads(out[len(b"data: "):])
 
 
 def test_without_usage_on_a_raw_event_and_the_fallback() -> None:

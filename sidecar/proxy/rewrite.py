@@ -17,8 +17,6 @@ from typing import Any
 
 from sidecar.protocol.openai import stream_usage_options
 
-_USAGE_MEMBER = re.compile(r',\s*"usage"\s*:\s*')
-_DECODER = json.JSONDecoder()
 _DATA_PREFIX = b"data: "
 _EVENT_END = b"\n\n"
 
@@ -75,27 +73,37 @@ def apply_usage_plan(body: dict[str, Any], plan: UsagePlan) -> dict[str, Any]:
     return new_body
 
 
-def strip_usage_member(payload: str) -> tuple[str, int] | None:
-    """Remove the top-level ``"usage": {...}`` member from a JSON object's text.
+# A usage object holds keys, numbers, null and at most one level of nested objects
+# (prompt_tokens_details, completion_tokens_details); never a brace inside a string.
+# Unrolled (no alternation inside the repeat): ~0.6 µs on a vLLM usage object, not ~3 µs.
+_USAGE_VALUE = re.compile(rb'\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}|null)')
+_USAGE_KEY = b'"usage"'
 
-    Returns (new text, index where the member was) or None if the text has no such member in
-    a shape this function can edit safely. Looks from the end: vLLM places usage after
-    ``choices``, so a match there cannot be inside generated text (where quotes are escaped
-    anyway).
+
+def strip_usage_member(raw: bytes) -> tuple[bytes, int] | None:
+    """Remove the top-level ``,"usage": {...}`` member from one event's bytes.
+
+    Returns (new bytes, index where the member was) or None when the bytes have no such member
+    in a shape this function can edit safely (the caller then re-encodes). Looks from the end:
+    vLLM places usage after ``choices``, and inside generated text a quote is always escaped,
+    so an unescaped ``"usage"`` key there cannot come from the text.
     """
-    match = None
-    for found in _USAGE_MEMBER.finditer(payload):
-        match = found
+    key = raw.rfind(_USAGE_KEY)
+    if key <= 0:
+        return None
+    start = key - 1
+    while start > 0 and raw[start] in b" \t":
+        start -= 1
+    if raw[start] != 0x2C:  # the comma before the member
+        return None
+    match = _USAGE_VALUE.match(raw, key + len(_USAGE_KEY))
     if match is None:
         return None
-    try:
-        _value, end = _DECODER.raw_decode(payload, match.end())
-    except json.JSONDecodeError:
+    end = match.end()
+    follower = raw[end:end + 1]
+    if follower not in (b",", b"}", b" "):
         return None
-    rest = payload[end:].lstrip()
-    if not rest or rest[0] not in ",}":
-        return None
-    return payload[: match.start()] + payload[end:], match.start()
+    return raw[:start] + raw[end:], start
 
 
 def event_payload(raw: bytes) -> str | None:
@@ -107,20 +115,25 @@ def event_payload(raw: bytes) -> str | None:
     return None
 
 
+def _editable(raw: bytes) -> bool:
+    # One `data:` line and nothing else: the first line break is the one ending the line.
+    return (raw.startswith(_DATA_PREFIX) and raw.endswith(_EVENT_END)
+            and raw.find(b"\n") == len(raw) - 2 and b"\r" not in raw)
+
+
 def encode_event(payload: str) -> bytes:
     return _DATA_PREFIX + payload.encode("utf-8", errors="surrogateescape") + _EVENT_END
 
 
 def without_usage(raw: bytes, data: str) -> tuple[bytes, int | None, bool]:
-    """The event minus its ``usage`` member: (bytes, cut position in the payload, re-encoded).
+    """The event minus its ``usage`` member: (bytes, cut position in them, re-encoded).
 
-    ``data`` is the event's parsed data field (used when the raw bytes cannot be edited).
+    ``data`` is the event's parsed data field, used only when the bytes cannot be edited.
     """
-    payload = event_payload(raw)
-    if payload is not None:
-        stripped = strip_usage_member(payload)
+    if _editable(raw):
+        stripped = strip_usage_member(raw)
         if stripped is not None:
-            return encode_event(stripped[0]), stripped[1], False
+            return stripped[0], stripped[1], False
     try:
         obj = json.loads(data)
     except json.JSONDecodeError:
@@ -132,15 +145,15 @@ def without_usage(raw: bytes, data: str) -> tuple[bytes, int | None, bool]:
 
 
 def insert_member(raw: bytes, position: int | None, key: str, value: Any) -> bytes:
-    """Insert ``"key":value`` into a one-line event's JSON object at ``position`` (where a member
-    was cut), or before ``,"kv_transfer_params"``, or before the closing brace."""
-    payload = event_payload(raw)
-    if payload is None:
+    """Insert ``"key":value`` into a one-line event's JSON object at byte ``position`` (where a
+    member was cut), or before ``,"kv_transfer_params"``, or before the closing brace."""
+    if not _editable(raw):
         return raw
-    member = f',"{key}":{json.dumps(value, ensure_ascii=False, separators=(",", ":"))}'
+    member = (f',"{key}":' + json.dumps(value, ensure_ascii=False,
+                                        separators=(",", ":"))).encode("utf-8")
     if position is None:
-        kv = payload.rfind(',"kv_transfer_params"')
-        position = kv if kv >= 0 else payload.rstrip().rfind("}")
+        kv = raw.rfind(b',"kv_transfer_params"')
+        position = kv if kv >= 0 else raw.rfind(b"}")
         if position < 0:
             return raw
-    return encode_event(payload[:position] + member + payload[position:])
+    return raw[:position] + member + raw[position:]
