@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -33,9 +34,16 @@ from sidecar.config import (
 )
 from sidecar.hooks import SinkFanout
 from sidecar.proxy.app import ProxyServer
-from sidecar.sinks.prometheus import LiveCollector, PrometheusSink, ReplicaState
+from sidecar.sinks.capture import CaptureSink
+from sidecar.sinks.prometheus import (
+    CaptureCollector,
+    LiveCollector,
+    PrometheusSink,
+    ReplicaState,
+)
 from sidecar.sinks.window import WindowSink
 from sidecar.stats import SLO, SLOPolicy
+from sidecar.tracefile import TraceHeader
 
 AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -144,6 +152,21 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-scrape-interval", metavar="DURATION",
                         help="scrape each upstream's /metrics for the engine view; 0 disables "
                         "[15s]")
+    parser.add_argument("--capture", dest="capture_dir", metavar="DIR",
+                        help="write every chat/completions request to trace files in DIR "
+                        "(shapes, lengths, prefix hashes, timings; no text)")
+    parser.add_argument("--capture-text", action="store_const", const=True,
+                        help="OPT-IN: also store request bodies and completion text in the "
+                        "capture (prompts are user data: mind where the files go)")
+    parser.add_argument("--capture-compress", action="store_const", const=True,
+                        help="gzip the capture files")
+    parser.add_argument("--capture-rotate-bytes", type=int, metavar="N",
+                        help="start a new capture file after N bytes [256 MiB]")
+    parser.add_argument("--capture-rotate-s", metavar="DURATION",
+                        help="start a new capture file after this long [1h]")
+    parser.add_argument("--capture-queue", type=int, metavar="N",
+                        help="records waiting for the writer before new ones are dropped "
+                        "(and counted) [10000]")
     parser.add_argument("--log-requests", action="store_const", const=True,
                         help="log one line per request (ids, outcome, counts; never text)")
 
@@ -155,7 +178,8 @@ def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
              "retry_connect", "health_interval", "eject_after", "window_s", "log_requests",
              "slo", "slo_classes", "slo_class_header", "slo_model_classes", "otel_endpoint",
              "otel_exponential_histograms", "otel_traces", "otel_provider_name", "label_cap",
-             "engine_scrape_interval")
+             "engine_scrape_interval", "capture_dir", "capture_text", "capture_compress",
+             "capture_rotate_bytes", "capture_rotate_s", "capture_queue")
     return {name: getattr(args, name, None) for name in names}
 
 
@@ -168,7 +192,8 @@ async def run_proxy(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    server, _window = build_proxy_server(config)
+    models = await upstream_models(config.upstreams) if config.capture_dir else ()
+    server, _window = build_proxy_server(config, models=models)
     await server.start()
     print(f"proxy listening on {server.url} -> {', '.join(config.upstreams)} "
           f"(route policy {config.route_policy.value})", flush=True)
@@ -188,7 +213,28 @@ def slo_policy_of(config: ProxyConfig) -> SLOPolicy | None:
     return SLOPolicy(classes) if classes else None
 
 
-def build_proxy_server(config: ProxyConfig) -> tuple[ProxyServer, WindowSink]:
+async def upstream_models(upstreams: Sequence[str]) -> tuple[str, ...]:
+    """Model ids the upstreams serve (GET /v1/models), best effort, for a capture's header."""
+    import aiohttp
+
+    found: list[str] = []
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for url in upstreams:
+            try:
+                async with session.get(url + "/v1/models") as response:
+                    body = await response.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
+            for card in body.get("data", []) if isinstance(body, dict) else []:
+                if isinstance(card, dict) and isinstance(card.get("id"), str):
+                    if card["id"] not in found:
+                        found.append(card["id"])
+    return tuple(found)
+
+
+def build_proxy_server(config: ProxyConfig,
+                       models: Sequence[str] = ()) -> tuple[ProxyServer, WindowSink]:
     """The proxy with its sinks wired: the one place that knows both."""
     slo_policy = slo_policy_of(config)
     window = WindowSink(config.window_s, config.window_max_records)
@@ -212,6 +258,22 @@ def build_proxy_server(config: ProxyConfig) -> tuple[ProxyServer, WindowSink]:
 
     server.add_admin_routes([web.get("/stats", stats_handler),
                              web.get("/metrics", metrics_handler)])
+    if config.capture_dir:
+        capture = CaptureSink(
+            config.capture_dir,
+            TraceHeader(source="capture", start_wall_ns=time.time_ns(),
+                        sidecar_version=__version__, models=tuple(models),
+                        route_policy=config.route_policy.value, slos=config.slo_thresholds(),
+                        text_included=config.capture_text),
+            compress=config.capture_compress, rotate_bytes=config.capture_rotate_bytes,
+            rotate_s=config.capture_rotate_s, queue_size=config.capture_queue)
+        fanout.add(capture)
+        registry.register(CaptureCollector(capture))
+
+        async def flush_capture() -> None:
+            await asyncio.to_thread(capture.close)
+
+        server.on_close(flush_capture)
     return server, window
 
 

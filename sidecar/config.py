@@ -122,6 +122,15 @@ class ProxyConfig:
     otel_traces: bool = False
     otel_provider_name: str = "vllm"
     label_cap: int = 64  # distinct values per metric label (model, replica) before "other"
+    # Capture (traces of the traffic). Text (bodies, completions) only with capture_text.
+    capture_dir: str | None = None
+    capture_text: bool = False
+    capture_compress: bool = False
+    capture_rotate_bytes: int = 256 * 1024 * 1024
+    capture_rotate_s: float = 3600.0
+    capture_queue: int = 10_000
+    capture_block_chars: int = 256
+    capture_block_tokens: int = 64
     engine_scrape_interval: float = 15.0  # upstream /metrics scrapes for the engine view; 0=off
 
     def slo_thresholds(self) -> dict[str, dict[str, float]]:
@@ -140,6 +149,12 @@ class ProxyConfig:
             raise ConfigError("retry_connect must be >= 0")
         if self.window_s <= 0:
             raise ConfigError("window_s must be > 0")
+        if self.capture_text and not self.capture_dir:
+            raise ConfigError("capture_text stores prompts and completions: it needs --capture DIR")
+        for name in ("capture_rotate_bytes", "capture_queue", "capture_block_chars",
+                     "capture_block_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
         thresholds = self.slo_thresholds()
         for model, name in self.slo_model_classes.items():
             if name not in thresholds:
@@ -165,11 +180,13 @@ def _slo_thresholds(config: ProxyConfig) -> dict[str, dict[str, float]]:
 
 
 _DURATIONS = {"connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
-              "health_interval", "health_timeout", "window_s", "engine_scrape_interval"}
+              "health_interval", "health_timeout", "window_s", "engine_scrape_interval",
+              "capture_rotate_s"}
 _BOOLS = {"inject_usage", "assemble_nonstream", "log_requests", "otel_exponential_histograms",
-          "otel_traces"}
+          "otel_traces", "capture_text", "capture_compress"}
 _INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
-         "window_max_records", "prefix_block_chars", "prefix_block_tokens", "label_cap"}
+         "window_max_records", "prefix_block_chars", "prefix_block_tokens", "label_cap",
+         "capture_rotate_bytes", "capture_queue", "capture_block_chars", "capture_block_tokens"}
 _MAPPINGS = {"slo_classes": ":", "slo_model_classes": "="}
 # "listen" and "metrics_listen" are HOST:PORT shorthands for the host/port pairs.
 SETTING_NAMES = tuple(f.name for f in fields(ProxyConfig) if f.name != "extra") + (

@@ -134,6 +134,57 @@ class EngineTiming:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestShape:
+    """What the request asked for that shapes the work, kept when the proxy captures traffic.
+
+    Never text: the prompt is represented by chained, salted hashes of its leading blocks
+    (``prefix_unit`` "tokens" for token-id prompts, "chars" for text), so that shared prefixes
+    are visible and nothing can be read back. ``body`` and ``completion_text`` are filled only
+    when the operator opted in to storing text.
+    """
+
+    max_tokens: int | None = None
+    ignore_eos: bool | None = None
+    n: int = 1
+    temperature: float | None = None
+    session_id: str | None = None
+    prefix_unit: str | None = None
+    prefix_size: int = 0
+    prefix_hashes: tuple[int, ...] = ()
+    body: str | None = None  # opt-in: the request body as received (UTF-8 text)
+    completion_text: str | None = None  # opt-in: the generated text, choices concatenated
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "ignore_eos": self.ignore_eos,
+            "n": self.n,
+            "temperature": self.temperature,
+            "session_id": self.session_id,
+            "prefix_unit": self.prefix_unit,
+            "prefix_size": self.prefix_size,
+            "prefix_hashes": list(self.prefix_hashes),
+            "body": self.body,
+            "completion_text": self.completion_text,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RequestShape:
+        return cls(
+            max_tokens=data.get("max_tokens"),
+            ignore_eos=data.get("ignore_eos"),
+            n=int(data.get("n", 1)),
+            temperature=data.get("temperature"),
+            session_id=data.get("session_id"),
+            prefix_unit=data.get("prefix_unit"),
+            prefix_size=int(data.get("prefix_size", 0)),
+            prefix_hashes=tuple(int(h) for h in data.get("prefix_hashes", ())),
+            body=data.get("body"),
+            completion_text=data.get("completion_text"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """Everything measured about one request. Immutable; built by a builder, then frozen.
 
@@ -161,6 +212,7 @@ class RequestRecord:
     replica: str | None = None
     route_policy: str | None = None
     attributes: Mapping[str, str] = field(default_factory=dict)  # bounded extras (slo class, ...)
+    shape: RequestShape | None = None  # only when the proxy captures traffic
 
     @property
     def ok(self) -> bool:
@@ -196,6 +248,7 @@ class RequestRecord:
             "replica": self.replica,
             "route_policy": self.route_policy,
             "attributes": dict(self.attributes),
+            "shape": None if self.shape is None else self.shape.to_dict(),
         }
 
     @classmethod
@@ -233,4 +286,5 @@ class RequestRecord:
             replica=data.get("replica"),
             route_policy=data.get("route_policy"),
             attributes={str(k): str(v) for k, v in (data.get("attributes") or {}).items()},
+            shape=None if data.get("shape") is None else RequestShape.from_dict(data["shape"]),
         )

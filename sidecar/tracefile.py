@@ -160,7 +160,7 @@ class TraceRequest:
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
-def _open_text(path: Path, mode: str) -> IO[str]:
+def open_text(path: Path, mode: str) -> IO[str]:
     if path.suffix == ".gz":
         return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
     return open(path, mode, encoding="utf-8")  # noqa: SIM115 - returned to the caller
@@ -178,7 +178,7 @@ class TraceReader:
         self.skipped_partial = False
         self._version = FORMAT_VERSION
         try:
-            with _open_text(self.path, "r") as handle:
+            with open_text(self.path, "r") as handle:
                 first = handle.readline()
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
             raise TraceFormatError(f"{self.path}: cannot read: {exc}") from None
@@ -206,7 +206,7 @@ class TraceReader:
         return data
 
     def __iter__(self) -> Iterator[TraceRequest]:
-        with _open_text(self.path, "r") as handle:
+        with open_text(self.path, "r") as handle:
             handle.readline()
             line_no = 1
             pending: str | None = None
@@ -242,7 +242,7 @@ def write_trace(path: str | os.PathLike[str], header: TraceHeader,
                 requests: Sequence[TraceRequest] | Iterator[TraceRequest]) -> int:
     """Write a whole trace (importers, tests). Returns the number of request lines."""
     count = 0
-    with _open_text(Path(path), "w") as handle:
+    with open_text(Path(path), "w") as handle:
         handle.write(json.dumps(header.to_dict(), separators=(",", ":")) + "\n")
         for request in requests:
             handle.write(json.dumps(request.to_dict(), separators=(",", ":"),

@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
     "tracefile": {"record"},
     "proxy": {"protocol", "record", "clock", "hooks", "config", "stats"},
-    "sinks": {"record", "stats", "hooks", "config", "clock"},
+    "sinks": {"record", "stats", "hooks", "config", "clock", "tracefile"},
     "replay": {"protocol", "tracefile", "record", "stats", "clock"},
     "sim": {"protocol"},
     "demo": {"*"},

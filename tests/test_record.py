@@ -10,6 +10,7 @@ from sidecar.record import (
     EngineTiming,
     Outcome,
     RequestRecord,
+    RequestShape,
     Timeline,
     TokenSource,
     Vantage,
@@ -37,6 +38,8 @@ def full_record() -> RequestRecord:
         replica="http://127.0.0.1:8100",
         route_policy="least_outstanding",
         attributes={"slo_class": "default"},
+        shape=RequestShape(max_tokens=4, ignore_eos=True, temperature=0.0, session_id="s",
+                           prefix_unit="chars", prefix_size=256, prefix_hashes=(1, 2)),
     )
 
 

@@ -7,7 +7,7 @@ sinks (cli.py), since the proxy itself knows no sink.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -61,8 +61,14 @@ class ProxyServer:
         self.proxy = Proxy(config, fanout)
         self._admin_routes: list[web.RouteDef] = list(admin_routes)
         self._runners: list[web.AppRunner] = []
+        self._close_hooks: list[Callable[[], Awaitable[None]]] = []
         self.url = ""
         self.admin_url = ""
+
+    def on_close(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run ``hook`` after the listeners stopped and in-flight requests ended (e.g. flush a
+        capture: every record is in by then)."""
+        self._close_hooks.append(hook)
 
     def add_admin_routes(self, routes: Sequence[web.RouteDef]) -> None:
         """Routes for the admin listener (before `start`): /stats, /metrics, ..."""
@@ -99,3 +105,6 @@ class ProxyServer:
             await runner.cleanup()
         self._runners.clear()
         await self.proxy.close()
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            await hook()

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
+from dataclasses import replace
 
 from sidecar.record import (
     ChunkMark,
     EngineTiming,
     Outcome,
     RequestRecord,
+    RequestShape,
     Timeline,
     TokenSource,
 )
@@ -26,7 +28,7 @@ class RecordBuilder:
         "upstream_stream", "up_send_ns", "up_headers_ns", "up_end_ns", "down_end_ns",
         "_up_offsets", "_down_offsets", "_tokens", "up_events", "down_events", "n_in", "n_out",
         "n_cached", "token_source", "finish_reason", "http_status", "error_type", "outcome",
-        "replica", "route_policy", "engine", "attributes", "frozen",
+        "replica", "route_policy", "engine", "attributes", "frozen", "shape", "text_parts",
     )
 
     def __init__(self, request_id: str, wall_time_ns: int, arrive_ns: int, endpoint: str) -> None:
@@ -59,6 +61,8 @@ class RecordBuilder:
         self.engine: EngineTiming | None = None
         self.attributes: dict[str, str] = {}
         self.frozen = False
+        self.shape: RequestShape | None = None
+        self.text_parts: list[str] | None = None  # only when the operator opted in to text
 
     # -- per-event path: keep these tiny --------------------------------------------------
 
@@ -126,4 +130,10 @@ class RecordBuilder:
             replica=self.replica,
             route_policy=self.route_policy,
             attributes=attributes,
+            shape=self._final_shape(),
         )
+
+    def _final_shape(self) -> RequestShape | None:
+        if self.shape is None or self.text_parts is None:
+            return self.shape
+        return replace(self.shape, completion_text="".join(self.text_parts))

@@ -53,6 +53,7 @@ from sidecar.proxy.rewrite import (
     without_usage,
 )
 from sidecar.proxy.routing import Replica, Router
+from sidecar.proxy.shape import PrefixHasher, request_shape
 from sidecar.record import EngineTiming, Outcome, TokenSource
 
 log = logging.getLogger("sidecar.proxy")
@@ -264,6 +265,9 @@ class Proxy:
         self.records_total = 0
         self.rewritten_events = 0  # events re-encoded because they could not be edited as text
         self._slo_class_names = frozenset(config.slo_thresholds())
+        # Capture needs each request's shape (lengths asked, prefix hashes); text only opt-in.
+        self._hasher = (PrefixHasher(config.capture_block_chars, config.capture_block_tokens)
+                        if config.capture_dir else None)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -581,6 +585,14 @@ class Proxy:
         slo_class = self._slo_class(request, builder.model)
         if slo_class is not None:
             builder.attributes["slo_class"] = slo_class
+        if self._hasher is not None and isinstance(parsed, dict):
+            session = request.headers.get(config.session_header)
+            if session is None and isinstance(parsed.get("user"), str):
+                session = parsed["user"]
+            builder.shape = request_shape(parsed, self._hasher, session_id=session,
+                                          raw_body=body if config.capture_text else None)
+            if config.capture_text:
+                builder.text_parts = []
         traceparent = request.headers.get("traceparent")
         if traceparent is not None and _TRACEPARENT.fullmatch(traceparent):
             # Kept so that a tracing sink can parent its span; it is an id, not content.
@@ -701,6 +713,8 @@ class Proxy:
             if isinstance(choices, list) and choices and isinstance(choices[0], dict):
                 reason = choices[0].get("finish_reason")
                 builder.finish_reason = reason if isinstance(reason, str) else None
+            if builder.text_parts is not None and isinstance(choices, list):
+                builder.text_parts.append(choices_text(choices))
             builder.engine = _engine_timing(obj.get("metrics")) or builder.engine
         return response
 
@@ -748,6 +762,8 @@ class Proxy:
                     if first_token:
                         first_token = False
                         timeouts.ttft.disarm()
+                    if builder.text_parts is not None:
+                        builder.text_parts.append(chunk_text(payload))
                 elif kind is ChunkKind.DONE:
                     saw_done = True
                 elif kind is ChunkKind.USAGE:
@@ -841,6 +857,8 @@ class Proxy:
                 if info.kind is ChunkKind.TOKEN:
                     builder.upstream_token_event(t_up, n_tokens)
                     timeouts.ttft.disarm()
+                    if builder.text_parts is not None:
+                        builder.text_parts.append(chunk_text(event.data))
                 elif info.kind is ChunkKind.DONE:
                     saw_done = True
                     continue
@@ -892,6 +910,32 @@ def _error_type(error: ErrorInfo | None, status: int) -> str:
     if error is not None and error.type and _SAFE_ERROR_TYPE.fullmatch(error.type):
         return error.type
     return f"http_{status}"
+
+
+def choices_text(choices: list[Any]) -> str:
+    """The visible text of OpenAI choices (chat deltas or messages, or completion text)."""
+    parts: list[str] = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        holder = choice.get("delta") or choice.get("message")
+        if isinstance(holder, dict):
+            for key in ("reasoning", "reasoning_content", "content"):
+                if isinstance(holder.get(key), str):
+                    parts.append(holder[key])
+        elif isinstance(choice.get("text"), str):
+            parts.append(choice["text"])
+    return "".join(parts)
+
+
+def chunk_text(payload: str) -> str:
+    """The text of one streamed chunk (opt-in text capture only: parses the JSON again)."""
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError):
+        return ""
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    return choices_text(choices) if isinstance(choices, list) else ""
 
 
 def _dumps(obj: Any) -> bytes:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -366,3 +367,37 @@ class LiveCollector(Collector):
         for sink, count in self.fanout.errors.items():
             errors.add_metric((sink,), count)
         yield errors
+
+
+class CaptureCollector(Collector):
+    """The capture's own health: records written, dropped (queue full / write errors), queued."""
+
+    def __init__(self, capture: CaptureLike) -> None:
+        self.capture = capture
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        written = CounterMetricFamily("sidecar_capture_records_written",
+                                      "Records written to capture files.")
+        written.add_metric((), self.capture.written)
+        yield written
+        dropped = CounterMetricFamily("sidecar_capture_records_dropped",
+                                      "Records not captured, by reason.", labels=("reason",))
+        dropped.add_metric(("queue_full",), self.capture.dropped_queue_full)
+        dropped.add_metric(("write_error",), self.capture.dropped_write_errors)
+        yield dropped
+        queued = GaugeMetricFamily("sidecar_capture_queue_records",
+                                   "Records waiting for the capture writer.")
+        queued.add_metric((), self.capture.queued)
+        yield queued
+
+
+class CaptureLike(Protocol):
+    written: int
+    dropped_queue_full: int
+    dropped_write_errors: int
+
+    @property
+    def queued(self) -> int: ...

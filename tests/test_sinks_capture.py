@@ -1,0 +1,213 @@
+"""Capture: what a trace line holds, what it never holds, and that nothing completed is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+from proxy_stack import stack
+
+from sidecar.record import ChunkMark, Outcome, RequestRecord, RequestShape, Timeline
+from sidecar.sinks.capture import CaptureSink
+from sidecar.tracefile import TraceHeader, TraceReader
+
+SECRET_PROMPT = "my very private medical question about " * 30
+
+
+def read_all(directory: Path) -> list:
+    requests = []
+    for path in sorted(directory.glob("capture-*")):
+        requests.extend(TraceReader(path).requests())
+    return requests
+
+
+async def test_capture_through_the_proxy_keeps_shapes_not_text(tmp_path: Path) -> None:
+    capture = tmp_path / "cap"
+    async with stack(capture_dir=str(capture), capture_block_chars="64") as s, \
+            aiohttp.ClientSession() as session:
+        for suffix in ("first question", "second question"):
+            body = {"model": "m", "stream": True, "max_tokens": 7, "ignore_eos": True,
+                    "temperature": 0.5, "messages": [
+                        {"role": "system", "content": SECRET_PROMPT},
+                        {"role": "user", "content": suffix}]}
+            async with session.post(s.url + "/v1/chat/completions", json=body,
+                                    headers={"X-Session-ID": "sess-1"}) as response:
+                await response.read()
+        body = {"model": "m", "prompt": list(range(3, 200)), "max_tokens": 3}
+        async with session.post(s.url + "/v1/completions", json=body) as response:
+            await response.read()
+        await s.records.wait_for(3)
+    # The stack closed the proxy: the capture is flushed.
+    files = sorted(capture.glob("capture-*.jsonl"))
+    assert len(files) == 1
+    raw = files[0].read_text()
+    assert "private medical" not in raw and "first question" not in raw
+    reader = TraceReader(files[0])
+    assert reader.header.source == "capture" and not reader.header.text_included
+    chats = sorted((r for r in reader if r.endpoint == "chat"), key=lambda r: r.t)
+    (completion,) = [r for r in reader if r.endpoint == "completions"]
+    assert [c.n_out for c in chats] == [7, 7] and all(c.n_in for c in chats)
+    assert chats[0].max_tokens == 7 and chats[0].ignore_eos is True
+    assert chats[0].temperature == 0.5 and chats[0].session_id == "sess-1"
+    assert chats[0].outcome == "ok" and chats[0].ttft_s is not None and chats[0].t <= chats[1].t
+    a, b = chats[0].prefix, chats[1].prefix
+    assert a is not None and b is not None and a.unit == "chars" and a.size == 64
+    # The long shared system prompt gives equal leading hashes, then the questions differ.
+    shared = next(i for i, (x, y) in enumerate(zip(a.hashes, b.hashes, strict=False)) if x != y)
+    assert shared >= len(SECRET_PROMPT) // 64
+    assert completion.prefix is not None and completion.prefix.unit == "tokens"
+    assert len(completion.prefix.hashes) == 4  # 197 token ids in blocks of 64
+    assert completion.n_out == 3 and completion.stream is False
+
+
+async def test_text_is_stored_only_on_opt_in(tmp_path: Path) -> None:
+    capture = tmp_path / "cap"
+    async with stack(capture_dir=str(capture), capture_text="true") as s, \
+            aiohttp.ClientSession() as session:
+        body = {"model": "m", "stream": True, "max_tokens": 4, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hello there"}]}
+        async with session.post(s.url + "/v1/chat/completions", json=body) as response:
+            streamed = await response.read()
+        await s.records.wait_for(1)
+    (line,) = read_all(capture)
+    assert TraceReader(next(capture.glob("capture-*"))).header.text_included
+    assert line.body is not None and line.body["messages"][0]["content"] == "hello there"
+    assert line.completion_text
+    # The captured completion is exactly the text the client received.
+    received = "".join(
+        json.loads(ev[len("data: "):])["choices"][0]["delta"].get("content", "")
+        for ev in streamed.decode().split("\n\n")
+        if ev.startswith("data: {") and '"choices":[{' in ev)
+    assert line.completion_text == received
+
+
+def make_record(i: int) -> RequestRecord:
+    return RequestRecord(
+        request_id=f"r{i}", wall_time_ns=1_000_000_000 + i, outcome=Outcome.OK, endpoint="chat",
+        model="m", client=Timeline(0, (ChunkMark(1000, 1),), 2000, 1), n_in=5, n_out=1,
+        shape=RequestShape(max_tokens=1))
+
+
+class HeldCapture(CaptureSink):
+    """A capture whose writer waits at its first batch until released."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _write(self, batch: list[RequestRecord]) -> None:
+        self.entered.set()
+        self.release.wait(10)
+        super()._write(batch)
+
+
+def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
+    sink = HeldCapture(tmp_path, TraceHeader(source="capture"), queue_size=3)
+    sink.on_record(make_record(0))
+    assert sink.entered.wait(5)  # the writer holds record 0
+    started = time.perf_counter()
+    for i in range(1, 10):
+        sink.on_record(make_record(i))
+    assert time.perf_counter() - started < 1.0  # never waited for the writer
+    assert sink.dropped_queue_full == 6 and sink.queued == 3
+    sink.release.set()
+    sink.close()
+    assert sink.written == 4
+    assert [r.request_id for r in read_all(tmp_path)] == ["r0", "r1", "r2", "r3"]
+
+
+def test_rotation_by_size_keeps_a_header_per_file(tmp_path: Path) -> None:
+    sink = CaptureSink(tmp_path, TraceHeader(source="capture"), rotate_bytes=600,
+                       flush_interval_s=0.01)
+    for i in range(20):
+        sink.on_record(make_record(i))
+        time.sleep(0.003)
+    sink.close()
+    files = sorted(tmp_path.glob("capture-*.jsonl"))
+    assert len(files) > 1
+    assert sorted(r.request_id for r in read_all(tmp_path)) == sorted(f"r{i}" for i in range(20))
+    assert [TraceReader(f).header.notes["part"] for f in files] == list(range(len(files)))
+
+
+def test_a_full_disk_drops_and_counts_then_recovers(tmp_path: Path) -> None:
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    sink_dir = tmp_path / "cap"
+    sink_dir.mkdir()
+    header = TraceHeader(source="capture", start_wall_ns=0)
+    # The first part file is /dev/full: every write to it fails with ENOSPC.
+    (sink_dir / "capture-19700101T000000Z-0000.jsonl").symlink_to("/dev/full")
+    sink = CaptureSink(sink_dir, header, flush_interval_s=0.01)
+    sink.on_record(make_record(0))
+    deadline = time.monotonic() + 5
+    while sink.dropped_write_errors == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.dropped_write_errors == 1
+    sink._next_open_attempt = 0.0  # skip the retry pause (5 s in service)
+    sink.on_record(make_record(1))
+    sink.close()
+    assert sink.written == 1
+    good = sink_dir / "capture-19700101T000000Z-0001.jsonl"
+    assert [r.request_id for r in TraceReader(good)] == ["r1"]
+
+
+def _start(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "sidecar", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _url(proc: subprocess.Popen[str], prefix: str) -> str:
+    assert proc.stdout is not None
+    for _ in range(10):
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line.split()[3] if prefix == "proxy" else line.split()[-1]
+    raise AssertionError(f"no {prefix!r} line")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_loses_no_completed_record(tmp_path: Path, sig: signal.Signals) -> None:
+    capture = tmp_path / "cap"
+    sim = _start(["sim", "--replicas", "1", "--port", "0"])
+    proxy = None
+    try:
+        upstream = _url(sim, "replica")
+        proxy = _start(["proxy", "--upstream", upstream, "--listen", "127.0.0.1:0",
+                        "--metrics-listen", "127.0.0.1:0", "--health-interval", "0",
+                        "--capture", str(capture)])
+        url = _url(proxy, "proxy")
+        for i in range(25):
+            body = json.dumps({"model": "sim-model", "prompt": f"request {i}", "max_tokens": 2,
+                               "stream": i % 2 == 0}).encode()
+            request = urllib.request.Request(url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                response.read()
+        if sig is signal.SIGKILL:
+            time.sleep(0.6)  # past the writer's flush interval: what was written must survive
+        proxy.send_signal(sig)
+        proxy.wait(timeout=20)
+    finally:
+        for proc in (proxy, sim):
+            if proc is not None:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(timeout=10)
+                for stream in (proc.stdout, proc.stderr):
+                    if stream is not None:
+                        stream.close()
+    if sig is signal.SIGTERM:
+        assert proxy.returncode == 0
+    lines = read_all(capture)
+    assert sorted(int(r.request_id is not None) for r in lines) == [1] * 25
+    assert len(lines) == 25 and all(r.outcome == "ok" for r in lines)
