@@ -22,9 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "hooks": {"record"},
     "protocol": set(),
     "tracefile": {"record"},
-    "proxy": {"protocol", "record", "clock", "hooks", "config", "stats"},
+    "engine_metrics": set(),
+    "proxy": {"protocol", "record", "clock", "hooks", "config", "stats", "engine_metrics"},
     "sinks": {"record", "stats", "hooks", "config", "clock", "tracefile"},
-    "replay": {"protocol", "tracefile", "record", "stats", "clock"},
+    "replay": {"protocol", "tracefile", "record", "stats", "clock", "engine_metrics"},
     "sim": {"protocol"},
     "demo": {"*"},
 }

@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 from proxy_stack import FAST_ENGINE, stack
 
-from sidecar.proxy.engine_view import EngineView, parse_engine_metrics
+from sidecar.engine_metrics import EngineView, parse_engine_metrics
 from sidecar.sim.server import SimConfig
 
 SGLANG = """\

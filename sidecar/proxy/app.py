@@ -13,8 +13,8 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.config import ProxyConfig
+from sidecar.engine_metrics import merge_views
 from sidecar.hooks import SinkFanout
-from sidecar.proxy.engine_view import merge_views
 from sidecar.proxy.relay import Proxy
 
 

@@ -30,6 +30,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar import clock
 from sidecar.config import ProxyConfig, RoutePolicy
+from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.hooks import SinkFanout
 from sidecar.protocol.openai import (
     ChunkKind,
@@ -43,7 +44,6 @@ from sidecar.protocol.openai import (
 from sidecar.protocol.sse import DONE_EVENT, SSEError, SSEParser, encode_data_event
 from sidecar.proxy.assemble import StreamAssembler
 from sidecar.proxy.builder import RecordBuilder
-from sidecar.proxy.engine_view import parse_engine_metrics
 from sidecar.proxy.rewrite import (
     NO_CHANGE,
     UsagePlan,

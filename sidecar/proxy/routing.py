@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sidecar.config import RoutePolicy
-from sidecar.proxy.engine_view import EngineView
+from sidecar.engine_metrics import EngineView
 
 
 @dataclass(slots=True, eq=False)

@@ -1,4 +1,6 @@
-"""The engine's own view of each replica, read from its /metrics (vLLM v1, legacy, SGLang).
+"""The engine's own view of a replica, read from its /metrics (vLLM v1, legacy, SGLang).
+
+Shared by the proxy (periodic scrapes per replica) and the replayer (before/after a run).
 
 Queue depth, running requests, KV-cache usage, prefix-cache hit rate and preemptions belong in
 every report's workload envelope, and they explain latency the proxy sees. The sidecar keeps
