@@ -332,6 +332,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_arguments(proxy_parser)
     proxy_parser.set_defaults(handler=run_proxy)
 
+    from sidecar.replay import replay_cli
+
+    replay_parser = commands.add_parser(
+        "replay",
+        help="replay a trace as open-loop (or closed-loop) load and report like vllm bench",
+        description=replay_cli.DESCRIPTION,
+        epilog=replay_cli.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay_cli.add_arguments(replay_parser)
+    replay_parser.set_defaults(handler=replay_cli.run)
+
     from sidecar import demo  # imported here: demo builds on this module's wiring
 
     demo_parser = commands.add_parser(

@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine_metrics": set(),
     "proxy": {"protocol", "record", "clock", "hooks", "config", "stats", "engine_metrics"},
     "sinks": {"record", "stats", "hooks", "config", "clock", "tracefile"},
-    "replay": {"protocol", "tracefile", "record", "stats", "clock", "engine_metrics"},
+    "replay": {"protocol", "tracefile", "record", "stats", "clock", "engine_metrics", "config"},
     "sim": {"protocol"},
     "demo": {"*"},
 }

@@ -1,0 +1,391 @@
+"""``sidecar replay``: send a trace (or a synthetic arrival process) to a target and report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from sidecar import clock
+from sidecar.config import parse_slo
+from sidecar.engine_metrics import parse_engine_metrics
+from sidecar.record import RequestRecord
+from sidecar.replay.payload import PayloadError, TokenCalibration, build_body, text_prompt
+from sidecar.replay.report import console_table, median_run, run_report
+from sidecar.replay.runner import PlannedRequest, Sender, SentRequest, closed_loop, open_loop
+from sidecar.replay.schedule import gamma_schedule, trace_schedule
+from sidecar.stats import SLO, SLOPolicy
+from sidecar.tracefile import TraceFormatError, TraceReader, TraceRequest
+
+DESCRIPTION = """\
+Replay a trace as load against a target (a vLLM replica, or the sidecar in front of replicas),
+and measure it as a client by the sidecar's definitions. Open loop by default: requests leave at
+the trace's own arrival times (scaled by --time-scale) or on a synthetic process (--rate,
+--burstiness), whatever the server does; --max-concurrency is the closed-loop experiment
+instead, reported as such. Each request reproduces the recorded work: exact input length
+(token-id prompts on /v1/completions), exact output length (max_tokens + ignore_eos), shared
+prefixes where the trace's hashes say so, captured bodies verbatim when the trace has them.
+"""
+
+EPILOG = """\
+examples:
+  sidecar replay capture.jsonl --target http://127.0.0.1:8080
+      replay a capture on its own schedule, 3 repeats, the median run reported
+  sidecar replay mooncake.jsonl --target http://127.0.0.1:8000 --time-scale 2 --limit 500
+  sidecar replay trace.jsonl --target http://127.0.0.1:8000 --rate 20 --burstiness 0.5
+      the trace's lengths on a bursty Gamma arrival process at 20 req/s
+  sidecar replay trace.jsonl --target http://127.0.0.1:8000 --max-concurrency 32
+      closed loop: at most 32 requests outstanding (a different experiment)
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", help="a sidecar trace file (capture or `sidecar trace import`)")
+    parser.add_argument("--target", required=True, metavar="URL", help="base URL to send to")
+    parser.add_argument("--model", help="model name to send [the trace's, else the target's "
+                        "first model from /v1/models]")
+    parser.add_argument("--endpoint", choices=("chat", "completions"),
+                        help="send every request to this API [each line's own]")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="replay speed: 2 = twice as fast as recorded [1]")
+    parser.add_argument("--rate", type=float, help="synthetic arrivals at this rate (req/s) "
+                        "instead of the trace's times")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="Gamma shape for --rate: 1 = Poisson, <1 burstier [1]")
+    parser.add_argument("--max-concurrency", type=int,
+                        help="closed loop: at most N outstanding (not an open-loop rate)")
+    parser.add_argument("--limit", type=int, help="use the first N requests of the trace")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="send N warm-up requests first (excluded from results) [0]")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of the whole trace; the median run is reported [3]")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="sender processes sharing the schedule, one common start [1]")
+    parser.add_argument("--slo", help="SLO for goodput, e.g. ttft=500ms,tpot=50ms,e2e=20s")
+    parser.add_argument("--seed", type=int, default=0, help="seed of synthetic parts [0]")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds before a request counts as timed out [600]")
+    parser.add_argument("--no-captured-bodies", action="store_true",
+                        help="rebuild requests from lengths even where bodies were captured")
+    parser.add_argument("--output-dir", metavar="DIR",
+                        help="write report.json and one records-runN.jsonl per run here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+class UsageError(Exception):
+    pass
+
+
+async def run(args: argparse.Namespace) -> int:
+    try:
+        return await _run(args)
+    except (UsageError, TraceFormatError, PayloadError, ValueError) as exc:
+        print(f"sidecar replay: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _run(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.workers < 1:
+        raise UsageError("--repeats and --workers must be >= 1")
+    if args.max_concurrency is not None and args.workers > 1:
+        raise UsageError("--workers applies to open loop only")
+    reader = TraceReader(args.trace)
+    requests = reader.requests()
+    if args.limit is not None:
+        requests = sorted(requests, key=lambda r: r.t)[: args.limit]
+    if not requests:
+        raise UsageError(f"{args.trace}: no requests to replay")
+    slo_policy = None
+    if args.slo:
+        t = parse_slo(args.slo)
+        slo_policy = SLOPolicy({"default": SLO(t.get("ttft"), t.get("tpot"), t.get("e2e"))})
+    target = args.target.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        model = args.model or _trace_model(requests) or await first_model(session, target)
+        if model is None:
+            raise UsageError("no model: pass --model (the target's /v1/models was empty)")
+        needs_text = args.endpoint == "chat" or any(
+            r.endpoint == "chat" and (r.body is None or args.no_captured_bodies)
+            for r in requests)
+        calibration = await calibrate(session, target, model) if needs_text else None
+        engine_before = await scrape_engine(session, target)
+    plan, mode = make_plan(requests, args, model, calibration)
+    warmup = plan[: args.warmup] if args.warmup else []
+    envelope = {
+        "trace": str(args.trace), "trace_source": reader.header.source,
+        "requests": len(plan), "model": model, "target": target, "mode": mode,
+        "time_scale": args.time_scale if args.rate is None else None,
+        "rate": args.rate, "burstiness": args.burstiness if args.rate else None,
+        "max_concurrency": args.max_concurrency, "warmup": len(warmup),
+        "repeats": args.repeats, "workers": args.workers,
+        "input_tokens_requested": _lengths([r.n_in for r in requests]),
+        "output_tokens_requested": _lengths([r.n_out for r in requests]),
+        "prompt_text_calibration": None if calibration is None else {
+            "tokens_per_word": calibration.tokens_per_word,
+            "chat_overhead": calibration.chat_overhead},
+    }
+    if warmup:
+        await execute(warmup, target, "closed", min(8, len(warmup)), 1, args, quiet=True)
+    reports: list[dict[str, Any]] = []
+    runs: list[list[SentRequest]] = []
+    for repeat in range(args.repeats):
+        sent = await execute(plan, target, mode, args.max_concurrency, args.workers, args,
+                             label=f"run {repeat + 1}/{args.repeats}")
+        runs.append(sent)
+        reports.append(run_report(sent, mode=mode, slo_policy=slo_policy))
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        engine_after = await scrape_engine(session, target)
+    envelope["engine_before"] = engine_before
+    envelope["engine_after"] = engine_after
+    envelope["engine_delta"] = _delta(engine_before, engine_after)
+    chosen = median_run(reports)
+    result = dict(reports[chosen])
+    result["envelope"] = envelope
+    result["median_run"] = chosen
+    result["runs"] = reports
+    print(console_table(result))
+    if args.output_dir:
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(result, indent=2, default=str))
+        for i, sent in enumerate(runs):
+            with (out / f"records-run{i}.jsonl").open("w") as handle:
+                for s in sent:
+                    line = {"index": s.index, "scheduled_ns": s.scheduled_ns,
+                            "actual_ns": s.actual_ns, "record": s.record.to_dict()}
+                    handle.write(json.dumps(line) + "\n")
+        print(f"report: {out / 'report.json'}")
+    return 0
+
+
+def _trace_model(requests: Sequence[TraceRequest]) -> str | None:
+    return next((r.model for r in requests if r.model), None)
+
+
+def _lengths(values: Sequence[int | None]) -> dict[str, float | None]:
+    known = [v for v in values if v is not None]
+    if not known:
+        return {"count": 0}
+    arr = sorted(known)
+    return {"count": len(arr), "min": arr[0], "p50": arr[len(arr) // 2],
+            "p99": arr[min(len(arr) - 1, int(len(arr) * 0.99))], "max": arr[-1],
+            "mean": sum(arr) / len(arr)}
+
+
+def _delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float]:
+    if not before or not after:
+        return {}
+    b, a = before.get("values", {}), after.get("values", {})
+    out = {k: a[k] - b[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "preemptions",
+                                    "prompt_tokens", "generation_tokens") if k in a and k in b}
+    if out.get("prefix_cache_queries"):
+        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0) / out[
+            "prefix_cache_queries"]
+    return out
+
+
+def make_plan(requests: Sequence[TraceRequest], args: argparse.Namespace, model: str,
+              calibration: TokenCalibration | None) -> tuple[list[PlannedRequest], str]:
+    ordered = sorted(requests, key=lambda r: r.t)
+    if args.max_concurrency is not None:
+        if args.max_concurrency < 1:
+            raise UsageError("--max-concurrency must be >= 1")
+        times = [0.0] * len(ordered)
+        mode = "closed"
+    elif args.rate is not None:
+        times = gamma_schedule(len(ordered), args.rate, args.burstiness, args.seed)
+        mode = "open"
+    else:
+        times = trace_schedule([r.t for r in ordered], args.time_scale)
+        mode = "open"
+    plan = []
+    for index, (at, request) in enumerate(zip(times, ordered, strict=True)):
+        path, body = build_body(request, index=index, model=model, run_seed=args.seed,
+                                calibration=calibration,
+                                use_captured_body=not args.no_captured_bodies,
+                                endpoint=args.endpoint)
+        if body.get("stream") is True:
+            # The replayer is the client: it asks for usage itself to count tokens exactly.
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        plan.append(PlannedRequest(index, at, path, body))
+    return plan, mode
+
+
+async def execute(plan: Sequence[PlannedRequest], target: str, mode: str,
+                  concurrency: int | None, workers: int, args: argparse.Namespace, *,
+                  label: str = "", quiet: bool = False) -> list[SentRequest]:
+    if workers > 1 and mode == "open":
+        return await asyncio.to_thread(run_workers, plan, target, workers, args)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        sender = Sender(target, session, request_timeout_s=args.request_timeout)
+        progress = None if quiet or args.no_progress else Progress(len(plan), label, sender)
+        start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
+        on_done = progress.update if progress else None
+        if mode == "closed":
+            sent = await closed_loop(sender, plan, concurrency or 1, start, on_done)
+        else:
+            sent = await open_loop(sender, plan, start, on_done)
+        if progress is not None:
+            progress.finish()
+        return sent
+
+
+class Progress:
+    def __init__(self, total: int, label: str, sender: Sender) -> None:
+        self.total = total
+        self.label = label
+        self.sender = sender
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def update(self, _result: SentRequest) -> None:
+        now = time.monotonic()
+        if now - self.last < 0.25 and self.sender.done < self.total:
+            return
+        self.last = now
+        done = self.sender.done
+        width = 30
+        filled = int(width * done / self.total) if self.total else width
+        line = (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} "
+                f"in flight {self.sender.in_flight} failed {self.sender.failed}")
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n",
+              file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+# -- several sender processes ---------------------------------------------------------------
+
+
+def _worker_main(plan: list[PlannedRequest], target: str, timeout_s: float, out_path: str,
+                 ready: Any, go: Any, start_value: Any) -> None:
+    async def main() -> list[SentRequest]:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            sender = Sender(target, session, request_timeout_s=timeout_s)
+            # Everything is imported and set up: report ready, then wait for the common start.
+            await asyncio.to_thread(ready.wait)
+            await asyncio.to_thread(go.wait)
+            return await open_loop(sender, plan, int(start_value.value))
+
+    try:
+        import uvloop
+
+        sent = uvloop.run(main())
+    except ImportError:  # pragma: no cover - Windows
+        sent = asyncio.run(main())
+    with open(out_path, "w") as handle:
+        for s in sent:
+            handle.write(json.dumps({"index": s.index, "scheduled_ns": s.scheduled_ns,
+                                     "actual_ns": s.actual_ns,
+                                     "record": s.record.to_dict()}) + "\n")
+
+
+def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
+                args: argparse.Namespace) -> list[SentRequest]:
+    """Split the schedule round-robin over ``workers`` processes. They start together: each
+    reports ready once set up, then the parent sets one start instant for all (perf_counter
+    is CLOCK_MONOTONIC, the same clock in every process of the host)."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Barrier(workers + 1)
+    go = context.Event()
+    start_value = context.Value("q", 0)
+    with tempfile.TemporaryDirectory(prefix="sidecar-replay-") as tmp:
+        processes = []
+        for w in range(workers):
+            share = [p for i, p in enumerate(plan) if i % workers == w]
+            path = os.path.join(tmp, f"worker{w}.jsonl")
+            proc = context.Process(target=_worker_main,
+                                   args=(share, target, args.request_timeout, path, ready, go,
+                                         start_value))
+            proc.start()
+            processes.append((proc, path))
+        try:
+            ready.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            for proc, _ in processes:
+                proc.kill()
+            raise RuntimeError("replay workers did not get ready within 120 s") from None
+        start_value.value = clock.monotonic_ns() + 100_000_000
+        go.set()
+        sent: list[SentRequest] = []
+        for proc, path in processes:
+            proc.join()
+            if proc.exitcode != 0:
+                raise RuntimeError(f"a replay worker failed (exit code {proc.exitcode})")
+            with open(path) as handle:
+                for line in handle:
+                    data = json.loads(line)
+                    sent.append(SentRequest(data["index"], data["scheduled_ns"],
+                                            data["actual_ns"],
+                                            RequestRecord.from_dict(data["record"])))
+    return sorted(sent, key=lambda s: s.index)
+
+
+# -- the target's side ------------------------------------------------------------------------
+
+
+async def first_model(session: aiohttp.ClientSession, target: str) -> str | None:
+    try:
+        async with session.get(target + "/v1/models") as response:
+            body = await response.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    data = body.get("data") if isinstance(body, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        model = data[0].get("id")
+        return model if isinstance(model, str) else None
+    return None
+
+
+async def calibrate(session: aiohttp.ClientSession, target: str,
+                    model: str) -> TokenCalibration:
+    """Tokens per generated word and the chat template's overhead, from the target's
+    /tokenize; without it, one token per word (input lengths then approximate)."""
+    words = 500
+    sample = text_prompt(words, 12345, TokenCalibration())
+    try:
+        async with session.post(target + "/tokenize",
+                                json={"model": model, "prompt": sample,
+                                      "add_special_tokens": False}) as response:
+            plain = await response.json(content_type=None)
+        async with session.post(target + "/tokenize",
+                                json={"model": model, "messages": [
+                                    {"role": "user", "content": sample}]}) as response:
+            chat = await response.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return TokenCalibration()
+    if not (isinstance(plain, dict) and isinstance(plain.get("count"), int)
+            and isinstance(chat, dict) and isinstance(chat.get("count"), int)):
+        return TokenCalibration()
+    per_word = plain["count"] / words
+    return TokenCalibration(tokens_per_word=per_word,
+                            chat_overhead=max(0, chat["count"] - plain["count"]))
+
+
+async def scrape_engine(session: aiohttp.ClientSession,
+                        target: str) -> dict[str, Any] | None:
+    try:
+        async with session.get(target + "/metrics") as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
+        values, flavour = parse_engine_metrics(text)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    return {"flavour": flavour, "values": values} if flavour else None

@@ -1,0 +1,162 @@
+"""A replay run's report: `vllm bench serve`'s JSON keys where the meaning is the same, plus
+what that tool leaves out (outcomes, sender lateness, the workload envelope, definitions).
+
+Meaning notes against `vllm bench serve`: TTFT, ITL (per event), TPOT ((E2E - TTFT) / (N_out -
+1), N_out from usage) and E2EL are the same definitions, measured by the replayer as a client;
+``request_goodput`` counts requests that met every declared threshold of the SLO, per second.
+``duration`` runs from the run's start (the first scheduled instant) to the last response's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sidecar import stats
+from sidecar.record import Outcome, Vantage
+from sidecar.replay.runner import SentRequest
+
+DEFAULT_PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
+
+DEFINITIONS = {
+    "ttft": "send -> first token-carrying chunk (client vantage); sample = request",
+    "itl": "gap between consecutive token-carrying chunks; sample = chunk (event)",
+    "tpot": "(E2E - TTFT) / (N_out - 1), N_out from usage; N_out <= 1 excluded and counted",
+    "e2el": "send -> last token-carrying chunk (response end if none); sample = request",
+    "lateness": "actual send - scheduled send, per request (open loop only)",
+    "percentiles": "numpy linear interpolation; std is the population std",
+    "goodput": "completed requests meeting every declared threshold, per second; attainment "
+               "= good / all requests (failures included)",
+}
+
+
+def _ms_stats(prefix: str, values: Sequence[float],
+              percentiles: Sequence[float]) -> dict[str, float | None]:
+    summary = stats.summarize(values, percentiles)
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else x * 1000.0
+
+    out: dict[str, float | None] = {
+        f"mean_{prefix}_ms": ms(summary.mean),
+        f"median_{prefix}_ms": ms(float(np.median(values)) if len(values) else None),
+        f"std_{prefix}_ms": ms(summary.std),
+    }
+    for q in percentiles:
+        out[f"{stats.percentile_name(q)}_{prefix}_ms"] = ms(summary.p(q))
+    return out
+
+
+def run_report(sent: Sequence[SentRequest], *, mode: str,
+               slo_policy: stats.SLOPolicy | None = None,
+               percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+               envelope: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    records = [s.record for s in sent]
+    completed = [r for r in records if r.outcome is Outcome.OK]
+    ends = [s.actual_ns + (s.record.client.end_ns or 0) for s in sent]
+    duration = max(ends) / 1e9 if ends else 0.0
+    total_in = sum(r.n_in or 0 for r in completed)
+    total_out = sum(stats.output_tokens(r, r.client) for r in completed)
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    e2els: list[float] = []
+    itls: list[float] = []
+    for record in completed:
+        m = stats.request_metrics(record, Vantage.CLIENT)
+        assert m is not None
+        if m.ttft_s is not None:
+            ttfts.append(m.ttft_s)
+        if m.tpot_s is not None:
+            tpots.append(m.tpot_s)
+        if m.e2e_s is not None:
+            e2els.append(m.e2e_s)
+        itls.extend(m.itl_s)
+    rate = 1.0 / duration if duration > 0 else 0.0
+    report: dict[str, Any] = {
+        "mode": mode,
+        "duration": duration,
+        "completed": len(completed),
+        "failed": len(records) - len(completed),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(completed) * rate,
+        "output_throughput": total_out * rate,
+        "total_token_throughput": (total_in + total_out) * rate,
+        "max_concurrent_requests": max_concurrency(sent),
+    }
+    report["request_goodput"] = None
+    if slo_policy is not None:
+        verdicts = [slo_policy.judge(r) for r in records]
+        good = sum(ok for _name, ok in verdicts)
+        report["request_goodput"] = good * rate
+        report["slo_attainment"] = good / len(records) if records else None
+        report["slo"] = {name: slo.describe() for name, slo in slo_policy.classes.items()}
+    for prefix, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        report.update(_ms_stats(prefix, values, percentiles))
+    report["requests_without_tpot"] = sum(1 for r in completed
+                                          if stats.output_tokens(r, r.client) <= 1)
+    report["outcomes"] = {o.value: n for o, n in stats.outcome_counts(records).items()}
+    if mode == "open":
+        lateness = stats.summarize([s.lateness_ns / 1e6 for s in sent], percentiles)
+        report["lateness_ms"] = lateness.to_dict()
+    report["token_counts_exact"] = all(r.token_source.total_exact for r in completed)
+    report["definitions"] = DEFINITIONS
+    if envelope is not None:
+        report["envelope"] = dict(envelope)
+    return report
+
+
+def max_concurrency(sent: Sequence[SentRequest]) -> int:
+    """The most requests in flight at once, from the send and end instants."""
+    events: list[tuple[int, int]] = []
+    for s in sent:
+        events.append((s.actual_ns, 1))
+        events.append((s.actual_ns + (s.record.client.end_ns or 0), -1))
+    events.sort()
+    current = peak = 0
+    for _at, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def median_run(reports: Sequence[dict[str, Any]]) -> int:
+    """Index of the run reported as the result: the median by median E2E latency (ties to
+    the earlier run); every run is kept beside it."""
+    keyed = sorted(range(len(reports)),
+                   key=lambda i: (reports[i].get("median_e2el_ms") or float("inf"), i))
+    return keyed[(len(keyed) - 1) // 2]
+
+
+def console_table(report: Mapping[str, Any]) -> str:
+    lines = [
+        f"{'mode':<34} {report['mode']}",
+        f"{'completed / failed':<34} {report['completed']} / {report['failed']}",
+        f"{'duration (s)':<34} {report['duration']:.2f}",
+        f"{'request throughput (req/s)':<34} {report['request_throughput']:.2f}",
+        f"{'output token throughput (tok/s)':<34} {report['output_throughput']:.1f}",
+        f"{'total token throughput (tok/s)':<34} {report['total_token_throughput']:.1f}",
+        f"{'max concurrent requests':<34} {report['max_concurrent_requests']}",
+    ]
+    if report.get("request_goodput") is not None:
+        lines.append(f"{'request goodput (req/s)':<34} {report['request_goodput']:.2f}  "
+                     f"(attainment {report['slo_attainment']:.1%}; {report['slo']})")
+    lines.append(f"{'':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'p99.9':>14}")
+    for name, key in (("TTFT ms", "ttft"), ("TPOT ms", "tpot"), ("ITL ms", "itl"),
+                      ("E2E ms", "e2el")):
+        def cell(k: str) -> str:
+            value = report.get(k)
+            return f"{value:10.2f}" if isinstance(value, float) else f"{'-':>10}"
+
+        lines.append(f"{name:<12}{cell(f'mean_{key}_ms')}{cell(f'p50_{key}_ms')}"
+                     f"{cell(f'p90_{key}_ms')}{cell(f'p99_{key}_ms')}"
+                     f"{cell(f'p99.9_{key}_ms'):>14}")
+    if "lateness_ms" in report:
+        late = report["lateness_ms"]
+        lines.append(f"{'sender lateness ms':<34} p50 {late['p50'] or 0:.3f}  "
+                     f"p99 {late['p99'] or 0:.3f}  max {late['max'] or 0:.3f}")
+    outcomes = ", ".join(f"{k}={v}" for k, v in report["outcomes"].items() if v)
+    lines.append(f"{'outcomes':<34} {outcomes}")
+    return "\n".join(lines)
