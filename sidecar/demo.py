@@ -12,17 +12,21 @@ import asyncio
 import contextlib
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
 
 from sidecar import stats
 from sidecar.cli import build_proxy_server, wait_for_shutdown_signal
-from sidecar.config import ConfigError, build_config, parse_duration, parse_slo
+from sidecar.config import ConfigError, ProxyConfig, build_config, parse_duration, parse_slo
 from sidecar.record import RequestRecord, Vantage
+from sidecar.replay import replay_cli
 from sidecar.sim.engine import EngineConfig
-from sidecar.sim.server import SimConfig, close_replicas, start_replicas
+from sidecar.sim.server import RunningReplica, SimConfig, close_replicas, start_replicas
+from sidecar.tracefile import TraceReader
 
 DESCRIPTION = """\
 Start simulated vLLM replicas, the measuring proxy in front of them, and an open-loop load
@@ -66,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLOs for goodput [ttft=500ms,tpot=50ms,e2e=20s]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the load [0]")
     parser.add_argument("--model", default="demo-model", help="served model name [demo-model]")
+    parser.add_argument("--capture", metavar="DIR",
+                        help="keep the capture here [a temporary directory]")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="skip replaying the capture after the load")
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -82,17 +90,45 @@ async def run(args: argparse.Namespace) -> int:
                     e2e_s=thresholds.get("e2e"))
     replicas = await start_replicas(SimConfig(model=args.model, engine=EngineConfig()),
                                     args.replicas)
-    config = build_config({"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
-                           "metrics_listen": "127.0.0.1:0", "window_s": "10s",
-                           "slo": args.slo}, {})
-    server, window = build_proxy_server(config)
+    out = sys.stdout
+    with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:
+        capture_dir = args.capture or tmp
+        try:
+            original, interrupted = await measured_load(replicas, args, duration, slo,
+                                                        capture_dir, out)
+            print_summary(original, slo, out)
+            if not interrupted and not args.no_replay:
+                replayed = await replay_capture(replicas, args, capture_dir, out)
+                if replayed is not None:
+                    print_comparison(original, replayed, out)
+        finally:
+            await close_replicas(replicas)
+    return 0
+
+
+def _proxy_config(replicas: list[RunningReplica], args: argparse.Namespace,
+                  capture_dir: str | None) -> ProxyConfig:
+    flags: dict[str, Any] = {"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
+                             "metrics_listen": "127.0.0.1:0", "window_s": "10s",
+                             "slo": args.slo}
+    if capture_dir is not None:
+        flags["capture_dir"] = capture_dir
+    return build_config(flags, {})
+
+
+async def measured_load(replicas: list[RunningReplica], args: argparse.Namespace,
+                        duration: float, slo: stats.SLO, capture_dir: str,
+                        out: TextIO) -> tuple[list[RequestRecord], bool]:
+    """The built-in load through a capturing proxy, with the live table. Returns the records
+    and whether the user interrupted it."""
+    server, window = build_proxy_server(_proxy_config(replicas, args, capture_dir))
     everything = RecordList()
     server.proxy.fanout.add(everything)
     await server.start()
-    out = sys.stdout
     print(f"replicas: {', '.join(r.url for r in replicas)}", file=out)
     print(f"proxy:    {server.url}   live stats: {server.admin_url}/stats   "
           f"Prometheus: {server.admin_url}/metrics", file=out)
+    print(f"capture:  {capture_dir}", file=out)
     print(f"load:     open loop, Poisson, {args.rate:g} req/s for {duration:g} s; "
           f"SLO {slo.describe()}\n", file=out, flush=True)
     started = time.monotonic()
@@ -101,15 +137,68 @@ async def run(args: argparse.Namespace) -> int:
     table = asyncio.create_task(live_table(window, out, started))
     try:
         await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
+        interrupted = stop.done()
     finally:
         for task in (load, stop, table):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await server.close()  # flushes the capture
+    return everything.records, interrupted
+
+
+async def replay_capture(replicas: list[RunningReplica], args: argparse.Namespace,
+                         capture_dir: str, out: TextIO) -> list[RequestRecord] | None:
+    """Replay the capture, open loop on its own arrival times, through a fresh proxy in front
+    of the same replicas, so both runs are measured at the same place."""
+    files = sorted(Path(capture_dir).glob("capture-*.jsonl*"))
+    if not files:
+        print("\nno capture to replay", file=out)
+        return None
+    parser = argparse.ArgumentParser()
+    replay_cli.add_arguments(parser)
+    server, _window = build_proxy_server(_proxy_config(replicas, args, None))
+    everything = RecordList()
+    server.proxy.fanout.add(everything)
+    await server.start()
+    try:
+        replay_args = parser.parse_args([str(files[0]), "--target", server.url, "--repeats",
+                                         "1", "--no-progress", "--seed", str(args.seed)])
+        requests = TraceReader(files[0]).requests()
+        print(f"\nreplaying {len(requests)} captured requests from {files[0]} "
+              "(open loop, their own arrival times) ...", file=out, flush=True)
+        async with aiohttp.ClientSession() as session:
+            # Chat prompts are rebuilt as text: calibrate words to tokens on the target.
+            calibration = await replay_cli.calibrate(session, server.url, args.model)
+        plan, mode = replay_cli.make_plan(requests, replay_args, args.model, calibration)
+        await replay_cli.execute(plan, server.url, mode, None, 1, replay_args, quiet=True)
+    finally:
         await server.close()
-        await close_replicas(replicas)
-    print_summary(everything.records, slo, out)
-    return 0
+    return everything.records
+
+
+def print_comparison(original: list[RequestRecord], replayed: list[RequestRecord],
+                     out: TextIO) -> None:
+    print("\ncaptured run vs its replay (both measured by the proxy, client vantage; ms)",
+          file=out)
+    print(f"{'':16}{'original':>22}{'replay':>22}", file=out)
+    print(f"{'':16}{'p50':>11}{'p99':>11}{'p50':>11}{'p99':>11}", file=out)
+    # Only the measured traffic: the replay's /tokenize calibration passes the proxy too.
+    original = [r for r in original if r.endpoint in ("chat", "completions")]
+    replayed = [r for r in replayed if r.endpoint in ("chat", "completions")]
+    reports = [stats.vantage_report(records, Vantage.CLIENT) for records in (original,
+                                                                            replayed)]
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        cells = []
+        for report in reports:
+            summary = getattr(report, name)
+            cells += [_ms(summary.p(50)), _ms(summary.p(99))]
+        print(f"{name.upper():16}" + "".join(f"{c:>11}" for c in cells), file=out)
+    for label, pick in (("requests ok", lambda rs: sum(r.ok for r in rs)),
+                        ("input tokens", lambda rs: sum(r.n_in or 0 for r in rs if r.ok)),
+                        ("output tokens", lambda rs: sum(r.n_out or 0 for r in rs if r.ok))):
+        print(f"{label:16}{pick(original):>22}{pick(replayed):>22}", file=out)
+    out.flush()
 
 
 async def send_load(url: str, args: argparse.Namespace, duration: float) -> None:

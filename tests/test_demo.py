@@ -20,6 +20,12 @@ def test_demo_runs_end_to_end_and_summarises() -> None:
     assert ok is not None and int(ok.group(1)) > 0
     assert "[client]" in out and "[server]" in out
     assert re.search(r"goodput under SLO \(ttft<=500ms, tpot<=50ms, e2e<=20000ms", out)
+    # The capture was replayed and the two runs compared: same requests, same output tokens.
+    assert "captured run vs its replay" in out
+    ok_line = re.search(r"requests ok\s+(\d+)\s+(\d+)", out)
+    out_line = re.search(r"output tokens\s+(\d+)\s+(\d+)", out)
+    assert ok_line is not None and ok_line.group(1) == ok_line.group(2) == ok.group(1)
+    assert out_line is not None and out_line.group(1) == out_line.group(2)
 
 
 def test_demo_refuses_bad_arguments() -> None:
