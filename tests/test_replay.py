@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import subprocess
@@ -255,3 +256,31 @@ async def test_report_has_vllm_bench_keys(tmp_path: Path) -> None:
     assert report["total_output_tokens"] == 18 and report["mode"] == "open"
     assert sorted(p.name for p in out.iterdir()) == [
         "records-run0.jsonl", "records-run1.jsonl", "records-run2.jsonl", "report.json"]
+
+
+async def test_shards_split_one_trace_and_keep_its_clock(tmp_path: Path) -> None:
+    import time as _time
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"),
+                [TraceRequest(t=10.0 + i * 0.02, n_in=6, n_out=2) for i in range(9)])
+    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+        step_floor_s=0.002, per_token_s=0.0)), 1)
+    outs = [tmp_path / f"out{i}" for i in range(3)]
+    start_at = _time.time() + 1.0
+    try:
+        codes = await asyncio.gather(*(
+            replay_cli.run(args_for(trace, replicas[0].url, repeats=1, output_dir=outs[i],
+                                    shard_index=i, shard_count=3, start_at=start_at))
+            for i in range(3)))
+    finally:
+        await close_replicas(replicas)
+    assert codes == [0, 0, 0]
+    scheduled = []
+    for i, out in enumerate(outs):
+        lines = [json.loads(x) for x in (out / "records-run0.jsonl").read_text().splitlines()]
+        # Shard i took requests i, i+3, i+6, scheduled on the trace's own clock.
+        scheduled += [line["scheduled_ns"] for line in lines]
+        assert [line["scheduled_ns"] for line in lines] == [
+            pytest.approx((i + 3 * k) * 20_000_000, abs=1000) for k in range(3)]
+    assert len(scheduled) == 9

@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs of the whole trace; the median run is reported [3]")
     parser.add_argument("--workers", type=int, default=1,
                         help="sender processes sharing the schedule, one common start [1]")
+    parser.add_argument("--shard-index", type=int, default=0,
+                        help="this sender's share of the trace: requests i with i %% "
+                        "shard-count == shard-index (e.g. a Kubernetes indexed Job) [0]")
+    parser.add_argument("--shard-count", type=int, default=1,
+                        help="how many senders share the trace [1]")
+    parser.add_argument("--start-at", type=float, metavar="EPOCH_S",
+                        help="wall-clock instant (Unix seconds) of the trace's t=0, common to "
+                        "every shard; the run waits for it [now]")
     parser.add_argument("--slo", help="SLO for goodput, e.g. ttft=500ms,tpot=50ms,e2e=20s")
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic parts [0]")
     parser.add_argument("--request-timeout", type=float, default=600.0,
@@ -100,10 +108,18 @@ async def _run(args: argparse.Namespace) -> int:
         raise UsageError("--repeats and --workers must be >= 1")
     if args.max_concurrency is not None and args.workers > 1:
         raise UsageError("--workers applies to open loop only")
+    if not 0 <= args.shard_index < args.shard_count:
+        raise UsageError("need 0 <= --shard-index < --shard-count")
+    if args.start_at is not None and args.repeats != 1:
+        raise UsageError("--start-at fixes one common instant: use it with --repeats 1")
     reader = TraceReader(args.trace)
-    requests = reader.requests()
+    requests = sorted(reader.requests(), key=lambda r: r.t)
+    args.trace_origin = requests[0].t if requests else 0.0
     if args.limit is not None:
-        requests = sorted(requests, key=lambda r: r.t)[: args.limit]
+        requests = requests[: args.limit]
+    if args.shard_count > 1:
+        # Round-robin in arrival order: each shard keeps the trace's time span and shape.
+        requests = requests[args.shard_index:: args.shard_count]
     if not requests:
         raise UsageError(f"{args.trace}: no requests to replay")
     slo_policy = None
@@ -208,7 +224,13 @@ def make_plan(requests: Sequence[TraceRequest], args: argparse.Namespace, model:
         times = gamma_schedule(len(ordered), args.rate, args.burstiness, args.seed)
         mode = "open"
     else:
+        # Times stay relative to the trace's own t = 0 (not this shard's first request), so
+        # shards started at one instant interleave as in the trace.
+        origin = getattr(args, "trace_origin", None)
         times = trace_schedule([r.t for r in ordered], args.time_scale)
+        if origin is not None and ordered:
+            offset = (ordered[0].t - origin) / args.time_scale
+            times = [t + offset for t in times]
         mode = "open"
     plan = []
     for index, (at, request) in enumerate(zip(times, ordered, strict=True)):
@@ -233,6 +255,12 @@ async def execute(plan: Sequence[PlannedRequest], target: str, mode: str,
         sender = Sender(target, session, request_timeout_s=args.request_timeout)
         progress = None if quiet or args.no_progress else Progress(len(plan), label, sender)
         start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
+        start_at = getattr(args, "start_at", None)
+        if start_at is not None and not quiet:
+            # A wall-clock instant shared by every shard, as a monotonic instant here.
+            start = clock.monotonic_ns() + int((start_at - time.time()) * 1e9)
+            if start < clock.monotonic_ns():
+                raise UsageError(f"--start-at {start_at} is in the past")
         on_done = progress.update if progress else None
         if mode == "closed":
             sent = await closed_loop(sender, plan, concurrency or 1, start, on_done)
@@ -322,6 +350,8 @@ def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
                 proc.kill()
             raise RuntimeError("replay workers did not get ready within 120 s") from None
         start_value.value = clock.monotonic_ns() + 100_000_000
+        if args.start_at is not None:
+            start_value.value = clock.monotonic_ns() + int((args.start_at - time.time()) * 1e9)
         go.set()
         sent: list[SentRequest] = []
         for proc, path in processes:
