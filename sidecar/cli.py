@@ -167,6 +167,10 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capture-queue", type=int, metavar="N",
                         help="records waiting for the writer before new ones are dropped "
                         "(and counted) [10000]")
+    parser.add_argument("--admin-token", metavar="TOKEN",
+                        help="require 'Authorization: Bearer TOKEN' on the admin listener "
+                        "(/healthz excepted); prefer SIDECAR_ADMIN_TOKEN over the flag, which "
+                        "other local users can see in the process list")
     parser.add_argument("--log-requests", action="store_const", const=True,
                         help="log one line per request (ids, outcome, counts; never text)")
 
@@ -179,7 +183,7 @@ def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
              "slo", "slo_classes", "slo_class_header", "slo_model_classes", "otel_endpoint",
              "otel_exponential_histograms", "otel_traces", "otel_provider_name", "label_cap",
              "engine_scrape_interval", "capture_dir", "capture_text", "capture_compress",
-             "capture_rotate_bytes", "capture_rotate_s", "capture_queue")
+             "capture_rotate_bytes", "capture_rotate_s", "capture_queue", "admin_token")
     return {name: getattr(args, name, None) for name in names}
 
 

@@ -122,6 +122,8 @@ class ProxyConfig:
     otel_traces: bool = False
     otel_provider_name: str = "vllm"
     label_cap: int = 64  # distinct values per metric label (model, replica) before "other"
+    # Bearer token the admin listener requires (except /healthz); None = open admin listener.
+    admin_token: str | None = field(default=None, repr=False)
     # Capture (traces of the traffic). Text (bodies, completions) only with capture_text.
     capture_dir: str | None = None
     capture_text: bool = False

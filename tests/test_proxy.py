@@ -354,3 +354,22 @@ async def test_stats_endpoint_reports_both_vantages_with_definitions() -> None:
     assert client["ttft"]["p50"] >= server["ttft"]["p50"] > 0
     assert "sample = event" in snapshot["definitions"]["itl"]
     assert replicas["records_total"] == 3
+
+
+async def test_admin_token_guards_the_admin_listener_but_not_healthz() -> None:
+    async with stack(admin_token="s3cret-admin") as s, aiohttp.ClientSession() as session:
+        admin = s.server.admin_url
+        for path in ("/stats", "/metrics", "/replicas"):
+            async with session.get(admin + path) as response:
+                assert response.status == 401
+            async with session.get(admin + path,
+                                   headers={"Authorization": "Bearer wrong"}) as response:
+                assert response.status == 401
+            async with session.get(admin + path,
+                                   headers={"Authorization": "Bearer s3cret-admin"}) as response:
+                assert response.status == 200
+        async with session.get(admin + "/healthz") as response:
+            assert response.status == 200
+        # The traffic listener is not affected.
+        status, _, _ = await post(session, s.url, "/v1/completions", COMPLETION)
+        assert status == 200

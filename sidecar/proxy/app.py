@@ -7,6 +7,7 @@ sinks (cli.py), since the proxy itself knows no sink.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -45,11 +46,31 @@ def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> 
             "rewritten_events": proxy.rewritten_events,
         })
 
-    app = web.Application()
+    app = web.Application(middlewares=[admin_auth(proxy.config.admin_token)])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/replicas", replicas)
     app.add_routes(list(extra_routes))
     return app
+
+
+def admin_auth(token: str | None) -> Any:
+    """Require ``Authorization: Bearer <token>`` on the admin listener, /healthz excepted
+    (probes carry no secrets and it reveals nothing). Compared in constant time; the token is
+    never logged."""
+    expected = f"Bearer {token}".encode() if token else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        if expected is not None and request.path != "/healthz":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response(
+                    {"error": "the sidecar's admin endpoints need a bearer token"},
+                    status=401, headers={"WWW-Authenticate": "Bearer"})
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return middleware
 
 
 class ProxyServer:
