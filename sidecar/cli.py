@@ -53,6 +53,9 @@ examples:
       simulated replicas, the proxy and a load, with a live table of latencies
   sidecar sim --replicas 2 --port 8100 --model demo-model
       serve two simulated vLLM replicas on 127.0.0.1:8100 and :8101
+  sidecar trace import --format mooncake conversation_trace.jsonl -o mooncake.jsonl
+  sidecar replay mooncake.jsonl --target http://127.0.0.1:8080 --time-scale 2
+      import a public trace, then replay it as open-loop load through the proxy
   sidecar proxy --upstream http://127.0.0.1:8100 --upstream http://127.0.0.1:8101
       measure traffic sent to 127.0.0.1:8080 on its way to two replicas;
       live statistics at http://127.0.0.1:9464/stats
@@ -347,6 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay_cli.add_arguments(replay_parser)
     replay_parser.set_defaults(handler=replay_cli.run)
+
+    from sidecar.replay import trace_cli
+
+    trace_parser = commands.add_parser(
+        "trace",
+        help="import public traces (Mooncake, Bailian, Azure, BurstGPT); lint and summarise "
+        "trace files",
+        description=trace_cli.DESCRIPTION,
+        epilog=trace_cli.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    trace_cli.add_arguments(trace_parser)
+    trace_parser.set_defaults(handler=trace_cli.run)
 
     from sidecar import demo  # imported here: demo builds on this module's wiring
 

@@ -1,0 +1,238 @@
+"""``sidecar trace``: import public traces, lint a trace before replaying it, summarise one.
+
+Wired like every command: module-level DESCRIPTION and EPILOG, ``add_arguments(parser)`` and
+``async def run(args) -> int``. ``python -m sidecar.replay.trace_cli ...`` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from sidecar.replay.importers import (
+    ENDPOINTS,
+    FORMATS,
+    ImportOptions,
+    ImportResult,
+    TraceImportError,
+    import_trace,
+    parse_seconds,
+)
+from sidecar.replay.tracetools import format_stats, lint_trace, stats_json, trace_stats
+from sidecar.tracefile import TraceFormatError
+
+DESCRIPTION = """\
+Work with trace files (versioned JSONL, optionally .gz: one header line, one line per request;
+t in seconds since the trace start, lengths in tokens).
+
+  import   convert a public LLM-inference trace into a sidecar trace: Mooncake (FAST'25 JSONL,
+           AIPerf Mooncake+), Alibaba Bailian (JSONL), Azure LLM inference 2023/2024 (CSV),
+           BurstGPT v1.1/v2 (CSV). Columns are read by name, units are converted (Mooncake's
+           ms timestamps become seconds; Azure's calendar timestamps, 7 fractional digits or
+           none, become seconds since the earliest row), rows are sorted by time, and the
+           header notes record the source file, the mapping, the row counts and every
+           skipped row's reason.
+  lint     check a trace before replaying it: unsorted or negative t, units that look wrong
+           (ms for s, characters for tokens), prefix block sizes that do not match n_in,
+           requests too long for --max-model-len, duplicates, empty or missing lengths.
+           Exit status 1 when there are errors, 0 with only warnings.
+  stats    summarise the load: duration, arrival rate over time, burstiness, n_in/n_out
+           percentiles, prefix reuse (the hit ratio of an infinite prefix cache), sessions,
+           models.
+"""
+
+EPILOG = """\
+examples:
+  sidecar trace import --format mooncake conversation_trace.jsonl -o mooncake.jsonl.gz
+      Mooncake: timestamp ms -> t s, hash_ids -> 512-token prefix blocks
+  sidecar trace import --format azure AzureLLMInferenceTrace_code_1week.csv -o code.jsonl.gz \\
+      --start-at '2024-05-10 12:00:00' --duration 1h --endpoint chat --model my-model
+      one hour of the 2024 week-long trace, as chat requests to my-model
+  sidecar trace import --format burstgpt BurstGPT_1.csv -o burst.jsonl --drop-failed \\
+      --time-scale 0.5
+      BurstGPT without its failed requests (Response tokens = 0), twice as fast
+  sidecar trace lint mooncake.jsonl.gz --max-model-len 32768
+  sidecar trace stats mooncake.jsonl.gz --json > mooncake-stats.json
+"""
+
+IMPORT_DESCRIPTION = """\
+Convert a public trace into a sidecar trace file. Every request gets endpoint --endpoint,
+stream true, max_tokens = n_out and ignore_eos true (so a replay reproduces the output lengths
+exactly), the source's model when it has one (BurstGPT) else --model.
+
+t = the source's time in seconds, rebased so that the earliest imported request is at 0, then
+multiplied by --time-scale. Source clocks, on which --start-at and --duration select a window:
+  mooncake  timestamp in ms since the first request (t = timestamp / 1000)
+  bailian   timestamp in s
+  azure     TIMESTAMP, calendar time (no zone = UTC): seconds since the file's first row;
+            --start-at also takes a timestamp ('2024-05-10 12:00:00')
+  burstgpt  Timestamp in s since 0:00 of day 1
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(trace_parser=parser)
+    actions = parser.add_subparsers(dest="trace_command", metavar="ACTION")
+
+    importing = actions.add_parser(
+        "import",
+        help="convert a public trace (mooncake, bailian, azure, burstgpt) to a sidecar trace",
+        description=IMPORT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    importing.add_argument("input", metavar="INPUT", help="the public trace (.gz is read too)")
+    importing.add_argument("-o", "--output", required=True, metavar="OUTPUT",
+                           help="the sidecar trace to write (.gz: compressed)")
+    importing.add_argument("--format", dest="source_format", required=True, choices=FORMATS,
+                           help="the input's format")
+    importing.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
+                           help="endpoint of every request (default: %(default)s)")
+    importing.add_argument("--model", default=None,
+                           help="model of requests whose source names none (default: none)")
+    importing.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+                           help="multiply t by F after the conversion to seconds; 0.5 = twice "
+                           "as fast (default: 1)")
+    importing.add_argument("--start-at", default=None, metavar="WHEN",
+                           help="skip requests before WHEN on the source clock: seconds (90, "
+                           "15m, 2h, 1d); azure also a timestamp")
+    importing.add_argument("--duration", default=None, metavar="SECONDS",
+                           help="keep requests up to this long after --start-at (or after the "
+                           "first row): 3600, 60m, 1h")
+    importing.add_argument("--limit", type=int, default=None, metavar="N",
+                           help="keep the first N requests (file order) that pass the window")
+    importing.add_argument("--drop-failed", action="store_true",
+                           help="burstgpt: drop the requests that failed in the source "
+                           "(Response tokens = 0) instead of marking them failed_in_source")
+    importing.add_argument("--no-sort", dest="sort", action="store_false",
+                           help="keep the file order even when rows are out of time order")
+    importing.add_argument("--skip-bad-rows", action="store_true",
+                           help="skip unreadable rows (counted, with examples, in the header "
+                           "notes) instead of stopping at the first")
+    importing.add_argument("--force", action="store_true",
+                           help="overwrite OUTPUT if it exists")
+
+    linting = actions.add_parser(
+        "lint",
+        help="check a trace before replaying it (exit 1 on errors)",
+        description="Check a sidecar trace for problems that would spoil a replay. Each "
+                    "finding says what, where (line numbers), how many and how to fix it. "
+                    "Exit status 1 when there are errors, 0 with only warnings.",
+    )
+    linting.add_argument("trace", metavar="TRACE")
+    linting.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                         help="flag requests with n_in + n_out above N tokens")
+    linting.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+    summarising = actions.add_parser(
+        "stats",
+        help="summarise a trace: rate over time, burstiness, lengths, prefix reuse, sessions",
+        description="Summarise the load in a sidecar trace.",
+    )
+    summarising.add_argument("trace", metavar="TRACE")
+    summarising.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _options(args: argparse.Namespace) -> ImportOptions:
+    duration = None
+    if args.duration is not None:
+        try:
+            duration = parse_seconds(args.duration)
+        except ValueError as exc:
+            raise TraceImportError(f"--duration: {exc}") from None
+    return ImportOptions(
+        endpoint=args.endpoint,
+        model=args.model,
+        time_scale=args.time_scale,
+        limit=args.limit,
+        start_at=args.start_at,
+        duration_s=duration,
+        drop_failed=args.drop_failed,
+        sort=args.sort,
+        skip_bad_rows=args.skip_bad_rows,
+    )
+
+
+def _import_summary(result: ImportResult, source: str) -> str:
+    notes = result.header.notes
+    lines = [f"imported {result.requests} requests from {source} ({result.rows_read} rows "
+             f"read; source {result.header.source}) -> {result.output}",
+             f"  units: {notes.get('units')}",
+             f"  order: {notes.get('order')}"]
+    for title, key in (("skipped", "rows_skipped"), ("remark", "remarks")):
+        for reason, detail in dict(notes.get(key) or {}).items():
+            examples = ", ".join(detail.get("examples", [])[:3])
+            lines.append(f"  {title}: {detail['count']} x {reason}"
+                         + (f" (e.g. {examples})" if examples else ""))
+    return "\n".join(lines)
+
+
+def _run_import(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    if output.exists() and not args.force:
+        print(f"sidecar trace import: error: {output} exists (use --force to overwrite)",
+              file=sys.stderr)
+        return 1
+    try:
+        result = import_trace(args.source_format, args.input, output, _options(args))
+    except TraceImportError as exc:
+        print(f"sidecar trace import: error: {exc}", file=sys.stderr)
+        return 1
+    print(_import_summary(result, args.input))
+    return 0
+
+
+def _run_lint(args: argparse.Namespace) -> int:
+    try:
+        report = lint_trace(args.trace, max_model_len=args.max_model_len)
+    except (TraceFormatError, OSError) as exc:
+        print(f"sidecar trace lint: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return report.exit_code
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    try:
+        stats = trace_stats(args.trace)
+    except (TraceFormatError, OSError) as exc:
+        print(f"sidecar trace stats: error: {exc}", file=sys.stderr)
+        return 1
+    print(stats_json(stats) if args.json else format_stats(stats))
+    return 0
+
+
+async def run(args: argparse.Namespace) -> int:
+    # The work is synchronous file processing; nothing else shares this event loop.
+    command = getattr(args, "trace_command", None)
+    if command == "import":
+        return _run_import(args)
+    if command == "lint":
+        return _run_lint(args)
+    if command == "stats":
+        return _run_stats(args)
+    parser = getattr(args, "trace_parser", None)
+    if parser is not None:
+        parser.print_help(sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A stand-alone ``sidecar trace`` parser (the main CLI registers add_arguments itself)."""
+    parser = argparse.ArgumentParser(prog="sidecar trace", description=DESCRIPTION,
+                                     epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
