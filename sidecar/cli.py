@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -32,7 +33,7 @@ from sidecar.config import (
     build_config,
     load_config_file,
 )
-from sidecar.hooks import SinkFanout
+from sidecar.hooks import SinkFanout, ThreadedSink
 from sidecar.proxy.app import ProxyServer
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import (
@@ -150,6 +151,11 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also export one span per request (OTLP/HTTP)")
     parser.add_argument("--otel-provider-name", metavar="NAME",
                         help="gen_ai.provider.name attribute [vllm]")
+    parser.add_argument("--otel-export-interval", metavar="DURATION",
+                        help="OpenTelemetry metric export interval [10s]")
+    parser.add_argument("--otel-server-chunks", action="store_const", const=True,
+                        help="also export server-side per-chunk gaps "
+                        "(sidecar.server.time_per_output_chunk; doubles the per-chunk cost)")
     parser.add_argument("--label-cap", type=int, metavar="N",
                         help="distinct model/replica label values before 'other' [64]")
     parser.add_argument("--engine-scrape-interval", metavar="DURATION",
@@ -186,7 +192,8 @@ def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
              "slo", "slo_classes", "slo_class_header", "slo_model_classes", "otel_endpoint",
              "otel_exponential_histograms", "otel_traces", "otel_provider_name", "label_cap",
              "engine_scrape_interval", "capture_dir", "capture_text", "capture_compress",
-             "capture_rotate_bytes", "capture_rotate_s", "capture_queue", "admin_token")
+             "capture_rotate_bytes", "capture_rotate_s", "capture_queue", "admin_token",
+             "otel_export_interval", "otel_server_chunks")
     return {name: getattr(args, name, None) for name in names}
 
 
@@ -240,6 +247,12 @@ async def upstream_models(upstreams: Sequence[str]) -> tuple[str, ...]:
     return tuple(found)
 
 
+def otel_enabled(config: ProxyConfig) -> bool:
+    """OpenTelemetry export is on with --otel-endpoint or the standard OTLP variables."""
+    return bool(config.otel_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"))
+
+
 def build_proxy_server(config: ProxyConfig,
                        models: Sequence[str] = ()) -> tuple[ProxyServer, WindowSink]:
     """The proxy with its sinks wired: the one place that knows both."""
@@ -265,6 +278,24 @@ def build_proxy_server(config: ProxyConfig,
 
     server.add_admin_routes([web.get("/stats", stats_handler),
                              web.get("/metrics", metrics_handler)])
+    if otel_enabled(config):
+        from sidecar.sinks.otel import build_otel_sink
+
+        otel = build_otel_sink(
+            endpoint=config.otel_endpoint, slo_policy=slo_policy,
+            provider_name=config.otel_provider_name,
+            exponential_histograms=config.otel_exponential_histograms,
+            export_interval_s=config.otel_export_interval, traces=config.otel_traces,
+            max_models=config.label_cap, server_chunks=config.otel_server_chunks)
+        # The SDK costs microseconds per measurement (one per chunk): off the event loop.
+        threaded = ThreadedSink(otel, queue_size=config.capture_queue)
+        fanout.add(threaded)
+
+        async def close_otel() -> None:
+            await asyncio.to_thread(threaded.close)
+            await otel.aclose()
+
+        server.on_close(close_otel)
     if config.capture_dir:
         capture = CaptureSink(
             config.capture_dir,

@@ -121,6 +121,8 @@ class ProxyConfig:
     otel_exponential_histograms: bool = False
     otel_traces: bool = False
     otel_provider_name: str = "vllm"
+    otel_export_interval: float = 10.0
+    otel_server_chunks: bool = False  # also export server-side per-chunk gaps (doubles cost)
     label_cap: int = 64  # distinct values per metric label (model, replica) before "other"
     # Bearer token the admin listener requires (except /healthz); None = open admin listener.
     admin_token: str | None = field(default=None, repr=False)
@@ -183,9 +185,9 @@ def _slo_thresholds(config: ProxyConfig) -> dict[str, dict[str, float]]:
 
 _DURATIONS = {"connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
               "health_interval", "health_timeout", "window_s", "engine_scrape_interval",
-              "capture_rotate_s"}
+              "capture_rotate_s", "otel_export_interval"}
 _BOOLS = {"inject_usage", "assemble_nonstream", "log_requests", "otel_exponential_histograms",
-          "otel_traces", "capture_text", "capture_compress"}
+          "otel_traces", "capture_text", "capture_compress", "otel_server_chunks"}
 _INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
          "window_max_records", "prefix_block_chars", "prefix_block_tokens", "label_cap",
          "capture_rotate_bytes", "capture_queue", "capture_block_chars", "capture_block_tokens"}

@@ -9,6 +9,8 @@ a passive measurement tool drops a measurement rather than hurt the traffic it m
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
@@ -63,3 +65,48 @@ class SinkFanout:
                         sink.name,
                         self.errors[sink.name],
                     )
+
+
+class ThreadedSink:
+    """Runs a sink's ``on_record`` on a worker thread behind a bounded queue.
+
+    For sinks whose per-record cost is too high for the event loop (the OpenTelemetry SDK
+    spends a few microseconds per measurement, one measurement per streamed chunk): the loop only
+    enqueues. When the queue is full the record is dropped and counted, never waited for. The
+    work still costs CPU in this process; it just no longer delays other requests' chunks.
+    """
+
+    def __init__(self, sink: RecordSink, queue_size: int = 10_000) -> None:
+        self.inner = sink
+        self.name = sink.name
+        self.dropped = 0
+        self.failed = 0
+        self._queue: queue.Queue[RequestRecord | None] = queue.Queue(maxsize=queue_size)
+        self._thread = threading.Thread(target=self._run, name=f"sink-{sink.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def on_record(self, record: RequestRecord) -> None:
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        while True:
+            record = self._queue.get()
+            if record is None:
+                return
+            try:
+                self.inner.on_record(record)
+            except Exception:
+                self.failed += 1
+                if self.failed == 1 or self.failed % 1000 == 0:
+                    log.exception("sink %r failed on its worker thread (%d failures)",
+                                  self.name, self.failed)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Deliver what is queued, then stop the thread (blocking: call it off the loop)."""
+        if self._thread.is_alive():
+            self._queue.put(None, timeout=timeout_s)
+            self._thread.join(timeout_s)

@@ -51,3 +51,29 @@ def test_sink_names_are_unique_and_protocol_is_structural() -> None:
     fanout.add(sink)
     with pytest.raises(ValueError, match="already registered"):
         fanout.add(Collecting("a"))
+
+
+def test_threaded_sink_delivers_everything_in_order_and_drops_when_full() -> None:
+    import threading
+
+    from sidecar.hooks import ThreadedSink
+
+    gate = threading.Event()
+
+    class Slow(Collecting):
+        def on_record(self, record: RequestRecord) -> None:
+            gate.wait(10)
+            super().on_record(record)
+
+    inner = Slow("slow")
+    threaded = ThreadedSink(inner, queue_size=2)
+    records = [RequestRecord(request_id=str(i), wall_time_ns=i, outcome=Outcome.OK,
+                             endpoint="chat") for i in range(10)]
+    for r in records:
+        threaded.on_record(r)  # never blocks: the worker is stuck on the first one
+    assert threaded.dropped >= 7
+    gate.set()
+    threaded.close()
+    delivered = [r.request_id for r in inner.records]
+    assert len(delivered) + threaded.dropped == 10
+    assert delivered == sorted(delivered, key=int) and delivered[0] == "0"

@@ -367,6 +367,14 @@ class LiveCollector(Collector):
         for sink, count in self.fanout.errors.items():
             errors.add_metric((sink,), count)
         yield errors
+        dropped = CounterMetricFamily("sidecar_sink_records_dropped",
+                                      "Records a queued sink dropped because its queue was full.",
+                                      labels=("sink",))
+        for queued_sink in self.fanout.sinks:
+            dropped_count = getattr(queued_sink, "dropped", None)
+            if isinstance(dropped_count, int):
+                dropped.add_metric((queued_sink.name,), dropped_count)
+        yield dropped
 
 
 class CaptureCollector(Collector):
