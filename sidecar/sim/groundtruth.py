@@ -1,0 +1,115 @@
+"""The simulator's ground truth: what it really wrote to each socket, and when.
+
+One JSON line per finished request (any outcome), so a measuring proxy in another process can
+be checked against what the replica actually did. Instants are ``time.perf_counter_ns()``
+(CLOCK_MONOTONIC on Linux, the same clock in every process of the host), plus one wall-clock
+anchor per request (``wall_time_ns``, ``time.time_ns()`` read next to ``received_ns``).
+
+Line format (``"v": 1``)::
+
+    {"v": 1, "request_id": str, "replica": int, "endpoint": "/v1/chat/completions",
+     "stream": bool, "status": int, "outcome": str, "finish_reasons": [str|null, ...],
+     "n": int, "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
+     "fault": str|null, "wall_time_ns": int,
+     "received_ns": int,          # the whole request body had been read
+     "headers_ns": int|null,      # response headers handed to the socket
+     "done_ns": int,              # the handler finished (last write, or the error/reset)
+     "chunk_ns": [int, ...],      # right after each write to the socket
+     "chunk_tokens": [int, ...],  # output tokens carried by that write
+     "chunk_kinds": [str, ...]}   # role|token|usage|done|keepalive|error|malformed|body
+
+``outcome``: ok, http_error (an error status, ``status`` says which), rejected (503 from the
+admission limit), error_event (mid-stream error), reset (connection aborted by a fault),
+truncated (body ended without ``[DONE]``), client_disconnect.
+
+Writing: stamps are appended to in-memory lists while the request runs; the finished line is
+written with one buffered ``write`` + ``flush`` at request end. That costs one small write(2)
+into the page cache per request (microseconds, it never waits for the disk), nothing per chunk,
+and keeps lines in completion order without a thread or a queue to drain at shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TextIO
+
+GROUND_TRUTH_VERSION = 1
+
+
+class GroundTruthRecord:
+    """Mutable per-request stamps; `as_dict` freezes them into one JSONL line."""
+
+    __slots__ = (
+        "request_id",
+        "replica",
+        "endpoint",
+        "stream",
+        "status",
+        "outcome",
+        "finish_reasons",
+        "n",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "fault",
+        "wall_time_ns",
+        "received_ns",
+        "headers_ns",
+        "done_ns",
+        "chunk_ns",
+        "chunk_tokens",
+        "chunk_kinds",
+    )
+
+    def __init__(self, *, replica: int, endpoint: str, received_ns: int, wall_time_ns: int) -> None:
+        self.request_id = ""
+        self.replica = replica
+        self.endpoint = endpoint
+        self.stream = False
+        self.status = 200
+        self.outcome = "ok"
+        self.finish_reasons: list[str | None] = []
+        self.n = 1
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.fault: str | None = None
+        self.wall_time_ns = wall_time_ns
+        self.received_ns = received_ns
+        self.headers_ns: int | None = None
+        self.done_ns = 0
+        self.chunk_ns: list[int] = []
+        self.chunk_tokens: list[int] = []
+        self.chunk_kinds: list[str] = []
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"v": GROUND_TRUTH_VERSION, **{name: getattr(self, name) for name in self.__slots__}}
+
+
+class GroundTruthWriter:
+    """Appends finished records to a JSONL file; shared by all replicas of one process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: TextIO | None = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._users = 0
+
+    def acquire(self) -> GroundTruthWriter:
+        self._users += 1
+        return self
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users <= 0:
+            self.close()
+
+    def write(self, record: GroundTruthRecord) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record.as_dict(), separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

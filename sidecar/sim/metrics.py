@@ -1,0 +1,382 @@
+"""The simulated replica's ``/metrics``: vLLM v1 metric names, labels and buckets.
+
+One `ReplicaMetrics` per replica, on its own `CollectorRegistry` (never the global one), so
+several replicas in one process and tests running side by side never share a series.
+
+Per-request histograms are observed by the server as the engine reports progress (the same
+instants vLLM's engine core stamps: arrival, first scheduled, each step that produced tokens,
+finish); the engine's running totals (tokens, preemptions, prefix cache, KV usage, queue sizes)
+are read from `EngineModel.stats()` at scrape time by a custom collector.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
+
+from sidecar.sim.engine import EngineStats
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Bucket families of vLLM's v1/metrics (spec A3).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+
+# vLLM 0.10-era names for the series that were renamed later (spec A3, "Renamed metrics").
+LEGACY_NAMES: dict[str, str] = {
+    "vllm:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+    "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "vllm:prefix_cache_queries": "vllm:gpu_prefix_cache_queries",
+    "vllm:prefix_cache_hits": "vllm:gpu_prefix_cache_hits",
+}
+
+
+def one_two_five_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's ``build_1_2_5_buckets``)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class FastHistogram:
+    """One labelled histogram series, observed without locks or a linear bucket scan.
+
+    prometheus_client's Histogram takes a lock and walks every bucket per observation; the
+    inter-token histogram is observed once per token, so here an observation is one
+    ``bisect`` and two additions (the event loop is single-threaded, scrapes included). The
+    exposition is what prometheus_client's Histogram writes: ``_bucket`` (cumulative, ``le``
+    inclusive), ``_count``, ``_sum``, and a separate ``_created`` gauge family.
+    """
+
+    __slots__ = ("name", "documentation", "_bounds", "_le", "_counts", "_sum", "_created")
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self._bounds = [float(bound) for bound in buckets]
+        self._le = [floatToGoString(bound) for bound in self._bounds] + ["+Inf"]
+        self._counts = [0] * (len(self._bounds) + 1)
+        self._sum = 0.0
+        self._created = time.time()
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def families(self, label_names: list[str], label_values: list[str]) -> Iterator[Metric]:
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for le, count in zip(self._le, self._counts, strict=True):
+            cumulative += count
+            buckets.append((le, float(cumulative)))
+        histogram = HistogramMetricFamily(self.name, self.documentation, labels=label_names)
+        histogram.add_metric(label_values, buckets, self._sum)
+        yield histogram
+        created = GaugeMetricFamily(
+            self.name + "_created", self.documentation, labels=label_names
+        )
+        created.add_metric(label_values, self._created)
+        yield created
+
+
+class _HistogramCollector:
+    def __init__(self, histograms: list[FastHistogram], labels: tuple[str, str]) -> None:
+        self._histograms = histograms
+        self._labels = list(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        for histogram in self._histograms:
+            yield from histogram.families(["model_name", "engine"], self._labels)
+
+
+class _EngineStatsCollector:
+    """Reads the engine's totals and gauges when Prometheus scrapes."""
+
+    def __init__(
+        self,
+        stats_source: Callable[[], EngineStats],
+        labels: tuple[str, str],
+        created: float,
+        cache_info: Mapping[str, str],
+        name: Callable[[str], str],
+    ) -> None:
+        self._stats_source = stats_source
+        self._labels = list(labels)
+        self._created = created
+        self._cache_info = dict(cache_info)
+        self._name = name
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(self._name(name), documentation, labels=["model_name", "engine"])
+        family.add_metric(self._labels, value)
+        return family
+
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(
+            self._name(name), documentation, labels=["model_name", "engine"]
+        )
+        family.add_metric(self._labels, value, created=self._created)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_source()
+        yield self._gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            stats.num_running,
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            stats.num_waiting,
+        )
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            stats.kv_cache_usage,
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[*self._cache_info.keys(), "engine"],
+        )
+        info.add_metric([*self._cache_info.values(), self._labels[1]], 1.0)
+        yield info
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache_queries_total,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_cache_hits_total,
+        )
+        yield self._counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            stats.num_preemptions_total,
+        )
+        yield self._counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens_total
+        )
+        yield self._counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            stats.generation_tokens_total,
+        )
+
+
+class ReplicaMetrics:
+    """All series of one simulated replica (labels ``model_name``, ``engine``)."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        engine_index: int,
+        max_model_len: int,
+        stats_source: Callable[[], EngineStats],
+        cache_info: Mapping[str, str],
+        legacy_names: bool = False,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.engine_label = str(engine_index)
+        self._legacy_names = legacy_names
+        labels = (model_name, self.engine_label)
+        label_names = ["model_name", "engine"]
+        registry = self.registry
+        token_buckets = one_two_five_buckets(max_model_len)
+
+        histograms: list[FastHistogram] = []
+
+        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> FastHistogram:
+            series = FastHistogram(self._name(name), documentation, buckets)
+            histograms.append(series)
+            return series
+
+        self._request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*label_names, "finished_reason"],
+            registry=registry,
+        )
+        self._success_by_reason = {
+            reason: self._request_success.labels(model_name, self.engine_label, reason)
+            for reason in ("stop", "length", "abort", "error", "repetition")
+        }
+        self._admission_rejections = Counter(
+            "vllm:admission_rejections",
+            "Number of requests rejected by the admission limits.",
+            ["model_name", "reason"],
+            registry=registry,
+        )
+        # Expose the series at 0 from the start, so a scrape before the first 503 sees it.
+        self._admission_rejections.labels(model_name, "max_num_queued_reqs")
+        self._prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self._generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
+        )
+        self._max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        self._params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
+        self._iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_BUCKETS,
+        )
+        self._ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self._itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self._tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LATENCY_BUCKETS,
+        )
+        self._queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self._prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self._decode = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self._inference = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self._preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Number of preemptions per request.",
+            PREEMPTION_BUCKETS,
+        )
+        registry.register(_HistogramCollector(histograms, labels))
+        registry.register(
+            _EngineStatsCollector(stats_source, labels, time.time(), cache_info, self._name)
+        )
+
+    def _name(self, name: str) -> str:
+        if self._legacy_names:
+            return LEGACY_NAMES.get(name, name)
+        return name
+
+    # Hot path: called by the engine loop for every step / request output.
+    def observe_iteration(self, num_tokens: int) -> None:
+        self._iteration_tokens.observe(num_tokens)
+
+    def observe_time_to_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_inter_token_latency(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_finished(
+        self,
+        *,
+        finished_reason: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        max_tokens: int,
+        n: int | None,
+        arrival_s: float,
+        scheduled_s: float | None,
+        first_token_s: float | None,
+        last_token_s: float | None,
+        finished_s: float,
+        num_preemptions: int = 0,
+    ) -> None:
+        """One finished engine request (any reason), with vLLM's interval definitions."""
+        counter = self._success_by_reason.get(finished_reason)
+        if counter is None:
+            counter = self._request_success.labels(
+                self.model_name, self.engine_label, finished_reason
+            )
+        counter.inc()
+        self._prompt_tokens.observe(prompt_tokens)
+        self._generation_tokens.observe(generation_tokens)
+        self._max_tokens.observe(max_tokens)
+        if n is not None:
+            self._params_n.observe(n)
+        self._e2e.observe(max(0.0, finished_s - arrival_s))
+        self._preemptions.observe(num_preemptions)
+        if scheduled_s is not None:
+            self._queue.observe(max(0.0, scheduled_s - arrival_s))
+            if first_token_s is not None:
+                self._prefill.observe(max(0.0, first_token_s - scheduled_s))
+            if last_token_s is not None:
+                self._inference.observe(max(0.0, last_token_s - scheduled_s))
+        if first_token_s is not None and last_token_s is not None:
+            decode_s = max(0.0, last_token_s - first_token_s)
+            self._decode.observe(decode_s)
+            if generation_tokens > 1:
+                self._tpot.observe(decode_s / (generation_tokens - 1))
+
+    def count_admission_rejection(self, reason: str) -> None:
+        self._admission_rejections.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,408 @@
+"""Reading and validating request bodies the way vLLM's pydantic models do.
+
+Body-schema problems (bad JSON, a field of the wrong type, a missing required field) become
+vLLM's 400 ``"Bad Request"`` errors, whose message lists pydantic-style error dicts
+(``1 validation error:\\n  {'type': 'missing', 'loc': ('body', 'messages'), ...}``) and whose
+``param`` is the dotted location. Semantic problems found later (context length, min_tokens)
+are the server's 400 ``"BadRequestError"`` (`RequestError` with that type).
+
+Types are read in pydantic's lax mode: an int field takes ``5``, ``5.0``, ``"5"`` or a bool;
+a bool field takes ``true``, ``1``, ``"yes"``...; anything else is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.sim.tokenizer import ChatMessage
+
+BAD_REQUEST = "Bad Request"
+BAD_REQUEST_ERROR = "BadRequestError"
+
+_MISSING: Any = object()
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+class RequestError(Exception):
+    """An error answer in vLLM's shape: HTTP ``status`` with ``{"error": {...}}``."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+
+def bad_request(message: str, param: str | None = None) -> RequestError:
+    """A semantic validation failure (vLLM's ValueError / VLLMValidationError): BadRequestError."""
+    return RequestError(400, message, BAD_REQUEST_ERROR, param)
+
+
+def _loc_param(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def validation_error(issues: list[dict[str, Any]]) -> RequestError:
+    """Body-schema errors, rendered like vLLM's RequestValidationError handler."""
+    count = len(issues)
+    label = "error" if count == 1 else "errors"
+    message = f"{count} validation {label}:\n" + "".join(f"  {issue}\n" for issue in issues)
+    return RequestError(400, message.rstrip(), BAD_REQUEST, _loc_param(issues[0]["loc"]))
+
+
+def _issue(kind: str, loc: tuple[Any, ...], msg: str, value: Any) -> dict[str, Any]:
+    return {"type": kind, "loc": loc, "msg": msg, "input": value}
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        position = getattr(exc, "pos", 0)
+        reason = getattr(exc, "msg", str(exc))
+        issue = _issue("json_invalid", ("body", position), "JSON decode error", {})
+        issue["ctx"] = {"error": reason}
+        raise validation_error([issue]) from None
+    if not isinstance(body, dict):
+        raise validation_error(
+            [
+                _issue(
+                    "model_attributes_type",
+                    ("body",),
+                    "Input should be a valid dictionary or object to extract fields from",
+                    body,
+                )
+            ]
+        )
+    return body
+
+
+class FieldReader:
+    """Reads typed fields from a body, collecting every problem before failing once."""
+
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        self.body = body
+        self.issues: list[dict[str, Any]] = []
+
+    def fail_if_any(self) -> None:
+        if self.issues:
+            raise validation_error(self.issues)
+
+    def int_(self, name: str, default: int | None = None) -> int | None:
+        value = self.body.get(name, _MISSING)
+        if value is _MISSING or value is None:
+            return default
+        loc = ("body", name)
+        if type(value) is int or type(value) is bool:
+            return int(value)
+        if type(value) is float:
+            if value.is_integer():
+                return int(value)
+            self.issues.append(
+                _issue(
+                    "int_from_float",
+                    loc,
+                    "Input should be a valid integer, got a number with a fractional part",
+                    value,
+                )
+            )
+            return default
+        if type(value) is str:
+            try:
+                return int(value.strip())
+            except ValueError:
+                self.issues.append(
+                    _issue(
+                        "int_parsing",
+                        loc,
+                        "Input should be a valid integer, unable to parse string as an integer",
+                        value,
+                    )
+                )
+                return default
+        self.issues.append(_issue("int_type", loc, "Input should be a valid integer", value))
+        return default
+
+    def bool_(self, name: str, default: bool, source: Mapping[str, Any] | None = None) -> bool:
+        mapping = self.body if source is None else source
+        value = mapping.get(name, _MISSING)
+        if value is _MISSING or value is None:
+            return default
+        loc: tuple[Any, ...] = (
+            ("body", name) if source is None else ("body", "stream_options", name)
+        )
+        parsed = lax_bool(value)
+        if parsed is None:
+            kind = "bool_parsing" if isinstance(value, str) else "bool_type"
+            msg = "Input should be a valid boolean"
+            if kind == "bool_parsing":
+                msg += ", unable to interpret input"
+            self.issues.append(_issue(kind, loc, msg, value))
+            return default
+        return parsed
+
+    def str_(self, name: str) -> str | None:
+        value = self.body.get(name, _MISSING)
+        if value is _MISSING or value is None:
+            return None
+        if isinstance(value, str):
+            return value
+        self.issues.append(
+            _issue("string_type", ("body", name), "Input should be a valid string", value)
+        )
+        return None
+
+
+def lax_bool(value: Any) -> bool | None:
+    """pydantic's lax bool: True/False, 0/1, and the usual strings; None if not a bool."""
+    if value is True or value is False:
+        return bool(value)
+    if type(value) is int and value in (0, 1):
+        return value == 1
+    if type(value) is float and value in (0.0, 1.0):
+        return value == 1.0
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    include_usage: bool
+    continuous_usage_stats: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    """What the server needs from a chat or completions body, before tokenization."""
+
+    chat: bool
+    model: str | None
+    # Chat: the conversation. Completions: one entry per prompt, text or token ids.
+    messages: tuple[ChatMessage, ...]
+    prompts: tuple[str | tuple[int, ...], ...]
+    add_generation_prompt: bool
+    add_special_tokens: bool
+    n: int
+    max_tokens: int | None
+    max_tokens_param: str
+    min_tokens: int
+    ignore_eos: bool
+    stream: bool
+    stream_options: StreamOptions | None
+    stream_interval: int | None
+    use_beam_search: bool
+    request_id: str | None
+
+
+def _read_stream_options(reader: FieldReader) -> StreamOptions | None:
+    raw = reader.body.get("stream_options")
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        reader.issues.append(
+            _issue(
+                "model_type",
+                ("body", "stream_options"),
+                "Input should be a valid dictionary or instance of StreamOptions",
+                raw,
+            )
+        )
+        return None
+    include = reader.bool_("include_usage", False, source=raw)
+    continuous = reader.bool_("continuous_usage_stats", False, source=raw)
+    return StreamOptions(include_usage=include, continuous_usage_stats=continuous)
+
+
+def _message_text(content: Any, loc: tuple[Any, ...], reader: FieldReader) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+                reader.issues.append(
+                    _issue("model_type", (*loc, i), "Input should be a valid content part", part)
+                )
+                continue
+            part_type = part["type"]
+            if part_type not in ("text", "input_text"):
+                # vLLM would load the media; the simulator has no encoder to charge it to.
+                raise bad_request(
+                    f"Content part type {part_type!r} is not supported by the simulator "
+                    "(text parts only)"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                reader.issues.append(
+                    _issue("string_type", (*loc, i, "text"), "Input should be a valid string", text)
+                )
+                continue
+            texts.append(text)
+        # vLLM's "string" content format joins text parts with newlines.
+        return "\n".join(texts)
+    reader.issues.append(_issue("string_type", loc, "Input should be a valid string", content))
+    return ""
+
+
+def read_messages(reader: FieldReader) -> tuple[ChatMessage, ...]:
+    raw = reader.body.get("messages", _MISSING)
+    if raw is _MISSING:
+        reader.issues.append(
+            _issue("missing", ("body", "messages"), "Field required", dict(reader.body))
+        )
+        return ()
+    if not isinstance(raw, list):
+        reader.issues.append(
+            _issue("list_type", ("body", "messages"), "Input should be a valid list", raw)
+        )
+        return ()
+    messages: list[ChatMessage] = []
+    for i, message in enumerate(raw):
+        loc = ("body", "messages", i)
+        if not isinstance(message, Mapping):
+            reader.issues.append(
+                _issue("model_type", loc, "Input should be a valid dictionary", message)
+            )
+            continue
+        role = message.get("role", _MISSING)
+        if role is _MISSING:
+            reader.issues.append(_issue("missing", (*loc, "role"), "Field required", dict(message)))
+            continue
+        if not isinstance(role, str):
+            reader.issues.append(
+                _issue("string_type", (*loc, "role"), "Input should be a valid string", role)
+            )
+            continue
+        text = _message_text(message.get("content"), (*loc, "content"), reader)
+        messages.append(ChatMessage(role=role, content=text))
+    return tuple(messages)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(item) is int for item in value)
+
+
+def _read_prompts(reader: FieldReader) -> tuple[str | tuple[int, ...], ...]:
+    raw = reader.body.get("prompt")
+    if raw is None or (isinstance(raw, list) and not raw):
+        issue = _issue(
+            "value_error",
+            ("body",),
+            "Value error, Either prompt or prompt_embeds must be provided and non-empty.",
+            dict(reader.body),
+        )
+        issue["ctx"] = {
+            "error": ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        }
+        reader.issues.append(issue)
+        return ()
+    if isinstance(raw, str):
+        return (raw,)
+    if _is_token_list(raw):
+        return (tuple(raw),)
+    if isinstance(raw, list):
+        prompts: list[str | tuple[int, ...]] = []
+        for i, item in enumerate(raw):
+            if isinstance(item, str):
+                prompts.append(item)
+            elif _is_token_list(item) and item:
+                prompts.append(tuple(item))
+            else:
+                reader.issues.append(
+                    _issue(
+                        "union_type",
+                        ("body", "prompt", i),
+                        "Input should be a valid string or a list of integers",
+                        item,
+                    )
+                )
+        return tuple(prompts)
+    reader.issues.append(
+        _issue("union_type", ("body", "prompt"), "Input should be a valid string or list", raw)
+    )
+    return ()
+
+
+def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
+    """Validate a /v1/chat/completions or /v1/completions body (raises RequestError)."""
+    reader = FieldReader(body)
+    model = reader.str_("model")
+    request_id = reader.str_("request_id")
+    max_tokens: int | None
+    if chat:
+        messages = read_messages(reader)
+        prompts: tuple[str | tuple[int, ...], ...] = ()
+        max_completion_tokens = reader.int_("max_completion_tokens")
+        legacy_max_tokens = reader.int_("max_tokens")
+        if max_completion_tokens is not None:
+            max_tokens, max_tokens_param = max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_tokens_param = legacy_max_tokens, "max_tokens"
+    else:
+        messages = ()
+        prompts = _read_prompts(reader)
+        max_tokens = reader.int_("max_tokens", 16)
+        max_tokens_param = "max_tokens"
+    n = reader.int_("n", 1)
+    min_tokens = reader.int_("min_tokens", 0)
+    stream_interval = reader.int_("stream_interval")
+    ignore_eos = reader.bool_("ignore_eos", False)
+    stream = reader.bool_("stream", False)
+    use_beam_search = reader.bool_("use_beam_search", False)
+    add_generation_prompt = reader.bool_("add_generation_prompt", True)
+    add_special_tokens = reader.bool_("add_special_tokens", not chat)
+    stream_options = _read_stream_options(reader)
+    reader.fail_if_any()
+    if stream_options is not None and not stream:
+        message = "Stream options can only be defined when `stream=True`."
+        issue = _issue("value_error", ("body",), f"Value error, {message}", dict(body))
+        issue["ctx"] = {"error": ValueError(message)}
+        error = validation_error([issue])
+        error.param = "stream_options"
+        raise error
+    return GenerateParams(
+        chat=chat,
+        model=model,
+        messages=messages,
+        prompts=prompts,
+        add_generation_prompt=add_generation_prompt,
+        add_special_tokens=add_special_tokens,
+        n=1 if n is None else n,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        min_tokens=0 if min_tokens is None else min_tokens,
+        ignore_eos=ignore_eos,
+        stream=stream,
+        stream_options=stream_options,
+        stream_interval=stream_interval,
+        use_beam_search=use_beam_search,
+        request_id=request_id,
+    )
+
+
+def read_token_ids(body: Mapping[str, Any], name: str) -> list[int]:
+    """A required list-of-int field (``/detokenize``'s ``tokens``)."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING:
+        raise validation_error([_issue("missing", ("body", name), "Field required", dict(body))])
+    if not _is_token_list(value):
+        raise validation_error(
+            [_issue("list_type", ("body", name), "Input should be a valid list of integers", value)]
+        )
+    return list(value)

@@ -1,0 +1,449 @@
+"""vLLM's response shapes, byte for byte (spec/vllm-protocol.md A1), for the simulator.
+
+Two profiles:
+
+- ``vllm`` (default): vLLM 0.33.0. Streamed chunks are pydantic ``model_dump_json`` output, so
+  compact JSON with keys in model-field order and the spec's inclusion rules (explicit ``null``s
+  for fields the server sets, omitted fields it leaves unset). Non-streaming bodies are
+  Starlette ``JSONResponse`` renders of ``model_dump()``: compact, every field present.
+- ``minimal``: an older vLLM (before ~0.10.2): no ``prompt_token_ids``, ``prompt_text``,
+  ``kv_transfer_params``, ``system_fingerprint``, ``token_ids``, ``weight_versions`` or
+  per-request ``metrics`` keys; the core shape is the same.
+
+Streamed chunks are assembled from per-request prefixes and small string pieces rather than by
+``json.dumps`` of a dict per chunk: the id, created and model parts are serialised once per
+request, and only the token text is escaped per chunk (``json.dumps`` of one string). Tests
+compare the result with the spec's literal examples.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from json.encoder import encode_basestring
+from typing import Any
+
+from sidecar.protocol import DONE_EVENT, KEEPALIVE_EVENT, error_body
+
+__all__ = [
+    "DONE_EVENT",
+    "KEEPALIVE_EVENT",
+    "ChoiceResult",
+    "Profile",
+    "RequestTimings",
+    "StreamFormatter",
+    "chat_completion_body",
+    "compact_json",
+    "completion_body",
+    "error_body",
+    "models_body",
+]
+
+
+class Profile(str, enum.Enum):
+    VLLM = "vllm"
+    MINIMAL = "minimal"
+
+
+def compact_json(value: Any) -> str:
+    """Serialise like Starlette's JSONResponse and pydantic's model_dump_json (compact, UTF-8)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+# The C string escaper json.dumps(..., ensure_ascii=False) itself uses: same output, a fraction
+# of the cost of a json.dumps call per chunk.
+_text: Callable[[str], str] = encode_basestring
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """vLLM's per-request timing metrics (``build_per_request_timing_metrics``), in ms.
+
+    TTFT here is first token - first scheduled: queue time is excluded (unlike Prometheus TTFT).
+    """
+
+    time_to_first_token_ms: float | None
+    generation_time_ms: float | None
+    queue_time_ms: float | None
+    mean_itl_ms: float | None
+    tokens_per_second: float | None
+
+    @classmethod
+    def from_instants(
+        cls,
+        *,
+        arrival_s: float,
+        scheduled_s: float | None,
+        first_token_s: float | None,
+        last_token_s: float | None,
+        num_generation_tokens: int,
+    ) -> RequestTimings:
+        ttft = generation = queue = mean_itl = tokens_per_second = None
+        if scheduled_s is not None and first_token_s is not None:
+            ttft = (first_token_s - scheduled_s) * 1000
+        if first_token_s is not None and last_token_s is not None:
+            generation = (last_token_s - first_token_s) * 1000
+            if num_generation_tokens > 1:
+                mean_itl = generation / (num_generation_tokens - 1)
+        if scheduled_s is not None:
+            queue = (scheduled_s - arrival_s) * 1000
+            if last_token_s is not None:
+                inference_ms = (last_token_s - scheduled_s) * 1000
+                if inference_ms > 0:
+                    tokens_per_second = num_generation_tokens / inference_ms * 1000
+        return cls(ttft, generation, queue, mean_itl, tokens_per_second)
+
+    def as_dict(self, drop_none: bool) -> dict[str, float | None]:
+        values: dict[str, float | None] = {
+            "time_to_first_token_ms": self.time_to_first_token_ms,
+            "generation_time_ms": self.generation_time_ms,
+            "queue_time_ms": self.queue_time_ms,
+            "mean_itl_ms": self.mean_itl_ms,
+            "tokens_per_second": self.tokens_per_second,
+        }
+        if drop_none:
+            return {key: value for key, value in values.items() if value is not None}
+        return values
+
+
+class StreamFormatter:
+    """Builds the SSE events of one streamed request (chat or completions).
+
+    ``usage`` arguments are ``(prompt_tokens, completion_tokens)`` when the chunk carries
+    continuous usage stats, else None. Every method returns the complete event bytes.
+    """
+
+    __slots__ = (
+        "chat",
+        "minimal",
+        "fingerprint",
+        "include_usage",
+        "_head",
+        "_usage_details",
+        "_role_tail",
+        "_token_tail",
+        "_final_tail",
+        "_choices_open",
+    )
+
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        response_id: str,
+        created: int,
+        model: str,
+        profile: Profile,
+        fingerprint: str,
+        include_usage: bool,
+    ) -> None:
+        self.chat = chat
+        self.minimal = profile is Profile.MINIMAL
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (
+            f'data: {{"id":{_text(response_id)},"object":"{obj}","created":{created},'
+            f'"model":{_text(model)},"choices":['
+        )
+        # Chat continuous usage carries an explicit completion_tokens_details null (vLLM 0.33).
+        self._usage_details = (
+            ',"completion_tokens_details":null' if chat and not self.minimal else ""
+        )
+        if self.minimal:
+            self._role_tail = "}\n\n"
+            self._token_tail = "}\n\n"
+            self._final_tail = "}\n\n"
+        else:
+            self._role_tail = ',"prompt_token_ids":null,"prompt_text":null}\n\n'
+            self._token_tail = ',"kv_transfer_params":null}\n\n'
+            if include_usage:
+                self._final_tail = ',"kv_transfer_params":null}\n\n'
+            else:
+                self._final_tail = (
+                    f',"system_fingerprint":{_text(fingerprint)},"kv_transfer_params":null}}\n\n'
+                )
+
+    def _usage(self, usage: tuple[int, int] | None) -> str:
+        if usage is None:
+            return ""
+        prompt, completion = usage
+        return (
+            f',"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
+            f'"completion_tokens":{completion}{self._usage_details}}}'
+        )
+
+    def role_chunk(self, index: int, role: str, usage: tuple[int, int] | None = None) -> bytes:
+        return (
+            f'{self._head}{{"index":{index},"delta":{{"role":{_text(role)},"content":""}},'
+            f'"logprobs":null,"finish_reason":null}}]{self._usage(usage)}{self._role_tail}'
+        ).encode()
+
+    def token_chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None = None,
+        usage: tuple[int, int] | None = None,
+    ) -> bytes:
+        text_json = _text(text)
+        if self.chat:
+            body = f'{{"index":{index},"delta":{{"content":{text_json}}},"logprobs":null,'
+        else:
+            body = f'{{"index":{index},"text":{text_json},"logprobs":null,'
+        if finish_reason is None:
+            if self.minimal:
+                body += '"finish_reason":null' + ("}" if self.chat else ',"stop_reason":null}')
+            elif self.chat:
+                body += '"finish_reason":null,"token_ids":null}'
+            else:
+                body += (
+                    '"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+                    '"token_ids":null,"weight_versions":null}'
+                )
+            tail = self._token_tail
+        else:
+            body += f'"finish_reason":"{finish_reason}","stop_reason":null'
+            if self.minimal:
+                body += "}"
+            elif self.chat:
+                body += ',"token_ids":null,"weight_versions":null}'
+            else:
+                body += ',"prompt_token_ids":null,"token_ids":null,"weight_versions":null}'
+            tail = self._final_tail
+        return f"{self._head}{body}]{self._usage(usage)}{tail}".encode()
+
+    def usage_chunk(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int | None = None,
+        timings: RequestTimings | None = None,
+    ) -> bytes:
+        """The final usage-only chunk (``choices:[]``; all nulls dropped)."""
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        if cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        text = f'{self._head}],"usage":{compact_json(usage)}'
+        if not self.minimal:
+            text += f',"system_fingerprint":{_text(self.fingerprint)}'
+            if timings is not None:
+                text += f',"metrics":{compact_json(timings.as_dict(drop_none=True))}'
+        return (text + "}\n\n").encode()
+
+    def error_event(self, message: str, err_type: str, code: int) -> bytes:
+        """A mid-stream error: chat uses compact JSON, completions ``json.dumps`` with spaces."""
+        body = error_body(message, err_type, code)
+        payload = compact_json(body) if self.chat else json.dumps(body)
+        return f"data: {payload}\n\n".encode()
+
+    def malformed_event(self, index: int) -> bytes:
+        """A data event whose JSON is cut short (fault injection)."""
+        return f'{self._head}{{"index":{index},"del\n\n'.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceResult:
+    index: int
+    text: str
+    finish_reason: str
+
+
+def _usage_body(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, minimal: bool
+) -> dict[str, Any]:
+    details: dict[str, Any] | None = None
+    if cached_tokens is not None:
+        details = {"cached_tokens": cached_tokens}
+        if not minimal:
+            details["created_cache_tokens"] = None
+            details["multimodal_tokens"] = None
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": details,
+    }
+    if not minimal:
+        usage["completion_tokens_details"] = None
+    return usage
+
+
+def chat_completion_body(
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    role: str,
+    choices: Sequence[ChoiceResult],
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None,
+    timings: RequestTimings | None,
+    fingerprint: str,
+    profile: Profile,
+) -> bytes:
+    minimal = profile is Profile.MINIMAL
+    out_choices: list[dict[str, Any]] = []
+    for choice in choices:
+        if minimal:
+            out_choices.append(
+                {
+                    "index": choice.index,
+                    "message": {"role": role, "content": choice.text, "tool_calls": []},
+                    "logprobs": None,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+        else:
+            out_choices.append(
+                {
+                    "index": choice.index,
+                    "message": {
+                        "role": role,
+                        "content": choice.text,
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "reasoning": None,
+                    },
+                    "logprobs": None,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": None,
+                    "token_ids": None,
+                    "routed_experts": None,
+                    "weight_versions": None,
+                }
+            )
+    usage = _usage_body(prompt_tokens, completion_tokens, cached_tokens, minimal)
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": out_choices,
+    }
+    if minimal:
+        body["usage"] = usage
+        body["prompt_logprobs"] = None
+    else:
+        body["service_tier"] = None
+        body["system_fingerprint"] = fingerprint
+        body["usage"] = usage
+        body["prompt_logprobs"] = None
+        body["prompt_token_ids"] = None
+        body["prompt_text"] = None
+        body["kv_transfer_params"] = None
+        body["ec_transfer_params"] = None
+        body["metrics"] = None if timings is None else timings.as_dict(drop_none=False)
+    return compact_json(body).encode()
+
+
+def completion_body(
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceResult],
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None,
+    timings: RequestTimings | None,
+    fingerprint: str,
+    profile: Profile,
+) -> bytes:
+    minimal = profile is Profile.MINIMAL
+    out_choices: list[dict[str, Any]] = []
+    for choice in choices:
+        if minimal:
+            out_choices.append(
+                {
+                    "index": choice.index,
+                    "text": choice.text,
+                    "logprobs": None,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": None,
+                    "prompt_logprobs": None,
+                }
+            )
+        else:
+            out_choices.append(
+                {
+                    "index": choice.index,
+                    "text": choice.text,
+                    "logprobs": None,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": None,
+                    "token_ids": None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": None,
+                    "routed_experts": None,
+                    "weight_versions": None,
+                }
+            )
+    usage = _usage_body(prompt_tokens, completion_tokens, cached_tokens, minimal)
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": out_choices,
+    }
+    if minimal:
+        body["usage"] = usage
+    else:
+        body["service_tier"] = None
+        body["system_fingerprint"] = fingerprint
+        body["usage"] = usage
+        body["kv_transfer_params"] = None
+        body["ec_transfer_params"] = None
+        body["metrics"] = None if timings is None else timings.as_dict(drop_none=False)
+    return compact_json(body).encode()
+
+
+def models_body(
+    *,
+    served_model_names: Sequence[str],
+    root: str,
+    max_model_len: int,
+    created: int,
+    permission_id: str,
+) -> bytes:
+    """``GET /v1/models`` (ModelList of ModelCards with one default ModelPermission each)."""
+    data: list[Mapping[str, Any]] = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": None,
+            "max_model_len": max_model_len,
+            "permission": [
+                {
+                    "id": permission_id,
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+        for name in served_model_names
+    ]
+    return compact_json({"object": "list", "data": data}).encode()

@@ -1,0 +1,66 @@
+"""Shared fixtures: simulated vLLM replicas on ephemeral 127.0.0.1 ports.
+
+``start_sim(config=None, n=1, **overrides)`` starts ``n`` replicas (a fast engine by default:
+1 ms steps) and returns them; every replica started through it is closed at teardown.
+``sim_url`` is the base URL of one such replica with the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from sidecar.sim.engine import EngineConfig
+from sidecar.sim.server import RunningReplica, SimConfig, start_replicas
+
+# Tiny step time so that tests exercise the real engine loop in milliseconds.
+FAST_ENGINE = EngineConfig(step_floor_s=0.001)
+
+StartSim = Callable[..., Awaitable[list[RunningReplica]]]
+
+
+def fast_sim_config(**overrides: Any) -> SimConfig:
+    """A SimConfig with the fast engine; ``engine_<field>=...`` overrides engine fields."""
+    engine_overrides = {
+        key.removeprefix("engine_"): overrides.pop(key)
+        for key in list(overrides)
+        if key.startswith("engine_")
+    }
+    engine = dataclasses.replace(overrides.pop("engine", FAST_ENGINE), **engine_overrides)
+    overrides.setdefault("model", "M")
+    return SimConfig(engine=engine, **overrides)
+
+
+@pytest.fixture
+async def start_sim() -> AsyncIterator[StartSim]:
+    started: list[RunningReplica] = []
+
+    async def start(
+        config: SimConfig | None = None, n: int = 1, port: int = 0, **overrides: Any
+    ) -> list[RunningReplica]:
+        if config is None:
+            config = fast_sim_config(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        replicas = await start_replicas(config, n, "127.0.0.1", port)
+        started.extend(replicas)
+        return replicas
+
+    yield start
+    for replica in started:
+        await replica.close()
+
+
+@pytest.fixture
+async def sim_url(start_sim: StartSim) -> str:
+    (replica,) = await start_sim()
+    return replica.url
+
+
+@pytest.fixture
+def make_sim_config() -> Callable[..., SimConfig]:
+    """`fast_sim_config` as a fixture, for tests that build a config before starting."""
+    return fast_sim_config
