@@ -1,7 +1,7 @@
 """Importers: public trace formats -> sidecar traces, with values worked out by hand.
 
 The samples in tests/data/traces/ are written from each format's documented columns (see the
-README there); the real public traces in /work/shared/data/traces are read in place.
+README there); the real public traces in ../shared/data/traces are read in place.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from sidecar.replay.tracetools import lint_trace
 from sidecar.tracefile import PrefixBlocks, TraceReader, TraceRequest, request_line
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
-SHARED = Path("/work/shared/data/traces")
+# shared/ lies beside the repository (CI lays a copy there too).
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
 
 def run_import(tmp_path: Path, fmt: str, sample: str | Path, name: str = "out.jsonl",
