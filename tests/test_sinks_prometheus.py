@@ -307,3 +307,25 @@ async def test_real_prometheus_quantiles_and_goodput_agree_with_the_records(
         assert scraped_good == good
         assert await asyncio.to_thread(
             prom.scalar, 'sidecar_slo_threshold_seconds{metric="ttft"}') == 0.025
+
+
+async def test_promtool_accepts_the_whole_admin_exposition(tmp_path: Path) -> None:
+    """Everything /metrics serves (sinks, live gauges, capture, process), after real traffic."""
+    promtool = require_binary("promtool")
+    async with stack(slo="ttft=1s", capture_dir=str(tmp_path / "cap")) as s, \
+            aiohttp.ClientSession() as session:
+        body = {"model": "m", "stream": True, "max_tokens": 3, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(3):
+            async with session.post(s.url + "/v1/chat/completions", json=body) as response:
+                await response.read()
+        await s.records.wait_for(3)
+        async with session.get(s.server.admin_url + "/metrics") as response:
+            exposition = await response.read()
+    for name in (b"sidecar_window_latency_seconds", b"sidecar_in_flight_requests",
+                 b"sidecar_capture_records_written_total", b"process_resident_memory_bytes"):
+        assert name in exposition
+    done = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == b"" and done.stderr.strip() == b""

@@ -317,21 +317,27 @@ class LiveCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         window_s = f"{self.window.window_s:g}"
         records = [r for r in self.window.records() if r.endpoint in GENERATION_ENDPOINTS]
-        latency = GaugeMetricFamily(
-            "sidecar_window_latency_seconds",
+        # A summary is what Prometheus calls quantiles precomputed over a sliding window.
+        # (prometheus_client's SummaryMetricFamily has no quantiles: samples are added here.)
+        name = "sidecar_window_latency_seconds"
+        latency = Metric(
+            name,
             f"Exact quantiles over the last {window_s} s (numpy, linear interpolation; this "
             "sidecar only: never average these across sidecars, use the histograms).",
-            labels=("metric", "vantage", "quantile"))
+            "summary")
         for vantage in (Vantage.CLIENT, Vantage.SERVER):
             report = stats.vantage_report(records, vantage)
             for metric, summary in (("ttft", report.ttft), ("itl", report.itl),
                                     ("tpot", report.tpot), ("e2e", report.e2e)):
-                if summary.count == 0:
+                if summary.count == 0 or summary.mean is None:
                     continue
+                labels = {"metric": metric, "vantage": vantage.value}
                 for q in WINDOW_QUANTILES:
                     value = summary.p(q * 100)
                     if value is not None:
-                        latency.add_metric((metric, vantage.value, f"{q:g}"), value)
+                        latency.add_sample(name, {**labels, "quantile": f"{q:g}"}, value)
+                latency.add_sample(name + "_count", labels, summary.count)
+                latency.add_sample(name + "_sum", labels, summary.mean * summary.count)
         yield latency
         outcomes = GaugeMetricFamily(
             "sidecar_window_requests", f"Requests that ended in the last {window_s} s.",
