@@ -382,6 +382,18 @@ def build_parser() -> argparse.ArgumentParser:
     replay_cli.add_arguments(replay_parser)
     replay_parser.set_defaults(handler=replay_cli.run)
 
+    from sidecar.replay import sweep_cli
+
+    sweep_parser = commands.add_parser(
+        "sweep",
+        help="find the capacity under an SLO: replays at increasing load, curves and knee",
+        description=sweep_cli.DESCRIPTION,
+        epilog=sweep_cli.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep_cli.add_arguments(sweep_parser)
+    sweep_parser.set_defaults(handler=sweep_cli.run)
+
     from sidecar.replay import trace_cli
 
     trace_parser = commands.add_parser(

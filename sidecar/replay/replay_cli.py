@@ -146,8 +146,8 @@ async def _run(args: argparse.Namespace) -> int:
         "rate": args.rate, "burstiness": args.burstiness if args.rate else None,
         "max_concurrency": args.max_concurrency, "warmup": len(warmup),
         "repeats": args.repeats, "workers": args.workers,
-        "input_tokens_requested": _lengths([r.n_in for r in requests]),
-        "output_tokens_requested": _lengths([r.n_out for r in requests]),
+        "input_tokens_requested": lengths_summary([r.n_in for r in requests]),
+        "output_tokens_requested": lengths_summary([r.n_out for r in requests]),
         "prompt_text_calibration": None if calibration is None else {
             "tokens_per_word": calibration.tokens_per_word,
             "chat_overhead": calibration.chat_overhead},
@@ -165,7 +165,7 @@ async def _run(args: argparse.Namespace) -> int:
         engine_after = await scrape_engine(session, target)
     envelope["engine_before"] = engine_before
     envelope["engine_after"] = engine_after
-    envelope["engine_delta"] = _delta(engine_before, engine_after)
+    envelope["engine_delta"] = engine_delta(engine_before, engine_after)
     chosen = median_run(reports)
     result = dict(reports[chosen])
     result["envelope"] = envelope
@@ -190,7 +190,7 @@ def _trace_model(requests: Sequence[TraceRequest]) -> str | None:
     return next((r.model for r in requests if r.model), None)
 
 
-def _lengths(values: Sequence[int | None]) -> dict[str, float | None]:
+def lengths_summary(values: Sequence[int | None]) -> dict[str, float | None]:
     known = [v for v in values if v is not None]
     if not known:
         return {"count": 0}
@@ -200,7 +200,7 @@ def _lengths(values: Sequence[int | None]) -> dict[str, float | None]:
             "mean": sum(arr) / len(arr)}
 
 
-def _delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float]:
+def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float]:
     if not before or not after:
         return {}
     b, a = before.get("values", {}), after.get("values", {})

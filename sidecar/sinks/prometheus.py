@@ -237,6 +237,10 @@ class PrometheusSink:
             ("slo_class", "metric"), registry=registry)
         if slo_policy is not None:
             for name, slo in slo_policy.classes.items():
+                # Series exist (at 0) from the start, so rate() sees a class's first requests.
+                self.slo_requests.labels(name)
+                self.slo_good.labels(name)
+                self.slo_good_tokens.labels(name)
                 for metric, limit in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s),
                                       ("e2e", slo.e2e_s)):
                     if limit is not None:
