@@ -1,0 +1,457 @@
+"""Grafana dashboards: structure, and every query run on a real Prometheus with real data.
+
+The key test starts two simulated vLLM replicas (vLLM-named /metrics), the sidecar in front of
+them with the shipped settings (deploy/kubernetes/base/sidecar.toml), and a real Prometheus
+configured from deploy/compose/prometheus/prometheus.cpu.yml (its relabeling included, only the
+targets swapped) with the shipped rule file. After a short load it evaluates every PromQL
+expression in grafana/ (panels and template variables) and in the PrometheusRule, with the
+template variables substituted, and asserts that each returns data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import json
+import math
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+import yaml
+from prometheus_helpers import Prometheus, require_module, running_prometheus
+from proxy_stack import FAST_ENGINE
+
+from sidecar.cli import build_proxy_server
+from sidecar.config import build_config, load_config_file
+from sidecar.sim.server import SimConfig, close_replicas, start_replicas
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAFANA = ROOT / "grafana"
+DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
+SIDECAR_TOML = ROOT / "deploy/kubernetes/base/sidecar.toml"
+PROMETHEUS_CPU = ROOT / "deploy/compose/prometheus/prometheus.cpu.yml"
+RULES = ROOT / "deploy/prometheus/sidecar-rules.yml"
+PROMETHEUS_RULE = ROOT / "deploy/kubernetes/base/prometheusrule.yaml"
+MODEL = "sim-model"
+
+# Grafana's built-in variables, with values that cover this test's whole history (a minute at
+# most), so that every rate window holds the load.
+BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m",
+            "__range_s": "300", "__range_ms": "300000", "__interval_ms": "15000"}
+NOT_DATA_PANELS = {"row", "text"}
+PREFERRED = {"model": MODEL, "slo_class": "default"}
+
+
+def load_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("grafana_generate", GRAFANA / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    return {path.name: json.loads(path.read_text()) for path in DASHBOARDS}
+
+
+def all_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # panels inside collapsed rows
+
+
+def variable_query(variable: dict[str, Any]) -> str:
+    query = variable.get("query")
+    return str(query.get("query", "")) if isinstance(query, dict) else str(query or "")
+
+
+# --- structure -------------------------------------------------------------------------------
+
+def test_the_json_is_what_generate_py_writes() -> None:
+    rendered = load_generator().render()
+    assert sorted(rendered) == [path.name for path in DASHBOARDS]
+    for name, content in rendered.items():
+        assert (GRAFANA / "dashboards" / name).read_text() == content, (
+            f"grafana/dashboards/{name} is stale: run python grafana/generate.py")
+
+
+def test_the_four_dashboards_exist_with_unique_uids() -> None:
+    boards = dashboards()
+    titles = {d["title"] for d in boards.values()}
+    for word in ("SLO compliance", "Latency", "Replicas", "Replay run"):
+        assert any(word in title for title in titles), (word, titles)
+    uids = [d["uid"] for d in boards.values()]
+    assert len(set(uids)) == len(uids)
+
+
+def test_panel_ids_are_unique_and_panels_do_not_overlap() -> None:
+    for name, dashboard in dashboards().items():
+        ids = [panel["id"] for panel in all_panels(dashboard)]
+        assert len(ids) == len(set(ids)), (name, ids)
+        cells: dict[tuple[int, int], str] = {}
+        for panel in all_panels(dashboard):
+            grid = panel["gridPos"]
+            assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, (name, panel["title"])
+            for x, y in itertools.product(range(grid["x"], grid["x"] + grid["w"]),
+                                          range(grid["y"], grid["y"] + grid["h"])):
+                assert (x, y) not in cells, (name, panel["title"], cells[(x, y)])
+                cells[(x, y)] = panel["title"]
+
+
+def test_every_data_panel_has_a_unit_and_uses_the_datasource_variable() -> None:
+    for name, dashboard in dashboards().items():
+        for panel in all_panels(dashboard):
+            if panel["type"] in NOT_DATA_PANELS:
+                continue
+            where = f"{name}: {panel['title']}"
+            unit = panel["fieldConfig"]["defaults"].get("unit")
+            assert isinstance(unit, str) and unit, f"{where}: no unit"
+            for override in panel["fieldConfig"].get("overrides", []):
+                for prop in override["properties"]:
+                    if prop["id"] == "unit":
+                        assert prop["value"], where
+            if panel["type"] == "heatmap":
+                assert panel["options"]["yAxis"]["unit"] == unit, where
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
+            assert panel["targets"], f"{where}: no query"
+            for query in panel["targets"]:
+                assert query["datasource"] == panel["datasource"], where
+                assert query["expr"].strip(), where
+            assert panel.get("description"), f"{where}: say what the panel shows"
+
+
+def test_template_variables_model_replica_slo_class_and_datasource() -> None:
+    for name, dashboard in dashboards().items():
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        datasource = variables["datasource"]
+        assert datasource["type"] == "datasource" and datasource["query"] == "prometheus"
+        # The SLO counters carry no model or replica label, so there is no per-replica SLO
+        # view: the Replicas dashboard has no slo_class variable.
+        wanted = ["model", "replica"] + (["slo_class"] if name != "sidecar-replicas.json"
+                                         else [])
+        for var in wanted:
+            label = var
+            variable = variables[var]
+            assert variable["type"] == "query", (name, var)
+            assert variable["datasource"]["uid"] == "${datasource}", (name, var)
+            assert re.fullmatch(rf"label_values\(.+, {label}\)", variable_query(variable))
+            assert variable["multi"] and variable["includeAll"]
+            assert variable["allValue"] == ".*"
+        text = json.dumps(dashboard["panels"]) + json.dumps(
+            [variable_query(v) for v in variables.values()])
+        for var in variables:
+            if var != "datasource":
+                assert f"${var}" in text or f"${{{var}" in text, f"{name}: ${var} unused"
+
+
+def test_the_slo_dashboard_objective_is_the_alerts_objective() -> None:
+    slo = dashboards()["sidecar-slo.json"]
+    objective = {v["name"]: v for v in slo["templating"]["list"]}["objective"]
+    rules = RULES.read_text()
+    used = set(re.findall(r"\(1 - (0\.\d+)\)", rules))
+    assert used == {objective["current"]["value"]}, (used, objective["current"])
+
+
+def test_the_foundation_sdk_keeps_every_key() -> None:
+    """grafana-foundation-sdk's models read the JSON leniently; a key they drop is one Grafana
+    does not know either (a misspelt fieldConfig, unit, ...)."""
+    dashboard_models = require_module("grafana_foundation_sdk.models.dashboard",
+                                       "grafana-foundation-sdk")
+
+    def plain(value: Any) -> Any:
+        if hasattr(value, "to_json"):
+            return plain(value.to_json())
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    lost: set[str] = set()
+
+    def compare(original: Any, kept: Any, path: str) -> None:
+        if isinstance(original, dict):
+            for key, value in original.items():
+                if not isinstance(kept, dict) or key not in kept:
+                    lost.add(f"{path}/{key}")
+                else:
+                    compare(value, kept[key], f"{path}/{key}")
+        elif isinstance(original, list):
+            for value, other in zip(original, kept, strict=False):
+                compare(value, other, f"{path}[]")
+
+    for name, dashboard in dashboards().items():
+        model = dashboard_models.Dashboard.from_json(dashboard)
+        compare(dashboard, plain(model), name)
+    # `definition` (the variable query as shown in the editor) is not in the SDK's model.
+    assert {key for key in lost if not key.endswith("/templating/list[]/definition")} == set()
+
+
+def test_provisioning_points_where_compose_mounts_the_dashboards() -> None:
+    datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml")
+                                 .read_text())
+    (datasource,) = datasources["datasources"]
+    assert datasources["apiVersion"] == 1 and datasource["type"] == "prometheus"
+    assert datasource["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((GRAFANA / "provisioning/dashboards/vllm-sidecar.yaml")
+                               .read_text())
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file"
+    for compose_file in ("docker-compose.yml", "docker-compose.cpu.yml"):
+        compose = yaml.safe_load((ROOT / "deploy/compose" / compose_file).read_text())
+        mounts = dict(volume.rsplit(":", 2)[:2] if volume.count(":") == 2
+                      else volume.split(":", 1)
+                      for volume in compose["services"]["grafana"]["volumes"])
+        assert mounts["../../grafana/dashboards"] == provider["options"]["path"]
+        assert mounts["../../grafana/provisioning"] == "/etc/grafana/provisioning"
+        home = compose["services"]["grafana"]["environment"][
+            "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+        assert (GRAFANA / "dashboards" / Path(home).name).is_file()
+
+
+# --- every query on a real Prometheus --------------------------------------------------------
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """Replace $name, ${name} and ${name:format} as Grafana would for these values."""
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in values:
+            raise AssertionError(f"unknown variable ${name} in {expr}")
+        return values[name]
+
+    return re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", replace, expr)
+
+
+COMPARISON = re.compile(r"(==|!=|>=|<=|>|<)")
+
+
+def with_bool(expr: str) -> str:
+    """An alert expression with `bool` after each comparison outside label matchers, so that it
+    returns its series (0 or 1) whether or not the alert would fire now."""
+    out: list[str] = []
+    depth = 0
+    quote: str | None = None
+    i = 0
+    while i < len(expr):
+        char = expr[i]
+        if quote:
+            out.append(char)
+            if char == "\\":
+                out.append(expr[i + 1])
+                i += 1
+            elif char == quote:
+                quote = None
+        elif char in "\"'`":
+            quote = char
+            out.append(char)
+        elif char == "{":
+            depth += 1
+            out.append(char)
+        elif char == "}":
+            depth -= 1
+            out.append(char)
+        elif depth == 0 and (match := COMPARISON.match(expr, i)):
+            operator = match.group(1)
+            out.append(operator)
+            i += len(operator)
+            if not re.match(r"\s*bool\b", expr[i:]):
+                out.append(" bool")
+            continue
+        else:
+            out.append(char)
+        i += 1
+    return "".join(out)
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    found = []
+    for name, dashboard in dashboards().items():
+        for panel in all_panels(dashboard):
+            for query in panel.get("targets", []):
+                found.append((f"{name}: {panel['title']} [{query['refId']}]", query["expr"]))
+    return found
+
+
+def rule_expressions() -> list[tuple[str, str, bool]]:
+    """(where, expr, is_alert) for every rule of the PrometheusRule."""
+    found = []
+    resource = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    for group in resource["spec"]["groups"]:
+        for rule in group["rules"]:
+            name = rule.get("alert") or rule.get("record")
+            found.append((f"PrometheusRule {group['name']}: {name}", rule["expr"],
+                          "alert" in rule))
+    return found
+
+
+def returns_data(prometheus: Prometheus, expr: str) -> str | None:
+    """None when the expression returns at least one finite sample, else why not."""
+    try:
+        result = prometheus.query(expr)
+    except AssertionError as exc:
+        return f"error: {exc}"
+    if not result:
+        return "no data"
+    values = [float(sample["value"][1]) for sample in result]
+    if not any(math.isfinite(value) for value in values):
+        return f"only non-finite values {values}"
+    return None
+
+
+def prometheus_config(sidecar_admin: str, replicas: list[str]) -> str:
+    config = yaml.safe_load(PROMETHEUS_CPU.read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(RULES)]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["vllm"]["relabel_configs"], "the join label comes from this relabeling"
+    jobs["sidecar"]["static_configs"] = [{"targets": [sidecar_admin]}]
+    jobs["vllm"]["static_configs"] = [{"targets": replicas}]
+    # No OpenTelemetry collector runs here; nothing in grafana/ queries its series.
+    config["scrape_configs"] = [jobs["sidecar"], jobs["vllm"]]
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+async def send_load(url: str, count: int, wave: int = 15, pause_s: float = 0.5) -> None:
+    """A fixed mix: chat and completions, streamed and not, every SLO class, some failures."""
+    classes = ("default", "interactive", "batch")
+    async with aiohttp.ClientSession() as session:
+        async def one(i: int) -> None:
+            headers = {"X-SLO-Class": classes[i % 3]}
+            if i % 5 == 2:  # alternate parity: both replicas get some (round robin)
+                headers["X-Sim-Fault"] = "error_status=500"
+            words = " ".join(f"w{i % 7}" for _ in range(20 + (i * 37) % 400))
+            stream = i % 5 != 4
+            if i % 4 == 3:
+                path = "/v1/completions"
+                body: dict[str, Any] = {"prompt": words}
+            else:
+                path = "/v1/chat/completions"
+                body = {"messages": [{"role": "user", "content": words}]}
+            body.update({"model": MODEL, "stream": stream, "max_tokens": 4 + i % 21,
+                         "ignore_eos": True})
+            async with session.post(url + path, json=body, headers=headers) as response:
+                await response.read()
+
+        # Waves over a few seconds, so that several 1 s scrapes see the counters grow (the
+        # first sample of a new series carries no increase for rate()).
+        for start in range(0, count, wave):
+            await asyncio.gather(*(one(i) for i in range(start, min(count, start + wave))))
+            await asyncio.sleep(pause_s)
+
+
+def wait_until(prometheus: Prometheus, checks: dict[str, Any], timeout_s: float = 40) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = dict(checks)
+    while pending:
+        for expr, expected in list(pending.items()):
+            value = prometheus.scalar(expr)
+            if value is not None and (expected is None or value == expected):
+                del pending[expr]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Prometheus never answered as expected: {pending}")
+        time.sleep(0.25)
+
+
+async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path) -> None:
+    requests = 120
+    sim = SimConfig(model=MODEL, engine=FAST_ENGINE, enable_per_request_metrics=True)
+    replicas = await start_replicas(sim, 2)
+    flags = {"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
+             "metrics_listen": "127.0.0.1:0", "health_interval": "1s",
+             "route_policy": "round_robin",
+             "engine_scrape_interval": "0", "capture_dir": str(tmp_path / "captures")}
+    config = build_config(flags, {}, load_config_file(SIDECAR_TOML))
+    server, _window = build_proxy_server(config)
+    await server.start()
+    try:
+        admin = server.admin_url.split("://")[1]
+        targets = [r.url.split("://")[1] for r in replicas]
+        with running_prometheus(prometheus_config(admin, targets),
+                                tmp_path / "prometheus") as prometheus:
+            await asyncio.to_thread(wait_until, prometheus, {
+                'sum(up{job="sidecar"})': 1, 'sum(up{job="vllm"})': len(replicas)})
+            await send_load(server.url, requests)
+            await asyncio.to_thread(wait_until, prometheus, {
+                "sum(sidecar_slo_requests_total)": requests,
+                "sum(sidecar_capture_records_written_total)": requests,
+                'count(vllm:num_requests_running{replica=~".+"})': len(replicas),
+                "count(sidecar:slo_error_ratio:rate6h)": 3,
+            })
+            await asyncio.to_thread(check_every_expression, prometheus, targets)
+    finally:
+        await server.close()
+        await close_replicas(replicas)
+
+
+def check_every_expression(prometheus: Prometheus, replica_addresses: list[str]) -> None:
+    failures: list[str] = []
+    evaluated = 0
+    # The rules loaded into this Prometheus evaluate without error.
+    groups = prometheus.get("/api/v1/rules")["groups"]
+    loaded = {rule["name"]: rule for group in groups for rule in group["rules"]}
+    for where, _expr, _alert in rule_expressions():
+        rule = loaded.get(where.rsplit(": ", 1)[1])
+        if rule is None or rule["health"] != "ok":
+            failures.append(f"{where}: not loaded or unhealthy: {rule}")
+
+    for where, expr, is_alert in rule_expressions():
+        evaluated += 1
+        problem = returns_data(prometheus, with_bool(expr) if is_alert else expr)
+        if problem:
+            failures.append(f"{where}: {problem}\n    {expr}")
+
+    # Template variables: each label_values() query, then every panel query, once with the
+    # "All" value (.*) and once with concrete values from those label_values() results.
+    for name, dashboard in dashboards().items():
+        concrete = dict(BUILTINS)
+        every = dict(BUILTINS)
+        for variable in dashboard["templating"]["list"]:
+            var = variable["name"]
+            if variable["type"] == "datasource":
+                continue
+            if variable["type"] == "custom":
+                concrete[var] = every[var] = variable["current"]["value"]
+                continue
+            match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable_query(variable))
+            assert match, variable
+            selector, label = match.groups()
+            expr = f"count by ({label}) ({substitute(selector, concrete)})"
+            evaluated += 1
+            values = sorted(sample["metric"].get(label, "")
+                            for sample in prometheus.query(expr))
+            if not values or "" in values:
+                failures.append(f"{name}: variable ${var}: {expr} -> {values}")
+                continue
+            # "default" declares every threshold (ttft, tpot, e2e) in the shipped sidecar.toml;
+            # "batch" declares only e2e, so its TTFT threshold line is rightly empty.
+            concrete[var] = PREFERRED.get(var) if PREFERRED.get(var) in values else values[0]
+            every[var] = variable["allValue"]
+        assert concrete["model"] == MODEL
+        assert concrete["replica"] in replica_addresses
+        for values in (every, concrete):
+            for where, expr in dashboard_queries():
+                if not where.startswith(name):
+                    continue
+                evaluated += 1
+                problem = returns_data(prometheus, substitute(expr, values))
+                if problem:
+                    failures.append(f"{where} with {values}: {problem}\n    {expr}")
+    assert not failures, f"{len(failures)} of {evaluated} failed:\n" + "\n".join(failures)
+    assert evaluated > 200
+
+
+def test_with_bool_leaves_label_matchers_alone() -> None:
+    assert with_bool('a{x!="1"} > 0.5 and b{y=~"z"} <= 2') == (
+        'a{x!="1"} > bool 0.5 and b{y=~"z"} <= bool 2')
+    assert with_bool("a > bool 1") == "a > bool 1"
+    assert substitute('x{m=~"$model"}[$__rate_interval] ${slo_class}',
+                      {"model": ".*", "__rate_interval": "1m", "slo_class": "a"}) == (
+        'x{m=~".*"}[1m] a')
