@@ -180,6 +180,10 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer TOKEN' on the admin listener "
                         "(/healthz excepted); prefer SIDECAR_ADMIN_TOKEN over the flag, which "
                         "other local users can see in the process list")
+    parser.add_argument("--allow-open-admin", action="store_const", const=True,
+                        help="serve the admin listener on a non-loopback address without "
+                        "--admin-token (refused otherwise: /metrics, /stats and /replicas would "
+                        "be open to whoever reaches it); for networks that already restrict it")
     parser.add_argument("--log-requests", action="store_const", const=True,
                         help="log one line per request (ids, outcome, counts; never text)")
 
@@ -193,7 +197,7 @@ def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
              "otel_exponential_histograms", "otel_traces", "otel_provider_name", "label_cap",
              "engine_scrape_interval", "capture_dir", "capture_text", "capture_compress",
              "capture_rotate_bytes", "capture_rotate_s", "capture_queue", "admin_token",
-             "otel_export_interval", "otel_server_chunks")
+             "otel_export_interval", "otel_server_chunks", "allow_open_admin")
     return {name: getattr(args, name, None) for name in names}
 
 
@@ -393,6 +397,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep_cli.add_arguments(sweep_parser)
     sweep_parser.set_defaults(handler=sweep_cli.run)
+
+    from sidecar.replay import compare
+
+    compare_parser = commands.add_parser(
+        "compare",
+        help="compare two replay reports: same envelope, differences beyond run-to-run noise",
+        description=compare.DESCRIPTION,
+        epilog=compare.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare.add_arguments(compare_parser)
+    compare_parser.set_defaults(handler=compare.run)
 
     from sidecar.replay import trace_cli
 
