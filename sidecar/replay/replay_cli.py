@@ -22,6 +22,7 @@ from sidecar.config import parse_slo
 from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.record import RequestRecord
 from sidecar.replay.payload import PayloadError, TokenCalibration, build_body, text_prompt
+from sidecar.replay.peers import peer_report, vllm_bench_json
 from sidecar.replay.report import console_table, median_run, run_report
 from sidecar.replay.runner import PlannedRequest, Sender, SentRequest, closed_loop, open_loop
 from sidecar.replay.schedule import gamma_schedule, trace_schedule
@@ -89,6 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", metavar="DIR",
                         help="write report.json and one records-runN.jsonl per run here")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    parser.add_argument("--peer-definitions", action="store_true",
+                        help="also report every metric under vLLM's, inference-perf's, "
+                        "AIPerf's and GuideLLM's definitions, named by formula")
+    parser.add_argument("--export-vllm-bench", metavar="FILE",
+                        help="also write the median run as `vllm bench serve` result JSON")
 
 
 class UsageError(Exception):
@@ -171,6 +177,12 @@ async def _run(args: argparse.Namespace) -> int:
     result["envelope"] = envelope
     result["median_run"] = chosen
     result["runs"] = reports
+    chosen_records = [s.record for s in runs[chosen]]
+    if args.peer_definitions:
+        result["peer_definitions"] = peer_report(chosen_records)
+    if args.export_vllm_bench:
+        Path(args.export_vllm_bench).write_text(
+            json.dumps(vllm_bench_json(result, chosen_records), indent=2, default=str))
     print(console_table(result))
     if args.output_dir:
         out = Path(args.output_dir)
