@@ -374,66 +374,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_arguments(proxy_parser)
     proxy_parser.set_defaults(handler=run_proxy)
 
-    from sidecar.replay import replay_cli
-
-    replay_parser = commands.add_parser(
-        "replay",
-        help="replay a trace as open-loop (or closed-loop) load and report like vllm bench",
-        description=replay_cli.DESCRIPTION,
-        epilog=replay_cli.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    replay_cli.add_arguments(replay_parser)
-    replay_parser.set_defaults(handler=replay_cli.run)
-
-    from sidecar.replay import sweep_cli
-
-    sweep_parser = commands.add_parser(
-        "sweep",
-        help="find the capacity under an SLO: replays at increasing load, curves and knee",
-        description=sweep_cli.DESCRIPTION,
-        epilog=sweep_cli.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sweep_cli.add_arguments(sweep_parser)
-    sweep_parser.set_defaults(handler=sweep_cli.run)
-
-    from sidecar.replay import compare
-
-    compare_parser = commands.add_parser(
-        "compare",
-        help="compare two replay reports: same envelope, differences beyond run-to-run noise",
-        description=compare.DESCRIPTION,
-        epilog=compare.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    compare.add_arguments(compare_parser)
-    compare_parser.set_defaults(handler=compare.run)
-
-    from sidecar.replay import trace_cli
-
-    trace_parser = commands.add_parser(
-        "trace",
-        help="import public traces (Mooncake, Bailian, Azure, BurstGPT); lint and summarise "
-        "trace files",
-        description=trace_cli.DESCRIPTION,
-        epilog=trace_cli.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    trace_cli.add_arguments(trace_parser)
-    trace_parser.set_defaults(handler=trace_cli.run)
-
+    # Commands that live in their own modules (DESCRIPTION, EPILOG, add_arguments, run).
     from sidecar import demo  # imported here: demo builds on this module's wiring
+    from sidecar.replay import compare, replay_cli, sweep_cli, trace_cli
 
-    demo_parser = commands.add_parser(
-        "demo",
-        help="simulated replicas + proxy + open-loop load, with a live table (no GPU)",
-        description=demo.DESCRIPTION,
-        epilog=demo.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(handler=demo.run)
+    for name, summary, module in (
+        ("replay", "replay a trace as open-loop (or closed-loop) load and report like vllm bench",
+         replay_cli),
+        ("sweep", "find the capacity under an SLO: replays at increasing load, curves and knee",
+         sweep_cli),
+        ("compare", "compare two replay reports: same envelope, differences beyond run-to-run "
+         "noise", compare),
+        ("trace", "import public traces (Mooncake, Bailian, Azure, BurstGPT); lint and "
+         "summarise trace files", trace_cli),
+        ("demo", "simulated replicas + proxy + open-loop load, with a live table (no GPU)", demo),
+    ):
+        command = commands.add_parser(
+            name, help=summary, description=module.DESCRIPTION, epilog=module.EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(command)
+        command.set_defaults(handler=module.run)
     return parser
 
 
