@@ -43,5 +43,7 @@ EXPOSE 8080 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ.get('HEALTHCHECK_URL', 'http://127.0.0.1:9464/healthz'), timeout=2)"]
 ENTRYPOINT ["sidecar"]
+# --allow-open-admin: the admin port must be reachable from outside the container to be
+# scraped; set SIDECAR_ADMIN_TOKEN instead where the network does not restrict who reaches it.
 CMD ["proxy", "--listen", "0.0.0.0:8080", "--metrics-listen", "0.0.0.0:9464", \
-     "--upstream", "http://127.0.0.1:8000"]
+     "--allow-open-admin", "--upstream", "http://127.0.0.1:8000"]

@@ -9,6 +9,7 @@ file key ``connect_timeout``.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import json
 import math
 import os
@@ -51,6 +52,20 @@ def parse_duration(text: str | float | int) -> float:
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"a duration must be a finite, non-negative number: {text!r}")
     return value
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback address (127.0.0.0/8, ::1, IPv4-mapped loopback) or ``localhost``;
+    False for anything else, wildcards (0.0.0.0, ::) and other host names included."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(mapped.is_loopback if mapped is not None else address.is_loopback)
 
 
 def parse_hostport(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -126,6 +141,9 @@ class ProxyConfig:
     label_cap: int = 64  # distinct values per metric label (model, replica) before "other"
     # Bearer token the admin listener requires (except /healthz); None = open admin listener.
     admin_token: str | None = field(default=None, repr=False)
+    # An admin listener on a non-loopback address without a token is refused unless this is set
+    # (the network in front of it, e.g. a NetworkPolicy, is then what keeps strangers out).
+    allow_open_admin: bool = False
     # Capture (traces of the traffic). Text (bodies, completions) only with capture_text.
     capture_dir: str | None = None
     capture_text: bool = False
@@ -155,6 +173,16 @@ class ProxyConfig:
             raise ConfigError("window_s must be > 0")
         if self.capture_text and not self.capture_dir:
             raise ConfigError("capture_text stores prompts and completions: it needs --capture DIR")
+        if not self.admin_token and not self.allow_open_admin and not is_loopback_host(
+                self.metrics_host):
+            raise ConfigError(
+                f"refusing to serve the admin listener on {self.metrics_host}:{self.metrics_port} "
+                "without a bearer token: anyone who can reach that address could read /metrics, "
+                "/stats and /replicas (upstream addresses, traffic). Set an admin token "
+                "(SIDECAR_ADMIN_TOKEN), or listen on a loopback address (--metrics-listen "
+                "127.0.0.1:PORT), or pass --allow-open-admin (SIDECAR_ALLOW_OPEN_ADMIN=1) when "
+                "the network already restricts who reaches it"
+            )
         for name in ("capture_rotate_bytes", "capture_queue", "capture_block_chars",
                      "capture_block_tokens"):
             if getattr(self, name) <= 0:
@@ -187,7 +215,8 @@ _DURATIONS = {"connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout"
               "health_interval", "health_timeout", "window_s", "engine_scrape_interval",
               "capture_rotate_s", "otel_export_interval"}
 _BOOLS = {"inject_usage", "assemble_nonstream", "log_requests", "otel_exponential_histograms",
-          "otel_traces", "capture_text", "capture_compress", "otel_server_chunks"}
+          "otel_traces", "capture_text", "capture_compress", "otel_server_chunks",
+          "allow_open_admin"}
 _INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
          "window_max_records", "prefix_block_chars", "prefix_block_tokens", "label_cap",
          "capture_rotate_bytes", "capture_queue", "capture_block_chars", "capture_block_tokens"}

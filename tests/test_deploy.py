@@ -134,7 +134,7 @@ def test_dockerfile_runs_the_sidecar_as_a_non_root_user_with_a_health_check() ->
     args = build_parser().parse_args(command)
     assert args.command == "proxy"
     config = build_config({k: getattr(args, k, None) for k in (
-        "upstreams", "listen", "metrics_listen")}, {})
+        "upstreams", "listen", "metrics_listen", "allow_open_admin")}, {})
     user = keywords["USER"].split(":")[0]
     assert user.isdigit() and int(user) != 0
     run_lines = " ".join(rest for keyword, rest in final_stage if keyword == "RUN")

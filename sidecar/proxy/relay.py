@@ -40,6 +40,7 @@ from sidecar.protocol.openai import (
     classify_chunk,
     endpoint_for_path,
     error_body,
+    stream_usage_options,
 )
 from sidecar.protocol.sse import DONE_EVENT, SSEError, SSEParser, encode_data_event
 from sidecar.proxy.assemble import StreamAssembler
@@ -66,6 +67,13 @@ HOP_BY_HOP = frozenset({
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_LEN = 128
 MAX_NON_SSE_BODY = 64 * 1024 * 1024  # an upstream's non-streamed answer is read whole
+# A model name longer than this (or with control characters) is not kept on the record: it
+# would become a metric label and a log field. The request still goes upstream as sent (vLLM
+# answers 404 for a name it does not serve).
+MAX_MODEL_NAME_LEN = 256
+# How long the proxy tries to hand a failed stream its error event and [DONE] before it cuts
+# the connection instead (a client that does not read must not hold the request open).
+ERROR_TAIL_WRITE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -481,15 +489,24 @@ class Proxy:
                     timeout=timeout, allow_redirects=False)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
                     aiohttp.ServerDisconnectedError) as exc:
-                # Nothing was processed upstream (no connection, or a pooled connection the
-                # server had already closed): safe to try another replica.
+                # No answer came: no connection, or one the server closed before answering (a
+                # pooled connection it had already closed, or it dropped this request): try
+                # another replica. Only a failure to connect counts against the replica's
+                # health: a server that accepted and then dropped one request is not dead.
                 timed_out = isinstance(exc, aiohttp.ConnectionTimeoutError)
                 replica.outstanding -= 1
-                if replica.record_failure(self.config.eject_after):
+                if not isinstance(exc, aiohttp.ServerDisconnectedError) and \
+                        replica.record_failure(self.config.eject_after):
                     log.warning("replica %s ejected after connect failures", replica.label)
                 tried.append(replica)
                 last_error = f"{type(exc).__name__}"
                 continue
+            except asyncio.TimeoutError:
+                # The read timeout (pass-through paths): connected, no answer in time.
+                replica.outstanding -= 1
+                raise UpstreamFailure(Outcome.TIMEOUT, "read_timeout", 504,
+                                      "The upstream did not answer in time (read timeout).",
+                                      "GatewayTimeout") from None
             except BaseException:
                 replica.outstanding -= 1
                 raise
@@ -563,8 +580,10 @@ class Proxy:
         prefix_key: bytes | None = None
         if isinstance(parsed, dict):
             model = parsed.get("model")
-            builder.model = model if isinstance(model, str) else None
-            builder.client_stream = parsed.get("stream") is True
+            builder.model = (model if isinstance(model, str) and len(model) <= MAX_MODEL_NAME_LEN
+                             and model.isprintable() else None)
+            # vLLM reads `stream` as pydantic does ("true", 1, ... stream too).
+            builder.client_stream = stream_usage_options(parsed)[0]
             if builder.client_stream:
                 plan = plan_usage(parsed, config.inject_usage)
                 if plan.modifies:
@@ -636,6 +655,13 @@ class Proxy:
             if fired is None:
                 raise  # the client disconnected: handled (and re-raised) by `handle`
             timeouts.absorb()
+            if response is not None and response.prepared and _client_backlog(request):
+                # Bytes were still waiting for the client when the timeout fired: the relay was
+                # held up by a client that stopped reading, not by the upstream. It cannot be
+                # sent an error event either: cut it loose.
+                builder.fail(Outcome.TIMEOUT, "client_stalled")
+                _abort(request)
+                return response
             return await self._fail_open(request, response, endpoint, builder, Outcome.TIMEOUT,
                                          fired, 504, "The upstream did not answer in time "
                                          f"({fired.replace('_', ' ')}).", "GatewayTimeout")
@@ -675,11 +701,18 @@ class Proxy:
             builder.up_end_ns = builder.offset(clock.monotonic_ns())
         if response is None or not response.prepared:
             return await self._respond_error(request, builder, status, message, err_type)
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError,
-                                 RuntimeError):
-            await response.write(error_event(endpoint, message, err_type, status))
-            await response.write(DONE_EVENT)
-            await response.write_eof()
+
+        async def tail(stream: web.StreamResponse) -> None:
+            await stream.write(error_event(endpoint, message, err_type, status))
+            await stream.write(DONE_EVENT)
+            await stream.write_eof()
+
+        try:
+            # Bounded: a client that does not read would otherwise hold this request forever.
+            await asyncio.wait_for(tail(response), ERROR_TAIL_WRITE_S)
+        except (asyncio.TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError,
+                RuntimeError):
+            _abort(request)
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         return response
 
@@ -687,18 +720,23 @@ class Proxy:
                            endpoint: str, builder: RecordBuilder,
                            assemble: bool) -> web.StreamResponse:
         """A non-SSE answer (a non-streaming response, or an error before the stream)."""
-        data = await upstream.content.read(MAX_NON_SSE_BODY)
+        data = await _read_body(upstream)
         builder.up_end_ns = builder.offset(clock.monotonic_ns())
+        try:
+            obj: Any = json.loads(data)
+        except (ValueError, RecursionError):
+            obj = None
+        if 200 <= upstream.status < 300 and not isinstance(obj, dict):
+            # A success whose body is not a JSON object (cut short, garbage): the client could
+            # not use it; say so in vLLM's shape rather than pass a broken 200 on.
+            raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "malformed_body", 502,
+                                  "The upstream sent a malformed response body.")
         response = web.Response(body=data, status=upstream.status, reason=upstream.reason)
         response.headers.update(filtered_headers(upstream.headers))
         response.headers[REQUEST_ID_HEADER] = builder.request_id
         await response.prepare(request)
         await response.write_eof()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
-        try:
-            obj: Any = json.loads(data)
-        except (ValueError, RecursionError):
-            obj = None
         if upstream.status >= 400:
             error = ErrorInfo.from_obj(obj.get("error")) if isinstance(obj, dict) else None
             builder.fail(Outcome.HTTP_ERROR, _error_type(error, upstream.status),
@@ -736,14 +774,16 @@ class Proxy:
         saw_done = False
         first_token = True
         idle = timeouts.idle
+        failure: UpstreamFailure | None = None
         async for data in upstream.content.iter_any():
             t_up = now()
             idle.last_ns = t_up
             try:
                 events = parser.feed(data)
             except SSEError as exc:
-                raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_event", 502,
-                                      f"The upstream sent an unparseable stream: {exc}") from exc
+                # Relay the events completed before the oversized one, then fail.
+                events = exc.events
+                failure = _oversized(exc)
             for event in events:
                 builder.up_events += 1
                 payload = event.data
@@ -802,6 +842,10 @@ class Proxy:
                 builder.down_events += 1
                 if kind is ChunkKind.TOKEN:
                     builder.client_token_write(now())
+            if failure is not None:
+                if held is not None:
+                    await self._flush_held(write, builder, held, held_tokens)
+                raise failure
         builder.up_end_ns = builder.offset(now())
         if held is not None:
             await self._flush_held(write, builder, held, held_tokens)
@@ -840,14 +884,15 @@ class Proxy:
         usage: Usage | None = None
         error: ErrorInfo | None = None
         saw_done = False
+        failure: UpstreamFailure | None = None
         async for data in upstream.content.iter_any():
             t_up = clock.monotonic_ns()
             timeouts.idle.last_ns = t_up
             try:
                 events = parser.feed(data)
             except SSEError as exc:
-                raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_event", 502,
-                                      f"The upstream sent an unparseable stream: {exc}") from exc
+                events = exc.events  # measure what came before the oversized event, then fail
+                failure = _oversized(exc)
             for event in events:
                 builder.up_events += 1
                 if event.data is None:
@@ -876,6 +921,8 @@ class Proxy:
                 chunk = json.loads(event.data)
                 if isinstance(chunk, dict):
                     assembler.feed(chunk)
+            if failure is not None:
+                raise failure
         builder.up_end_ns = builder.offset(clock.monotonic_ns())
         parser.close()
         if usage is not None:
@@ -898,6 +945,45 @@ class Proxy:
         await response.write_eof()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         return response
+
+
+def _oversized(exc: SSEError) -> UpstreamFailure:
+    return UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_event", 502,
+                           f"The upstream sent an unparseable stream: {exc}")
+
+
+async def _read_body(upstream: aiohttp.ClientResponse) -> bytes:
+    """The whole body, however many reads it takes (``content.read(n)`` returns only what has
+    arrived so far), bounded by MAX_NON_SSE_BODY."""
+    limit = MAX_NON_SSE_BODY
+    declared = upstream.content_length
+    if declared is not None and declared > limit:
+        raise _too_big(limit)
+    parts: list[bytes] = []
+    size = 0
+    async for block in upstream.content.iter_any():
+        size += len(block)
+        if size > limit:
+            raise _too_big(limit)
+        parts.append(block)
+    return b"".join(parts)
+
+
+def _too_big(limit: int) -> UpstreamFailure:
+    return UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_body", 502,
+                           f"The upstream's response body exceeds the sidecar's limit of "
+                           f"{limit} bytes.")
+
+
+def _client_backlog(request: web.Request) -> int:
+    """Bytes written to the client that its socket has not taken yet."""
+    transport = request.transport
+    return transport.get_write_buffer_size() if transport is not None else 0
+
+
+def _abort(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.abort()
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

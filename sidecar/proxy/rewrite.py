@@ -74,9 +74,13 @@ def apply_usage_plan(body: dict[str, Any], plan: UsagePlan) -> dict[str, Any]:
 
 
 # A usage object holds keys, numbers, null and at most one level of nested objects
-# (prompt_tokens_details, completion_tokens_details); never a brace inside a string.
-# Unrolled (no alternation inside the repeat): ~0.6 µs on a vLLM usage object, not ~3 µs.
-_USAGE_VALUE = re.compile(rb'\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}|null)')
+# (prompt_tokens_details, completion_tokens_details). Strings (its keys) are matched whole and
+# may hold neither a brace nor a backslash, so a brace inside a string is never taken for the
+# object's end (anything else is left to the re-encoding fallback). Unrolled (no alternation
+# inside the repeats): as fast as matching braces alone, ~0.6-0.8 µs on a vLLM usage object.
+_NO_BRACE = rb'[^{}"\\]*(?:"[^"\\{}]*"[^{}"\\]*)*'
+_USAGE_VALUE = re.compile(
+    rb'\s*:\s*(\{' + _NO_BRACE + rb'(?:\{' + _NO_BRACE + rb'\}' + _NO_BRACE + rb')*\}|null)')
 _USAGE_KEY = b'"usage"'
 
 
@@ -86,7 +90,9 @@ def strip_usage_member(raw: bytes) -> tuple[bytes, int] | None:
     Returns (new bytes, index where the member was) or None when the bytes have no such member
     in a shape this function can edit safely (the caller then re-encodes). Looks from the end:
     vLLM places usage after ``choices``, and inside generated text a quote is always escaped,
-    so an unescaped ``"usage"`` key there cannot come from the text.
+    so an unescaped ``"usage"`` key there cannot come from the text. The member must close at
+    the top level: after it, exactly one more ``}`` than ``{`` (the object's own closing
+    brace), so that a ``"usage"`` key nested in a later member is never taken for it.
     """
     key = raw.rfind(_USAGE_KEY)
     if key <= 0:
@@ -102,6 +108,9 @@ def strip_usage_member(raw: bytes) -> tuple[bytes, int] | None:
     end = match.end()
     follower = raw[end:end + 1]
     if follower not in (b",", b"}", b" "):
+        return None
+    closers = raw.count(b"}", end)  # vLLM: 1 (only the object's own closing brace)
+    if closers != 1 and closers - raw.count(b"{", end) != 1:
         return None
     return raw[:start] + raw[end:], start
 
@@ -125,6 +134,15 @@ def encode_event(payload: str) -> bytes:
     return _DATA_PREFIX + payload.encode("utf-8", errors="surrogateescape") + _EVENT_END
 
 
+def _encode_object(obj: Any) -> bytes:
+    try:
+        return encode_event(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+    except UnicodeEncodeError:
+        # A lone surrogate (an escaped \ud83d without its pair) has no UTF-8 form: keep it
+        # escaped, as the upstream sent it.
+        return encode_event(json.dumps(obj, separators=(",", ":")))
+
+
 def without_usage(raw: bytes, data: str) -> tuple[bytes, int | None, bool]:
     """The event minus its ``usage`` member: (bytes, cut position in them, re-encoded).
 
@@ -136,12 +154,12 @@ def without_usage(raw: bytes, data: str) -> tuple[bytes, int | None, bool]:
             return stripped[0], stripped[1], False
     try:
         obj = json.loads(data)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return raw, None, False
     if not isinstance(obj, dict) or "usage" not in obj:
         return raw, None, False
     del obj["usage"]
-    return encode_event(json.dumps(obj, ensure_ascii=False, separators=(",", ":"))), None, True
+    return _encode_object(obj), None, True
 
 
 def insert_member(raw: bytes, position: int | None, key: str, value: Any) -> bytes:

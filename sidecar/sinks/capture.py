@@ -193,6 +193,9 @@ class CaptureSink:
         self._part += 1
         handle: IO[str] | None = None
         try:
+            if self.header.text_included:
+                # Prompts and completions: readable by the sidecar's user only, from creation.
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
             handle = open_text(path, "a")
             line = header_line(replace(self.header, notes={**self.header.notes,
                                                             "part": self._part - 1}))
