@@ -126,3 +126,12 @@ def test_insert_fingerprint_where_usage_was() -> None:
                             '"kv_transfer_params":null}')
     # Without a cut position: before kv_transfer_params, else before the closing brace.
     assert insert_member(b'data: {"a":1}\n\n', None, "k", "v") == b'data: {"a":1,"k":"v"}\n\n'
+
+
+@pytest.mark.parametrize("payload", [
+    # Found by the fuzzer: a nested "usage" whose object is followed by a brace in a string.
+    '{"choices": {"choices": null, "usage": {"a": 1}}, "id": "{"}',
+    '{"a": [{"x": 1, "usage": {"prompt_tokens": 1}}], "b": "]}"}',
+])
+def test_a_nested_usage_is_never_taken_for_the_top_level_one(payload: str) -> None:
+    assert strip_usage_member(event(payload)) is None

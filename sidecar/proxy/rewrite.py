@@ -109,10 +109,40 @@ def strip_usage_member(raw: bytes) -> tuple[bytes, int] | None:
     follower = raw[end:end + 1]
     if follower not in (b",", b"}", b" "):
         return None
-    closers = raw.count(b"}", end)  # vLLM: 1 (only the object's own closing brace)
-    if closers != 1 and closers - raw.count(b"{", end) != 1:
+    if not _closes_top_level(raw, end):
         return None
     return raw[:start] + raw[end:], start
+
+
+def _closes_top_level(raw: bytes, end: int) -> bool:
+    """True when nothing after ``end`` closes an object before the top-level one ends, i.e. the
+    member just matched belongs to the top-level object. Fast path: vLLM's tail
+    (``,"kv_transfer_params":null}``) has exactly one brace, the last, and no bracket."""
+    stop = len(raw) - len(_EVENT_END)
+    if raw.count(b"}", end, stop) == 1 and raw.find(b"{", end, stop) < 0 and raw.find(
+            b"]", end, stop) < 0:
+        return True
+    # Anything else: walk the tail, ignoring braces and brackets inside strings.
+    depth = 0
+    in_string = escaped = False
+    for i in range(end, stop):
+        c = raw[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # quote
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c in (0x7B, 0x5B):  # { [
+            depth += 1
+        elif c in (0x7D, 0x5D):  # } ]
+            if depth == 0:
+                return i == stop - 1 and c == 0x7D
+            depth -= 1
+    return False
 
 
 def event_payload(raw: bytes) -> str | None:
