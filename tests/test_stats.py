@@ -264,3 +264,16 @@ def test_slo_policy_judges_each_request_by_its_class() -> None:
     assert policy.judge(failed) == ("default", False)
     with pytest.raises(ValueError, match="not declared"):
         stats.SLOPolicy({"a": stats.SLO(ttft_s=1.0)})
+
+
+def test_the_live_window_trims_by_age_without_being_read() -> None:
+    from sidecar.sinks.window import WindowSink
+
+    now = [10_000 * MS]
+    window = WindowSink(window_s=1.0, max_records=1000, wall_ns=lambda: now[0])
+    for i in range(5):
+        window.on_record(make_record(marks((10, 1)), n_out=1, wall_ms=9_000 + 100 * i))
+    assert len(window._records) == 5  # all ended within the last second
+    now[0] = 12_000 * MS
+    window.on_record(make_record(marks((10, 1)), n_out=1, wall_ms=11_990))
+    assert len(window._records) == 1  # the five old ones went when the new one came

@@ -50,10 +50,17 @@ class WindowSink:
         self.evicted_over_cap = 0
 
     def on_record(self, record: RequestRecord) -> None:
-        self._records.append(record)
-        if len(self._records) > self.max_records:
-            self._records.popleft()
+        records = self._records
+        records.append(record)
+        if len(records) > self.max_records:
+            records.popleft()
             self.evicted_over_cap += 1
+        # Trim by age here too, not only when read: with nobody reading /stats or /metrics the
+        # window must still hold only the last window_s (records arrive in completion order, so
+        # the oldest are at the left).
+        horizon = self._wall_ns() - int(self.window_s * 1e9)
+        while records and _end_wall_ns(records[0]) < horizon:
+            records.popleft()
 
     def records(self) -> list[RequestRecord]:
         """The records that ended within the window (older ones are dropped here)."""
