@@ -605,3 +605,12 @@ def test_property_classify_never_raises_on_near_vllm_chunks(chunk: dict[str, obj
     assert isinstance(info.kind, ChunkKind)
     counter = TokenCounter()
     assert counter.observe(info) >= 0
+
+
+def test_safe_error_type_keeps_identifiers_only() -> None:
+    from sidecar.protocol.openai import ErrorInfo, safe_error_type
+
+    assert safe_error_type(ErrorInfo("m", "BadRequestError"), 400) == "BadRequestError"
+    assert safe_error_type(ErrorInfo("m", "free text, with spaces"), 400) == "http_400"
+    assert safe_error_type(ErrorInfo("m", "x" * 65), 500) == "http_500"
+    assert safe_error_type(None, 502) == "http_502"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Final, NamedTuple, TypeGuard
 
@@ -387,6 +388,17 @@ class TokenCounter:
             gained += self._carry.pop(key, 0)
         self.total += gained
         return gained
+
+
+_SAFE_ERROR_TYPE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def safe_error_type(error: ErrorInfo | None, status: int) -> str:
+    """The error's ``type`` when it is a short identifier (records and metric labels carry it),
+    else ``http_<status>``: free text from a body never reaches records or metrics."""
+    if error is not None and error.type and _SAFE_ERROR_TYPE.fullmatch(error.type):
+        return error.type
+    return f"http_{status}"
 
 
 def error_body(

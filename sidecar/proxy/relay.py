@@ -40,6 +40,7 @@ from sidecar.protocol.openai import (
     classify_chunk,
     endpoint_for_path,
     error_body,
+    safe_error_type,
     stream_usage_options,
 )
 from sidecar.protocol.sse import DONE_EVENT, SSEError, SSEParser, encode_data_event
@@ -739,7 +740,7 @@ class Proxy:
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         if upstream.status >= 400:
             error = ErrorInfo.from_obj(obj.get("error")) if isinstance(obj, dict) else None
-            builder.fail(Outcome.HTTP_ERROR, _error_type(error, upstream.status),
+            builder.fail(Outcome.HTTP_ERROR, safe_error_type(error, upstream.status),
                          upstream.status)
         elif isinstance(obj, dict):
             usage = Usage.from_obj(obj.get("usage"))
@@ -811,7 +812,7 @@ class Proxy:
                 elif kind is ChunkKind.ERROR:
                     error = info.error
                     status = error.code if error and isinstance(error.code, int) else 500
-                    builder.fail(Outcome.HTTP_ERROR, _error_type(error, status), status)
+                    builder.fail(Outcome.HTTP_ERROR, safe_error_type(error, status), status)
                 elif kind is ChunkKind.MALFORMED:
                     builder.fail(Outcome.UPSTREAM_ERROR, "malformed_chunk", 502)
                 if info.finish_reason is not None:
@@ -931,7 +932,7 @@ class Proxy:
             builder.token_source = TokenSource.USAGE if counter.exact else TokenSource.USAGE_TOTAL
         if error is not None:
             status = error.code if isinstance(error.code, int) else 500
-            builder.fail(Outcome.HTTP_ERROR, _error_type(error, status), status)
+            builder.fail(Outcome.HTTP_ERROR, safe_error_type(error, status), status)
             response: web.StreamResponse = json_error(
                 status, error.message, error.type or "InternalServerError", builder.request_id)
         elif not saw_done:
@@ -987,17 +988,6 @@ def _abort(request: web.Request) -> None:
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-_SAFE_ERROR_TYPE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-
-
-def _error_type(error: ErrorInfo | None, status: int) -> str:
-    """The upstream's error type when it is a short identifier (it becomes a label), else
-    ``http_<status>``: free text from a body never reaches records or metrics."""
-    if error is not None and error.type and _SAFE_ERROR_TYPE.fullmatch(error.type):
-        return error.type
-    return f"http_{status}"
-
-
 def choices_text(choices: list[Any]) -> str:
     """The visible text of OpenAI choices (chat deltas or messages, or completion text)."""
     parts: list[str] = []

@@ -29,6 +29,7 @@ from sidecar.protocol.openai import (
     TokenCounter,
     Usage,
     classify_chunk,
+    safe_error_type,
 )
 from sidecar.protocol.sse import SSEError, SSEParser
 from sidecar.record import (
@@ -74,13 +75,6 @@ async def sleep_until(deadline_ns: int) -> None:
             await asyncio.sleep(0)
 
 
-def _error_type(error: ErrorInfo | None, status: int) -> str:
-    if error is not None and error.type and error.type.replace("_", "").isalnum() and len(
-            error.type) <= 64:
-        return error.type
-    return f"http_{status}"
-
-
 class Sender:
     """Sends planned requests to ``target`` and measures them (client vantage)."""
 
@@ -124,7 +118,7 @@ class Sender:
                         outcome = Outcome.HTTP_ERROR
                         error = ErrorInfo.from_obj(obj.get("error")) if isinstance(
                             obj, dict) else None
-                        error_type = _error_type(error, status)
+                        error_type = safe_error_type(error, status)
                     elif isinstance(obj, dict):
                         usage = Usage.from_obj(obj.get("usage"))
                         finish_reason = _finish_reason(obj)
@@ -145,7 +139,7 @@ class Sender:
                                 saw_done = True
                             elif kind is ChunkKind.ERROR:
                                 outcome = Outcome.HTTP_ERROR
-                                error_type = _error_type(info.error, 500)
+                                error_type = safe_error_type(info.error, 500)
                             elif kind is ChunkKind.MALFORMED and outcome is Outcome.OK:
                                 outcome, error_type = Outcome.UPSTREAM_ERROR, "malformed_chunk"
                             if info.usage is not None:
