@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from sidecar.replay.compare import compare, envelope_differences
+import pytest
+
+from sidecar.replay import sweep_cli
+from sidecar.replay.compare import (
+    capacity_bracket,
+    capacity_verdict,
+    compare,
+    compare_sweeps,
+    design,
+    envelope_differences,
+    load_result,
+)
+from sidecar.sim.engine import EngineConfig
+from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 
 
 def report(envelope: dict[str, Any], runs: list[dict[str, float]]) -> dict[str, Any]:
@@ -68,3 +82,141 @@ def test_the_cli_refuses_different_experiments_unless_forced(tmp_path: Path) -> 
                               str(tmp_path / "nope.json")], capture_output=True, text=True,
                              timeout=60)
     assert missing.returncode == 2 and "not a readable report" in missing.stderr
+
+
+# -- sweeps -----------------------------------------------------------------------------------
+
+SWEEP_ENVELOPE = {"target": "http://a:8000", "model": "m", "mode": "open", "repeats": 3,
+                  "engine_delta": {"prefix_cache_hits": 5}, "engine_prefix_cache_hit_rate": 0.1}
+
+
+def step(load: float, passed: bool, ttft: list[float], goodput: list[float]) -> dict[str, Any]:
+    """A sweep step whose reported run is the median by TTFT (enough for these tests)."""
+    return {"load": load, "passed": passed, "reasons": [] if passed else ["slow"],
+            "report": {"p50_ttft_ms": sorted(ttft)[1], "request_goodput": sorted(goodput)[1]},
+            "repeat_spread": {"p50_ttft_ms": ttft, "request_goodput": goodput}}
+
+
+def sweep(steps: list[dict[str, Any]], capacity: float | None, knee: float | None,
+          envelope: dict[str, Any] = SWEEP_ENVELOPE,
+          criteria: str = "p90 ttft <= 500 ms") -> dict[str, Any]:
+    return {"capacity": capacity, "unit": "req/s", "knee": knee, "criteria": criteria,
+            "mode": "open", "steps": steps, "envelope": envelope}
+
+
+def test_capacity_brackets_decide_whether_capacities_really_differ() -> None:
+    # Passed 4 and 8, failed 16 and 12: the capacity lies in [8, 12).
+    a = sweep([step(4, True, [1, 2, 3], [4, 4, 4]), step(8, True, [1, 2, 3], [8, 8, 8]),
+               step(16, False, [1, 2, 3], [9, 9, 9]), step(12, False, [1, 2, 3], [9, 9, 9])],
+              capacity=8, knee=8)
+    assert capacity_bracket(a) == (8.0, 12.0)
+    assert capacity_bracket(sweep([step(4, True, [1, 2, 3], [4, 4, 4])], 4, 4)) == (4.0, None)
+    assert capacity_bracket(sweep([step(4, False, [1, 2, 3], [4, 4, 4])], None, None)) == \
+        (0.0, 4.0)
+    assert capacity_verdict((8.0, 12.0), (12.0, 14.0)) == "real: better"  # B's is >= 12
+    assert capacity_verdict((12.0, 14.0), (8.0, 12.0)) == "real: worse"
+    assert capacity_verdict((8.0, 12.0), (10.0, 16.0)) == "within the searches' resolution"
+    assert capacity_verdict((8.0, None), (16.0, None)) == "within the searches' resolution"
+    assert capacity_verdict((8.0, 12.0), None) == "no bracket: cannot tell"
+
+
+def test_sweeps_are_compared_step_by_step_at_the_loads_both_ran() -> None:
+    a = sweep([step(4, True, [10, 11, 12], [4.0, 4.0, 4.0]),
+               step(8, True, [20, 22, 24], [7.5, 7.8, 8.0]),
+               step(16, False, [90, 95, 99], [6.0, 6.5, 7.0])], capacity=8, knee=8)
+    b = sweep([step(4, True, [5, 6, 7], [4.0, 4.0, 4.0]),
+               step(8.0000001, True, [19, 23, 25], [7.9, 8.0, 8.1]),
+               step(12, True, [30, 31, 33], [11.0, 11.5, 12.0]),
+               step(24, False, [80, 85, 90], [10.0, 10.5, 11.0])], capacity=12, knee=12)
+    result = compare_sweeps(a, b)
+    assert [s["load"] for s in result["steps"]] == [4.0, 8.0]  # 8.0000001 is load 8
+    assert result["only_a"] == [{"load": 16.0, "passed": False}]
+    assert result["only_b"] == [{"load": 12.0, "passed": True}, {"load": 24.0, "passed": False}]
+    at_4 = {r["metric"]: r for r in result["steps"][0]["rows"]}
+    assert at_4["p50_ttft_ms"]["verdict"] == "real: better"  # 5..7 ms vs 10..12 ms
+    assert at_4["p50_ttft_ms"]["change"] == pytest.approx((6 - 11) / 11)
+    assert at_4["request_goodput"]["verdict"] == "within run-to-run noise"
+    at_8 = {r["metric"]: r for r in result["steps"][1]["rows"]}
+    assert at_8["p50_ttft_ms"]["verdict"] == "within run-to-run noise"  # 19..25 vs 20..24
+    # Capacity 8 in [8, 16) vs 12 in [12, 24): the brackets overlap.
+    assert result["capacity"]["verdict"] == "within the searches' resolution"
+    peak = result["knee"]["peak_goodput"]
+    assert (result["knee"]["a"], result["knee"]["b"]) == (8, 12)
+    assert (peak["a"], peak["b"], peak["verdict"]) == (7.8, 11.5, "real: better")
+    # A sweep without repeats has no noise estimate, and says so.
+    single = sweep([{"load": 4, "passed": True, "reasons": [],
+                     "report": {"p50_ttft_ms": 6.0}, "repeat_spread": {"p50_ttft_ms": [6.0]}}],
+                   capacity=4, knee=None)
+    (only,) = compare_sweeps(a, single)["steps"][0]["rows"]
+    assert only["verdict"] == "no repeats: noise unknown"
+
+
+def test_the_cli_compares_sweeps_and_refuses_a_replay_against_a_sweep(tmp_path: Path) -> None:
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    steps_a = [step(4, True, [10, 11, 12], [4, 4, 4]), step(8, False, [50, 51, 52], [5, 5, 5])]
+    steps_b = [step(4, True, [5, 6, 7], [4, 4, 4]), step(6, True, [8, 9, 9], [6, 6, 6])]
+    (a_dir / "sweep.json").write_text(json.dumps(sweep(steps_a, 4, 4)))
+    (b_dir / "sweep.json").write_text(json.dumps(
+        sweep(steps_b, 6, 6, envelope={**SWEEP_ENVELOPE, "target": "http://b:8000"})))
+    replay = tmp_path / "report.json"
+    replay.write_text(json.dumps(report(BASE, runs([100, 110, 105], [4, 4, 4]))))
+
+    def sidecar(a: Path, b: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sidecar", "compare", str(a), str(b),
+                               *args], capture_output=True, text=True, timeout=60)
+
+    mixed = sidecar(replay, a_dir / "sweep.json")
+    assert mixed.returncode == 2 and "A is a replay and B a sweep" in mixed.stderr
+    refused = sidecar(a_dir, b_dir)
+    assert refused.returncode == 3 and "target: 'http://a:8000' vs 'http://b:8000'" in \
+        refused.stderr
+    shown = sidecar(a_dir, b_dir, "--variable", "target")
+    assert shown.returncode == 0, shown.stderr
+    assert "capacity (req/s): A 4 [4, 8)  B 6 [6, open)" in shown.stdout
+    assert "steps only A ran, not compared: 8 (fail)" in shown.stdout
+    assert "steps only B ran, not compared: 6 (pass)" in shown.stdout
+    assert "load 4 req/s: A pass, B pass" in shown.stdout
+    assert "real: better" in shown.stdout
+    # Another SLO is another experiment, even on the same loads.
+    (b_dir / "sweep.json").write_text(json.dumps(sweep(steps_b, 6, 6,
+                                                       criteria="p90 ttft <= 200 ms")))
+    other_slo = sidecar(a_dir, b_dir)
+    assert other_slo.returncode == 3 and "criteria" in other_slo.stderr
+    forced = sidecar(a_dir, b_dir, "--force", "--json")
+    assert forced.returncode == 0
+    data = json.loads(forced.stdout)
+    assert data["kind"] == "sweep" and data["envelope_differences"][0][0] == "criteria"
+
+
+async def test_two_real_sweeps_compare_a_slow_engine_with_a_fast_one(tmp_path: Path) -> None:
+    """The same sweep against a fast and a ten times slower simulated engine: at the load both
+    ran, the slower one's TTFT is worse beyond the spread of two repeats."""
+    outs = {}
+    for name, step_s, rates in (("fast", 0.002, "10,20"), ("slow", 0.02, "10,40")):
+        replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+            step_floor_s=step_s, per_token_s=0.0)), 1)
+        parser = argparse.ArgumentParser()
+        sweep_cli.add_arguments(parser)
+        outs[name] = tmp_path / name
+        args = parser.parse_args([
+            "--target", replicas[0].url, "--dataset", "synthetic:in=16,out=4",
+            "--slo", "ttft=500ms", "--rates", rates, "--step-duration", "0.5s",
+            "--min-requests", "8", "--warmup", "1", "--repeats", "2",
+            "--output-dir", str(outs[name])])
+        try:
+            assert await sweep_cli.run(args) == 0
+        finally:
+            await close_replicas(replicas)
+    (kind_a, fast), (kind_b, slow) = load_result(str(outs["fast"])), load_result(
+        str(outs["slow"]))
+    assert kind_a == kind_b == "sweep"
+    assert envelope_differences(design(kind_a, fast), design(kind_b, slow), {"target"}) == []
+    result = compare_sweeps(fast, slow)
+    assert [s["load"] for s in result["steps"]] == [10.0]
+    assert result["only_a"] == [{"load": 20.0, "passed": fast["steps"][1]["passed"]}]
+    assert [s["load"] for s in result["only_b"]] == [40.0]
+    rows = {r["metric"]: r for r in result["steps"][0]["rows"]}
+    assert rows["p50_ttft_ms"]["verdict"] == "real: worse"
+    assert rows["p50_ttft_ms"]["a_range"] is not None  # the spread of the two repeats

@@ -20,8 +20,8 @@ MS = 1_000_000
 def record(marks: list[tuple[float, int]], n_out: int, end_ms: float) -> RequestRecord:
     return RequestRecord(
         request_id="r", wall_time_ns=0, outcome=Outcome.OK, endpoint="completions",
-        client=Timeline(0, tuple(ChunkMark(int(t * MS), n) for t, n in marks), int(end_ms * MS),
-                        len(marks)),
+        client=Timeline.from_marks(0, tuple(ChunkMark(int(t * MS), n) for t, n in marks),
+                                   int(end_ms * MS), len(marks)),
         n_in=10, n_out=n_out, token_source=TokenSource.USAGE)
 
 

@@ -373,3 +373,78 @@ async def test_admin_token_guards_the_admin_listener_but_not_healthz() -> None:
         # The traffic listener is not affected.
         status, _, _ = await post(session, s.url, "/v1/completions", COMPLETION)
         assert status == 200
+
+
+def chat_chunk(content: str | None, finish: str | None = None, tokens: int = 0) -> bytes:
+    delta = {"role": "assistant", "content": ""} if content is None else {"content": content}
+    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+            "model": "m", "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                       "finish_reason": finish}],
+            "usage": {"prompt_tokens": 3, "total_tokens": 3 + tokens,
+                      "completion_tokens": tokens}}
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def test_events_of_one_read_leave_in_one_write_with_one_stamp() -> None:
+    """An upstream that writes several events at once (as vLLM does when it falls behind, and
+    always at a stream's end): each event keeps its own record entry, but the events of one
+    read share the read's instant upstream and the single write's instant downstream."""
+    from aiohttp import web
+
+    from sidecar.cli import build_proxy_server
+    from sidecar.config import build_config
+
+    groups = [
+        chat_chunk(None) + chat_chunk("a", tokens=1) + chat_chunk("b", tokens=2),
+        chat_chunk("c", tokens=3),
+        chat_chunk("d", tokens=4) + chat_chunk("", "stop", tokens=4) + b"data: [DONE]\n\n",
+    ]
+
+    async def scripted(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for group in groups:
+            await response.write(group)
+            await asyncio.sleep(0.2)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", scripted)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server, _window = build_proxy_server(build_config(
+        {"upstreams": [f"http://127.0.0.1:{port}"], "listen": "127.0.0.1:0",
+         "metrics_listen": "127.0.0.1:0", "health_interval": "0"}, {}))
+    records: list[Any] = []
+
+    class Keep:
+        name = "keep"
+
+        def on_record(self, record: Any) -> None:
+            records.append(record)
+
+    server.proxy.fanout.add(Keep())
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                    "stream": True, "stream_options": {"include_usage": True,
+                                                       "continuous_usage_stats": True}}
+            status, got, _headers = await post(session, server.url, "/v1/chat/completions",
+                                               body)
+    finally:
+        await server.close()
+        await runner.cleanup()
+    assert status == 200 and got == b"".join(groups)  # the client asked for usage: unchanged
+    (record,) = records
+    assert record.outcome is Outcome.OK and record.n_out == 4
+    for timeline in (record.server, record.client):
+        assert timeline.tokens == (1, 1, 1, 1)
+        a, b, c, d = timeline.offsets_ns
+        assert a == b and b < c < d  # a, b came in one read; c and d 200 ms apart
+        assert c - b > 100_000_000

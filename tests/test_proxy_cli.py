@@ -60,6 +60,16 @@ def test_proxy_process_serves_and_stops_cleanly_on_sigterm() -> None:
         assert sim.wait(timeout=15) == 0
 
 
+def test_sigterm_right_after_the_listening_line_is_a_graceful_stop() -> None:
+    """The signal handlers are in place before the proxy says it listens, so an orchestrator
+    that stops it at once gets exit 0, not death by the default SIGTERM action (-15)."""
+    with process("proxy", "--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:0",
+                 "--metrics-listen", "127.0.0.1:0", "--health-interval", "0") as proxy:
+        read_url(proxy, r"proxy listening on (http://\S+)")
+        proxy.send_signal(signal.SIGTERM)
+        assert proxy.wait(timeout=15) == 0
+
+
 @pytest.mark.parametrize(("args", "message"), [
     ((), "at least one upstream"),
     (("--upstream", "localhost:8000"), "http(s) URL"),

@@ -24,10 +24,10 @@ def full_record() -> RequestRecord:
         outcome=Outcome.OK,
         endpoint="chat",
         model="m",
-        client=Timeline(start_ns=0, marks=(ChunkMark(120, 1), ChunkMark(150, 3)), end_ns=160,
+        client=Timeline(start_ns=0, offsets_ns=(120, 150), tokens=(1, 3), end_ns=160,
                         events_total=4),
-        server=Timeline(start_ns=5, marks=(ChunkMark(119, 1), ChunkMark(149, 3)), end_ns=158,
-                        events_total=5),
+        server=Timeline.from_marks(start_ns=5, marks=(ChunkMark(119, 1), ChunkMark(149, 3)),
+                                   end_ns=158, events_total=5),
         engine=EngineTiming(time_to_first_token_ms=1.5, queue_time_ms=0.25),
         n_in=12,
         n_out=4,
@@ -53,6 +53,18 @@ def test_record_is_frozen() -> None:
     record = full_record()
     with pytest.raises(dataclasses.FrozenInstanceError):
         record.outcome = Outcome.TIMEOUT  # type: ignore[misc]
+
+
+def test_timeline_columns_and_marks_agree() -> None:
+    timeline = full_record().server
+    assert timeline is not None
+    assert timeline.offsets_ns == (119, 149) and timeline.tokens == (1, 3)
+    assert timeline.marks == (ChunkMark(119, 1), ChunkMark(149, 3))
+    assert timeline.n_marks == 2
+    assert timeline.to_dict()["marks"] == [[119, 1], [149, 3]]
+    # A count missing for an event is refused rather than silently paired with the next one.
+    with pytest.raises(ValueError, match="one token count per event"):
+        Timeline(start_ns=0, offsets_ns=(1, 2), tokens=(1,))
 
 
 def test_timeline_by_vantage() -> None:

@@ -93,7 +93,7 @@ async def test_text_is_stored_only_on_opt_in(tmp_path: Path) -> None:
 def make_record(i: int) -> RequestRecord:
     return RequestRecord(
         request_id=f"r{i}", wall_time_ns=1_000_000_000 + i, outcome=Outcome.OK, endpoint="chat",
-        model="m", client=Timeline(0, (ChunkMark(1000, 1),), 2000, 1), n_in=5, n_out=1,
+        model="m", client=Timeline.from_marks(0, (ChunkMark(1000, 1),), 2000, 1), n_in=5, n_out=1,
         shape=RequestShape(max_tokens=1))
 
 

@@ -111,10 +111,10 @@ def spec_example(**overrides: Any) -> RequestRecord:
         outcome=Outcome.OK,
         endpoint="chat",
         model="M",
-        client=Timeline(start_ns=0, marks=marks_ms(120, 150, 190, 230), end_ns=235 * MS,
-                        events_total=6),
-        server=Timeline(start_ns=2 * MS, marks=marks_ms(119, 149, 189, 229), end_ns=233 * MS,
-                        events_total=6),
+        client=Timeline.from_marks(start_ns=0, marks=marks_ms(120, 150, 190, 230),
+                                   end_ns=235 * MS, events_total=6),
+        server=Timeline.from_marks(start_ns=2 * MS, marks=marks_ms(119, 149, 189, 229),
+                                   end_ns=233 * MS, events_total=6),
         n_in=10,
         n_out=4,
         n_cached=8,
@@ -276,8 +276,8 @@ def test_failed_request_carries_error_type_and_no_latency_points(
     # Two tokens reached the client, then the upstream reset the stream at 400 ms.
     failed = spec_example(
         outcome=Outcome.UPSTREAM_ERROR, error_type="ClientPayloadError", http_status=200,
-        client=Timeline(start_ns=0, marks=marks_ms(120, 150), end_ns=400 * MS),
-        server=Timeline(start_ns=2 * MS, marks=marks_ms(119, 149), end_ns=399 * MS),
+        client=Timeline.from_marks(start_ns=0, marks=marks_ms(120, 150), end_ns=400 * MS),
+        server=Timeline.from_marks(start_ns=2 * MS, marks=marks_ms(119, 149), end_ns=399 * MS),
         n_in=None, n_out=None, token_source=TokenSource.CHUNK_COUNT, finish_reason=None,
     )
     sink.on_record(failed)
@@ -333,8 +333,8 @@ def test_single_output_token_has_no_server_tpot(make_sink: Any,
     sink = make_sink()
     sink.on_record(spec_example(
         n_out=1,
-        client=Timeline(start_ns=0, marks=marks_ms(120), end_ns=125 * MS),
-        server=Timeline(start_ns=2 * MS, marks=marks_ms(119), end_ns=124 * MS),
+        client=Timeline.from_marks(start_ns=0, marks=marks_ms(120), end_ns=125 * MS),
+        server=Timeline.from_marks(start_ns=2 * MS, marks=marks_ms(119), end_ns=124 * MS),
     ))
     got = Collected(reader)
     assert "gen_ai.server.time_per_output_token" not in got.names()
@@ -414,7 +414,7 @@ def goodput_records() -> list[RequestRecord]:
         spec_example(attributes=interactive),
         # interactive, TTFT 50 ms, TPOT (110 - 50) / 3 = 20 ms: good, 4 tokens
         spec_example(attributes=interactive,
-                     client=Timeline(start_ns=0, marks=marks_ms(50, 70, 90, 110),
+                     client=Timeline.from_marks(start_ns=0, marks=marks_ms(50, 70, 90, 110),
                                      end_ns=112 * MS)),
         # batch (default class, unknown class name falls back to it): good, 4 tokens
         spec_example(attributes={"slo_class": "nope"}),
@@ -506,7 +506,8 @@ def test_one_chunk_observation_per_gap(gaps_ms: list[int], ttft_ms: int) -> None
         for gap in gaps_ms:
             offsets.append(offsets[-1] + gap)
         sink.on_record(spec_example(
-            client=Timeline(start_ns=0, marks=marks_ms(*offsets), end_ns=offsets[-1] * MS),
+            client=Timeline.from_marks(start_ns=0, marks=marks_ms(*offsets),
+                                       end_ns=offsets[-1] * MS),
             n_out=len(offsets)))
         got = Collected(reader)
         if gaps_ms:

@@ -26,7 +26,12 @@ from sidecar import stats
 from sidecar.record import ChunkMark, EngineTiming, Outcome, RequestRecord, Timeline, TokenSource
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
-from sidecar.sinks.prometheus import PrometheusSink, e6_buckets, latency_buckets
+from sidecar.sinks.prometheus import (
+    BulkHistogram,
+    PrometheusSink,
+    e6_buckets,
+    latency_buckets,
+)
 
 MS = 1_000_000
 
@@ -40,8 +45,8 @@ def record(marks_ms: list[tuple[float, int]], *, n_out: int | None = None,
     end = marks[-1].offset_ns if marks else 5 * MS
     return RequestRecord(
         request_id="r", wall_time_ns=0, outcome=outcome, endpoint="chat", model=model,
-        client=Timeline(0, marks, end, len(marks)),
-        server=Timeline(int(1 * MS), server_marks, end, len(marks)),
+        client=Timeline.from_marks(0, marks, end, len(marks)),
+        server=Timeline.from_marks(int(1 * MS), server_marks, end, len(marks)),
         n_in=10, n_out=n_out, n_cached=4, token_source=TokenSource.USAGE,
         replica="127.0.0.1:8000", engine=engine,
         attributes={"slo_class": slo_class} if slo_class else {},
@@ -126,6 +131,27 @@ def test_labels_are_capped() -> None:
     assert 'model="c"' not in text
     assert value(registry, "sidecar_requests_total", model="other", replica="127.0.0.1:8000",
                  endpoint="chat", outcome="ok") == 2
+
+
+@pytest.mark.parametrize("repeat", [1, 40])  # 4 and 121 instants: bisect and numpy paths
+def test_itl_gaps_are_binned_by_hand(repeat: int) -> None:
+    """Bounds 1, 10, 100 ms (+Inf). Gaps 0.5 ms, 10 ms (equal to a bound: le, so in 10 ms) and
+    250 ms, repeated: per repetition one each in le=0.001, le=0.01 and +Inf; sum 260.5 ms."""
+    registry = CollectorRegistry()
+    histogram = BulkHistogram("gaps", "doc", ("v",), [0.001, 0.01, 0.1], registry)
+    offsets = [0]
+    for _ in range(repeat):
+        for gap_ms in (0.5, 10, 250):
+            offsets.append(offsets[-1] + int(gap_ms * MS))
+    assert (len(offsets) < BulkHistogram.NUMPY_FROM) == (repeat == 1)
+    histogram.observe_gaps(("x",), offsets)
+    histogram.observe_gaps(("x",), offsets[:1])  # a single instant: no gap, nothing observed
+    assert value(registry, "gaps_bucket", v="x", le="0.001") == repeat
+    assert value(registry, "gaps_bucket", v="x", le="0.01") == 2 * repeat
+    assert value(registry, "gaps_bucket", v="x", le="0.1") == 2 * repeat
+    assert value(registry, "gaps_bucket", v="x", le="+Inf") == 3 * repeat
+    assert value(registry, "gaps_count", v="x") == 3 * repeat
+    assert value(registry, "gaps_sum", v="x") == pytest.approx(0.2605 * repeat)
 
 
 def test_buckets_span_sub_millisecond_to_minutes() -> None:

@@ -35,7 +35,7 @@ def make_record(
         wall_time_ns=int(wall_ms * MS),
         outcome=outcome,
         endpoint="chat",
-        client=Timeline(start_ns=0, marks=client_marks, end_ns=end_ns,
+        client=Timeline.from_marks(start_ns=0, marks=client_marks, end_ns=end_ns,
                         events_total=len(client_marks)),
         server=server,
         n_in=n_in,
@@ -97,7 +97,7 @@ def test_single_token_reply_has_no_tpot_and_is_counted() -> None:
 def test_server_vantage_starts_at_upstream_send() -> None:
     # Proxy: request arrived at 0, sent upstream at 2 ms; upstream events at 112, 142 ms,
     # written to the client at 113, 143 ms.
-    server = Timeline(start_ns=2 * MS, marks=marks((112, 1), (142, 1)), end_ns=145 * MS)
+    server = Timeline.from_marks(start_ns=2 * MS, marks=marks((112, 1), (142, 1)), end_ns=145 * MS)
     record = make_record(marks((113, 1), (143, 1)), n_out=2, server=server)
     client_m = stats.request_metrics(record, Vantage.CLIENT)
     server_m = stats.request_metrics(record, Vantage.SERVER)

@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from br_v0_2 import errors
+from proxy_stack import stack
 
 from sidecar.replay import sweep_cli
 from sidecar.replay.sweep import (
@@ -142,3 +144,78 @@ async def test_sweep_finds_the_capacity_the_simulator_predicts(tmp_path: Path) -
     assert 'id="capacity"' in done.stdout and done.stdout.count("data:image/png;base64,") == 3
     # The page has no script and loads nothing external: no console message, no failed load.
     assert "CONSOLE" not in done.stderr and "net::ERR" not in done.stderr
+
+
+async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: Path) -> None:
+    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0))
+    out = tmp_path / "sweep"
+    parser = argparse.ArgumentParser()
+    sweep_cli.add_arguments(parser)
+    async with stack(2, sim=sim, route_policy="round_robin") as s:
+        args = parser.parse_args([
+            "--target", s.url, "--sidecar-admin", s.server.admin_url,
+            "--dataset", "synthetic:in=32,out=6,shared=16", "--slo", "ttft=500ms",
+            "--rates", "10,20", "--step-duration", "1s", "--min-requests", "10",
+            "--warmup", "2", "--repeats", "2", "--output-dir", str(out)])
+        assert await sweep_cli.run(args) == 0
+        proxied = [r for r in s.records.records if r.endpoint in ("chat", "completions")]
+    result = json.loads((out / "sweep.json").read_text())
+    steps = result["steps"]
+    assert [step["load"] for step in steps] == [10.0, 20.0]
+    # Each step ran 2 warm-ups and 2 repeats: the sidecar saw all of them, and each step's view
+    # covers exactly the reported run's requests, named by its own request-id prefix.
+    assert len(proxied) == sum(2 + 2 * step["requests"] for step in steps)
+    for step in steps:
+        view = step["sidecar"]
+        assert view["requests_sent"] == view["requests_seen"] == step["requests"]
+        assert view["complete"] is True
+        selected = [r for r in proxied if r.request_id.startswith(view["request_id_prefix"])]
+        assert len(selected) == step["requests"]
+        # Per request, the sidecar's upstream side sees the first token no later than its
+        # client side, and that no later than the replayer: so does every order statistic.
+        report = step["report"]
+        server, client = view["vantages"]["server"], view["vantages"]["client"]
+        assert server["requests"] == client["requests"] == report["completed"]
+        for q in ("mean", "p50", "p90", "p99"):
+            replayer = report[f"{q}_ttft_ms"]
+            assert 0 < server["ttft_ms"][q] <= client["ttft_ms"][q] <= replayer, q
+            assert server["e2e_ms"][q] <= report[f"{q}_e2el_ms"], q
+        assert step["engine_delta"]["prefix_cache_queries"] == 32 * (2 * step["requests"])
+    # The envelope: the sidecar's routing, and the engines read one by one (through the proxy,
+    # /metrics would reach only one of the two replicas).
+    envelope = result["envelope"]
+    assert envelope["route_policy"] == "round_robin" and envelope["sidecar_replicas"] == 2
+    assert "each replica" in envelope["engine_metrics_from"]
+    # Every prompt token sent to an engine was a prefix-cache query (the simulator counts
+    # tokens at admission); at most the 16 shared tokens of 32 can hit.
+    assert envelope["engine_delta"]["prefix_cache_queries"] == 32 * len(proxied)
+    assert 0 < envelope["engine_prefix_cache_hit_rate"] <= 0.5
+    assert envelope["engine_prefix_cache_hit_rate"] == pytest.approx(
+        envelope["engine_delta"]["prefix_cache_hits"]
+        / envelope["engine_delta"]["prefix_cache_queries"])
+    page = (out / "sweep.html").read_text()
+    assert "server TTFT p50" in page and f"{steps[0]['requests']}/{steps[0]['requests']}" in page
+    # One llm-d benchmark report per step, for the same run as the step's report.
+    assert sorted(p.name for p in (out / "br").iterdir()) == ["step-10.json", "step-20.json"]
+    for step in steps:
+        br = json.loads((out / "br" / f"step-{step['load']:g}.json").read_text())
+        assert errors(br) == []
+        assert br["run"]["eid"] == json.loads(
+            (out / "br" / "step-10.json").read_text())["run"]["eid"]
+        load = br["scenario"]["load"]["standardized"]
+        assert (load["stage"], load["rate_qps"]) == (step["stage"], step["load"])
+        assert load["input_seq_len"] == {"distribution": "fixed", "value": 32}
+        assert load["prefix"]["prefix_len"] == {"distribution": "fixed", "value": 16}
+        aggregate = br["results"]["request_performance"]["aggregate"]
+        assert aggregate["requests"]["total"] == step["requests"]
+        ttft = aggregate["latency"]["time_to_first_token"]
+        assert ttft["p50"] == pytest.approx(step["report"]["p50_ttft_ms"])
+        assert ttft["p99"] == pytest.approx(step["report"]["p99_ttft_ms"])
+        ours = br["results"]["observability"]["vllm_sidecar"]
+        assert ours["sweep"]["passed"] == step["passed"]
+        assert ours["sidecar"] == step["sidecar"]
+        assert ours["goodput"]["request_goodput"]["value"] == pytest.approx(
+            step["report"]["request_goodput"])
+        assert [c["metadata"]["label"] for c in br["scenario"]["stack"]] == ["target",
+                                                                              "sidecar"]
+        assert "--admin-token" not in br["scenario"]["load"]["native"]["args"]

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from sidecar.record import (
-    ChunkMark,
     EngineTiming,
     Outcome,
     RequestRecord,
@@ -73,6 +72,14 @@ class RecordBuilder:
     def client_token_write(self, now_ns: int) -> None:
         self._down_offsets.append(now_ns - self.arrive_ns)
 
+    def client_token_writes(self, now_ns: int, count: int) -> None:
+        """``count`` token events that left in one write: all of them at its instant."""
+        offset = now_ns - self.arrive_ns
+        if count == 1:
+            self._down_offsets.append(offset)
+        else:
+            self._down_offsets.extend([offset] * count)
+
     # -- outcome ---------------------------------------------------------------------------
 
     def fail(self, outcome: Outcome, error_type: str, http_status: int | None = None) -> None:
@@ -94,15 +101,16 @@ class RecordBuilder:
         if self.up_send_ns is not None:
             server = Timeline(
                 start_ns=self.up_send_ns,
-                marks=tuple(map(ChunkMark, self._up_offsets, tokens)),
+                offsets_ns=tuple(self._up_offsets),
+                tokens=tuple(tokens),
                 end_ns=self.up_end_ns,
                 events_total=self.up_events,
             )
         client = Timeline(
             start_ns=0,
-            # Client writes can be fewer than upstream events (client gone mid-stream); map stops
-            # at the shorter.
-            marks=tuple(map(ChunkMark, self._down_offsets, tokens)),
+            # Client writes can be fewer than upstream events (client gone mid-stream).
+            offsets_ns=tuple(self._down_offsets),
+            tokens=tuple(tokens[:len(self._down_offsets)]),
             end_ns=self.down_end_ns,
             events_total=self.down_events,
         )

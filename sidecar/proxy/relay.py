@@ -761,7 +761,14 @@ class Proxy:
                             response: web.StreamResponse, endpoint: str,
                             builder: RecordBuilder, plan: UsagePlan,
                             timeouts: _Timeouts) -> None:
-        """The per-event hot path."""
+        """The per-event hot path.
+
+        Every event of one upstream read is parsed, classified and stamped on its own (the read's
+        instant is its server-side stamp), and whatever the read yields for the client goes out
+        in one write: one syscall per read instead of one per event, which matters most when
+        the proxy falls behind and reads start carrying several events. The client-side stamp
+        of each token event is that write's instant.
+        """
         parser = SSEParser(max_event_size=self.config.max_event_bytes)
         counter = TokenCounter()
         now = clock.monotonic_ns
@@ -776,6 +783,8 @@ class Proxy:
         first_token = True
         idle = timeouts.idle
         failure: UpstreamFailure | None = None
+        out_events: list[bytes] = []  # what this read sends to the client, in order
+        out_tokens = 0  # how many of them carry tokens (each gets the write's instant)
         async for data in upstream.content.iter_any():
             t_up = now()
             idle.last_ns = t_up
@@ -790,10 +799,10 @@ class Proxy:
                 payload = event.data
                 if payload is None:  # a comment (keep-alive): forwarded as is, in order
                     if held is not None:
-                        await self._flush_held(write, builder, held, held_tokens)
+                        out_events.append(held)
+                        out_tokens += held_tokens
                         held = None
-                    await write(event.raw)
-                    builder.down_events += 1
+                    out_events.append(event.raw)
                     continue
                 info = classify_chunk(payload)
                 kind = info.kind
@@ -828,7 +837,8 @@ class Proxy:
                     if kind is ChunkKind.USAGE and info.system_fingerprint is not None:
                         held = insert_member(held, held_cut, "system_fingerprint",
                                              info.system_fingerprint)
-                    await self._flush_held(write, builder, held, held_tokens)
+                    out_events.append(held)
+                    out_tokens += held_tokens
                     held = None
                 if drop_usage_chunk:
                     if kind is ChunkKind.USAGE:
@@ -839,17 +849,19 @@ class Proxy:
                         # usage chunk (sent right after it) gives the fingerprint back.
                         held, held_cut, held_tokens = out, cut, kind is ChunkKind.TOKEN
                         continue
-                await write(out)
-                builder.down_events += 1
-                if kind is ChunkKind.TOKEN:
-                    builder.client_token_write(now())
+                out_events.append(out)
+                out_tokens += kind is ChunkKind.TOKEN
+            if out_events:
+                await self._write_events(write, builder, out_events, out_tokens)
+                out_events = []
+                out_tokens = 0
             if failure is not None:
                 if held is not None:
-                    await self._flush_held(write, builder, held, held_tokens)
+                    await self._write_events(write, builder, [held], held_tokens)
                 raise failure
         builder.up_end_ns = builder.offset(now())
         if held is not None:
-            await self._flush_held(write, builder, held, held_tokens)
+            await self._write_events(write, builder, [held], held_tokens)
         # Token accounting: the final usage (or the last cumulative one) is authoritative.
         if usage is not None:
             builder.n_in = usage.prompt_tokens
@@ -868,12 +880,13 @@ class Proxy:
         builder.down_end_ns = builder.offset(now())
 
     @staticmethod
-    async def _flush_held(write: Any, builder: RecordBuilder, held: bytes,
-                          is_token: bool) -> None:
-        await write(held)
-        builder.down_events += 1
-        if is_token:
-            builder.client_token_write(clock.monotonic_ns())
+    async def _write_events(write: Any, builder: RecordBuilder, events: list[bytes],
+                            n_token_events: int) -> None:
+        """One write for the events of one read; each token event is stamped with its end."""
+        await write(events[0] if len(events) == 1 else b"".join(events))
+        builder.down_events += len(events)
+        if n_token_events:
+            builder.client_token_writes(clock.monotonic_ns(), n_token_events)
 
     async def _assemble(self, request: web.Request, upstream: aiohttp.ClientResponse,
                         endpoint: str, builder: RecordBuilder,

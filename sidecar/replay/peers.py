@@ -49,8 +49,8 @@ NOTES = ("Token counts are the server's usage (inference-perf and AIPerf would r
 
 def _per_token_instants(record: RequestRecord) -> list[int]:
     out: list[int] = []
-    for mark in record.client.marks:
-        out.extend([mark.offset_ns] * max(mark.n_tokens, 0))
+    for offset, n_tokens in zip(record.client.offsets_ns, record.client.tokens, strict=True):
+        out.extend([offset] * max(n_tokens, 0))
     return out
 
 
@@ -64,14 +64,14 @@ def peer_values(records: Iterable[RequestRecord]) -> dict[str, list[float]]:
     for record in records:
         if not record.ok:
             continue
-        marks = record.client.marks
+        offsets = record.client.offsets_ns
         n_out = stats.output_tokens(record, record.client)
         end = record.client.end_ns
-        if not marks:
+        if not offsets:
             if end is not None:
                 add("guidellm.request_latency", end / NS)
             continue
-        first, last = marks[0].offset_ns, marks[-1].offset_ns
+        first, last = offsets[0], offsets[-1]
         add("vllm.ttft", first / NS)
         add("aiperf.ttft", first / NS)
         add("guidellm.ttft", first / NS)
@@ -81,16 +81,15 @@ def peer_values(records: Iterable[RequestRecord]) -> dict[str, list[float]]:
             add("guidellm.request_latency", end / NS)
             if n_out > 0:
                 add("inference_perf.ntpot", end / n_out / NS)
-        gaps = [(b.offset_ns - a.offset_ns) / NS for a, b in zip(marks, marks[1:],
-                                                                 strict=False)]
+        gaps = [(b - a) / NS for a, b in zip(offsets, offsets[1:], strict=False)]
         values["vllm.itl"].extend(gaps)
         values["aiperf.icl"].extend(gaps)
-        if len(marks) > 1:
-            add("aiperf.ttst", (marks[1].offset_ns - first) / NS)
+        if len(offsets) > 1:
+            add("aiperf.ttst", (offsets[1] - first) / NS)
         if n_out > 1:
             add("vllm.tpot", (last - first) / (n_out - 1) / NS)
             add("guidellm.itl", (last - first) / (n_out - 1) / NS)
-        denominator = n_out - marks[0].n_tokens
+        denominator = n_out - record.client.tokens[0]
         if denominator > 0:
             add("aiperf.itl", (last - first) / denominator / NS)
         if n_out > 0:

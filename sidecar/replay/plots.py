@@ -108,20 +108,34 @@ def plot_scatter(points: Sequence[Mapping[str, Any]], path: Path) -> Path:
 
 def html_page(result: Mapping[str, Any], images: Sequence[Path], path: Path) -> Path:
     """Everything on one page: images inlined as data URIs, no external resources."""
+    # The sidecar's server vantage (sweep --sidecar-admin) and the engines' prefix-cache hit
+    # ratio get columns only when some step has them.
+    with_sidecar = any(step.get("sidecar") for step in result["steps"])
+    with_cache = any((step.get("engine_delta") or {}).get("prefix_cache_hit_rate") is not None
+                     for step in result["steps"])
     rows = []
     for step in result["steps"]:
         r = step["report"]
-        rows.append(
-            "<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in (
-                step["load"], f"{step.get('achieved_rate') or 0:.2f}",
-                r.get("max_concurrent_requests"), _fmt(r.get("p50_ttft_ms")),
-                _fmt(r.get("p99_ttft_ms")), _fmt(r.get("p50_tpot_ms")),
-                _fmt(r.get("p99_tpot_ms")), _fmt(r.get("p99_itl_ms")),
-                _fmt(r.get("p99_e2el_ms")), r["completed"], r["failed"],
-                _fmt(r.get("request_goodput")), _fmt(r.get("slo_attainment")),
-                _fmt((r.get("lateness_ms") or {}).get("p99")),
-                "pass" if step["passed"] else "fail: " + "; ".join(step["reasons"])))
-            + "</tr>")
+        cells: list[Any] = [
+            step["load"], f"{step.get('achieved_rate') or 0:.2f}",
+            r.get("max_concurrent_requests"), _fmt(r.get("p50_ttft_ms")),
+            _fmt(r.get("p99_ttft_ms")), _fmt(r.get("p50_tpot_ms")),
+            _fmt(r.get("p99_tpot_ms")), _fmt(r.get("p99_itl_ms")),
+            _fmt(r.get("p99_e2el_ms"))]
+        if with_sidecar:
+            cells += _sidecar_cells(step.get("sidecar"))
+        cells += [r["completed"], r["failed"],
+                  _fmt(r.get("request_goodput")), _fmt(r.get("slo_attainment")),
+                  _fmt((r.get("lateness_ms") or {}).get("p99"))]
+        if with_cache:
+            cells.append(_fmt((step.get("engine_delta") or {}).get("prefix_cache_hit_rate")))
+        cells.append("pass" if step["passed"] else "fail: " + "; ".join(step["reasons"]))
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in cells)
+                    + "</tr>")
+    sidecar_heads = ("<th>server TTFT p50</th><th>server TTFT p99</th><th>server TPOT p50</th>"
+                     "<th>server E2E p99</th><th>sidecar seen/sent</th>"
+                     if with_sidecar else "")
+    cache_head = "<th>engine cache hit</th>" if with_cache else ""
     figures = "".join(
         f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
         f'{base64.b64encode(p.read_bytes()).decode()}"></figure>' for p in images)
@@ -136,8 +150,11 @@ td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}img{{max-width:100%
  &mdash; {html.escape(result['criteria'])}; knee at {html.escape(str(result.get('knee')))}</p>
 <table><thead><tr><th>load</th><th>achieved/s</th><th>max conc.</th><th>TTFT p50</th>
 <th>TTFT p99</th><th>TPOT p50</th><th>TPOT p99</th><th>ITL p99</th><th>E2E p99</th>
-<th>ok</th><th>failed</th><th>goodput/s</th><th>attainment</th><th>lateness p99</th>
-<th>verdict</th></tr></thead><tbody>{''.join(rows)}</tbody></table>
+{sidecar_heads}<th>ok</th><th>failed</th><th>goodput/s</th><th>attainment</th>
+<th>lateness p99</th>{cache_head}<th>verdict</th></tr></thead><tbody>{''.join(rows)}</tbody>
+</table>
+<p>Latencies in ms; the first ones are the replayer's (client vantage), the server ones the
+sidecar's (from the request sent upstream), for the same requests.</p>
 {figures}
 <h2>Workload envelope</h2><pre>{html.escape(json.dumps(result['envelope'], indent=2,
                                                          default=str))}</pre>
@@ -146,6 +163,15 @@ td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}img{{max-width:100%
 """
     path.write_text(page)
     return path
+
+
+def _sidecar_cells(view: Mapping[str, Any] | None) -> list[str]:
+    if not view:
+        return ["-"] * 5
+    server = view["vantages"]["server"]
+    return [_fmt(server["ttft_ms"].get("p50")), _fmt(server["ttft_ms"].get("p99")),
+            _fmt(server["tpot_ms"].get("p50")), _fmt(server["e2e_ms"].get("p99")),
+            f"{view['requests_seen']}/{view['requests_sent']}"]
 
 
 def _fmt(value: Any) -> str:

@@ -21,6 +21,7 @@ from sidecar import clock
 from sidecar.config import parse_slo
 from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.record import RequestRecord
+from sidecar.replay import llmd
 from sidecar.replay.payload import PayloadError, TokenCalibration, build_body, text_prompt
 from sidecar.replay.peers import peer_report, vllm_bench_json
 from sidecar.replay.report import console_table, median_run, run_report
@@ -48,6 +49,10 @@ examples:
       the trace's lengths on a bursty Gamma arrival process at 20 req/s
   sidecar replay trace.jsonl --target http://127.0.0.1:8000 --max-concurrency 32
       closed loop: at most 32 requests outstanding (a different experiment)
+  sidecar replay trace.jsonl --target http://127.0.0.1:8000 --rate 8 --slo ttft=500ms \\
+      --export-vllm-bench vllm.json --export-llmd br.json
+      the reported run also as `vllm bench serve` JSON and as an llm-d benchmark report
+      (schema v0.2; goodput and the SLO under results.observability.vllm_sidecar)
 """
 
 
@@ -95,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "AIPerf's and GuideLLM's definitions, named by formula")
     parser.add_argument("--export-vllm-bench", metavar="FILE",
                         help="also write the median run as `vllm bench serve` result JSON")
+    parser.add_argument("--export-llmd", metavar="FILE",
+                        help="also write the median run as an llm-d benchmark report (schema "
+                        "v0.2, JSON); goodput and the SLO go under "
+                        "results.observability.vllm_sidecar")
 
 
 class UsageError(Exception):
@@ -142,12 +151,14 @@ async def _run(args: argparse.Namespace) -> int:
             r.endpoint == "chat" and (r.body is None or args.no_captured_bodies)
             for r in requests)
         calibration = await calibrate(session, target, model) if needs_text else None
+        version = await engine_version(session, target)
         engine_before = await scrape_engine(session, target)
     plan, mode = make_plan(requests, args, model, calibration)
     warmup = plan[: args.warmup] if args.warmup else []
     envelope = {
         "trace": str(args.trace), "trace_source": reader.header.source,
-        "requests": len(plan), "model": model, "target": target, "mode": mode,
+        "requests": len(plan), "model": model, "target": target, "engine_version": version,
+        "mode": mode,
         "time_scale": args.time_scale if args.rate is None else None,
         "rate": args.rate, "burstiness": args.burstiness if args.rate else None,
         "max_concurrency": args.max_concurrency, "warmup": len(warmup),
@@ -183,6 +194,9 @@ async def _run(args: argparse.Namespace) -> int:
     if args.export_vllm_bench:
         Path(args.export_vllm_bench).write_text(
             json.dumps(vllm_bench_json(result, chosen_records), indent=2, default=str))
+    if args.export_llmd:
+        br = llmd_report(result, runs[chosen], requests, args, slo_policy)
+        Path(args.export_llmd).write_text(json.dumps(br, indent=2))
     print(console_table(result))
     if args.output_dir:
         out = Path(args.output_dir)
@@ -196,6 +210,41 @@ async def _run(args: argparse.Namespace) -> int:
                     handle.write(json.dumps(line) + "\n")
         print(f"report: {out / 'report.json'}")
     return 0
+
+
+# Envelope members that are measurements, not the run's configuration.
+MEASURED_ENVELOPE_KEYS = frozenset({"engine_before", "engine_after", "engine_delta"})
+
+
+def llmd_report(result: dict[str, Any], sent: Sequence[SentRequest],
+                requests: Sequence[TraceRequest], args: argparse.Namespace,
+                slo_policy: SLOPolicy | None) -> dict[str, Any]:
+    """The reported (median) run as an llm-d benchmark report, schema v0.2."""
+    envelope = result["envelope"]
+    engine_before = envelope.get("engine_before") or {}
+    workload = llmd.Workload(
+        input_lengths=[r.n_in for r in requests], output_lengths=[r.n_out for r in requests],
+        sampled=uses_captured_bodies(requests, args),
+        rate_qps=args.rate if args.max_concurrency is None else None,
+        concurrency=args.max_concurrency,
+        description=f"sidecar replay of {envelope['trace']} ({envelope['mode']} loop)",
+        args=llmd.native_args(vars(args)),
+        config={k: v for k, v in envelope.items() if k not in MEASURED_ENVELOPE_KEYS})
+    target = llmd.component(
+        "target", engine_before.get("flavour") or "unknown", envelope.get("engine_version"),
+        description="the server the replay was sent to",
+        details={"url": envelope["target"], "model": envelope["model"]})
+    return llmd.benchmark_report(
+        sent, duration_s=result["duration"], workload=workload, slo_policy=slo_policy,
+        stack=[target], extension={"engine_delta": envelope.get("engine_delta") or None,
+                                   "repeats": {"runs": len(result["runs"]),
+                                               "reported": result["median_run"]}})
+
+
+def uses_captured_bodies(requests: Sequence[TraceRequest], args: argparse.Namespace) -> bool:
+    """Were request bodies sent as captured (sampled text) rather than generated?"""
+    return not getattr(args, "no_captured_bodies", False) and any(
+        r.body is not None for r in requests)
 
 
 def _trace_model(requests: Sequence[TraceRequest]) -> str | None:
@@ -217,10 +266,14 @@ def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
         return {}
     b, a = before.get("values", {}), after.get("values", {})
     out = {k: a[k] - b[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "preemptions",
-                                    "prompt_tokens", "generation_tokens") if k in a and k in b}
+                                    "prompt_tokens", "generation_tokens", "cached_tokens")
+           if k in a and k in b}
     if out.get("prefix_cache_queries"):
         out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0) / out[
             "prefix_cache_queries"]
+    elif out.get("cached_tokens") is not None and out.get("prompt_tokens"):
+        # SGLang counts cached prompt tokens instead of vLLM's queries and hits (tokens too).
+        out["prefix_cache_hit_rate"] = out["cached_tokens"] / out["prompt_tokens"]
     return out
 
 
@@ -259,12 +312,15 @@ def make_plan(requests: Sequence[TraceRequest], args: argparse.Namespace, model:
 
 async def execute(plan: Sequence[PlannedRequest], target: str, mode: str,
                   concurrency: int | None, workers: int, args: argparse.Namespace, *,
-                  label: str = "", quiet: bool = False) -> list[SentRequest]:
+                  label: str = "", quiet: bool = False,
+                  request_id_prefix: str = "replay") -> list[SentRequest]:
     if workers > 1 and mode == "open":
-        return await asyncio.to_thread(run_workers, plan, target, workers, args)
+        return await asyncio.to_thread(run_workers, plan, target, workers, args,
+                                       request_id_prefix)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        sender = Sender(target, session, request_timeout_s=args.request_timeout)
+        sender = Sender(target, session, request_timeout_s=args.request_timeout,
+                        request_id_prefix=request_id_prefix)
         progress = None if quiet or args.no_progress else Progress(len(plan), label, sender)
         start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
         start_at = getattr(args, "start_at", None)
@@ -313,11 +369,12 @@ class Progress:
 
 
 def _worker_main(plan: list[PlannedRequest], target: str, timeout_s: float, out_path: str,
-                 ready: Any, go: Any, start_value: Any) -> None:
+                 ready: Any, go: Any, start_value: Any, request_id_prefix: str) -> None:
     async def main() -> list[SentRequest]:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            sender = Sender(target, session, request_timeout_s=timeout_s)
+            sender = Sender(target, session, request_timeout_s=timeout_s,
+                            request_id_prefix=request_id_prefix)
             # Everything is imported and set up: report ready, then wait for the common start.
             await asyncio.to_thread(ready.wait)
             await asyncio.to_thread(go.wait)
@@ -337,7 +394,8 @@ def _worker_main(plan: list[PlannedRequest], target: str, timeout_s: float, out_
 
 
 def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
-                args: argparse.Namespace) -> list[SentRequest]:
+                args: argparse.Namespace,
+                request_id_prefix: str = "replay") -> list[SentRequest]:
     """Split the schedule round-robin over ``workers`` processes. They start together: each
     reports ready once set up, then the parent sets one start instant for all (perf_counter
     is CLOCK_MONOTONIC, the same clock in every process of the host)."""
@@ -352,7 +410,7 @@ def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
             path = os.path.join(tmp, f"worker{w}.jsonl")
             proc = context.Process(target=_worker_main,
                                    args=(share, target, args.request_timeout, path, ready, go,
-                                         start_value))
+                                         start_value, request_id_prefix))
             proc.start()
             processes.append((proc, path))
         try:
@@ -418,6 +476,17 @@ async def calibrate(session: aiohttp.ClientSession, target: str,
     per_word = plain["count"] / words
     return TokenCalibration(tokens_per_word=per_word,
                             chat_overhead=max(0, chat["count"] - plain["count"]))
+
+
+async def engine_version(session: aiohttp.ClientSession, target: str) -> str | None:
+    """The target's /version (vLLM and the simulator serve it), best effort."""
+    try:
+        async with session.get(target + "/version") as response:
+            body = await response.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    version = body.get("version") if isinstance(body, dict) else None
+    return version if isinstance(version, str) else None
 
 
 async def scrape_engine(session: aiohttp.ClientSession,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,6 @@ from sidecar.protocol.openai import (
 )
 from sidecar.protocol.sse import SSEError, SSEParser
 from sidecar.record import (
-    ChunkMark,
     EngineTiming,
     Outcome,
     RequestRecord,
@@ -79,10 +79,13 @@ class Sender:
     """Sends planned requests to ``target`` and measures them (client vantage)."""
 
     def __init__(self, target: str, session: aiohttp.ClientSession, *,
-                 request_timeout_s: float = 600.0) -> None:
+                 request_timeout_s: float = 600.0, request_id_prefix: str = "replay") -> None:
         self.target = target.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s or None)
+        # Every request is sent as X-Request-Id "<prefix>-<index>-<random>"; a measuring proxy
+        # keeps that id, so its view of one run can be selected by the prefix.
+        self.request_id_prefix = request_id_prefix
         self.in_flight = 0
         self.max_in_flight = 0
         self.done = 0
@@ -92,8 +95,9 @@ class Sender:
                    scheduled_ns: int | None) -> SentRequest:
         endpoint = "chat" if planned.path.endswith("/chat/completions") else "completions"
         stream = planned.body.get("stream") is True
-        request_id = f"replay-{planned.index}-{uuid.uuid4().hex[:12]}"
-        marks: list[ChunkMark] = []
+        request_id = f"{self.request_id_prefix}-{planned.index}-{uuid.uuid4().hex[:12]}"
+        offsets = array("q")  # token-carrying events: when (ns since start) and how many
+        tokens = array("q")
         events = 0
         usage: Usage | None = None
         engine: EngineTiming | None = None
@@ -134,7 +138,8 @@ class Sender:
                             n_tokens = counter.observe(info)
                             kind = info.kind
                             if kind is ChunkKind.TOKEN:
-                                marks.append(ChunkMark(now - start, n_tokens))
+                                offsets.append(now - start)
+                                tokens.append(n_tokens)
                             elif kind is ChunkKind.DONE:
                                 saw_done = True
                             elif kind is ChunkKind.ERROR:
@@ -167,7 +172,7 @@ class Sender:
         n_out: int | None
         if usage is not None:
             # Per-event counts are exact only when every chunk carried cumulative usage.
-            exact_events = stream and counter.exact and bool(marks)
+            exact_events = stream and counter.exact and bool(offsets)
             source = TokenSource.USAGE if exact_events else TokenSource.USAGE_TOTAL
             n_out = usage.completion_tokens
         elif counter.total:
@@ -182,7 +187,8 @@ class Sender:
             model=planned.body.get("model"),
             client_stream=stream,
             upstream_stream=stream,
-            client=Timeline(start_ns=0, marks=tuple(marks), end_ns=end - start,
+            client=Timeline(start_ns=0, offsets_ns=tuple(offsets), tokens=tuple(tokens),
+                            end_ns=end - start,
                             events_total=events),
             engine=engine,
             n_in=usage.prompt_tokens if usage else None,

@@ -20,6 +20,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# The step metrics kept for every repeat of a step (its `repeat_spread`), so that a comparison
+# of two sweeps can tell a change from run-to-run noise: (report key, unit, higher is better).
+STEP_METRICS: tuple[tuple[str, str, bool], ...] = (
+    ("request_throughput", "req/s", True),
+    ("output_throughput", "tok/s", True),
+    ("request_goodput", "req/s", True),
+    ("slo_attainment", "fraction", True),
+    ("p50_ttft_ms", "ms", False),
+    ("p90_ttft_ms", "ms", False),
+    ("p99_ttft_ms", "ms", False),
+    ("p50_tpot_ms", "ms", False),
+    ("p90_tpot_ms", "ms", False),
+    ("p99_tpot_ms", "ms", False),
+    ("p99_itl_ms", "ms", False),
+    ("p50_e2el_ms", "ms", False),
+    ("p99_e2el_ms", "ms", False),
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Criteria:

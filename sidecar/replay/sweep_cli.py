@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
 import sys
+import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from sidecar.config import ConfigError, parse_duration
-from sidecar.replay import plots, replay_cli
+from sidecar.replay import llmd, plots, replay_cli
+from sidecar.replay.admin import AdminError, SidecarAdmin
 from sidecar.replay.report import DEFINITIONS, run_report
 from sidecar.replay.runner import SentRequest
-from sidecar.replay.sweep import Criteria, Search, StepVerdict, achieved_rate, judge_step, knee
+from sidecar.replay.sweep import (
+    STEP_METRICS,
+    Criteria,
+    Search,
+    StepVerdict,
+    achieved_rate,
+    judge_step,
+    knee,
+)
 from sidecar.stats import SLO, SLOPolicy
 from sidecar.tracefile import PrefixBlocks, TraceReader, TraceRequest
 
@@ -24,7 +35,13 @@ Find the capacity of a target under a declared SLO: run replays at increasing of
 (open-loop rates in req/s, or closed-loop concurrencies with --mode closed, a different
 experiment), judge each step (the SLO at a percentile, an error bound, and the completion rate
 keeping up with the offered rate), and report the capacity (the highest passing load), the knee
-(the load of the highest goodput) and the curves, as a table, JSON, PNG plots and one HTML page.
+(the load of the highest goodput) and the curves, as a table, JSON, PNG plots, one HTML page and
+one llm-d benchmark report (schema v0.2) per load step.
+
+Through a measuring sidecar, --sidecar-admin adds the sidecar's own view of each step: server
+vantage (from the request sent upstream) and its client vantage percentiles for exactly that
+step's requests (selected by X-Request-Id on its /stats), its routing policy, and the engines'
+prefix-cache hit ratio read from each replica.
 """
 
 EPILOG = """\
@@ -35,6 +52,14 @@ examples:
       --rates 2,4,8,16 --repeats 3
   sidecar sweep --target http://127.0.0.1:8000 --dataset synthetic:in=256,out=64 \\
       --mode closed --auto --slo e2e=5s
+  sidecar sweep --target http://127.0.0.1:8080 --sidecar-admin http://127.0.0.1:9464 \\
+      --dataset synthetic:in=512,out=128 --slo ttft=500ms --rates 2,4,8 --output-dir out
+      also the sidecar's server-vantage percentiles per step (the admin listener's /stats
+      window, 60 s by default, must be longer than a step: `sidecar proxy --window`)
+
+files in --output-dir: sweep.json, points.jsonl, latency.png, throughput.png, scatter.png,
+sweep.html, br/step-<load>.json (llm-d benchmark report v0.2; goodput and the step's verdict
+under results.observability.vllm_sidecar)
 """
 
 
@@ -71,7 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--output-dir", metavar="DIR",
-                        help="sweep.json, plots (PNG) and sweep.html [no files]")
+                        help="sweep.json, plots (PNG), sweep.html and br/step-<load>.json "
+                        "[no files]")
+    parser.add_argument("--sidecar-admin", metavar="URL",
+                        help="the admin listener of the sidecar the target is (e.g. "
+                        "http://127.0.0.1:9464): adds its server-vantage view of each step")
+    parser.add_argument("--admin-token", metavar="TOKEN",
+                        default=os.environ.get("SIDECAR_ADMIN_TOKEN"),
+                        help="bearer token of --sidecar-admin [SIDECAR_ADMIN_TOKEN]; prefer "
+                        "the variable, which other local users cannot see in the process list")
 
 
 def synthetic_requests(spec: str, count: int) -> list[TraceRequest]:
@@ -98,12 +131,26 @@ def synthetic_requests(spec: str, count: int) -> list[TraceRequest]:
 
 
 class Runner:
-    def __init__(self, args: argparse.Namespace, model: str, criteria: Criteria) -> None:
+    def __init__(self, args: argparse.Namespace, model: str, criteria: Criteria, *,
+                 session: aiohttp.ClientSession | None = None,
+                 admin: SidecarAdmin | None = None,
+                 engine_urls: Sequence[str] = ()) -> None:
         self.args = args
         self.model = model
         self.criteria = criteria
+        self.session = session
+        self.admin = admin
+        self.engine_urls = list(engine_urls)
+        self.engine_flavour: str | None = None  # "vllm", "sglang", ... once scraped
+        # One id per sweep: the experiment id of its llm-d reports, and (shortened) the start
+        # of every request id it sends, so a sidecar's view can be selected step by step.
+        self.sweep_id = uuid.uuid4().hex
         self.steps: list[dict[str, Any]] = []
         self.points: list[dict[str, Any]] = []
+        # Per step (by stage): the reported run's requests and what was asked of them, for the
+        # per-step llm-d reports.
+        self.step_sent: dict[int, list[SentRequest]] = {}
+        self.step_requests: dict[int, list[TraceRequest]] = {}
         self.step_duration = parse_duration(args.step_duration)
         self.trace: list[TraceRequest] | None = None
         if args.trace:
@@ -131,21 +178,32 @@ class Runner:
         else:
             argv += ["--max-concurrency", str(int(load))]
         step_args = parser.parse_args(argv)
+        stage = len(self.steps)
         requests = self.requests(count + self.args.warmup)
         plan, plan_mode = replay_cli.make_plan(requests, step_args, self.model, None)
         warmup, measured = plan[: self.args.warmup], plan[self.args.warmup:]
+        # Request ids "sweep-<id>-s<stage>-r<repeat>-<index>-<random>": the trailing "-" of a
+        # run's selector keeps repeat 1 from also selecting repeat 10.
+        id_prefix = f"sweep-{self.sweep_id[:8]}-s{stage}"
         if warmup:
             await replay_cli.execute(warmup, self.args.target, "closed", len(warmup), 1,
-                                     step_args, quiet=True)
-        runs: list[tuple[dict[str, Any], list[SentRequest]]] = []
-        for _ in range(self.args.repeats):
+                                     step_args, quiet=True, request_id_prefix=id_prefix + "-w")
+        engine_before = await self.scrape_engines()
+        runs: list[tuple[dict[str, Any], list[SentRequest], dict[str, Any] | None]] = []
+        for repeat in range(self.args.repeats):
+            run_prefix = f"{id_prefix}-r{repeat}"
             sent = await replay_cli.execute(measured, self.args.target, plan_mode,
                                             int(load) if mode == "closed" else None, 1,
-                                            step_args, quiet=True)
+                                            step_args, quiet=True,
+                                            request_id_prefix=run_prefix)
+            # Read right after each run: the sidecar's window is time-based, and a later
+            # repeat may be the reported one or not.
+            view = await self.sidecar_view(run_prefix + "-", len(sent))
             runs.append((run_report(sent, mode=plan_mode, slo_policy=self.criteria_policy()),
-                         sent))
+                         sent, view))
+        engine_after = await self.scrape_engines()
         runs.sort(key=lambda r: r[0].get("median_e2el_ms") or float("inf"))
-        report, sent = runs[(len(runs) - 1) // 2]
+        report, sent, view = runs[(len(runs) - 1) // 2]
         ends = [(s.actual_ns + (s.record.client.end_ns or 0)) / 1e9 for s in sent
                 if s.record.ok]
         achieved = achieved_rate(ends)
@@ -157,20 +215,58 @@ class Runner:
                     if len(scheduled) > 1 and scheduled[-1] > scheduled[0] else load)
         offered = realized if mode == "open" else (achieved or 0.0)
         verdict = judge_step(report, offered, mode, self.criteria, achieved)
-        self.steps.append({"load": load, "offered": offered, "nominal": load,
+        self.steps.append({"load": load, "stage": stage, "offered": offered, "nominal": load,
                            "achieved_rate": achieved,
                            "passed": verdict.passed, "reasons": list(verdict.reasons),
                            "requests": len(sent), "report": report,
-                           "repeat_spread": _spread([r for r, _ in runs])})
+                           "repeat_spread": _spread([r for r, _, _ in runs]),
+                           "sidecar": view,
+                           "engine_delta": replay_cli.engine_delta(engine_before,
+                                                                   engine_after)})
+        self.step_sent[stage] = sent
+        self.step_requests[stage] = requests[self.args.warmup:]
         for s in sent:
-            e2e = s.record.client.marks[-1].offset_ns if s.record.client.marks else None
+            offsets = s.record.client.offsets_ns
+            e2e = offsets[-1] if offsets else None
             self.points.append({"load": load, "sent_s": s.actual_ns / 1e9,
                                 "e2e_ms": None if e2e is None else e2e / 1e6})
         status = "pass" if verdict.passed else "FAIL " + "; ".join(verdict.reasons)
+        p = f"p{self.criteria.percentile:g}"
+        server = ""
+        if view is not None:
+            ttft = view["vantages"]["server"]["ttft_ms"].get(p)
+            server = (f"  server {p} ttft {_ms(ttft)} ({view['requests_seen']}/"
+                      f"{view['requests_sent']} seen)")
         print(f"load {load:>8g}  achieved {achieved or 0:8.2f}/s  "
-              f"p{self.criteria.percentile:g} ttft {report.get(_key(self.criteria, 'ttft'))}  "
+              f"{p} ttft {_ms(report.get(_key(self.criteria, 'ttft')))}{server}  "
               f"{status}", file=sys.stderr, flush=True)
         return verdict, offered, achieved
+
+    async def sidecar_view(self, selector: str, sent: int) -> dict[str, Any] | None:
+        if self.admin is None:
+            return None
+        try:
+            return await self.admin.view_of(selector, sent)
+        except AdminError as exc:
+            # The sweep itself does not depend on the sidecar: say so, and go on without.
+            print(f"sidecar sweep: no sidecar view of this step: {exc}", file=sys.stderr)
+            return None
+
+    async def scrape_engines(self) -> dict[str, Any] | None:
+        """The engines' counters summed over `engine_urls`; None unless every one answered
+        (a sum over some replicas would be a wrong total, not a partial one)."""
+        if self.session is None or not self.engine_urls:
+            return None
+        scraped = [await replay_cli.scrape_engine(self.session, url) for url in self.engine_urls]
+        views = [view for view in scraped if view is not None]
+        if len(views) < len(scraped):
+            return None
+        values: dict[str, float] = {}
+        for view in views:
+            for key, value in view["values"].items():
+                values[key] = values.get(key, 0.0) + value
+        self.engine_flavour = views[0]["flavour"]
+        return {"flavour": self.engine_flavour, "values": values}
 
     def criteria_policy(self) -> SLOPolicy:
         ms = self.criteria.thresholds_ms
@@ -201,14 +297,32 @@ def _key(criteria: Criteria, metric: str) -> str:
 
 
 def _spread(reports: list[dict[str, Any]]) -> dict[str, list[float | None]]:
-    keys = ("request_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_e2el_ms")
-    return {k: [r.get(k) for r in reports] for k in keys}
+    return {k: [r.get(k) for r in reports] for k, _unit, _better in STEP_METRICS}
+
+
+def _ms(value: Any) -> str:
+    return f"{value:.1f} ms" if isinstance(value, (int, float)) else "-"
+
+
+def engine_sources(target: str, replicas: Mapping[str, Any] | None) -> tuple[list[str], str]:
+    """Where the engines' /metrics are read, and how to say so in the envelope.
+
+    Through a sidecar, the target's /metrics is passed through to one replica, whichever its
+    routing picks: with several replicas the before and after scrapes could come from
+    different engines. Each replica the sidecar lists is read instead, at its URL as the
+    sidecar knows it (which must also reach it from here).
+    """
+    urls = [r["url"] for r in (replicas or {}).get("replicas", []) if isinstance(r, dict)
+            and isinstance(r.get("url"), str)]
+    if len(urls) <= 1:
+        return [target], "target /metrics"
+    return urls, "each replica's /metrics (from the sidecar's /replicas)"
 
 
 async def run(args: argparse.Namespace) -> int:
     try:
         return await _run(args)
-    except (ValueError, ConfigError, OSError) as exc:
+    except (ValueError, ConfigError, OSError, AdminError) as exc:
         print(f"sidecar sweep: {exc}", file=sys.stderr)
         return 2
 
@@ -217,39 +331,45 @@ async def _run(args: argparse.Namespace) -> int:
     thresholds = parse_thresholds(args.slo)
     criteria = Criteria(thresholds, args.slo_percentile, args.max_error_rate, args.keep_up)
     target = args.target.rstrip("/")
+    unit = "req/s" if args.mode == "open" else "concurrent requests"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         model = args.model or await replay_cli.first_model(session, target)
         if model is None:
             raise ValueError("no model: pass --model (the target's /v1/models was empty)")
-        version = await _version(session, target)
-        engine_before = await replay_cli.scrape_engine(session, target)
-    runner = Runner(args, model, criteria)
-    unit = "req/s" if args.mode == "open" else "concurrent requests"
-    if args.auto:
-        search = Search(args.start, args.mode, bisect_steps=args.bisect_steps)
-        while (load := search.next_load()) is not None:
-            verdict, offered, achieved = await runner.run_step(load)
-            search.record(load, verdict, offered, achieved)
-        capacity = search.capacity if search.passed else None
-    else:
-        loads = sorted(float(x) for x in args.rates.split(","))
-        passed: list[float] = []
-        for load in loads:
-            verdict, offered, achieved = await runner.run_step(load)
-            if verdict.passed:
-                passed.append(load)
-            elif args.mode == "open" and achieved is not None and achieved < 0.5 * offered:
-                print(f"stopping: far past saturation at {load:g} {unit}", file=sys.stderr)
-                break
-        failed_below = [s["load"] for s in runner.steps if not s["passed"]]
-        capacity = max((p for p in passed if not any(f <= p for f in failed_below)),
-                       default=None)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        engine_after = await replay_cli.scrape_engine(session, target)
+        version = await replay_cli.engine_version(session, target)
+        admin = replicas = None
+        if args.sidecar_admin:
+            admin = SidecarAdmin(args.sidecar_admin, session, args.admin_token)
+            replicas = await admin.replicas()  # fails early on a wrong URL or token
+        engine_urls, engine_from = engine_sources(target, replicas)
+        runner = Runner(args, model, criteria, session=session, admin=admin,
+                        engine_urls=engine_urls)
+        engine_before = await runner.scrape_engines()
+        if args.auto:
+            search = Search(args.start, args.mode, bisect_steps=args.bisect_steps)
+            while (load := search.next_load()) is not None:
+                verdict, offered, achieved = await runner.run_step(load)
+                search.record(load, verdict, offered, achieved)
+            capacity = search.capacity if search.passed else None
+        else:
+            loads = sorted(float(x) for x in args.rates.split(","))
+            passed: list[float] = []
+            for load in loads:
+                verdict, offered, achieved = await runner.run_step(load)
+                if verdict.passed:
+                    passed.append(load)
+                elif args.mode == "open" and achieved is not None and achieved < 0.5 * offered:
+                    print(f"stopping: far past saturation at {load:g} {unit}", file=sys.stderr)
+                    break
+            failed_below = [s["load"] for s in runner.steps if not s["passed"]]
+            capacity = max((p for p in passed if not any(f <= p for f in failed_below)),
+                           default=None)
+        engine_after = await runner.scrape_engines()
     steps = sorted(runner.steps, key=lambda s: s["load"])
     knee_load = knee([s["load"] for s in steps],
                      [s["report"].get("request_goodput") for s in steps])
     requests = runner.requests(50)
+    delta = replay_cli.engine_delta(engine_before, engine_after)
     result: dict[str, Any] = {
         "capacity": capacity, "unit": unit, "knee": knee_load,
         "criteria": criteria.describe(), "mode": args.mode, "steps": steps,
@@ -262,11 +382,24 @@ async def _run(args: argparse.Namespace) -> int:
             "warmup_per_step": args.warmup, "repeats": args.repeats,
             "input_tokens": replay_cli.lengths_summary([r.n_in for r in requests]),
             "output_tokens": replay_cli.lengths_summary([r.n_out for r in requests]),
-            "streaming": True, "engine_delta": replay_cli.engine_delta(engine_before, engine_after),
+            "streaming": True,
+            "route_policy": replicas.get("route_policy") if replicas else None,
+            "sidecar_replicas": len(replicas.get("replicas", [])) if replicas else None,
+            "sidecar_admin": args.sidecar_admin,
+            "engine_metrics_from": engine_from if engine_before is not None else None,
+            "engine_prefix_cache_hit_rate": delta.get("prefix_cache_hit_rate"),
+            "engine_delta": delta,
         },
         "definitions": {**DEFINITIONS, "capacity": "highest passing load with no failing "
                         "load below it", "knee": "load of the highest goodput",
-                        "achieved_rate": "(completions - 1) / (last completion - first)"},
+                        "achieved_rate": "(completions - 1) / (last completion - first)",
+                        "sidecar": "the sidecar's own view of the step's reported run, from "
+                        "its /stats selected by request id: server vantage from the request "
+                        "sent upstream, client vantage from the request received by the proxy",
+                        "engine_prefix_cache_hit_rate": "prefix-cache hits / queries (tokens) "
+                        "over the sweep, from the engines' /metrics before and after",
+                        "step engine_delta": "the engines' counters over a step's measured "
+                        "runs (every repeat, warm-ups excluded)"},
     }
     print(f"\ncapacity: {capacity} {unit} ({criteria.describe()}); knee at {knee_load}")
     if args.output_dir:
@@ -276,6 +409,7 @@ async def _run(args: argparse.Namespace) -> int:
         with (out / "points.jsonl").open("w") as handle:
             for point in runner.points:
                 handle.write(json.dumps(point) + "\n")
+        write_llmd_reports(runner, result, out / "br")
         images = [plots.plot_latency(steps, unit, out / "latency.png", capacity),
                   plots.plot_throughput(steps, unit, out / "throughput.png", capacity,
                                         knee_load),
@@ -285,10 +419,56 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _version(session: aiohttp.ClientSession, target: str) -> str | None:
-    try:
-        async with session.get(target + "/version") as response:
-            body = await response.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return None
-    return body.get("version") if isinstance(body, dict) else None
+def step_file_name(load: float) -> str:
+    return f"step-{load:g}.json"
+
+
+def write_llmd_reports(runner: Runner, result: Mapping[str, Any], directory: Path) -> None:
+    """One llm-d benchmark report (v0.2) per load step: the step's reported run, as stage
+    ``stage`` (the order steps ran in) of the experiment ``eid`` (the sweep)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    envelope = result["envelope"]
+    args = runner.args
+    config = {k: v for k, v in envelope.items()
+              if k not in replay_cli.MEASURED_ENVELOPE_KEYS
+              and k not in ("engine_prefix_cache_hit_rate", "sidecar_admin")}
+    config["criteria"] = result["criteria"]
+    stack = [llmd.component(
+        "target", (runner.engine_flavour or "unknown"), envelope.get("engine_version"),
+        description="the server the sweep sent its load to",
+        details={"url": envelope["target"], "model": envelope["model"]})]
+    if envelope.get("route_policy") is not None:
+        stack.append(llmd.component(
+            "sidecar", llmd.TOOL, None, description="the measuring proxy (vllm-sidecar) the "
+            "load went through; its view of each step is in results.observability",
+            details={"route_policy": envelope["route_policy"],
+                     "replicas": envelope["sidecar_replicas"]}))
+    for step in result["steps"]:
+        stage = step["stage"]
+        requests = runner.step_requests[stage]
+        prefix = requests[0].prefix if requests and runner.trace is None else None
+        workload = llmd.Workload(
+            input_lengths=[r.n_in for r in requests],
+            output_lengths=[r.n_out for r in requests],
+            sampled=replay_cli.uses_captured_bodies(requests, args),
+            rate_qps=step["load"] if args.mode == "open" else None,
+            concurrency=int(step["load"]) if args.mode == "closed" else None,
+            stage=stage,
+            shared_prefix_tokens=len(prefix.hashes) * prefix.size if prefix else 0,
+            description=f"sidecar sweep step {stage}: {step['load']:g} {result['unit']} "
+                        f"({args.mode} loop)",
+            args=llmd.native_args(vars(args)), config=config)
+        extension = {
+            "sweep": {"load": step["load"], "unit": result["unit"], "stage": stage,
+                      "offered": step["offered"], "achieved_rate": step["achieved_rate"],
+                      "passed": step["passed"], "reasons": step["reasons"],
+                      "criteria": result["criteria"], "capacity": result["capacity"],
+                      "knee": result["knee"]},
+            "sidecar": step.get("sidecar"),
+            "engine_delta": step.get("engine_delta") or None,
+        }
+        report = llmd.benchmark_report(
+            runner.step_sent[stage], duration_s=step["report"]["duration"], workload=workload,
+            slo_policy=runner.criteria_policy(), stack=stack, extension=extension,
+            eid=runner.sweep_id)
+        (directory / step_file_name(step["load"])).write_text(json.dumps(report, indent=2))

@@ -249,12 +249,12 @@ def _end_offset_ns(record: RequestRecord) -> int:
     """The last instant known of the request, in ns since t_arrive (0 if none was stamped)."""
     if record.client.end_ns is not None:
         return record.client.end_ns
-    candidates = [record.client.marks[-1].offset_ns] if record.client.marks else []
+    candidates = [record.client.offsets_ns[-1]] if record.client.offsets_ns else []
     if record.server is not None:
         if record.server.end_ns is not None:
             candidates.append(record.server.end_ns)
-        if record.server.marks:
-            candidates.append(record.server.marks[-1].offset_ns)
+        if record.server.offsets_ns:
+            candidates.append(record.server.offsets_ns[-1])
     return max(candidates, default=0)
 
 
@@ -542,20 +542,19 @@ class OTelSink:
             # so only a sampled one gets them. The client's chunks when it streamed, else the
             # upstream's (a non-streaming client whose answer the proxy assembled).
             timeline, vantage = record.client, Vantage.CLIENT.value
-            if not timeline.marks and record.server is not None:
+            if not timeline.offsets_ns and record.server is not None:
                 timeline, vantage = record.server, Vantage.SERVER.value
-            marks = timeline.marks
-            limit = len(marks)
+            offsets, tokens = timeline.offsets_ns, timeline.tokens
+            limit = len(offsets)
             if self._max_span_events is not None:
                 limit = min(limit, self._max_span_events)
             for index in range(limit):
-                offset, n_tokens = marks[index]
                 span.add_event("sidecar.chunk", {
-                    "sidecar.chunk.index": index, "sidecar.chunk.tokens": n_tokens,
+                    "sidecar.chunk.index": index, "sidecar.chunk.tokens": tokens[index],
                     "sidecar.vantage": vantage,
-                }, timestamp=start + offset)
-            if limit < len(marks):
-                span.set_attribute("sidecar.chunk_events.dropped", len(marks) - limit)
+                }, timestamp=start + offsets[index])
+            if limit < len(offsets):
+                span.set_attribute("sidecar.chunk_events.dropped", len(offsets) - limit)
         span.end(end_time=start + _end_offset_ns(record))
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -609,7 +608,7 @@ def _span_attributes(record: RequestRecord, client: RequestMetrics,
         "sidecar.route_policy": record.route_policy,
         "sidecar.client.e2e": client.e2e_s,
         "sidecar.client.time_per_output_token": client.tpot_s,
-        "sidecar.client.chunks": len(record.client.marks),
+        "sidecar.client.chunks": record.client.n_marks,
         "sidecar.slo.class": slo_class,
         "sidecar.slo.good": good,
     }
@@ -623,7 +622,7 @@ def _span_attributes(record: RequestRecord, client: RequestMetrics,
         out["sidecar.server.time_to_first_token"] = server.ttft_s
         out["sidecar.server.e2e"] = server.e2e_s
         out["sidecar.server.time_per_output_token"] = server.tpot_s
-        out["sidecar.server.chunks"] = len(record.server.marks)
+        out["sidecar.server.chunks"] = record.server.n_marks
     engine = record.engine
     if engine is not None:
         out["sidecar.engine.queue_time"] = _seconds(engine.queue_time_ms)

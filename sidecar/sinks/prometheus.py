@@ -21,10 +21,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from itertools import accumulate
+from typing import Any, Protocol
 
 import numpy as np
-import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -39,6 +39,7 @@ from sidecar import stats
 from sidecar.hooks import SinkFanout
 from sidecar.record import Outcome, RequestRecord, TokenSource, Vantage
 from sidecar.sinks.window import GENERATION_ENDPOINTS, WindowSink
+from sidecar.stats import NS_PER_S
 
 E6 = (1.0, 1.5, 2.2, 3.3, 4.7, 6.8)
 OTHER = "other"
@@ -83,15 +84,18 @@ class LabelLimiter:
 
 
 class BulkHistogram(Collector):
-    """A labelled Prometheus histogram that takes a whole array of observations at once.
+    """A labelled Prometheus histogram that takes a whole request's observations at once.
 
     prometheus_client's Histogram costs about a microsecond per `observe`, and a streamed
     request brings one ITL observation per event (hundreds per request, on the event loop).
-    Here the bucket counts of each label set are a numpy array: `observe_many` is one
-    `searchsorted` and one `bincount`, whatever the number of events. It is exposed like any
-    histogram (`_bucket{le}`, `_sum`, `_count`). Observation and collection both run on the
-    event loop's thread, so no lock is needed.
+    Here each label set's bucket counts are a plain list: `observe_gaps` bins a timeline's gaps
+    in one pass (bisect per gap below `NUMPY_FROM` gaps, where numpy's fixed cost per call would
+    dominate; one `searchsorted` + `bincount` above). It is exposed like any histogram
+    (`_bucket{le}`, `_sum`, `_count`). Observation and collection both run on the event loop's
+    thread, so no lock is needed.
     """
+
+    NUMPY_FROM = 64  # instants; where the two paths cost the same (~9 µs, measured)
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
                  buckets: Sequence[float], registry: CollectorRegistry) -> None:
@@ -99,16 +103,16 @@ class BulkHistogram(Collector):
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self.bounds = np.asarray(sorted(buckets), dtype=np.float64)
-        self._bound_list = self.bounds.tolist()
+        self._bound_list: list[float] = self.bounds.tolist()
         self._le = [floatToGoString(b) for b in self._bound_list] + ["+Inf"]
-        self._counts: dict[tuple[str, ...], npt.NDArray[np.int64]] = {}
+        self._counts: dict[tuple[str, ...], list[int]] = {}
         self._sums: dict[tuple[str, ...], float] = {}
         registry.register(self)
 
-    def _series(self, labels: tuple[str, ...]) -> npt.NDArray[np.int64]:
+    def _series(self, labels: tuple[str, ...]) -> list[int]:
         counts = self._counts.get(labels)
         if counts is None:
-            counts = np.zeros(len(self._bound_list) + 1, dtype=np.int64)
+            counts = [0] * (len(self._bound_list) + 1)
             self._counts[labels] = counts
             self._sums[labels] = 0.0
         return counts
@@ -119,13 +123,26 @@ class BulkHistogram(Collector):
         counts[bisect.bisect_left(self._bound_list, value)] += 1
         self._sums[labels] += value
 
-    def observe_many(self, labels: tuple[str, ...], values: npt.NDArray[np.float64]) -> None:
-        if values.size == 0:
+    def observe_gaps(self, labels: tuple[str, ...], offsets_ns: Sequence[int]) -> None:
+        """Observe every gap between consecutive instants (ns), in seconds."""
+        n = len(offsets_ns)
+        if n < 2:
             return
         counts = self._series(labels)
-        indices = np.searchsorted(self.bounds, values, side="left")
-        counts += np.bincount(indices, minlength=counts.size)
-        self._sums[labels] += float(values.sum())
+        if n < self.NUMPY_FROM:
+            bounds = self._bound_list
+            previous = offsets_ns[0]
+            for index in range(1, n):
+                current = offsets_ns[index]
+                counts[bisect.bisect_left(bounds, (current - previous) / NS_PER_S)] += 1
+                previous = current
+        else:
+            gaps = np.diff(np.array(offsets_ns, dtype=np.float64)) / NS_PER_S
+            binned = np.bincount(np.searchsorted(self.bounds, gaps, side="left"),
+                                 minlength=len(counts)).tolist()
+            counts[:] = [a + b for a, b in zip(counts, binned, strict=True)]
+        # The gaps telescope: their sum is last - first, exactly, in integer ns.
+        self._sums[labels] += (offsets_ns[-1] - offsets_ns[0]) / NS_PER_S
 
     def describe(self) -> Iterable[Metric]:
         return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
@@ -133,10 +150,28 @@ class BulkHistogram(Collector):
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labels, counts in self._counts.items():
-            cumulative = np.cumsum(counts).tolist()
-            family.add_metric(list(labels), list(zip(self._le, cumulative, strict=True)),
+            family.add_metric(list(labels), list(zip(self._le, accumulate(counts), strict=True)),
                               self._sums[labels])
         yield family
+
+
+class ChildCache:
+    """prometheus_client's `labels()` validates its arguments and takes a lock on every call
+    (~2 µs); the sink calls it about ten times per request with label values that repeat. The
+    children are kept by label values here; the label limiters bound how many there can be,
+    exactly as they bound the series."""
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,22 +280,34 @@ class PrometheusSink:
                                       ("e2e", slo.e2e_s)):
                     if limit is not None:
                         threshold.labels(name, metric).set(limit)
+        # The per-request path goes through these (see ChildCache).
+        self._requests = ChildCache(self.requests)
+        self._slo_requests = ChildCache(self.slo_requests)
+        self._slo_good = ChildCache(self.slo_good)
+        self._slo_good_tokens = ChildCache(self.slo_good_tokens)
+        self._no_tpot = ChildCache(self.no_tpot)
+        self._engine_queue = ChildCache(self.engine_queue)
+        self._prompt_tokens = ChildCache(self.prompt_tokens)
+        self._prompt_len = ChildCache(self.prompt_len)
+        self._generation_tokens = ChildCache(self.generation_tokens)
+        self._output_len = ChildCache(self.output_len)
+        self._cached_tokens = ChildCache(self.cached_tokens)
+        self._estimated = ChildCache(self.estimated)
 
     def on_record(self, record: RequestRecord) -> None:
         generation = record.endpoint in GENERATION_ENDPOINTS
         model = self._model(record.model) if generation else OTHER
         replica = self._replica(record.replica)
         endpoint = record.endpoint if generation else OTHER
-        self.requests.labels(model, replica, endpoint, record.outcome.value).inc()
+        self._requests(model, replica, endpoint, record.outcome.value).inc()
         if not generation:
             return
         if self.slo_policy is not None:
             slo_class, good = self.slo_policy.judge(record)
-            self.slo_requests.labels(slo_class).inc()
+            self._slo_requests(slo_class).inc()
             if good:
-                self.slo_good.labels(slo_class).inc()
-                self.slo_good_tokens.labels(slo_class).inc(
-                    stats.output_tokens(record, record.client))
+                self._slo_good(slo_class).inc()
+                self._slo_good_tokens(slo_class).inc(stats.output_tokens(record, record.client))
         if record.outcome is not Outcome.OK:
             return
         for vantage in (Vantage.CLIENT, Vantage.SERVER):
@@ -277,8 +324,8 @@ class PrometheusSink:
             if latency.tpot_s is not None:
                 self.tpot.observe(labels, latency.tpot_s)
             elif vantage is Vantage.CLIENT and latency.n_out <= 1:
-                self.no_tpot.labels(model).inc()
-            self.itl.observe_many(labels, stats.itl_seconds(timeline))
+                self._no_tpot(model).inc()
+            self.itl.observe_gaps(labels, timeline.offsets_ns)
         engine = record.engine
         if engine is not None:
             labels = (model, replica, Vantage.ENGINE.value)
@@ -287,17 +334,17 @@ class PrometheusSink:
             if engine.mean_itl_ms is not None:
                 self.tpot.observe(labels, engine.mean_itl_ms / 1000)
             if engine.queue_time_ms is not None:
-                self.engine_queue.labels(model, replica).observe(engine.queue_time_ms / 1000)
+                self._engine_queue(model, replica).observe(engine.queue_time_ms / 1000)
         if record.n_in is not None:
-            self.prompt_tokens.labels(model, replica).inc(record.n_in)
-            self.prompt_len.labels(model).observe(record.n_in)
+            self._prompt_tokens(model, replica).inc(record.n_in)
+            self._prompt_len(model).observe(record.n_in)
         n_out = stats.output_tokens(record, record.server or record.client)
-        self.generation_tokens.labels(model, replica).inc(n_out)
-        self.output_len.labels(model).observe(n_out)
+        self._generation_tokens(model, replica).inc(n_out)
+        self._output_len(model).observe(n_out)
         if record.n_cached:
-            self.cached_tokens.labels(model, replica).inc(record.n_cached)
+            self._cached_tokens(model, replica).inc(record.n_cached)
         if record.token_source is not TokenSource.USAGE:
-            self.estimated.labels(model).inc()
+            self._estimated(model).inc()
 
 
 WINDOW_QUANTILES = (0.5, 0.9, 0.99)

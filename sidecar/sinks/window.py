@@ -3,12 +3,18 @@
 Holds the records that ended within the last ``window_s`` seconds, and never more than
 ``max_records`` of them (the oldest go first, and are counted), so memory stays bounded whatever
 the traffic. Summaries are computed only when asked, off the per-request path.
+
+A summary can be restricted to one client's requests (`Selection`, the ``/stats`` query
+``?request_id_prefix=...``): the proxy keeps the client's ``X-Request-Id``, so a load generator
+that names its requests can read back the proxy's view of exactly those requests (``sidecar
+sweep --sidecar-admin`` does, per load step) however much other traffic shares the window.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from sidecar import clock, stats
@@ -29,10 +35,43 @@ DEFINITIONS = {
 }
 
 
+SELECTION_QUERY_KEYS = ("request_id_prefix",)
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which of the window's records a summary covers (all of them by default)."""
+
+    request_id_prefix: str | None = None
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, str]) -> Selection:
+        """From an admin URL's query; an unknown or empty parameter is an error, not ignored
+        (a typo would otherwise silently summarise everything)."""
+        unknown = sorted(set(query) - set(SELECTION_QUERY_KEYS))
+        if unknown:
+            raise ValueError(f"unknown /stats parameter(s) {unknown}; known: "
+                             f"{list(SELECTION_QUERY_KEYS)}")
+        prefix = query.get("request_id_prefix")
+        if prefix is not None and not prefix:
+            raise ValueError("request_id_prefix must not be empty")
+        return cls(request_id_prefix=prefix)
+
+    def matches(self, record: RequestRecord) -> bool:
+        prefix = self.request_id_prefix
+        return prefix is None or record.request_id.startswith(prefix)
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"request_id_prefix": self.request_id_prefix}
+
+
+ALL = Selection()
+
+
 def _end_wall_ns(record: RequestRecord) -> int:
     end = record.client.end_ns
-    if end is None and record.client.marks:
-        end = record.client.marks[-1].offset_ns
+    if end is None and record.client.offsets_ns:
+        end = record.client.offsets_ns[-1]
     return record.wall_time_ns + (end or 0)
 
 
@@ -69,8 +108,9 @@ class WindowSink:
             self._records.popleft()
         return [r for r in self._records if _end_wall_ns(r) >= horizon]
 
-    def snapshot(self, slo_policy: stats.SLOPolicy | None = None) -> dict[str, Any]:
-        records = self.records()
+    def snapshot(self, slo_policy: stats.SLOPolicy | None = None,
+                 selection: Selection = ALL) -> dict[str, Any]:
+        records = [r for r in self.records() if selection.matches(r)]
         generation = [r for r in records if r.endpoint in GENERATION_ENDPOINTS]
         interval = min(self.window_s, stats.measured_interval_s(generation)) if generation else 0.0
         out: dict[str, Any] = {
@@ -79,6 +119,7 @@ class WindowSink:
             "records": len(records),
             "generation_requests": len(generation),
             "evicted_over_cap": self.evicted_over_cap,
+            "selection": selection.to_dict(),
             "outcomes": {o.value: n for o, n in stats.outcome_counts(generation).items()},
             "other_paths": len(records) - len(generation),
             "vantages": {},

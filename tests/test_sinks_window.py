@@ -1,0 +1,68 @@
+"""The live window's selection: /stats restricted to one client's requests by request id."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from proxy_stack import stack
+
+from sidecar.record import Outcome, RequestRecord, Timeline, TokenSource
+from sidecar.sinks.window import Selection, WindowSink
+
+MS = 1_000_000
+
+
+def record(request_id: str, ttft_ms: float) -> RequestRecord:
+    return RequestRecord(
+        request_id=request_id, wall_time_ns=1_000 * MS, outcome=Outcome.OK,
+        endpoint="completions",
+        client=Timeline.from_marks(0, [(int(ttft_ms * MS), 1), (int(ttft_ms * MS) + MS, 1)],
+                                   int(ttft_ms * MS) + 2 * MS, 2),
+        n_in=4, n_out=2, token_source=TokenSource.USAGE)
+
+
+def test_a_selection_summarises_only_the_named_requests() -> None:
+    window = WindowSink(window_s=60.0, wall_ns=lambda: 1_001 * MS)
+    for request_id, ttft in (("step-1-r0-0-a", 10), ("step-1-r0-1-b", 30),
+                             ("step-1-r10-0-c", 500), ("other", 900)):
+        window.on_record(record(request_id, ttft))
+    everything = window.snapshot()
+    assert everything["generation_requests"] == 4
+    assert everything["selection"] == {"request_id_prefix": None}
+    mine = window.snapshot(selection=Selection("step-1-r0-"))
+    assert mine["generation_requests"] == 2 and mine["selection"]["request_id_prefix"] == \
+        "step-1-r0-"
+    # The trailing separator keeps repeat 0 from selecting repeat 10.
+    assert mine["vantages"]["client"]["ttft"]["max"] == pytest.approx(0.030)
+    assert mine["vantages"]["client"]["ttft"]["mean"] == pytest.approx(0.020)
+    assert window.snapshot(selection=Selection("nobody"))["generation_requests"] == 0
+
+
+def test_selection_queries_are_checked() -> None:
+    assert Selection.from_query({}) == Selection()
+    assert Selection.from_query({"request_id_prefix": "x-"}) == Selection("x-")
+    with pytest.raises(ValueError, match="unknown /stats parameter"):
+        Selection.from_query({"request_id_prefx": "x-"})  # a typo must not select everything
+    with pytest.raises(ValueError, match="must not be empty"):
+        Selection.from_query({"request_id_prefix": ""})
+
+
+async def test_the_admin_stats_endpoint_selects_by_request_id() -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
+    async with stack() as s, aiohttp.ClientSession() as session:
+        for request_id in ("mine-1", "mine-2", "theirs-1"):
+            async with session.post(s.url + "/v1/completions", json=body,
+                                    headers={"X-Request-Id": request_id}) as response:
+                assert response.status == 200
+                await response.read()
+        await s.records.wait_for(3)
+        admin = s.server.admin_url + "/stats"
+        async with session.get(admin, params={"request_id_prefix": "mine-"}) as response:
+            mine = await response.json()
+        async with session.get(admin) as response:
+            everything = await response.json()
+        async with session.get(admin, params={"request_prefix": "mine-"}) as response:
+            assert response.status == 400
+            assert "unknown /stats parameter" in (await response.json())["error"]
+    assert mine["generation_requests"] == 2 and everything["generation_requests"] == 3
+    assert mine["vantages"]["server"]["ttft"]["count"] == 2
