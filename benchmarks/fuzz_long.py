@@ -4,6 +4,7 @@ insert_member), composed as sidecar/proxy/relay.py composes them.
 
     python benchmarks/fuzz_long.py                      # 1M inputs (a few minutes)
     python benchmarks/fuzz_long.py --inputs 20000       # what tests/test_fuzz.py runs in CI
+    python benchmarks/fuzz_long.py --smoke              # 2000 inputs: the harness runs
 
 An input is one upstream stream: vLLM-shaped events (chat and completions chunks with random
 text full of quotes, braces, backslashes, CRs, non-ASCII and the word "usage"; usage chunks,
@@ -267,11 +268,14 @@ def run(inputs: int, seed: int, stop_after_failures: int = 10) -> Result:
     return result
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="CI smoke run: 2000 inputs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.inputs = 2000
     started = time.perf_counter()
     result = run(args.inputs, args.seed)
     elapsed = time.perf_counter() - started

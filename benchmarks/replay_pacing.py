@@ -1,6 +1,7 @@
 """How precisely the open-loop replayer keeps its schedule, and the highest rate it sustains.
 
     python benchmarks/replay_pacing.py            # ~2 minutes; needs nginx (Debian nginx-light)
+    python benchmarks/replay_pacing.py --smoke    # CI: a few seconds, results format only
 
 The target is nginx answering every request at once with a fixed, tiny vLLM-shaped stream
 (one token chunk, a usage chunk, [DONE]), so the sender, not the server, is what is measured.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import shutil
@@ -48,8 +50,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def find_nginx() -> str | None:
+    for candidate in (shutil.which("nginx"), "/usr/sbin/nginx"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
 def start_nginx(directory: Path, port: int) -> subprocess.Popen[bytes]:
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    nginx = find_nginx()
+    if nginx is None:
+        raise RuntimeError("nginx not found: install Debian nginx-light")
     conf = directory / "nginx.conf"
     conf.write_text(f"""
 worker_processes 1;
@@ -108,13 +119,26 @@ def sustains(row: dict[str, Any]) -> bool:
             and row["failed"] == 0)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     cli = argparse.ArgumentParser(description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--seconds", type=float, default=3.0, help="schedule length per rate")
     cli.add_argument("--rates", default="100,1000,5000")
     cli.add_argument("--search", default="250,500,1000,1500,2000,3000,4000,6000,8000")
-    options = cli.parse_args()
+    cli.add_argument("--workers", default="1,2", help="sender processes to try [1,2]")
+    cli.add_argument("--json-out", help="write the rows and the search results as JSON here")
+    cli.add_argument("--smoke", action="store_true",
+                     help="CI smoke run: 1 worker, 100 and 200 req/s, 0.5 s schedules")
+    options = cli.parse_args(argv)
+    if options.smoke:
+        options.seconds, options.rates, options.search, options.workers = 0.5, "100", "100,200", "1"
+    worker_counts = [int(w) for w in options.workers.split(",")]
+    if find_nginx() is None:
+        print("replay_pacing: nginx not found (the target): install Debian nginx-light",
+              file=sys.stderr)
+        return 2
+    rows: list[dict[str, Any]] = []
+    best_rates: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="pacing-") as tmp:
         port = free_port()
         nginx = start_nginx(Path(tmp), port)
@@ -125,26 +149,33 @@ def main() -> None:
             print("| rate req/s | workers | requests | achieved req/s | lateness p50 ms | "
                   "p99 ms | max ms | failed |")
             print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-            for workers in (1, 2):
+            for workers in worker_counts:
                 for rate in (float(r) for r in options.rates.split(",")):
                     row = measure(target, rate, options.seconds, workers)
+                    rows.append(row)
                     print(f"| {rate:g} | {workers} | {row['requests']} | "
                           f"{row['achieved_rate']:.0f} | {row['p50_ms']:.3f} | "
                           f"{row['p99_ms']:.3f} | {row['max_ms']:.3f} | {row['failed']} |",
                           flush=True)
             print("\n| workers | highest rate with lateness p99 <= 1 ms and >= 97% achieved |")
             print("|---:|---:|")
-            for workers in (1, 2):
+            for workers in worker_counts:
                 best = 0.0
                 for rate in (float(r) for r in options.search.split(",")):
                     row = measure(target, rate, options.seconds, workers)
                     if not sustains(row):
                         break
                     best = rate
+                best_rates[workers] = best
                 print(f"| {workers} | {best:g} req/s |", flush=True)
         finally:
             nginx.terminate()
             nginx.wait(timeout=10)
+    if options.json_out:
+        Path(options.json_out).write_text(json.dumps(
+            {"rows": rows, "highest_sustained_rate": {str(k): v for k, v in best_rates.items()}},
+            indent=1))
+    return 0
 
 
 if __name__ == "__main__":

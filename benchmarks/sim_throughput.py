@@ -11,6 +11,7 @@ simulator's CPU time from /proc before and after. Reported:
   whether it can be the bottleneck of a benchmark.
 
 Run: ``python benchmarks/sim_throughput.py --concurrency 256 --duration 10``
+(``--smoke``: 8 streams of 20 tokens for 0.5 s, for CI: the harness runs, no timing claims).
 """
 
 from __future__ import annotations
@@ -150,10 +151,14 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--step-floor-s", type=float, default=0.001)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI smoke run: 8 streams, 20 tokens, 0.2 s warm-up, 0.5 s measured")
     parser.add_argument(
         "sim_args", nargs="*", help="extra `sidecar sim` flags (after --), e.g. -- --ground-truth f"
     )
     args = parser.parse_args()
+    if args.smoke:
+        args.concurrency, args.max_tokens, args.warmup, args.duration = 8, 20, 0.2, 0.5
     try:
         import uvloop
     except ImportError:  # pragma: no cover

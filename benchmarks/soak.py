@@ -3,6 +3,7 @@
     python benchmarks/soak.py --requests 1000000 --out benchmarks/soak   # the issue's length
     python benchmarks/soak.py --duration 900 --out benchmarks/soak       # what fits in 15 min
     python benchmarks/soak.py --requests 20000 --out /tmp/soak           # a quick look
+    python benchmarks/soak.py --smoke --out /tmp/soak-smoke              # CI: 400 requests
 
 Three processes: simulated replicas (``sidecar sim``, a fast engine), the proxy (this file's
 ``proxy`` sub-command: `sidecar proxy`'s own wiring, ``build_proxy_server``, with capture, the
@@ -466,7 +467,13 @@ def main() -> int:
                         help="the simulator's engine step [0.5 ms]")
     parser.add_argument("--out", default="soak-out")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI smoke run: 400 requests from 8 clients, checkpoints every "
+                        "100, 1 s samples")
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.duration, args.checkpoint, args.sample_s = 400, 0.0, 100, 1.0
+        args.concurrency = 8
     if args.command == "proxy":
         run_proxy_child(args.upstream, args.capture)
         return 0

@@ -134,6 +134,9 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consecutive failures that eject a replica [2]")
     parser.add_argument("--window", dest="window_s", metavar="DURATION",
                         help="live statistics window [60s]")
+    parser.add_argument("--window-max-bytes", dest="window_max_bytes", type=int, metavar="N",
+                        help="memory bound of the live window: the oldest records go first, "
+                        "counted in /stats as evicted_over_cap [268435456, 256 MiB]")
     parser.add_argument("--slo", metavar="SPEC",
                         help="the default SLO class, e.g. ttft=500ms,tpot=50ms,e2e=20s")
     parser.add_argument("--slo-class", dest="slo_classes", action="append", metavar="NAME:SPEC",
@@ -193,7 +196,8 @@ def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
     names = ("upstreams", "listen", "metrics_listen", "route_policy", "session_header",
              "connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
              "max_body_bytes", "max_concurrency", "inject_usage", "assemble_nonstream",
-             "retry_connect", "health_interval", "eject_after", "window_s", "log_requests",
+             "retry_connect", "health_interval", "eject_after", "window_s", "window_max_bytes",
+             "log_requests",
              "slo", "slo_classes", "slo_class_header", "slo_model_classes", "otel_endpoint",
              "otel_exponential_histograms", "otel_traces", "otel_provider_name", "label_cap",
              "engine_scrape_interval", "capture_dir", "capture_text", "capture_compress",
@@ -276,7 +280,7 @@ def build_proxy_server(config: ProxyConfig,
                        models: Sequence[str] = ()) -> tuple[ProxyServer, WindowSink]:
     """The proxy with its sinks wired: the one place that knows both."""
     slo_policy = slo_policy_of(config)
-    window = WindowSink(config.window_s, config.window_max_records)
+    window = WindowSink(config.window_s, config.window_max_records, config.window_max_bytes)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     GCCollector(registry=registry)

@@ -124,6 +124,8 @@ class ProxyConfig:
     eject_after: int = 2  # consecutive failures (health or connect) that eject a replica
     window_s: float = 60.0  # live statistics window
     window_max_records: int = 100_000  # bound on the live window, whatever the traffic
+    # ... and on its memory (records of long streams are large: ~10 KiB at 256 tokens)
+    window_max_bytes: int = 256 * 1024 * 1024
     log_requests: bool = False  # one log line per request (no text, no credentials)
     # SLOs: the default class ("ttft=500ms,tpot=50ms"), named classes (name -> spec), and how a
     # request picks its class: a header naming the class, else its model, else "default".
@@ -163,7 +165,8 @@ class ProxyConfig:
         if not self.upstreams:
             raise ConfigError("at least one --upstream URL is required")
         positive_ints = ("max_body_bytes", "max_concurrency", "max_event_bytes", "eject_after",
-                         "window_max_records", "prefix_block_chars", "prefix_block_tokens")
+                         "window_max_records", "window_max_bytes", "prefix_block_chars",
+                         "prefix_block_tokens")
         for name in positive_ints:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -218,7 +221,8 @@ _BOOLS = {"inject_usage", "assemble_nonstream", "log_requests", "otel_exponentia
           "otel_traces", "capture_text", "capture_compress", "otel_server_chunks",
           "allow_open_admin"}
 _INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
-         "window_max_records", "prefix_block_chars", "prefix_block_tokens", "label_cap",
+         "window_max_records", "window_max_bytes", "prefix_block_chars", "prefix_block_tokens",
+         "label_cap",
          "capture_rotate_bytes", "capture_queue", "capture_block_chars", "capture_block_tokens"}
 _MAPPINGS = {"slo_classes": ":", "slo_model_classes": "="}
 # "listen" and "metrics_listen" are HOST:PORT shorthands for the host/port pairs.

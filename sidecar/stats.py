@@ -95,7 +95,7 @@ def timeline_metrics(timeline: Timeline, n_out: int) -> RequestMetrics:
     return RequestMetrics(
         ttft_s=None if first is None else first / NS_PER_S,
         itl_s=tuple(gap / NS_PER_S for gap in itl_ns(timeline)),
-        itl_tokens=timeline.tokens[1:],
+        itl_tokens=tuple(timeline.tokens[1:]),
         tpot_s=None if tpot is None else tpot / NS_PER_S,
         e2e_s=None if last is None else last / NS_PER_S,
         n_out=n_out,
@@ -142,8 +142,8 @@ def itl_seconds(timeline: Timeline) -> npt.NDArray[np.float64]:
     offsets = timeline.offsets_ns
     if len(offsets) < 2:
         return np.empty(0, dtype=np.float64)
-    # float64 holds integer ns offsets exactly below 2**53 ns (104 days after t_arrive).
-    return np.diff(np.array(offsets, dtype=np.float64)) / NS_PER_S
+    gaps = np.diff(np.frombuffer(offsets.data, dtype=np.int64))
+    return gaps.astype(np.float64) / NS_PER_S
 
 
 def token_normalised_itl(itl: Sequence[float], tokens: Sequence[int]) -> list[float]:

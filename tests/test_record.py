@@ -67,6 +67,29 @@ def test_timeline_columns_and_marks_agree() -> None:
         Timeline(start_ns=0, offsets_ns=(1, 2), tokens=(1,))
 
 
+def test_packed_columns_behave_as_immutable_int_sequences() -> None:
+    import pickle
+
+    import numpy as np
+
+    from sidecar.record import Int64s
+
+    column = Int64s([5, -3, 2**40])
+    assert len(column) == 3 and column[0] == 5 and column[-1] == 2**40
+    assert list(column) == [5, -3, 2**40] and column.tolist() == [5, -3, 2**40]
+    assert column[1:] == (-3, 2**40) and isinstance(column[1:], Int64s)
+    assert column == [5, -3, 2**40] and column != (5, -3) and column == Int64s((5, -3, 2**40))
+    assert len(column.data) == 24  # 8 bytes per value
+    assert pickle.loads(pickle.dumps(column)) == column  # replay workers send records back
+    assert np.frombuffer(column.data, dtype=np.int64).tolist() == [5, -3, 2**40]
+    assert hash(column) == hash(Int64s([5, -3, 2**40]))
+    assert not Int64s() and Int64s().tolist() == []
+    with pytest.raises(TypeError):
+        column[0] = 1  # type: ignore[index]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Int64s(b"123")
+
+
 def test_timeline_by_vantage() -> None:
     record = full_record()
     assert record.timeline(Vantage.CLIENT) is record.client

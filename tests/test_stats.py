@@ -277,3 +277,27 @@ def test_the_live_window_trims_by_age_without_being_read() -> None:
     now[0] = 12_000 * MS
     window.on_record(make_record(marks((10, 1)), n_out=1, wall_ms=11_990))
     assert len(window._records) == 1  # the five old ones went when the new one came
+
+
+def test_the_live_window_keeps_to_its_memory_bound() -> None:
+    """Records of 3 events cost 2048 + 16 x 3 = 2096 bytes by the estimate (client side only):
+    a bound of 5000 bytes keeps two, evicts (and counts) the rest, oldest first."""
+    from sidecar.sinks.window import WindowSink, approx_record_bytes
+
+    now = [10_000 * MS]
+    window = WindowSink(window_s=60.0, max_bytes=5000, wall_ns=lambda: now[0])
+    records = [make_record(marks((10, 1), (20, 1), (30, 1)), n_out=3, wall_ms=9_000 + i)
+               for i in range(5)]
+    assert approx_record_bytes(records[0]) == 2096
+    for record in records:
+        window.on_record(record)
+    assert window.records() == records[3:]
+    assert window.evicted_over_cap == 3 and window.approx_bytes == 2 * 2096
+    snapshot = window.snapshot()
+    assert snapshot["window_bytes"] == 4192 and snapshot["evicted_over_cap"] == 3
+    now[0] = 80_000 * MS  # both age out: their bytes are given back
+    assert window.records() == [] and window.approx_bytes == 0
+    # One record larger than the bound is still kept (the newest is never dropped).
+    big = WindowSink(window_s=60.0, max_bytes=100, wall_ns=lambda: 10_000 * MS)
+    big.on_record(records[0])
+    assert big.records() == [records[0]] and big.evicted_over_cap == 0

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from sidecar.record import (
     EngineTiming,
+    Int64s,
     Outcome,
     RequestRecord,
     RequestShape,
@@ -101,16 +102,16 @@ class RecordBuilder:
         if self.up_send_ns is not None:
             server = Timeline(
                 start_ns=self.up_send_ns,
-                offsets_ns=tuple(self._up_offsets),
-                tokens=tuple(tokens),
+                offsets_ns=Int64s(self._up_offsets),
+                tokens=Int64s(tokens),
                 end_ns=self.up_end_ns,
                 events_total=self.up_events,
             )
         client = Timeline(
             start_ns=0,
             # Client writes can be fewer than upstream events (client gone mid-stream).
-            offsets_ns=tuple(self._down_offsets),
-            tokens=tuple(tokens[:len(self._down_offsets)]),
+            offsets_ns=Int64s(self._down_offsets),
+            tokens=Int64s(tokens[:len(self._down_offsets)]),
             end_ns=self.down_end_ns,
             events_total=self.down_events,
         )

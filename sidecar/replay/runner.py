@@ -35,6 +35,7 @@ from sidecar.protocol.openai import (
 from sidecar.protocol.sse import SSEError, SSEParser
 from sidecar.record import (
     EngineTiming,
+    Int64s,
     Outcome,
     RequestRecord,
     Timeline,
@@ -187,7 +188,7 @@ class Sender:
             model=planned.body.get("model"),
             client_stream=stream,
             upstream_stream=stream,
-            client=Timeline(start_ns=0, offsets_ns=tuple(offsets), tokens=tuple(tokens),
+            client=Timeline(start_ns=0, offsets_ns=Int64s(offsets), tokens=Int64s(tokens),
                             end_ns=end - start,
                             events_total=events),
             engine=engine,

@@ -548,11 +548,11 @@ class OTelSink:
             limit = len(offsets)
             if self._max_span_events is not None:
                 limit = min(limit, self._max_span_events)
-            for index in range(limit):
+            for index, offset, n_tokens in zip(range(limit), offsets, tokens, strict=False):
                 span.add_event("sidecar.chunk", {
-                    "sidecar.chunk.index": index, "sidecar.chunk.tokens": tokens[index],
+                    "sidecar.chunk.index": index, "sidecar.chunk.tokens": n_tokens,
                     "sidecar.vantage": vantage,
-                }, timestamp=start + offsets[index])
+                }, timestamp=start + offset)
             if limit < len(offsets):
                 span.set_attribute("sidecar.chunk_events.dropped", len(offsets) - limit)
         span.end(end_time=start + _end_offset_ns(record))

@@ -37,7 +37,7 @@ from prometheus_client.utils import floatToGoString
 
 from sidecar import stats
 from sidecar.hooks import SinkFanout
-from sidecar.record import Outcome, RequestRecord, TokenSource, Vantage
+from sidecar.record import Int64s, Outcome, RequestRecord, TokenSource, Vantage
 from sidecar.sinks.window import GENERATION_ENDPOINTS, WindowSink
 from sidecar.stats import NS_PER_S
 
@@ -131,13 +131,15 @@ class BulkHistogram(Collector):
         counts = self._series(labels)
         if n < self.NUMPY_FROM:
             bounds = self._bound_list
-            previous = offsets_ns[0]
-            for index in range(1, n):
-                current = offsets_ns[index]
+            instants = iter(offsets_ns)
+            previous = next(instants)
+            for current in instants:
                 counts[bisect.bisect_left(bounds, (current - previous) / NS_PER_S)] += 1
                 previous = current
         else:
-            gaps = np.diff(np.array(offsets_ns, dtype=np.float64)) / NS_PER_S
+            column = (np.frombuffer(offsets_ns.data, dtype=np.int64)
+                      if isinstance(offsets_ns, Int64s) else np.array(offsets_ns, np.int64))
+            gaps = np.diff(column).astype(np.float64) / NS_PER_S
             binned = np.bincount(np.searchsorted(self.bounds, gaps, side="left"),
                                  minlength=len(counts)).tolist()
             counts[:] = [a + b for a, b in zip(counts, binned, strict=True)]

