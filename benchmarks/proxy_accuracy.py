@@ -183,7 +183,7 @@ def compare(records: dict[str, RequestRecord], truth: dict[str, dict[str, Any]],
 
 
 async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) -> dict[str, Any]:
-    from sidecar.cli import build_proxy_server
+    from sidecar.cli import build_proxy_server, settle_gc
     from sidecar.config import build_config
 
     step = po.step_s_for(c, args.min_step_ms, args.target_rate)
@@ -205,6 +205,7 @@ async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) 
         server.proxy.fanout.add(sink)
         sidecar_clock.anchor = _recording_anchor
         await server.start()
+        settle_gc()  # as `sidecar proxy` does once it listens
         if args.quiet_below > 0:
             bg = po.wait_quiet([os.getpid(), sim.pid], args.quiet_below, args.quiet_wait_s)
             print(f"  (background load before C={c}: {bg:.2f} cores)", flush=True)
