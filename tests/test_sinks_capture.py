@@ -57,7 +57,10 @@ async def test_capture_through_the_proxy_keeps_shapes_not_text(tmp_path: Path) -
     (completion,) = [r for r in reader if r.endpoint == "completions"]
     assert [c.n_out for c in chats] == [7, 7] and all(c.n_in for c in chats)
     assert chats[0].max_tokens == 7 and chats[0].ignore_eos is True
-    assert chats[0].temperature == 0.5 and chats[0].session_id == "sess-1"
+    # The session id is pseudonymised (no text opt-in): both turns keep one stand-in.
+    assert chats[0].temperature == 0.5 and chats[0].session_id is not None
+    assert chats[0].session_id.startswith("anon-") and chats[0].session_id == chats[1].session_id
+    assert "sess-1" not in raw
     assert chats[0].outcome == "ok" and chats[0].ttft_s is not None and chats[0].t <= chats[1].t
     a, b = chats[0].prefix, chats[1].prefix
     assert a is not None and b is not None and a.unit == "chars" and a.size == 64
@@ -75,11 +78,13 @@ async def test_text_is_stored_only_on_opt_in(tmp_path: Path) -> None:
             aiohttp.ClientSession() as session:
         body = {"model": "m", "stream": True, "max_tokens": 4, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "hello there"}]}
-        async with session.post(s.url + "/v1/chat/completions", json=body) as response:
+        async with session.post(s.url + "/v1/chat/completions", json=body,
+                                headers={"X-Session-ID": "sess-2"}) as response:
             streamed = await response.read()
         await s.records.wait_for(1)
     (line,) = read_all(capture)
     assert TraceReader(next(capture.glob("capture-*"))).header.text_included
+    assert line.session_id == "sess-2"  # with the text opt-in, ids are kept as sent
     assert line.body is not None and line.body["messages"][0]["content"] == "hello there"
     assert line.completion_text
     # The captured completion is exactly the text the client received.

@@ -609,6 +609,8 @@ class Proxy:
             session = request.headers.get(config.session_header)
             if session is None and isinstance(parsed.get("user"), str):
                 session = parsed["user"]
+            if session is not None and not config.capture_text:
+                session = self._hasher.pseudonym(session)  # ids are personal data too
             builder.shape = request_shape(parsed, self._hasher, session_id=session,
                                           raw_body=body if config.capture_text else None)
             if config.capture_text:

@@ -3,7 +3,10 @@
 Prefix hashes are chained: block i's hash covers blocks 0..i, so two prompts share their first
 k hashes exactly when their first k blocks are equal, like a KV prefix cache sees it. They are
 keyed with a salt drawn when the proxy starts and never written anywhere, so a hash cannot be
-matched against guessed text by someone holding only the trace.
+matched against guessed text by someone holding only the trace. Session ids (a header or the
+body's ``user``) are pseudonymised with the same key unless the operator opted in to text: the
+same id gives the same pseudonym for as long as the proxy runs (enough to replay a session's
+turns together), and the id itself is not stored.
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ class PrefixHasher:
         data = [text[i:i + size].encode("utf-8", "surrogatepass") for i in range(0, len(text),
                                                                                    size)]
         return self._chain(data)
+
+    def pseudonym(self, value: str) -> str:
+        """A stable stand-in for an identifier: keyed, so it cannot be reversed or matched
+        against guessed ids without the key, which is never written."""
+        digest = hashlib.blake2b(b"id\x00" + value.encode("utf-8", "surrogatepass"),
+                                 digest_size=8, key=self._salt).hexdigest()
+        return f"anon-{digest}"
 
     def tokens(self, token_ids: list[int]) -> tuple[int, ...]:
         size = self.block_tokens
