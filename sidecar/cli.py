@@ -169,8 +169,9 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write every chat/completions request to trace files in DIR "
                         "(shapes, lengths, prefix hashes, timings; no text)")
     parser.add_argument("--capture-text", action="store_const", const=True,
-                        help="OPT-IN: also store request bodies and completion text in the "
-                        "capture (prompts are user data: mind where the files go)")
+                        help="OPT-IN: also store request bodies, completion text and session "
+                        "ids as sent in the capture (without it ids are keyed pseudonyms; "
+                        "prompts are user data: mind where the files go)")
     parser.add_argument("--capture-compress", action="store_const", const=True,
                         help="gzip the capture files")
     parser.add_argument("--capture-rotate-bytes", type=int, metavar="N",
