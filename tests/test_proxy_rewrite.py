@@ -9,6 +9,7 @@ from sidecar.proxy.rewrite import (
     event_payload,
     insert_member,
     plan_usage,
+    request_with_usage,
     strip_usage_member,
     without_usage,
 )
@@ -51,6 +52,43 @@ def test_plan_adds_only_what_the_client_did_not_ask(
     new_body = apply_usage_plan(body, plan)
     assert new_body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert body == original  # the client's request object is never edited in place
+
+
+def test_usage_options_are_appended_to_the_clients_own_bytes() -> None:
+    # Escapes, spacing, number spellings and a trailing newline as the client wrote them.
+    raw = b'{ "model": "m", "stream": true, "prompt": "caf\\u00e9 \xc3\xa9", "top_p": 1.0e0 }\n'
+    body = json.loads(raw)
+    plan = plan_usage(body, inject=True)
+    sent = request_with_usage(raw, body, plan)
+    assert sent == (b'{ "model": "m", "stream": true, "prompt": "caf\\u00e9 \xc3\xa9", '
+                    b'"top_p": 1.0e0 ,"stream_options":{"include_usage":true,'
+                    b'"continuous_usage_stats":true}}\n')
+    assert json.loads(sent) == {**body, "stream_options": {"include_usage": True,
+                                                          "continuous_usage_stats": True}}
+
+
+@pytest.mark.parametrize("raw", [
+    # stream_options to edit: re-encoded from the parsed body.
+    b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}',
+    b'{"model":"m","stream":true,"stream_options":null}',
+    # Not plain UTF-8 (json.loads reads UTF-16 and a byte-order mark): re-encoded too.
+    '{"model":"m","stream":true}'.encode("utf-16-le"),
+    b'\xef\xbb\xbf{"model":"m","stream":true}',
+])
+def test_usage_options_are_re_encoded_when_the_bytes_cannot_be_extended(raw: bytes) -> None:
+    body = json.loads(raw)
+    plan = plan_usage(body, inject=True)
+    sent = request_with_usage(raw, body, plan)
+    assert json.loads(sent) == apply_usage_plan(body, plan)
+    assert json.loads(sent)["stream_options"] == {"include_usage": True,
+                                                  "continuous_usage_stats": True}
+
+
+def test_a_body_that_needs_nothing_is_sent_as_is() -> None:
+    raw = (b'{"model":"m","stream":true,"stream_options":{"include_usage":true,'
+           b'"continuous_usage_stats":true}}')
+    body = json.loads(raw)
+    assert request_with_usage(raw, body, plan_usage(body, inject=True)) is raw
 
 
 def test_plan_without_injection_changes_nothing() -> None:

@@ -49,9 +49,9 @@ from sidecar.proxy.builder import RecordBuilder
 from sidecar.proxy.rewrite import (
     NO_CHANGE,
     UsagePlan,
-    apply_usage_plan,
     insert_member,
     plan_usage,
+    request_with_usage,
     without_usage,
 )
 from sidecar.proxy.routing import Replica, Router
@@ -588,7 +588,7 @@ class Proxy:
             if builder.client_stream:
                 plan = plan_usage(parsed, config.inject_usage)
                 if plan.modifies:
-                    upstream_body = _dumps(apply_usage_plan(parsed, plan))
+                    upstream_body = request_with_usage(body, parsed, plan)
             elif config.assemble_nonstream and not parsed.get("use_beam_search"):
                 assemble = True
                 upstream_body = _dumps({**parsed, "stream": True, "stream_options": {

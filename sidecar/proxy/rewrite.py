@@ -73,6 +73,29 @@ def apply_usage_plan(body: dict[str, Any], plan: UsagePlan) -> dict[str, Any]:
     return new_body
 
 
+_USAGE_OPTIONS_MEMBER = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
+_JSON_SPACE_BYTES = b" \t\r\n"
+
+
+def request_with_usage(raw: bytes, body: dict[str, Any], plan: UsagePlan) -> bytes:
+    """The upstream request body for ``plan``: the client's bytes unchanged when the plan adds
+    nothing; with the options appended as one member when the client sent no
+    ``stream_options`` (its bytes otherwise untouched: no re-encoding of a long prompt, no change
+    to its escapes or number spellings); re-encoded from ``body`` (the parsed ``raw``) only when
+    an existing ``stream_options`` has to be edited."""
+    if not plan.modifies:
+        return raw
+    if "stream_options" not in body and body:
+        start = len(raw) - len(raw.lstrip(_JSON_SPACE_BYTES))
+        end = len(raw.rstrip(_JSON_SPACE_BYTES))
+        # An object in an ASCII-compatible encoding (UTF-8): '{' first, '}' last. Anything
+        # else json.loads accepted (UTF-16/32, a byte-order mark) takes the re-encoding path.
+        if raw[start:start + 1] == b"{" and raw[end - 1:end] == b"}":
+            return raw[:end - 1] + b"," + _USAGE_OPTIONS_MEMBER + raw[end - 1:]
+    return json.dumps(apply_usage_plan(body, plan), ensure_ascii=False,
+                      separators=(",", ":")).encode("utf-8")
+
+
 # A usage object holds keys, numbers, null and at most one level of nested objects
 # (prompt_tokens_details, completion_tokens_details). Strings (its keys) are matched whole and
 # may hold neither a brace nor a backslash, so a brace inside a string is never taken for the
