@@ -251,6 +251,8 @@ def test_hot_paths_smoke() -> None:
                  "TokenCounter.observe", "strip injected usage (text edit)",
                  "RecordBuilder: upstream + client stamp", "build + freeze the record",
                  "PrometheusSink.on_record", "WindowSink.on_record",
+                 "SinkFanout.on_record (window + Prometheus + threaded hand-off)",
+                 "CaptureSink: µs per record written (writer thread, JSONL, flushed)",
                  "summarize 1M samples (numpy)"):
         assert figures[name] > 0, name
 
