@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Commands that live in their own modules (DESCRIPTION, EPILOG, add_arguments, run).
     from sidecar import demo  # imported here: demo builds on this module's wiring
-    from sidecar.replay import compare, replay_cli, sweep_cli, trace_cli
+    from sidecar.replay import compare, merge, replay_cli, sweep_cli, trace_cli
 
     for name, summary, module in (
         ("replay", "replay a trace as open-loop (or closed-loop) load and report like vllm bench",
@@ -417,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
          sweep_cli),
         ("compare", "compare two replay reports or two sweeps: same envelope, differences "
          "beyond run-to-run noise", compare),
+        ("merge", "merge the output directories of a sharded replay into one report, "
+         "recomputed from the raw records", merge),
         ("trace", "import public traces (Mooncake, Bailian, Azure, BurstGPT); lint and "
          "summarise trace files", trace_cli),
         ("demo", "simulated replicas + proxy + open-loop load, with a live table (no GPU)", demo),

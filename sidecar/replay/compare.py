@@ -49,7 +49,8 @@ experiments (the envelopes differ in an undeclared key; --force compares anyway)
 # Envelope keys that are measurements or run bookkeeping, not part of the experiment's design.
 NOT_DESIGN = frozenset({"engine_before", "engine_after", "engine_delta", "trace",
                         "prompt_text_calibration", "engine_prefix_cache_hit_rate",
-                        "engine_metrics_from", "sidecar_admin"})
+                        "engine_metrics_from", "sidecar_admin",
+                        "start_at"})  # when a sharded run started, not what it was
 METRICS = (
     ("request_throughput", "req/s", True),
     ("output_throughput", "tok/s", True),

@@ -163,6 +163,9 @@ async def _run(args: argparse.Namespace) -> int:
         "rate": args.rate, "burstiness": args.burstiness if args.rate else None,
         "max_concurrency": args.max_concurrency, "warmup": len(warmup),
         "repeats": args.repeats, "workers": args.workers,
+        # One sender's share of a sharded replay, and the start all shards share (merge).
+        "shard": {"index": args.shard_index, "count": args.shard_count},
+        "start_at": args.start_at, "slo": args.slo,
         "input_tokens_requested": lengths_summary([r.n_in for r in requests]),
         "output_tokens_requested": lengths_summary([r.n_out for r in requests]),
         "prompt_text_calibration": None if calibration is None else {

@@ -1,0 +1,125 @@
+"""`sidecar merge`: the shards of one sharded replay, recomputed from their raw records."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_replay import args_for
+
+from sidecar import stats
+from sidecar.record import RequestRecord, Vantage
+from sidecar.replay import compare, merge, replay_cli
+from sidecar.sim.engine import EngineConfig
+from sidecar.sim.server import SimConfig, close_replicas, start_replicas
+from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
+
+SHARDS = 3
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """One 12-request trace replayed by 3 shards with one common start, against one simulator
+    (its engine step grows with the batch, so shards' requests really share the engine)."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    trace = tmp / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"),
+                [TraceRequest(t=i * 0.015, n_in=8 + i, n_out=2 + i % 4) for i in range(12)])
+
+    async def replay() -> list[int]:
+        replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+            step_floor_s=0.002, per_token_s=0.0005)), 1)
+        start_at = time.time() + 1.0
+        try:
+            return list(await asyncio.gather(*(
+                replay_cli.run(args_for(trace, replicas[0].url, repeats=1,
+                                        output_dir=tmp / f"shard-{i}", shard_index=i,
+                                        shard_count=SHARDS, start_at=start_at,
+                                        slo="ttft=1s,tpot=200ms"))
+                for i in range(SHARDS))))
+        finally:
+            await close_replicas(replicas)
+
+    assert asyncio.run(replay()) == [0] * SHARDS
+    return [tmp / f"shard-{i}" for i in range(SHARDS)]
+
+
+def merge_args(shards: list[Path], out: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    merge.add_arguments(parser)
+    return parser.parse_args([*map(str, shards), "--output-dir", str(out), *extra])
+
+
+def records_of(directory: Path) -> list[RequestRecord]:
+    lines = (directory / "records-run0.jsonl").read_text().splitlines()
+    return [RequestRecord.from_dict(json.loads(line)["record"]) for line in lines]
+
+
+def test_the_merged_report_is_recomputed_over_the_union(sharded: list[Path],
+                                                        tmp_path: Path) -> None:
+    out = tmp_path / "merged"
+    assert asyncio.run(merge.run(merge_args(sharded, out))) == 0
+    report = json.loads((out / "report.json").read_text())
+    shard_reports = [json.loads((d / "report.json").read_text()) for d in sharded]
+    union = [r for d in sharded for r in records_of(d)]
+    assert len(union) == 12 and report["completed"] == 12 and report["failed"] == 0
+    # Totals add up; percentiles are those of the union (numpy's linear interpolation, as
+    # every report states), not anything made of the shards' percentiles.
+    assert report["total_output_tokens"] == sum(2 + i % 4 for i in range(12)) == sum(
+        s["total_output_tokens"] for s in shard_reports)
+    ttft_ms = [m.ttft_s * 1000 for r in union
+               if (m := stats.request_metrics(r, Vantage.CLIENT)) and m.ttft_s is not None]
+    assert len(ttft_ms) == 12
+    assert report["median_ttft_ms"] == pytest.approx(float(np.percentile(ttft_ms, 50)))
+    assert report["p99_ttft_ms"] == pytest.approx(float(np.percentile(ttft_ms, 99)))
+    assert report["request_goodput"] is not None  # the shards' SLO, from their envelopes
+    # Duration: from the common start to the last end over all shards.
+    assert report["duration"] == pytest.approx(max(s["duration"] for s in shard_reports))
+    assert report["max_concurrent_requests"] >= max(
+        s["max_concurrent_requests"] for s in shard_reports)
+    envelope = report["envelope"]
+    assert envelope["requests"] == 12
+    assert envelope["shard"] == {"count": 3, "merged": [0, 1, 2]}
+    assert [m["requests"] for m in report["merged_from"]] == [4, 4, 4]
+    merged_lines = [json.loads(line)
+                    for line in (out / "records-run0.jsonl").read_text().splitlines()]
+    assert sorted(line["shard"] for line in merged_lines) == [0] * 4 + [1] * 4 + [2] * 4
+    # The merged directory is a report `sidecar compare` reads like any replay's.
+    kind, loaded = compare.load_result(str(out))
+    assert kind == "replay" and loaded["completed"] == 12
+
+
+def test_what_is_not_one_experiment_is_refused(sharded: list[Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # A shard missing.
+    assert asyncio.run(merge.run(merge_args(sharded[:2], tmp_path / "a"))) == 3
+    assert "shard(s) [2] of 3 missing" in capsys.readouterr().err
+    # A shard given twice.
+    assert asyncio.run(merge.run(merge_args([*sharded, sharded[0]], tmp_path / "b"))) == 3
+    assert "[0] given more than once" in capsys.readouterr().err
+    # --force merges what it can and keeps the warning in the report.
+    assert asyncio.run(merge.run(merge_args(sharded[:2], tmp_path / "c", "--force"))) == 0
+    forced = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert forced["completed"] == 8 and "missing" in forced["merge_warnings"][0]
+    # A shard of another experiment (another model), and one without a common start.
+    other = tmp_path / "other"
+    other.mkdir()
+    report = json.loads((sharded[2] / "report.json").read_text())
+    report["envelope"]["model"] = "another"
+    report["envelope"]["start_at"] = None
+    (other / "report.json").write_text(json.dumps(report))
+    (other / "records-run0.jsonl").write_text((sharded[2] / "records-run0.jsonl").read_text())
+    assert asyncio.run(merge.run(merge_args([*sharded[:2], other], tmp_path / "d"))) == 3
+    err = capsys.readouterr().err
+    assert "envelope 'model' is 'another'" in err and "one --start-at" in err
+    # No raw records: nothing to merge from (exit 2, says what is missing).
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "report.json").write_text((sharded[0] / "report.json").read_text())
+    assert asyncio.run(merge.run(merge_args([bare, *sharded[1:]], tmp_path / "e"))) == 2
+    assert "raw records of run 0 are missing" in capsys.readouterr().err
