@@ -3,6 +3,7 @@ from __future__ import annotations
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar.proxy.relay import filtered_headers, prompt_prefix_key, request_id_from
+from sidecar.proxy.shape import chat_text
 
 
 def test_hop_by_hop_headers_are_dropped_and_the_rest_forwarded() -> None:
@@ -34,5 +35,12 @@ def test_prefix_keys() -> None:
     assert prompt_prefix_key({"prompt": [5, 6, 7]}, chars=3, tokens=2) == b"5,6"
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
-    assert prompt_prefix_key(chat, chars=100, tokens=2) == b"system:be brief\nuser:hi"
+    assert prompt_prefix_key(chat, chars=100, tokens=2) == (
+        b"system\x1fbe brief\x1euser\x1fhi\x1e")
+    # The first block only; the canonical text stops at the message that completes it.
+    assert prompt_prefix_key(chat, chars=9, tokens=2) == b"system\x1fbe"
+    assert chat_text(chat["messages"], limit=9) == "system\x1fbe brief\x1e"
+    assert chat_text(chat["messages"]) == "system\x1fbe brief\x1euser\x1fhi\x1e"
+    assert prompt_prefix_key({"messages": [{"role": "user", "content": None}]}, chars=10,
+                             tokens=2) == b"user\x1f\x1e"
     assert prompt_prefix_key({"messages": "junk"}, chars=10, tokens=2) is None

@@ -55,7 +55,7 @@ from sidecar.proxy.rewrite import (
     without_usage,
 )
 from sidecar.proxy.routing import Replica, Router
-from sidecar.proxy.shape import PrefixHasher, request_shape
+from sidecar.proxy.shape import PrefixHasher, chat_text, request_shape
 from sidecar.record import EngineTiming, Outcome, TokenSource
 
 log = logging.getLogger("sidecar.proxy")
@@ -214,8 +214,9 @@ def request_id_from(headers: CIMultiDictProxy[str]) -> str:
 
 
 def prompt_prefix_key(body: Mapping[str, Any], chars: int, tokens: int) -> bytes | None:
-    """The prompt's first block, for prefix affinity: text (first ``chars`` characters, chat
-    messages concatenated in order) or token ids (first ``tokens``)."""
+    """The prompt's first block, for prefix affinity: text (first ``chars`` characters; chat
+    messages in the capture's canonical form, `shape.chat_text`) or token ids (first
+    ``tokens``)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of prompts: route by the first
@@ -225,24 +226,9 @@ def prompt_prefix_key(body: Mapping[str, Any], chars: int, tokens: int) -> bytes
         return b",".join(str(t).encode() for t in prompt[:tokens])
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts: list[str] = []
-        size = 0
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(
-                    p.get("text", "") for p in content if isinstance(p, dict)
-                    and isinstance(p.get("text"), str)
-                )
-            if isinstance(content, str):
-                parts.append(f"{message.get('role')}:{content}")
-                size += len(parts[-1])
-                if size >= chars:
-                    break
-        if parts:
-            return "\n".join(parts)[:chars].encode("utf-8", "replace")
+        text = chat_text(messages, limit=chars)
+        if text:
+            return text[:chars].encode("utf-8", "replace")
     return None
 
 

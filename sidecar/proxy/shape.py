@@ -58,9 +58,14 @@ class PrefixHasher:
         return self._chain(blocks)
 
 
-def _chat_text(messages: list[Any]) -> str:
-    """A canonical text of the messages: the same conversation gives the same text."""
+def chat_text(messages: list[Any], limit: int | None = None) -> str:
+    """A canonical text of chat messages, the same for the same conversation: each message as
+    ``role \x1f content \x1e``; content parts that are not text kept as sorted JSON. Used for
+    the capture's prefix hashes and for prefix-affinity routing, so that both see one prompt
+    the same way. With ``limit``, stops once that many characters are there (a routing key
+    needs only the first block of a long conversation)."""
     parts: list[str] = []
+    size = 0
     for message in messages:
         if not isinstance(message, dict):
             continue
@@ -72,7 +77,11 @@ def _chat_text(messages: list[Any]) -> str:
                 for p in content)
         elif not isinstance(content, str):
             content = "" if content is None else json.dumps(content, sort_keys=True)
-        parts.append(f"{message.get('role')}\x1f{content}\x1e")
+        part = f"{message.get('role')}\x1f{content}\x1e"
+        parts.append(part)
+        size += len(part)
+        if limit is not None and size >= limit:
+            break
     return "".join(parts)
 
 
@@ -102,7 +111,7 @@ def request_shape(body: Mapping[str, Any], hasher: PrefixHasher, *, session_id: 
         unit, size, hashes = "tokens", hasher.block_tokens, hasher.tokens(prompt)
     elif isinstance(body.get("messages"), list):
         unit, size = "chars", hasher.block_chars
-        hashes = hasher.text(_chat_text(body["messages"]))
+        hashes = hasher.text(chat_text(body["messages"]))
     return RequestShape(
         max_tokens=max_tokens,
         ignore_eos=ignore_eos if isinstance(ignore_eos, bool) else None,
