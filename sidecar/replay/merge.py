@@ -242,8 +242,10 @@ async def run(args: argparse.Namespace) -> int:
     except MergeError as exc:
         print(f"sidecar merge: {exc}", file=sys.stderr)
         return 2
+    # Files first: a closed stdout (`| head`) must not cost the report.
+    path = write(result, merged_runs, args.output_dir)
     if found:
         print("WARNING (--force): " + "; ".join(found), file=sys.stderr)
     print(console_table(result))
-    print(f"report: {write(result, merged_runs, args.output_dir)}")
+    print(f"report: {path}")
     return 0

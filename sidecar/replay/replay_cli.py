@@ -200,7 +200,7 @@ async def _run(args: argparse.Namespace) -> int:
     if args.export_llmd:
         br = llmd_report(result, runs[chosen], requests, args, slo_policy)
         Path(args.export_llmd).write_text(json.dumps(br, indent=2))
-    print(console_table(result))
+    # Files first: a closed stdout (`| head`) must not cost the run's results.
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -211,7 +211,9 @@ async def _run(args: argparse.Namespace) -> int:
                     line = {"index": s.index, "scheduled_ns": s.scheduled_ns,
                             "actual_ns": s.actual_ns, "record": s.record.to_dict()}
                     handle.write(json.dumps(line) + "\n")
-        print(f"report: {out / 'report.json'}")
+    print(console_table(result))
+    if args.output_dir:
+        print(f"report: {Path(args.output_dir) / 'report.json'}")
     return 0
 
 

@@ -401,7 +401,7 @@ async def _run(args: argparse.Namespace) -> int:
                         "step engine_delta": "the engines' counters over a step's measured "
                         "runs (every repeat, warm-ups excluded)"},
     }
-    print(f"\ncapacity: {capacity} {unit} ({criteria.describe()}); knee at {knee_load}")
+    # Files first: a closed stdout (`| head`) must not cost the sweep's results.
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -415,7 +415,9 @@ async def _run(args: argparse.Namespace) -> int:
                                         knee_load),
                   plots.plot_scatter(runner.points, out / "scatter.png")]
         plots.html_page(result, images, out / "sweep.html")
-        print(f"report: {out / 'sweep.html'}")
+    print(f"\ncapacity: {capacity} {unit} ({criteria.describe()}); knee at {knee_load}")
+    if args.output_dir:
+        print(f"report: {Path(args.output_dir) / 'sweep.html'}")
     return 0
 
 
