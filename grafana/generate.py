@@ -536,10 +536,11 @@ through the sidecar, so this view is the sidecar's: request rate and outcomes, t
 latency clients get, goodput, and the shape of the replayed workload (prompt and output
 lengths). The capture panels show a sidecar writing traces (`--capture`).
 
-**Not available yet** (the replayer exports no metrics): how far a run has got (sent /
-scheduled), how late requests leave against their schedule (the open-loop lag), which run or
-shard a request belongs to (no run label), and the run's own report: that is report.json,
-per shard, under --output-dir.
+The **Sender** row is the replayer's own view (`sidecar replay --metrics-listen`, scraped by
+podmonitor-replay.yaml or the compose `replay` job): how far the run has got, how late requests
+leave against their schedule (an open loop that falls behind no longer offers the load its
+report will name), what the sender saw finish, per shard. The run's own report is report.json
+under --output-dir (`sidecar merge` for all shards).
 """
 
 
@@ -580,6 +581,24 @@ def replay_dashboard() -> dict[str, Any]:
                 "sidecar_request_prompt_tokens", 'model=~"$model"'),
         heatmap("Output lengths", "Output tokens per successful request.", "short",
                 "sidecar_request_generation_tokens", 'model=~"$model"'),
+        row("Sender"),
+        stat("Sent / planned", "Requests the replay senders have sent, of all they planned "
+             "(every run of --repeats counted).", "percentunit",
+             targets(("sum(sidecar_replay_requests_sent_total) / "
+                      "sum(sidecar_replay_requests_planned_total)", "sent")), w=6),
+        timeseries("Send lateness: p50 and p99",
+                   "Actual send - scheduled send of open-loop requests, all shards pooled.",
+                   "s",
+                   targets((quantile("0.5", "sidecar_replay_send_lateness_seconds", ""), "p50"),
+                           (quantile("0.99", "sidecar_replay_send_lateness_seconds", ""),
+                            "p99")), w=6),
+        timeseries("Sender: in flight by shard", "Requests sent and not finished, per shard.",
+                   "short", targets(("sum by (shard) (sidecar_replay_in_flight_requests)",
+                                     "shard {{shard}}")), w=6),
+        timeseries("Sender: finished/s by outcome", "As the replayer saw them (client "
+                   "vantage), all shards.", "reqps",
+                   targets((f"sum by (outcome) (rate(sidecar_replay_requests_completed_total"
+                            f"[{RATE}]))", "{{outcome}}")), stack=True, w=6),
         row("Capture"),
         timeseries("Records captured/s", "sidecar_capture_records_written per sidecar.",
                    "suffix: records/s",

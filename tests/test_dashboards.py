@@ -10,12 +10,15 @@ template variables substituted, and asserts that each returns data.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import json
 import math
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +32,9 @@ from proxy_stack import FAST_ENGINE
 
 from sidecar.cli import build_proxy_server
 from sidecar.config import build_config, load_config_file
+from sidecar.replay import replay_cli
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
+from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA = ROOT / "grafana"
@@ -304,7 +309,7 @@ def returns_data(prometheus: Prometheus, expr: str) -> str | None:
     return None
 
 
-def prometheus_config(sidecar_admin: str, replicas: list[str]) -> str:
+def prometheus_config(sidecar_admin: str, replicas: list[str], replay: str) -> str:
     config = yaml.safe_load(PROMETHEUS_CPU.read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(RULES)]
@@ -312,9 +317,34 @@ def prometheus_config(sidecar_admin: str, replicas: list[str]) -> str:
     assert jobs["vllm"]["relabel_configs"], "the join label comes from this relabeling"
     jobs["sidecar"]["static_configs"] = [{"targets": [sidecar_admin]}]
     jobs["vllm"]["static_configs"] = [{"targets": replicas}]
+    jobs["replay"]["static_configs"] = [{"targets": [replay]}]
     # No OpenTelemetry collector runs here; nothing in grafana/ queries its series.
-    config["scrape_configs"] = [jobs["sidecar"], jobs["vllm"]]
+    config["scrape_configs"] = [jobs["sidecar"], jobs["vllm"], jobs["replay"]]
     return yaml.safe_dump(config, sort_keys=False)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def start_replay(tmp_path: Path, target: str, metrics: str) -> asyncio.Task[int]:
+    """`sidecar replay --metrics-listen` of a 5 s trace, straight to a replica (the sidecar's
+    counts stay the test's own load), its /metrics kept up until the task is cancelled. It
+    starts 3 s from now (--start-at): scrapes see the counters at 0 first, then growing, as
+    rate() and histogram_quantile() need."""
+    trace = tmp_path / "replay.jsonl"
+    write_trace(trace, TraceHeader(source="test"),
+                [TraceRequest(t=i * 0.1, n_in=8, n_out=4) for i in range(50)])
+    parser = argparse.ArgumentParser()
+    replay_cli.add_arguments(parser)
+    args = parser.parse_args([str(trace), "--target", target, "--repeats", "1",
+                              "--no-progress", "--model", MODEL, "--metrics-listen", metrics,
+                              "--metrics-linger", "600s", "--start-at",
+                              str(time.time() + 3)])
+    return asyncio.create_task(replay_cli.run(args))
 
 
 async def send_load(url: str, count: int, wave: int = 15, pause_s: float = 0.5) -> None:
@@ -374,18 +404,27 @@ async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path)
     try:
         admin = server.admin_url.split("://")[1]
         targets = [r.url.split("://")[1] for r in replicas]
-        with running_prometheus(prometheus_config(admin, targets),
+        replay_metrics = f"127.0.0.1:{free_port()}"
+        with running_prometheus(prometheus_config(admin, targets, replay_metrics),
                                 tmp_path / "prometheus") as prometheus:
-            await asyncio.to_thread(wait_until, prometheus, {
-                'sum(up{job="sidecar"})': 1, 'sum(up{job="vllm"})': len(replicas)})
-            await send_load(server.url, requests)
-            await asyncio.to_thread(wait_until, prometheus, {
-                "sum(sidecar_slo_requests_total)": requests,
-                "sum(sidecar_capture_records_written_total)": requests,
-                'count(vllm:num_requests_running{replica=~".+"})': len(replicas),
-                "count(sidecar:slo_error_ratio:rate6h)": 3,
-            })
-            await asyncio.to_thread(check_every_expression, prometheus, targets)
+            replay = start_replay(tmp_path, replicas[1].url, replay_metrics)
+            try:
+                await asyncio.to_thread(wait_until, prometheus, {
+                    'sum(up{job="sidecar"})': 1, 'sum(up{job="vllm"})': len(replicas),
+                    'sum(up{job="replay"})': 1})
+                await send_load(server.url, requests)
+                await asyncio.to_thread(wait_until, prometheus, {
+                    "sum(sidecar_slo_requests_total)": requests,
+                    "sum(sidecar_capture_records_written_total)": requests,
+                    'count(vllm:num_requests_running{replica=~".+"})': len(replicas),
+                    "count(sidecar:slo_error_ratio:rate6h)": 3,
+                    "sum(sidecar_replay_requests_completed_total)": 50,
+                })
+                await asyncio.to_thread(check_every_expression, prometheus, targets)
+            finally:
+                replay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await replay
     finally:
         await server.close()
         await close_replicas(replicas)

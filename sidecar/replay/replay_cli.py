@@ -18,10 +18,11 @@ from typing import Any
 import aiohttp
 
 from sidecar import clock
-from sidecar.config import parse_slo
+from sidecar.config import ConfigError, parse_duration, parse_hostport, parse_slo
 from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.record import RequestRecord
 from sidecar.replay import llmd
+from sidecar.replay.live import MetricsServer, ReplayCounters
 from sidecar.replay.payload import PayloadError, TokenCalibration, build_body, text_prompt
 from sidecar.replay.peers import peer_report, vllm_bench_json
 from sidecar.replay.report import console_table, median_run, run_report
@@ -100,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "AIPerf's and GuideLLM's definitions, named by formula")
     parser.add_argument("--export-vllm-bench", metavar="FILE",
                         help="also write the median run as `vllm bench serve` result JSON")
+    parser.add_argument("--metrics-listen", metavar="HOST:PORT",
+                        help="serve this sender's live numbers on http://HOST:PORT/metrics "
+                        "(Prometheus): requests planned, sent, completed by outcome, in "
+                        "flight, send lateness [off]")
+    parser.add_argument("--metrics-linger", default="0s", metavar="DURATION",
+                        help="keep /metrics up this long after the run, so that a last scrape "
+                        "sees the final numbers (a Job: 2 scrape intervals) [0s]")
     parser.add_argument("--export-llmd", metavar="FILE",
                         help="also write the median run as an llm-d benchmark report (schema "
                         "v0.2, JSON); goodput and the SLO go under "
@@ -127,6 +135,11 @@ async def _run(args: argparse.Namespace) -> int:
         raise UsageError("need 0 <= --shard-index < --shard-count")
     if args.start_at is not None and args.repeats != 1:
         raise UsageError("--start-at fixes one common instant: use it with --repeats 1")
+    try:
+        linger_s = parse_duration(args.metrics_linger)
+        metrics_address = parse_hostport(args.metrics_listen) if args.metrics_listen else None
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     reader = TraceReader(args.trace)
     requests = sorted(reader.requests(), key=lambda r: r.t)
     args.trace_origin = requests[0].t if requests else 0.0
@@ -172,13 +185,39 @@ async def _run(args: argparse.Namespace) -> int:
             "tokens_per_word": calibration.tokens_per_word,
             "chat_overhead": calibration.chat_overhead},
     }
+    counters: ReplayCounters | None = None
+    metrics: MetricsServer | None = None
+    if metrics_address is not None:
+        counters = ReplayCounters()
+        host, port = metrics_address
+        metrics = MetricsServer(counters, str(args.shard_index), host, port)
+        print(f"metrics on {await metrics.start()}", file=sys.stderr, flush=True)
+    try:
+        return await _replay(args, plan, mode, target, envelope, requests, engine_before,
+                             slo_policy, counters)
+    finally:
+        if metrics is not None:
+            try:
+                await asyncio.sleep(linger_s)
+            finally:
+                await metrics.close()
+
+
+async def _replay(args: argparse.Namespace, plan: list[PlannedRequest], mode: str, target: str,
+                  envelope: dict[str, Any], requests: list[TraceRequest],
+                  engine_before: dict[str, Any] | None, slo_policy: SLOPolicy | None,
+                  counters: ReplayCounters | None) -> int:
+    warmup = plan[: args.warmup] if args.warmup else []
+    timeout = aiohttp.ClientTimeout(total=10)
     if warmup:
         await execute(warmup, target, "closed", min(8, len(warmup)), 1, args, quiet=True)
     reports: list[dict[str, Any]] = []
     runs: list[list[SentRequest]] = []
     for repeat in range(args.repeats):
+        if counters is not None:
+            counters.start_run(repeat + 1, len(plan))
         sent = await execute(plan, target, mode, args.max_concurrency, args.workers, args,
-                             label=f"run {repeat + 1}/{args.repeats}")
+                             label=f"run {repeat + 1}/{args.repeats}", counters=counters)
         runs.append(sent)
         reports.append(run_report(sent, mode=mode, slo_policy=slo_policy))
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -318,14 +357,15 @@ def make_plan(requests: Sequence[TraceRequest], args: argparse.Namespace, model:
 async def execute(plan: Sequence[PlannedRequest], target: str, mode: str,
                   concurrency: int | None, workers: int, args: argparse.Namespace, *,
                   label: str = "", quiet: bool = False,
-                  request_id_prefix: str = "replay") -> list[SentRequest]:
+                  request_id_prefix: str = "replay",
+                  counters: ReplayCounters | None = None) -> list[SentRequest]:
     if workers > 1 and mode == "open":
         return await asyncio.to_thread(run_workers, plan, target, workers, args,
-                                       request_id_prefix)
+                                       request_id_prefix, counters)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         sender = Sender(target, session, request_timeout_s=args.request_timeout,
-                        request_id_prefix=request_id_prefix)
+                        request_id_prefix=request_id_prefix, counters=counters)
         progress = None if quiet or args.no_progress else Progress(len(plan), label, sender)
         start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
         start_at = getattr(args, "start_at", None)
@@ -374,12 +414,14 @@ class Progress:
 
 
 def _worker_main(plan: list[PlannedRequest], target: str, timeout_s: float, out_path: str,
-                 ready: Any, go: Any, start_value: Any, request_id_prefix: str) -> None:
+                 ready: Any, go: Any, start_value: Any, request_id_prefix: str,
+                 shared_counters: Any | None) -> None:
     async def main() -> list[SentRequest]:
         connector = aiohttp.TCPConnector(limit=0)
+        counters = None if shared_counters is None else ReplayCounters(shared_counters)
         async with aiohttp.ClientSession(connector=connector) as session:
             sender = Sender(target, session, request_timeout_s=timeout_s,
-                            request_id_prefix=request_id_prefix)
+                            request_id_prefix=request_id_prefix, counters=counters)
             # Everything is imported and set up: report ready, then wait for the common start.
             await asyncio.to_thread(ready.wait)
             await asyncio.to_thread(go.wait)
@@ -399,8 +441,8 @@ def _worker_main(plan: list[PlannedRequest], target: str, timeout_s: float, out_
 
 
 def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
-                args: argparse.Namespace,
-                request_id_prefix: str = "replay") -> list[SentRequest]:
+                args: argparse.Namespace, request_id_prefix: str = "replay",
+                counters: ReplayCounters | None = None) -> list[SentRequest]:
     """Split the schedule round-robin over ``workers`` processes. They start together: each
     reports ready once set up, then the parent sets one start instant for all (perf_counter
     is CLOCK_MONOTONIC, the same clock in every process of the host)."""
@@ -415,7 +457,8 @@ def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
             path = os.path.join(tmp, f"worker{w}.jsonl")
             proc = context.Process(target=_worker_main,
                                    args=(share, target, args.request_timeout, path, ready, go,
-                                         start_value, request_id_prefix))
+                                         start_value, request_id_prefix,
+                                         None if counters is None else counters.shared))
             proc.start()
             processes.append((proc, path))
         try:

@@ -19,7 +19,7 @@ import uuid
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -41,6 +41,9 @@ from sidecar.record import (
     Timeline,
     TokenSource,
 )
+
+if TYPE_CHECKING:
+    from sidecar.replay.live import ReplayCounters
 
 SPIN_NS = 1_500_000  # sleep until this close to the instant, then yield until it comes
 
@@ -80,7 +83,8 @@ class Sender:
     """Sends planned requests to ``target`` and measures them (client vantage)."""
 
     def __init__(self, target: str, session: aiohttp.ClientSession, *,
-                 request_timeout_s: float = 600.0, request_id_prefix: str = "replay") -> None:
+                 request_timeout_s: float = 600.0, request_id_prefix: str = "replay",
+                 counters: ReplayCounters | None = None) -> None:
         self.target = target.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s or None)
@@ -91,6 +95,7 @@ class Sender:
         self.max_in_flight = 0
         self.done = 0
         self.failed = 0
+        self.counters = counters  # live numbers for --metrics-listen (shared between workers)
 
     async def send(self, planned: PlannedRequest, run_start_ns: int,
                    scheduled_ns: int | None) -> SentRequest:
@@ -111,6 +116,9 @@ class Sender:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         wall, start = clock.anchor()
+        if self.counters is not None:
+            self.counters.sent(None if scheduled_ns is None
+                               else start - run_start_ns - scheduled_ns)
         try:
             async with self.session.post(self.target + planned.path, json=planned.body,
                                          headers={"X-Request-Id": request_id},
@@ -170,6 +178,8 @@ class Sender:
         end = clock.monotonic_ns()
         self.done += 1
         self.failed += outcome is not Outcome.OK
+        if self.counters is not None:
+            self.counters.completed(outcome)
         n_out: int | None
         if usage is not None:
             # Per-event counts are exact only when every chunk carried cumulative usage.
