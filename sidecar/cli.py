@@ -168,6 +168,10 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capture", dest="capture_dir", metavar="DIR",
                         help="write every chat/completions request to trace files in DIR "
                         "(shapes, lengths, prefix hashes, timings; no text)")
+    parser.add_argument("--capture-key-file", metavar="FILE",
+                        help="key for the capture's prefix hashes and session pseudonyms, "
+                        "shared by a fleet (a mounted Secret, >= 16 bytes) so that its pods' "
+                        "captures can be merged [a random key per process]")
     parser.add_argument("--capture-text", action="store_const", const=True,
                         help="OPT-IN: also store request bodies, completion text and session "
                         "ids as sent in the capture (without it ids are keyed pseudonyms; "
@@ -202,6 +206,7 @@ def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
              "slo", "slo_classes", "slo_class_header", "slo_model_classes", "otel_endpoint",
              "otel_exponential_histograms", "otel_traces", "otel_provider_name", "label_cap",
              "engine_scrape_interval", "capture_dir", "capture_text", "capture_compress",
+             "capture_key_file",
              "capture_rotate_bytes", "capture_rotate_s", "capture_queue", "admin_token",
              "otel_export_interval", "otel_server_chunks", "allow_open_admin")
     return {name: getattr(args, name, None) for name in names}
@@ -241,6 +246,15 @@ def settle_gc() -> None:
     stream went away."""
     gc.collect()
     gc.freeze()
+
+
+def capture_key_notes(key_id: str | None, shared: bool) -> dict[str, str]:
+    """What a capture says of the key behind its prefix hashes and session pseudonyms:
+    captures with the same id can be merged (`sidecar trace merge`)."""
+    if key_id is None:
+        return {}
+    return {"capture_key_id": key_id,
+            "capture_key": "shared (--capture-key-file)" if shared else "this process only"}
 
 
 def slo_policy_of(config: ProxyConfig) -> SLOPolicy | None:
@@ -330,7 +344,9 @@ def build_proxy_server(config: ProxyConfig,
             TraceHeader(source="capture", start_wall_ns=time.time_ns(),
                         sidecar_version=__version__, models=tuple(models),
                         route_policy=config.route_policy.value, slos=config.slo_thresholds(),
-                        text_included=config.capture_text),
+                        text_included=config.capture_text,
+                        notes=capture_key_notes(server.proxy.capture_key_id,
+                                                config.capture_key_file is not None)),
             compress=config.capture_compress, rotate_bytes=config.capture_rotate_bytes,
             rotate_s=config.capture_rotate_s, queue_size=config.capture_queue)
         fanout.add(capture)

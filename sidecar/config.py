@@ -155,6 +155,10 @@ class ProxyConfig:
     capture_queue: int = 10_000
     capture_block_chars: int = 256
     capture_block_tokens: int = 64
+    # A key shared by every sidecar of a fleet (a mounted Secret): their prefix hashes and
+    # session pseudonyms then agree, so their captures can be merged. Default: a random key
+    # per process, never written anywhere.
+    capture_key_file: str | None = None
     engine_scrape_interval: float = 15.0  # upstream /metrics scrapes for the engine view; 0=off
 
     def slo_thresholds(self) -> dict[str, dict[str, float]]:
@@ -174,6 +178,10 @@ class ProxyConfig:
             raise ConfigError("retry_connect must be >= 0")
         if self.window_s <= 0:
             raise ConfigError("window_s must be > 0")
+        if self.capture_key_file is not None:
+            if not self.capture_dir:
+                raise ConfigError("capture_key_file keys capture hashes: it needs --capture DIR")
+            read_capture_key(self.capture_key_file)  # refuse a bad key now, not at first use
         if self.capture_text and not self.capture_dir:
             raise ConfigError("capture_text stores prompts and completions: it needs --capture DIR")
         if not self.admin_token and not self.allow_open_admin and not is_loopback_host(
@@ -201,6 +209,22 @@ class ProxyConfig:
                 "the metrics port must differ from the traffic port (admin data stays off the "
                 "path clients use)"
             )
+
+
+MIN_CAPTURE_KEY_BYTES = 16
+
+
+def read_capture_key(path: str) -> bytes:
+    """The capture key from a file (a Secret's mount): its bytes, surrounding whitespace
+    dropped, at least 16 of them. The key itself is never logged."""
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"capture key file {path}: {exc.strerror or exc}") from None
+    if len(key) < MIN_CAPTURE_KEY_BYTES:
+        raise ConfigError(f"capture key file {path}: {len(key)} bytes; it needs at least "
+                          f"{MIN_CAPTURE_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64`)")
+    return key
 
 
 def _slo_thresholds(config: ProxyConfig) -> dict[str, dict[str, float]]:

@@ -29,7 +29,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar import clock
-from sidecar.config import ProxyConfig, RoutePolicy
+from sidecar.config import ProxyConfig, RoutePolicy, read_capture_key
 from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.hooks import SinkFanout
 from sidecar.protocol.openai import (
@@ -261,11 +261,18 @@ class Proxy:
         self.rewritten_events = 0  # events re-encoded because they could not be edited as text
         self._slo_class_names = frozenset(config.slo_thresholds())
         # Capture needs each request's shape (lengths asked, prefix hashes); text only opt-in.
-        self._hasher = (PrefixHasher(config.capture_block_chars, config.capture_block_tokens)
+        self._hasher = (PrefixHasher(config.capture_block_chars, config.capture_block_tokens,
+                                     salt=read_capture_key(config.capture_key_file)
+                                     if config.capture_key_file else None)
                         if config.capture_dir else None)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._engine_task: asyncio.Task[None] | None = None
+
+    @property
+    def capture_key_id(self) -> str | None:
+        """Names the capture key (never the key): equal in captures that can be merged."""
+        return self._hasher.key_id if self._hasher is not None else None
 
     # -- lifecycle ------------------------------------------------------------------------
 

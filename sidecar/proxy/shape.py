@@ -44,6 +44,13 @@ class PrefixHasher:
                                                                                    size)]
         return self._chain(data)
 
+    @property
+    def key_id(self) -> str:
+        """Names the key without revealing it (a keyed hash of a constant): captures whose
+        hashes can be compared carry the same id."""
+        return hashlib.blake2b(b"sidecar-capture-key-id", digest_size=8,
+                               key=self._salt).hexdigest()
+
     def pseudonym(self, value: str) -> str:
         """A stable stand-in for an identifier: keyed, so it cannot be reversed or matched
         against guessed ids without the key, which is never written."""

@@ -22,6 +22,7 @@ from sidecar.replay.importers import (
     import_trace,
     parse_seconds,
 )
+from sidecar.replay.tracemerge import MergeRefused, merge_traces
 from sidecar.replay.tracetools import format_stats, lint_trace, stats_json, trace_stats
 from sidecar.tracefile import TraceFormatError
 
@@ -43,6 +44,9 @@ t in seconds since the trace start, lengths in tokens).
   stats    summarise the load: duration, arrival rate over time, burstiness, n_in/n_out
            percentiles, prefix reuse (the hit ratio of an infinite prefix cache), sessions,
            models.
+  merge    several traces as one (a fleet's captures, rotated parts): every request on the
+           earliest file's clock, ordered by arrival; refused when clocks cannot be lined up
+           or prefix hashes come from different keys (--capture-key-file shares one).
 """
 
 EPILOG = """\
@@ -57,6 +61,8 @@ examples:
       BurstGPT without its failed requests (Response tokens = 0), twice as fast
   sidecar trace lint mooncake.jsonl.gz --max-model-len 32768
   sidecar trace stats mooncake.jsonl.gz --json > mooncake-stats.json
+  sidecar trace merge captures/*/capture-*.jsonl -o fleet.jsonl.gz
+      every pod's capture as one trace (pods sharing --capture-key-file)
 """
 
 IMPORT_DESCRIPTION = """\
@@ -126,6 +132,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     linting.add_argument("--max-model-len", type=int, default=None, metavar="N",
                          help="flag requests with n_in + n_out above N tokens")
     linting.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+    merging = actions.add_parser(
+        "merge",
+        help="several traces (a fleet's captures, rotated parts) as one, ordered by arrival",
+        description="Merge trace files into one: every request on the earliest file's clock "
+                    "(from the headers' calendar starts), ordered by arrival. Refused (exit "
+                    "3) when files have no calendar start or their prefix hashes come from "
+                    "different keys (pods without a shared --capture-key-file); --force "
+                    "merges anyway and notes why in the header.",
+    )
+    merging.add_argument("traces", nargs="+", metavar="TRACE")
+    merging.add_argument("-o", "--output", required=True, metavar="OUTPUT",
+                         help="the merged trace (.gz: compressed)")
+    merging.add_argument("--force", action="store_true",
+                         help="merge what is refused (the header notes the reasons)")
+    merging.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
 
     summarising = actions.add_parser(
         "stats",
@@ -205,6 +227,29 @@ def _run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_merge(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    if output.exists() and not args.overwrite:
+        print(f"sidecar trace merge: error: {output} exists (use --overwrite to replace it)",
+              file=sys.stderr)
+        return 1
+    try:
+        merged = merge_traces(args.traces, output, force=args.force)
+    except MergeRefused as exc:
+        print("sidecar trace merge: refused:", file=sys.stderr)
+        for reason in exc.reasons:
+            print(f"  {reason}", file=sys.stderr)
+        print("--force merges anyway (the merged header keeps these reasons)", file=sys.stderr)
+        return 3
+    except (TraceFormatError, OSError, ValueError) as exc:
+        print(f"sidecar trace merge: error: {exc}", file=sys.stderr)
+        return 1
+    for warning in merged.warnings:
+        print(f"WARNING (--force): {warning}", file=sys.stderr)
+    print(f"merged {merged.requests} requests from {len(args.traces)} files -> {merged.output}")
+    return 0
+
+
 async def run(args: argparse.Namespace) -> int:
     # The work is synchronous file processing; nothing else shares this event loop.
     command = getattr(args, "trace_command", None)
@@ -214,6 +259,8 @@ async def run(args: argparse.Namespace) -> int:
         return _run_lint(args)
     if command == "stats":
         return _run_stats(args)
+    if command == "merge":
+        return _run_merge(args)
     parser = getattr(args, "trace_parser", None)
     if parser is not None:
         parser.print_help(sys.stderr)
