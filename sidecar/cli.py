@@ -435,8 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
          "beyond run-to-run noise", compare),
         ("merge", "merge the output directories of a sharded replay into one report, "
          "recomputed from the raw records", merge),
-        ("trace", "import public traces (Mooncake, Bailian, Azure, BurstGPT); lint and "
-         "summarise trace files", trace_cli),
+        ("trace", "import public traces (Mooncake, Bailian, Azure, BurstGPT); lint, "
+         "summarise and merge trace files", trace_cli),
         ("demo", "simulated replicas + proxy + open-loop load, with a live table (no GPU)", demo),
     ):
         command = commands.add_parser(
