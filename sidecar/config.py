@@ -124,7 +124,7 @@ class ProxyConfig:
     eject_after: int = 2  # consecutive failures (health or connect) that eject a replica
     window_s: float = 60.0  # live statistics window
     window_max_records: int = 100_000  # bound on the live window, whatever the traffic
-    # ... and on its memory (records of long streams are large: ~10 KiB at 256 tokens)
+    # ... and on its memory (records of long streams are large: ~8 KiB at 256 tokens)
     window_max_bytes: int = 256 * 1024 * 1024
     log_requests: bool = False  # one log line per request (no text, no credentials)
     # SLOs: the default class ("ttft=500ms,tpot=50ms"), named classes (name -> spec), and how a

@@ -90,6 +90,28 @@ def test_packed_columns_behave_as_immutable_int_sequences() -> None:
         Int64s(b"123")
 
 
+def test_a_frozen_record_shares_one_token_column_between_its_sides() -> None:
+    from sidecar.proxy.builder import RecordBuilder
+
+    builder = RecordBuilder("r", 0, 1_000, "chat")
+    builder.up_send_ns = 5
+    for at, n in ((100, 1), (200, 3), (300, 1)):
+        builder.upstream_token_event(1_000 + at, n)
+    builder.client_token_writes(1_000 + 350, 3)
+    record = builder.freeze()
+    assert record.server is not None and record.client.tokens is record.server.tokens
+    assert record.client.offsets_ns == (350, 350, 350) and record.server.offsets_ns == (
+        100, 200, 300)
+    # A client gone after two writes: its column is the first two counts.
+    builder = RecordBuilder("r", 0, 1_000, "chat")
+    builder.up_send_ns = 5
+    for at, n in ((100, 1), (200, 3), (300, 1)):
+        builder.upstream_token_event(1_000 + at, n)
+    builder.client_token_writes(1_000 + 150, 1)
+    builder.client_token_writes(1_000 + 250, 1)
+    assert builder.freeze().client.tokens == (1, 3)
+
+
 def test_timeline_by_vantage() -> None:
     record = full_record()
     assert record.timeline(Vantage.CLIENT) is record.client

@@ -280,8 +280,9 @@ def test_the_live_window_trims_by_age_without_being_read() -> None:
 
 
 def test_the_live_window_keeps_to_its_memory_bound() -> None:
-    """Records of 3 events cost 2048 + 16 x 3 = 2096 bytes by the estimate (client side only):
-    a bound of 5000 bytes keeps two, evicts (and counts) the rest, oldest first."""
+    """Records of 3 events cost 2048 + 8 x 3 (instants) + 8 x 3 (token counts) = 2096 bytes by
+    the estimate (client side only): a bound of 5000 bytes keeps two, evicts (and counts) the
+    rest, oldest first. With a server side of 3 events too: + 8 x 3 instants = 2120."""
     from sidecar.sinks.window import WindowSink, approx_record_bytes
 
     now = [10_000 * MS]
@@ -289,6 +290,9 @@ def test_the_live_window_keeps_to_its_memory_bound() -> None:
     records = [make_record(marks((10, 1), (20, 1), (30, 1)), n_out=3, wall_ms=9_000 + i)
                for i in range(5)]
     assert approx_record_bytes(records[0]) == 2096
+    both = make_record(marks((10, 1), (20, 1), (30, 1)), n_out=3,
+                       server=Timeline.from_marks(2 * MS, marks((9, 1), (19, 1), (29, 1))))
+    assert approx_record_bytes(both) == 2120
     for record in records:
         window.on_record(record)
     assert window.records() == records[3:]

@@ -97,21 +97,23 @@ class RecordBuilder:
 
     def freeze(self, extra_attributes: Mapping[str, str] | None = None) -> RequestRecord:
         self.frozen = True
-        tokens = self._tokens
+        tokens = Int64s(self._tokens)
         server: Timeline | None = None
         if self.up_send_ns is not None:
             server = Timeline(
                 start_ns=self.up_send_ns,
                 offsets_ns=Int64s(self._up_offsets),
-                tokens=Int64s(tokens),
+                tokens=tokens,
                 end_ns=self.up_end_ns,
                 events_total=self.up_events,
             )
+        written = len(self._down_offsets)
         client = Timeline(
             start_ns=0,
-            # Client writes can be fewer than upstream events (client gone mid-stream).
             offsets_ns=Int64s(self._down_offsets),
-            tokens=Int64s(tokens[:len(self._down_offsets)]),
+            # The same events on both sides share one column; the client saw fewer when it left
+            # mid-stream.
+            tokens=tokens if written == len(tokens) else tokens[:written],
             end_ns=self.down_end_ns,
             events_total=self.down_events,
         )
