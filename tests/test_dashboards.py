@@ -18,7 +18,6 @@ import itertools
 import json
 import math
 import re
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-from prometheus_helpers import Prometheus, require_module, running_prometheus
+from prometheus_helpers import Prometheus, free_port, require_module, running_prometheus
 from proxy_stack import FAST_ENGINE
 
 from sidecar.cli import build_proxy_server
@@ -321,13 +320,6 @@ def prometheus_config(sidecar_admin: str, replicas: list[str], replay: str) -> s
     # No OpenTelemetry collector runs here; nothing in grafana/ queries its series.
     config["scrape_configs"] = [jobs["sidecar"], jobs["vllm"], jobs["replay"]]
     return yaml.safe_dump(config, sort_keys=False)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def start_replay(tmp_path: Path, target: str, metrics: str) -> asyncio.Task[int]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_helpers import free_port
 from test_replay import args_for
 
 from sidecar.record import Outcome
@@ -59,13 +59,6 @@ def test_counters_by_hand() -> None:
     assert value("sidecar_replay_send_lateness_seconds_sum") == pytest.approx(0.0012)
     counters.start_run(2, 5)  # a second run adds to the plan
     assert value("sidecar_replay_requests_planned_total") == 10 and value("sidecar_replay_run") == 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 async def test_a_replay_with_workers_serves_its_numbers_while_it_runs(tmp_path: Path) -> None:

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
-import shutil
-import socket
 import subprocess
-import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +14,7 @@ import aiohttp
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_helpers import Prometheus, require_binary, running_prometheus
 from proxy_stack import stack
 
 from sidecar import stats
@@ -162,15 +157,6 @@ def test_buckets_span_sub_millisecond_to_minutes() -> None:
     assert latency_buckets([0.05, 0.25])[:20].count(0.05) == 1
 
 
-def require_binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not installed: .ci/run must install Debian's prometheus")
-        pytest.skip(f"{name} not installed (apt-get install prometheus)")
-    return path
-
-
 def test_promtool_accepts_the_exposition() -> None:
     promtool = require_binary("promtool")
     registry = CollectorRegistry()
@@ -182,66 +168,17 @@ def test_promtool_accepts_the_exposition() -> None:
     assert done.stdout.strip() == b"" and done.stderr.strip() == b""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Prometheus:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        query = urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{query}", timeout=10) as response:
-            body = json.load(response)
-        assert body["status"] == "success", body
-        return list(body["data"]["result"])
-
-    def scalar(self, expr: str) -> float | None:
-        result = self.query(expr)
-        return float(result[0]["value"][1]) if result else None
-
-
 @pytest.fixture
 def prometheus_for(tmp_path: Path) -> Iterator[Any]:
-    binary = require_binary("prometheus")
-    processes: list[subprocess.Popen[bytes]] = []
+    """``start(target)``: a real Prometheus scraping ``target`` every second."""
+    with ExitStack() as stack_:
+        def start(target: str) -> Prometheus:
+            config = ("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                      "scrape_configs:\n  - job_name: sidecar\n    metrics_path: /metrics\n"
+                      f"    static_configs:\n      - targets: ['{target}']\n")
+            return stack_.enter_context(running_prometheus(config, tmp_path))
 
-    def start(target: str) -> Prometheus:
-        port = free_port()
-        config = tmp_path / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n  - job_name: sidecar\n    metrics_path: /metrics\n"
-            f"    static_configs:\n      - targets: ['{target}']\n")
-        log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        processes.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + "/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return Prometheus(url)
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError("prometheus did not become ready: "
-                             + (tmp_path / "prometheus.log").read_text()[-2000:])
-
-    yield start
-    for proc in processes:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        yield start
 
 
 def bucket_bounds(estimate: float, bounds: tuple[float, ...]) -> tuple[float, float]:
