@@ -7,6 +7,15 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from vllm_chunks import (
+    CHAT_BANG,
+    CHAT_HELLO,
+    CHAT_ROLE,
+    CHAT_USAGE,
+    COMPLETION_HELLO,
+    ERROR_COMPACT,
+    ERROR_SPACED,
+)
 
 from sidecar.protocol import (
     ChunkInfo,
@@ -19,43 +28,6 @@ from sidecar.protocol import (
     endpoint_for_path,
     error_body,
     stream_usage_options,
-)
-
-# Chunks copied from spec/vllm-protocol.md A1.
-CHAT_ROLE = (
-    '{"id":"chatcmpl-abc123","object":"chat.completion.chunk","created":1700000000,"model":"M",'
-    '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
-    '"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}'
-)
-CHAT_HELLO = (
-    '{"id":"chatcmpl-abc123","object":"chat.completion.chunk","created":1700000000,"model":"M",'
-    '"choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null,'
-    '"token_ids":null}],"kv_transfer_params":null}'
-)
-CHAT_BANG = (
-    '{"id":"chatcmpl-abc123","object":"chat.completion.chunk","created":1700000000,"model":"M",'
-    '"choices":[{"index":0,"delta":{"content":"!"},"logprobs":null,"finish_reason":"stop",'
-    '"stop_reason":null,"token_ids":null,"weight_versions":null}],'
-    '"system_fingerprint":"vllm-0.33.0-1a2b3c4d","kv_transfer_params":null}'
-)
-CHAT_USAGE = (
-    '{"id":"chatcmpl-abc123","object":"chat.completion.chunk","created":1700000000,"model":"M",'
-    '"choices":[],"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3},'
-    '"system_fingerprint":"vllm-0.33.0-1a2b3c4d"}'
-)
-COMPLETION_HELLO = (
-    '{"id":"cmpl-abc123","object":"text_completion","created":1700000000,"model":"M",'
-    '"choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":null,'
-    '"stop_reason":null,"prompt_token_ids":null,"token_ids":null,"weight_versions":null}],'
-    '"kv_transfer_params":null}'
-)
-ERROR_COMPACT = (
-    '{"error":{"message":"Internal server error","type":"InternalServerError","param":null,'
-    '"code":500}}'
-)
-ERROR_SPACED = (
-    '{"error": {"message": "Internal server error", "type": "InternalServerError", '
-    '"param": null, "code": 500}}'
 )
 
 FP = "vllm-0.33.0-1a2b3c4d"
