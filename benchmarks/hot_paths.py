@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         builder = RecordBuilder("r", 0, 0, "chat")
         for i in range(TOKENS):
             builder.upstream_token_event(1000 * i, 1)
-            builder.client_token_write(1000 * i + 50)
+            builder.client_token_writes(1000 * i + 50, 1)
         return TOKENS
 
     def record_of() -> object:
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         builder.replica = "10.0.0.5:8000"
         for i in range(TOKENS):
             builder.upstream_token_event(50_000_000 + 8_000_000 * i, 1)
-            builder.client_token_write(50_020_000 + 8_000_000 * i)
+            builder.client_token_writes(50_020_000 + 8_000_000 * i, 1)
         builder.n_in, builder.n_out, builder.token_source = 512, TOKENS, TokenSource.USAGE
         builder.up_end_ns = builder.down_end_ns = 50_100_000 + 8_000_000 * TOKENS
         builder.outcome = Outcome.OK

@@ -70,9 +70,6 @@ class RecordBuilder:
         self._up_offsets.append(now_ns - self.arrive_ns)
         self._tokens.append(n_tokens)
 
-    def client_token_write(self, now_ns: int) -> None:
-        self._down_offsets.append(now_ns - self.arrive_ns)
-
     def client_token_writes(self, now_ns: int, count: int) -> None:
         """``count`` token events that left in one write: all of them at its instant."""
         offset = now_ns - self.arrive_ns
