@@ -23,7 +23,7 @@ Checked on every input:
   (so the text edit never removes the wrong member; objects with a duplicated top-level key
   are not judged); insert_member returns bytes.
 
-Found and fixed in sidecar/proxy/rewrite.py on the way (each now a test in tests/test_fuzz.py):
+Found and fixed in sidecar/protocol/rewrite.py on the way (each now a test in tests/test_fuzz.py):
 a "usage" key nested in a later member was cut instead of the top-level one; a brace inside a
 string of the usage object was taken for its end (the event was cut into invalid JSON); a lone
 escaped surrogate made the re-encoding fallback raise.
@@ -42,8 +42,8 @@ import time
 from dataclasses import dataclass, field
 
 from sidecar.protocol.openai import ChunkKind, TokenCounter, classify_chunk
+from sidecar.protocol.rewrite import insert_member, strip_usage_member, without_usage
 from sidecar.protocol.sse import BOM, SSEError, SSEParser
-from sidecar.proxy.rewrite import insert_member, strip_usage_member, without_usage
 
 _TEXT_ALPHABET = ('abc xyz "\\{}[],:\n\r\t\u00e9\u4e2d\U0001f642' + "usage" * 3
                   + "data: [DONE]")

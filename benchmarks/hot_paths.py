@@ -27,9 +27,9 @@ from prometheus_client import CollectorRegistry
 from sidecar import stats
 from sidecar.hooks import SinkFanout, ThreadedSink
 from sidecar.protocol.openai import TokenCounter, classify_chunk
+from sidecar.protocol.rewrite import without_usage
 from sidecar.protocol.sse import SSEParser
 from sidecar.proxy.builder import RecordBuilder
-from sidecar.proxy.rewrite import without_usage
 from sidecar.record import Outcome, RequestShape, TokenSource
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import PrometheusSink

@@ -23,9 +23,12 @@ ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
     "tracefile": {"record"},
     "engine_metrics": set(),
-    "proxy": {"protocol", "record", "clock", "hooks", "config", "stats", "engine_metrics"},
+    "meter": {"protocol", "record"},
+    "proxy": {"protocol", "record", "clock", "hooks", "config", "stats", "engine_metrics",
+              "meter"},
     "sinks": {"record", "stats", "hooks", "config", "clock", "tracefile"},
-    "replay": {"protocol", "tracefile", "record", "stats", "clock", "engine_metrics", "config"},
+    "replay": {"protocol", "tracefile", "record", "stats", "clock", "engine_metrics", "config",
+               "meter"},
     "sim": {"protocol"},
     "demo": {"*"},
 }
@@ -33,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
 # Third-party packages each unit may use (the standard library is always allowed).
 THIRD_PARTY: dict[str, set[str]] = {
     "protocol": set(),
+    "meter": set(),
     "record": set(),
     "clock": set(),
     "stats": {"numpy"},

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.protocol.rewrite import insert_member, strip_usage_member, without_usage
 from sidecar.protocol.sse import SSEError, SSEParser
-from sidecar.proxy.rewrite import insert_member, strip_usage_member, without_usage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import fuzz_long  # noqa: E402  (benchmarks/fuzz_long.py: the generator and the checks)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sidecar.proxy.rewrite import (
+from sidecar.protocol.rewrite import (
     apply_usage_plan,
     event_payload,
     insert_member,

@@ -11,6 +11,7 @@ from array import array
 from collections.abc import Mapping
 from dataclasses import replace
 
+from sidecar.meter import StreamMeter
 from sidecar.record import (
     EngineTiming,
     Int64s,
@@ -77,6 +78,28 @@ class RecordBuilder:
             self._down_offsets.append(offset)
         else:
             self._down_offsets.extend([offset] * count)
+
+    def take_stream(self, meter: StreamMeter) -> None:
+        """What the measuring core counted on the upstream stream: the server-side stamps and
+        token column, the token totals, finish reason, engine timing and the first failure.
+        Called once when the stream ends, however it ends (a cancelled stream keeps the usage
+        that had arrived)."""
+        self._up_offsets = meter.offsets
+        self._tokens = meter.tokens
+        self.up_events = meter.events
+        n_in, n_out, n_cached, source = meter.token_totals
+        if source is not TokenSource.NONE:
+            self.n_in, self.n_out, self.n_cached, self.token_source = (n_in, n_out, n_cached,
+                                                                       source)
+        if meter.finish_reason is not None:
+            self.finish_reason = meter.finish_reason
+        if meter.engine is not None:
+            self.engine = meter.engine
+        if meter.failure is not None:
+            failure = meter.failure
+            self.fail(failure.outcome, failure.error_type, failure.status)
+        if self.text_parts is not None and meter.text_parts is not None:
+            self.text_parts.extend(meter.text_parts)
 
     # -- outcome ---------------------------------------------------------------------------
 

@@ -32,28 +32,24 @@ from sidecar import clock
 from sidecar.config import ProxyConfig, RoutePolicy, read_capture_key
 from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.hooks import SinkFanout
+from sidecar.meter import StreamMeter, choices_text
+from sidecar.protocol.assemble import StreamAssembler
 from sidecar.protocol.openai import (
-    ChunkKind,
     ErrorInfo,
-    TokenCounter,
     Usage,
-    classify_chunk,
     endpoint_for_path,
     error_body,
     safe_error_type,
     stream_usage_options,
 )
-from sidecar.protocol.sse import DONE_EVENT, SSEError, SSEParser, encode_data_event
-from sidecar.proxy.assemble import StreamAssembler
-from sidecar.proxy.builder import RecordBuilder
-from sidecar.proxy.rewrite import (
+from sidecar.protocol.rewrite import (
     NO_CHANGE,
     UsagePlan,
-    insert_member,
     plan_usage,
     request_with_usage,
-    without_usage,
 )
+from sidecar.protocol.sse import DONE_EVENT, encode_data_event
+from sidecar.proxy.builder import RecordBuilder
 from sidecar.proxy.routing import Replica, Router
 from sidecar.proxy.shape import PrefixHasher, chat_text, request_shape
 from sidecar.record import EngineTiming, Outcome, TokenSource
@@ -642,8 +638,7 @@ class Proxy:
                 response.headers.update(filtered_headers(upstream.headers))
                 response.headers[REQUEST_ID_HEADER] = builder.request_id
                 await response.prepare(request)
-                await self._relay_stream(upstream, response, endpoint, builder, plan,
-                                         timeouts)
+                await self._relay_stream(upstream, response, builder, plan, timeouts)
             completed = True
             return response
         except asyncio.CancelledError:
@@ -753,133 +748,51 @@ class Proxy:
         return response
 
     async def _relay_stream(self, upstream: aiohttp.ClientResponse,
-                            response: web.StreamResponse, endpoint: str,
-                            builder: RecordBuilder, plan: UsagePlan,
-                            timeouts: _Timeouts) -> None:
-        """The per-event hot path.
-
-        Every event of one upstream read is parsed, classified and stamped on its own (the read's
-        instant is its server-side stamp), and whatever the read yields for the client goes out
-        in one write: one syscall per read instead of one per event, which matters most when
-        the proxy falls behind and reads start carrying several events. The client-side stamp
-        of each token event is that write's instant.
-        """
-        parser = SSEParser(max_event_size=self.config.max_event_bytes)
-        counter = TokenCounter()
+                            response: web.StreamResponse, builder: RecordBuilder,
+                            plan: UsagePlan, timeouts: _Timeouts) -> None:
+        """The per-read hot path: the measuring core (`StreamMeter`) parses, classifies,
+        counts and stamps each read (its instant is the server-side stamp of every event in
+        it), and whatever the read yields for the client goes out in one write: one syscall
+        per read, which matters most when the proxy falls behind and reads carry several
+        events. The client-side stamp of each token event is that write's instant."""
+        meter = StreamMeter(builder.arrive_ns, plan, max_event_bytes=self.config.max_event_bytes,
+                            keep_text=builder.text_parts is not None)
         now = clock.monotonic_ns
         write = response.write
-        strip = plan.strip_chunk_usage
-        drop_usage_chunk = plan.drop_usage_chunk
-        held: bytes | None = None  # a finish chunk waiting for the fingerprint (see below)
-        held_cut: int | None = None
-        held_tokens = False
-        usage: Usage | None = None
-        saw_done = False
-        first_token = True
+        feed = meter.feed
         idle = timeouts.idle
-        failure: UpstreamFailure | None = None
-        out_events: list[bytes] = []  # what this read sends to the client, in order
-        out_tokens = 0  # how many of them carry tokens (each gets the write's instant)
-        async for data in upstream.content.iter_any():
-            t_up = now()
-            idle.last_ns = t_up
-            try:
-                events = parser.feed(data)
-            except SSEError as exc:
-                # Relay the events completed before the oversized one, then fail.
-                events = exc.events
-                failure = _oversized(exc)
-            for event in events:
-                builder.up_events += 1
-                payload = event.data
-                if payload is None:  # a comment (keep-alive): forwarded as is, in order
-                    if held is not None:
-                        out_events.append(held)
-                        out_tokens += held_tokens
-                        held = None
-                    out_events.append(event.raw)
-                    continue
-                info = classify_chunk(payload)
-                kind = info.kind
-                n_tokens = counter.observe(info)
-                if kind is ChunkKind.TOKEN:
-                    builder.upstream_token_event(t_up, n_tokens)
-                    if first_token:
-                        first_token = False
-                        timeouts.ttft.disarm()
-                    if builder.text_parts is not None:
-                        builder.text_parts.append(chunk_text(payload))
-                elif kind is ChunkKind.DONE:
-                    saw_done = True
-                elif kind is ChunkKind.USAGE:
-                    builder.engine = _engine_metrics(info) or builder.engine
-                elif kind is ChunkKind.ERROR:
-                    error = info.error
-                    status = error.code if error and isinstance(error.code, int) else 500
-                    builder.fail(Outcome.HTTP_ERROR, safe_error_type(error, status), status)
-                elif kind is ChunkKind.MALFORMED:
-                    builder.fail(Outcome.UPSTREAM_ERROR, "malformed_chunk", 502)
-                if info.finish_reason is not None:
-                    builder.finish_reason = info.finish_reason
-                out = event.raw
-                cut: int | None = None
-                if info.usage is not None:
-                    usage = info.usage
-                    if strip and kind is not ChunkKind.USAGE:
-                        out, cut, reencoded = without_usage(out, payload)
-                        self.rewritten_events += reencoded
-                if held is not None:
-                    if kind is ChunkKind.USAGE and info.system_fingerprint is not None:
-                        held = insert_member(held, held_cut, "system_fingerprint",
-                                             info.system_fingerprint)
-                    out_events.append(held)
-                    out_tokens += held_tokens
-                    held = None
-                if drop_usage_chunk:
-                    if kind is ChunkKind.USAGE:
-                        continue  # the client did not ask for usage: it never sees this chunk
-                    if info.finish_reason is not None:
-                        # Without include_usage vLLM puts system_fingerprint on the finish
-                        # chunk; with it, on the usage chunk. Hold the finish chunk until the
-                        # usage chunk (sent right after it) gives the fingerprint back.
-                        held, held_cut, held_tokens = out, cut, kind is ChunkKind.TOKEN
-                        continue
-                out_events.append(out)
-                out_tokens += kind is ChunkKind.TOKEN
-            if out_events:
-                await self._write_events(write, builder, out_events, out_tokens)
-                out_events = []
-                out_tokens = 0
-            if failure is not None:
-                if held is not None:
-                    await self._write_events(write, builder, [held], held_tokens)
-                raise failure
-        builder.up_end_ns = builder.offset(now())
-        if held is not None:
-            await self._write_events(write, builder, [held], held_tokens)
-        # Token accounting: the final usage (or the last cumulative one) is authoritative.
-        if usage is not None:
-            builder.n_in = usage.prompt_tokens
-            builder.n_out = usage.completion_tokens
-            builder.n_cached = usage.cached_tokens
-            builder.token_source = TokenSource.USAGE if counter.exact else TokenSource.USAGE_TOTAL
-        elif counter.total:
-            builder.n_out = counter.total
-            builder.token_source = TokenSource.CHUNK_COUNT
-        parser.close()
-        if not saw_done:
-            where = "mid_event" if parser.truncated else "without_done"
-            raise UpstreamFailure(Outcome.UPSTREAM_ERROR, f"stream_cut_{where}", 502,
-                                  "The upstream stream ended before [DONE].")
+        awaiting_first_token = True
+        try:
+            async for data in upstream.content.iter_any():
+                t_up = now()
+                idle.last_ns = t_up
+                out, n_events, n_token_events = feed(data, t_up)
+                if awaiting_first_token and meter.offsets:
+                    awaiting_first_token = False
+                    timeouts.ttft.disarm()
+                if out:
+                    await self._write_events(write, builder, out, n_events, n_token_events)
+                if meter.fatal is not None:
+                    break
+            builder.up_end_ns = builder.offset(now())
+            out, n_events, n_token_events = meter.close()
+            if out:
+                await self._write_events(write, builder, out, n_events, n_token_events)
+        finally:
+            builder.take_stream(meter)
+            self.rewritten_events += meter.rewritten
+        if meter.fatal is not None:
+            raise UpstreamFailure(*meter.fatal)
         await response.write_eof()
         builder.down_end_ns = builder.offset(now())
 
     @staticmethod
-    async def _write_events(write: Any, builder: RecordBuilder, events: list[bytes],
+    async def _write_events(write: Any, builder: RecordBuilder, out: bytes, n_events: int,
                             n_token_events: int) -> None:
-        """One write for the events of one read; each token event is stamped with its end."""
-        await write(events[0] if len(events) == 1 else b"".join(events))
-        builder.down_events += len(events)
+        """One write for what one read yielded; each token event in it is stamped with the
+        write's end (the bytes are in the kernel's socket buffer then)."""
+        await write(out)
+        builder.down_events += n_events
         if n_token_events:
             builder.client_token_writes(clock.monotonic_ns(), n_token_events)
 
@@ -887,65 +800,30 @@ class Proxy:
                         endpoint: str, builder: RecordBuilder,
                         timeouts: _Timeouts) -> web.StreamResponse:
         """Stream from the upstream, answer the non-streaming client with one JSON body."""
-        parser = SSEParser(max_event_size=self.config.max_event_bytes)
-        counter = TokenCounter()
         assembler = StreamAssembler(endpoint)
-        usage: Usage | None = None
-        error: ErrorInfo | None = None
-        saw_done = False
-        failure: UpstreamFailure | None = None
-        async for data in upstream.content.iter_any():
-            t_up = clock.monotonic_ns()
-            timeouts.idle.last_ns = t_up
-            try:
-                events = parser.feed(data)
-            except SSEError as exc:
-                events = exc.events  # measure what came before the oversized event, then fail
-                failure = _oversized(exc)
-            for event in events:
-                builder.up_events += 1
-                if event.data is None:
-                    continue
-                info = classify_chunk(event.data)
-                n_tokens = counter.observe(info)
-                if info.kind is ChunkKind.TOKEN:
-                    builder.upstream_token_event(t_up, n_tokens)
+        meter = StreamMeter(builder.arrive_ns, forward=False,
+                            max_event_bytes=self.config.max_event_bytes,
+                            keep_text=builder.text_parts is not None, assembler=assembler)
+        try:
+            async for data in upstream.content.iter_any():
+                t_up = clock.monotonic_ns()
+                timeouts.idle.last_ns = t_up
+                meter.feed(data, t_up)
+                if meter.offsets:
                     timeouts.ttft.disarm()
-                    if builder.text_parts is not None:
-                        builder.text_parts.append(chunk_text(event.data))
-                elif info.kind is ChunkKind.DONE:
-                    saw_done = True
-                    continue
-                elif info.kind is ChunkKind.ERROR:
-                    error = info.error
-                elif info.kind is ChunkKind.MALFORMED:
-                    raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "malformed_chunk", 502,
-                                          "The upstream sent a malformed chunk.")
-                if info.usage is not None:
-                    usage = info.usage
-                if info.kind is ChunkKind.USAGE:
-                    builder.engine = _engine_metrics(info) or builder.engine
-                if info.finish_reason is not None:
-                    builder.finish_reason = info.finish_reason
-                chunk = json.loads(event.data)
-                if isinstance(chunk, dict):
-                    assembler.feed(chunk)
-            if failure is not None:
-                raise failure
-        builder.up_end_ns = builder.offset(clock.monotonic_ns())
-        parser.close()
-        if usage is not None:
-            builder.n_in, builder.n_out = usage.prompt_tokens, usage.completion_tokens
-            builder.n_cached = usage.cached_tokens
-            builder.token_source = TokenSource.USAGE if counter.exact else TokenSource.USAGE_TOTAL
-        if error is not None:
-            status = error.code if isinstance(error.code, int) else 500
-            builder.fail(Outcome.HTTP_ERROR, safe_error_type(error, status), status)
+                if meter.fatal is not None:
+                    break
+            builder.up_end_ns = builder.offset(clock.monotonic_ns())
+            meter.close()
+        finally:
+            builder.take_stream(meter)
+        failure = meter.failure
+        if failure is not None and failure.outcome is Outcome.HTTP_ERROR:
+            # The upstream's own error event: the client gets it as the JSON error it is.
             response: web.StreamResponse = json_error(
-                status, error.message, error.type or "InternalServerError", builder.request_id)
-        elif not saw_done:
-            raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "stream_cut_without_done", 502,
-                                  "The upstream stream ended before [DONE].")
+                failure.status, failure.message, failure.err_type, builder.request_id)
+        elif meter.fatal is not None:
+            raise UpstreamFailure(*meter.fatal)
         else:
             response = web.Response(body=assembler.body(), status=200,
                                     content_type="application/json")
@@ -954,11 +832,6 @@ class Proxy:
         await response.write_eof()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         return response
-
-
-def _oversized(exc: SSEError) -> UpstreamFailure:
-    return UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_event", 502,
-                           f"The upstream sent an unparseable stream: {exc}")
 
 
 async def _read_body(upstream: aiohttp.ClientResponse) -> bytes:
@@ -996,47 +869,8 @@ def _abort(request: web.Request) -> None:
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-def choices_text(choices: list[Any]) -> str:
-    """The visible text of OpenAI choices (chat deltas or messages, or completion text)."""
-    parts: list[str] = []
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        holder = choice.get("delta") or choice.get("message")
-        if isinstance(holder, dict):
-            for key in ("reasoning", "reasoning_content", "content"):
-                if isinstance(holder.get(key), str):
-                    parts.append(holder[key])
-        elif isinstance(choice.get("text"), str):
-            parts.append(choice["text"])
-    return "".join(parts)
-
-
-def chunk_text(payload: str) -> str:
-    """The text of one streamed chunk (opt-in text capture only: parses the JSON again)."""
-    try:
-        obj = json.loads(payload)
-    except (ValueError, RecursionError):
-        return ""
-    choices = obj.get("choices") if isinstance(obj, dict) else None
-    return choices_text(choices) if isinstance(choices, list) else ""
-
-
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def _engine_metrics(info: Any) -> EngineTiming | None:
-    metrics = info.metrics
-    if metrics is None:
-        return None
-    return EngineTiming(
-        time_to_first_token_ms=metrics.time_to_first_token_ms,
-        generation_time_ms=metrics.generation_time_ms,
-        queue_time_ms=metrics.queue_time_ms,
-        mean_itl_ms=metrics.mean_itl_ms,
-        tokens_per_second=metrics.tokens_per_second,
-    )
 
 
 def _engine_timing(obj: Any) -> EngineTiming | None:

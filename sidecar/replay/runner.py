@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,17 +23,9 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from sidecar import clock
-from sidecar.protocol.openai import (
-    ChunkKind,
-    ErrorInfo,
-    TokenCounter,
-    Usage,
-    classify_chunk,
-    safe_error_type,
-)
-from sidecar.protocol.sse import SSEError, SSEParser
+from sidecar.meter import StreamFailure, StreamMeter
+from sidecar.protocol.openai import ErrorInfo, Usage, safe_error_type
 from sidecar.record import (
-    EngineTiming,
     Int64s,
     Outcome,
     RequestRecord,
@@ -102,17 +93,11 @@ class Sender:
         endpoint = "chat" if planned.path.endswith("/chat/completions") else "completions"
         stream = planned.body.get("stream") is True
         request_id = f"{self.request_id_prefix}-{planned.index}-{uuid.uuid4().hex[:12]}"
-        offsets = array("q")  # token-carrying events: when (ns since start) and how many
-        tokens = array("q")
-        events = 0
-        usage: Usage | None = None
-        engine: EngineTiming | None = None
-        counter = TokenCounter()
-        outcome = Outcome.OK
+        meter: StreamMeter | None = None
+        usage: Usage | None = None  # of a non-streamed answer
+        failure: StreamFailure | None = None
         status: int | None = None
-        error_type: str | None = None
         finish_reason: str | None = None
-        saw_done = False
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         wall, start = clock.anchor()
@@ -128,68 +113,50 @@ class Sender:
                     data = await response.read()
                     obj = _json(data)
                     if status != 200:
-                        outcome = Outcome.HTTP_ERROR
                         error = ErrorInfo.from_obj(obj.get("error")) if isinstance(
                             obj, dict) else None
-                        error_type = safe_error_type(error, status)
+                        failure = StreamFailure(Outcome.HTTP_ERROR,
+                                                safe_error_type(error, status), status, "")
                     elif isinstance(obj, dict):
                         usage = Usage.from_obj(obj.get("usage"))
                         finish_reason = _finish_reason(obj)
                 else:
-                    parser = SSEParser()
+                    # The same measuring core as the proxy's: the client vantage here.
+                    meter = StreamMeter(start, forward=False)
                     async for chunk in response.content.iter_any():
-                        now = clock.monotonic_ns()
-                        for event in parser.feed(chunk):
-                            if event.data is None:
-                                continue
-                            events += 1
-                            info = classify_chunk(event.data)
-                            n_tokens = counter.observe(info)
-                            kind = info.kind
-                            if kind is ChunkKind.TOKEN:
-                                offsets.append(now - start)
-                                tokens.append(n_tokens)
-                            elif kind is ChunkKind.DONE:
-                                saw_done = True
-                            elif kind is ChunkKind.ERROR:
-                                outcome = Outcome.HTTP_ERROR
-                                error_type = safe_error_type(info.error, 500)
-                            elif kind is ChunkKind.MALFORMED and outcome is Outcome.OK:
-                                outcome, error_type = Outcome.UPSTREAM_ERROR, "malformed_chunk"
-                            if info.usage is not None:
-                                usage = info.usage
-                            if info.metrics is not None:
-                                m = info.metrics
-                                engine = EngineTiming(m.time_to_first_token_ms,
-                                                      m.generation_time_ms, m.queue_time_ms,
-                                                      m.mean_itl_ms, m.tokens_per_second)
-                            if info.finish_reason is not None:
-                                finish_reason = info.finish_reason
-                    if not saw_done and outcome is Outcome.OK:
-                        outcome, error_type = Outcome.UPSTREAM_ERROR, "stream_cut"
+                        meter.feed(chunk, clock.monotonic_ns())
+                        if meter.fatal is not None:
+                            break
+                    meter.close()
         except asyncio.TimeoutError:
-            outcome, error_type = Outcome.TIMEOUT, "request_timeout"
-        except SSEError:
-            outcome, error_type = Outcome.UPSTREAM_ERROR, "oversized_event"
+            failure = StreamFailure(Outcome.TIMEOUT, "request_timeout", 504, "")
         except (aiohttp.ClientError, OSError) as exc:
-            outcome, error_type = Outcome.UPSTREAM_ERROR, type(exc).__name__
+            failure = StreamFailure(Outcome.UPSTREAM_ERROR, type(exc).__name__, 502, "")
         finally:
             self.in_flight -= 1
         end = clock.monotonic_ns()
+        if meter is not None:
+            # The first thing that went wrong is the cause: a stream failure read before a
+            # transport error or a timeout.
+            failure = meter.failure or failure
+            n_in, n_out, n_cached, source = meter.token_totals
+            finish_reason = meter.finish_reason
+            client = Timeline(start_ns=0, offsets_ns=Int64s(meter.offsets),
+                              tokens=Int64s(meter.tokens), end_ns=end - start,
+                              events_total=meter.events)
+            engine = meter.engine
+        else:
+            n_in = usage.prompt_tokens if usage else None
+            n_out = usage.completion_tokens if usage else None
+            n_cached = usage.cached_tokens if usage else None
+            source = TokenSource.USAGE_TOTAL if usage else TokenSource.NONE
+            client = Timeline(start_ns=0, end_ns=end - start)
+            engine = None
+        outcome = failure.outcome if failure is not None else Outcome.OK
         self.done += 1
         self.failed += outcome is not Outcome.OK
         if self.counters is not None:
             self.counters.completed(outcome)
-        n_out: int | None
-        if usage is not None:
-            # Per-event counts are exact only when every chunk carried cumulative usage.
-            exact_events = stream and counter.exact and bool(offsets)
-            source = TokenSource.USAGE if exact_events else TokenSource.USAGE_TOTAL
-            n_out = usage.completion_tokens
-        elif counter.total:
-            source, n_out = TokenSource.CHUNK_COUNT, counter.total
-        else:
-            source, n_out = TokenSource.NONE, None
         record = RequestRecord(
             request_id=request_id,
             wall_time_ns=wall,
@@ -198,17 +165,15 @@ class Sender:
             model=planned.body.get("model"),
             client_stream=stream,
             upstream_stream=stream,
-            client=Timeline(start_ns=0, offsets_ns=Int64s(offsets), tokens=Int64s(tokens),
-                            end_ns=end - start,
-                            events_total=events),
+            client=client,
             engine=engine,
-            n_in=usage.prompt_tokens if usage else None,
+            n_in=n_in,
             n_out=n_out,
-            n_cached=usage.cached_tokens if usage else None,
+            n_cached=n_cached,
             token_source=source,
             finish_reason=finish_reason,
             http_status=status,
-            error_type=error_type,
+            error_type=failure.error_type if failure is not None else None,
             replica=self.target.split("://", 1)[-1],
         )
         actual = start - run_start_ns

@@ -1,0 +1,304 @@
+"""The measuring core, sans-IO: one streamed response in, what to forward and what it counted out.
+
+Every path that measures a stream uses this one class: the proxy's streaming relay, its assembled
+non-streaming path and the replay sender. It owns no socket and reads no clock: the caller feeds
+each read's bytes with the instant they arrived (``time.perf_counter_ns()``, see clock.py) and
+writes what `StreamMeter.feed` returns. What it does per read:
+
+- SSE framing (`SSEParser`), every event classified once (`classify_chunk`) and its output
+  tokens counted (`TokenCounter`: exact from continuous usage, else one per token event);
+- one stamp per token-carrying event, the read's instant (all events of one read arrived
+  together), with the event's token count beside it, as offsets from ``origin_ns``;
+- usage the proxy asked for on the client's behalf cut back out (`UsagePlan`, rewrite.py): the
+  per-chunk ``usage`` member, the usage-only chunk, and the finish chunk held until that usage
+  chunk gives back its ``system_fingerprint``;
+- the finish rules, in one place: N_in / N_out / N_cached and where they came from, the finish
+  reason, the engine's per-request timing, and the failures, mapped to outcomes once
+  (`StreamFailure`): an error event, a malformed chunk, an oversized event, a stream cut before
+  ``[DONE]`` (mid-event or between events).
+
+Failures come in two strengths. ``failure`` is the first thing that went wrong, for the record
+(first cause wins). ``fatal`` is set when the stream cannot go on (an oversized event; with an
+assembler, a chunk it cannot use): the caller stops reading, forwards what `feed` returned and
+fails the request. A stream that just ends without ``[DONE]`` is found by `close`.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from typing import Any, NamedTuple, Protocol
+
+from sidecar.protocol.openai import (
+    ChunkInfo,
+    ChunkKind,
+    TokenCounter,
+    Usage,
+    classify_chunk,
+    safe_error_type,
+)
+from sidecar.protocol.rewrite import NO_CHANGE, UsagePlan, insert_member, without_usage
+from sidecar.protocol.sse import DEFAULT_MAX_EVENT_SIZE, SSEError, SSEParser
+from sidecar.record import EngineTiming, Outcome, TokenSource
+
+
+class StreamFailure(NamedTuple):
+    """Why a request failed, in every form its consumers need: the record's outcome and short
+    cause, the HTTP status, a message for the client and the `type` of the vLLM-shaped error."""
+
+    outcome: Outcome
+    error_type: str
+    status: int
+    message: str
+    err_type: str = "BadGateway"
+
+
+def stream_cut(mid_event: bool) -> StreamFailure:
+    where = "mid_event" if mid_event else "without_done"
+    return StreamFailure(Outcome.UPSTREAM_ERROR, f"stream_cut_{where}", 502,
+                         "The upstream stream ended before [DONE].")
+
+
+MALFORMED_CHUNK = StreamFailure(Outcome.UPSTREAM_ERROR, "malformed_chunk", 502,
+                                "The upstream sent a malformed chunk.")
+
+
+def oversized_event(exc: SSEError) -> StreamFailure:
+    return StreamFailure(Outcome.UPSTREAM_ERROR, "oversized_event", 502,
+                         f"The upstream sent an unparseable stream: {exc}")
+
+
+def error_event_failure(info: ChunkInfo) -> StreamFailure:
+    """A mid-stream ``{"error": ...}`` event: the upstream's own error, with its code."""
+    error = info.error
+    status = error.code if error is not None and type(error.code) is int else 500
+    message = error.message if error is not None else ""
+    err_type = (error.type if error is not None and error.type else None) or \
+        "InternalServerError"
+    return StreamFailure(Outcome.HTTP_ERROR, safe_error_type(error, status), status, message,
+                         err_type)
+
+
+class ChunkConsumer(Protocol):
+    """Takes every parsed chunk object of a stream (the non-streaming assembler)."""
+
+    def feed(self, chunk: dict[str, Any]) -> None: ...
+
+
+class StreamMeter:
+    """Measures one streamed response; see the module docstring.
+
+    ``forward``: build the bytes to send on (the proxy's streaming relay); off for consumers
+    that only measure (the replay sender, the assembler). ``plan``: what the proxy added to the
+    request, to be cut out again. ``keep_text``: collect the visible text (opt-in capture only).
+    ``assembler``: fed every chunk object; a chunk it cannot take is then fatal.
+    """
+
+    __slots__ = (
+        "origin_ns", "offsets", "tokens", "events", "_parser", "_counter", "_forward",
+        "_strip", "_drop_usage_chunk", "_held", "_held_cut", "_held_tokens", "usage",
+        "saw_done", "finish_reason", "engine", "failure", "fatal", "rewritten", "text_parts",
+        "assembler", "_closed",
+    )
+
+    def __init__(self, origin_ns: int, plan: UsagePlan = NO_CHANGE, *, forward: bool = True,
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_SIZE, keep_text: bool = False,
+                 assembler: ChunkConsumer | None = None) -> None:
+        self.origin_ns = origin_ns
+        self.offsets = array("q")  # token-carrying events: arrival offsets from origin_ns
+        self.tokens = array("q")  # ... and the output tokens each carried
+        self.events = 0  # every event block read, comments included
+        self._parser = SSEParser(max_event_size=max_event_bytes)
+        self._counter = TokenCounter()
+        self._forward = forward
+        self._strip = plan.strip_chunk_usage
+        self._drop_usage_chunk = plan.drop_usage_chunk
+        self._held: bytes | None = None  # a finish chunk waiting for the fingerprint
+        self._held_cut: int | None = None
+        self._held_tokens = 0
+        self.usage: Usage | None = None  # the last usage seen (cumulative, then final)
+        self.saw_done = False
+        self.finish_reason: str | None = None
+        self.engine: EngineTiming | None = None
+        self.failure: StreamFailure | None = None  # first failure, for the record
+        self.fatal: StreamFailure | None = None  # the stream cannot go on
+        self.rewritten = 0  # events re-encoded because they could not be edited as text
+        self.text_parts: list[str] | None = [] if keep_text else None
+        self.assembler = assembler
+        self._closed = False
+
+    # -- per read: the hot path -----------------------------------------------------------
+
+    def feed(self, data: bytes, now_ns: int) -> tuple[bytes, int, int]:
+        """One upstream read that arrived at ``now_ns``. Returns the bytes to forward now (one
+        write), how many events they hold, and how many of those carry tokens (each is stamped
+        with that write's instant on the client side)."""
+        try:
+            events = self._parser.feed(data)
+        except SSEError as exc:
+            # Measure and relay the events completed before the oversized one, then stop.
+            events = exc.events
+            self.fatal = oversized_event(exc)
+        forward = self._forward
+        out: list[bytes] = []
+        out_tokens = 0
+        offset = now_ns - self.origin_ns
+        counter = self._counter
+        for event in events:
+            self.events += 1
+            payload = event.data
+            if payload is None:  # a comment (keep-alive): forwarded as is, in order
+                if forward:
+                    if self._held is not None:
+                        out.append(self._held)
+                        out_tokens += self._held_tokens
+                        self._held = None
+                    out.append(event.raw)
+                continue
+            info = classify_chunk(payload)
+            kind = info.kind
+            n_tokens = counter.observe(info)
+            if kind is ChunkKind.TOKEN:
+                self.offsets.append(offset)
+                self.tokens.append(n_tokens)
+                if self.text_parts is not None:
+                    self.text_parts.append(chunk_text(payload))
+            elif kind is ChunkKind.DONE:
+                self.saw_done = True
+            elif kind is ChunkKind.USAGE:
+                self.engine = engine_timing(info) or self.engine
+            elif kind is ChunkKind.ERROR:
+                if self.failure is None:
+                    self.failure = error_event_failure(info)
+            elif kind is ChunkKind.MALFORMED:
+                if self.failure is None:
+                    self.failure = MALFORMED_CHUNK
+                if self.assembler is not None:
+                    self.fatal = MALFORMED_CHUNK
+                    break
+            if info.finish_reason is not None:
+                self.finish_reason = info.finish_reason
+            if info.usage is not None:
+                self.usage = info.usage
+            if self.assembler is not None and kind is not ChunkKind.DONE:
+                chunk = json.loads(payload)
+                if type(chunk) is dict:
+                    self.assembler.feed(chunk)
+            if not forward:
+                continue
+            raw = event.raw
+            cut: int | None = None
+            if info.usage is not None and self._strip and kind is not ChunkKind.USAGE:
+                raw, cut, reencoded = without_usage(raw, payload)
+                self.rewritten += reencoded
+            if self._held is not None:
+                held = self._held
+                if kind is ChunkKind.USAGE and info.system_fingerprint is not None:
+                    held = insert_member(held, self._held_cut, "system_fingerprint",
+                                         info.system_fingerprint)
+                out.append(held)
+                out_tokens += self._held_tokens
+                self._held = None
+            if self._drop_usage_chunk:
+                if kind is ChunkKind.USAGE:
+                    continue  # the client did not ask for usage: it never sees this chunk
+                if info.finish_reason is not None:
+                    # Without include_usage vLLM puts system_fingerprint on the finish chunk;
+                    # with it, on the usage chunk. Hold the finish chunk until the usage chunk
+                    # (sent right after it) gives the fingerprint back.
+                    self._held, self._held_cut = raw, cut
+                    self._held_tokens = 1 if kind is ChunkKind.TOKEN else 0
+                    continue
+            out.append(raw)
+            out_tokens += kind is ChunkKind.TOKEN
+        if self.fatal is not None:
+            self.failure = self.failure or self.fatal
+            if self._held is not None:
+                out.append(self._held)
+                out_tokens += self._held_tokens
+                self._held = None
+        if not out:
+            return b"", 0, 0
+        return (out[0] if len(out) == 1 else b"".join(out)), len(out), out_tokens
+
+    # -- end of the upstream stream -------------------------------------------------------
+
+    def close(self) -> tuple[bytes, int, int]:
+        """The upstream's stream ended. Returns what is still to forward (a held finish chunk)
+        as `feed` does; a stream that ended without ``[DONE]`` sets `fatal` (and `failure`,
+        unless something failed before)."""
+        if self._closed:
+            return b"", 0, 0
+        self._closed = True
+        self._parser.close()
+        if not self.saw_done and self.fatal is None:
+            self.fatal = stream_cut(self._parser.truncated)
+            self.failure = self.failure or self.fatal
+        held, self._held = self._held, None
+        if held is None:
+            return b"", 0, 0
+        return held, 1, self._held_tokens
+
+    @property
+    def token_events(self) -> int:
+        return len(self.offsets)
+
+    # -- the finish rules -----------------------------------------------------------------
+
+    @property
+    def token_totals(self) -> tuple[int | None, int | None, int | None, TokenSource]:
+        """(N_in, N_out, N_cached, where they came from). The last usage is authoritative
+        (the final usage chunk, else the last cumulative count, which is all a cut or
+        cancelled stream has); without usage, one token per token event, an estimate."""
+        usage = self.usage
+        counter = self._counter
+        if usage is not None:
+            source = TokenSource.USAGE if counter.exact else TokenSource.USAGE_TOTAL
+            return usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, source
+        if counter.total:
+            return None, counter.total, None, TokenSource.CHUNK_COUNT
+        return None, None, None, TokenSource.NONE
+
+    @property
+    def text(self) -> str | None:
+        return None if self.text_parts is None else "".join(self.text_parts)
+
+
+def engine_timing(info: ChunkInfo) -> EngineTiming | None:
+    """vLLM's per-request metrics (sent beside usage) as the record's engine timing."""
+    metrics = info.metrics
+    if metrics is None:
+        return None
+    return EngineTiming(
+        time_to_first_token_ms=metrics.time_to_first_token_ms,
+        generation_time_ms=metrics.generation_time_ms,
+        queue_time_ms=metrics.queue_time_ms,
+        mean_itl_ms=metrics.mean_itl_ms,
+        tokens_per_second=metrics.tokens_per_second,
+    )
+
+
+def choices_text(choices: list[Any]) -> str:
+    """The visible text of OpenAI choices (chat deltas or messages, or completion text)."""
+    parts: list[str] = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        holder = choice.get("delta") or choice.get("message")
+        if isinstance(holder, dict):
+            for key in ("reasoning", "reasoning_content", "content"):
+                if isinstance(holder.get(key), str):
+                    parts.append(holder[key])
+        elif isinstance(choice.get("text"), str):
+            parts.append(choice["text"])
+    return "".join(parts)
+
+
+def chunk_text(payload: str) -> str:
+    """The text of one streamed chunk (opt-in text capture only: parses the JSON again)."""
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError):
+        return ""
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    return choices_text(choices) if isinstance(choices, list) else ""

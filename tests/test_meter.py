@@ -1,0 +1,275 @@
+"""The measuring core, fed bytes as they would arrive: every split point, one byte at a time.
+
+Stamps are hand-worked: an event is stamped with the instant of the read that completed it, as
+an offset from the meter's origin. Token counts: from continuous usage when the upstream sent
+it (deltas of the cumulative count), else one per token event.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm_chunks import CHAT_BANG, CHAT_HELLO, CHAT_ROLE, CHAT_USAGE, ERROR_COMPACT
+
+from sidecar.meter import StreamMeter
+from sidecar.protocol.assemble import StreamAssembler
+from sidecar.protocol.rewrite import NO_CHANGE, UsagePlan
+from sidecar.record import Outcome, TokenSource
+
+ORIGIN = 1_000_000
+FINGERPRINT = "vllm-0.33.0-1a2b3c4d"
+
+
+def event(payload: str) -> bytes:
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def with_usage(payload: str, completion: int, prompt: int = 12) -> str:
+    """A chunk as vLLM sends it with continuous usage: `usage` after `choices`."""
+    obj = json.loads(payload)
+    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+             "completion_tokens": completion, "completion_tokens_details": None}
+    out: dict[str, object] = {}
+    for key, value in obj.items():
+        if key == "system_fingerprint":
+            continue  # with include_usage vLLM moves it to the usage chunk
+        out[key] = value
+        if key == "choices":
+            out["usage"] = usage
+    return json.dumps(out, separators=(",", ":"))
+
+
+# The plain stream a client that asked for nothing gets: role, "Hello", "!" (finish + fingerprint).
+PLAIN = [event(CHAT_ROLE), event(CHAT_HELLO), event(CHAT_BANG), DONE]
+PLAIN_BYTES = b"".join(PLAIN)
+# What the upstream sends when the proxy injected include_usage + continuous_usage_stats for
+# that client: cumulative usage on every chunk (role 0, Hello 2 tokens, "!" 3), then the usage
+# chunk with the fingerprint. "Hello" carrying 2 tokens is a merged delta.
+INJECTED = [
+    event(with_usage(CHAT_ROLE, 0)),
+    event(with_usage(CHAT_HELLO, 2)),
+    event(with_usage(CHAT_BANG, 3)),
+    event(CHAT_USAGE),
+    DONE,
+]
+INJECTED_BYTES = b"".join(INJECTED)
+ADDED_BOTH = UsagePlan(client_include_usage=False, client_continuous=False,
+                       add_include_usage=True, add_continuous=True)
+
+
+def ends(events: list[bytes]) -> list[int]:
+    """Byte offset where each event ends."""
+    out, pos = [], 0
+    for e in events:
+        pos += len(e)
+        out.append(pos)
+    return out
+
+
+def feed_split(meter: StreamMeter, data: bytes, k: int) -> tuple[bytes, list[int]]:
+    """Two reads: data[:k] at t=100 ns after the origin, data[k:] at t=200; then close."""
+    forwarded = b""
+    written_tokens: list[int] = []
+    for part, t in ((data[:k], 100), (data[k:], 200)):
+        out, n_events, n_tokens = meter.feed(part, ORIGIN + t)
+        forwarded += out
+        written_tokens.append(n_tokens)
+        assert (n_events == 0) == (out == b"")
+    out, _, n_tokens = meter.close()
+    forwarded += out
+    written_tokens.append(n_tokens)
+    return forwarded, written_tokens
+
+
+def test_plain_stream_split_at_every_byte() -> None:
+    for k in range(len(PLAIN_BYTES) + 1):
+        check_plain_split(k)
+
+
+def check_plain_split(k: int) -> None:
+    meter = StreamMeter(ORIGIN)
+    forwarded, written = feed_split(meter, PLAIN_BYTES, k)
+    assert forwarded == PLAIN_BYTES  # relayed byte for byte
+    # Token events: "Hello" (event 1) and "!" (event 2), each stamped by the read completing it.
+    hello_end, bang_end = ends(PLAIN)[1], ends(PLAIN)[2]
+    assert list(meter.offsets) == [100 if hello_end <= k else 200,
+                                   100 if bang_end <= k else 200]
+    assert list(meter.tokens) == [1, 1]  # no usage: one per token event, an estimate
+    assert sum(written) == 2
+    assert meter.token_totals == (None, 2, None, TokenSource.CHUNK_COUNT)
+    assert meter.finish_reason == "stop"
+    assert meter.events == 4
+    assert meter.failure is None and meter.fatal is None
+
+
+def test_injected_usage_cut_out_at_every_split() -> None:
+    for k in range(len(INJECTED_BYTES) + 1):
+        check_injected_split(k)
+
+
+def check_injected_split(k: int) -> None:
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    forwarded, written = feed_split(meter, INJECTED_BYTES, k)
+    # The client gets exactly the plain stream: usage members cut, the usage chunk dropped,
+    # the fingerprint back on the finish chunk.
+    assert forwarded == PLAIN_BYTES
+    assert list(meter.tokens) == [2, 1]  # from the cumulative counts 0 -> 2 -> 3
+    hello_end, bang_end = ends(INJECTED)[1], ends(INJECTED)[2]
+    assert list(meter.offsets) == [100 if hello_end <= k else 200,
+                                   100 if bang_end <= k else 200]
+    assert meter.token_totals == (12, 3, None, TokenSource.USAGE)
+    # The finish chunk carries a token: whichever write releases it counts it.
+    assert sum(written) == 2
+    assert meter.rewritten == 0  # every event edited as text, none re-encoded
+
+
+def test_byte_at_a_time() -> None:
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    forwarded = b""
+    for i in range(len(INJECTED_BYTES)):
+        forwarded += meter.feed(INJECTED_BYTES[i:i + 1], ORIGIN + i)[0]
+    forwarded += meter.close()[0]
+    assert forwarded == PLAIN_BYTES
+    # Stamped at the read that held each event's last byte.
+    hello_end, bang_end = ends(INJECTED)[1], ends(INJECTED)[2]
+    assert list(meter.offsets) == [hello_end - 1, bang_end - 1]
+
+
+def test_finish_chunk_held_until_the_usage_chunk_then_released_in_its_read() -> None:
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    out, n_events, n_tokens = meter.feed(b"".join(INJECTED[:3]), ORIGIN + 10)
+    assert out == b"".join(PLAIN[:2])  # the finish chunk waits
+    assert (n_events, n_tokens) == (2, 1)
+    out, n_events, n_tokens = meter.feed(b"".join(INJECTED[3:]), ORIGIN + 20)
+    assert out == PLAIN[2] + DONE
+    assert (n_events, n_tokens) == (2, 1)
+    # Server side: the finish chunk arrived at 10; it reached the client with the usage chunk.
+    assert list(meter.offsets) == [10, 10]
+
+
+def test_client_that_asked_for_usage_gets_it_unchanged() -> None:
+    asked = UsagePlan(True, True, False, False)
+    meter = StreamMeter(ORIGIN, asked)
+    out, _, _ = meter.feed(INJECTED_BYTES, ORIGIN + 5)
+    assert out == INJECTED_BYTES
+    assert meter.token_totals == (12, 3, None, TokenSource.USAGE)
+
+
+def test_keepalive_releases_the_held_finish_chunk_first() -> None:
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    data = INJECTED[0] + INJECTED[1] + INJECTED[2] + KEEPALIVE + INJECTED[3] + DONE
+    out, n_events, n_tokens = meter.feed(data, ORIGIN + 1)
+    assert out == PLAIN[0] + PLAIN[1] + event(with_usage(CHAT_BANG, 3)).replace(
+        b',"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3,'
+        b'"completion_tokens_details":null}', b"") + KEEPALIVE + DONE
+    assert (n_events, n_tokens) == (5, 2)
+    assert meter.events == 6
+
+
+def test_error_event_is_the_outcome_but_the_stream_goes_on() -> None:
+    meter = StreamMeter(ORIGIN)
+    data = event(CHAT_ROLE) + event(CHAT_HELLO) + event(ERROR_COMPACT) + DONE
+    out, _, _ = meter.feed(data, ORIGIN + 7)
+    meter.close()
+    assert out == data
+    assert meter.fatal is None
+    assert meter.failure is not None
+    assert (meter.failure.outcome, meter.failure.error_type, meter.failure.status) == (
+        Outcome.HTTP_ERROR, "InternalServerError", 500)
+    assert meter.failure.message == "Internal server error"
+
+
+@pytest.mark.parametrize(("tail", "cause"), [
+    (b"", "stream_cut_without_done"),
+    (b'data: {"id":"chatcmpl-abc123","obj', "stream_cut_mid_event"),
+])
+def test_stream_cut_before_done(tail: bytes, cause: str) -> None:
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    data = INJECTED[0] + INJECTED[1] + INJECTED[2] + tail
+    out, _, _ = meter.feed(data, ORIGIN + 3)
+    held, n_events, n_tokens = meter.close()
+    assert out + held == PLAIN[0] + PLAIN[1] + PLAIN[2].replace(
+        b',"system_fingerprint":"' + FINGERPRINT.encode() + b'"', b"")
+    assert (n_events, n_tokens) == (1, 1)  # the held finish chunk goes out without a fingerprint
+    assert meter.fatal is not None and meter.fatal.error_type == cause
+    assert meter.failure == meter.fatal
+    # A cut stream keeps what usage had arrived: 3 tokens, cumulative, exact.
+    assert meter.token_totals == (12, 3, None, TokenSource.USAGE)
+
+
+def test_cancelled_stream_keeps_the_usage_that_arrived() -> None:
+    # A client disconnect: the relay stops feeding and never closes the meter.
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    meter.feed(INJECTED[0] + INJECTED[1], ORIGIN + 1)
+    assert meter.token_totals == (12, 2, None, TokenSource.USAGE)
+    assert meter.failure is None
+
+
+def test_oversized_event_relays_what_came_before_then_is_fatal() -> None:
+    meter = StreamMeter(ORIGIN, ADDED_BOTH, max_event_bytes=600)
+    huge = b"data: " + b"x" * 2000 + b"\n\n"
+    out, _, n_tokens = meter.feed(INJECTED[0] + INJECTED[1] + INJECTED[2] + huge, ORIGIN + 4)
+    assert meter.fatal is not None and meter.fatal.error_type == "oversized_event"
+    assert meter.fatal.status == 502
+    # The finish chunk is not held back behind a failure.
+    assert out.startswith(PLAIN[0] + PLAIN[1]) and n_tokens == 2
+    assert list(meter.tokens) == [2, 1]
+
+
+def test_malformed_chunk_counts_and_the_stream_goes_on() -> None:
+    meter = StreamMeter(ORIGIN)
+    data = event(CHAT_HELLO) + b"data: {not json\n\n" + event(CHAT_BANG) + DONE
+    out, _, _ = meter.feed(data, ORIGIN + 2)
+    meter.close()
+    assert out == data
+    assert meter.failure is not None and meter.failure.error_type == "malformed_chunk"
+    assert meter.fatal is None
+    assert meter.token_totals == (None, 2, None, TokenSource.CHUNK_COUNT)
+
+
+def test_malformed_chunk_is_fatal_when_assembling() -> None:
+    meter = StreamMeter(ORIGIN, forward=False, assembler=StreamAssembler("chat"))
+    meter.feed(event(CHAT_HELLO) + b"data: [1,2\n\n" + event(CHAT_BANG), ORIGIN + 2)
+    assert meter.fatal is not None and meter.fatal.error_type == "malformed_chunk"
+    assert list(meter.offsets) == [2]  # "!" after the bad chunk was not read
+
+
+def test_assembler_gets_every_chunk_and_nothing_is_forwarded() -> None:
+    assembler = StreamAssembler("chat")
+    meter = StreamMeter(ORIGIN, forward=False, assembler=assembler)
+    out, n_events, n_tokens = meter.feed(INJECTED_BYTES, ORIGIN + 9)
+    meter.close()
+    assert (out, n_events, n_tokens) == (b"", 0, 0)
+    body = json.loads(assembler.body())
+    assert body["choices"][0]["message"]["content"] == "Hello!"
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["system_fingerprint"] == FINGERPRINT
+    assert list(meter.offsets) == [9, 9]
+
+
+def test_text_is_kept_only_when_asked() -> None:
+    meter = StreamMeter(ORIGIN, keep_text=True)
+    meter.feed(PLAIN_BYTES, ORIGIN)
+    assert meter.text == "Hello!"
+    plain = StreamMeter(ORIGIN)
+    plain.feed(PLAIN_BYTES, ORIGIN)
+    assert plain.text is None
+
+
+def test_per_request_metrics_become_engine_timing() -> None:
+    usage_with_metrics = json.loads(CHAT_USAGE)
+    usage_with_metrics["metrics"] = {"time_to_first_token_ms": 12.5, "generation_time_ms": 40.0,
+                                     "queue_time_ms": 1.5, "mean_itl_ms": 8.0,
+                                     "tokens_per_second": 75.0}
+    meter = StreamMeter(ORIGIN, NO_CHANGE)
+    meter.feed(event(CHAT_HELLO) + event(json.dumps(usage_with_metrics)) + DONE, ORIGIN)
+    assert meter.engine is not None
+    assert (meter.engine.time_to_first_token_ms, meter.engine.queue_time_ms,
+            meter.engine.mean_itl_ms) == (12.5, 1.5, 8.0)
+    # The usage chunk's total is authoritative over the per-event estimate (1 token for Hello).
+    assert meter.token_totals == (12, 3, None, TokenSource.USAGE_TOTAL)
