@@ -12,10 +12,12 @@ import contextlib
 import gc
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import (
@@ -32,16 +34,20 @@ from sidecar.config import (
     ProxyConfig,
     RoutePolicy,
     build_config,
+    default_workers,
     load_config_file,
 )
 from sidecar.hooks import SinkFanout, ThreadedSink
 from sidecar.proxy.app import ProxyServer
+from sidecar.proxy.collector import Collector, StartError
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import (
     CaptureCollector,
     LiveCollector,
     PrometheusSink,
     ReplicaState,
+    WorkerCollector,
+    WorkerState,
 )
 from sidecar.sinks.window import Selection, WindowSink
 from sidecar.stats import SLO, SLOPolicy
@@ -120,6 +126,22 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="larger request bodies get 413 [16 MiB]")
     parser.add_argument("--max-concurrency", type=int, metavar="N",
                         help="requests in flight beyond this get 429 [4096]")
+    for name, default, what in (
+            ("header-timeout", "10s", "a request's head must be complete this long after it "
+             "began (else 408)"),
+            ("body-timeout", "60s", "a request's body must be complete this long after its "
+             "head (else 408)"),
+            ("keepalive-timeout", "60s", "an idle keep-alive client connection closes after "
+             "this")):
+        parser.add_argument(f"--{name}", metavar="DURATION", help=f"{what}; 0 disables "
+                            f"[{default}]")
+    parser.add_argument("--max-connections", type=int, metavar="N",
+                        help="client connections on the traffic port; the next gets 503 "
+                        "[0: half the open-files limit, raised to its hard limit at start]")
+    parser.add_argument("--max-header-count", type=int, metavar="N",
+                        help="request headers beyond this get 431 [100]")
+    parser.add_argument("--max-header-bytes", type=int, metavar="N",
+                        help="request line + headers beyond this get 431 [60 KiB]")
     parser.add_argument("--no-inject-usage", dest="inject_usage", action="store_const",
                         const=False, help="do not ask the upstream for per-chunk usage (token "
                         "counts per event become estimates)")
@@ -195,12 +217,22 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         "be open to whoever reaches it); for networks that already restrict it")
     parser.add_argument("--log-requests", action="store_const", const=True,
                         help="log one line per request (ids, outcome, counts; never text)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="worker processes sharing the traffic port, each relaying on its "
+                        "own core, beside one collector process that serves the admin "
+                        "listener and the sinks; 0 runs everything in one process "
+                        "[the CPUs this process may use]")
+    parser.add_argument("--channel-buffer-bytes", type=int, metavar="N",
+                        help="records a worker lets wait for the collector before it drops "
+                        "(and counts) new ones rather than wait [8388608, 8 MiB]")
 
 
 def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
     names = ("upstreams", "listen", "metrics_listen", "route_policy", "session_header",
              "connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
              "max_body_bytes", "max_concurrency", "inject_usage", "assemble_nonstream",
+             "header_timeout", "body_timeout", "keepalive_timeout", "max_connections",
+             "max_header_count", "max_header_bytes",
              "retry_connect", "health_interval", "eject_after", "window_s", "window_max_bytes",
              "log_requests",
              "slo", "slo_classes", "slo_class_header", "slo_model_classes", "otel_endpoint",
@@ -208,7 +240,8 @@ def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
              "engine_scrape_interval", "capture_dir", "capture_text", "capture_compress",
              "capture_key_file",
              "capture_rotate_bytes", "capture_rotate_s", "capture_queue", "admin_token",
-             "otel_export_interval", "otel_server_chunks", "allow_open_admin")
+             "otel_export_interval", "otel_server_chunks", "allow_open_admin", "workers",
+             "channel_buffer_bytes")
     return {name: getattr(args, name, None) for name in names}
 
 
@@ -221,17 +254,45 @@ async def run_proxy(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
+    workers = default_workers() if config.workers is None else config.workers
+    if workers > 0 and not hasattr(socket, "SO_REUSEPORT"):  # pragma: no cover - Windows
+        logging.getLogger("sidecar").warning(
+            "no SO_REUSEPORT on this platform: running in one process (--workers 0)")
+        workers = 0
     models = await upstream_models(config.upstreams) if config.capture_dir else ()
-    server, _window = build_proxy_server(config, models=models)
+    server: ProxyServer | Collector
+    if workers:
+        server, _window = build_collector(config, workers, models=models)
+        routes = "/stats, /replicas, /workers, /healthz"
+    else:
+        server, _window = build_proxy_server(config, models=models)
+        routes = "/stats, /replicas, /healthz"
     # Handlers first: a SIGTERM right after the "listening" line (an orchestrator that starts
     # and stops quickly) must still be a graceful stop, not the default kill.
     with shutdown_signals() as stop:
-        await server.start()
+        starting = asyncio.ensure_future(server.start())
+        stopped = asyncio.ensure_future(stop.wait())
+        # Starting workers takes a moment: a signal meanwhile stops the start (start cleans up
+        # after itself when cancelled) rather than waiting for it.
+        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StartError, OSError):
+                await starting
+            return 0
+        stopped.cancel()
+        try:
+            starting.result()
+        except (StartError, OSError) as exc:
+            # A port in use, a worker that could not start: one line, not a traceback.
+            print(f"sidecar proxy: {exc}", file=sys.stderr)
+            return 2
         try:
             settle_gc()
             print(f"proxy listening on {server.url} -> {', '.join(config.upstreams)} "
                   f"(route policy {config.route_policy.value})", flush=True)
-            print(f"admin on {server.admin_url} (/stats, /replicas, /healthz)", flush=True)
+            shown = f"; {workers} worker process{'es' if workers > 1 else ''}" if workers else ""
+            print(f"admin on {server.admin_url} ({routes}){shown}", flush=True)
             await stop.wait()
         finally:
             await server.close()
@@ -291,21 +352,65 @@ def otel_enabled(config: ProxyConfig) -> bool:
                 or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"))
 
 
-def build_proxy_server(config: ProxyConfig,
-                       models: Sequence[str] = ()) -> tuple[ProxyServer, WindowSink]:
-    """The proxy with its sinks wired: the one place that knows both."""
+class _Host(Protocol):
+    """What the sink wiring needs of the process that serves: `ProxyServer` (one process) or
+    `Collector` (worker mode)."""
+
+    def add_admin_routes(self, routes: Sequence[web.RouteDef]) -> None: ...
+
+    def on_close(self, hook: Callable[[], Coroutine[Any, Any, None]]) -> None: ...
+
+
+@dataclass
+class _Sinks:
+    slo_policy: SLOPolicy | None
+    window: WindowSink
+    registry: CollectorRegistry
+    fanout: SinkFanout
+
+
+def _core_sinks(config: ProxyConfig) -> _Sinks:
     slo_policy = slo_policy_of(config)
     window = WindowSink(config.window_s, config.window_max_records, config.window_max_bytes)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     GCCollector(registry=registry)
     prometheus = PrometheusSink(registry, slo_policy, label_cap=config.label_cap)
-    fanout = SinkFanout([window, prometheus])
-    server = ProxyServer(config, fanout)
+    return _Sinks(slo_policy, window, registry, SinkFanout([window, prometheus]))
+
+
+def build_proxy_server(config: ProxyConfig,
+                       models: Sequence[str] = ()) -> tuple[ProxyServer, WindowSink]:
+    """The proxy in one process with its sinks wired: the one place that knows both."""
+    sinks = _core_sinks(config)
+    server = ProxyServer(config, sinks.fanout)
     router = server.proxy.router
-    registry.register(LiveCollector(
-        window, fanout, slo_policy,
-        lambda: [ReplicaState(r.label, r.outstanding, r.healthy) for r in router.replicas]))
+    _wire_sinks(config, sinks, server, models, server.proxy.capture_key_id,
+                lambda: [ReplicaState(r.label, r.outstanding, r.healthy)
+                         for r in router.replicas])
+    return server, sinks.window
+
+
+def build_collector(config: ProxyConfig, workers: int,
+                    models: Sequence[str] = ()) -> tuple[Collector, WindowSink]:
+    """The proxy as ``workers`` worker processes and this process as their collector, which
+    holds the same sinks as `build_proxy_server` (fed by every worker's records)."""
+    sinks = _core_sinks(config)
+    collector = Collector(config, sinks.fanout, workers)
+    sinks.registry.register(WorkerCollector(
+        lambda: [WorkerState(**state) for state in collector.worker_states()]))
+    _wire_sinks(config, sinks, collector, models, collector.capture_key_id,
+                lambda: [ReplicaState(label, outstanding, healthy)
+                         for label, outstanding, healthy in collector.replica_states()])
+    return collector, sinks.window
+
+
+def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequence[str],
+                capture_key_id: str | None,
+                replicas: Callable[[], Sequence[ReplicaState]]) -> None:
+    slo_policy, window, registry, fanout = (sinks.slo_policy, sinks.window, sinks.registry,
+                                            sinks.fanout)
+    registry.register(LiveCollector(window, fanout, slo_policy, replicas))
 
     async def stats_handler(request: web.Request) -> web.Response:
         try:
@@ -318,8 +423,8 @@ def build_proxy_server(config: ProxyConfig,
         body = generate_latest(registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    server.add_admin_routes([web.get("/stats", stats_handler),
-                             web.get("/metrics", metrics_handler)])
+    host.add_admin_routes([web.get("/stats", stats_handler),
+                           web.get("/metrics", metrics_handler)])
     if otel_enabled(config):
         from sidecar.sinks.otel import build_otel_sink
 
@@ -337,7 +442,7 @@ def build_proxy_server(config: ProxyConfig,
             await asyncio.to_thread(threaded.close)
             await otel.aclose()
 
-        server.on_close(close_otel)
+        host.on_close(close_otel)
     if config.capture_dir:
         capture = CaptureSink(
             config.capture_dir,
@@ -345,7 +450,7 @@ def build_proxy_server(config: ProxyConfig,
                         sidecar_version=__version__, models=tuple(models),
                         route_policy=config.route_policy.value, slos=config.slo_thresholds(),
                         text_included=config.capture_text,
-                        notes=capture_key_notes(server.proxy.capture_key_id,
+                        notes=capture_key_notes(capture_key_id,
                                                 config.capture_key_file is not None)),
             compress=config.capture_compress, rotate_bytes=config.capture_rotate_bytes,
             rotate_s=config.capture_rotate_s, queue_size=config.capture_queue)
@@ -355,8 +460,7 @@ def build_proxy_server(config: ProxyConfig,
         async def flush_capture() -> None:
             await asyncio.to_thread(capture.close)
 
-        server.on_close(flush_capture)
-    return server, window
+        host.on_close(flush_capture)
 
 
 @contextlib.contextmanager

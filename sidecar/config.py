@@ -115,6 +115,13 @@ class ProxyConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     max_concurrency: int = 4096  # requests in flight through the proxy; excess gets 429
     max_event_bytes: int = 4 * 1024 * 1024  # one SSE event; larger is a malformed upstream
+    # The traffic listener's connection hygiene (proxy/listener.py); 0 disables a timeout.
+    header_timeout: float = 10.0  # a request's head must be complete this long after it began
+    body_timeout: float = 60.0  # ... and its body this long after the head
+    keepalive_timeout: float = 60.0  # an idle keep-alive client connection closes after this
+    max_connections: int = 0  # client connections (next: 503); 0 = from the open-files limit
+    max_header_count: int = 100  # request headers (more: 431)
+    max_header_bytes: int = 60 * 1024  # request line + headers (more: 431); Envoy's default
     # Behaviour.
     inject_usage: bool = True  # ask the upstream for (continuous) usage, strip what we added
     assemble_nonstream: bool = False  # stream from the upstream for non-streaming clients
@@ -160,6 +167,14 @@ class ProxyConfig:
     # per process, never written anywhere.
     capture_key_file: str | None = None
     engine_scrape_interval: float = 15.0  # upstream /metrics scrapes for the engine view; 0=off
+    # Processes: `sidecar proxy` runs this many worker processes sharing the traffic port
+    # (SO_REUSEPORT), each a whole data plane, and one collector process that owns the sinks
+    # and the admin listener (docs/workers.md). None: the CPUs this process may use
+    # (`default_workers`). 0: everything in one process, as `ProxyServer` always does.
+    workers: int | None = None
+    # Bytes of finished records a worker lets wait for the collector before it drops (and
+    # counts) new ones instead: the channel never blocks traffic.
+    channel_buffer_bytes: int = 8 * 1024 * 1024
 
     def slo_thresholds(self) -> dict[str, dict[str, float]]:
         """SLO class name -> {metric: seconds}; empty when no SLO was declared."""
@@ -170,12 +185,18 @@ class ProxyConfig:
             raise ConfigError("at least one --upstream URL is required")
         positive_ints = ("max_body_bytes", "max_concurrency", "max_event_bytes", "eject_after",
                          "window_max_records", "window_max_bytes", "prefix_block_chars",
-                         "prefix_block_tokens")
+                         "prefix_block_tokens", "max_header_count", "max_header_bytes")
         for name in positive_ints:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 0:
+            raise ConfigError("max_connections must be >= 0 (0: from the open-files limit)")
         if self.retry_connect < 0:
             raise ConfigError("retry_connect must be >= 0")
+        if self.workers is not None and self.workers < 0:
+            raise ConfigError(f"workers must be >= 0 (0: one process), got {self.workers}")
+        if self.channel_buffer_bytes <= 0:
+            raise ConfigError(f"channel_buffer_bytes must be > 0, got {self.channel_buffer_bytes}")
         if self.window_s <= 0:
             raise ConfigError("window_s must be > 0")
         if self.capture_key_file is not None:
@@ -211,6 +232,42 @@ class ProxyConfig:
             )
 
 
+def default_workers() -> int:
+    """The CPUs this process may use: its affinity mask (taskset, cpusets), bounded by a
+    cgroup v2 CPU quota (a container's CPU limit, which the mask does not show: a pod limited
+    to 2 CPUs on a 64-core node would otherwise start 64 workers). At least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, quota)
+    return max(1, cpus)
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """CPUs allowed by this process's cgroup v2 ``cpu.max`` (quota / period, rounded up), or
+    None when there is no quota or no cgroup v2 to read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    own = next((line[3:] for line in lines if line.startswith("0::")), None)
+    for directory in ([root / own.lstrip("/")] if own else []) + [root]:
+        try:
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        if quota == "max":
+            return None
+        try:
+            return max(1, math.ceil(int(quota) / int(period)))
+        except (ValueError, ZeroDivisionError):
+            return None
+    return None
+
+
 MIN_CAPTURE_KEY_BYTES = 16
 
 
@@ -240,13 +297,15 @@ def _slo_thresholds(config: ProxyConfig) -> dict[str, dict[str, float]]:
 
 _DURATIONS = {"connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
               "health_interval", "health_timeout", "window_s", "engine_scrape_interval",
-              "capture_rotate_s", "otel_export_interval"}
+              "capture_rotate_s", "otel_export_interval", "header_timeout", "body_timeout",
+              "keepalive_timeout"}
 _BOOLS = {"inject_usage", "assemble_nonstream", "log_requests", "otel_exponential_histograms",
           "otel_traces", "capture_text", "capture_compress", "otel_server_chunks",
           "allow_open_admin"}
 _INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
          "window_max_records", "window_max_bytes", "prefix_block_chars", "prefix_block_tokens",
-         "label_cap",
+         "label_cap", "workers", "channel_buffer_bytes", "max_connections", "max_header_count",
+         "max_header_bytes",
          "capture_rotate_bytes", "capture_queue", "capture_block_chars", "capture_block_tokens"}
 _MAPPINGS = {"slo_classes": ":", "slo_model_classes": "="}
 # "listen" and "metrics_listen" are HOST:PORT shorthands for the host/port pairs.

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+import uvloop
 
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import RunningReplica, SimConfig, start_replicas
@@ -20,6 +21,12 @@ from sidecar.sim.server import RunningReplica, SimConfig, start_replicas
 FAST_ENGINE = EngineConfig(step_floor_s=0.001)
 
 StartSim = Callable[..., Awaitable[list[RunningReplica]]]
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Every async test runs on uvloop, the loop `sidecar` itself runs on: the data path's
+    Protocols and transports are tested as they serve traffic."""
+    return {"uvloop": uvloop.new_event_loop}
 
 
 def fast_sim_config(**overrides: Any) -> SimConfig:

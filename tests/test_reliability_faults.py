@@ -413,9 +413,8 @@ async def test_client_disconnect_while_sending_the_body(endpoint: str) -> None:
 
 
 def _traffic_transports(server: Any) -> list[Any]:
-    """The proxy's client-facing transports (aiohttp keeps its live connections)."""
-    runner = server._runners[0]
-    return [h.transport for h in runner.server.connections if h.transport is not None]
+    """The proxy's client-facing transports (the traffic listener keeps its connections)."""
+    return [c.transport for c in server.traffic.connections if c.transport is not None]
 
 
 async def _small_buffer_client(url: str, path: str, body: dict[str, Any],
@@ -479,7 +478,7 @@ async def test_a_slow_reader_gets_everything_with_bounded_buffering(endpoint: st
     assert slow.outcome is Outcome.OK and len(slow.client.marks) == 1500
     assert received.count(b"data: [DONE]") == 1
     assert len(received) > 200_000
-    # aiohttp waits for the transport to drain past 64 KiB; one event beyond that at most.
+    # The relay stops reading its upstream past 64 KiB buffered; one read beyond that at most.
     assert peak < 256 * 1024, peak
     check_healthy(others, records, "stream")
 
@@ -585,26 +584,34 @@ async def test_oversized_requests_are_rejected_declared_or_chunked(endpoint: str
     check_healthy(others, records, "stream")
 
 
-async def test_malformed_http_never_reaches_the_handler_and_the_proxy_stays_up() -> None:
-    """Garbage on the wire is refused by the HTTP parser (400) before the proxy's handler: no
-    request, no record, and the invariant still holds; the proxy serves the next request."""
+async def test_malformed_http_is_refused_recorded_and_the_proxy_stays_up() -> None:
+    """Garbage on the wire is refused by the listener's HTTP parser (4xx) before any handler:
+    nothing goes upstream, each ends in one `rejected` record with its reason, and the proxy
+    serves the next request."""
     async with stack(**TIMEOUTS) as s, aiohttp.ClientSession() as session:
         garbage = [
-            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)),  # TLS hello
-            b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n",
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-            b"zz\r\n",
+            (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)),  # TLS hello
+             "malformed_http"),
+            (b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n", "malformed_http"),
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+             "malformed_http"),
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000
+             + b"\r\n\r\n", "headers_too_large"),
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+             b"zz\r\n", "malformed_http"),
         ]
-        for raw in garbage:
+        for raw, _ in garbage:
             answer = await _raw_exchange(s.url, raw)
-            assert answer == b"" or answer.split(b" ", 2)[1].startswith(b"4"), answer[:100]
+            assert answer.split(b" ", 2)[1].startswith(b"4"), answer[:100]
         status, _ = await post(session, s.url, body_for("chat", "stream"),
                                {"X-Request-Id": "after"})
         assert status == 200
-        records = await settle(s.server, s.records, s.server.proxy.requests_total, s.replicas)
+        records = await settle(s.server, s.records, len(garbage) + 1, s.replicas)
     assert [r.request_id for r in records if r.outcome is Outcome.OK] == ["after"]
+    refused = [r for r in records if r.outcome is Outcome.REJECTED]
+    assert sorted(r.error_type or "" for r in refused) == sorted(c for _, c in garbage)
+    assert all(r.replica is None for r in refused)
+    assert s.server.proxy.router.replicas[0].requests_total == 1
 
 
 async def test_a_full_disk_under_the_capture_never_touches_traffic(tmp_path: Path) -> None:

@@ -16,13 +16,24 @@ from aiohttp import web
 from sidecar.config import ProxyConfig
 from sidecar.engine_metrics import merge_views
 from sidecar.hooks import SinkFanout
+from sidecar.proxy.listener import ListenerLimits, TrafficServer, raise_open_files_limit
 from sidecar.proxy.relay import Proxy
 
 
-def build_traffic_app(proxy: Proxy) -> web.Application:
-    app = web.Application(client_max_size=proxy.config.max_body_bytes)
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    return app
+def build_traffic_server(proxy: Proxy) -> TrafficServer:
+    """The traffic listener (listener.py) serving ``proxy``, with the config's limits. Raises
+    this process's open-files soft limit to its hard limit first: under the usual default of
+    1,024 a few hundred idle clients exhaust it and every accept fails."""
+    config = proxy.config
+    open_files = raise_open_files_limit()
+    # Each client connection may hold an upstream connection too; keep room for the rest.
+    max_connections = config.max_connections or max(64, (open_files - 64) // 2)
+    limits = ListenerLimits(
+        max_body_bytes=config.max_body_bytes, max_header_count=config.max_header_count,
+        max_header_bytes=config.max_header_bytes, header_timeout_s=config.header_timeout,
+        body_timeout_s=config.body_timeout, keepalive_timeout_s=config.keepalive_timeout,
+        max_connections=max_connections)
+    return TrafficServer(proxy.handle, proxy.reject, limits)
 
 
 def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> web.Application:
@@ -82,6 +93,7 @@ class ProxyServer:
         self.proxy = Proxy(config, fanout)
         self._admin_routes: list[web.RouteDef] = list(admin_routes)
         self._runners: list[web.AppRunner] = []
+        self.traffic: TrafficServer | None = None
         self._close_hooks: list[Callable[[], Awaitable[None]]] = []
         self.url = ""
         self.admin_url = ""
@@ -97,14 +109,14 @@ class ProxyServer:
 
     async def start(self) -> None:
         await self.proxy.start()
-        # handler_cancellation: a client that disconnects cancels its handler at once, so the
-        # upstream request is closed (and vLLM aborts it) even while waiting for a token.
-        traffic = web.AppRunner(build_traffic_app(self.proxy), handler_cancellation=True,
-                                access_log=None)
         admin = web.AppRunner(build_admin_app(self.proxy, self._admin_routes), access_log=None)
         try:
-            self.url = await self._serve(traffic, self.config.listen_host,
-                                         self.config.listen_port)
+            # A client that disconnects cancels its handler at once (listener.py), so the
+            # upstream request is closed (and vLLM aborts it) even while waiting for a token.
+            self.traffic = build_traffic_server(self.proxy)
+            host, port = await self.traffic.start(self.config.listen_host,
+                                                  self.config.listen_port)
+            self.url = _url_of(host, port)
             self.admin_url = await self._serve(admin, self.config.metrics_host,
                                                self.config.metrics_port)
         except BaseException:
@@ -118,10 +130,12 @@ class ProxyServer:
         await site.start()
         server: Any = site._server  # aiohttp keeps the bound socket here; needed for port 0
         bound = server.sockets[0].getsockname()
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        return f"http://{shown}:{bound[1]}"
+        return _url_of(bound[0], bound[1])
 
     async def close(self) -> None:
+        if self.traffic is not None:
+            await self.traffic.close()
+            self.traffic = None
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
@@ -129,3 +143,8 @@ class ProxyServer:
         hooks, self._close_hooks = self._close_hooks, []
         for hook in hooks:
             await hook()
+
+
+def _url_of(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"

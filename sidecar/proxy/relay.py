@@ -7,9 +7,11 @@ headers, every upstream read (all events parsed from one read share its stamp: t
 bytes arrived), every write of an event to the client (after the write call returned: the bytes
 are in the kernel's socket buffer), and the end of the stream on each side.
 
-The per-event path does: parse (SSEParser), classify (one json.loads), count tokens, append two
-ints, and write. Events are forwarded as the upstream's bytes unless the proxy itself changed
-the request (usage injection), in which case only what it added is cut out (rewrite.py).
+The per-read path runs inside the upstream connection's callback (upstream.py): the measuring
+core (meter.py) parses, classifies, counts and stamps, and what it returns is written to the
+client's transport (listener.py) in the same callback. Events are forwarded as the upstream's
+bytes unless the proxy itself changed the request (usage injection), in which case only what it
+added is cut out (protocol/rewrite.py).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar import clock
@@ -50,16 +53,30 @@ from sidecar.protocol.rewrite import (
 )
 from sidecar.protocol.sse import DONE_EVENT, encode_data_event
 from sidecar.proxy.builder import RecordBuilder
+from sidecar.proxy.listener import (
+    WRITE_HIGH_WATER,
+    ClientExchange,
+    IncomingRequest,
+    Rejection,
+)
 from sidecar.proxy.routing import Replica, Router
 from sidecar.proxy.shape import PrefixHasher, chat_text, request_shape
+from sidecar.proxy.upstream import (
+    UpstreamError,
+    UpstreamExchange,
+    UpstreamPool,
+    serialize_request_head,
+)
 from sidecar.record import EngineTiming, Outcome, TokenSource
 
 log = logging.getLogger("sidecar.proxy")
 
-# RFC 9110 section 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself.
+# RFC 9110 section 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself, and
+# Expect (the listener answered any 100-continue; the upstream gets the whole body at once).
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    "expect",
 })
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_LEN = 128
@@ -236,17 +253,12 @@ def error_event(endpoint: str, message: str, err_type: str, code: int) -> bytes:
     return encode_data_event(json.dumps(body))
 
 
-def json_error(status: int, message: str, err_type: str,
-               request_id: str | None = None) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
-    return web.json_response(error_body(message, err_type, status), status=status,
-                             headers=headers)
-
-
 class Proxy:
-    """Holds the upstream pool, routing and sinks; `handle` is the aiohttp handler."""
+    """Holds the upstream pool, routing and sinks; `handle` serves one request of the traffic
+    listener (listener.py), `reject` records one the listener refused."""
 
-    def __init__(self, config: ProxyConfig, fanout: SinkFanout | None = None) -> None:
+    def __init__(self, config: ProxyConfig, fanout: SinkFanout | None = None, *,
+                 capture_salt: bytes | None = None) -> None:
         self.config = config
         self.fanout = fanout or SinkFanout()
         self.router = Router([Replica(url, i) for i, url in enumerate(config.upstreams)],
@@ -257,10 +269,16 @@ class Proxy:
         self.rewritten_events = 0  # events re-encoded because they could not be edited as text
         self._slo_class_names = frozenset(config.slo_thresholds())
         # Capture needs each request's shape (lengths asked, prefix hashes); text only opt-in.
+        # ``capture_salt``: a key given by the process that owns the capture (a worker gets its
+        # collector's, so that every worker's hashes and pseudonyms agree).
+        if capture_salt is None and config.capture_key_file:
+            capture_salt = read_capture_key(config.capture_key_file)
         self._hasher = (PrefixHasher(config.capture_block_chars, config.capture_block_tokens,
-                                     salt=read_capture_key(config.capture_key_file)
-                                     if config.capture_key_file else None)
+                                     salt=capture_salt)
                         if config.capture_dir else None)
+        # The data path's own HTTP/1.1 client (upstream.py); health checks and engine scrapes
+        # are not on the hot path and keep aiohttp's.
+        self.pool = UpstreamPool()
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -292,6 +310,7 @@ class Proxy:
                     await task
         if self._session is not None:
             await self._session.close()
+        await self.pool.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -349,9 +368,39 @@ class Proxy:
 
     # -- the handler ----------------------------------------------------------------------
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    def reject(self, rejection: Rejection) -> tuple[bytes, str | None]:
+        """A request the listener refused before any handler saw it (malformed, too large,
+        too slow, over the connection cap, or a client gone mid-request): its one record, and
+        the whole response to send (none for a client that is gone)."""
+        headers = rejection.headers
+        request_id = request_id_from(headers) if headers is not None else uuid.uuid4().hex
+        wall, arrive = clock.anchor()
+        endpoint = None
+        if rejection.method == "POST" and rejection.path is not None:
+            endpoint = endpoint_for_path(rejection.path)
+        builder = RecordBuilder(request_id, wall, arrive,
+                                endpoint or rejection.path or "(unparsed)")
+        builder.route_policy = self.config.route_policy.value
+        self.requests_total += 1
+        if rejection.status == 499:
+            builder.fail(Outcome.CLIENT_CANCELLED, rejection.error_type)
+            response = b""
+        else:
+            builder.fail(Outcome.REJECTED, rejection.error_type, rejection.status)
+            body = _json_error_body(rejection.status, rejection.message, rejection.err_type)
+            head = (f"HTTP/1.1 {rejection.status} {_reason(rejection.status)}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                    f"{REQUEST_ID_HEADER}: {request_id}\r\nConnection: close\r\n\r\n")
+            response = head.encode("latin-1") + body
+        builder.down_end_ns = builder.offset(clock.monotonic_ns())
+        self._emit(builder)
+        return response, request_id
+
+    async def handle(self, request: IncomingRequest, exchange: ClientExchange) -> None:
         endpoint = endpoint_for_path(request.path) if request.method == "POST" else None
         request_id = request_id_from(request.headers)
+        # t_arrive: the whole request is here (the listener read the body). Offsets count
+        # from this instant.
         wall, arrive = clock.anchor()
         builder = RecordBuilder(request_id, wall, arrive, endpoint or request.path)
         builder.route_policy = self.config.route_policy.value
@@ -360,43 +409,32 @@ class Proxy:
         try:
             if self.in_flight > self.config.max_concurrency:
                 builder.fail(Outcome.REJECTED, "max_concurrency", 429)
-                return await self._respond_error(
-                    request, builder, 429,
+                self._respond_error(
+                    exchange, builder, 429,
                     f"The sidecar is at its limit of {self.config.max_concurrency} concurrent "
                     "requests; retry later.", "TooManyRequests")
-            declared = request.content_length
-            if declared is not None and declared > self.config.max_body_bytes:
-                builder.fail(Outcome.REJECTED, "body_too_large", 413)
-                return await self._respond_error(
-                    request, builder, 413,
-                    f"Request body of {declared} bytes exceeds the sidecar's limit of "
-                    f"{self.config.max_body_bytes} bytes.", "RequestEntityTooLarge")
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                builder.fail(Outcome.REJECTED, "body_too_large", 413)
-                return await self._respond_error(
-                    request, builder, 413,
-                    f"Request body exceeds the sidecar's limit of {self.config.max_body_bytes} "
-                    "bytes.", "RequestEntityTooLarge")
-            # t_arrive: the whole request is here. Offsets count from this instant.
-            builder.wall_time_ns, builder.arrive_ns = clock.anchor()
+                return
             if endpoint is None:
-                return await self._pass_through(request, body, builder)
-            return await self._generate(request, body, endpoint, builder)
+                await self._pass_through(request, exchange, builder)
+            else:
+                await self._generate(request, exchange, endpoint, builder)
         except asyncio.CancelledError:
-            # The client went away (aiohttp cancels the handler on disconnect).
+            # The client went away (the listener cancels the handler on disconnect).
             builder.fail(Outcome.CLIENT_CANCELLED, "client_disconnected")
             raise
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except ConnectionResetError:
             builder.fail(Outcome.CLIENT_CANCELLED, "client_disconnected")
-            return web.Response(status=499)  # never reaches anyone: the socket is gone
+            exchange.abort()
         except Exception as exc:
             # A proxy bug must still end in a record and an answer; say what it was.
             log.exception("request %s failed inside the proxy", request_id)
             builder.fail(Outcome.UPSTREAM_ERROR, f"proxy_error:{type(exc).__name__}", 500)
-            return json_error(500, "The sidecar failed while relaying this request.",
-                              "InternalServerError", request_id)
+            if not exchange.prepared and not exchange.client_gone:
+                self._respond_error(exchange, builder, 500,
+                                    "The sidecar failed while relaying this request.",
+                                    "InternalServerError")
+            else:
+                exchange.abort()
         finally:
             self.in_flight -= 1
             if builder.down_end_ns is None:
@@ -414,16 +452,17 @@ class Proxy:
                      record.request_id, record.endpoint, record.model, record.replica,
                      record.outcome.value, record.http_status, record.n_in, record.n_out)
 
-    async def _respond_error(self, request: web.Request, builder: RecordBuilder, status: int,
-                             message: str, err_type: str) -> web.StreamResponse:
-        response = json_error(status, message, err_type, builder.request_id)
+    def _respond_error(self, exchange: ClientExchange, builder: RecordBuilder, status: int,
+                       message: str, err_type: str) -> None:
+        body = _json_error_body(status, message, err_type)
         builder.http_status = status
-        await response.prepare(request)
-        await response.write_eof()
+        exchange.start(status, None, [("Content-Type", "application/json"),
+                                      (REQUEST_ID_HEADER, builder.request_id)],
+                       len(body), body)
+        exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
-        return response
 
-    def _slo_class(self, request: web.Request, model: str | None) -> str | None:
+    def _slo_class(self, request: IncomingRequest, model: str | None) -> str | None:
         """The request's SLO class: named by the class header, else by its model, else none
         (sinks then use the default class). Unknown header values are ignored, so a client
         cannot invent classes (and labels)."""
@@ -440,7 +479,7 @@ class Proxy:
 
     # -- upstream connection with retry ---------------------------------------------------
 
-    def _upstream_headers(self, request: web.Request, request_id: str,
+    def _upstream_headers(self, request: IncomingRequest, request_id: str,
                           parsed: bool) -> CIMultiDict[str]:
         headers = filtered_headers(request.headers)
         headers[REQUEST_ID_HEADER] = request_id
@@ -450,20 +489,17 @@ class Proxy:
         return headers
 
     async def _open_upstream(
-        self, request: web.Request, body: bytes, headers: CIMultiDict[str],
+        self, request: IncomingRequest, body: bytes, headers: CIMultiDict[str],
         builder: RecordBuilder, *, session_key: str | None = None,
-        prefix_key: bytes | None = None, read_timeout: float | None = None,
-    ) -> tuple[aiohttp.ClientResponse, Replica]:
-        """Send the request to a replica; a connect failure is retried on another replica
-        (never after a byte went to the client, which cannot have happened yet here)."""
+        prefix_key: bytes | None = None,
+    ) -> tuple[UpstreamExchange, Replica]:
+        """Send the request to a replica and wait for its response head. A failure to connect,
+        or a connection closed before any answer, is retried on another replica (never after a
+        byte went to the client, which cannot have happened yet here)."""
         tried: list[Replica] = []
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=self.config.connect_timeout or None,
-            sock_read=read_timeout or None,
-        )
         last_error = "no replica"
         timed_out = False
+        head_method = request.method == "HEAD"
         while len(tried) <= self.config.retry_connect:
             replica = self.router.choose(session_key=session_key, prefix_key=prefix_key,
                                          exclude=tried)
@@ -472,36 +508,41 @@ class Proxy:
             replica.outstanding += 1
             replica.requests_total += 1
             builder.replica = replica.label
+            host, port, host_header, prefix, tls = _address(replica.url)
+            head = serialize_request_head(request.method, prefix + request.target, host_header,
+                                          headers, len(body))
             builder.up_send_ns = builder.offset(clock.monotonic_ns())
+            upstream: UpstreamExchange | None = None
             try:
-                response = await self.session.request(
-                    request.method, replica.url + request.path_qs, data=body, headers=headers,
-                    timeout=timeout, allow_redirects=False)
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
-                    aiohttp.ServerDisconnectedError) as exc:
+                upstream = await self.pool.exchange(
+                    host, port, head, body, connect_timeout=self.config.connect_timeout,
+                    head_method=head_method, tls=tls)
+                await upstream.response()
+            except UpstreamError as exc:
+                replica.outstanding -= 1
+                if upstream is not None:
+                    self.pool.close_exchange(upstream)
+                if exc.kind == "protocol_error":
+                    raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "upstream_protocol_error", 502,
+                                          "The upstream answered with a malformed HTTP "
+                                          "response.") from None
                 # No answer came: no connection, or one the server closed before answering (a
                 # pooled connection it had already closed, or it dropped this request): try
                 # another replica. Only a failure to connect counts against the replica's
                 # health: a server that accepted and then dropped one request is not dead.
-                timed_out = isinstance(exc, aiohttp.ConnectionTimeoutError)
-                replica.outstanding -= 1
-                if not isinstance(exc, aiohttp.ServerDisconnectedError) and \
-                        replica.record_failure(self.config.eject_after):
+                timed_out = exc.kind == "connect_timeout"
+                if exc.kind != "disconnected" and replica.record_failure(self.config.eject_after):
                     log.warning("replica %s ejected after connect failures", replica.label)
                 tried.append(replica)
-                last_error = f"{type(exc).__name__}"
+                last_error = _CONNECT_ERROR_NAMES.get(exc.kind, exc.kind)
                 continue
-            except asyncio.TimeoutError:
-                # The read timeout (pass-through paths): connected, no answer in time.
-                replica.outstanding -= 1
-                raise UpstreamFailure(Outcome.TIMEOUT, "read_timeout", 504,
-                                      "The upstream did not answer in time (read timeout).",
-                                      "GatewayTimeout") from None
             except BaseException:
                 replica.outstanding -= 1
+                if upstream is not None:
+                    self.pool.close_exchange(upstream)
                 raise
             builder.up_headers_ns = builder.offset(clock.monotonic_ns())
-            return response, replica
+            return upstream, replica
         if timed_out:
             raise UpstreamFailure(Outcome.TIMEOUT, "connect_timeout", 504,
                                   "The sidecar timed out connecting to the upstream replicas.",
@@ -511,54 +552,90 @@ class Proxy:
 
     # -- pass-through paths ---------------------------------------------------------------
 
-    async def _pass_through(self, request: web.Request, body: bytes,
-                            builder: RecordBuilder) -> web.StreamResponse:
+    async def _pass_through(self, request: IncomingRequest, exchange: ClientExchange,
+                            builder: RecordBuilder) -> None:
+        """Other paths, relayed as they are, with the idle timeout as their read timeout."""
         builder.client_stream = builder.upstream_stream = False
         headers = self._upstream_headers(request, builder.request_id, parsed=False)
+        idle = _IdleWatchdog(asyncio.current_task(), self.config.idle_timeout)
+        idle.start()
+        upstream: UpstreamExchange | None = None
+        replica: Replica | None = None
         try:
-            upstream, replica = await self._open_upstream(
-                request, body, headers, builder,
-                read_timeout=self.config.idle_timeout)
-        except UpstreamFailure as failure:
-            builder.fail(failure.outcome, failure.error_type, failure.status)
-            return await self._respond_error(request, builder, failure.status, failure.message,
-                                             failure.err_type)
-        try:
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            response.headers.update(filtered_headers(upstream.headers))
-            response.headers[REQUEST_ID_HEADER] = builder.request_id
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
-            await response.prepare(request)
-            async for data in upstream.content.iter_any():
-                await response.write(data)
-            builder.up_end_ns = builder.offset(clock.monotonic_ns())
-            await response.write_eof()
-            builder.down_end_ns = builder.offset(clock.monotonic_ns())
+            try:
+                upstream, replica = await self._open_upstream(request, request.body, headers,
+                                                              builder)
+            except UpstreamFailure as failure:
+                builder.fail(failure.outcome, failure.error_type, failure.status)
+                self._respond_error(exchange, builder, failure.status, failure.message,
+                                    failure.err_type)
+                return
+            except asyncio.CancelledError:
+                if idle.fired is None:
+                    raise
+                idle.absorb()
+                builder.fail(Outcome.TIMEOUT, "read_timeout", 504)
+                self._respond_error(exchange, builder, 504, "The upstream did not answer in "
+                                    "time (read timeout).", "GatewayTimeout")
+                return
+            response_headers = list(filtered_headers(upstream.headers).items())
+            response_headers.append((REQUEST_ID_HEADER, builder.request_id))
+            exchange.start(upstream.status, upstream.reason, response_headers,
+                           upstream.content_length)
             builder.http_status = upstream.status
+            body_done = upstream.stream_body(self._client_writer(exchange, upstream, idle))
+            try:
+                await body_done
+            except UpstreamError as exc:
+                builder.fail(Outcome.UPSTREAM_ERROR, _upstream_error_type(exc),
+                             upstream.status)
+                exchange.abort()  # headers are out: cut the connection, not a false end
+                return
+            except asyncio.CancelledError:
+                if idle.fired is None:
+                    raise
+                idle.absorb()
+                builder.fail(Outcome.TIMEOUT, "TimeoutError", upstream.status)
+                exchange.abort()
+                return
+            builder.up_end_ns = builder.offset(clock.monotonic_ns())
+            exchange.end()
+            builder.down_end_ns = builder.offset(clock.monotonic_ns())
             if upstream.status >= 400:
                 builder.fail(Outcome.HTTP_ERROR, f"http_{upstream.status}", upstream.status)
-            return response
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-                asyncio.TimeoutError) as exc:
-            outcome = Outcome.TIMEOUT if isinstance(exc, asyncio.TimeoutError) else \
-                Outcome.UPSTREAM_ERROR
-            builder.fail(outcome, type(exc).__name__, upstream.status)
-            upstream.close()
-            # Headers are out: the only honest signal left is to cut the client's connection
-            # rather than end the body as if it were complete.
-            if request.transport is not None:
-                request.transport.abort()
-            return response
         finally:
-            replica.outstanding -= 1
-            upstream.release()
+            idle.disarm()
+            if upstream is not None:
+                self.pool.release(upstream)
+            if replica is not None:
+                replica.outstanding -= 1
+
+    @staticmethod
+    def _client_writer(exchange: ClientExchange, upstream: UpstreamExchange,
+                       idle: _IdleWatchdog) -> Callable[[bytes, int], None]:
+        """Body reads of a pass-through answer, written to the client as they come, the
+        upstream paused while the client's buffer is full."""
+        connection = exchange.connection
+
+        def write(data: bytes, at_ns: int) -> None:
+            idle.last_ns = at_ns
+            try:
+                exchange.write(data)
+            except ConnectionResetError:
+                upstream.connection.abort()
+                return
+            if exchange.write_buffer_size > WRITE_HIGH_WATER:
+                upstream.pause()
+                connection.when_writable(upstream.resume)
+
+        return write
 
     # -- generation endpoints -------------------------------------------------------------
 
-    async def _generate(self, request: web.Request, body: bytes, endpoint: str,
-                        builder: RecordBuilder) -> web.StreamResponse:
+    async def _generate(self, request: IncomingRequest, exchange: ClientExchange, endpoint: str,
+                        builder: RecordBuilder) -> None:
         config = self.config
+        body = request.body
         try:
             parsed: Any = json.loads(body)
         except (ValueError, RecursionError):
@@ -610,9 +687,8 @@ class Proxy:
             builder.attributes["traceparent"] = traceparent
         headers = self._upstream_headers(request, builder.request_id, parsed=True)
         timeouts = _Timeouts(config, builder.upstream_stream)
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: UpstreamExchange | None = None
         replica: Replica | None = None
-        response: web.StreamResponse | None = None
         completed = False
         try:
             try:
@@ -621,97 +697,95 @@ class Proxy:
                     prefix_key=prefix_key)
             except UpstreamFailure as failure:
                 builder.fail(failure.outcome, failure.error_type, failure.status)
-                return await self._respond_error(request, builder, failure.status,
-                                                 failure.message, failure.err_type)
+                self._respond_error(exchange, builder, failure.status, failure.message,
+                                    failure.err_type)
+                return
             timeouts.idle.start()
             builder.http_status = upstream.status
             content_type = upstream.headers.get("Content-Type", "")
             if upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 timeouts.ttft.disarm()
-                response = await self._relay_whole(request, upstream, endpoint, builder,
-                                                   assemble)
+                await self._relay_whole(exchange, upstream, builder)
             elif assemble:
-                response = await self._assemble(request, upstream, endpoint, builder,
-                                                timeouts)
+                await self._assemble(exchange, upstream, endpoint, builder, timeouts)
             else:
-                response = web.StreamResponse(status=200, reason=upstream.reason)
-                response.headers.update(filtered_headers(upstream.headers))
-                response.headers[REQUEST_ID_HEADER] = builder.request_id
-                await response.prepare(request)
-                await self._relay_stream(upstream, response, builder, plan, timeouts)
+                response_headers = list(filtered_headers(upstream.headers).items())
+                response_headers.append((REQUEST_ID_HEADER, builder.request_id))
+                exchange.start(200, upstream.reason, response_headers, None)
+                await self._relay_stream(upstream, exchange, builder, plan, timeouts)
             completed = True
-            return response
         except asyncio.CancelledError:
             fired = timeouts.fired
             if fired is None:
                 raise  # the client disconnected: handled (and re-raised) by `handle`
             timeouts.absorb()
-            if response is not None and response.prepared and _client_backlog(request):
+            if exchange.prepared and exchange.write_buffer_size:
                 # Bytes were still waiting for the client when the timeout fired: the relay was
                 # held up by a client that stopped reading, not by the upstream. It cannot be
                 # sent an error event either: cut it loose.
                 builder.fail(Outcome.TIMEOUT, "client_stalled")
-                _abort(request)
-                return response
-            return await self._fail_open(request, response, endpoint, builder, Outcome.TIMEOUT,
-                                         fired, 504, "The upstream did not answer in time "
-                                         f"({fired.replace('_', ' ')}).", "GatewayTimeout")
+                exchange.abort()
+                return
+            await self._fail_open(exchange, endpoint, builder, Outcome.TIMEOUT, fired, 504,
+                                  "The upstream did not answer in time "
+                                  f"({fired.replace('_', ' ')}).", "GatewayTimeout")
         except UpstreamFailure as failure:
-            return await self._fail_open(request, response, endpoint, builder, failure.outcome,
-                                         failure.error_type, failure.status, failure.message,
-                                         failure.err_type)
+            await self._fail_open(exchange, endpoint, builder, failure.outcome,
+                                  failure.error_type, failure.status, failure.message,
+                                  failure.err_type)
         except ConnectionResetError:
             # Writing to the client failed: the client is gone (`handle` records that).
             raise
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError) as exc:
-            return await self._fail_open(request, response, endpoint, builder,
-                                         Outcome.UPSTREAM_ERROR, f"upstream_{type(exc).__name__}",
-                                         502, "The upstream connection broke mid-response.",
-                                         "BadGateway")
+        except UpstreamError as exc:
+            await self._fail_open(exchange, endpoint, builder, Outcome.UPSTREAM_ERROR,
+                                  _upstream_error_type(exc), 502,
+                                  "The upstream connection broke mid-response.", "BadGateway")
         finally:
             timeouts.disarm()
             if upstream is not None:
                 if completed:
-                    upstream.release()
+                    self.pool.release(upstream)
                 else:
                     # Closing (not releasing) drops the connection, so vLLM sees the disconnect
                     # and aborts the request, freeing its KV cache.
-                    upstream.close()
+                    self.pool.close_exchange(upstream)
             if replica is not None:
                 replica.outstanding -= 1
 
-    async def _fail_open(self, request: web.Request, response: web.StreamResponse | None,
-                         endpoint: str, builder: RecordBuilder, outcome: Outcome,
-                         error_type: str, status: int, message: str,
-                         err_type: str) -> web.StreamResponse:
+    async def _fail_open(self, exchange: ClientExchange, endpoint: str, builder: RecordBuilder,
+                         outcome: Outcome, error_type: str, status: int, message: str,
+                         err_type: str) -> None:
         """End a failed request the way the client can understand: a JSON error before any
         byte went out, else an error event and [DONE] on the open stream."""
         builder.fail(outcome, error_type, status)
         if builder.up_end_ns is None:
             builder.up_end_ns = builder.offset(clock.monotonic_ns())
-        if response is None or not response.prepared:
-            return await self._respond_error(request, builder, status, message, err_type)
-
-        async def tail(stream: web.StreamResponse) -> None:
-            await stream.write(error_event(endpoint, message, err_type, status))
-            await stream.write(DONE_EVENT)
-            await stream.write_eof()
-
+        if exchange.client_gone:
+            raise ConnectionResetError("the client is gone")
+        if not exchange.prepared:
+            self._respond_error(exchange, builder, status, message, err_type)
+            return
+        exchange.write(error_event(endpoint, message, err_type, status) + DONE_EVENT)
         try:
             # Bounded: a client that does not read would otherwise hold this request forever.
-            await asyncio.wait_for(tail(response), ERROR_TAIL_WRITE_S)
-        except (asyncio.TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError,
-                RuntimeError):
-            _abort(request)
+            await asyncio.wait_for(exchange.drain(), ERROR_TAIL_WRITE_S)
+        except (asyncio.TimeoutError, ConnectionError):
+            exchange.abort()
+        else:
+            exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
-        return response
 
-    async def _relay_whole(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                           endpoint: str, builder: RecordBuilder,
-                           assemble: bool) -> web.StreamResponse:
+    async def _relay_whole(self, exchange: ClientExchange, upstream: UpstreamExchange,
+                           builder: RecordBuilder) -> None:
         """A non-SSE answer (a non-streaming response, or an error before the stream)."""
-        data = await _read_body(upstream)
+        try:
+            data = await upstream.read_body(MAX_NON_SSE_BODY)
+        except UpstreamError as exc:
+            if exc.kind == "too_large":
+                raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_body", 502,
+                                      f"The upstream's response body exceeds the sidecar's "
+                                      f"limit of {MAX_NON_SSE_BODY} bytes.") from None
+            raise
         builder.up_end_ns = builder.offset(clock.monotonic_ns())
         try:
             obj: Any = json.loads(data)
@@ -722,11 +796,10 @@ class Proxy:
             # not use it; say so in vLLM's shape rather than pass a broken 200 on.
             raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "malformed_body", 502,
                                   "The upstream sent a malformed response body.")
-        response = web.Response(body=data, status=upstream.status, reason=upstream.reason)
-        response.headers.update(filtered_headers(upstream.headers))
-        response.headers[REQUEST_ID_HEADER] = builder.request_id
-        await response.prepare(request)
-        await response.write_eof()
+        response_headers = list(filtered_headers(upstream.headers).items())
+        response_headers.append((REQUEST_ID_HEADER, builder.request_id))
+        exchange.start(upstream.status, upstream.reason, response_headers, len(data), data)
+        exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         if upstream.status >= 400:
             error = ErrorInfo.from_obj(obj.get("error")) if isinstance(obj, dict) else None
@@ -745,127 +818,159 @@ class Proxy:
             if builder.text_parts is not None and isinstance(choices, list):
                 builder.text_parts.append(choices_text(choices))
             builder.engine = _engine_timing(obj.get("metrics")) or builder.engine
-        return response
 
-    async def _relay_stream(self, upstream: aiohttp.ClientResponse,
-                            response: web.StreamResponse, builder: RecordBuilder,
-                            plan: UsagePlan, timeouts: _Timeouts) -> None:
-        """The per-read hot path: the measuring core (`StreamMeter`) parses, classifies,
-        counts and stamps each read (its instant is the server-side stamp of every event in
-        it), and whatever the read yields for the client goes out in one write: one syscall
-        per read, which matters most when the proxy falls behind and reads carry several
-        events. The client-side stamp of each token event is that write's instant."""
+    async def _relay_stream(self, upstream: UpstreamExchange, exchange: ClientExchange,
+                            builder: RecordBuilder, plan: UsagePlan,
+                            timeouts: _Timeouts) -> None:
+        """The per-read hot path, run inside the upstream connection's ``data_received``: the
+        measuring core (`StreamMeter`) parses, classifies, counts and stamps each read (its
+        instant is the server-side stamp of every event in it), and whatever the read yields
+        for the client goes out at once in one write, stamped on the client side with that
+        write's instant. No task wakes up per read; this coroutine only waits for the end.
+        A client whose buffer passes the high-water mark pauses the upstream's reading until
+        it drains (TCP back-pressure to the upstream, bounded memory here)."""
         meter = StreamMeter(builder.arrive_ns, plan, max_event_bytes=self.config.max_event_bytes,
                             keep_text=builder.text_parts is not None)
         now = clock.monotonic_ns
-        write = response.write
         feed = meter.feed
+        write = exchange.write
         idle = timeouts.idle
-        awaiting_first_token = True
-        try:
-            async for data in upstream.content.iter_any():
-                t_up = now()
-                idle.last_ns = t_up
+        ttft = timeouts.ttft
+        connection = exchange.connection
+        upstream_connection = upstream.connection
+        trouble: list[BaseException] = []  # what went wrong inside the callback
+
+        def on_read(data: bytes, t_up: int) -> None:
+            idle.last_ns = t_up
+            try:
                 out, n_events, n_token_events = feed(data, t_up)
-                if awaiting_first_token and meter.offsets:
-                    awaiting_first_token = False
-                    timeouts.ttft.disarm()
+                if ttft.handle is not None and meter.offsets:
+                    ttft.disarm()
                 if out:
-                    await self._write_events(write, builder, out, n_events, n_token_events)
+                    write(out)
+                    builder.down_events += n_events
+                    if n_token_events:
+                        builder.client_token_writes(now(), n_token_events)
+                    if exchange.write_buffer_size > WRITE_HIGH_WATER:
+                        upstream.pause()
+                        connection.when_writable(upstream.resume)
                 if meter.fatal is not None:
-                    break
+                    upstream_connection.abort()  # stop reading; the handler raises the failure
+            except BaseException as exc:  # never let a failure escape into the transport
+                trouble.append(exc)
+                upstream_connection.abort()
+
+        try:
+            try:
+                await upstream.stream_body(on_read)
+            except UpstreamError:
+                if trouble or meter.fatal is not None:
+                    pass  # we aborted the upstream ourselves: the cause is below
+                else:
+                    raise
+            if trouble:
+                raise trouble[0]
             builder.up_end_ns = builder.offset(now())
-            out, n_events, n_token_events = meter.close()
-            if out:
-                await self._write_events(write, builder, out, n_events, n_token_events)
+            if meter.fatal is None:
+                out, n_events, n_token_events = meter.close()
+                if out:
+                    write(out)
+                    builder.down_events += n_events
+                    if n_token_events:
+                        builder.client_token_writes(now(), n_token_events)
         finally:
             builder.take_stream(meter)
             self.rewritten_events += meter.rewritten
         if meter.fatal is not None:
             raise UpstreamFailure(*meter.fatal)
-        await response.write_eof()
+        await exchange.drain()
+        exchange.end()
         builder.down_end_ns = builder.offset(now())
 
-    @staticmethod
-    async def _write_events(write: Any, builder: RecordBuilder, out: bytes, n_events: int,
-                            n_token_events: int) -> None:
-        """One write for what one read yielded; each token event in it is stamped with the
-        write's end (the bytes are in the kernel's socket buffer then)."""
-        await write(out)
-        builder.down_events += n_events
-        if n_token_events:
-            builder.client_token_writes(clock.monotonic_ns(), n_token_events)
-
-    async def _assemble(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                        endpoint: str, builder: RecordBuilder,
-                        timeouts: _Timeouts) -> web.StreamResponse:
+    async def _assemble(self, exchange: ClientExchange, upstream: UpstreamExchange,
+                        endpoint: str, builder: RecordBuilder, timeouts: _Timeouts) -> None:
         """Stream from the upstream, answer the non-streaming client with one JSON body."""
         assembler = StreamAssembler(endpoint)
         meter = StreamMeter(builder.arrive_ns, forward=False,
                             max_event_bytes=self.config.max_event_bytes,
                             keep_text=builder.text_parts is not None, assembler=assembler)
-        try:
-            async for data in upstream.content.iter_any():
-                t_up = clock.monotonic_ns()
-                timeouts.idle.last_ns = t_up
+        idle = timeouts.idle
+        ttft = timeouts.ttft
+        upstream_connection = upstream.connection
+        trouble: list[BaseException] = []
+
+        def on_read(data: bytes, t_up: int) -> None:
+            idle.last_ns = t_up
+            try:
                 meter.feed(data, t_up)
-                if meter.offsets:
-                    timeouts.ttft.disarm()
+                if ttft.handle is not None and meter.offsets:
+                    ttft.disarm()
                 if meter.fatal is not None:
-                    break
+                    upstream_connection.abort()
+            except BaseException as exc:
+                trouble.append(exc)
+                upstream_connection.abort()
+
+        try:
+            try:
+                await upstream.stream_body(on_read)
+            except UpstreamError:
+                if not (trouble or meter.fatal is not None):
+                    raise
+            if trouble:
+                raise trouble[0]
             builder.up_end_ns = builder.offset(clock.monotonic_ns())
             meter.close()
         finally:
             builder.take_stream(meter)
         failure = meter.failure
+        headers = [("Content-Type", "application/json"), (REQUEST_ID_HEADER, builder.request_id)]
         if failure is not None and failure.outcome is Outcome.HTTP_ERROR:
             # The upstream's own error event: the client gets it as the JSON error it is.
-            response: web.StreamResponse = json_error(
-                failure.status, failure.message, failure.err_type, builder.request_id)
+            body = _json_error_body(failure.status, failure.message, failure.err_type)
+            exchange.start(failure.status, None, headers, len(body), body)
         elif meter.fatal is not None:
             raise UpstreamFailure(*meter.fatal)
         else:
-            response = web.Response(body=assembler.body(), status=200,
-                                    content_type="application/json")
-            response.headers[REQUEST_ID_HEADER] = builder.request_id
-        await response.prepare(request)
-        await response.write_eof()
+            body = assembler.body()
+            exchange.start(200, None, headers, len(body), body)
+        exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
-        return response
 
 
-async def _read_body(upstream: aiohttp.ClientResponse) -> bytes:
-    """The whole body, however many reads it takes (``content.read(n)`` returns only what has
-    arrived so far), bounded by MAX_NON_SSE_BODY."""
-    limit = MAX_NON_SSE_BODY
-    declared = upstream.content_length
-    if declared is not None and declared > limit:
-        raise _too_big(limit)
-    parts: list[bytes] = []
-    size = 0
-    async for block in upstream.content.iter_any():
-        size += len(block)
-        if size > limit:
-            raise _too_big(limit)
-        parts.append(block)
-    return b"".join(parts)
+_CONNECT_ERROR_NAMES = {
+    "connect_refused": "ClientConnectorError",
+    "connect_timeout": "ConnectionTimeoutError",
+    "disconnected": "ServerDisconnectedError",
+}
 
 
-def _too_big(limit: int) -> UpstreamFailure:
-    return UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_body", 502,
-                           f"The upstream's response body exceeds the sidecar's limit of "
-                           f"{limit} bytes.")
+def _upstream_error_type(exc: UpstreamError) -> str:
+    """The record's cause for a connection that broke mid-response (names kept from the
+    aiohttp client this replaced, so that dashboards and alerts keep matching)."""
+    if exc.kind == "disconnected":
+        return "upstream_ClientPayloadError"
+    return f"upstream_{exc.kind}"
 
 
-def _client_backlog(request: web.Request) -> int:
-    """Bytes written to the client that its socket has not taken yet."""
-    transport = request.transport
-    return transport.get_write_buffer_size() if transport is not None else 0
+def _address(url: str) -> tuple[str, int, str, str, bool]:
+    """(host, port, Host header, path prefix, TLS) of a replica's base URL."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if tls else 80)
+    return host, port, parts.netloc, parts.path.rstrip("/"), tls
 
 
-def _abort(request: web.Request) -> None:
-    if request.transport is not None:
-        request.transport.abort()
+def _json_error_body(status: int, message: str, err_type: str) -> bytes:
+    return json.dumps(error_body(message, err_type, status)).encode("utf-8")
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

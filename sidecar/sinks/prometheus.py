@@ -436,6 +436,69 @@ class LiveCollector(Collector):
         yield dropped
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """One worker process of `sidecar proxy --workers N`, as the collector knows it."""
+
+    worker: str
+    alive: bool
+    restarts: int
+    records_received: int
+    dropped_channel_full: int
+    dropped_channel_closed: int
+    encode_errors: int
+    decode_errors: int
+    lost: int  # requests a worker counted and never sent a record for, before it died
+
+
+class WorkerCollector(Collector):
+    """The worker processes and the channel that brings their records to the collector: how
+    many are alive, how often they were restarted, and every record that did not make it
+    (so that the request counters can be checked against what the workers served)."""
+
+    def __init__(self, workers: Callable[[], Sequence[WorkerState]]) -> None:
+        self.workers = workers
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        states = list(self.workers())
+        alive = GaugeMetricFamily("sidecar_workers_alive",
+                                  "Worker processes serving traffic now.")
+        alive.add_metric((), sum(1 for s in states if s.alive))
+        yield alive
+        configured = GaugeMetricFamily("sidecar_workers",
+                                       "Worker processes configured (--workers).")
+        configured.add_metric((), len(states))
+        yield configured
+        restarts = CounterMetricFamily("sidecar_worker_restarts",
+                                       "Times a worker process was started again after it "
+                                       "died.", labels=("worker",))
+        received = CounterMetricFamily("sidecar_channel_records",
+                                       "Records the collector received from each worker.",
+                                       labels=("worker",))
+        dropped = CounterMetricFamily(
+            "sidecar_channel_dropped_records",
+            "Records lost between a worker and the collector, by reason: channel_full (the "
+            "collector fell behind by more than --channel-buffer-bytes; the worker dropped "
+            "rather than wait), channel_closed, encode_error, decode_error, and "
+            "worker_died (requests a worker counted before it died with no record sent).",
+            labels=("worker", "reason"))
+        for s in states:
+            restarts.add_metric((s.worker,), s.restarts)
+            received.add_metric((s.worker,), s.records_received)
+            for reason, count in (("channel_full", s.dropped_channel_full),
+                                  ("channel_closed", s.dropped_channel_closed),
+                                  ("encode_error", s.encode_errors),
+                                  ("decode_error", s.decode_errors),
+                                  ("worker_died", s.lost)):
+                dropped.add_metric((s.worker, reason), count)
+        yield restarts
+        yield received
+        yield dropped
+
+
 class CaptureCollector(Collector):
     """The capture's own health: records written, dropped (queue full / write errors), queued."""
 

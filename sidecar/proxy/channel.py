@@ -1,0 +1,124 @@
+"""The channel between a worker and the collector: length-prefixed frames on a Unix socketpair.
+
+Each frame is ``u32 payload length | u8 kind | payload`` (little-endian). Records travel in
+`recordwire`'s binary form; the few control messages (config, ready, status, health, stop) are
+small JSON objects, a handful per second. Both ends read through `FrameProtocol`, which splits
+frames in ``data_received`` and hands each to a synchronous callback: no task wake-up and no
+coroutine per frame.
+
+Writing is the caller's business, through the asyncio transport: it never blocks. The worker
+side checks the transport's write buffer against its bound before each record and drops (and
+counts) rather than buffer without end (see worker.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any, cast
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct("<IB")
+# A record with opt-in text holds at most a 16 MiB body and its completion: anything far
+# beyond is a corrupt stream, not a frame to buffer.
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+class Kind(enum.IntEnum):
+    CONFIG = 1  # collector -> worker, first frame: settings, worker id, capture salt
+    READY = 2  # worker -> collector: listening (or ERROR instead)
+    RECORD = 3  # worker -> collector: one finished record (recordwire)
+    STATUS = 4  # worker -> collector: counters, periodic and at exit
+    HEALTH = 5  # collector -> worker: replica health after a round of checks
+    STOP = 6  # collector -> worker: stop accepting, finish in-flight requests, exit
+    ERROR = 7  # worker -> collector: could not start (one line of why), then exit
+
+
+def frame(kind: Kind, payload: bytes) -> bytes:
+    return HEADER.pack(len(payload), kind) + payload
+
+
+def json_frame(kind: Kind, message: dict[str, Any]) -> bytes:
+    return frame(kind, json.dumps(message, separators=(",", ":")).encode())
+
+
+def parse_json(payload: bytes) -> dict[str, Any]:
+    message = json.loads(payload)
+    if not isinstance(message, dict):
+        raise ValueError("a control message is a JSON object")
+    return message
+
+
+class FrameProtocol(asyncio.Protocol):
+    """Splits the byte stream into frames; ``on_frame(kind, payload)`` runs for each, in order,
+    synchronously. ``on_lost`` runs once when the other end closed or the stream broke."""
+
+    def __init__(self, on_frame: Callable[[int, bytes], None],
+                 on_lost: Callable[[], None]) -> None:
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+        self.handler_errors = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses; they have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        pos = 0
+        size = len(buffer)
+        while size - pos >= HEADER.size:
+            length, kind = HEADER.unpack_from(buffer, pos)
+            if length > MAX_FRAME_BYTES:
+                log.error("channel: a frame of %d bytes: the stream is corrupt; closing it",
+                          length)
+                self._buffer = bytearray()
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            end = pos + HEADER.size + length
+            if end > size:
+                break
+            payload = bytes(buffer[pos + HEADER.size:end])
+            pos = end
+            try:
+                self._on_frame(kind, payload)
+            except Exception:
+                # One bad frame must not close the channel (asyncio would, on an exception
+                # escaping data_received): count it, say it once in a while, go on.
+                self.handler_errors += 1
+                if self.handler_errors == 1 or self.handler_errors % 1000 == 0:
+                    log.exception("channel: a frame of kind %d failed (%d so far)", kind,
+                                  self.handler_errors)
+        if pos:
+            del buffer[:pos]
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+        self._on_lost()
+
+    def send(self, data: bytes) -> bool:
+        """Write a frame; False when the channel is closed (nothing written)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        transport.write(data)
+        return True
+
+    def buffered(self) -> int:
+        """Bytes written but not yet taken by the kernel."""
+        transport = self.transport
+        return transport.get_write_buffer_size() if transport is not None else 0

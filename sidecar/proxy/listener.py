@@ -1,0 +1,578 @@
+"""The traffic listener: HTTP/1.1 server connections on asyncio Protocols, framed by httptools.
+
+Why not aiohttp's server here: every response write went through two coroutines and the
+request-level hooks it offers cannot enforce what a proxy in production traffic must (a deadline
+for the request head and for the body, a cap on connections, a record for every request,
+malformed ones included). This module owns the client's connection and nothing else: it parses
+requests (llhttp, strict: no lenient flags, so the request-smuggling framings are refused), reads
+the body (bounded in size and time), hands each complete request to the handler as a task, and
+gives the handler a synchronous `ClientExchange.write` that frames the body (chunked, or by the
+declared length) straight onto the transport.
+
+Connection hygiene, each with a setting (config.py): the request head must arrive within
+``header_timeout`` of its first byte (or of the connection's start), the body within
+``body_timeout`` after the head; an idle keep-alive connection closes after
+``keepalive_timeout``; at most ``max_connections`` client connections (the next one is answered
+503 and closed); at most ``max_header_count`` headers and ``max_header_bytes`` of them (431).
+A malformed request gets a 400 and is logged in one line that names the cause, never a header
+value. Each of these ends in a `Rejection` handed to ``on_rejected``, which records it.
+
+One request at a time per connection: a pipelined next request waits (parsed, reading paused)
+until the response to the current one is complete. Otherwise the connection keeps reading while
+its request is handled: a client that closes is seen at once and its handler cancelled (the
+upstream request is then closed, and vLLM aborts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import cast
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+log = logging.getLogger("sidecar.proxy")
+
+_REASONS = {
+    100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
+    413: "Request Entity Too Large", 429: "Too Many Requests", 431:
+    "Request Header Fields Too Large", 499: "Client Closed Request", 500: "Internal Server Error",
+    502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout",
+}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CHUNK_END = b"\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+# The transport's buffer to the client above which the relay stops reading its upstream, and
+# below which it reads again (aiohttp's figures: memory per slow client stays ~64 KiB + a read).
+WRITE_HIGH_WATER = 64 * 1024
+WRITE_LOW_WATER = 16 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerLimits:
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_header_count: int = 100
+    max_header_bytes: int = 60 * 1024  # Envoy's default
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 60.0
+    max_connections: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingRequest:
+    """A complete request as parsed (the body read whole)."""
+
+    method: str
+    target: str  # path and query as sent
+    path: str
+    headers: CIMultiDictProxy[str]
+    body: bytes
+    http_version: str
+    keep_alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A request refused by the listener itself, before any handler saw it."""
+
+    status: int
+    error_type: str  # the record's short cause
+    message: str  # for the client, in vLLM's error shape
+    err_type: str
+    method: str | None = None
+    path: str | None = None
+    headers: CIMultiDictProxy[str] | None = None
+
+
+Handler = Callable[["IncomingRequest", "ClientExchange"], Awaitable[None]]
+# Returns the full response bytes to send for the rejection (the proxy renders its error body).
+RejectHandler = Callable[[Rejection], tuple[bytes, str | None]]
+
+
+class ClientExchange:
+    """The response side of one request: head, body writes, end. Writes are synchronous (the
+    transport buffers); `drain` waits while the client's buffer is above the high-water mark."""
+
+    __slots__ = ("connection", "request", "prepared", "finished", "status", "_chunked",
+                 "_remaining", "_close_after")
+
+    def __init__(self, connection: ClientConnection, request: IncomingRequest) -> None:
+        self.connection = connection
+        self.request = request
+        self.prepared = False
+        self.finished = False
+        self.status = 0
+        self._chunked = False
+        self._remaining: int | None = None
+        self._close_after = not request.keep_alive
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.connection.transport
+
+    @property
+    def write_buffer_size(self) -> int:
+        transport = self.connection.transport
+        return transport.get_write_buffer_size() if transport is not None else 0
+
+    @property
+    def client_gone(self) -> bool:
+        transport = self.connection.transport
+        return transport is None or transport.is_closing()
+
+    def start(self, status: int, reason: str | None, headers: list[tuple[str, str]],
+              content_length: int | None, body: bytes = b"") -> None:
+        """Send the head (and ``body``, when it is the whole of a sized response). Without a
+        length, an HTTP/1.1 client gets chunked framing; an HTTP/1.0 one a body ended by the
+        connection's close."""
+        if self.prepared:
+            raise RuntimeError("response already started")
+        self.prepared = True
+        self.status = status
+        lines = [f"HTTP/1.1 {status} {reason or _REASONS.get(status, 'Unknown')}"]
+        for name, value in headers:
+            lines.append(f"{name}: {value}")
+        if content_length is not None:
+            lines.append(f"Content-Length: {content_length}")
+            self._remaining = content_length
+        elif self.request.http_version == "1.1":
+            lines.append("Transfer-Encoding: chunked")
+            self._chunked = True
+        else:
+            self._close_after = True
+        if self._close_after:
+            lines.append("Connection: close")
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        transport = self.connection.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client is gone")
+        if body:
+            transport.write(head + body)
+            if self._remaining is not None:
+                self._remaining -= len(body)
+        else:
+            transport.write(head)
+
+    def write(self, data: bytes) -> None:
+        """One body write (framed as one chunk). Raises ConnectionResetError if the client
+        is gone."""
+        transport = self.connection.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client is gone")
+        if self._chunked:
+            transport.writelines((b"%x\r\n" % len(data), data, _CHUNK_END))
+        else:
+            if self._remaining is not None:
+                self._remaining -= len(data)
+            transport.write(data)
+
+    async def drain(self) -> None:
+        await self.connection.drain()
+
+    def end(self) -> None:
+        """The response is complete: the connection serves the next request, or closes."""
+        if self.finished:
+            return
+        self.finished = True
+        transport = self.connection.transport
+        if transport is None or transport.is_closing():
+            return
+        if self._chunked:
+            transport.write(_LAST_CHUNK)
+        if self._close_after or (self._remaining is not None and self._remaining != 0):
+            transport.close()
+
+    def abort(self) -> None:
+        """Cut the connection: the only honest signal once a head went out and the body cannot
+        be completed."""
+        self.finished = True
+        transport = self.connection.transport
+        if transport is not None:
+            transport.abort()
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection: parse, bound, dispatch, one request at a time."""
+
+    def __init__(self, server: TrafficServer) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self._url = bytearray()
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._header_bytes = 0
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._in_message = False
+        self._headers_done = False
+        self._task: asyncio.Task[None] | None = None
+        self._queue: deque[IncomingRequest] = deque()  # complete requests not yet handled
+        self._timer: asyncio.TimerHandle | None = None
+        self._write_ready: asyncio.Future[None] | None = None
+        self._writable_callbacks: list[Callable[[], None]] = []
+        self._rejected = False
+        self._request_headers: CIMultiDictProxy[str] | None = None
+        self._method: str | None = None
+
+    # -- asyncio.Protocol -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
+        server = self.server
+        server.connections.add(self)
+        if len(server.connections) > self.limits.max_connections:
+            self._reject(Rejection(503, "max_connections",
+                                   f"The sidecar is at its limit of "
+                                   f"{self.limits.max_connections} client connections; retry "
+                                   "later.", "ServiceUnavailable"))
+            return
+        # The first request's head must come within the header timeout.
+        self._arm(self.limits.header_timeout_s, self._head_timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._rejected:
+            self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, _Refused):
+                raise
+        except httptools.HttpParserUpgrade:
+            self._reject(Rejection(400, "upgrade_not_supported",
+                                   "The sidecar does not relay protocol upgrades.",
+                                   "BadRequest", self._method, self._path_or_none(),
+                                   self._request_headers))
+        except httptools.HttpParserError as exc:
+            cause = str(exc).split(":")[0][:80] or type(exc).__name__
+            log.warning("malformed request from %s refused (400): %s", self._peer(), cause)
+            self._reject(Rejection(400, "malformed_http",
+                                   "The request is not valid HTTP/1.1.", "BadRequest",
+                                   self._method, self._path_or_none(), self._request_headers))
+        if self._queue and not self._rejected:
+            if self._task is None:
+                self._dispatch()
+            if self._queue and self.transport is not None:
+                # One request at a time (see the module doc): a pipelined request waits, and
+                # nothing more is read until it is handled. Otherwise reading goes on while a
+                # request is handled, so that a client that leaves is noticed at once.
+                self.transport.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self._disarm()
+        ready, self._write_ready = self._write_ready, None
+        if ready is not None and not ready.done():
+            ready.set_exception(ConnectionResetError("the client is gone"))
+            ready.exception()
+        callbacks, self._writable_callbacks = self._writable_callbacks, []
+        for callback in callbacks:
+            callback()
+        if self._task is not None and not self._task.done():
+            # The client went away: its handler stops now (and closes the upstream request).
+            self._task.cancel()
+        # Requests that reached us and will never be handled still end in one record each.
+        gone: list[tuple[str | None, str | None, CIMultiDictProxy[str] | None]] = [
+            (r.method, r.path, r.headers) for r in self._queue]
+        self._queue.clear()
+        if self._in_message and not self._rejected:
+            gone.append((self._method, self._path_or_none(), self._request_headers))
+        self._in_message = False
+        for method, path, headers in gone:
+            self.server.on_rejected(Rejection(499, "client_disconnected", "", "", method, path,
+                                              headers))
+
+    def pause_writing(self) -> None:
+        if self._write_ready is None:
+            self._write_ready = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        ready, self._write_ready = self._write_ready, None
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+        callbacks, self._writable_callbacks = self._writable_callbacks, []
+        for callback in callbacks:
+            callback()
+
+    # -- httptools callbacks --------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        self._headers_done = False
+        self._url.clear()
+        self._headers = []
+        self._header_bytes = 0
+        self._body = []
+        self._body_size = 0
+        self._request_headers = None
+        self._method = None
+        # The head's deadline runs from its first byte (a keep-alive connection's idle timer
+        # is replaced); a pipelined request's deadlines start when its turn comes.
+        if self._task is None:
+            self._arm(self.limits.header_timeout_s, self._head_timed_out)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._header_bytes += len(url)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse_headers()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        self._headers.append((name, value))
+        if (self._header_bytes > self.limits.max_header_bytes
+                or len(self._headers) > self.limits.max_header_count):
+            self._refuse_headers()
+
+    def on_headers_complete(self) -> None:
+        self._headers_done = True
+        self._method = self.parser.get_method().decode("ascii", "replace")
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in self._headers:
+            headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        self._headers = []
+        self._request_headers = CIMultiDictProxy(headers)
+        declared = headers.get("Content-Length")
+        limit = self.limits.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            self._reject(Rejection(413, "body_too_large",
+                                   f"Request body of {int(declared)} bytes exceeds the "
+                                   f"sidecar's limit of {limit} bytes.",
+                                   "RequestEntityTooLarge", self._method,
+                                   self._path_or_none(), self._request_headers))
+            raise _Refused
+        if headers.get("Expect", "").lower() == "100-continue" and self.transport is not None:
+            self.transport.write(_CONTINUE)
+        if self._task is None:
+            self._arm(self.limits.body_timeout_s, self._body_timed_out)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self.limits.max_body_bytes:
+            self._reject(Rejection(413, "body_too_large",
+                                   f"Request body exceeds the sidecar's limit of "
+                                   f"{self.limits.max_body_bytes} bytes.",
+                                   "RequestEntityTooLarge", self._method, self._path_or_none(),
+                                   self._request_headers))
+            raise _Refused
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._task is None:
+            self._disarm()
+        self._in_message = False
+        assert self._request_headers is not None and self._method is not None
+        target = self._url.decode("latin-1")
+        self._queue.append(IncomingRequest(
+            method=self._method, target=target, path=_path_of(target),
+            headers=self._request_headers, body=b"".join(self._body),
+            http_version=self.parser.get_http_version(),
+            keep_alive=self.parser.should_keep_alive()))
+        self._body = []
+
+    # -- dispatch and keep-alive ----------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        request = self._queue.popleft()
+        exchange = ClientExchange(self, request)
+        self._task = asyncio.get_running_loop().create_task(self._run(request, exchange))
+
+    async def _run(self, request: IncomingRequest, exchange: ClientExchange) -> None:
+        try:
+            await self.server.handler(request, exchange)
+        finally:
+            self._task = None
+            if not exchange.finished:
+                exchange.abort()
+            self._next()
+
+    def _next(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self._queue:
+            self._dispatch()
+            return
+        if self._in_message:
+            # A pipelined request is half here: its deadlines start now.
+            self._arm(self.limits.body_timeout_s if self._headers_done
+                      else self.limits.header_timeout_s,
+                      self._body_timed_out if self._headers_done else self._head_timed_out)
+        else:
+            self._arm(self.limits.keepalive_timeout_s, self._idle_timed_out)
+        transport.resume_reading()
+
+    # -- refusals and timers --------------------------------------------------------------
+
+    def _refuse_headers(self) -> None:
+        self._reject(Rejection(431, "headers_too_large",
+                               f"The request's headers exceed the sidecar's limits "
+                               f"({self.limits.max_header_count} headers, "
+                               f"{self.limits.max_header_bytes} bytes).",
+                               "RequestHeaderFieldsTooLarge", self._method, None, None))
+        raise _Refused
+
+    def _reject(self, rejection: Rejection) -> None:
+        """Answer (when the head has not gone out) and close: the connection's framing can no
+        longer be trusted, or the request was refused before its body was read."""
+        if self._rejected:
+            return
+        self._rejected = True
+        self._in_message = False
+        self._disarm()
+        response, _ = self.server.on_rejected(rejection)
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            if response:
+                transport.write(response)
+            transport.close()
+
+    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        if delay_s > 0:
+            self._timer = asyncio.get_running_loop().call_later(delay_s, callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        if not self._in_message:
+            # Connected and sent nothing: not a request, no record; just close.
+            if self.transport is not None:
+                self.transport.close()
+            return
+        log.warning("request head from %s not complete within %.0f s: refused (408)",
+                    self._peer(), self.limits.header_timeout_s)
+        self._reject(Rejection(408, "header_timeout",
+                               "The request's head did not arrive in time.", "RequestTimeout",
+                               self._method, self._path_or_none(), self._request_headers))
+
+    def _body_timed_out(self) -> None:
+        self._timer = None
+        log.warning("request body from %s not complete within %.0f s: refused (408)",
+                    self._peer(), self.limits.body_timeout_s)
+        self._reject(Rejection(408, "body_timeout",
+                               "The request's body did not arrive in time.", "RequestTimeout",
+                               self._method, self._path_or_none(), self._request_headers))
+
+    def _idle_timed_out(self) -> None:
+        self._timer = None
+        if self.transport is not None and self._task is None and not self._in_message:
+            self.transport.close()
+
+    def _path_or_none(self) -> str | None:
+        return _path_of(self._url.decode("latin-1")) if self._url else None
+
+    def _peer(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "a client"
+
+    async def drain(self) -> None:
+        if self._write_ready is not None:
+            await self._write_ready
+
+    def when_writable(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the client's buffer drained below the low-water mark (or the
+        connection is gone)."""
+        if self._write_ready is None:
+            callback()
+        else:
+            self._writable_callbacks.append(callback)
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a refused request."""
+
+
+def _path_of(target: str) -> str:
+    path = target.split("?", 1)[0]
+    if path.startswith(("http://", "https://")):
+        # Absolute form (a client that takes us for a forward proxy): serve the path only.
+        rest = path.split("://", 1)[1]
+        path = "/" + rest.split("/", 1)[1] if "/" in rest else "/"
+    return path
+
+
+class TrafficServer:
+    """The listening socket(s) and the live client connections."""
+
+    def __init__(self, handler: Handler, on_rejected: RejectHandler,
+                 limits: ListenerLimits) -> None:
+        self.handler = handler
+        self.on_rejected = on_rejected
+        self.limits = limits
+        self.connections: set[ClientConnection] = set()
+        self._servers: list[asyncio.AbstractServer] = []
+
+    async def start(self, host: str, port: int, *, backlog: int = 1024) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: ClientConnection(self), host, port,
+                                          reuse_address=True, backlog=backlog)
+        self._servers.append(server)
+        bound = server.sockets[0].getsockname()
+        return bound[0], bound[1]
+
+    async def start_on_socket(self, sock: socket.socket, backlog: int = 1024) -> None:
+        """Serve on a socket bound elsewhere (a worker given the shared traffic port)."""
+        loop = asyncio.get_running_loop()
+        self._servers.append(await loop.create_server(lambda: ClientConnection(self),
+                                                      sock=sock, backlog=backlog))
+
+    def stop_accepting(self) -> None:
+        for server in self._servers:
+            server.close()
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Stop accepting, let in-flight requests finish (up to ``grace_s``), then close every
+        connection."""
+        self.stop_accepting()
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while any(c._task is not None for c in self.connections):
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.01)
+        for connection in list(self.connections):
+            if connection._task is not None and not connection._task.done():
+                connection._task.cancel()
+            if connection.transport is not None:
+                connection.transport.close()
+        tasks = [c._task for c in self.connections if c._task is not None]
+        if tasks:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait(tasks, timeout=1.0)
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        self._servers = []
+
+
+def raise_open_files_limit(ceiling: int = 1 << 20) -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit (at most ``ceiling``); returns the
+    soft limit in force afterwards."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return ceiling if soft == resource.RLIM_INFINITY else soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft
+    return target

@@ -1,0 +1,477 @@
+"""The proxy's HTTP/1.1 client to the replicas: asyncio Protocols, httptools framing, a keep-alive
+pool, and a body delivered by callback.
+
+Why not aiohttp's client here: its body arrives through a StreamReader, so every upstream read
+wakes the handler's task and goes through a coroutine per chunk. Here the body of a streamed
+response is handed to a callback from ``data_received`` itself, stamped once per read, so that
+the relay can parse, measure and write to the client in that same callback: no task switch per
+chunk. HTTP framing (status line, headers, chunked decoding, content length) is llhttp's, through
+httptools, never hand-written; de-chunked pieces of one read are delivered joined, as one read.
+
+An `UpstreamExchange` is one request on one connection. The caller awaits its response head,
+then either `read_body` (whole bodies) or `stream_body` (a callback per read, completion as a
+future). `release` returns a connection that finished its response cleanly to the pool;
+`close` drops it (the upstream sees the disconnect: vLLM aborts the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Callable
+from typing import Any, cast
+
+import httptools
+from multidict import CIMultiDict
+
+from sidecar import clock
+
+BodySink = Callable[[bytes, int], None]
+
+# Reads pile up here only until the relay takes the body (the head and the first bytes of the
+# body usually come in one read), or while the relay paused reading for a slow client.
+_KEEPALIVE_S = 30.0
+
+
+class UpstreamError(Exception):
+    """The exchange failed at the connection level. ``sent`` says whether the request could have
+    reached the upstream (it was written in full before the failure)."""
+
+    def __init__(self, message: str, *, kind: str, before_response: bool) -> None:
+        super().__init__(message)
+        self.kind = kind  # connect_refused, connect_timeout, disconnected, protocol_error, ...
+        self.before_response = before_response
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One TCP connection to one replica; one exchange at a time."""
+
+    __slots__ = (
+        "key", "transport", "exchange", "reusable", "_idle_handle", "_closed", "_write_ready",
+    )
+
+    def __init__(self, key: tuple[str, int, bool]) -> None:
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.exchange: UpstreamExchange | None = None
+        self.reusable = False
+        self._idle_handle: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._write_ready: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None:
+            # Bytes nobody asked for (a pooled connection): the connection cannot be trusted.
+            self.abort()
+            return
+        exchange.feed(data, clock.monotonic_ns())
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.reusable = False
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
+        if self._write_ready is not None and not self._write_ready.done():
+            self._write_ready.set_exception(ConnectionResetError("upstream connection lost"))
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._write_ready = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        ready, self._write_ready = self._write_ready, None
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+
+    # -- used by the pool and the exchange ------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.transport is None or self.transport.is_closing()
+
+    async def drain(self) -> None:
+        if self._write_ready is not None:
+            await self._write_ready
+
+    def abort(self) -> None:
+        self.reusable = False
+        if self.transport is not None:
+            self.transport.abort()
+
+    def park(self, on_expire: Callable[[UpstreamConnection], None]) -> None:
+        self.exchange = None
+        self._idle_handle = asyncio.get_running_loop().call_later(
+            _KEEPALIVE_S, on_expire, self)
+
+    def unpark(self) -> None:
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
+
+
+class UpstreamExchange:
+    """One request and its response on one connection (the httptools parser's callbacks)."""
+
+    __slots__ = (
+        "connection", "head_method", "status", "reason", "headers", "_raw_headers",
+        "_parser", "_head", "_done", "_pending", "_parts", "_sink", "complete", "_eof_body",
+        "_error", "request_written", "paused", "_header_bytes", "max_header_bytes", "_interim",
+    )
+
+    def __init__(self, connection: UpstreamConnection, head_method: bool,
+                 max_header_bytes: int = 256 * 1024) -> None:
+        self.connection = connection
+        self.head_method = head_method
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._parser = httptools.HttpResponseParser(self)
+        loop = asyncio.get_running_loop()
+        self._head: asyncio.Future[None] = loop.create_future()
+        self._done: asyncio.Future[None] = loop.create_future()
+        self._pending: list[tuple[bytes, int]] = []  # body reads not yet taken by a sink
+        self._parts: list[bytes] = []  # de-chunked pieces of the read being parsed
+        self._sink: BodySink | None = None
+        self.complete = False
+        self._eof_body = False  # body delimited by the connection's end (no length, no chunks)
+        self._error: UpstreamError | None = None
+        self.request_written = False
+        self.paused = False
+        self._header_bytes = 0
+        self.max_header_bytes = max_header_bytes
+        self._interim = False
+
+    # -- httptools callbacks --------------------------------------------------------------
+
+    def on_status(self, status: bytes) -> None:
+        self.reason = status.decode("latin-1")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > self.max_header_bytes:
+            raise UpstreamError("the upstream's response headers are too large",
+                                kind="protocol_error", before_response=True)
+        self._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        if 100 <= status < 200:
+            # An interim response (100 Continue, 103 Early Hints): the final one follows.
+            self._interim = True
+            self._raw_headers = []
+            return
+        self.status = status
+        headers = self.headers
+        chunked = False
+        has_length = False
+        for name, value in self._raw_headers:
+            key = name.decode("latin-1")
+            text = value.decode("latin-1")
+            headers.add(key, text)
+            lower = key.lower()
+            if lower == "content-length":
+                has_length = True
+            elif lower == "transfer-encoding" and "chunked" in text.lower():
+                chunked = True
+        self._raw_headers = []
+        no_body = self.head_method or self.status in (204, 304)
+        self._eof_body = not (has_length or chunked or no_body)
+        if not self._head.done():
+            self._head.set_result(None)
+        if self.head_method:
+            # llhttp cannot be told the request was HEAD: the message ends here.
+            self._finish()
+
+    def on_body(self, body: bytes) -> None:
+        self._parts.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._finish()
+
+    # -- fed by the connection ------------------------------------------------------------
+
+    def feed(self, data: bytes, now_ns: int) -> None:
+        if self.complete:
+            self.connection.abort()  # bytes after the response: not a connection to reuse
+            return
+        try:
+            self._parser.feed_data(data)
+        except UpstreamError as exc:
+            self._fail(exc)
+            return
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"the upstream sent a malformed HTTP response ({exc})",
+                                     kind="protocol_error", before_response=not self._head.done()))
+            return
+        parts = self._parts
+        if parts:
+            body = parts[0] if len(parts) == 1 else b"".join(parts)
+            parts.clear()
+            self._deliver(body, now_ns)
+        if self.complete:
+            self._end()
+
+    def _deliver(self, body: bytes, now_ns: int) -> None:
+        sink = self._sink
+        if sink is None or self._pending:
+            self._pending.append((body, now_ns))
+        else:
+            sink(body, now_ns)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.complete:
+            return
+        if self._eof_body and self._head.done():
+            self.complete = True  # the connection's end was the body's end
+            self._end()
+            return
+        before = not self._head.done()
+        detail = f": {exc}" if exc else ""
+        self._fail(UpstreamError(
+            ("the upstream closed the connection before answering" if before else
+             "the upstream closed the connection mid-response") + detail,
+            kind="disconnected", before_response=before))
+
+    def _finish(self) -> None:
+        self.complete = True
+
+    def _end(self) -> None:
+        conn = self.connection
+        conn.reusable = (not self._eof_body and self._parser.should_keep_alive()
+                         and not conn.closed)
+        if self._sink is not None and not self._pending and not self._done.done():
+            self._done.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._error is not None:
+            return
+        self._error = error
+        self.connection.abort()
+        if not self._head.done():
+            self._head.set_exception(error)
+        if not self._done.done():
+            self._done.set_exception(error)
+            self._done.exception()  # retrieved: a failure nobody awaits is not a warning
+
+    # -- the caller's side ----------------------------------------------------------------
+
+    async def response(self) -> None:
+        """Wait for the response head (status and headers)."""
+        await self._head
+
+    @property
+    def content_length(self) -> int | None:
+        value = self.headers.get("Content-Length")
+        if value is None or not value.isdigit():
+            return None
+        return int(value)
+
+    def stream_body(self, sink: BodySink) -> asyncio.Future[None]:
+        """Hand every body read to ``sink(data, arrival_ns)`` as it comes, from the
+        connection's callback; the future ends with the body (or fails with `UpstreamError`).
+        Reads that arrived before this call are handed over first, in order."""
+        self._sink = sink
+        while self._pending and not self.paused:
+            body, at = self._pending.pop(0)
+            sink(body, at)
+        if self.complete and not self._pending and not self._done.done():
+            self._done.set_result(None)
+        return self._done
+
+    async def read_body(self, limit: int) -> bytes:
+        """The whole body; `UpstreamError` kind ``too_large`` past ``limit`` bytes."""
+        parts: list[bytes] = []
+        size = 0
+
+        def take(data: bytes, _at: int) -> None:
+            nonlocal size
+            size += len(data)
+            if size > limit:
+                self._fail(UpstreamError("body too large", kind="too_large",
+                                         before_response=False))
+                return
+            parts.append(data)
+
+        declared = self.content_length
+        if declared is not None and declared > limit:
+            self._fail(UpstreamError("body too large", kind="too_large", before_response=False))
+        await self.stream_body(take)
+        return b"".join(parts)
+
+    def pause(self) -> None:
+        """Stop reading from the upstream (the client is slow): TCP pushes back."""
+        if not self.paused:
+            self.paused = True
+            transport = self.connection.transport
+            if transport is not None and not transport.is_closing():
+                transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            sink = self._sink
+            while self._pending and sink is not None and not self.paused:
+                body, at = self._pending.pop(0)
+                sink(body, at)
+            if not self.paused:
+                transport = self.connection.transport
+                if transport is not None and not transport.is_closing():
+                    transport.resume_reading()
+                if self.complete and not self._pending and not self._done.done():
+                    self._done.set_result(None)
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+
+class UpstreamPool:
+    """Keep-alive connections per replica address; a connection is reused only after it
+    finished a response cleanly."""
+
+    def __init__(self, keepalive_s: float = _KEEPALIVE_S, max_idle_per_host: int = 1024) -> None:
+        self.keepalive_s = keepalive_s
+        self.max_idle_per_host = max_idle_per_host
+        self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
+        self._all: set[UpstreamConnection] = set()
+        self._ssl: ssl.SSLContext | None = None
+
+    async def exchange(self, host: str, port: int, head: bytes, body: bytes, *,
+                       connect_timeout: float | None, head_method: bool = False,
+                       tls: bool = False) -> UpstreamExchange:
+        """Send one request (``head`` already serialized) and return its exchange once the
+        request is written. A pooled connection that turns out closed is replaced."""
+        key = (host, port, tls)
+        connection = self._take_idle(key)
+        if connection is None:
+            connection = await self._connect(key, connect_timeout)
+        exchange = UpstreamExchange(connection, head_method)
+        connection.exchange = exchange
+        transport = connection.transport
+        assert transport is not None
+        if body and len(body) < 65536:
+            transport.write(head + body)
+        else:
+            transport.write(head)
+            if body:
+                transport.write(body)
+        if connection._write_ready is not None:
+            await connection.drain()
+        exchange.request_written = True
+        return exchange
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def _take_idle(self, key: tuple[str, int, bool]) -> UpstreamConnection | None:
+        idle = self._idle.get(key)
+        while idle:
+            connection = idle.pop()
+            connection.unpark()
+            if not connection.closed:
+                return connection
+            self._all.discard(connection)
+        return None
+
+    async def _connect(self, key: tuple[str, int, bool],
+                       connect_timeout: float | None) -> UpstreamConnection:
+        loop = asyncio.get_running_loop()
+        connection = UpstreamConnection(key)
+        try:
+            if key[2]:
+                await asyncio.wait_for(loop.create_connection(
+                    lambda: connection, key[0], key[1], ssl=self._tls_context(),
+                    server_hostname=key[0]), connect_timeout or None)
+            else:
+                await asyncio.wait_for(loop.create_connection(
+                    lambda: connection, key[0], key[1]), connect_timeout or None)
+        except asyncio.TimeoutError:
+            raise UpstreamError(f"timed out connecting to {key[0]}:{key[1]}",
+                                kind="connect_timeout", before_response=True) from None
+        except OSError as exc:
+            raise UpstreamError(f"could not connect to {key[0]}:{key[1]}: {exc.strerror or exc}",
+                                kind="connect_refused", before_response=True) from None
+        self._all.add(connection)
+        return connection
+
+    def release(self, exchange: UpstreamExchange) -> None:
+        """The caller is done: pool the connection if its response ended cleanly, else drop
+        it (an unfinished response cannot be skipped; closing tells the upstream to abort)."""
+        connection = exchange.connection
+        if connection.exchange is exchange:
+            connection.exchange = None
+        if not (exchange.complete and connection.reusable and not connection.closed
+                and not exchange.failed and not exchange.paused):
+            self._drop(connection)
+            return
+        idle = self._idle.setdefault(connection.key, [])
+        if len(idle) >= self.max_idle_per_host:
+            self._drop(connection)
+            return
+        connection.park(self._expire)
+        idle.append(connection)
+
+    def close_exchange(self, exchange: UpstreamExchange) -> None:
+        """Drop the connection at once (the upstream sees the disconnect)."""
+        connection = exchange.connection
+        if connection.exchange is exchange:
+            connection.exchange = None
+        self._drop(connection)
+
+    def _expire(self, connection: UpstreamConnection) -> None:
+        idle = self._idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+        self._drop(connection)
+
+    def _drop(self, connection: UpstreamConnection) -> None:
+        self._all.discard(connection)
+        connection.unpark()
+        transport = connection.transport
+        if transport is not None and not transport.is_closing():
+            transport.close()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._all)
+
+    async def close(self) -> None:
+        for connection in list(self._all):
+            self._drop(connection)
+        self._idle.clear()
+        # Let the transports' close callbacks run before the loop goes away.
+        with contextlib.suppress(Exception):
+            await asyncio.sleep(0)
+
+
+def serialize_request_head(method: str, target: str, host_header: str,
+                           headers: Any, content_length: int) -> bytes:
+    """``method target HTTP/1.1`` with Host, the given headers and Content-Length. Header
+    names and values were checked by the listener's parser (no CR/LF can be in them)."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}"]
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}")
+    if content_length or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        lines.append(f"Content-Length: {content_length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")

@@ -1,0 +1,254 @@
+"""The traffic listener's connection hygiene, each case an attack or mistake reproduced on a real
+socket: slow heads and bodies, idle keep-alive, too many connections, too many or too large
+headers, malformed and smuggling framings, Expect: 100-continue, pipelining, and an upstream
+that speaks broken HTTP. Every request that reaches the listener ends in exactly one record."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from proxy_stack import stack
+from reliability_helpers import settle
+
+from sidecar.record import Outcome
+
+CHAT = "/v1/chat/completions"
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                   "stream": True, "max_tokens": 3}).encode()
+
+
+def request_bytes(request_id: str, body: bytes = BODY, extra: str = "") -> bytes:
+    return (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+            ).encode() + body
+
+
+async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.split("://")[1].rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def read_all(reader: asyncio.StreamReader, timeout: float = 10.0) -> bytes:
+    return await asyncio.wait_for(reader.read(), timeout)
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+async def close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except ConnectionError:
+        pass
+
+
+async def test_a_slow_head_is_answered_408_and_recorded() -> None:
+    async with stack(header_timeout="300ms") as s:
+        reader, writer = await connect(s.url)
+        writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nX-Request-Id: slow-head\r\n".encode())
+        answer = await read_all(reader)  # the rest of the head never comes
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+    assert status_of(answer) == 408
+    assert record.outcome is Outcome.REJECTED and record.error_type == "header_timeout"
+    assert record.replica is None
+
+
+async def test_a_connection_that_sends_nothing_is_closed_without_a_record() -> None:
+    async with stack(header_timeout="200ms") as s:
+        reader, writer = await connect(s.url)
+        assert await read_all(reader) == b""  # closed by the proxy, nothing said
+        await close(writer)
+        await asyncio.sleep(0.05)
+        assert s.server.proxy.requests_total == 0 and not s.records.records
+
+
+async def test_a_trickled_body_is_answered_408_and_never_holds_a_slot() -> None:
+    async with stack(body_timeout="300ms") as s:
+        reader, writer = await connect(s.url)
+        writer.write(request_bytes("trickle")[:-20])  # the body's last 20 bytes never come
+        answer = await read_all(reader)
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+        assert s.server.proxy.in_flight == 0
+    assert status_of(answer) == 408 and b"RequestTimeout" in answer
+    assert record.outcome is Outcome.REJECTED and record.error_type == "body_timeout"
+    assert record.request_id == "trickle" and record.endpoint == "chat"
+
+
+async def test_an_idle_keepalive_connection_is_closed() -> None:
+    async with stack(keepalive_timeout="300ms") as s:
+        reader, writer = await connect(s.url)
+        writer.write(request_bytes("first"))
+        head = await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n"), 10)
+        assert status_of(head) == 200
+        rest = await read_all(reader)  # then the connection idles until the proxy closes it
+        assert rest == b"0\r\n\r\n" or rest.endswith(b"0\r\n\r\n")
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+    assert record.outcome is Outcome.OK
+
+
+async def test_connections_beyond_the_cap_get_503_and_a_record() -> None:
+    async with stack(max_connections="2") as s:
+        held = [await connect(s.url) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        reader, writer = await connect(s.url)
+        answer = await read_all(reader)
+        await close(writer)
+        for _, w in held:
+            await close(w)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+        # The held connections were free slots again: the next request is served.
+        reader, writer = await connect(s.url)
+        writer.write(request_bytes("after"))
+        ok = await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n"), 10)
+        await close(writer)
+        await settle(s.server, s.records, 2, s.replicas)
+    assert status_of(answer) == 503 and b"ServiceUnavailable" in answer
+    assert record.outcome is Outcome.REJECTED and record.error_type == "max_connections"
+    assert status_of(ok) == 200
+
+
+@pytest.mark.parametrize(("extra", "limit"), [
+    ("".join(f"X-H{i}: v\r\n" for i in range(30)), {"max_header_count": "20"}),
+    ("X-Big: " + "a" * 5000 + "\r\n", {"max_header_bytes": "4096"}),
+])
+async def test_too_many_or_too_large_headers_get_431(extra: str, limit: dict[str, str]) -> None:
+    async with stack(**limit) as s:
+        reader, writer = await connect(s.url)
+        writer.write(request_bytes("big", extra=extra))
+        answer = await read_all(reader)
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+    assert status_of(answer) == 431
+    assert record.outcome is Outcome.REJECTED and record.error_type == "headers_too_large"
+
+
+SMUGGLING = [
+    # Content-Length and Transfer-Encoding together (CL.TE / TE.CL)
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    # two different Content-Lengths
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nContent-Length: 5\r\n\r\n"
+    b"abcde",
+    # an obfuscated Transfer-Encoding
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, identity\r\n\r\n"
+    b"0\r\n\r\n",
+    # a space before the colon
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length : 4\r\n\r\nabcd",
+    # a bare LF inside a chunk size line
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"4\nabcd\r\n0\r\n\r\n",
+    # garbage (a TLS hello)
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)),
+]
+
+
+@pytest.mark.parametrize("raw", SMUGGLING, ids=range(len(SMUGGLING)))
+async def test_malformed_and_smuggling_framings_are_refused_recorded_and_logged_tersely(
+        raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sidecar.proxy")
+    async with stack() as s:
+        reader, writer = await connect(s.url)
+        writer.write(raw.replace(b"Host: x", b"Host: x\r\nAuthorization: Bearer sk-secret-123"))
+        answer = await read_all(reader)
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+        # Nothing went upstream.
+        assert [r.requests_total for r in s.server.proxy.router.replicas] == [0]
+    assert status_of(answer) == 400
+    assert record.outcome is Outcome.REJECTED and record.error_type == "malformed_http"
+    lines = [r.getMessage() for r in caplog.records if "malformed request" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "sk-secret" not in caplog.text and "Bearer" not in caplog.text
+
+
+async def test_expect_continue_with_an_oversized_length_gets_413_at_once() -> None:
+    async with stack(max_body_bytes="1000") as s:
+        reader, writer = await connect(s.url)
+        writer.write((f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nX-Request-Id: big\r\n"
+                      "Content-Length: 5000\r\nExpect: 100-continue\r\n\r\n").encode())
+        answer = await read_all(reader)  # without sending a byte of the body
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+    assert status_of(answer) == 413
+    assert record.outcome is Outcome.REJECTED and record.error_type == "body_too_large"
+    assert record.request_id == "big"
+
+
+async def test_expect_continue_gets_100_then_the_answer() -> None:
+    async with stack() as s:
+        reader, writer = await connect(s.url)
+        head = request_bytes("cont", extra="Expect: 100-continue\r\n")
+        writer.write(head[:-len(BODY)])
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(BODY)
+        answer = await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n"), 10)
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+    assert status_of(answer) == 200 and record.outcome is Outcome.OK
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    async with stack() as s:
+        reader, writer = await connect(s.url)
+        writer.write(request_bytes("one") + request_bytes("two") + request_bytes(
+            "three", extra="Connection: close\r\n"))
+        answer = await read_all(reader)
+        await close(writer)
+        records = await settle(s.server, s.records, 3, s.replicas)
+    ids = [line.split(b": ")[1].strip() for line in answer.split(b"\r\n")
+           if line.lower().startswith(b"x-request-id")]
+    assert ids == [b"one", b"two", b"three"]
+    assert answer.count(b"data: [DONE]") == 3
+    assert all(r.outcome is Outcome.OK for r in records)
+
+
+async def test_an_upstream_speaking_broken_http_is_a_502() -> None:
+    async def broken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 2OO OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(broken, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        from reliability_helpers import proxy_to
+
+        async with proxy_to([f"http://127.0.0.1:{port}"]) as p:
+            reader, writer = await connect(p.url)
+            writer.write(request_bytes("broken", body=BODY.replace(b'"stream": true',
+                                                                   b'"stream": false'),
+                                       extra="Connection: close\r\n"))
+            answer = await read_all(reader)
+            await close(writer)
+            (record,) = await settle(p.server, p.records, 1)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert status_of(answer) == 502
+    assert record.outcome is Outcome.UPSTREAM_ERROR
+    assert record.error_type == "upstream_protocol_error"
+
+
+async def test_open_files_limit_is_raised_to_the_hard_limit() -> None:
+    import resource
+
+    from sidecar.proxy.listener import raise_open_files_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        if hard != resource.RLIM_INFINITY and hard > 256:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+            assert raise_open_files_limit() == min(hard, 1 << 20)
+            assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == min(hard, 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -1,0 +1,177 @@
+"""The worker -> collector record codec: exact round trips, refusals, and what it shares."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.proxy.recordwire import WIRE_VERSION, WireError, decode_record, encode_record
+from sidecar.record import (
+    EngineTiming,
+    Int64s,
+    Outcome,
+    RequestRecord,
+    RequestShape,
+    Timeline,
+    TokenSource,
+)
+
+I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+# Any Python string, lone surrogates included (a JSON body may decode to one).
+TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=40)
+FLOATS = st.floats(allow_nan=False)  # NaN != NaN would fail the equality, not the codec
+
+
+@st.composite
+def timelines(draw: st.DrawFn, tokens: Int64s | None = None) -> Timeline:
+    n = draw(st.integers(0, 40)) if tokens is None else len(tokens)
+    offsets = draw(st.lists(I64, min_size=n, max_size=n))
+    counts = tokens if tokens is not None else Int64s(draw(st.lists(I64, min_size=n,
+                                                                     max_size=n)))
+    return Timeline(start_ns=draw(I64), offsets_ns=Int64s(offsets), tokens=counts,
+                    end_ns=draw(st.none() | I64), events_total=draw(I64))
+
+
+shapes = st.builds(
+    RequestShape,
+    max_tokens=st.none() | I64, ignore_eos=st.none() | st.booleans(), n=I64,
+    temperature=st.none() | FLOATS, session_id=st.none() | TEXT,
+    prefix_unit=st.none() | st.sampled_from(["chars", "tokens"]), prefix_size=I64,
+    prefix_hashes=st.lists(I64, max_size=10).map(tuple), body=st.none() | TEXT,
+    completion_text=st.none() | TEXT)
+
+engines = st.builds(EngineTiming, *(st.none() | FLOATS for _ in range(5)))
+
+
+@st.composite
+def records(draw: st.DrawFn) -> RequestRecord:
+    server = draw(st.none() | timelines())
+    sharing = draw(st.sampled_from(["own", "same", "prefix"])) if server is not None else "own"
+    if server is not None and sharing == "same":
+        client = draw(timelines(tokens=server.tokens))  # one column for both sides
+    elif server is not None and sharing == "prefix":
+        cut = draw(st.integers(0, len(server.tokens)))
+        client = draw(timelines(tokens=server.tokens[:cut]))  # the client left early
+    else:
+        client = draw(timelines())
+    return RequestRecord(
+        request_id=draw(TEXT), wall_time_ns=draw(I64), outcome=draw(st.sampled_from(Outcome)),
+        endpoint=draw(TEXT), model=draw(st.none() | TEXT), client_stream=draw(st.booleans()),
+        upstream_stream=draw(st.booleans()), client=client, server=server,
+        engine=draw(st.none() | engines), n_in=draw(st.none() | I64),
+        n_out=draw(st.none() | I64), n_cached=draw(st.none() | I64),
+        token_source=draw(st.sampled_from(TokenSource)),
+        finish_reason=draw(st.none() | TEXT), http_status=draw(st.none() | I64),
+        error_type=draw(st.none() | TEXT), replica=draw(st.none() | TEXT),
+        route_policy=draw(st.none() | TEXT),
+        attributes=draw(st.dictionaries(TEXT, TEXT, max_size=4)),
+        shape=draw(st.none() | shapes))
+
+
+@settings(max_examples=300, deadline=None)
+@given(records())
+def test_every_record_survives_the_round_trip_exactly(record: RequestRecord) -> None:
+    decoded = decode_record(encode_record(record))
+    assert decoded == record
+    assert decoded.to_dict() == record.to_dict()  # None fields stay None, enums stay enums
+    assert type(decoded.client.offsets_ns) is Int64s
+
+
+@settings(max_examples=100, deadline=None)
+@given(records(), st.data())
+def test_cut_or_damaged_bytes_raise_wire_error_never_something_else(
+        record: RequestRecord, data: st.DataObject) -> None:
+    wire = encode_record(record)
+    cut = data.draw(st.integers(0, len(wire) - 1))
+    with pytest.raises(WireError):
+        decode_record(wire[:cut])
+    with pytest.raises(WireError):
+        decode_record(wire + b"\x00")
+    position = data.draw(st.integers(0, len(wire) - 1))
+    flipped = bytearray(wire)
+    flipped[position] ^= 0xFF
+    try:
+        decode_record(bytes(flipped))
+    except WireError:
+        pass  # either an error of its own kind, or some record: never a crash of another type
+
+
+def streamed_record() -> RequestRecord:
+    tokens = Int64s([1, 1, 2, 1])
+    return RequestRecord(
+        request_id="req-1", wall_time_ns=1_700_000_000_000_000_000, outcome=Outcome.OK,
+        endpoint="chat", model="m", client=Timeline(0, Int64s([10, 20, 30, 40]), tokens, 50, 6),
+        server=Timeline(3, Int64s([8, 18, 28, 38]), tokens, 45, 7),
+        engine=EngineTiming(time_to_first_token_ms=1.5, queue_time_ms=None),
+        n_in=12, n_out=5, n_cached=None, token_source=TokenSource.USAGE, finish_reason="stop",
+        http_status=200, replica="127.0.0.1:8000", route_policy="least_outstanding",
+        attributes={"slo_class": "interactive"},
+        shape=RequestShape(max_tokens=5, ignore_eos=False, temperature=None,
+                           prefix_unit="chars", prefix_size=256, prefix_hashes=(1, 2**62)))
+
+
+def test_a_streamed_record_by_hand() -> None:
+    record = streamed_record()
+    wire = encode_record(record)
+    assert wire[0] == WIRE_VERSION
+    decoded = decode_record(wire)
+    assert decoded == record
+    assert decoded.engine == EngineTiming(time_to_first_token_ms=1.5)
+    assert decoded.n_cached is None and decoded.shape is not None
+    assert decoded.shape.ignore_eos is False and decoded.shape.temperature is None
+    # The shared token column travels once and comes back as one object for both sides.
+    assert decoded.server is not None and decoded.client.tokens is decoded.server.tokens
+    alone = encode_record(RequestRecord(**{**_fields(record), "client": Timeline(
+        0, Int64s([10, 20, 30, 40]), Int64s([9, 9, 9, 9]), 50, 6)}))
+    assert len(alone) == len(wire) + 4 * 8
+
+
+def test_columns_travel_as_raw_bytes() -> None:
+    """Eight bytes per event per column, whatever the values: the bulk of a long stream costs
+    what it costs in memory, not a decimal rendering of it."""
+    def size(n: int) -> int:
+        tokens = Int64s([1] * n)
+        return len(encode_record(RequestRecord(
+            request_id="r", wall_time_ns=0, outcome=Outcome.OK, endpoint="completions",
+            client=Timeline(0, Int64s(range(n)), tokens, n, n),
+            server=Timeline(0, Int64s(range(n)), tokens, n, n))))
+
+    assert size(1000) - size(0) == 3 * 8 * 1000  # two offset columns, one shared token column
+    assert size(0) < 200
+
+
+def test_a_record_without_server_side_or_extras() -> None:
+    record = RequestRecord(request_id="x", wall_time_ns=-5, outcome=Outcome.REJECTED,
+                           endpoint="/v1/models", client_stream=False, upstream_stream=False,
+                           http_status=429, error_type="max_concurrency")
+    decoded = decode_record(encode_record(record))
+    assert decoded == record
+    assert decoded.server is None and decoded.engine is None and decoded.shape is None
+    assert decoded.model is None and decoded.client.end_ns is None
+
+
+def test_what_does_not_fit_is_a_value_error_on_encode() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        encode_record(RequestRecord(request_id="big", wall_time_ns=0, outcome=Outcome.OK,
+                                    endpoint="chat", n_in=2**64))
+
+
+def test_unknown_versions_and_garbage_are_refused() -> None:
+    wire = encode_record(streamed_record())
+    with pytest.raises(WireError, match="wire version 99"):
+        decode_record(bytes([99]) + wire[1:])
+    with pytest.raises(WireError, match="empty"):
+        decode_record(b"")
+    # An outcome index beyond the table.
+    bad = bytearray(wire)
+    flags_size = struct.calcsize("<Iq")
+    bad[1 + flags_size] = 200
+    with pytest.raises(WireError):
+        decode_record(bytes(bad))
+
+
+def _fields(record: RequestRecord) -> dict[str, object]:
+    return {name: getattr(record, name) for name in RequestRecord.__dataclass_fields__}
