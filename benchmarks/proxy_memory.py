@@ -242,7 +242,7 @@ async def run_level(mode: str, n: int, args: argparse.Namespace, workdir: Path,
                                    place.proxy, ["--max-concurrency", str(2 * n + 1024),
                                                  *args.proxy_arg])
             procs.append(proxy)
-            pids = [proxy.pid]
+            pids = po.process_tree(proxy.pid)  # the collector and its worker
         else:
             relay, pids = po.start_relay(mode, sim_port, port, workdir, tag, place.proxy,
                                          max_conns=n + 1024)

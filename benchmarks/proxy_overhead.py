@@ -9,7 +9,8 @@ Separate OS processes, each pinned with ``sched_setaffinity`` (on a 2-core host)
 
 - the simulator (``python -m sidecar sim``): core 0;
 - the load client (this file, ``client`` sub-command, one process per run): core 0;
-- the sidecar (``python -m sidecar proxy --health-interval 0``, token accounting on, i.e. the
+- the sidecar (``python -m sidecar proxy --health-interval 0 --workers 1``: one worker process
+  and its collector, CPU and memory summed over both; token accounting on, i.e. the
   default usage injection and stripping): core 1, alone;
 - the calibration relay (this file, ``bare-relay``: a minimal aiohttp relay that forwards bytes
   as read, no parsing, no stamps): core 1, idle unless its turn. It is not the sidecar; it shows
@@ -350,9 +351,13 @@ def start_sim(port: int, step_s: float, log_path: Path, core: int | None,
 
 def start_proxy(upstream_port: int, port: int, admin_port: int, log_path: Path,
                 core: int | None, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """The sidecar as users start it: one worker process (unless ``extra`` says otherwise)
+    beside its collector process; `process_tree` lists both for CPU and memory."""
+    workers = [] if any(a.startswith("--workers") for a in extra) else ["--workers", "1"]
     argv = [sys.executable, "-m", "sidecar", "proxy", "--upstream",
             f"http://{HOST}:{upstream_port}", "--listen", f"{HOST}:{port}",
-            "--metrics-listen", f"{HOST}:{admin_port}", "--health-interval", "0", *extra]
+            "--metrics-listen", f"{HOST}:{admin_port}", "--health-interval", "0", *workers,
+            *extra]
     proc = spawn(argv, log_path, core)
     try:
         wait_port(port, proc)
@@ -1058,6 +1063,19 @@ def machine_line() -> str:
             f"numpy {np.__version__}, kernel {platform.release()}\n# {code_line()}")
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the sidecar's collector and its workers)."""
+    found = [pid]
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            found.extend(process_tree(int(child)))
+    return found
+
+
 def start_relay(mode: str, sim_port: int, port: int, workdir: Path, tag: str,
                 core: int | None, proxy_args: Sequence[str] = (),
                 max_conns: int = 1024) -> tuple[subprocess.Popen[bytes], list[int]]:
@@ -1066,6 +1084,7 @@ def start_relay(mode: str, sim_port: int, port: int, workdir: Path, tag: str,
     log = workdir / f"{mode}-{tag}.log"
     if mode == "sidecar":
         proc = start_proxy(sim_port, port, free_port(), log, core, proxy_args)
+        return proc, process_tree(proc.pid)
     elif mode == "bare":
         proc = start_bare_relay(sim_port, port, log, core)
     elif mode == "nginx":

@@ -514,10 +514,23 @@ class Proxy:
             builder.up_send_ns = builder.offset(clock.monotonic_ns())
             upstream: UpstreamExchange | None = None
             try:
-                upstream = await self.pool.exchange(
-                    host, port, head, body, connect_timeout=self.config.connect_timeout,
-                    head_method=head_method, tls=tls)
-                await upstream.response()
+                try:
+                    upstream = await self.pool.exchange(
+                        host, port, head, body, connect_timeout=self.config.connect_timeout,
+                        head_method=head_method, tls=tls)
+                    await upstream.response()
+                except UpstreamError as exc:
+                    if not (upstream is not None and upstream.reused
+                            and exc.kind == "disconnected" and exc.before_response):
+                        raise
+                    # A pooled connection the replica closed while we picked it (its
+                    # keep-alive ran out): the request never reached it. Once more, on a new
+                    # connection to the same replica, not counted as a try.
+                    self.pool.close_exchange(upstream)
+                    upstream = await self.pool.exchange(
+                        host, port, head, body, connect_timeout=self.config.connect_timeout,
+                        head_method=head_method, tls=tls, reuse=False)
+                    await upstream.response()
             except UpstreamError as exc:
                 replica.outstanding -= 1
                 if upstream is not None:

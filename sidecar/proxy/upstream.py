@@ -29,9 +29,11 @@ from sidecar import clock
 
 BodySink = Callable[[bytes, int], None]
 
-# Reads pile up here only until the relay takes the body (the head and the first bytes of the
-# body usually come in one read), or while the relay paused reading for a slow client.
-_KEEPALIVE_S = 30.0
+# An idle pooled connection is closed after this. vLLM's API server (uvicorn) closes idle
+# keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): closing ours first keeps
+# the race where both sides act at once (a request sent on a connection the server is closing)
+# out of the way of ordinary gaps in traffic.
+_KEEPALIVE_S = 4.0
 
 
 class UpstreamError(Exception):
@@ -112,10 +114,9 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def park(self, on_expire: Callable[[UpstreamConnection], None]) -> None:
+    def park(self, idle_s: float, on_expire: Callable[[UpstreamConnection], None]) -> None:
         self.exchange = None
-        self._idle_handle = asyncio.get_running_loop().call_later(
-            _KEEPALIVE_S, on_expire, self)
+        self._idle_handle = asyncio.get_running_loop().call_later(idle_s, on_expire, self)
 
     def unpark(self) -> None:
         if self._idle_handle is not None:
@@ -130,6 +131,7 @@ class UpstreamExchange:
         "connection", "head_method", "status", "reason", "headers", "_raw_headers",
         "_parser", "_head", "_done", "_pending", "_parts", "_sink", "complete", "_eof_body",
         "_error", "request_written", "paused", "_header_bytes", "max_header_bytes", "_interim",
+        "_keep_alive", "reused",
     )
 
     def __init__(self, connection: UpstreamConnection, head_method: bool,
@@ -155,6 +157,8 @@ class UpstreamExchange:
         self._header_bytes = 0
         self.max_header_bytes = max_header_bytes
         self._interim = False
+        self._keep_alive = False
+        self.reused = False  # sent on a pooled connection (which the server may have closed)
 
     # -- httptools callbacks --------------------------------------------------------------
 
@@ -205,6 +209,9 @@ class UpstreamExchange:
         if self._interim:
             self._interim = False
             return
+        # Asked here: once the callback returns, llhttp has reset for the next message and
+        # says "no" whatever the response's headers said.
+        self._keep_alive = self._parser.should_keep_alive()
         self._finish()
 
     # -- fed by the connection ------------------------------------------------------------
@@ -256,8 +263,7 @@ class UpstreamExchange:
 
     def _end(self) -> None:
         conn = self.connection
-        conn.reusable = (not self._eof_body and self._parser.should_keep_alive()
-                         and not conn.closed)
+        conn.reusable = not self._eof_body and self._keep_alive and not conn.closed
         if self._sink is not None and not self._pending and not self._done.done():
             self._done.set_result(None)
 
@@ -357,14 +363,17 @@ class UpstreamPool:
 
     async def exchange(self, host: str, port: int, head: bytes, body: bytes, *,
                        connect_timeout: float | None, head_method: bool = False,
-                       tls: bool = False) -> UpstreamExchange:
+                       tls: bool = False, reuse: bool = True) -> UpstreamExchange:
         """Send one request (``head`` already serialized) and return its exchange once the
-        request is written. A pooled connection that turns out closed is replaced."""
+        request is written, on a pooled connection when one is idle (``reuse``), else on a new
+        one. `UpstreamExchange.reused` says which."""
         key = (host, port, tls)
-        connection = self._take_idle(key)
+        connection = self._take_idle(key) if reuse else None
+        reused = connection is not None
         if connection is None:
             connection = await self._connect(key, connect_timeout)
         exchange = UpstreamExchange(connection, head_method)
+        exchange.reused = reused
         connection.exchange = exchange
         transport = connection.transport
         assert transport is not None
@@ -429,7 +438,7 @@ class UpstreamPool:
         if len(idle) >= self.max_idle_per_host:
             self._drop(connection)
             return
-        connection.park(self._expire)
+        connection.park(self.keepalive_s, self._expire)
         idle.append(connection)
 
     def close_exchange(self, exchange: UpstreamExchange) -> None:

@@ -1,0 +1,223 @@
+"""Does a scrape of a full live window disturb the streams? One process vs worker + collector.
+
+    python benchmarks/scrape_isolation.py --json-out /tmp/scrape.json   # 100k records (~6 min)
+    python benchmarks/scrape_isolation.py --smoke                       # CI: 2k records
+
+For each ``--workers`` setting (0: relay, window and admin listener on one event loop, the
+shape before data plane v2; 1: one worker process and its collector), on a 2-core host pinned
+like proxy_overhead.py (simulator + load client on core 0; every process of the sidecar on core
+1, so the collector competes with the worker for that one core, which is the honest 2-core
+picture):
+
+1. a fresh simulator and sidecar (``--window 3600s``, room for ``--records`` records);
+2. the window is filled with ``--records`` records (non-streamed one-token requests, 64 at a
+   time), checked through /stats;
+3. quiet phase: ``--streams`` closed-loop streams (proxy_overhead.py's client, ``--max-tokens``
+   chunks each, engine step ``--step-ms``) for ``--measure-s``; client ITL p99 and max;
+4. scrape phase: the same load while this process requests /metrics and /stats back to back
+   (a scraper that never rests), each request's latency recorded;
+5. the sidecar's own server-side ITL of each phase's requests (/stats, selected by request-id
+   prefix): a stall of the relay's loop is written into it.
+
+Reported per setting: fill size; /stats and /metrics latency (p50, max); client ITL p99 and max
+in both phases and their difference; the sidecar's server-side ITL p99 and max per phase. The
+target (issue 13): scraping moves the added ITL p99 by <= 0.1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import proxy_overhead as po  # noqa: E402  (process, pinning and client helpers)
+
+FILL_CONCURRENCY = 64
+
+
+async def fill_window(url: str, admin: str, records: int) -> float:
+    """Send ``records`` one-token non-streamed requests; returns the seconds it took."""
+    import aiohttp
+
+    body = {"model": po.MODEL, "prompt": "x", "max_tokens": 1, "stream": False}
+    sent = 0
+    started = time.monotonic()
+    connector = aiohttp.TCPConnector(limit=FILL_CONCURRENCY)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def one_worker() -> None:
+            nonlocal sent
+            while sent < records:
+                sent += 1
+                async with session.post(url + "/v1/completions", json=body,
+                                        headers={"X-Request-Id": f"fill-{sent}"}) as response:
+                    await response.read()
+
+        await asyncio.gather(*(one_worker() for _ in range(FILL_CONCURRENCY)))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the collector may trail by a status interval
+            async with session.get(admin + "/stats?request_id_prefix=fill-") as response:
+                seen = (await response.json())["records"]
+            if seen >= records:
+                break
+            await asyncio.sleep(0.2)
+    return time.monotonic() - started
+
+
+async def scrape_forever(admin: str, latencies: dict[str, list[float]],
+                         stop: asyncio.Event) -> None:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while not stop.is_set():
+            for path in ("/metrics", "/stats"):
+                started = time.perf_counter()
+                async with session.get(admin + path) as response:
+                    await response.read()
+                latencies[path].append((time.perf_counter() - started) * 1e3)
+
+
+async def run_client(args: argparse.Namespace, url: str, prefix: str, workdir: Path,
+                     place: po.Placement) -> dict[str, Any]:
+    out = workdir / f"{prefix}.json"
+    argv = po.client_argv(url, args.streams, args.max_tokens, args.warmup_s, args.measure_s,
+                          0.0, out, prefix)
+    proc = po.spawn(argv, workdir / f"{prefix}.log", place.client)
+    while proc.poll() is None:
+        await asyncio.sleep(0.1)
+    if proc.returncode != 0:
+        raise RuntimeError(f"load client failed ({proc.returncode}): see {workdir}")
+    return po.analyse_run(json.loads(out.read_text()))
+
+
+async def server_view(admin: str, prefix: str) -> dict[str, Any]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, \
+            session.get(admin + f"/stats?request_id_prefix={prefix}") as response:
+        stats = await response.json()
+    server = stats["vantages"]["server"]
+    return {"requests": server.get("requests"), "itl": server.get("itl_s")}
+
+
+def ms(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+async def run_setting(workers: int, args: argparse.Namespace, workdir: Path,
+                      place: po.Placement) -> dict[str, Any]:
+    sim_port, port, admin_port = po.free_port(), po.free_port(), po.free_port()
+    step_s = args.step_ms / 1e3
+    sim = po.start_sim(sim_port, step_s, workdir / f"sim-w{workers}.log", place.sim)
+    proxy = None
+    try:
+        proxy = po.start_proxy(sim_port, port, admin_port, workdir / f"proxy-w{workers}.log",
+                               place.proxy, ["--workers", str(workers), "--window", "3600s",
+                                             "--window-max-bytes", str(4 << 30)])
+        url, admin = f"http://{po.HOST}:{port}", f"http://{po.HOST}:{admin_port}"
+        fill_s = await fill_window(url, admin, args.records)
+        quiet = await run_client(args, url, f"quiet-w{workers}", workdir, place)
+        latencies: dict[str, list[float]] = {"/metrics": [], "/stats": []}
+        stop = asyncio.Event()
+        scraper = asyncio.create_task(scrape_forever(admin, latencies, stop))
+        try:
+            scraped = await run_client(args, url, f"scraped-w{workers}", workdir, place)
+        finally:
+            stop.set()
+            await scraper
+        server_quiet = await server_view(admin, f"quiet-w{workers}")
+        server_scraped = await server_view(admin, f"scraped-w{workers}")
+    finally:
+        po.stop(proxy, 15)
+        po.stop(sim)
+    return {
+        "workers": workers, "records": args.records, "fill_s": fill_s,
+        "stats_ms_p50": ms(latencies["/stats"], 50), "stats_ms_max": ms(latencies["/stats"], 100),
+        "metrics_ms_p50": ms(latencies["/metrics"], 50),
+        "metrics_ms_max": ms(latencies["/metrics"], 100),
+        "scrapes": len(latencies["/stats"]) + len(latencies["/metrics"]),
+        "quiet": quiet, "scraped": scraped,
+        "itl_p99_delta_ms": scraped["itl_p99"] - quiet["itl_p99"],
+        "server_quiet": server_quiet, "server_scraped": server_scraped,
+    }
+
+
+def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"# scrape isolation: {args.records} records in the window, {args.streams} streams x "
+        f"{args.max_tokens} chunks, engine step {args.step_ms} ms, {args.measure_s} s per phase",
+        "| workers | /stats ms p50 / max | /metrics ms p50 / max | scrapes | client ITL p99 quiet "
+        "-> scraped (ms) | delta ms | client ITL max quiet -> scraped | server ITL p99 / max "
+        "quiet -> scraped (ms) | failed |",
+        "|---:|---|---|---:|---|---:|---|---|---:|",
+    ]
+    for r in results:
+        q, s = r["quiet"], r["scraped"]
+        sq, ss = r["server_quiet"]["itl"] or {}, r["server_scraped"]["itl"] or {}
+
+        def srv(d: dict[str, Any]) -> str:
+            p99, mx = d.get("p99"), d.get("max")
+            if p99 is None:
+                return "n/a"
+            return f"{p99 * 1e3:.2f} / {mx * 1e3:.1f}" if mx is not None else f"{p99 * 1e3:.2f}"
+
+        lines.append(
+            f"| {r['workers']} | {r['stats_ms_p50']:.1f} / {r['stats_ms_max']:.1f} | "
+            f"{r['metrics_ms_p50']:.1f} / {r['metrics_ms_max']:.1f} | {r['scrapes']} | "
+            f"{q['itl_p99']:.2f} -> {s['itl_p99']:.2f} | {r['itl_p99_delta_ms']:+.2f} | "
+            f"{q['itl_max']:.1f} -> {s['itl_max']:.1f} | {srv(sq)} -> {srv(ss)} | "
+            f"{q['n_err'] + s['n_err']} |")
+    return "\n".join(lines)
+
+
+async def amain(args: argparse.Namespace) -> int:
+    place = po.Placement(args)
+    workdir = Path(tempfile.mkdtemp(prefix="scrape-isolation-"))
+    print(f"# {po.machine_line()}", flush=True)
+    print(f"# pinning: {place.describe()}; logs in {workdir}", flush=True)
+    results = []
+    for workers in args.workers:
+        result = await run_setting(workers, args, workdir, place)
+        results.append(result)
+        print(f"workers={workers}: filled {result['records']} in {result['fill_s']:.0f} s; "
+              f"/stats p50 {result['stats_ms_p50']:.1f} ms; ITL p99 "
+              f"{result['quiet']['itl_p99']:.2f} -> {result['scraped']['itl_p99']:.2f} ms",
+              flush=True)
+    print(report(results, args), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"machine": po.machine_line(), "args": vars(args), "results": results}, indent=1))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--measure-s", type=float, default=10.0)
+    parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[0, 1], help="settings to compare [0,1]")
+    parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--json-out")
+    parser.add_argument("--smoke", action="store_true", help="CI: 2k records, 2 s phases")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.records, args.measure_s, args.streams, args.max_tokens = 2000, 2.0, 4, 16
+    return asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""The data path's HTTP/1.1 client (sidecar/proxy/upstream.py) against a raw upstream on a real
+socket: keep-alive reuse, a pooled connection the replica closed, interim responses, HEAD, and a
+body delimited by the connection's end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+from reliability_helpers import proxy_to, settle
+
+from sidecar.record import Outcome
+
+CHAT = "/v1/chat/completions"
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                   "stream": True, "max_tokens": 1}).encode()
+SSE = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+       b'[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":"stop"}],'
+       b'"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}\n\n'
+       b'data: [DONE]\n\n')
+
+Answer = Callable[[int, int, bytes, asyncio.StreamWriter], Awaitable[bool]]
+
+
+class RawUpstream:
+    """Reads whole requests (Content-Length bodies) and lets ``answer(connection number,
+    request number on it, head, writer)`` reply; False closes the connection."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.requests = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        on_connection = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                self.requests += 1
+                on_connection += 1
+                if not await self.answer(number, on_connection, head, writer):
+                    break
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def sse_response(keep_alive: bool = True) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            + (b"" if keep_alive else b"Connection: close\r\n")
+            + b"Content-Length: " + str(len(SSE)).encode() + b"\r\n\r\n" + SSE)
+
+
+async def post_stream(url: str, request_id: str) -> tuple[int, bytes]:
+    host, port = url.split("://")[1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write((f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"X-Request-Id: {request_id}\r\nConnection: close\r\n"
+                  f"Content-Length: {len(BODY)}\r\n\r\n").encode() + BODY)
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return int(answer.split(b" ", 2)[1]), answer
+
+
+async def test_sequential_requests_share_one_upstream_connection() -> None:
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(sse_response())
+        return True
+
+    upstream = RawUpstream(answer)
+    async with upstream as url, proxy_to([url], engine_scrape_interval="0") as p:
+        for i in range(5):
+            status, body = await post_stream(p.url, f"r{i}")
+            assert status == 200 and body.count(b"data: [DONE]") == 1
+        await settle(p.server, p.records, 5)
+        assert p.server.proxy.pool.open_connections == 1
+    assert (upstream.connections, upstream.requests) == (1, 5)
+
+
+async def test_a_connection_the_upstream_does_not_keep_is_not_reused() -> None:
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(sse_response(keep_alive=False))
+        return False
+
+    upstream = RawUpstream(answer)
+    async with upstream as url, proxy_to([url], engine_scrape_interval="0") as p:
+        for i in range(3):
+            assert (await post_stream(p.url, f"r{i}"))[0] == 200
+        records = await settle(p.server, p.records, 3)
+    assert upstream.connections == 3
+    assert all(r.outcome is Outcome.OK for r in records)
+
+
+async def test_a_pooled_connection_the_replica_closed_is_replaced_once() -> None:
+    """The keep-alive race: the replica drops an idle connection just as a request is sent on
+    it. That request is sent again on a new connection to the same replica, once."""
+    async def answer(_c: int, on_connection: int, _head: bytes,
+                     writer: asyncio.StreamWriter) -> bool:
+        if on_connection == 2:
+            return False  # the second request on a connection: closed without an answer
+        writer.write(sse_response())
+        return True
+
+    upstream = RawUpstream(answer)
+    async with upstream as url, proxy_to([url], engine_scrape_interval="0") as p:
+        assert (await post_stream(p.url, "first"))[0] == 200
+        status, body = await post_stream(p.url, "second")
+        records = await settle(p.server, p.records, 2)
+    assert status == 200 and b"data: [DONE]" in body
+    assert all(r.outcome is Outcome.OK for r in records)
+    assert (upstream.connections, upstream.requests) == (2, 3)
+
+
+async def test_interim_responses_are_skipped() -> None:
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + sse_response())
+        return True
+
+    async with RawUpstream(answer) as url, proxy_to([url], engine_scrape_interval="0") as p:
+        status, body = await post_stream(p.url, "hints")
+        (record,) = await settle(p.server, p.records, 1)
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert record.outcome is Outcome.OK and record.n_out == 1
+
+
+async def test_a_body_ended_by_the_connection_close_is_complete() -> None:
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + SSE)
+        return False
+
+    async with RawUpstream(answer) as url, proxy_to([url], engine_scrape_interval="0") as p:
+        status, _ = await post_stream(p.url, "eof")
+        (record,) = await settle(p.server, p.records, 1)
+    assert status == 200 and record.outcome is Outcome.OK and record.n_out == 1
+
+
+async def test_head_requests_pass_through_without_waiting_for_a_body() -> None:
+    async def answer(_c: int, _n: int, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        assert head.startswith(b"HEAD /metrics ")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1234\r\n"
+                     b"\r\n")
+        return True
+
+    async with RawUpstream(answer) as url, proxy_to([url], idle_timeout="2s",
+                                                      engine_scrape_interval="0") as p:
+        host, port = p.url.split("://")[1].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer_bytes = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        (record,) = await settle(p.server, p.records, 1)
+    assert answer_bytes.startswith(b"HTTP/1.1 200 ")
+    assert record.outcome is Outcome.OK
