@@ -233,43 +233,108 @@ class VantageReport:
     no_first_token: int  # successful requests with no token-carrying event on this side
 
 
+class _Columns(NamedTuple):
+    """Many requests' timelines from one vantage as numpy columns (the bulk path of the
+    aggregates below). Per request, in the order given: ``ok`` (succeeded), ``present`` (the
+    request has this vantage's timeline); then, over present requests only: ``has_events``,
+    ``ttft_ns`` / ``e2e_ns`` (int64; valid where ``has_events`` / ``has_e2e``), ``n_out``; and
+    over all token events of present requests: ``offsets``, ``tokens``, ``starts`` (event index
+    where each present request's events begin) and ``counts``."""
+
+    ok: npt.NDArray[np.bool_]
+    present: npt.NDArray[np.bool_]
+    counts: npt.NDArray[np.int64]
+    starts: npt.NDArray[np.int64]
+    offsets: npt.NDArray[np.int64]
+    tokens: npt.NDArray[np.int64]
+    has_events: npt.NDArray[np.bool_]
+    ttft_ns: npt.NDArray[np.int64]
+    has_e2e: npt.NDArray[np.bool_]
+    e2e_ns: npt.NDArray[np.int64]
+    n_out: npt.NDArray[np.int64]
+
+
+def _columns(records: Sequence[RequestRecord], vantage: Vantage) -> _Columns:
+    """The per-request definitions of `timeline_metrics` (TTFT, E2E, N_out) evaluated for many
+    requests at once: the same integer arithmetic on the same int64 nanoseconds, so every value
+    equals the per-request one exactly (tests/test_stats.py holds them to it)."""
+    n = len(records)
+    ok = np.fromiter((r.outcome is Outcome.OK for r in records), dtype=np.bool_, count=n)
+    if vantage is Vantage.CLIENT:
+        timelines: list[Timeline | None] = [r.client for r in records]
+    elif vantage is Vantage.SERVER:
+        timelines = [r.server for r in records]
+    else:
+        timelines = [None] * n
+    present = np.fromiter((t is not None for t in timelines), dtype=np.bool_, count=n)
+    kept = [t for t in timelines if t is not None]
+    declared = [r.n_out for r, t in zip(records, timelines, strict=True) if t is not None]
+    m = len(kept)
+    offset_data = [t.offsets_ns.data for t in kept]
+    counts = np.fromiter(map(len, offset_data), dtype=np.int64, count=m) // 8
+    offsets = np.frombuffer(b"".join(offset_data), dtype=np.int64)
+    tokens = np.frombuffer(b"".join(t.tokens.data for t in kept), dtype=np.int64)
+    origin = np.fromiter((t.start_ns for t in kept), dtype=np.int64, count=m)
+    ends = [t.end_ns for t in kept]
+    starts = np.cumsum(counts) - counts
+    has_events = counts > 0
+    first = starts[has_events]
+    last = first + counts[has_events] - 1
+    ttft = np.zeros(m, dtype=np.int64)
+    ttft[has_events] = offsets[first] - origin[has_events]
+    e2e = np.fromiter((0 if e is None else e for e in ends), dtype=np.int64, count=m) - origin
+    has_e2e = np.fromiter((e is not None for e in ends), dtype=np.bool_, count=m) | has_events
+    e2e[has_events] = offsets[last] - origin[has_events]
+    # N_out: the upstream's usage when it gave one, else the tokens counted per event.
+    n_out = np.fromiter((-1 if d is None else d for d in declared), dtype=np.int64, count=m)
+    counted = np.zeros(m, dtype=np.int64)
+    if first.size:
+        counted[has_events] = np.add.reduceat(tokens, first)
+    n_out = np.where(n_out < 0, counted, n_out)
+    return _Columns(ok, present, counts, starts, offsets, tokens, has_events, ttft, has_e2e,
+                    e2e, n_out)
+
+
+def _tpot_ns(c: _Columns) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
+    """TPOT per present request (ns, as `tpot_ns`: integer difference, one division) and where
+    it is defined."""
+    defined = (c.n_out > 1) & c.has_events
+    tpot = np.full(c.n_out.shape, np.nan)
+    tpot[defined] = ((c.e2e_ns[defined] - c.ttft_ns[defined]).astype(np.float64)
+                     / (c.n_out[defined] - 1).astype(np.float64))
+    return tpot, defined
+
+
 def vantage_report(records: Iterable[RequestRecord], vantage: Vantage) -> VantageReport:
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    e2es: list[float] = []
-    itls: list[float] = []
-    itl_tokens: list[int] = []
-    requests = tpot_excluded = no_first_token = 0
-    for record in records:
-        if not record.ok:
-            continue
-        metrics = request_metrics(record, vantage)
-        if metrics is None:
-            continue
-        requests += 1
-        if metrics.ttft_s is None:
-            no_first_token += 1
-        else:
-            ttfts.append(metrics.ttft_s)
-        if metrics.e2e_s is not None:
-            e2es.append(metrics.e2e_s)
-        if metrics.tpot_s is None:
-            if metrics.n_out <= 1:
-                tpot_excluded += 1
-        else:
-            tpots.append(metrics.tpot_s)
-        itls.extend(metrics.itl_s)
-        itl_tokens.extend(metrics.itl_tokens)
+    """Aggregate latency of the successful requests from one vantage (definitions: module
+    docstring and `timeline_metrics`). Computed in bulk with numpy: a 100,000-request window
+    in tens of milliseconds instead of seconds, with values equal to the per-request ones."""
+    ok_records = [r for r in records if r.outcome is Outcome.OK]
+    c = _columns(ok_records, vantage)
+    if not c.counts.size:
+        empty = Summary(count=0)
+        return VantageReport(vantage=vantage, requests=0, ttft=empty, tpot=empty, e2e=empty,
+                             itl=empty, itl_per_token=empty, tpot_excluded=0, no_first_token=0)
+    tpot, defined = _tpot_ns(c)
+    # ITL: gaps between consecutive events of one request (a request's first event starts a
+    # new run), each with the tokens of the later event.
+    begins = np.zeros(c.offsets.size, dtype=np.bool_)
+    begins[c.starts[c.has_events]] = True
+    within = ~begins[1:]
+    itl_s = np.diff(c.offsets)[within] / NS_PER_S
+    itl_tokens = c.tokens[1:][within]
+    carried = itl_tokens > 0
+    per_token = np.repeat(itl_s[carried] / itl_tokens[carried], itl_tokens[carried])
     return VantageReport(
         vantage=vantage,
-        requests=requests,
-        ttft=summarize(ttfts),
-        tpot=summarize(tpots),
-        e2e=summarize(e2es),
-        itl=summarize(itls),
-        itl_per_token=summarize(token_normalised_itl(itls, itl_tokens)),
-        tpot_excluded=tpot_excluded,
-        no_first_token=no_first_token,
+        requests=int(c.counts.size),
+        ttft=summarize(c.ttft_ns[c.has_events] / NS_PER_S),
+        tpot=summarize(tpot[defined] / NS_PER_S),
+        e2e=summarize(c.e2e_ns[c.has_e2e] / NS_PER_S),
+        itl=summarize(itl_s),
+        itl_per_token=summarize(per_token),
+        tpot_excluded=int(np.count_nonzero(c.n_out <= 1)),
+        no_first_token=int(np.count_nonzero(~c.has_events)),
     )
 
 
@@ -413,20 +478,15 @@ class Goodput:
 
 def goodput(records: Iterable[RequestRecord], slo: SLO, interval_s: float,
             vantage: Vantage = Vantage.CLIENT) -> Goodput:
-    total = good = good_tokens = 0
-    judged_without: Counter[str] = Counter()
-    for record in records:
-        total += 1
-        if not record.ok:
-            continue
-        metrics = request_metrics(record, vantage)
-        if metrics is None:
-            continue
-        met, unjudged = slo_verdict(metrics, slo)
-        if met:
-            good += 1
-            good_tokens += metrics.n_out
-            judged_without.update(unjudged)
+    """Good requests (succeeded, every declared threshold met: `slo_verdict`) over all that
+    arrived, in bulk with the same values as the per-request definitions."""
+    members = list(records)
+    total = len(members)
+    good_mask, unjudged, n_out = _judge_bulk(members, slo, vantage)
+    good = int(np.count_nonzero(good_mask))
+    good_tokens = int(n_out[good_mask].sum()) if good else 0
+    judged_without = {name: int(np.count_nonzero(mask & good_mask))
+                      for name, mask in unjudged.items() if np.any(mask & good_mask)}
     rate = (1.0 / interval_s) if interval_s > 0 else 0.0
     return Goodput(
         slo=slo,
@@ -438,8 +498,43 @@ def goodput(records: Iterable[RequestRecord], slo: SLO, interval_s: float,
         attainment=(good / total) if total else None,
         good_requests_per_s=good * rate,
         good_output_tokens_per_s=good_tokens * rate,
-        judged_without=dict(judged_without),
+        judged_without=judged_without,
     )
+
+
+def _judge_bulk(records: Sequence[RequestRecord], slo: SLO, vantage: Vantage
+                ) -> tuple[npt.NDArray[np.bool_], dict[str, npt.NDArray[np.bool_]],
+                           npt.NDArray[np.int64]]:
+    """Per request: good? (as `slo_verdict` on `request_latency`), per declared threshold
+    whether it could not be judged, and N_out; arrays over ``records`` in order."""
+    n = len(records)
+    c = _columns(records, vantage)
+    judged = c.ok & c.present  # a failure, or a request without this vantage, is never good
+    tpot, defined = _tpot_ns(c)
+    values: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]] = {
+        "ttft": (c.ttft_ns / NS_PER_S, c.has_events),
+        "tpot": (tpot / NS_PER_S, defined),
+        "e2e": (c.e2e_ns / NS_PER_S, c.has_e2e),
+    }
+    met = np.ones(c.counts.size, dtype=np.bool_)
+    unjudged_present: dict[str, npt.NDArray[np.bool_]] = {}
+    for name, limit in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s), ("e2e", slo.e2e_s)):
+        if limit is None:
+            continue
+        value, known = values[name]
+        met &= ~(known & (value > limit))
+        unjudged_present[name] = ~known
+    good = np.zeros(n, dtype=np.bool_)
+    good[c.present] = met
+    good &= judged
+    n_out = np.zeros(n, dtype=np.int64)
+    n_out[c.present] = c.n_out
+    unjudged: dict[str, npt.NDArray[np.bool_]] = {}
+    for name, mask in unjudged_present.items():
+        full = np.zeros(n, dtype=np.bool_)
+        full[c.present] = mask
+        unjudged[name] = full
+    return good, unjudged, n_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,6 +606,18 @@ class SLOPolicy:
     def class_of(self, record: RequestRecord) -> str:
         name = record.attributes.get("slo_class")
         return name if name is not None and name in self.classes else self.default_class
+
+    def judge_all(self, records: Sequence[RequestRecord], vantage: Vantage = Vantage.CLIENT
+                  ) -> dict[str, tuple[int, int]]:
+        """Class name -> (good, all) over ``records``: `judge` for many requests at once."""
+        by_class: dict[str, list[RequestRecord]] = {}
+        for record in records:
+            by_class.setdefault(self.class_of(record), []).append(record)
+        out: dict[str, tuple[int, int]] = {}
+        for name, members in by_class.items():
+            good, _unjudged, _n_out = _judge_bulk(members, self.classes[name], vantage)
+            out[name] = (int(np.count_nonzero(good)), len(members))
+        return out
 
     def judge(self, record: RequestRecord,
               vantage: Vantage = Vantage.CLIENT) -> tuple[str, bool]:

@@ -305,3 +305,109 @@ def test_the_live_window_keeps_to_its_memory_bound() -> None:
     big = WindowSink(window_s=60.0, max_bytes=100, wall_ns=lambda: 10_000 * MS)
     big.on_record(records[0])
     assert big.records() == [records[0]] and big.evicted_over_cap == 0
+
+
+# -- the bulk aggregates equal the per-request definitions, exactly ---------------------------
+
+
+def _reference_vantage_report(records: list[RequestRecord],
+                              vantage: Vantage) -> stats.VantageReport:
+    """The aggregate written request by request from `request_metrics` (the definition)."""
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    e2es: list[float] = []
+    itls: list[float] = []
+    itl_tokens: list[int] = []
+    requests = excluded = no_first = 0
+    for record in records:
+        if not record.ok:
+            continue
+        m = stats.request_metrics(record, vantage)
+        if m is None:
+            continue
+        requests += 1
+        if m.ttft_s is None:
+            no_first += 1
+        else:
+            ttfts.append(m.ttft_s)
+        if m.e2e_s is not None:
+            e2es.append(m.e2e_s)
+        if m.tpot_s is None:
+            excluded += m.n_out <= 1
+        else:
+            tpots.append(m.tpot_s)
+        itls.extend(m.itl_s)
+        itl_tokens.extend(m.itl_tokens)
+    return stats.VantageReport(
+        vantage=vantage, requests=requests, ttft=stats.summarize(ttfts),
+        tpot=stats.summarize(tpots), e2e=stats.summarize(e2es), itl=stats.summarize(itls),
+        itl_per_token=stats.summarize(stats.token_normalised_itl(itls, itl_tokens)),
+        tpot_excluded=excluded, no_first_token=no_first)
+
+
+def _random_records(seed: int, n: int) -> list[RequestRecord]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        def timeline(start: int) -> Timeline:
+            events = rng.choice([0, 0, 1, 2, 3, rng.randint(4, 40)])
+            at = start + rng.randint(0, 10**9)
+            offsets, tokens = [], []
+            for _ in range(events):
+                at += rng.randint(0, 50_000_000)
+                offsets.append(at)
+                tokens.append(rng.choice([1, 1, 1, 2, 5, 0]))
+            end = None if rng.random() < 0.2 else at + rng.randint(0, 10**6)
+            return Timeline(start_ns=start, offsets_ns=offsets, tokens=tokens, end_ns=end)
+
+        server = None if rng.random() < 0.2 else timeline(rng.randint(0, 10**7))
+        out.append(RequestRecord(
+            request_id=f"r{i}", wall_time_ns=10**18 + i, endpoint="chat",
+            outcome=rng.choice([Outcome.OK] * 6 + [Outcome.TIMEOUT, Outcome.HTTP_ERROR]),
+            client=timeline(0), server=server,
+            n_out=None if rng.random() < 0.3 else rng.randint(0, 60),
+            attributes={"slo_class": rng.choice(["a", "b", "zzz"])},
+        ))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bulk_vantage_report_equals_the_per_request_definition(seed: int) -> None:
+    records = _random_records(seed, 300)
+    for vantage in (Vantage.CLIENT, Vantage.SERVER, Vantage.ENGINE):
+        assert stats.vantage_report(records, vantage) == _reference_vantage_report(
+            records, vantage)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bulk_goodput_and_attainment_equal_the_per_request_verdicts(seed: int) -> None:
+    records = _random_records(seed, 300)
+    policy = stats.SLOPolicy({"a": stats.SLO(ttft_s=0.5, tpot_s=0.02),
+                              "b": stats.SLO(e2e_s=1.0),
+                              "default": stats.SLO(ttft_s=0.3, tpot_s=0.01, e2e_s=0.9)})
+    for vantage in (Vantage.CLIENT, Vantage.SERVER):
+        for name, slo in policy.classes.items():
+            members = [r for r in records if policy.class_of(r) == name]
+            got = stats.goodput(members, slo, 2.0, vantage)
+            good = tokens = 0
+            without: dict[str, int] = {}
+            for record in members:
+                if not record.ok or (m := stats.request_metrics(record, vantage)) is None:
+                    continue
+                met, unjudged = stats.slo_verdict(m, slo)
+                if met:
+                    good += 1
+                    tokens += m.n_out
+                    for threshold in unjudged:
+                        without[threshold] = without.get(threshold, 0) + 1
+            assert (got.total_requests, got.good_requests, got.good_output_tokens) == (
+                len(members), good, tokens)
+            assert dict(got.judged_without) == without
+        verdicts: dict[str, list[bool]] = {}
+        for record in records:
+            name, ok = policy.judge(record, vantage)
+            verdicts.setdefault(name, []).append(ok)
+        assert policy.judge_all(records, vantage) == {
+            name: (sum(v), len(v)) for name, v in verdicts.items()}

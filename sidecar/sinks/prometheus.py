@@ -404,12 +404,8 @@ class LiveCollector(Collector):
                 f"Good / all requests of the class over the last {window_s} s (failures "
                 "included; absent when no request of the class ended in the window).",
                 labels=("slo_class",))
-            by_class: dict[str, list[bool]] = {}
-            for record in records:
-                name, good = self.slo_policy.judge(record)
-                by_class.setdefault(name, []).append(good)
-            for name, verdicts in sorted(by_class.items()):
-                attainment.add_metric((name,), sum(verdicts) / len(verdicts))
+            for name, (good, total) in sorted(self.slo_policy.judge_all(records).items()):
+                attainment.add_metric((name,), good / total)
             yield attainment
         in_flight = GaugeMetricFamily("sidecar_in_flight_requests",
                                       "Requests in flight per replica.", labels=("replica",))
