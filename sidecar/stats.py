@@ -21,10 +21,11 @@ included. Durations come out in seconds (float); records hold integer nanosecond
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -200,7 +201,9 @@ def percentile_name(q: float) -> str:
 def summarize(values: Iterable[float] | npt.NDArray[np.float64],
               percentiles: Sequence[float] = PERCENTILES) -> Summary:
     data = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.float64)
-    data = data[np.isfinite(data)]
+    finite = np.isfinite(data)
+    if not finite.all():
+        data = data[finite]
     if data.size == 0:
         return Summary(count=0)
     qs = np.percentile(data, percentiles)
@@ -233,33 +236,35 @@ class VantageReport:
     no_first_token: int  # successful requests with no token-carrying event on this side
 
 
-class _Columns(NamedTuple):
-    """Many requests' timelines from one vantage as numpy columns (the bulk path of the
-    aggregates below). Per request, in the order given: ``ok`` (succeeded), ``present`` (the
-    request has this vantage's timeline); then, over present requests only: ``has_events``,
-    ``ttft_ns`` / ``e2e_ns`` (int64; valid where ``has_events`` / ``has_e2e``), ``n_out``; and
-    over all token events of present requests: ``offsets``, ``tokens``, ``starts`` (event index
-    where each present request's events begin) and ``counts``."""
+class Columns(NamedTuple):
+    """Many requests' timelines from one vantage as numpy columns, for the bulk aggregates.
 
-    ok: npt.NDArray[np.bool_]
+    Per request (``n`` of them, in order): ``present`` (the request has this vantage's
+    timeline; an absent one has ``counts`` 0), ``counts`` (its token events), ``origin``
+    (``start_ns``), ``end`` / ``has_end`` (``end_ns``), ``declared`` (``record.n_out``, -1 for
+    None). Per token event, request after request: ``offsets`` and ``tokens``."""
+
     present: npt.NDArray[np.bool_]
     counts: npt.NDArray[np.int64]
-    starts: npt.NDArray[np.int64]
+    origin: npt.NDArray[np.int64]
+    end: npt.NDArray[np.int64]
+    has_end: npt.NDArray[np.bool_]
+    declared: npt.NDArray[np.int64]
     offsets: npt.NDArray[np.int64]
     tokens: npt.NDArray[np.int64]
-    has_events: npt.NDArray[np.bool_]
-    ttft_ns: npt.NDArray[np.int64]
-    has_e2e: npt.NDArray[np.bool_]
-    e2e_ns: npt.NDArray[np.int64]
-    n_out: npt.NDArray[np.int64]
+
+    def select(self, mask: npt.NDArray[np.bool_]) -> Columns:
+        """The requests where ``mask`` is true (their events with them)."""
+        if mask.all():
+            return self  # the common case (every request kept): no copy of the event columns
+        events = np.repeat(mask, self.counts)
+        return Columns(self.present[mask], self.counts[mask], self.origin[mask], self.end[mask],
+                       self.has_end[mask], self.declared[mask], self.offsets[events],
+                       self.tokens[events])
 
 
-def _columns(records: Sequence[RequestRecord], vantage: Vantage) -> _Columns:
-    """The per-request definitions of `timeline_metrics` (TTFT, E2E, N_out) evaluated for many
-    requests at once: the same integer arithmetic on the same int64 nanoseconds, so every value
-    equals the per-request one exactly (tests/test_stats.py holds them to it)."""
+def columns_of(records: Sequence[RequestRecord], vantage: Vantage) -> Columns:
     n = len(records)
-    ok = np.fromiter((r.outcome is Outcome.OK for r in records), dtype=np.bool_, count=n)
     if vantage is Vantage.CLIENT:
         timelines: list[Timeline | None] = [r.client for r in records]
     elif vantage is Vantage.SERVER:
@@ -267,59 +272,86 @@ def _columns(records: Sequence[RequestRecord], vantage: Vantage) -> _Columns:
     else:
         timelines = [None] * n
     present = np.fromiter((t is not None for t in timelines), dtype=np.bool_, count=n)
-    kept = [t for t in timelines if t is not None]
-    declared = [r.n_out for r, t in zip(records, timelines, strict=True) if t is not None]
-    m = len(kept)
-    offset_data = [t.offsets_ns.data for t in kept]
-    counts = np.fromiter(map(len, offset_data), dtype=np.int64, count=m) // 8
-    offsets = np.frombuffer(b"".join(offset_data), dtype=np.int64)
-    tokens = np.frombuffer(b"".join(t.tokens.data for t in kept), dtype=np.int64)
-    origin = np.fromiter((t.start_ns for t in kept), dtype=np.int64, count=m)
-    ends = [t.end_ns for t in kept]
+    offset_data = [b"" if t is None else t.offsets_ns.data for t in timelines]
+    counts = np.fromiter(map(len, offset_data), dtype=np.int64, count=n) // 8
+    ends = [None if t is None else t.end_ns for t in timelines]
+    return Columns(
+        present=present,
+        counts=counts,
+        origin=np.fromiter((0 if t is None else t.start_ns for t in timelines), dtype=np.int64,
+                           count=n),
+        end=np.fromiter((0 if e is None else e for e in ends), dtype=np.int64, count=n),
+        has_end=np.fromiter((e is not None for e in ends), dtype=np.bool_, count=n),
+        declared=np.fromiter((-1 if r.n_out is None else r.n_out for r in records),
+                             dtype=np.int64, count=n),
+        offsets=np.frombuffer(b"".join(offset_data), dtype=np.int64),
+        tokens=np.frombuffer(b"".join(b"" if t is None else t.tokens.data for t in timelines),
+                             dtype=np.int64),
+    )
+
+
+class _Derived(NamedTuple):
+    """`timeline_metrics`' per-request values for the requests of a `Columns` (valid where the
+    request is present): same integer arithmetic on the same int64 nanoseconds, so every value
+    equals the per-request one exactly (tests/test_stats.py holds them to it)."""
+
+    starts: npt.NDArray[np.int64]  # index of each request's first event in the event columns
+    has_events: npt.NDArray[np.bool_]
+    ttft_ns: npt.NDArray[np.int64]
+    has_e2e: npt.NDArray[np.bool_]
+    e2e_ns: npt.NDArray[np.int64]
+    n_out: npt.NDArray[np.int64]
+
+
+def _derive(c: Columns) -> _Derived:
+    counts = c.counts
     starts = np.cumsum(counts) - counts
     has_events = counts > 0
     first = starts[has_events]
     last = first + counts[has_events] - 1
-    ttft = np.zeros(m, dtype=np.int64)
-    ttft[has_events] = offsets[first] - origin[has_events]
-    e2e = np.fromiter((0 if e is None else e for e in ends), dtype=np.int64, count=m) - origin
-    has_e2e = np.fromiter((e is not None for e in ends), dtype=np.bool_, count=m) | has_events
-    e2e[has_events] = offsets[last] - origin[has_events]
+    ttft = np.zeros(counts.size, dtype=np.int64)
+    ttft[has_events] = c.offsets[first] - c.origin[has_events]
+    e2e = c.end - c.origin
+    e2e[has_events] = c.offsets[last] - c.origin[has_events]
     # N_out: the upstream's usage when it gave one, else the tokens counted per event.
-    n_out = np.fromiter((-1 if d is None else d for d in declared), dtype=np.int64, count=m)
-    counted = np.zeros(m, dtype=np.int64)
+    counted = np.zeros(counts.size, dtype=np.int64)
     if first.size:
-        counted[has_events] = np.add.reduceat(tokens, first)
-    n_out = np.where(n_out < 0, counted, n_out)
-    return _Columns(ok, present, counts, starts, offsets, tokens, has_events, ttft, has_e2e,
-                    e2e, n_out)
+        counted[has_events] = np.add.reduceat(c.tokens, first)
+    n_out = np.where(c.declared < 0, counted, c.declared)
+    return _Derived(starts, has_events, ttft, c.has_end | has_events, e2e, n_out)
 
 
-def _tpot_ns(c: _Columns) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
-    """TPOT per present request (ns, as `tpot_ns`: integer difference, one division) and where
-    it is defined."""
-    defined = (c.n_out > 1) & c.has_events
-    tpot = np.full(c.n_out.shape, np.nan)
-    tpot[defined] = ((c.e2e_ns[defined] - c.ttft_ns[defined]).astype(np.float64)
-                     / (c.n_out[defined] - 1).astype(np.float64))
+def _tpot_ns(d: _Derived) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
+    """TPOT per request (ns, as `tpot_ns`: integer difference, one division) and where it is
+    defined."""
+    defined = (d.n_out > 1) & d.has_events
+    tpot = np.full(d.n_out.shape, np.nan)
+    tpot[defined] = ((d.e2e_ns[defined] - d.ttft_ns[defined]).astype(np.float64)
+                     / (d.n_out[defined] - 1).astype(np.float64))
     return tpot, defined
 
 
 def vantage_report(records: Iterable[RequestRecord], vantage: Vantage) -> VantageReport:
     """Aggregate latency of the successful requests from one vantage (definitions: module
-    docstring and `timeline_metrics`). Computed in bulk with numpy: a 100,000-request window
-    in tens of milliseconds instead of seconds, with values equal to the per-request ones."""
+    docstring and `timeline_metrics`), in bulk with numpy, equal to the per-request values."""
     ok_records = [r for r in records if r.outcome is Outcome.OK]
-    c = _columns(ok_records, vantage)
+    return report_of(columns_of(ok_records, vantage), vantage)
+
+
+def report_of(columns: Columns, vantage: Vantage) -> VantageReport:
+    """`vantage_report` of the requests in ``columns`` (successful ones only, as selected by
+    the caller)."""
+    c = columns.select(columns.present)
     if not c.counts.size:
         empty = Summary(count=0)
         return VantageReport(vantage=vantage, requests=0, ttft=empty, tpot=empty, e2e=empty,
                              itl=empty, itl_per_token=empty, tpot_excluded=0, no_first_token=0)
-    tpot, defined = _tpot_ns(c)
+    d = _derive(c)
+    tpot, defined = _tpot_ns(d)
     # ITL: gaps between consecutive events of one request (a request's first event starts a
     # new run), each with the tokens of the later event.
     begins = np.zeros(c.offsets.size, dtype=np.bool_)
-    begins[c.starts[c.has_events]] = True
+    begins[d.starts[d.has_events]] = True
     within = ~begins[1:]
     itl_s = np.diff(c.offsets)[within] / NS_PER_S
     itl_tokens = c.tokens[1:][within]
@@ -328,13 +360,13 @@ def vantage_report(records: Iterable[RequestRecord], vantage: Vantage) -> Vantag
     return VantageReport(
         vantage=vantage,
         requests=int(c.counts.size),
-        ttft=summarize(c.ttft_ns[c.has_events] / NS_PER_S),
+        ttft=summarize(d.ttft_ns[d.has_events] / NS_PER_S),
         tpot=summarize(tpot[defined] / NS_PER_S),
-        e2e=summarize(c.e2e_ns[c.has_e2e] / NS_PER_S),
+        e2e=summarize(d.e2e_ns[d.has_e2e] / NS_PER_S),
         itl=summarize(itl_s),
         itl_per_token=summarize(per_token),
-        tpot_excluded=int(np.count_nonzero(c.n_out <= 1)),
-        no_first_token=int(np.count_nonzero(~c.has_events)),
+        tpot_excluded=int(np.count_nonzero(d.n_out <= 1)),
+        no_first_token=int(np.count_nonzero(~d.has_events)),
     )
 
 
@@ -481,8 +513,16 @@ def goodput(records: Iterable[RequestRecord], slo: SLO, interval_s: float,
     """Good requests (succeeded, every declared threshold met: `slo_verdict`) over all that
     arrived, in bulk with the same values as the per-request definitions."""
     members = list(records)
-    total = len(members)
-    good_mask, unjudged, n_out = _judge_bulk(members, slo, vantage)
+    ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_,
+                     count=len(members))
+    return goodput_of(columns_of(members, vantage), ok, slo, interval_s, vantage)
+
+
+def goodput_of(columns: Columns, ok: npt.NDArray[np.bool_], slo: SLO, interval_s: float,
+               vantage: Vantage = Vantage.CLIENT) -> Goodput:
+    """`goodput` of the requests in ``columns`` (``ok``: which succeeded)."""
+    total = int(columns.counts.size)
+    good_mask, unjudged, n_out = judge_columns(columns, ok, slo)
     good = int(np.count_nonzero(good_mask))
     good_tokens = int(n_out[good_mask].sum()) if good else 0
     judged_without = {name: int(np.count_nonzero(mask & good_mask))
@@ -502,39 +542,28 @@ def goodput(records: Iterable[RequestRecord], slo: SLO, interval_s: float,
     )
 
 
-def _judge_bulk(records: Sequence[RequestRecord], slo: SLO, vantage: Vantage
-                ) -> tuple[npt.NDArray[np.bool_], dict[str, npt.NDArray[np.bool_]],
-                           npt.NDArray[np.int64]]:
-    """Per request: good? (as `slo_verdict` on `request_latency`), per declared threshold
-    whether it could not be judged, and N_out; arrays over ``records`` in order."""
-    n = len(records)
-    c = _columns(records, vantage)
-    judged = c.ok & c.present  # a failure, or a request without this vantage, is never good
-    tpot, defined = _tpot_ns(c)
+def judge_columns(c: Columns, ok: npt.NDArray[np.bool_], slo: SLO
+                  ) -> tuple[npt.NDArray[np.bool_], dict[str, npt.NDArray[np.bool_]],
+                             npt.NDArray[np.int64]]:
+    """Per request: good? (as `slo_verdict` on `request_latency`: a failure, or a request
+    without this vantage, is never good), per declared threshold whether it could not be
+    judged, and N_out."""
+    d = _derive(c)
+    tpot, defined = _tpot_ns(d)
     values: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]] = {
-        "ttft": (c.ttft_ns / NS_PER_S, c.has_events),
+        "ttft": (d.ttft_ns / NS_PER_S, d.has_events),
         "tpot": (tpot / NS_PER_S, defined),
-        "e2e": (c.e2e_ns / NS_PER_S, c.has_e2e),
+        "e2e": (d.e2e_ns / NS_PER_S, d.has_e2e),
     }
-    met = np.ones(c.counts.size, dtype=np.bool_)
-    unjudged_present: dict[str, npt.NDArray[np.bool_]] = {}
+    good = ok & c.present
+    unjudged: dict[str, npt.NDArray[np.bool_]] = {}
     for name, limit in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s), ("e2e", slo.e2e_s)):
         if limit is None:
             continue
         value, known = values[name]
-        met &= ~(known & (value > limit))
-        unjudged_present[name] = ~known
-    good = np.zeros(n, dtype=np.bool_)
-    good[c.present] = met
-    good &= judged
-    n_out = np.zeros(n, dtype=np.int64)
-    n_out[c.present] = c.n_out
-    unjudged: dict[str, npt.NDArray[np.bool_]] = {}
-    for name, mask in unjudged_present.items():
-        full = np.zeros(n, dtype=np.bool_)
-        full[c.present] = mask
-        unjudged[name] = full
-    return good, unjudged, n_out
+        good = good & ~(known & (value > limit))
+        unjudged[name] = ~known
+    return good, unjudged, d.n_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,6 +614,234 @@ def engine_report(records: Iterable[RequestRecord]) -> EngineReport:
 
 
 # ---------------------------------------------------------------------------------------------
+# A growing table of records (the live window's columns)
+
+
+_OUTCOMES: tuple[Outcome, ...] = tuple(Outcome)
+_OUTCOME_CODE = {outcome: code for code, outcome in enumerate(_OUTCOMES)}
+
+
+class _TimelineTable:
+    """One vantage's `Columns`, appended record by record (C-level array appends)."""
+
+    __slots__ = ("present", "counts", "origin", "end", "has_end", "offsets", "tokens",
+                 "event_head")
+
+    def __init__(self) -> None:
+        self.present = array("B")
+        self.counts = array("q")
+        self.origin = array("q")
+        self.end = array("q")
+        self.has_end = array("B")
+        self.offsets = array("q")
+        self.tokens = array("q")
+        self.event_head = 0  # events of dropped records at the front of offsets/tokens
+
+    def append(self, timeline: Timeline | None) -> None:
+        if timeline is None:
+            self.present.append(0)
+            self.counts.append(0)
+            self.origin.append(0)
+            self.end.append(0)
+            self.has_end.append(0)
+            return
+        self.present.append(1)
+        self.counts.append(len(timeline.offsets_ns))
+        self.origin.append(timeline.start_ns)
+        end = timeline.end_ns
+        self.end.append(0 if end is None else end)
+        self.has_end.append(end is not None)
+        self.offsets.frombytes(timeline.offsets_ns.data)
+        self.tokens.frombytes(timeline.tokens.data)
+
+
+class RecordTable:
+    """The columns of a sequence of records that grows at the end and is dropped from the
+    front (the live window). Appending a record is a few array appends; every summary is numpy
+    over the columns, with the definitions of the functions above (`report_of`,
+    `goodput_of`): a 100,000-record window is summarised in tens of milliseconds."""
+
+    def __init__(self) -> None:
+        self._head = 0  # records dropped from the front, still in the arrays until compaction
+        self.request_ids: list[str] = []
+        self.slo_attribute: list[str | None] = []
+        self._wall = array("q")
+        self._end_wall = array("q")
+        self._outcome = array("B")
+        self._generation = array("B")
+        self._declared = array("q")
+        self._n_in = array("q")
+        self._n_out_total = array("q")  # `output_tokens` from the server side if any (throughput)
+        self._exact = array("B")
+        self._engine = {name: array("d") for name in _ENGINE_FIELDS}
+        self._has_engine = array("B")
+        self._timelines = {Vantage.CLIENT: _TimelineTable(), Vantage.SERVER: _TimelineTable()}
+
+    def __len__(self) -> int:
+        return len(self._wall) - self._head
+
+    def append(self, record: RequestRecord, end_wall_ns: int, generation: bool) -> None:
+        self.request_ids.append(record.request_id)
+        self.slo_attribute.append(record.attributes.get("slo_class"))
+        self._wall.append(record.wall_time_ns)
+        self._end_wall.append(end_wall_ns)
+        self._outcome.append(_OUTCOME_CODE[record.outcome])
+        self._generation.append(generation)
+        self._declared.append(-1 if record.n_out is None else record.n_out)
+        self._n_in.append(record.n_in or 0)
+        timeline = record.server if record.server is not None else record.client
+        self._n_out_total.append(output_tokens(record, timeline))
+        self._exact.append(record.token_source.total_exact)
+        engine = record.engine
+        self._has_engine.append(engine is not None)
+        for name, column in self._engine.items():
+            value = None if engine is None else getattr(engine, name)
+            column.append(math.nan if value is None else value)
+        self._timelines[Vantage.CLIENT].append(record.client)
+        self._timelines[Vantage.SERVER].append(record.server)
+
+    def drop_front(self, count: int) -> None:
+        """Forget the ``count`` oldest records."""
+        if count <= 0:
+            return
+        for table in self._timelines.values():
+            head = self._head
+            table.event_head += int(np.frombuffer(table.counts, dtype=np.int64)[
+                head:head + count].sum())
+        self._head += count
+        if self._head >= 4096 and self._head * 2 >= len(self._wall):
+            self._compact()
+
+    def _compact(self) -> None:
+        head = self._head
+        columns: list[array[Any]] = [
+            self._wall, self._end_wall, self._outcome, self._generation, self._declared,
+            self._n_in, self._n_out_total, self._exact, self._has_engine,
+            *self._engine.values()]
+        for column in columns:
+            del column[:head]
+        del self.request_ids[:head]
+        del self.slo_attribute[:head]
+        for table in self._timelines.values():
+            for column in (table.present, table.counts, table.origin, table.end, table.has_end):
+                del column[:head]
+            del table.offsets[:table.event_head]
+            del table.tokens[:table.event_head]
+            table.event_head = 0
+        self._head = 0
+
+    # -- numpy views of the live records (no copies) --------------------------------------
+
+    def _view(self, column: array[Any], dtype: type) -> npt.NDArray[Any]:
+        return np.frombuffer(column, dtype=dtype)[self._head:]
+
+    @property
+    def end_wall_ns(self) -> npt.NDArray[np.int64]:
+        return self._view(self._end_wall, np.int64)
+
+    @property
+    def wall_ns(self) -> npt.NDArray[np.int64]:
+        return self._view(self._wall, np.int64)
+
+    @property
+    def generation(self) -> npt.NDArray[np.bool_]:
+        return self._view(self._generation, np.bool_)
+
+    @property
+    def ok(self) -> npt.NDArray[np.bool_]:
+        return self._view(self._outcome, np.uint8) == _OUTCOME_CODE[Outcome.OK]
+
+    def ids(self) -> list[str]:
+        return self.request_ids[self._head:]
+
+    def slo_attributes(self) -> list[str | None]:
+        return self.slo_attribute[self._head:]
+
+    def columns(self, vantage: Vantage, mask: npt.NDArray[np.bool_]) -> Columns:
+        """The `Columns` of the live records where ``mask`` is true."""
+        n = len(self)
+        if vantage not in self._timelines:
+            return Columns(np.zeros(n, np.bool_), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                           np.zeros(n, np.int64), np.zeros(n, np.bool_),
+                           self._view(self._declared, np.int64), np.zeros(0, np.int64),
+                           np.zeros(0, np.int64)).select(mask)
+        t = self._timelines[vantage]
+        head = self._head
+        return Columns(
+            present=np.frombuffer(t.present, dtype=np.bool_)[head:],
+            counts=np.frombuffer(t.counts, dtype=np.int64)[head:],
+            origin=np.frombuffer(t.origin, dtype=np.int64)[head:],
+            end=np.frombuffer(t.end, dtype=np.int64)[head:],
+            has_end=np.frombuffer(t.has_end, dtype=np.bool_)[head:],
+            declared=self._view(self._declared, np.int64),
+            offsets=np.frombuffer(t.offsets, dtype=np.int64)[t.event_head:],
+            tokens=np.frombuffer(t.tokens, dtype=np.int64)[t.event_head:],
+        ).select(mask)
+
+    # -- the aggregates, over the live records where ``mask`` is true -----------------------
+
+    def outcome_counts(self, mask: npt.NDArray[np.bool_]) -> dict[Outcome, int]:
+        codes = np.bincount(self._view(self._outcome, np.uint8)[mask],
+                            minlength=len(_OUTCOMES))
+        return {outcome: int(codes[i]) for i, outcome in enumerate(_OUTCOMES)}
+
+    def measured_interval_s(self, mask: npt.NDArray[np.bool_]) -> float:
+        """As `measured_interval_s`: first arrival to last client-side end."""
+        if not np.any(mask):
+            return 0.0
+        return int(self.end_wall_ns[mask].max() - self.wall_ns[mask].min()) / NS_PER_S
+
+    def vantage_report(self, mask: npt.NDArray[np.bool_], vantage: Vantage) -> VantageReport:
+        return report_of(self.columns(vantage, mask & self.ok), vantage)
+
+    def throughput(self, mask: npt.NDArray[np.bool_], interval_s: float) -> Throughput:
+        done = mask & self.ok
+        completed = int(np.count_nonzero(done))
+        n_in = int(self._view(self._n_in, np.int64)[done].sum())
+        n_out = int(self._view(self._n_out_total, np.int64)[done].sum())
+        estimated = bool(np.any(~self._view(self._exact, np.bool_)[done]))
+        rate = (1.0 / interval_s) if interval_s > 0 else 0.0
+        return Throughput(interval_s=interval_s, completed_requests=completed,
+                          requests_per_s=completed * rate, input_tokens_per_s=n_in * rate,
+                          output_tokens_per_s=n_out * rate,
+                          total_tokens_per_s=(n_in + n_out) * rate,
+                          output_tokens_estimated=estimated)
+
+    def engine_report(self, mask: npt.NDArray[np.bool_]) -> EngineReport:
+        done = mask & self.ok
+        values = {name: self._view(column, np.float64)[done]
+                  for name, column in self._engine.items()}
+        return EngineReport(
+            requests=int(np.count_nonzero(self._view(self._has_engine, np.bool_)[done])),
+            queue_time=summarize(values["queue_time_ms"] / 1000.0),
+            ttft_from_scheduled=summarize(values["time_to_first_token_ms"] / 1000.0),
+            mean_itl=summarize(values["mean_itl_ms"] / 1000.0),
+            generation_time=summarize(values["generation_time_ms"] / 1000.0),
+        )
+
+    def classes(self, policy: SLOPolicy) -> list[str]:
+        known = policy.classes
+        default = policy.default_class
+        return [a if a is not None and a in known else default for a in self.slo_attributes()]
+
+    def goodput(self, mask: npt.NDArray[np.bool_], policy: SLOPolicy, interval_s: float,
+                vantage: Vantage = Vantage.CLIENT) -> dict[str, Goodput]:
+        """Per declared class, `goodput` over the class's live records where ``mask``."""
+        names = np.asarray(self.classes(policy), dtype=object)
+        out: dict[str, Goodput] = {}
+        ok = self.ok
+        for name, slo in policy.classes.items():
+            members = mask & (names == name) if names.size else mask
+            out[name] = goodput_of(self.columns(vantage, members), ok[members], slo,
+                                   interval_s, vantage)
+        return out
+
+
+_ENGINE_FIELDS = ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms",
+                  "generation_time_ms")
+
+
+# ---------------------------------------------------------------------------------------------
 # Named SLO classes
 
 
@@ -615,7 +872,10 @@ class SLOPolicy:
             by_class.setdefault(self.class_of(record), []).append(record)
         out: dict[str, tuple[int, int]] = {}
         for name, members in by_class.items():
-            good, _unjudged, _n_out = _judge_bulk(members, self.classes[name], vantage)
+            ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_,
+                             count=len(members))
+            good, _unjudged, _n_out = judge_columns(columns_of(members, vantage), ok,
+                                                    self.classes[name])
             out[name] = (int(np.count_nonzero(good)), len(members))
         return out
 

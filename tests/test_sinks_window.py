@@ -5,8 +5,10 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from proxy_stack import stack
+from random_records import random_records
 
-from sidecar.record import Outcome, RequestRecord, Timeline, TokenSource
+from sidecar import stats
+from sidecar.record import Outcome, RequestRecord, Timeline, TokenSource, Vantage
 from sidecar.sinks.window import Selection, WindowSink
 
 MS = 1_000_000
@@ -66,3 +68,57 @@ async def test_the_admin_stats_endpoint_selects_by_request_id() -> None:
             assert "unknown /stats parameter" in (await response.json())["error"]
     assert mine["generation_requests"] == 2 and everything["generation_requests"] == 3
     assert mine["vantages"]["server"]["ttft"]["count"] == 2
+
+
+# -- the columnar window equals the summaries of its records, computed record by record -------
+
+
+def _reference_snapshot(window: WindowSink, policy: stats.SLOPolicy,
+                        selection: Selection) -> dict[str, object]:
+    """What /stats reports, from `window.records()` with the list-based stats functions."""
+    records = [r for r in window.records() if selection.matches(r)]
+    generation = [r for r in records if r.endpoint in ("chat", "completions")]
+    interval = (min(window.window_s, stats.measured_interval_s(generation))
+                if generation else 0.0)
+    vantages = {v: stats.vantage_report(generation, v) for v in (Vantage.CLIENT, Vantage.SERVER)}
+    goodput = {}
+    for name, slo in policy.classes.items():
+        members = [r for r in generation if policy.class_of(r) == name]
+        goodput[name] = stats.goodput(members, slo, interval)
+    return {"records": len(records), "generation": len(generation), "interval": interval,
+            "outcomes": stats.outcome_counts(generation), "vantages": vantages,
+            "engine": stats.engine_report(generation),
+            "throughput": stats.throughput(generation, interval), "goodput": goodput}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_columnar_window_equals_record_by_record_summaries(seed: int) -> None:
+    now = [10**18 + 2_000 * 1_000_000]
+    # A 1.5 s window over 2,000 records 1 ms apart, at most 1,200 kept: both bounds evict.
+    window = WindowSink(1.5, max_records=1200, wall_ns=lambda: now[0])
+    policy = stats.SLOPolicy({"a": stats.SLO(ttft_s=0.5, tpot_s=0.02),
+                              "default": stats.SLO(e2e_s=0.9)})
+    # The last seed runs long enough for the columns to be compacted (4,096+ dropped).
+    n = 9000 if seed == 5 else 2000
+    now[0] = 10**18 + n * 1_000_000
+    for record in random_records(seed, n):
+        window.on_record(record)
+    if seed == 5:
+        assert len(window._table._wall) < 4096 + 1200  # dropped records were compacted away
+    for selection in (Selection(), Selection("run-a-")):
+        for _ in range(2):  # and again after time moved on
+            ref = _reference_snapshot(window, policy, selection)
+            table = window._table
+            _live, generation = window._mask(selection)
+            assert len(window._records) == len(table)  # the deque and the columns agree
+            got = window.snapshot(policy, selection)
+            assert got["records"] == ref["records"]
+            assert got["generation_requests"] == ref["generation"]
+            assert got["interval_s"] == ref["interval"]
+            assert table.outcome_counts(generation) == ref["outcomes"]
+            for vantage, report in window.vantage_reports(selection).items():
+                assert report == ref["vantages"][vantage]  # type: ignore[index]
+            assert table.engine_report(generation) == ref["engine"]
+            assert table.throughput(generation, ref["interval"]) == ref["throughput"]  # type: ignore[arg-type]
+            assert table.goodput(generation, policy, ref["interval"]) == ref["goodput"]  # type: ignore[arg-type]
+            now[0] += 700_000_000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from random_records import random_records
 
 from sidecar import stats
 from sidecar.record import ChunkMark, Outcome, RequestRecord, Timeline, TokenSource, Vantage
@@ -345,37 +346,9 @@ def _reference_vantage_report(records: list[RequestRecord],
         tpot_excluded=excluded, no_first_token=no_first)
 
 
-def _random_records(seed: int, n: int) -> list[RequestRecord]:
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        def timeline(start: int) -> Timeline:
-            events = rng.choice([0, 0, 1, 2, 3, rng.randint(4, 40)])
-            at = start + rng.randint(0, 10**9)
-            offsets, tokens = [], []
-            for _ in range(events):
-                at += rng.randint(0, 50_000_000)
-                offsets.append(at)
-                tokens.append(rng.choice([1, 1, 1, 2, 5, 0]))
-            end = None if rng.random() < 0.2 else at + rng.randint(0, 10**6)
-            return Timeline(start_ns=start, offsets_ns=offsets, tokens=tokens, end_ns=end)
-
-        server = None if rng.random() < 0.2 else timeline(rng.randint(0, 10**7))
-        out.append(RequestRecord(
-            request_id=f"r{i}", wall_time_ns=10**18 + i, endpoint="chat",
-            outcome=rng.choice([Outcome.OK] * 6 + [Outcome.TIMEOUT, Outcome.HTTP_ERROR]),
-            client=timeline(0), server=server,
-            n_out=None if rng.random() < 0.3 else rng.randint(0, 60),
-            attributes={"slo_class": rng.choice(["a", "b", "zzz"])},
-        ))
-    return out
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_bulk_vantage_report_equals_the_per_request_definition(seed: int) -> None:
-    records = _random_records(seed, 300)
+    records = random_records(seed, 300)
     for vantage in (Vantage.CLIENT, Vantage.SERVER, Vantage.ENGINE):
         assert stats.vantage_report(records, vantage) == _reference_vantage_report(
             records, vantage)
@@ -383,7 +356,7 @@ def test_bulk_vantage_report_equals_the_per_request_definition(seed: int) -> Non
 
 @pytest.mark.parametrize("seed", range(8))
 def test_bulk_goodput_and_attainment_equal_the_per_request_verdicts(seed: int) -> None:
-    records = _random_records(seed, 300)
+    records = random_records(seed, 300)
     policy = stats.SLOPolicy({"a": stats.SLO(ttft_s=0.5, tpot_s=0.02),
                               "b": stats.SLO(e2e_s=1.0),
                               "default": stats.SLO(ttft_s=0.3, tpot_s=0.01, e2e_s=0.9)})

@@ -369,7 +369,6 @@ class LiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         window_s = f"{self.window.window_s:g}"
-        records = [r for r in self.window.records() if r.endpoint in GENERATION_ENDPOINTS]
         # A summary is what Prometheus calls quantiles precomputed over a sliding window.
         # (prometheus_client's SummaryMetricFamily has no quantiles: samples are added here.)
         name = "sidecar_window_latency_seconds"
@@ -378,8 +377,7 @@ class LiveCollector(Collector):
             f"Exact quantiles over the last {window_s} s (numpy, linear interpolation; this "
             "sidecar only: never average these across sidecars, use the histograms).",
             "summary")
-        for vantage in (Vantage.CLIENT, Vantage.SERVER):
-            report = stats.vantage_report(records, vantage)
+        for vantage, report in self.window.vantage_reports().items():
             for metric, summary in (("ttft", report.ttft), ("itl", report.itl),
                                     ("tpot", report.tpot), ("e2e", report.e2e)):
                 if summary.count == 0 or summary.mean is None:
@@ -395,7 +393,7 @@ class LiveCollector(Collector):
         outcomes = GaugeMetricFamily(
             "sidecar_window_requests", f"Requests that ended in the last {window_s} s.",
             labels=("outcome",))
-        for outcome, count in stats.outcome_counts(records).items():
+        for outcome, count in self.window.generation_outcomes().items():
             outcomes.add_metric((outcome.value,), count)
         yield outcomes
         if self.slo_policy is not None:
@@ -404,7 +402,7 @@ class LiveCollector(Collector):
                 f"Good / all requests of the class over the last {window_s} s (failures "
                 "included; absent when no request of the class ended in the window).",
                 labels=("slo_class",))
-            for name, (good, total) in sorted(self.slo_policy.judge_all(records).items()):
+            for name, (good, total) in sorted(self.window.attainment(self.slo_policy).items()):
                 attainment.add_metric((name,), good / total)
             yield attainment
         in_flight = GaugeMetricFamily("sidecar_in_flight_requests",

@@ -18,8 +18,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from sidecar import clock, stats
-from sidecar.record import RequestRecord, Vantage
+from sidecar.record import Outcome, RequestRecord, Vantage
 
 GENERATION_ENDPOINTS = frozenset({"chat", "completions"})
 
@@ -102,6 +104,8 @@ class WindowSink:
         self.max_records = max_records
         self.max_bytes = max_bytes
         self._records: deque[tuple[RequestRecord, int]] = deque()
+        # The same records as columns, for summaries in bulk (stats.RecordTable).
+        self._table = stats.RecordTable()
         self._bytes = 0
         self._wall_ns = wall_ns
         self.evicted_over_cap = 0
@@ -114,11 +118,15 @@ class WindowSink:
         records = self._records
         size = approx_record_bytes(record)
         records.append((record, size))
+        self._table.append(record, _end_wall_ns(record), record.endpoint in GENERATION_ENDPOINTS)
         self._bytes += size
+        dropped = 0
         while len(records) > self.max_records or (self._bytes > self.max_bytes
                                                   and len(records) > 1):
             self._bytes -= records.popleft()[1]
             self.evicted_over_cap += 1
+            dropped += 1
+        self._table.drop_front(dropped)
         # Trim by age here too, not only when read: with nobody reading /stats or /metrics the
         # window must still hold only the last window_s (records arrive in completion order, so
         # the oldest are at the left).
@@ -127,9 +135,45 @@ class WindowSink:
     def _trim(self) -> int:
         horizon = self._wall_ns() - int(self.window_s * 1e9)
         records = self._records
+        dropped = 0
         while records and _end_wall_ns(records[0][0]) < horizon:
             self._bytes -= records.popleft()[1]
+            dropped += 1
+        self._table.drop_front(dropped)
         return horizon
+
+    def _mask(self, selection: Selection) -> tuple[Any, Any]:
+        """(live records in the selection, and of those the generation requests), as masks
+        over the table: what `records` keeps, restricted to ``selection``."""
+        horizon = self._trim()
+        table = self._table
+        live = table.end_wall_ns >= horizon
+        prefix = selection.request_id_prefix
+        if prefix is not None:
+            live &= np.fromiter((i.startswith(prefix) for i in table.ids()), dtype=np.bool_,
+                                count=len(table))
+        return live, live & table.generation
+
+    def vantage_reports(self, selection: Selection = ALL) -> dict[Vantage, stats.VantageReport]:
+        _live, generation = self._mask(selection)
+        return {v: self._table.vantage_report(generation, v)
+                for v in (Vantage.CLIENT, Vantage.SERVER)}
+
+    def generation_outcomes(self, selection: Selection = ALL) -> dict[Outcome, int]:
+        _live, generation = self._mask(selection)
+        return self._table.outcome_counts(generation)
+
+    def attainment(self, policy: stats.SLOPolicy,
+                   selection: Selection = ALL) -> dict[str, tuple[int, int]]:
+        """SLO class -> (good, all) over the window's generation requests (classes with no
+        request left out)."""
+        _live, generation = self._mask(selection)
+        interval = self._table.measured_interval_s(generation)
+        out = {}
+        for name, g in self._table.goodput(generation, policy, interval).items():
+            if g.total_requests:
+                out[name] = (g.good_requests, g.total_requests)
+        return out
 
     def records(self) -> list[RequestRecord]:
         """The records that ended within the window (older ones are dropped here)."""
@@ -138,25 +182,28 @@ class WindowSink:
 
     def snapshot(self, slo_policy: stats.SLOPolicy | None = None,
                  selection: Selection = ALL) -> dict[str, Any]:
-        records = [r for r in self.records() if selection.matches(r)]
-        generation = [r for r in records if r.endpoint in GENERATION_ENDPOINTS]
-        interval = min(self.window_s, stats.measured_interval_s(generation)) if generation else 0.0
+        live, generation = self._mask(selection)
+        table = self._table
+        n_generation = int(np.count_nonzero(generation))
+        interval = (min(self.window_s, table.measured_interval_s(generation))
+                    if n_generation else 0.0)
+        n_live = int(np.count_nonzero(live))
         out: dict[str, Any] = {
             "window_s": self.window_s,
             "interval_s": interval,
-            "records": len(records),
-            "generation_requests": len(generation),
+            "records": n_live,
+            "generation_requests": n_generation,
             "evicted_over_cap": self.evicted_over_cap,
             "window_bytes": self._bytes,
             "window_max_bytes": self.max_bytes,
             "selection": selection.to_dict(),
-            "outcomes": {o.value: n for o, n in stats.outcome_counts(generation).items()},
-            "other_paths": len(records) - len(generation),
+            "outcomes": {o.value: n for o, n in table.outcome_counts(generation).items()},
+            "other_paths": n_live - n_generation,
             "vantages": {},
             "definitions": DEFINITIONS,
         }
         for vantage in (Vantage.CLIENT, Vantage.SERVER):
-            report = stats.vantage_report(generation, vantage)
+            report = table.vantage_report(generation, vantage)
             out["vantages"][vantage.value] = {
                 "requests": report.requests,
                 "tpot_excluded_n_out_le_1": report.tpot_excluded,
@@ -167,7 +214,7 @@ class WindowSink:
                 "tpot": report.tpot.to_dict(),
                 "e2e": report.e2e.to_dict(),
             }
-        engine = stats.engine_report(generation)
+        engine = table.engine_report(generation)
         out["vantages"]["engine"] = {
             "requests": engine.requests,
             "queue_time": engine.queue_time.to_dict(),
@@ -175,7 +222,7 @@ class WindowSink:
             "mean_itl": engine.mean_itl.to_dict(),
             "generation_time": engine.generation_time.to_dict(),
         }
-        t = stats.throughput(generation, interval)
+        t = table.throughput(generation, interval)
         out["throughput"] = {
             "requests_per_s": t.requests_per_s,
             "input_tokens_per_s": t.input_tokens_per_s,
@@ -184,15 +231,10 @@ class WindowSink:
             "output_tokens_estimated": t.output_tokens_estimated,
         }
         if slo_policy is not None:
-            by_class: dict[str, list[RequestRecord]] = {name: [] for name in slo_policy.classes}
-            for record in generation:
-                by_class[slo_policy.class_of(record)].append(record)
             out["goodput"] = {}
-            for name, members in by_class.items():
-                slo = slo_policy.classes[name]
-                g = stats.goodput(members, slo, interval)
+            for name, g in table.goodput(generation, slo_policy, interval).items():
                 out["goodput"][name] = {
-                    "slo": slo.describe(),
+                    "slo": g.slo.describe(),
                     "vantage": g.vantage.value,
                     "good_requests": g.good_requests,
                     "denominator_all_requests": g.total_requests,
