@@ -107,7 +107,7 @@ async def server_view(admin: str, prefix: str) -> dict[str, Any]:
             session.get(admin + f"/stats?request_id_prefix={prefix}") as response:
         stats = await response.json()
     server = stats["vantages"]["server"]
-    return {"requests": server.get("requests"), "itl": server.get("itl_s")}
+    return {"requests": server.get("requests"), "itl": server.get("itl")}
 
 
 def ms(values: Sequence[float], q: float) -> float:

@@ -37,7 +37,7 @@ from sidecar.config import (
     default_workers,
     load_config_file,
 )
-from sidecar.hooks import SinkFanout, ThreadedSink
+from sidecar.hooks import ScrapeRunner, SinkFanout, ThreadedSink
 from sidecar.proxy.app import ProxyServer
 from sidecar.proxy.collector import Collector, StartError
 from sidecar.sinks.capture import CaptureSink
@@ -399,29 +399,40 @@ def build_collector(config: ProxyConfig, workers: int,
     collector = Collector(config, sinks.fanout, workers)
     sinks.registry.register(WorkerCollector(
         lambda: [WorkerState(**state) for state in collector.worker_states()]))
+    # Scrapes on a thread of lower CPU priority: the workers share the cores (hooks.py).
     _wire_sinks(config, sinks, collector, models, collector.capture_key_id,
                 lambda: [ReplicaState(label, outstanding, healthy)
-                         for label, outstanding, healthy in collector.replica_states()])
+                         for label, outstanding, healthy in collector.replica_states()],
+                ScrapeRunner(threaded=True))
     return collector, sinks.window
 
 
 def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequence[str],
                 capture_key_id: str | None,
-                replicas: Callable[[], Sequence[ReplicaState]]) -> None:
+                replicas: Callable[[], Sequence[ReplicaState]],
+                scrape: ScrapeRunner | None = None) -> None:
     slo_policy, window, registry, fanout = (sinks.slo_policy, sinks.window, sinks.registry,
                                             sinks.fanout)
     registry.register(LiveCollector(window, fanout, slo_policy, replicas))
+    runner = scrape or ScrapeRunner()
+    fanout.lock = runner.lock
 
     async def stats_handler(request: web.Request) -> web.Response:
         try:
             selection = Selection.from_query(request.query)  # e.g. ?request_id_prefix=
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        return web.json_response(window.snapshot(slo_policy, selection))
+        return web.json_response(await runner.run(lambda: window.snapshot(slo_policy,
+                                                                          selection)))
 
     async def metrics_handler(_request: web.Request) -> web.Response:
-        body = generate_latest(registry)
+        body = await runner.run(lambda: generate_latest(registry))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def close_scrape() -> None:
+        await asyncio.to_thread(runner.close)
+
+    host.on_close(close_scrape)
 
     host.add_admin_routes([web.get("/stats", stats_handler),
                            web.get("/metrics", metrics_handler)])

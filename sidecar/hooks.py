@@ -8,12 +8,15 @@ a passive measurement tool drops a measurement rather than hurt the traffic it m
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar, runtime_checkable
 
 from sidecar.record import RequestRecord
 
@@ -32,10 +35,15 @@ class RecordSink(Protocol):
 
 
 class SinkFanout:
-    """Delivers each record to every sink; failures are isolated per sink and counted."""
+    """Delivers each record to every sink; failures are isolated per sink and counted.
 
-    def __init__(self, sinks: Iterable[RecordSink] = ()) -> None:
+    ``lock``: held while a record is delivered, when another thread reads the sinks (a
+    `ScrapeRunner` with a thread of its own)."""
+
+    def __init__(self, sinks: Iterable[RecordSink] = (),
+                 lock: threading.Lock | None = None) -> None:
         self._sinks: list[RecordSink] = list(sinks)
+        self.lock = lock
         self.errors: dict[str, int] = {sink.name: 0 for sink in self._sinks}
         self.records_delivered = 0
         self._last_logged: dict[str, float] = {}
@@ -51,6 +59,13 @@ class SinkFanout:
         self.errors[sink.name] = 0
 
     def on_record(self, record: RequestRecord) -> None:
+        if self.lock is None:
+            self._deliver(record)
+        else:
+            with self.lock:
+                self._deliver(record)
+
+    def _deliver(self, record: RequestRecord) -> None:
         self.records_delivered += 1
         for sink in self._sinks:
             try:
@@ -110,3 +125,52 @@ class ThreadedSink:
         if self._thread.is_alive():
             self._queue.put(None, timeout=timeout_s)
             self._thread.join(timeout_s)
+
+
+T = TypeVar("T")
+
+# How much lower than the traffic the scrape thread runs (nice increment, Linux): the
+# lowest, so that a busy worker preempts a scrape at once; it still gets ~1.5 % of a core
+# when the core is saturated (CFS weight 15 vs 1024), so scrapes are slow then, not lost.
+SCRAPE_NICE = 19
+
+
+class ScrapeRunner:
+    """Where the work a scrape triggers (the live window's summaries, the Prometheus
+    exposition) runs.
+
+    Inline on the event loop by default: in one process there is nothing to gain from a thread
+    that shares the GIL with the relay. A collector (`sidecar proxy --workers N`) runs it on a
+    thread of its own at a lower CPU priority (nice +19 on Linux; the rest of the process keeps
+    its own): the workers share the machine's cores with the collector, and a scrape of a full
+    window must yield the CPU to traffic, not compete with it. The thread holds ``lock`` while it
+    reads the sinks; the fan-out takes the same lock to deliver a record.
+    """
+
+    def __init__(self, threaded: bool = False) -> None:
+        self.lock: threading.Lock | None = threading.Lock() if threaded else None
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="scrape",
+                                             initializer=_lower_priority)
+                          if threaded else None)
+
+    async def run(self, work: Callable[[], T]) -> T:
+        if self._executor is None or self.lock is None:
+            return work()
+        lock = self.lock
+
+        def locked() -> T:
+            with lock:
+                return work()
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, locked)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SCRAPE_NICE)
+    except (AttributeError, OSError) as exc:  # pragma: no cover - not Linux
+        log.info("scrape thread runs at normal priority (%s)", exc)

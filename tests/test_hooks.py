@@ -77,3 +77,38 @@ def test_threaded_sink_delivers_everything_in_order_and_drops_when_full() -> Non
     delivered = [r.request_id for r in inner.records]
     assert len(delivered) + threaded.dropped == 10
     assert delivered == sorted(delivered, key=int) and delivered[0] == "0"
+
+
+async def test_a_threaded_scrape_runner_runs_below_the_traffic_and_holds_the_sinks_lock() -> None:
+    import os
+    import threading
+
+    from sidecar.hooks import SCRAPE_NICE, ScrapeRunner
+
+    runner = ScrapeRunner(threaded=True)
+    assert runner.lock is not None
+    lock = runner.lock
+
+    def work() -> tuple[int, int, bool]:
+        tid = threading.get_native_id()
+        return tid, os.getpriority(os.PRIO_PROCESS, tid), lock.locked()
+
+    try:
+        tid, nice, locked = await runner.run(work)
+    finally:
+        runner.close()
+    assert tid != threading.get_native_id()  # not on the event loop's thread
+    assert nice == os.getpriority(os.PRIO_PROCESS, 0) + SCRAPE_NICE or nice == 19
+    assert locked
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < nice  # ours unchanged
+
+
+async def test_an_inline_scrape_runner_runs_on_the_loop() -> None:
+    import threading
+
+    from sidecar.hooks import ScrapeRunner
+
+    runner = ScrapeRunner()
+    assert runner.lock is None
+    assert await runner.run(threading.get_native_id) == threading.get_native_id()
+    runner.close()
