@@ -303,3 +303,19 @@ def test_soak_smoke(tmp_path: Path) -> None:
 def test_fuzz_long_smoke() -> None:
     stdout = run_harness("fuzz_long.py", "--smoke")
     assert "fuzz_long: 2000 inputs, 0 failures, seed 1," in stdout
+
+
+def test_scrape_isolation_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "scrape.json"
+    stdout = run_harness("scrape_isolation.py", "--smoke", "--json-out", str(out))
+    result = json.loads(out.read_text())
+    by_workers = {r["workers"]: r for r in result["results"]}
+    assert set(by_workers) == {0, 1}
+    for workers, r in by_workers.items():
+        assert r["records"] == 2000 and r["scrapes"] > 0, workers
+        for phase in ("quiet", "scraped"):
+            assert r[phase]["n_ok"] > 0 and r[phase]["n_err"] == 0, (workers, phase)
+        # The sidecar's own view of each phase's requests (selected by request-id prefix).
+        assert r["server_quiet"]["requests"] > 0 and r["server_scraped"]["itl"]["count"] > 0
+        assert finite(r["stats_ms_p50"]) and finite(r["itl_p99_delta_ms"])
+    assert "| workers | /stats ms p50 / max |" in stdout
