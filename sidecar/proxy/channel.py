@@ -27,6 +27,9 @@ HEADER = struct.Struct("<IB")
 # A record with opt-in text holds at most a 16 MiB body and its completion: anything far
 # beyond is a corrupt stream, not a frame to buffer.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+# Frames queued within this long leave in one write (records reach the collector this much
+# later at most; nothing there is per request but the window, read at scrape time).
+FLUSH_DELAY_S = 0.01
 
 
 class Kind(enum.IntEnum):
@@ -66,6 +69,9 @@ class FrameProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.get_running_loop().create_future()
         self.handler_errors = 0
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._flush_handle: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses; they have its methods.
@@ -106,19 +112,43 @@ class FrameProtocol(asyncio.Protocol):
         return None  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        self._pending = []
+        self._pending_bytes = 0
         if not self.closed.done():
             self.closed.set_result(None)
         self._on_lost()
 
     def send(self, data: bytes) -> bool:
-        """Write a frame; False when the channel is closed (nothing written)."""
+        """Queue a frame; False when the channel is closed (nothing queued). Frames leave in
+        order, together, at most ``FLUSH_DELAY_S`` later: one write (and one wake-up of the
+        other process) per batch instead of per record. With the other end on the same core,
+        a write per record cost a worker 13% of its CPU at 240 records/s."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return False
-        transport.write(data)
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_DELAY_S,
+                                                                       self.flush)
         return True
 
-    def buffered(self) -> int:
-        """Bytes written but not yet taken by the kernel."""
+    def flush(self) -> None:
+        """Write what is queued now."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        pending, self._pending = self._pending, []
+        self._pending_bytes = 0
         transport = self.transport
-        return transport.get_write_buffer_size() if transport is not None else 0
+        if pending and transport is not None and not transport.is_closing():
+            transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def buffered(self) -> int:
+        """Bytes queued or written but not yet taken by the kernel."""
+        transport = self.transport
+        in_transport = transport.get_write_buffer_size() if transport is not None else 0
+        return in_transport + self._pending_bytes

@@ -324,6 +324,7 @@ class Worker:
 
     async def _drain(self) -> None:
         """Let what the transport holds reach the collector, then close the channel."""
+        self.protocol.flush()
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while not self.channel_lost and self.protocol.buffered() and \
                 time.monotonic() < deadline:
