@@ -252,3 +252,26 @@ async def test_open_files_limit_is_raised_to_the_hard_limit() -> None:
             assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == min(hard, 1 << 20)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize(("target", "status"), [
+    ("http://evil.example:8080/v1/models?x=1", 200),  # absolute form: served as its path
+    ("*", 400),
+    ("evil.example:443", 400),  # authority form (CONNECT)
+])
+async def test_request_targets_are_paths_for_our_upstream_only(target: str, status: int) -> None:
+    async with stack() as s:
+        reader, writer = await connect(s.url)
+        method = "CONNECT" if ":" in target and "/" not in target else "GET"
+        writer.write(f"{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                     .encode())
+        answer = await read_all(reader)
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+    assert status_of(answer) == status
+    if status == 200:
+        assert record.endpoint == "/v1/models" and record.outcome is Outcome.OK
+        assert b'"object":"list"' in answer
+    else:
+        assert record.outcome is Outcome.REJECTED and record.error_type == "malformed_http"
+        assert [r.requests_total for r in s.server.proxy.router.replicas] == [0]

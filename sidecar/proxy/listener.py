@@ -343,6 +343,14 @@ class ClientConnection(asyncio.Protocol):
             headers.add(name.decode("latin-1"), value.decode("latin-1"))
         self._headers = []
         self._request_headers = CIMultiDictProxy(headers)
+        if _origin_form(self._url.decode("latin-1")) is None:
+            log.warning("request from %s with a target that is not a path refused (400)",
+                        self._peer())
+            self._reject(Rejection(400, "malformed_http",
+                                   "The request target must be a path (this is not a forward "
+                                   "proxy).", "BadRequest", self._method, None,
+                                   self._request_headers))
+            raise _Refused
         declared = headers.get("Content-Length")
         limit = self.limits.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -373,9 +381,9 @@ class ClientConnection(asyncio.Protocol):
             self._disarm()
         self._in_message = False
         assert self._request_headers is not None and self._method is not None
-        target = self._url.decode("latin-1")
+        target = _origin_form(self._url.decode("latin-1")) or "/"
         self._queue.append(IncomingRequest(
-            method=self._method, target=target, path=_path_of(target),
+            method=self._method, target=target, path=target.split("?", 1)[0],
             headers=self._request_headers, body=b"".join(self._body),
             http_version=self.parser.get_http_version(),
             keep_alive=self.parser.should_keep_alive()))
@@ -498,13 +506,27 @@ class _Refused(Exception):
     """Raised from a parser callback to stop parsing a refused request."""
 
 
+def _origin_form(target: str) -> str | None:
+    """The request target as a path and query (what goes upstream), or None when it is not one:
+    the absolute form (a client that takes us for a forward proxy) is reduced to its path and
+    query, since the upstream is always ours; the authority form (CONNECT) and ``*`` are
+    refused."""
+    if target.startswith("/"):
+        return target
+    if target.startswith(("http://", "https://")):
+        rest = target.split("://", 1)[1]
+        cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=-1)
+        if cut < 0:
+            return "/"
+        tail = rest[cut:]
+        return tail if tail.startswith("/") else "/" + tail
+    return None
+
+
 def _path_of(target: str) -> str:
-    path = target.split("?", 1)[0]
-    if path.startswith(("http://", "https://")):
-        # Absolute form (a client that takes us for a forward proxy): serve the path only.
-        rest = path.split("://", 1)[1]
-        path = "/" + rest.split("/", 1)[1] if "/" in rest else "/"
-    return path
+    """The path of a target (absolute form allowed), without its query."""
+    origin = _origin_form(target)
+    return (origin or target).split("?", 1)[0]
 
 
 class TrafficServer:
