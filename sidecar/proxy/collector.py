@@ -36,10 +36,11 @@ import aiohttp
 from aiohttp import web
 
 from sidecar.config import ProxyConfig, read_capture_key
-from sidecar.engine_metrics import merge_views, parse_engine_metrics
+from sidecar.engine_metrics import merge_views
 from sidecar.hooks import SinkFanout
 from sidecar.proxy.app import admin_auth
 from sidecar.proxy.channel import FrameProtocol, Kind, json_frame, parse_json
+from sidecar.proxy.probes import check_health, scrape_engine
 from sidecar.proxy.recordwire import WireError, decode_record
 from sidecar.proxy.routing import Replica
 from sidecar.proxy.shape import PrefixHasher
@@ -489,22 +490,9 @@ class Collector:
         return self._session
 
     async def _check(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> bool:
-        """One health check, with the rules of a check in one process (relay.py)."""
+        """One health check, with the same rules as in one process (probes.py)."""
         self.health_checks[replica.index] += 1
-        try:
-            async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
-                await resp.read()
-                passed = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            passed = False
-        if passed:
-            if not replica.healthy:
-                log.warning("replica %s is healthy again: back in rotation", replica.label)
-            replica.record_success()
-        elif replica.record_failure(self.config.eject_after):
-            log.warning("replica %s failed %d health checks: ejected", replica.label,
-                        replica.consecutive_failures)
-        return passed
+        return await check_health(self.session, replica, timeout, self.config.eject_after)
 
     async def _engine_loop(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
@@ -513,22 +501,7 @@ class Collector:
             await asyncio.sleep(self.config.engine_scrape_interval)
 
     async def _scrape(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
-        """Read a replica's /metrics once (the engine's own view: queue, KV, cache)."""
-        try:
-            async with self.session.get(replica.url + "/metrics", timeout=timeout) as resp:
-                if resp.status != 200:
-                    replica.engine.fail(f"http_{resp.status}")
-                    return
-                text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            replica.engine.fail(type(exc).__name__)
-            return
-        try:
-            values, flavour = parse_engine_metrics(text)
-        except ValueError:
-            replica.engine.fail("unparseable_metrics")
-            return
-        replica.engine.update(values, flavour)
+        await scrape_engine(self.session, replica, timeout)
 
     # -- the one view --------------------------------------------------------------------------
 

@@ -33,7 +33,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar import clock
 from sidecar.config import ProxyConfig, RoutePolicy, read_capture_key
-from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.hooks import SinkFanout
 from sidecar.meter import StreamMeter, choices_text
 from sidecar.protocol.assemble import StreamAssembler
@@ -59,6 +58,7 @@ from sidecar.proxy.listener import (
     IncomingRequest,
     Rejection,
 )
+from sidecar.proxy.probes import check_health, scrape_engine
 from sidecar.proxy.routing import Replica, Router
 from sidecar.proxy.shape import PrefixHasher, chat_text, request_shape
 from sidecar.proxy.upstream import (
@@ -335,36 +335,10 @@ class Proxy:
         await asyncio.gather(*(self._scrape(r, timeout) for r in self.router.replicas))
 
     async def _scrape(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
-        try:
-            async with self.session.get(replica.url + "/metrics", timeout=timeout) as resp:
-                if resp.status != 200:
-                    replica.engine.fail(f"http_{resp.status}")
-                    return
-                text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            replica.engine.fail(type(exc).__name__)
-            return
-        try:
-            values, flavour = parse_engine_metrics(text)
-        except ValueError:
-            replica.engine.fail("unparseable_metrics")
-            return
-        replica.engine.update(values, flavour)
+        await scrape_engine(self.session, replica, timeout)
 
     async def _check(self, replica: Replica, timeout: aiohttp.ClientTimeout) -> None:
-        try:
-            async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
-                await resp.read()
-                healthy = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            healthy = False
-        if healthy:
-            if not replica.healthy:
-                log.warning("replica %s is healthy again: back in rotation", replica.label)
-            replica.record_success()
-        elif replica.record_failure(self.config.eject_after):
-            log.warning("replica %s failed %d health checks: ejected", replica.label,
-                        replica.consecutive_failures)
+        await check_health(self.session, replica, timeout, self.config.eject_after)
 
     # -- the handler ----------------------------------------------------------------------
 
