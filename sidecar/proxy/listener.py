@@ -139,7 +139,12 @@ class ClientExchange:
         lines = [f"HTTP/1.1 {status} {reason or _REASONS.get(status, 'Unknown')}"]
         for name, value in headers:
             lines.append(f"{name}: {value}")
-        if content_length is not None:
+        if status in (204, 304) or 100 <= status < 200:
+            pass  # never a body, never framing (RFC 9110 6.4.1)
+        elif self.request.method == "HEAD":
+            if content_length is not None:  # the length a GET would have had; no body follows
+                lines.append(f"Content-Length: {content_length}")
+        elif content_length is not None:
             lines.append(f"Content-Length: {content_length}")
             self._remaining = content_length
         elif self.request.http_version == "1.1":
