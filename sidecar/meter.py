@@ -29,6 +29,7 @@ import json
 from array import array
 from typing import Any, NamedTuple, Protocol
 
+from sidecar.protocol.fastchunk import fast_token_chunk
 from sidecar.protocol.openai import (
     ChunkInfo,
     ChunkKind,
@@ -155,7 +156,12 @@ class StreamMeter:
                         self._held = None
                     out.append(event.raw)
                 continue
-            info = classify_chunk(payload)
+            fast = fast_token_chunk(event.raw)
+            if fast is None:
+                info = classify_chunk(payload)
+                usage_at = -1
+            else:
+                info, usage_at, usage_end = fast
             kind = info.kind
             n_tokens = counter.observe(info)
             if kind is ChunkKind.TOKEN:
@@ -189,8 +195,11 @@ class StreamMeter:
             raw = event.raw
             cut: int | None = None
             if info.usage is not None and self._strip and kind is not ChunkKind.USAGE:
-                raw, cut, reencoded = without_usage(raw, payload)
-                self.rewritten += reencoded
+                if usage_at >= 0:  # the fast path found the member: cut it as text
+                    raw, cut = raw[:usage_at] + raw[usage_end:], usage_at
+                else:
+                    raw, cut, reencoded = without_usage(raw, payload)
+                    self.rewritten += reencoded
             if self._held is not None:
                 held = self._held
                 if kind is ChunkKind.USAGE and info.system_fingerprint is not None:
