@@ -26,8 +26,10 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import stats
 from sidecar.hooks import SinkFanout, ThreadedSink
+from sidecar.meter import StreamMeter
+from sidecar.protocol.fastchunk import fast_token_chunk
 from sidecar.protocol.openai import TokenCounter, classify_chunk
-from sidecar.protocol.rewrite import without_usage
+from sidecar.protocol.rewrite import UsagePlan, without_usage
 from sidecar.protocol.sse import SSEParser
 from sidecar.proxy.builder import RecordBuilder
 from sidecar.record import Outcome, RequestShape, TokenSource
@@ -158,7 +160,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             return 200
         return run
 
+    raws = [e.raw for e in events]
+    injected = UsagePlan(client_include_usage=False, client_continuous=False,
+                         add_include_usage=True, add_continuous=True)
+
+    def fast() -> int:
+        for raw in raws:
+            fast_token_chunk(raw)
+        return len(raws)
+
+    def meter() -> int:
+        m = StreamMeter(0, injected)  # one event per read, usage cut out, as the relay runs it
+        for i, raw in enumerate(raws):
+            m.feed(raw, 1000 * i)
+        return len(raws)
+
     rows = [
+        ("per event", "StreamMeter.feed: the whole measuring core (parse, classify, count, "
+         "stamp, cut the injected usage), one event per read", best_of(meter)),
+        ("per event", "fast_token_chunk (the common chunk's classification + usage span)",
+         best_of(fast)),
         ("per event", "SSE parse (one event per read)", best_of(parse)),
         ("per event", "classify_chunk (json.loads + shape)", best_of(classify)),
         ("per event", "TokenCounter.observe", best_of(count)),
