@@ -275,3 +275,22 @@ async def test_request_targets_are_paths_for_our_upstream_only(target: str, stat
     else:
         assert record.outcome is Outcome.REJECTED and record.error_type == "malformed_http"
         assert [r.requests_total for r in s.server.proxy.router.replicas] == [0]
+
+
+async def test_a_failure_inside_request_parsing_still_answers_and_records(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.proxy.listener import ClientConnection
+
+    def broken(self: ClientConnection, name: bytes, value: bytes) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(ClientConnection, "on_header", broken)
+    async with stack() as s:
+        reader, writer = await connect(s.url)
+        writer.write(request_bytes("bug"))
+        answer = await read_all(reader)
+        await close(writer)
+        (record,) = await settle(s.server, s.records, 1, s.replicas)
+    assert status_of(answer) == 500
+    assert record.outcome is Outcome.REJECTED
+    assert record.error_type == "proxy_error:request_parsing"

@@ -253,7 +253,13 @@ class ClientConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             if not isinstance(exc.__context__, _Refused):
-                raise
+                # A bug in a callback here: the request still ends in an answer and a record.
+                log.error("reading a request from %s failed inside the sidecar: %s",
+                          self._peer(), type(exc.__context__).__name__)
+                self._reject(Rejection(500, "proxy_error:request_parsing",
+                                       "The sidecar failed while reading this request.",
+                                       "InternalServerError", self._method,
+                                       self._path_or_none(), self._request_headers))
         except httptools.HttpParserUpgrade:
             self._reject(Rejection(400, "upgrade_not_supported",
                                    "The sidecar does not relay protocol upgrades.",
