@@ -37,12 +37,14 @@ _KEEPALIVE_S = 4.0
 
 
 class UpstreamError(Exception):
-    """The exchange failed at the connection level. ``sent`` says whether the request could have
-    reached the upstream (it was written in full before the failure)."""
+    """The exchange failed at the connection level. ``kind``: connect_refused, connect_timeout
+    (no connection: the request never left), disconnected (the connection closed before or
+    during the answer), protocol_error (the answer was not valid HTTP/1.1), too_large (a body
+    over the caller's limit). ``before_response``: no byte of the answer's head had arrived."""
 
     def __init__(self, message: str, *, kind: str, before_response: bool) -> None:
         super().__init__(message)
-        self.kind = kind  # connect_refused, connect_timeout, disconnected, protocol_error, ...
+        self.kind = kind
         self.before_response = before_response
 
 
@@ -130,7 +132,7 @@ class UpstreamExchange:
     __slots__ = (
         "connection", "head_method", "status", "reason", "headers", "_raw_headers",
         "_parser", "_head", "_done", "_pending", "_parts", "_sink", "complete", "_eof_body",
-        "_error", "request_written", "paused", "_header_bytes", "max_header_bytes", "_interim",
+        "_error", "paused", "_header_bytes", "max_header_bytes", "_interim",
         "_keep_alive", "reused",
     )
 
@@ -152,7 +154,6 @@ class UpstreamExchange:
         self.complete = False
         self._eof_body = False  # body delimited by the connection's end (no length, no chunks)
         self._error: UpstreamError | None = None
-        self.request_written = False
         self.paused = False
         self._header_bytes = 0
         self.max_header_bytes = max_header_bytes
@@ -385,7 +386,6 @@ class UpstreamPool:
                 transport.write(body)
         if connection._write_ready is not None:
             await connection.drain()
-        exchange.request_written = True
         return exchange
 
     def _tls_context(self) -> ssl.SSLContext:
