@@ -22,7 +22,24 @@ from sidecar.record import RequestRecord
 
 log = logging.getLogger(__name__)
 
-_LOG_EVERY_S = 10.0  # a sink failing on every request must not flood the log
+LOG_EVERY_S = 10.0  # a failure repeated on every request must not flood the log
+
+
+class LogThrottle:
+    """Says when a repeated failure may be logged again: at most once per ``every_s``."""
+
+    __slots__ = ("every_s", "_last")
+
+    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last = float("-inf")
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        return True
 
 
 @runtime_checkable
@@ -46,7 +63,7 @@ class SinkFanout:
         self.lock = lock
         self.errors: dict[str, int] = {sink.name: 0 for sink in self._sinks}
         self.records_delivered = 0
-        self._last_logged: dict[str, float] = {}
+        self._throttles: dict[str, LogThrottle] = {}
 
     @property
     def sinks(self) -> tuple[RecordSink, ...]:
@@ -72,9 +89,7 @@ class SinkFanout:
                 sink.on_record(record)
             except Exception:
                 self.errors[sink.name] += 1
-                now = time.monotonic()
-                if now - self._last_logged.get(sink.name, float("-inf")) >= _LOG_EVERY_S:
-                    self._last_logged[sink.name] = now
+                if self._throttles.setdefault(sink.name, LogThrottle()).ready():
                     log.exception(
                         "sink %r failed on a record (%d failures so far); serving goes on",
                         sink.name,

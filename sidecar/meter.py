@@ -248,10 +248,6 @@ class StreamMeter:
             return b"", 0, 0
         return held, 1, self._held_tokens
 
-    @property
-    def token_events(self) -> int:
-        return len(self.offsets)
-
     # -- the finish rules -----------------------------------------------------------------
 
     @property

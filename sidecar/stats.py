@@ -758,13 +758,8 @@ class RecordTable:
         return self.slo_attribute[self._head:]
 
     def columns(self, vantage: Vantage, mask: npt.NDArray[np.bool_]) -> Columns:
-        """The `Columns` of the live records where ``mask`` is true."""
-        n = len(self)
-        if vantage not in self._timelines:
-            return Columns(np.zeros(n, np.bool_), np.zeros(n, np.int64), np.zeros(n, np.int64),
-                           np.zeros(n, np.int64), np.zeros(n, np.bool_),
-                           self._view(self._declared, np.int64), np.zeros(0, np.int64),
-                           np.zeros(0, np.int64)).select(mask)
+        """The `Columns` of the live records where ``mask`` is true, from the client or the
+        server vantage (the engine's has no timeline: `engine_report`)."""
         t = self._timelines[vantage]
         head = self._head
         return Columns(
@@ -863,21 +858,6 @@ class SLOPolicy:
     def class_of(self, record: RequestRecord) -> str:
         name = record.attributes.get("slo_class")
         return name if name is not None and name in self.classes else self.default_class
-
-    def judge_all(self, records: Sequence[RequestRecord], vantage: Vantage = Vantage.CLIENT
-                  ) -> dict[str, tuple[int, int]]:
-        """Class name -> (good, all) over ``records``: `judge` for many requests at once."""
-        by_class: dict[str, list[RequestRecord]] = {}
-        for record in records:
-            by_class.setdefault(self.class_of(record), []).append(record)
-        out: dict[str, tuple[int, int]] = {}
-        for name, members in by_class.items():
-            ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_,
-                             count=len(members))
-            good, _unjudged, _n_out = judge_columns(columns_of(members, vantage), ok,
-                                                    self.classes[name])
-            out[name] = (int(np.count_nonzero(good)), len(members))
-        return out
 
     def judge(self, record: RequestRecord,
               vantage: Vantage = Vantage.CLIENT) -> tuple[str, bool]:

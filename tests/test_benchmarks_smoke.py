@@ -249,7 +249,9 @@ def test_hot_paths_smoke() -> None:
     figures = json.loads(stdout.strip().splitlines()[-1])
     for name in ("SSE parse (one event per read)", "classify_chunk (json.loads + shape)",
                  "TokenCounter.observe", "strip injected usage (text edit)",
-                 "RecordBuilder: upstream + client stamp", "build + freeze the record",
+                 "RecordBuilder: client stamp (the server stamp is in StreamMeter.feed)",
+                 "fast_token_chunk (the common chunk's classification + usage span)",
+                 "build + freeze the record",
                  "PrometheusSink.on_record", "WindowSink.on_record",
                  "SinkFanout.on_record (window + Prometheus + threaded hand-off)",
                  "CaptureSink: µs per record written (writer thread, JSONL, flushed)",

@@ -355,7 +355,7 @@ def test_bulk_vantage_report_equals_the_per_request_definition(seed: int) -> Non
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_bulk_goodput_and_attainment_equal_the_per_request_verdicts(seed: int) -> None:
+def test_bulk_goodput_equals_the_per_request_verdicts(seed: int) -> None:
     records = random_records(seed, 300)
     policy = stats.SLOPolicy({"a": stats.SLO(ttft_s=0.5, tpot_s=0.02),
                               "b": stats.SLO(e2e_s=1.0),
@@ -378,9 +378,3 @@ def test_bulk_goodput_and_attainment_equal_the_per_request_verdicts(seed: int) -
             assert (got.total_requests, got.good_requests, got.good_output_tokens) == (
                 len(members), good, tokens)
             assert dict(got.judged_without) == without
-        verdicts: dict[str, list[bool]] = {}
-        for record in records:
-            name, ok = policy.judge(record, vantage)
-            verdicts.setdefault(name, []).append(ok)
-        assert policy.judge_all(records, vantage) == {
-            name: (sum(v), len(v)) for name, v in verdicts.items()}

@@ -65,11 +65,7 @@ class RecordBuilder:
         self.shape: RequestShape | None = None
         self.text_parts: list[str] | None = None  # only when the operator opted in to text
 
-    # -- per-event path: keep these tiny --------------------------------------------------
-
-    def upstream_token_event(self, now_ns: int, n_tokens: int) -> None:
-        self._up_offsets.append(now_ns - self.arrive_ns)
-        self._tokens.append(n_tokens)
+    # -- per write: keep it tiny (server-side stamps come from the meter, `take_stream`) --
 
     def client_token_writes(self, now_ns: int, count: int) -> None:
         """``count`` token events that left in one write: all of them at its instant."""

@@ -37,7 +37,7 @@ from aiohttp import web
 
 from sidecar.config import ProxyConfig, read_capture_key
 from sidecar.engine_metrics import merge_views
-from sidecar.hooks import SinkFanout
+from sidecar.hooks import LogThrottle, SinkFanout
 from sidecar.proxy.app import admin_auth
 from sidecar.proxy.channel import FrameProtocol, Kind, json_frame, parse_json
 from sidecar.proxy.probes import check_health, scrape_engine
@@ -57,7 +57,6 @@ REAP_TIMEOUT_S = 10.0  # channel closed -> process gone; past this it is killed
 RESTART_BACKOFF_MIN_S = 0.5
 RESTART_BACKOFF_MAX_S = 10.0
 STABLE_AFTER_S = 30.0  # a worker that lived this long resets the restart backoff
-_LOG_EVERY_S = 10.0
 
 # Counters a worker's status carries, summed over its incarnations.
 _STATUS_COUNTERS = ("requests_total", "records_total", "sent", "dropped_full",
@@ -200,7 +199,7 @@ class Collector:
         self._supervisors: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self.health_checks = [0] * len(self.replicas)  # GET /health sent, per replica
-        self._last_decode_log = float("-inf")
+        self._decode_log = LogThrottle()
         self.url = ""
         self.admin_url = ""
 
@@ -429,9 +428,7 @@ class Collector:
                 record = decode_record(payload)
             except WireError:
                 worker.decode_errors += 1
-                now = time.monotonic()
-                if now - self._last_decode_log >= _LOG_EVERY_S:
-                    self._last_decode_log = now
+                if self._decode_log.ready():
                     log.exception("worker %d sent a record this build cannot read (%d so far)",
                                   worker.index, worker.decode_errors)
                 return

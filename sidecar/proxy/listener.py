@@ -32,6 +32,7 @@ import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import cast
 
 import httptools
@@ -39,12 +40,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 log = logging.getLogger("sidecar.proxy")
 
-_REASONS = {
-    100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
-    413: "Request Entity Too Large", 429: "Too Many Requests", 431:
-    "Request Header Fields Too Large", 499: "Client Closed Request", 500: "Internal Server Error",
-    502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout",
-}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNK_END = b"\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -93,29 +88,39 @@ class Rejection:
 
 Handler = Callable[["IncomingRequest", "ClientExchange"], Awaitable[None]]
 # Returns the full response bytes to send for the rejection (the proxy renders its error body).
-RejectHandler = Callable[[Rejection], tuple[bytes, str | None]]
+# Records the rejection; returns the answer's body and headers (None: nobody to answer).
+RejectHandler = Callable[[Rejection], tuple[bytes, list[tuple[str, str]]] | None]
+
+
+def reason_phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def response_head(status: int, reason: str | None, headers: list[tuple[str, str]]) -> bytes:
+    """``HTTP/1.1 status reason`` and the header lines, up to and with the blank line."""
+    lines = [f"HTTP/1.1 {status} {reason or reason_phrase(status)}"]
+    lines.extend(f"{name}: {value}" for name, value in headers)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 class ClientExchange:
     """The response side of one request: head, body writes, end. Writes are synchronous (the
     transport buffers); `drain` waits while the client's buffer is above the high-water mark."""
 
-    __slots__ = ("connection", "request", "prepared", "finished", "status", "_chunked",
-                 "_remaining", "_close_after")
+    __slots__ = ("connection", "request", "prepared", "finished", "_chunked", "_remaining",
+                 "_close_after")
 
     def __init__(self, connection: ClientConnection, request: IncomingRequest) -> None:
         self.connection = connection
         self.request = request
         self.prepared = False
         self.finished = False
-        self.status = 0
         self._chunked = False
         self._remaining: int | None = None
         self._close_after = not request.keep_alive
-
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        return self.connection.transport
 
     @property
     def write_buffer_size(self) -> int:
@@ -135,26 +140,23 @@ class ClientExchange:
         if self.prepared:
             raise RuntimeError("response already started")
         self.prepared = True
-        self.status = status
-        lines = [f"HTTP/1.1 {status} {reason or _REASONS.get(status, 'Unknown')}"]
-        for name, value in headers:
-            lines.append(f"{name}: {value}")
+        lines = list(headers)
         if status in (204, 304) or 100 <= status < 200:
             pass  # never a body, never framing (RFC 9110 6.4.1)
         elif self.request.method == "HEAD":
             if content_length is not None:  # the length a GET would have had; no body follows
-                lines.append(f"Content-Length: {content_length}")
+                lines.append(("Content-Length", str(content_length)))
         elif content_length is not None:
-            lines.append(f"Content-Length: {content_length}")
+            lines.append(("Content-Length", str(content_length)))
             self._remaining = content_length
         elif self.request.http_version == "1.1":
-            lines.append("Transfer-Encoding: chunked")
+            lines.append(("Transfer-Encoding", "chunked"))
             self._chunked = True
         else:
             self._close_after = True
         if self._close_after:
-            lines.append("Connection: close")
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+            lines.append(("Connection", "close"))
+        head = response_head(status, reason, lines)
         transport = self.connection.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client is gone")
@@ -450,11 +452,14 @@ class ClientConnection(asyncio.Protocol):
         self._rejected = True
         self._in_message = False
         self._disarm()
-        response, _ = self.server.on_rejected(rejection)
+        answer = self.server.on_rejected(rejection)
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            if response:
-                transport.write(response)
+            if answer is not None:
+                body, headers = answer
+                transport.write(response_head(rejection.status, None, [
+                    *headers, ("Content-Length", str(len(body))), ("Connection", "close")])
+                    + body)
             transport.close()
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:

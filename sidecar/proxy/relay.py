@@ -24,7 +24,6 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -279,6 +278,8 @@ class Proxy:
         # The data path's own HTTP/1.1 client (upstream.py); health checks and engine scrapes
         # are not on the hot path and keep aiohttp's.
         self.pool = UpstreamPool()
+        # Each replica's (host, port, Host header, path prefix, TLS), parsed once.
+        self._addresses = {r.index: _address(r.url) for r in self.router.replicas}
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -342,10 +343,10 @@ class Proxy:
 
     # -- the handler ----------------------------------------------------------------------
 
-    def reject(self, rejection: Rejection) -> tuple[bytes, str | None]:
+    def reject(self, rejection: Rejection) -> tuple[bytes, list[tuple[str, str]]] | None:
         """A request the listener refused before any handler saw it (malformed, too large,
         too slow, over the connection cap, or a client gone mid-request): its one record, and
-        the whole response to send (none for a client that is gone)."""
+        the answer's body and headers (None for a client that is gone)."""
         headers = rejection.headers
         request_id = request_id_from(headers) if headers is not None else uuid.uuid4().hex
         wall, arrive = clock.anchor()
@@ -356,19 +357,16 @@ class Proxy:
                                 endpoint or rejection.path or "(unparsed)")
         builder.route_policy = self.config.route_policy.value
         self.requests_total += 1
+        answer: tuple[bytes, list[tuple[str, str]]] | None = None
         if rejection.status == 499:
             builder.fail(Outcome.CLIENT_CANCELLED, rejection.error_type)
-            response = b""
         else:
             builder.fail(Outcome.REJECTED, rejection.error_type, rejection.status)
-            body = _json_error_body(rejection.status, rejection.message, rejection.err_type)
-            head = (f"HTTP/1.1 {rejection.status} {_reason(rejection.status)}\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                    f"{REQUEST_ID_HEADER}: {request_id}\r\nConnection: close\r\n\r\n")
-            response = head.encode("latin-1") + body
+            answer = (_json_error_body(rejection.status, rejection.message, rejection.err_type),
+                      [("Content-Type", "application/json"), (REQUEST_ID_HEADER, request_id)])
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         self._emit(builder)
-        return response, request_id
+        return answer
 
     async def handle(self, request: IncomingRequest, exchange: ClientExchange) -> None:
         endpoint = endpoint_for_path(request.path) if request.method == "POST" else None
@@ -482,7 +480,7 @@ class Proxy:
             replica.outstanding += 1
             replica.requests_total += 1
             builder.replica = replica.label
-            host, port, host_header, prefix, tls = _address(replica.url)
+            host, port, host_header, prefix, tls = self._addresses[replica.index]
             head = serialize_request_head(request.method, prefix + request.target, host_header,
                                           headers, len(body))
             builder.up_send_ns = builder.offset(clock.monotonic_ns())
@@ -602,18 +600,12 @@ class Proxy:
                        idle: _IdleWatchdog) -> Callable[[bytes, int], None]:
         """Body reads of a pass-through answer, written to the client as they come, the
         upstream paused while the client's buffer is full."""
-        connection = exchange.connection
-
         def write(data: bytes, at_ns: int) -> None:
             idle.last_ns = at_ns
             try:
-                exchange.write(data)
+                _write_paced(exchange, upstream, data)
             except ConnectionResetError:
                 upstream.connection.abort()
-                return
-            if exchange.write_buffer_size > WRITE_HIGH_WATER:
-                upstream.pause()
-                connection.when_writable(upstream.resume)
 
         return write
 
@@ -809,64 +801,21 @@ class Proxy:
     async def _relay_stream(self, upstream: UpstreamExchange, exchange: ClientExchange,
                             builder: RecordBuilder, plan: UsagePlan,
                             timeouts: _Timeouts) -> None:
-        """The per-read hot path, run inside the upstream connection's ``data_received``: the
-        measuring core (`StreamMeter`) parses, classifies, counts and stamps each read (its
-        instant is the server-side stamp of every event in it), and whatever the read yields
-        for the client goes out at once in one write, stamped on the client side with that
-        write's instant. No task wakes up per read; this coroutine only waits for the end.
-        A client whose buffer passes the high-water mark pauses the upstream's reading until
-        it drains (TCP back-pressure to the upstream, bounded memory here)."""
+        """The streaming relay: whatever a read yields for the client goes out at once in one
+        write, stamped on the client side with that write's instant (see `_run_meter`)."""
         meter = StreamMeter(builder.arrive_ns, plan, max_event_bytes=self.config.max_event_bytes,
                             keep_text=builder.text_parts is not None)
         now = clock.monotonic_ns
-        feed = meter.feed
-        write = exchange.write
-        idle = timeouts.idle
-        ttft = timeouts.ttft
-        connection = exchange.connection
-        upstream_connection = upstream.connection
-        trouble: list[BaseException] = []  # what went wrong inside the callback
 
-        def on_read(data: bytes, t_up: int) -> None:
-            idle.last_ns = t_up
-            try:
-                out, n_events, n_token_events = feed(data, t_up)
-                if ttft.handle is not None and meter.offsets:
-                    ttft.disarm()
-                if out:
-                    write(out)
-                    builder.down_events += n_events
-                    if n_token_events:
-                        builder.client_token_writes(now(), n_token_events)
-                    if exchange.write_buffer_size > WRITE_HIGH_WATER:
-                        upstream.pause()
-                        connection.when_writable(upstream.resume)
-                if meter.fatal is not None:
-                    upstream_connection.abort()  # stop reading; the handler raises the failure
-            except BaseException as exc:  # never let a failure escape into the transport
-                trouble.append(exc)
-                upstream_connection.abort()
+        def deliver(out: bytes, n_events: int, n_token_events: int) -> None:
+            _write_paced(exchange, upstream, out)
+            builder.down_events += n_events
+            if n_token_events:
+                builder.client_token_writes(now(), n_token_events)
 
         try:
-            try:
-                await upstream.stream_body(on_read)
-            except UpstreamError:
-                if trouble or meter.fatal is not None:
-                    pass  # we aborted the upstream ourselves: the cause is below
-                else:
-                    raise
-            if trouble:
-                raise trouble[0]
-            builder.up_end_ns = builder.offset(now())
-            if meter.fatal is None:
-                out, n_events, n_token_events = meter.close()
-                if out:
-                    write(out)
-                    builder.down_events += n_events
-                    if n_token_events:
-                        builder.client_token_writes(now(), n_token_events)
+            await self._run_meter(upstream, meter, builder, timeouts, deliver)
         finally:
-            builder.take_stream(meter)
             self.rewritten_events += meter.rewritten
         if meter.fatal is not None:
             raise UpstreamFailure(*meter.fatal)
@@ -881,35 +830,7 @@ class Proxy:
         meter = StreamMeter(builder.arrive_ns, forward=False,
                             max_event_bytes=self.config.max_event_bytes,
                             keep_text=builder.text_parts is not None, assembler=assembler)
-        idle = timeouts.idle
-        ttft = timeouts.ttft
-        upstream_connection = upstream.connection
-        trouble: list[BaseException] = []
-
-        def on_read(data: bytes, t_up: int) -> None:
-            idle.last_ns = t_up
-            try:
-                meter.feed(data, t_up)
-                if ttft.handle is not None and meter.offsets:
-                    ttft.disarm()
-                if meter.fatal is not None:
-                    upstream_connection.abort()
-            except BaseException as exc:
-                trouble.append(exc)
-                upstream_connection.abort()
-
-        try:
-            try:
-                await upstream.stream_body(on_read)
-            except UpstreamError:
-                if not (trouble or meter.fatal is not None):
-                    raise
-            if trouble:
-                raise trouble[0]
-            builder.up_end_ns = builder.offset(clock.monotonic_ns())
-            meter.close()
-        finally:
-            builder.take_stream(meter)
+        await self._run_meter(upstream, meter, builder, timeouts, None)
         failure = meter.failure
         headers = [("Content-Type", "application/json"), (REQUEST_ID_HEADER, builder.request_id)]
         if failure is not None and failure.outcome is Outcome.HTTP_ERROR:
@@ -923,6 +844,62 @@ class Proxy:
             exchange.start(200, None, headers, len(body), body)
         exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
+
+    @staticmethod
+    async def _run_meter(upstream: UpstreamExchange, meter: StreamMeter, builder: RecordBuilder,
+                         timeouts: _Timeouts,
+                         deliver: Callable[[bytes, int, int], None] | None) -> None:
+        """The per-read hot path, run inside the upstream connection's ``data_received``: the
+        measuring core (`StreamMeter`) parses, classifies, counts and stamps each read (its
+        instant is the server-side stamp of every event in it) and ``deliver`` gets what the
+        read yields for the client (None: the meter forwards nothing). No task wakes up per
+        read; this coroutine only waits for the end of the body, then closes the meter (a
+        stream cut short sets ``meter.fatal``). Whatever happens, the builder takes what the
+        meter counted; a failure inside the callback is raised here."""
+        idle = timeouts.idle
+        ttft = timeouts.ttft
+        feed = meter.feed
+        upstream_connection = upstream.connection
+        trouble: list[BaseException] = []  # what went wrong inside the callback
+
+        def on_read(data: bytes, t_up: int) -> None:
+            idle.last_ns = t_up
+            try:
+                out, n_events, n_token_events = feed(data, t_up)
+                if ttft.handle is not None and meter.offsets:
+                    ttft.disarm()
+                if out and deliver is not None:
+                    deliver(out, n_events, n_token_events)
+                if meter.fatal is not None:
+                    upstream_connection.abort()  # stop reading; the handler raises the failure
+            except BaseException as exc:  # never let a failure escape into the transport
+                trouble.append(exc)
+                upstream_connection.abort()
+
+        try:
+            try:
+                await upstream.stream_body(on_read)
+            except UpstreamError:
+                if not (trouble or meter.fatal is not None):
+                    raise  # otherwise we aborted the upstream ourselves: the cause is below
+            if trouble:
+                raise trouble[0]
+            builder.up_end_ns = builder.offset(clock.monotonic_ns())
+            if meter.fatal is None:
+                out, n_events, n_token_events = meter.close()
+                if out and deliver is not None:
+                    deliver(out, n_events, n_token_events)
+        finally:
+            builder.take_stream(meter)
+
+
+def _write_paced(exchange: ClientExchange, upstream: UpstreamExchange, data: bytes) -> None:
+    """Write to the client; past the high-water mark of its buffer, stop reading the upstream
+    until the client drained (TCP back-pressure to the upstream, bounded memory here)."""
+    exchange.write(data)
+    if exchange.write_buffer_size > WRITE_HIGH_WATER and not upstream.complete:
+        upstream.pause()
+        exchange.connection.when_writable(upstream.resume)
 
 
 _CONNECT_ERROR_NAMES = {
@@ -953,14 +930,9 @@ def _json_error_body(status: int, message: str, err_type: str) -> bytes:
     return json.dumps(error_body(message, err_type, status)).encode("utf-8")
 
 
-def _reason(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
-
-
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 

@@ -37,7 +37,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from sidecar.config import ProxyConfig, RoutePolicy
-from sidecar.hooks import SinkFanout
+from sidecar.hooks import LogThrottle, SinkFanout
 from sidecar.proxy.app import build_traffic_server
 from sidecar.proxy.channel import FrameProtocol, Kind, frame, json_frame, parse_json
 from sidecar.proxy.listener import TrafficServer
@@ -48,7 +48,6 @@ from sidecar.record import RequestRecord
 log = logging.getLogger("sidecar.worker")
 
 DRAIN_TIMEOUT_S = 10.0  # at exit: how long the last records may take to reach the collector
-_LOG_EVERY_S = 10.0
 
 Address = tuple[int, str, int]  # (address family, host, port) of one traffic listener
 
@@ -165,7 +164,7 @@ class ChannelSink:
         self.dropped_full = 0
         self.dropped_closed = 0
         self.encode_errors = 0
-        self._last_logged = float("-inf")
+        self._log_throttle = LogThrottle()
 
     def on_record(self, record: RequestRecord) -> None:
         if self.protocol.buffered() > self.bound:
@@ -175,9 +174,7 @@ class ChannelSink:
             payload = encode_record(record)
         except ValueError:
             self.encode_errors += 1
-            now = time.monotonic()
-            if now - self._last_logged >= _LOG_EVERY_S:
-                self._last_logged = now
+            if self._log_throttle.ready():
                 log.exception("a record could not be encoded for the collector (%d so far)",
                               self.encode_errors)
             return
