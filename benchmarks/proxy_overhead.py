@@ -15,6 +15,9 @@ Separate OS processes, each pinned with ``sched_setaffinity`` (on a 2-core host)
 - the calibration relay (this file, ``bare-relay``: a minimal aiohttp relay that forwards bytes
   as read, no parsing, no stamps): core 1, idle unless its turn. It is not the sidecar; it shows
   what any aiohttp/uvloop relay costs on the same host;
+- the CPython floor (this file, ``tcp-pipe``, only when ``--modes`` names ``pipe``): a TCP pipe
+  of uvloop Protocols forwarding each read inside ``data_received``, no HTTP at all: what any
+  relay written in CPython on uvloop pays per event in syscalls and loop dispatch;
 - two reference proxies, configured like real streaming deployments, core 1, idle unless their
   turn: nginx (``nginx_config``: one worker process, ``proxy_buffering off``, ``proxy_cache
   off``, HTTP/1.1 to the upstream with a ``keepalive`` pool and ``Connection ""``, read/send
@@ -579,9 +582,79 @@ def run_bare_relay(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_tcp_pipe(args: argparse.Namespace) -> int:
+    """A floor, not a relay: what any CPython/uvloop proxy pays per event before it does
+    anything. A TCP pipe of asyncio Protocols, one upstream connection per client connection,
+    each read written to the other side inside ``data_received``: no HTTP parsing, no stamps, no
+    records (so it cannot be used for anything but this measurement)."""
+    import uvloop
+
+    upstream = ("127.0.0.1", int(args.upstream.rsplit(":", 1)[1].rstrip("/")))
+
+    class UpstreamSide(asyncio.Protocol):
+        def __init__(self, client: ClientSide) -> None:
+            self.client = client
+            self.transport: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport  # type: ignore[assignment]
+
+        def data_received(self, data: bytes) -> None:
+            assert self.client.transport is not None
+            self.client.transport.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.client.transport is not None:
+                self.client.transport.close()
+
+    class ClientSide(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.transport: asyncio.Transport | None = None
+            self.upstream: UpstreamSide | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport  # type: ignore[assignment]
+            transport.pause_reading()  # type: ignore[attr-defined]
+            asyncio.get_running_loop().create_task(self._connect())
+
+        async def _connect(self) -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                _, self.upstream = await loop.create_connection(
+                    lambda: UpstreamSide(self), *upstream)
+            except OSError:
+                assert self.transport is not None
+                self.transport.close()
+                return
+            assert self.transport is not None
+            self.transport.resume_reading()
+
+        def data_received(self, data: bytes) -> None:
+            assert self.upstream is not None and self.upstream.transport is not None
+            self.upstream.transport.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.upstream is not None and self.upstream.transport is not None:
+                self.upstream.transport.close()
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(ClientSide, HOST, args.port)
+        stop_event = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop_event.set)
+        try:
+            await stop_event.wait()
+        finally:
+            server.close()
+
+    uvloop.run(serve())
+    return 0
+
+
 def start_bare_relay(upstream_port: int, port: int, log_path: Path,
-                     core: int | None) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "bare-relay", "--upstream",
+                     core: int | None, command: str = "bare-relay") -> subprocess.Popen[bytes]:
+    argv = [sys.executable, str(Path(__file__).resolve()), command, "--upstream",
             f"http://{HOST}:{upstream_port}", "--port", str(port)]
     proc = spawn(argv, log_path, core)
     try:
@@ -857,8 +930,9 @@ def med_spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(med)} [{fmt.format(min(vals))} – {fmt.format(max(vals))}]"
 
 
-RELAY_MODES = ("sidecar", "bare", "nginx", "envoy")
+RELAY_MODES = ("sidecar", "bare", "pipe", "nginx", "envoy")
 MODE_LABELS = {"direct": "direct", "sidecar": "sidecar", "bare": "bare relay (calibration)",
+               "pipe": "TCP pipe (CPython floor)",
                "nginx": "nginx (1 worker, proxy_buffering off)",
                "envoy": "Envoy (--concurrency 1)"}
 DELTA_KEYS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
@@ -1087,6 +1161,8 @@ def start_relay(mode: str, sim_port: int, port: int, workdir: Path, tag: str,
         return proc, process_tree(proc.pid)
     elif mode == "bare":
         proc = start_bare_relay(sim_port, port, log, core)
+    elif mode == "pipe":
+        proc = start_bare_relay(sim_port, port, log, core, command="tcp-pipe")
     elif mode == "nginx":
         return start_nginx(sim_port, port, workdir, log, core, max_conns)
     elif mode == "envoy":
@@ -1447,6 +1523,10 @@ def build_parser() -> argparse.ArgumentParser:
     bare = sub.add_parser("bare-relay", help="(internal) a minimal aiohttp relay, calibration")
     bare.add_argument("--upstream", required=True)
     bare.add_argument("--port", type=int, required=True)
+    pipe = sub.add_parser("tcp-pipe", help="(internal) a TCP pipe of uvloop Protocols: the "
+                          "floor of any CPython relay")
+    pipe.add_argument("--upstream", required=True)
+    pipe.add_argument("--port", type=int, required=True)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 16, 64, 256], help="comma-separated [1,16,64,256]")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of all modes [3]")
@@ -1461,7 +1541,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m],
                         default=["direct", "sidecar", "bare", "nginx", "envoy"],
                         help="direct plus relays to compare, in alternation order: sidecar, "
-                        "bare (a minimal aiohttp relay, for calibration), nginx, envoy; a relay "
+                        "bare (a minimal aiohttp relay, for calibration), pipe (a TCP pipe of "
+                        "uvloop Protocols, the floor of any CPython relay; not in the default), "
+                        "nginx, envoy; a relay "
                         "whose binary is missing is skipped with a message "
                         "[direct,sidecar,bare,nginx,envoy]")
     parser.add_argument("--proxy-arg", action="append", default=[],
@@ -1516,6 +1598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_client(args)
     if args.command == "bare-relay":
         return run_bare_relay(args)
+    if args.command == "tcp-pipe":
+        return run_tcp_pipe(args)
     if args.command == "probe":
         Path(args.out).write_text(json.dumps(sched_probe(args.seconds)))
         return 0

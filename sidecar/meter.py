@@ -99,7 +99,7 @@ class StreamMeter:
         "origin_ns", "offsets", "tokens", "events", "_parser", "_counter", "_forward",
         "_strip", "_drop_usage_chunk", "_held", "_held_cut", "_held_tokens", "usage",
         "saw_done", "finish_reason", "engine", "failure", "fatal", "rewritten", "text_parts",
-        "assembler", "_closed",
+        "assembler", "_closed", "_lane",
     )
 
     def __init__(self, origin_ns: int, plan: UsagePlan = NO_CHANGE, *, forward: bool = True,
@@ -127,6 +127,9 @@ class StreamMeter:
         self.text_parts: list[str] | None = [] if keep_text else None
         self.assembler = assembler
         self._closed = False
+        # The one-token-event read may skip the general loop (see `feed`) when nothing but
+        # forwarding and counting is asked of it.
+        self._lane = forward and assembler is None and not keep_text
 
     # -- per read: the hot path -----------------------------------------------------------
 
@@ -134,6 +137,30 @@ class StreamMeter:
         """One upstream read that arrived at ``now_ns``. Returns the bytes to forward now (one
         write), how many events they hold, and how many of those carry tokens (each is stamped
         with that write's instant on the client side)."""
+        # The read that makes up almost every read of a stream: exactly one vLLM token event
+        # (`fast_token_chunk`'s shape, which holds no line break but its last two bytes), with
+        # the parser between events and no finish chunk held. It is taken here, with what the
+        # general loop below would do to it and nothing else: no event object, no payload
+        # decoded to text. ~2 µs of the ~5 a token event costs in the loop.
+        if (
+            self._lane
+            and self._held is None
+            and self.fatal is None
+            and data.find(b"\n") == len(data) - 2
+            and len(data) <= self._parser.max_event_size
+            and self._parser.between_events
+        ):
+            fast = fast_token_chunk(data)
+            if fast is not None:
+                info, usage_at, usage_end = fast
+                self.events += 1
+                self.offsets.append(now_ns - self.origin_ns)
+                self.tokens.append(self._counter.observe(info))
+                if info.usage is not None:
+                    self.usage = info.usage
+                    if self._strip:
+                        return data[:usage_at] + data[usage_end:], 1, 1
+                return data, 1, 1
         try:
             events = self._parser.feed(data)
         except SSEError as exc:

@@ -273,3 +273,75 @@ def test_per_request_metrics_become_engine_timing() -> None:
             meter.engine.mean_itl_ms) == (12.5, 1.5, 8.0)
     # The usage chunk's total is authoritative over the per-event estimate (1 token for Hello).
     assert meter.token_totals == (12, 3, None, TokenSource.USAGE_TOTAL)
+
+
+class CountingParser:
+    """Wraps the meter's SSE parser to count the reads it was given."""
+
+    def __init__(self, parser: object) -> None:
+        self.parser = parser
+        self.reads = 0
+
+    def feed(self, data: bytes) -> object:
+        self.reads += 1
+        return self.parser.feed(data)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.parser, name)
+
+
+def long_stream(usage: bool) -> list[bytes]:
+    """role, then five "Hello" token events (1 token each), "!" with finish, (usage), [DONE]."""
+    events = [event(with_usage(CHAT_ROLE, 0) if usage else CHAT_ROLE)]
+    for i in range(1, 6):
+        events.append(event(with_usage(CHAT_HELLO, i) if usage else CHAT_HELLO))
+    events.append(event(with_usage(CHAT_BANG, 6) if usage else CHAT_BANG))
+    if usage:
+        events.append(event(CHAT_USAGE))
+    return [*events, DONE]
+
+
+@pytest.mark.parametrize(("usage", "plan"), [(False, NO_CHANGE), (True, ADDED_BOTH),
+                                             (True, NO_CHANGE)])
+def test_one_token_event_per_read_skips_the_parser_and_changes_nothing(
+        usage: bool, plan: UsagePlan) -> None:
+    """The common read (one whole token event) is taken without the SSE parser: what comes out
+    equals the general loop's (a text-keeping meter never takes that lane), stamp for stamp."""
+    stream = long_stream(usage)
+    lane = StreamMeter(ORIGIN, plan)
+    counting = CountingParser(lane._parser)
+    lane._parser = counting  # type: ignore[assignment]
+    general = StreamMeter(ORIGIN, plan, keep_text=True)
+    outs: dict[str, list[tuple[bytes, int, int]]] = {"lane": [], "general": []}
+    for i, raw in enumerate(stream):
+        outs["lane"].append(lane.feed(raw, ORIGIN + 10 * i))
+        outs["general"].append(general.feed(raw, ORIGIN + 10 * i))
+    outs["lane"].append(lane.close())
+    outs["general"].append(general.close())
+    assert outs["lane"] == outs["general"]
+    assert list(lane.offsets) == list(general.offsets) == [10, 20, 30, 40, 50, 60]
+    assert list(lane.tokens) == list(general.tokens) == [1] * 6
+    assert lane.events == general.events == len(stream)
+    assert lane.usage == general.usage and lane.token_totals == general.token_totals
+    assert lane.finish_reason == general.finish_reason == "stop"
+    # The five "Hello" reads never reached the parser; the role, finish, usage and [DONE] did.
+    assert counting.reads == len(stream) - 5
+    if plan is ADDED_BOTH:
+        assert b"".join(o for o, _, _ in outs["lane"]) == b"".join(long_stream(False))
+
+
+def test_lane_waits_for_the_parser_to_be_between_events() -> None:
+    """A read that completes an event split across reads, or holds two events, goes through the
+    parser; so does one arriving while a finish chunk is held."""
+    hello = event(CHAT_HELLO)
+    meter = StreamMeter(ORIGIN)
+    counting = CountingParser(meter._parser)
+    meter._parser = counting  # type: ignore[assignment]
+    forwarded = meter.feed(event(CHAT_ROLE), ORIGIN)[0]
+    forwarded += meter.feed(hello[:7], ORIGIN + 1)[0]
+    forwarded += meter.feed(hello[7:], ORIGIN + 2)[0]  # completes a buffered event
+    forwarded += meter.feed(hello + hello, ORIGIN + 3)[0]
+    forwarded += meter.feed(hello, ORIGIN + 4)[0]  # the lane
+    assert counting.reads == 4
+    assert forwarded == event(CHAT_ROLE) + hello * 4
+    assert list(meter.offsets) == [2, 3, 3, 4]

@@ -131,6 +131,13 @@ class SSEParser:
         self.last_event_id: str | None = None
 
     @property
+    def between_events(self) -> bool:
+        """Nothing pending, past the stream's start, still open: a read that is exactly one
+        whole event could be taken by the caller without this parser, and its state would be
+        what parsing that event would have left (an event without an ``id`` field)."""
+        return not self._buf and not self._at_start and not self._closed and not self._failed
+
+    @property
     def pending_bytes(self) -> int:
         """Bytes received but not part of any returned event."""
         return len(self._buf)
