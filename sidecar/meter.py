@@ -99,12 +99,12 @@ class StreamMeter:
         "origin_ns", "offsets", "tokens", "events", "_parser", "_counter", "_forward",
         "_strip", "_drop_usage_chunk", "_held", "_held_cut", "_held_tokens", "usage",
         "saw_done", "finish_reason", "engine", "failure", "fatal", "rewritten", "text_parts",
-        "assembler", "_closed", "_lane",
+        "assembler", "_closed", "_lane", "fingerprint",
     )
 
     def __init__(self, origin_ns: int, plan: UsagePlan = NO_CHANGE, *, forward: bool = True,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_SIZE, keep_text: bool = False,
-                 assembler: ChunkConsumer | None = None) -> None:
+                 assembler: ChunkConsumer | None = None, fingerprint: str | None = None) -> None:
         self.origin_ns = origin_ns
         self.offsets = array("q")  # token-carrying events: arrival offsets from origin_ns
         self.tokens = array("q")  # ... and the output tokens each carried
@@ -130,6 +130,10 @@ class StreamMeter:
         # The one-token-event read may skip the general loop (see `feed`) when nothing but
         # forwarding and counting is asked of it.
         self._lane = forward and assembler is None and not keep_text
+        # The upstream's system_fingerprint: given (what this replica sent last time), then
+        # the one this stream carries. It goes back on a held finish chunk that must leave
+        # before the usage chunk (n > 1: another choice's event follows it).
+        self.fingerprint = fingerprint
 
     # -- per read: the hot path -----------------------------------------------------------
 
@@ -178,9 +182,8 @@ class StreamMeter:
             if payload is None:  # a comment (keep-alive): forwarded as is, in order
                 if forward:
                     if self._held is not None:
-                        out.append(self._held)
+                        out.append(self._release_held(self.fingerprint))
                         out_tokens += self._held_tokens
-                        self._held = None
                     out.append(event.raw)
                 continue
             fast = fast_token_chunk(event.raw)
@@ -213,6 +216,8 @@ class StreamMeter:
                 self.finish_reason = info.finish_reason
             if info.usage is not None:
                 self.usage = info.usage
+            if info.system_fingerprint is not None:
+                self.fingerprint = info.system_fingerprint
             if self.assembler is not None and kind is not ChunkKind.DONE:
                 chunk = json.loads(payload)
                 if type(chunk) is dict:
@@ -228,20 +233,17 @@ class StreamMeter:
                     raw, cut, reencoded = without_usage(raw, payload)
                     self.rewritten += reencoded
             if self._held is not None:
-                held = self._held
-                if kind is ChunkKind.USAGE and info.system_fingerprint is not None:
-                    held = insert_member(held, self._held_cut, "system_fingerprint",
-                                         info.system_fingerprint)
-                out.append(held)
+                # The usage chunk gives the fingerprint back; any other event comes first
+                # (another choice's, n > 1) and the finish chunk leaves with the one known.
+                out.append(self._release_held(self.fingerprint))
                 out_tokens += self._held_tokens
-                self._held = None
             if self._drop_usage_chunk:
                 if kind is ChunkKind.USAGE:
                     continue  # the client did not ask for usage: it never sees this chunk
                 if info.finish_reason is not None:
-                    # Without include_usage vLLM puts system_fingerprint on the finish chunk;
-                    # with it, on the usage chunk. Hold the finish chunk until the usage chunk
-                    # (sent right after it) gives the fingerprint back.
+                    # Without include_usage vLLM puts system_fingerprint on every finish chunk;
+                    # with it, on the usage chunk only. Hold the finish chunk until the usage
+                    # chunk (sent right after it for n = 1) gives the fingerprint back.
                     self._held, self._held_cut = raw, cut
                     self._held_tokens = 1 if kind is ChunkKind.TOKEN else 0
                     continue
@@ -250,9 +252,8 @@ class StreamMeter:
         if self.fatal is not None:
             self.failure = self.failure or self.fatal
             if self._held is not None:
-                out.append(self._held)
+                out.append(self._release_held(self.fingerprint))
                 out_tokens += self._held_tokens
-                self._held = None
         if not out:
             return b"", 0, 0
         return (out[0] if len(out) == 1 else b"".join(out)), len(out), out_tokens
@@ -270,10 +271,16 @@ class StreamMeter:
         if not self.saw_done and self.fatal is None:
             self.fatal = stream_cut(self._parser.truncated)
             self.failure = self.failure or self.fatal
-        held, self._held = self._held, None
-        if held is None:
+        if self._held is None:
             return b"", 0, 0
-        return held, 1, self._held_tokens
+        return self._release_held(self.fingerprint), 1, self._held_tokens
+
+    def _release_held(self, fingerprint: str | None) -> bytes:
+        held, self._held = self._held, None
+        assert held is not None
+        if fingerprint is None:
+            return held
+        return insert_member(held, self._held_cut, "system_fingerprint", fingerprint)
 
     # -- the finish rules -----------------------------------------------------------------
 

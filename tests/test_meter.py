@@ -345,3 +345,36 @@ def test_lane_waits_for_the_parser_to_be_between_events() -> None:
     assert counting.reads == 4
     assert forwarded == event(CHAT_ROLE) + hello * 4
     assert list(meter.offsets) == [2, 3, 3, 4]
+
+
+def choice(payload: str, index: int) -> str:
+    """The chunk as it would be for choice ``index`` of an n > 1 request."""
+    obj = json.loads(payload)
+    obj["choices"][0]["index"] = index
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def test_n2_finish_chunk_that_must_leave_early_gets_the_fingerprint_known() -> None:
+    """n = 2: choice 0 finishes while choice 1 still streams. Its finish chunk cannot wait for the
+    usage chunk (choice 1's events follow it), so it leaves with the fingerprint the replica
+    sent before; choice 1's gets the one of the usage chunk. Without one known, it leaves as
+    vLLM sent it (no fingerprint): the first such request a replica serves."""
+    plain = [event(choice(CHAT_HELLO, 0)), event(choice(CHAT_BANG, 0)),
+             event(choice(CHAT_HELLO, 1)), event(choice(CHAT_BANG, 1)), DONE]
+    injected = [event(with_usage(choice(CHAT_HELLO, 0), 1)),
+                event(with_usage(choice(CHAT_BANG, 0), 2)),
+                event(with_usage(choice(CHAT_HELLO, 1), 1)),
+                event(with_usage(choice(CHAT_BANG, 1), 2)),
+                event(CHAT_USAGE.replace('"completion_tokens":3', '"completion_tokens":4')
+                      .replace('"total_tokens":15', '"total_tokens":16')), DONE]
+    for hint, first_finish in ((FINGERPRINT, plain[1]),
+                               (None, event(with_usage(choice(CHAT_BANG, 0), 2)).replace(
+                                   b',"usage":{"prompt_tokens":12,"total_tokens":14,'
+                                   b'"completion_tokens":2,"completion_tokens_details":null}',
+                                   b""))):
+        meter = StreamMeter(ORIGIN, ADDED_BOTH, fingerprint=hint)
+        forwarded = b"".join(meter.feed(raw, ORIGIN + i)[0] for i, raw in enumerate(injected))
+        forwarded += meter.close()[0]
+        assert forwarded == plain[0] + first_finish + b"".join(plain[2:])
+        assert meter.fingerprint == "vllm-0.33.0-1a2b3c4d"  # for the next request
+        assert meter.token_totals == (12, 4, None, TokenSource.USAGE)

@@ -280,6 +280,9 @@ class Proxy:
         self.pool = UpstreamPool()
         # Each replica's (host, port, Host header, path prefix, TLS), parsed once.
         self._addresses = {r.index: _address(r.url) for r in self.router.replicas}
+        # The system_fingerprint each replica sent last (one entry per configured replica):
+        # a finish chunk held for it must sometimes leave before the stream gives it (n > 1).
+        self._fingerprints: dict[str | None, str] = {}
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -785,6 +788,9 @@ class Proxy:
             builder.fail(Outcome.HTTP_ERROR, safe_error_type(error, upstream.status),
                          upstream.status)
         elif isinstance(obj, dict):
+            fingerprint = obj.get("system_fingerprint")
+            if isinstance(fingerprint, str):
+                self._fingerprints[builder.replica] = fingerprint
             usage = Usage.from_obj(obj.get("usage"))
             if usage is not None:
                 builder.n_in, builder.n_out = usage.prompt_tokens, usage.completion_tokens
@@ -804,7 +810,8 @@ class Proxy:
         """The streaming relay: whatever a read yields for the client goes out at once in one
         write, stamped on the client side with that write's instant (see `_run_meter`)."""
         meter = StreamMeter(builder.arrive_ns, plan, max_event_bytes=self.config.max_event_bytes,
-                            keep_text=builder.text_parts is not None)
+                            keep_text=builder.text_parts is not None,
+                            fingerprint=self._fingerprints.get(builder.replica))
         now = clock.monotonic_ns
 
         def deliver(out: bytes, n_events: int, n_token_events: int) -> None:
@@ -817,6 +824,8 @@ class Proxy:
             await self._run_meter(upstream, meter, builder, timeouts, deliver)
         finally:
             self.rewritten_events += meter.rewritten
+            if meter.fingerprint is not None:
+                self._fingerprints[builder.replica] = meter.fingerprint
         if meter.fatal is not None:
             raise UpstreamFailure(*meter.fatal)
         await exchange.drain()

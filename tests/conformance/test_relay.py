@@ -1,0 +1,223 @@
+"""Through the proxy, a client gets what vLLM itself would give it, and the proxy counts what
+vLLM counts.
+
+Every case is sent twice, in turn: straight to the real server, then through a proxy in front
+of it (in this process, on 127.0.0.1). The tiny model decodes greedily (or with a fixed seed),
+so the two answers are the same tokens; they must be the same bytes, apart from the request
+ids and ``created`` timestamps that differ per request (normalised below), status and
+Content-Type included, error bodies included.
+
+The token counts come from vLLM's own counters: the deltas of ``vllm:prompt_tokens_total`` and
+``vllm:generation_tokens_total`` over the proxied request alone equal what the proxy recorded
+for it (n_in, n_out), and the record says the counts are exact. Requests run one at a time, so
+that a delta belongs to one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from real_server import RealVLLM
+
+from sidecar.cli import build_proxy_server
+from sidecar.config import build_config
+from sidecar.engine_metrics import parse_engine_metrics
+from sidecar.proxy.app import ProxyServer
+from sidecar.record import Outcome, RequestRecord, TokenSource
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+IDS = re.compile(rb'"id":"(chatcmpl|cmpl)-[^"]*"')
+CREATED = re.compile(rb'"created":\d+')
+
+
+CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
+
+
+def normalised(body: bytes) -> bytes:
+    """What may differ between two answers to the same request: its id and its clock."""
+    return CREATED.sub(b'"created":0', IDS.sub(rb'"id":"\1-X"', body))
+
+
+def by_choice(stream: bytes) -> dict[bytes, list[bytes]]:
+    """A streamed n > 1 answer's events grouped by choice, in order within each (events
+    without a choice, such as the usage chunk and [DONE], under b""). vLLM runs the n
+    sequences as separate requests in one batch, and the order in which two choices' events of
+    one engine step leave varies from run to run; each choice's own sequence does not."""
+    groups: dict[bytes, list[bytes]] = {}
+    for raw in normalised(stream).split(b"\n\n"):
+        match = CHOICE_INDEX.search(raw)
+        groups.setdefault(match.group(1) if match else b"", []).append(raw)
+    return groups
+
+
+class Records:
+    """The proxy's records, as a sink receives them."""
+
+    name = "conformance-records"
+
+    def __init__(self) -> None:
+        self.records: list[RequestRecord] = []
+
+    def on_record(self, record: RequestRecord) -> None:
+        self.records.append(record)
+
+    async def after(self, count: int, timeout: float = 30.0) -> RequestRecord:
+        """The record that follows the first ``count``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.records) == count:
+            if loop.time() > deadline:
+                raise TimeoutError("the proxy recorded nothing for the request")
+            await asyncio.sleep(0.01)
+        return self.records[count]
+
+
+@asynccontextmanager
+async def proxy_before(server: RealVLLM, **settings: str) -> AsyncIterator[
+        tuple[ProxyServer, Records]]:
+    flags = {"upstreams": [server.base_url], "listen": "127.0.0.1:0",
+             "metrics_listen": "127.0.0.1:0", "health_interval": "0",
+             "engine_scrape_interval": "0", **settings}
+    proxy, _window = build_proxy_server(build_config(flags, {}))
+    records = Records()
+    proxy.proxy.fanout.add(records)
+    await proxy.start()
+    try:
+        yield proxy, records
+    finally:
+        await proxy.close()
+
+
+@dataclass
+class Answer:
+    status: int
+    content_type: str
+    body: bytes
+
+
+async def send(session: aiohttp.ClientSession, url: str, path: str,
+               body: dict[str, Any] | bytes) -> Answer:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(url + path, data=data,
+                            headers={"Content-Type": "application/json"}) as response:
+        return Answer(response.status, response.headers.get("Content-Type", ""),
+                      await response.read())
+
+
+async def vllm_counters(session: aiohttp.ClientSession, server: RealVLLM) -> dict[str, float]:
+    async with session.get(server.base_url + "/metrics") as response:
+        text = await response.text()
+    values, flavour = parse_engine_metrics(text)
+    assert flavour == "vllm", "the real server's /metrics is not vLLM v1's"
+    return values
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    path: str
+    body: dict[str, Any] | bytes
+    settings: dict[str, str] = field(default_factory=dict)
+    status: int = 200
+
+    @property
+    def n(self) -> int:
+        return int(self.body.get("n", 1)) if isinstance(self.body, dict) else 1
+
+    @property
+    def streamed(self) -> bool:
+        return isinstance(self.body, dict) and bool(self.body.get("stream"))
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 12, "ignore_eos": True, "temperature": 0, **extra}
+
+
+def completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12,
+            "ignore_eos": True, "temperature": 0, **extra}
+
+
+STREAM_OPTIONS: list[tuple[str, Any]] = [
+    ("absent", ...),
+    ("null", None),
+    ("empty", {}),
+    ("include_usage_false", {"include_usage": False}),
+    ("include_usage", {"include_usage": True}),
+    ("continuous_alone", {"continuous_usage_stats": True}),
+    ("include_and_continuous", {"include_usage": True, "continuous_usage_stats": True}),
+]
+
+
+def streamed(make: Any, options: Any) -> dict[str, Any]:
+    body: dict[str, Any] = make(stream=True)
+    if options is not ...:
+        body["stream_options"] = options
+    return body
+
+
+CASES: list[Case] = [
+    *(Case(f"chat-stream-{label}", CHAT_PATH, streamed(chat, options))
+      for label, options in STREAM_OPTIONS),
+    *(Case(f"completions-stream-{label}", COMPLETIONS_PATH, streamed(completion, options))
+      for label, options in STREAM_OPTIONS),
+    Case("chat-nonstream", CHAT_PATH, chat()),
+    Case("completions-nonstream", COMPLETIONS_PATH, completion()),
+    Case("chat-n2-stream", CHAT_PATH, chat(n=2, temperature=0.8, seed=7, stream=True)),
+    Case("chat-n2-stream-usage", CHAT_PATH,
+         chat(n=2, temperature=0.8, seed=7, stream=True,
+              stream_options={"include_usage": True})),
+    Case("completions-n2-stream", COMPLETIONS_PATH,
+         completion(n=2, temperature=0.8, seed=7, stream=True)),
+    Case("chat-n2-nonstream", CHAT_PATH, chat(n=2, temperature=0.8, seed=7)),
+    Case("chat-logprobs-stream", CHAT_PATH, chat(logprobs=True, top_logprobs=2, stream=True)),
+    Case("completions-logprobs-stream", COMPLETIONS_PATH, completion(logprobs=2, stream=True)),
+    Case("chat-logprobs-nonstream", CHAT_PATH, chat(logprobs=True, top_logprobs=2)),
+    Case("completions-echo", COMPLETIONS_PATH, completion(echo=True)),
+    Case("completions-echo-stream", COMPLETIONS_PATH, completion(echo=True, stream=True)),
+    Case("chat-stop-stream", CHAT_PATH,
+         {**chat(stream=True), "ignore_eos": False, "stop": ["e", "a"]}),
+    Case("completions-stop", COMPLETIONS_PATH,
+         {**completion(), "ignore_eos": False, "stop": ["e", "a"]}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+async def test_the_client_gets_what_vllm_sends_and_the_proxy_counts_what_vllm_counts(
+        real_vllm: RealVLLM, case: Case) -> None:
+    async with proxy_before(real_vllm, **case.settings) as (proxy, records), \
+            aiohttp.ClientSession() as session:
+        if case.n > 1 and case.streamed:
+            # A finish chunk of an n > 1 stream that leaves before the usage chunk gets the
+            # fingerprint the replica sent last; a proxy that has seen no answer from it yet
+            # has none to give (docs/real-vllm.md, known gaps). One answer teaches it.
+            await send(session, proxy.url, CHAT_PATH, chat(max_tokens=1))
+        seen = len(records.records)
+        direct = await send(session, real_vllm.base_url, case.path, case.body)
+        before = await vllm_counters(session, real_vllm)
+        proxied = await send(session, proxy.url, case.path, case.body)
+        record = await records.after(seen)
+        after = await vllm_counters(session, real_vllm)
+    assert direct.status == case.status, direct.body[:400]
+    assert (proxied.status, proxied.content_type) == (direct.status, direct.content_type)
+    if case.n > 1 and case.streamed:
+        assert by_choice(proxied.body) == by_choice(direct.body)
+    else:
+        assert normalised(proxied.body) == normalised(direct.body)
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    generated = after["generation_tokens"] - before["generation_tokens"]
+    assert record.outcome is Outcome.OK
+    # vLLM runs n sequences as n requests and counts the prompt once for each; usage (and the
+    # record) counts it once.
+    assert (record.n_in * case.n, record.n_out) == (prompt, generated)
+    assert record.token_source in (TokenSource.USAGE, TokenSource.USAGE_TOTAL)
