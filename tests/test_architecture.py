@@ -31,6 +31,8 @@ ALLOWED: dict[str, set[str]] = {
                "meter"},
     "sim": {"protocol"},
     "demo": {"*"},
+    # A real vLLM in a venv of its own, driven through subprocesses (docs/real-vllm.md).
+    "realvllm": set(),
 }
 
 # Third-party packages each unit may use (the standard library is always allowed).
