@@ -252,6 +252,22 @@ def test_assembler_gets_every_chunk_and_nothing_is_forwarded() -> None:
     assert list(meter.offsets) == [9, 9]
 
 
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_assembled_body_follows_the_upstreams_version(version: str) -> None:
+    """0.33 puts `weight_versions` on every choice, streamed and whole; 0.32 nowhere. The
+    assembled body has it exactly when the stream did."""
+    stream = INJECTED_BYTES if version == "0.33" else INJECTED_BYTES.replace(
+        b',"weight_versions":null', b"")
+    assembler = StreamAssembler("chat")
+    meter = StreamMeter(ORIGIN, forward=False, assembler=assembler)
+    meter.feed(stream, ORIGIN)
+    (choice,) = json.loads(assembler.body())["choices"]
+    assert ("weight_versions" in choice) is (version == "0.33")
+    if version == "0.33":
+        assert choice["weight_versions"] is None
+        assert list(choice)[-2:] == ["routed_experts", "weight_versions"]
+
+
 def test_text_is_kept_only_when_asked() -> None:
     meter = StreamMeter(ORIGIN, keep_text=True)
     meter.feed(PLAIN_BYTES, ORIGIN)

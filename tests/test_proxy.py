@@ -448,3 +448,23 @@ async def test_events_of_one_read_leave_in_one_write_with_one_stamp() -> None:
         a, b, c, d = timeline.offsets_ns
         assert a == b and b < c < d  # a, b came in one read; c and d 200 ms apart
         assert c - b > 100_000_000
+
+
+@pytest.mark.parametrize("settings", [{}, {"assemble_nonstream": "true"}])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_refused_request_gets_the_answer_to_its_own_body(
+        settings: dict[str, str], stream: bool) -> None:
+    """The proxy rewrote the body (usage injected, or streaming for an assembled answer) and the
+    replica refused it; a refusal can describe the body it got (vLLM counts its members, the
+    simulator echoes it), so the client's own body is sent again and that answer relayed."""
+    body = {"model": "m", "max_tokens": 4, "stream": stream}  # no messages: refused
+    async with stack(**settings) as s, aiohttp.ClientSession() as session:
+        status_d, direct, _ = await post(session, s.direct, "/v1/chat/completions", body)
+        status_p, proxied, _ = await post(session, s.url, "/v1/chat/completions", body)
+        (record,) = await s.records.wait_for(1)
+    assert status_d == status_p == 400
+    assert proxied == direct
+    assert b"stream_options" not in proxied
+    assert record.outcome is Outcome.HTTP_ERROR and record.http_status == 400
+    assert record.upstream_stream is stream
+    assert "assembled" not in record.attributes

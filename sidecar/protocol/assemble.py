@@ -25,6 +25,10 @@ class _Choice:
     stop_reason: Any = None
     logprobs: dict[str, list[Any]] | None = None
     token_ids: list[int] | None = None
+    # vLLM >= 0.33 puts `weight_versions` on its choices, streamed and whole; 0.32 nowhere.
+    # The assembled body has the key when the stream had it: the upstream's own version.
+    has_weight_versions: bool = False
+    weight_versions: Any = None
 
 
 class StreamAssembler:
@@ -92,6 +96,10 @@ class StreamAssembler:
         token_ids = raw.get("token_ids")
         if isinstance(token_ids, list):
             choice.token_ids = (choice.token_ids or []) + token_ids
+        if "weight_versions" in raw:
+            choice.has_weight_versions = True
+            if raw["weight_versions"] is not None:
+                choice.weight_versions = raw["weight_versions"]
 
     def body(self) -> bytes:
         """The assembled response, serialised like vLLM's JSONResponse (compact, UTF-8)."""
@@ -143,7 +151,7 @@ class StreamAssembler:
 
     @staticmethod
     def _chat_choice(choice: _Choice) -> dict[str, Any]:
-        return {
+        return _versioned(choice, {
             "index": choice.index,
             "message": {
                 "role": choice.role or "assistant",
@@ -159,12 +167,11 @@ class StreamAssembler:
             "stop_reason": choice.stop_reason,
             "token_ids": choice.token_ids,
             "routed_experts": None,
-            "weight_versions": None,
-        }
+        })
 
     @staticmethod
     def _completion_choice(choice: _Choice) -> dict[str, Any]:
-        return {
+        return _versioned(choice, {
             "index": choice.index,
             "text": "".join(choice.text_parts),
             "logprobs": choice.logprobs,
@@ -174,8 +181,13 @@ class StreamAssembler:
             "prompt_logprobs": None,
             "prompt_token_ids": None,
             "routed_experts": None,
-            "weight_versions": None,
-        }
+        })
+
+
+def _versioned(choice: _Choice, body: dict[str, Any]) -> dict[str, Any]:
+    if choice.has_weight_versions:
+        body["weight_versions"] = choice.weight_versions
+    return body
 
 
 def _str(value: Any) -> str | None:

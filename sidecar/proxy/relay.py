@@ -682,6 +682,22 @@ class Proxy:
                 self._respond_error(exchange, builder, failure.status, failure.message,
                                     failure.err_type)
                 return
+            if upstream.status in _VALIDATION_STATUSES and upstream_body is not body:
+                # The replica refused the body the proxy rewrote (usage injected, streaming for
+                # an assembled answer). Its message may describe that body (vLLM: "<dict of 7
+                # items>" for the client's 6): ask again with the client's own, so that the
+                # client reads vLLM's answer to what it sent. A refusal generated nothing.
+                await upstream.read_body(MAX_NON_SSE_BODY)
+                self.pool.release(upstream)
+                upstream = None
+                replica.outstanding -= 1
+                replica = None
+                assemble = False
+                builder.upstream_stream = builder.client_stream
+                builder.attributes.pop("assembled", None)
+                upstream, replica = await self._open_upstream(
+                    request, body, headers, builder, session_key=session_key,
+                    prefix_key=prefix_key)
             timeouts.idle.start()
             builder.http_status = upstream.status
             content_type = upstream.headers.get("Content-Type", "")
@@ -910,6 +926,10 @@ def _write_paced(exchange: ClientExchange, upstream: UpstreamExchange, data: byt
         upstream.pause()
         exchange.connection.when_writable(upstream.resume)
 
+
+# Statuses of a request refused for its content (vLLM answers validation errors 400; 422 is
+# FastAPI's own): resent unmodified when the proxy had rewritten it.
+_VALIDATION_STATUSES = frozenset({400, 422})
 
 _CONNECT_ERROR_NAMES = {
     "connect_refused": "ClientConnectorError",

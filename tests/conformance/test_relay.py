@@ -128,6 +128,8 @@ class Case:
     body: dict[str, Any] | bytes
     settings: dict[str, str] = field(default_factory=dict)
     status: int = 200
+    # The status the record keeps, when not the response's: an error event in a 200 stream.
+    record_status: int | None = None
 
     @property
     def n(self) -> int:
@@ -189,7 +191,61 @@ CASES: list[Case] = [
          {**chat(stream=True), "ignore_eos": False, "stop": ["e", "a"]}),
     Case("completions-stop", COMPLETIONS_PATH,
          {**completion(), "ignore_eos": False, "stop": ["e", "a"]}),
+    *(Case(f"{name}-assembled", path, body, settings={"assemble_nonstream": "true"})
+      for name, path, body in (
+          ("chat", CHAT_PATH, chat()),
+          ("completions", COMPLETIONS_PATH, completion()),
+          ("chat-n2", CHAT_PATH, chat(n=2, temperature=0.8, seed=7)),
+          ("chat-logprobs", CHAT_PATH, chat(logprobs=True, top_logprobs=2)),
+          ("completions-stop", COMPLETIONS_PATH,
+           {**completion(), "ignore_eos": False, "stop": ["e", "a"]}),
+      )),
 ]
+
+LONG_PROMPT = "word " * 3000  # beyond --max-model-len 2048 in tokens
+ERROR_CASES: list[Case] = [
+    Case("error-not-json", CHAT_PATH, b'{"model": "tiny", "messages": [', status=400),
+    Case("error-unknown-model", CHAT_PATH, {**chat(), "model": "nope"}, status=404),
+    Case("error-unknown-model-stream", CHAT_PATH, {**chat(stream=True), "model": "nope"},
+         status=404),
+    Case("error-max-tokens-beyond-context", CHAT_PATH, chat(max_tokens=100_000), status=400),
+    Case("error-max-tokens-beyond-context-stream", CHAT_PATH,
+         chat(max_tokens=100_000, stream=True), status=400),
+    Case("error-missing-messages", CHAT_PATH, {"model": "tiny", "max_tokens": 4}, status=400),
+    Case("error-missing-messages-stream", CHAT_PATH,
+         {"model": "tiny", "max_tokens": 4, "stream": True}, status=400),
+    Case("error-prompt-too-long", COMPLETIONS_PATH, completion(prompt=LONG_PROMPT),
+         status=400),
+    Case("error-prompt-too-long-stream", COMPLETIONS_PATH,
+         completion(prompt=LONG_PROMPT, stream=True), status=400),
+    Case("error-n2-greedy", CHAT_PATH, chat(n=2), status=400),
+    Case("error-stream-options-without-stream", CHAT_PATH,
+         chat(stream_options={"include_usage": True}), status=400),
+    Case("error-temperature-not-a-number", CHAT_PATH, chat(temperature="hot"), status=400),
+    Case("error-out-of-vocabulary-ids", COMPLETIONS_PATH,
+         completion(prompt=[1, 2, 99_999_999]), status=400),
+    # Streamed, vLLM finds the bad id after the head went out: a 200 with an error event.
+    Case("error-out-of-vocabulary-ids-stream", COMPLETIONS_PATH,
+         completion(prompt=[1, 2, 99_999_999], stream=True), status=200, record_status=400),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c.name for c in ERROR_CASES])
+async def test_errors_reach_the_client_as_vllm_answers_them(real_vllm: RealVLLM,
+                                                             case: Case) -> None:
+    """vLLM's answer to the client's own request, status and body, and one record with the
+    outcome that status means."""
+    async with proxy_before(real_vllm, **case.settings) as (proxy, records), \
+            aiohttp.ClientSession() as session:
+        direct = await send(session, real_vllm.base_url, case.path, case.body)
+        proxied = await send(session, proxy.url, case.path, case.body)
+        record = await records.after(0)
+    assert direct.status == case.status, direct.body[:400]
+    assert (proxied.status, proxied.content_type) == (direct.status, direct.content_type)
+    assert normalised(proxied.body) == normalised(direct.body)
+    assert record.outcome is Outcome.HTTP_ERROR
+    assert record.http_status == (case.record_status or direct.status)
+    assert len(records.records) == 1
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
