@@ -170,7 +170,9 @@ async def replay_capture(replicas: list[RunningReplica], args: argparse.Namespac
         async with aiohttp.ClientSession() as session:
             # Chat prompts are rebuilt as text: calibrate words to tokens on the target.
             calibration = await replay_cli.calibrate(session, server.url, args.model)
-        plan, mode = replay_cli.make_plan(requests, replay_args, args.model, calibration)
+            token_ids = await replay_cli.probe_token_ids(session, server.url, args.model)
+        plan, mode = replay_cli.make_plan(requests, replay_args, args.model, calibration,
+                                          token_ids)
         await replay_cli.execute(plan, server.url, mode, None, 1, replay_args, quiet=True)
     finally:
         await server.close()

@@ -20,7 +20,14 @@ from sidecar import clock
 from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.record import Outcome
 from sidecar.replay import replay_cli
-from sidecar.replay.payload import PayloadError, TokenCalibration, build_body, token_prompt
+from sidecar.replay.payload import (
+    PayloadError,
+    TokenCalibration,
+    TokenIds,
+    build_body,
+    parse_token_id_range,
+    token_prompt,
+)
 from sidecar.replay.runner import PlannedRequest, Sender, closed_loop, open_loop
 from sidecar.replay.schedule import gamma_schedule, poisson_schedule, trace_schedule
 from sidecar.sim.engine import EngineConfig
@@ -62,6 +69,26 @@ def test_token_prompts_are_exact_and_share_what_the_hashes_share() -> None:
     # No prefix information: unique prompts, still exact length.
     e = TraceRequest(t=0, n_in=50, n_out=1)
     assert len(token_prompt(e, 1)) == 50 and token_prompt(e, 1) != token_prompt(e, 2)
+    assert all(1000 <= t < 30000 for t in pa + pb + token_prompt(e, 1))  # the default range
+
+
+def test_token_prompts_use_only_the_ids_they_are_given() -> None:
+    """A target with a small vocabulary (the real tiny model: 8192 ids) must never get an id
+    outside it: prompts are drawn from the ids its tokenizer produced, or a range given."""
+    valid = TokenIds(ids=(5, 17, 300, 8000), source="test")
+    a = TraceRequest(t=0, n_in=100, n_out=4, prefix=PrefixBlocks("tokens", 32, (7, 8, 9, 10)))
+    b = TraceRequest(t=0, n_in=70, n_out=4, prefix=PrefixBlocks("tokens", 32, (7, 8, 11)))
+    pa, pb = token_prompt(a, 1, valid), token_prompt(b, 2, valid)
+    assert set(pa) | set(pb) <= {5, 17, 300, 8000} and len(set(pa)) == 4
+    assert len(pa) == 100 and pa[:64] == pb[:64] and pa[64:70] != pb[64:70]
+    ranged = parse_token_id_range("10:20")
+    assert set(token_prompt(a, 1, ranged)) <= set(range(10, 21))
+    assert ranged.describe() == {"source": "--token-id-range 10:20", "min": 10, "max": 20}
+    path, body = build_body(a, index=0, model="m", token_ids=valid)
+    assert path == "/v1/completions" and set(body["prompt"]) <= {5, 17, 300, 8000}
+    for bad in ("10", "a:b", "20:10", "-1:5"):
+        with pytest.raises(ValueError, match="--token-id-range"):
+            parse_token_id_range(bad)
 
 
 def test_bodies_reproduce_the_work_or_are_sent_verbatim() -> None:
@@ -166,6 +193,9 @@ async def test_capture_then_replay_reproduces_arrivals_lengths_and_prefix_sharin
     report = json.loads((out / "report.json").read_text())
     replayed = [json.loads(line) for line in (out / "records-run0.jsonl").read_text().splitlines()]
     assert report["completed"] == 30 and report["failed"] == 0
+    # The prompts were drawn from ids the target's own tokenizer produced.
+    assert report["envelope"]["prompt_token_ids"]["source"] == "the target's /tokenize"
+    assert report["envelope"]["prompt_token_ids"]["distinct_ids"] >= 32
     # Input and output lengths exactly, request by request (in arrival order).
     by_arrival = sorted(lines, key=lambda r: r.t)
     assert [r["record"]["n_in"] for r in replayed] == [r.n_in for r in by_arrival]

@@ -6,7 +6,9 @@
   lines that share their first k hashes share their first k blocks of tokens, exactly the prefix
   a KV cache can reuse. Blocks are ``prefix.size`` tokens when the unit is tokens, and
   ``ceil(n_in / len(hashes))`` when hashes were taken over characters. Tokens past the hashed
-  blocks are unique to the request.
+  blocks are unique to the request. The ids are drawn from `TokenIds`: ids the target's own
+  tokenizer produced (`replay_cli.probe_token_ids`, never one outside its vocabulary), or a
+  range the operator gave, or by default 1000-29999.
 - Chat (``endpoint == "chat"``) gets a text prompt of words; with a `TokenCalibration` (from the
   upstream's /tokenize) the word count is chosen to hit ``n_in`` tokens.
 - Output length: ``max_tokens = n_out`` and ``ignore_eos`` so the server generates exactly that.
@@ -35,12 +37,56 @@ class PayloadError(ValueError):
     """A trace line that does not say enough to build a request."""
 
 
-def _block_tokens(key: int, size: int) -> list[int]:
-    rng = random.Random(key)
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(size)]
+@dataclass(frozen=True, slots=True)
+class TokenIds:
+    """Where a rebuilt prompt's token ids come from: ``ids`` (each one valid on the target: its
+    tokenizer produced it) when given, else the range [``low``, ``high``). ``source`` says
+    which, for the report's envelope."""
+
+    ids: tuple[int, ...] = ()
+    low: int = VOCAB_LOW
+    high: int = VOCAB_HIGH
+    source: str = f"default range {VOCAB_LOW}-{VOCAB_HIGH - 1}"
+
+    def __post_init__(self) -> None:
+        if not self.ids and not 0 <= self.low < self.high:
+            raise ValueError(f"an empty token id range: {self.low}-{self.high - 1}")
+
+    def draw(self, rng: random.Random, count: int) -> list[int]:
+        if self.ids:
+            ids = self.ids
+            return [ids[rng.randrange(len(ids))] for _ in range(count)]
+        low, high = self.low, self.high
+        return [rng.randrange(low, high) for _ in range(count)]
+
+    def describe(self) -> dict[str, Any]:
+        if self.ids:
+            return {"source": self.source, "distinct_ids": len(self.ids),
+                    "min": min(self.ids), "max": max(self.ids)}
+        return {"source": self.source, "min": self.low, "max": self.high - 1}
 
 
-def token_prompt(request: TraceRequest, unique_key: int) -> list[int]:
+DEFAULT_TOKEN_IDS = TokenIds()
+
+
+def parse_token_id_range(text: str) -> TokenIds:
+    """``LOW:HIGH`` (both included), as ``--token-id-range`` takes it."""
+    low_text, sep, high_text = text.partition(":")
+    try:
+        low, high = int(low_text), int(high_text)
+    except ValueError:
+        raise ValueError(f"--token-id-range {text!r}: give LOW:HIGH, e.g. 100:8000") from None
+    if not sep or low < 0 or high < low:
+        raise ValueError(f"--token-id-range {text!r}: give LOW:HIGH with 0 <= LOW <= HIGH")
+    return TokenIds(low=low, high=high + 1, source=f"--token-id-range {low}:{high}")
+
+
+def _block_tokens(key: int, size: int, token_ids: TokenIds) -> list[int]:
+    return token_ids.draw(random.Random(key), size)
+
+
+def token_prompt(request: TraceRequest, unique_key: int,
+                 token_ids: TokenIds = DEFAULT_TOKEN_IDS) -> list[int]:
     """Exactly ``n_in`` token ids; shared prefix blocks where the hashes are shared."""
     n_in = request.n_in
     if n_in is None or n_in <= 0:
@@ -52,10 +98,9 @@ def token_prompt(request: TraceRequest, unique_key: int) -> list[int]:
         for block_hash in prefix.hashes:
             if len(tokens) >= n_in:
                 break
-            tokens.extend(_block_tokens(block_hash, size))
+            tokens.extend(_block_tokens(block_hash, size, token_ids))
     if len(tokens) < n_in:
-        rng = random.Random(unique_key)
-        tokens.extend(rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n_in - len(tokens)))
+        tokens.extend(token_ids.draw(random.Random(unique_key), n_in - len(tokens)))
     return tokens[:n_in]
 
 
@@ -81,7 +126,8 @@ def _stable_key(index: int, run_seed: int) -> int:
 
 def build_body(request: TraceRequest, *, index: int, model: str, run_seed: int = 0,
                calibration: TokenCalibration | None = None, use_captured_body: bool = True,
-               endpoint: str | None = None) -> tuple[str, dict[str, Any]]:
+               endpoint: str | None = None,
+               token_ids: TokenIds = DEFAULT_TOKEN_IDS) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) for one trace line."""
     target = endpoint or request.endpoint
     if use_captured_body and request.body is not None:
@@ -108,5 +154,5 @@ def build_body(request: TraceRequest, *, index: int, model: str, run_seed: int =
         body["messages"] = [{"role": "user", "content": text_prompt(
             request.n_in, unique, calibration or TokenCalibration())}]
         return "/v1/chat/completions", body
-    body["prompt"] = token_prompt(request, unique)
+    body["prompt"] = token_prompt(request, unique, token_ids)
     return "/v1/completions", body

@@ -23,7 +23,16 @@ from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.record import RequestRecord
 from sidecar.replay import llmd
 from sidecar.replay.live import MetricsServer, ReplayCounters
-from sidecar.replay.payload import PayloadError, TokenCalibration, build_body, text_prompt
+from sidecar.replay.payload import (
+    DEFAULT_TOKEN_IDS,
+    WORDS,
+    PayloadError,
+    TokenCalibration,
+    TokenIds,
+    build_body,
+    parse_token_id_range,
+    text_prompt,
+)
 from sidecar.replay.peers import peer_report, vllm_bench_json
 from sidecar.replay.report import console_table, median_run, run_report
 from sidecar.replay.runner import PlannedRequest, Sender, SentRequest, closed_loop, open_loop
@@ -93,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before a request counts as timed out [600]")
     parser.add_argument("--no-captured-bodies", action="store_true",
                         help="rebuild requests from lengths even where bodies were captured")
+    parser.add_argument("--token-id-range", metavar="LOW:HIGH",
+                        help="token ids of rebuilt completion prompts, both ends included "
+                        "[ids the target's /tokenize produces; without that endpoint, "
+                        "1000:29999]")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="write report.json and one records-runN.jsonl per run here")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -164,9 +177,17 @@ async def _run(args: argparse.Namespace) -> int:
             r.endpoint == "chat" and (r.body is None or args.no_captured_bodies)
             for r in requests)
         calibration = await calibrate(session, target, model) if needs_text else None
+        token_ids = DEFAULT_TOKEN_IDS
+        if args.token_id_range:
+            try:
+                token_ids = parse_token_id_range(args.token_id_range)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        elif needs_token_ids(requests, args):
+            token_ids = await probe_token_ids(session, target, model)
         version = await engine_version(session, target)
         engine_before = await scrape_engine(session, target)
-    plan, mode = make_plan(requests, args, model, calibration)
+    plan, mode = make_plan(requests, args, model, calibration, token_ids)
     warmup = plan[: args.warmup] if args.warmup else []
     envelope = {
         "trace": str(args.trace), "trace_source": reader.header.source,
@@ -184,6 +205,7 @@ async def _run(args: argparse.Namespace) -> int:
         "prompt_text_calibration": None if calibration is None else {
             "tokens_per_word": calibration.tokens_per_word,
             "chat_overhead": calibration.chat_overhead},
+        "prompt_token_ids": token_ids.describe(),
     }
     counters: ReplayCounters | None = None
     metrics: MetricsServer | None = None
@@ -322,7 +344,8 @@ def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
 
 
 def make_plan(requests: Sequence[TraceRequest], args: argparse.Namespace, model: str,
-              calibration: TokenCalibration | None) -> tuple[list[PlannedRequest], str]:
+              calibration: TokenCalibration | None,
+              token_ids: TokenIds = DEFAULT_TOKEN_IDS) -> tuple[list[PlannedRequest], str]:
     ordered = sorted(requests, key=lambda r: r.t)
     if args.max_concurrency is not None:
         if args.max_concurrency < 1:
@@ -346,7 +369,7 @@ def make_plan(requests: Sequence[TraceRequest], args: argparse.Namespace, model:
         path, body = build_body(request, index=index, model=model, run_seed=args.seed,
                                 calibration=calibration,
                                 use_captured_body=not args.no_captured_bodies,
-                                endpoint=args.endpoint)
+                                endpoint=args.endpoint, token_ids=token_ids)
         if body.get("stream") is True:
             # The replayer is the client: it asks for usage itself to count tokens exactly.
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -524,6 +547,43 @@ async def calibrate(session: aiohttp.ClientSession, target: str,
     per_word = plain["count"] / words
     return TokenCalibration(tokens_per_word=per_word,
                             chat_overhead=max(0, chat["count"] - plain["count"]))
+
+
+def needs_token_ids(requests: Sequence[TraceRequest], args: argparse.Namespace) -> bool:
+    """Whether some request will get a rebuilt token-id prompt (completions, no body used)."""
+    return any((args.endpoint or r.endpoint) != "chat"
+               and (r.body is None or args.no_captured_bodies) for r in requests)
+
+
+# Text for the target's tokenizer to turn into ids a rebuilt prompt may use: words, numbers,
+# letters and punctuation, so that the ids are many and spread over the vocabulary.
+_TOKEN_SAMPLE = " ".join([
+    *WORDS, *(f"{w.capitalize()}{i}" for i, w in enumerate(WORDS)),
+    *(str(n) for n in range(0, 1000, 7)),
+    *("".join(chr(c) for c in range(start, start + 8)) for start in range(33, 127, 8)),
+    "the quick brown fox jumps over the lazy dog; THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG",
+])
+
+
+async def probe_token_ids(session: aiohttp.ClientSession, target: str,
+                          model: str) -> TokenIds:
+    """Token ids the target's tokenizer produced for varied text (vLLM's ``/tokenize``): every
+    one is in its vocabulary, whatever its size. Without the endpoint, the default range (which
+    fits vocabularies of 30k ids and more)."""
+    try:
+        async with session.post(target + "/tokenize", json={
+                "model": model, "prompt": _TOKEN_SAMPLE,
+                "add_special_tokens": False}) as response:
+            answer = await response.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return DEFAULT_TOKEN_IDS
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list):
+        return DEFAULT_TOKEN_IDS
+    ids = sorted({t for t in tokens if type(t) is int and t >= 0})
+    if len(ids) < 32:
+        return DEFAULT_TOKEN_IDS  # too few to make prompts that differ
+    return TokenIds(ids=tuple(ids), source="the target's /tokenize")
 
 
 async def engine_version(session: aiohttp.ClientSession, target: str) -> str | None:

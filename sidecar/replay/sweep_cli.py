@@ -16,6 +16,7 @@ import aiohttp
 from sidecar.config import ConfigError, parse_duration
 from sidecar.replay import llmd, plots, replay_cli
 from sidecar.replay.admin import AdminError, SidecarAdmin
+from sidecar.replay.payload import DEFAULT_TOKEN_IDS, TokenIds
 from sidecar.replay.report import DEFINITIONS, run_report
 from sidecar.replay.runner import SentRequest
 from sidecar.replay.sweep import (
@@ -142,6 +143,8 @@ class Runner:
         self.admin = admin
         self.engine_urls = list(engine_urls)
         self.engine_flavour: str | None = None  # "vllm", "sglang", ... once scraped
+        # Rebuilt prompts' token ids: asked of the target's tokenizer at the first step.
+        self.token_ids: TokenIds | None = None
         # One id per sweep: the experiment id of its llm-d reports, and (shortened) the start
         # of every request id it sends, so a sidecar's view can be selected step by step.
         self.sweep_id = uuid.uuid4().hex
@@ -180,7 +183,13 @@ class Runner:
         step_args = parser.parse_args(argv)
         stage = len(self.steps)
         requests = self.requests(count + self.args.warmup)
-        plan, plan_mode = replay_cli.make_plan(requests, step_args, self.model, None)
+        if self.token_ids is None:
+            self.token_ids = DEFAULT_TOKEN_IDS
+            if self.session is not None and replay_cli.needs_token_ids(requests, step_args):
+                self.token_ids = await replay_cli.probe_token_ids(
+                    self.session, self.args.target.rstrip("/"), self.model)
+        plan, plan_mode = replay_cli.make_plan(requests, step_args, self.model, None,
+                                               self.token_ids)
         warmup, measured = plan[: self.args.warmup], plan[self.args.warmup:]
         # Request ids "sweep-<id>-s<stage>-r<repeat>-<index>-<random>": the trailing "-" of a
         # run's selector keeps repeat 1 from also selecting repeat 10.

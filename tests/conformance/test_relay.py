@@ -21,12 +21,14 @@ that a delta belongs to one request.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,6 +40,8 @@ from sidecar.config import build_config
 from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.proxy.app import ProxyServer
 from sidecar.record import Outcome, RequestRecord, TokenSource
+from sidecar.replay import replay_cli
+from sidecar.tracefile import PrefixBlocks, TraceHeader, TraceRequest, write_trace
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -456,3 +460,34 @@ async def test_replicas_shows_the_engine_view_read_from_vllms_metrics(
     assert engine["prompt_tokens_total"] == direct["prompt_tokens"]
     assert engine["running"] == 0 and engine["waiting"] == 0
     assert 0.0 <= engine["kv_cache_usage"] <= 1.0
+
+
+async def test_replay_rebuilds_prompts_the_real_vocabulary_accepts(real_vllm: RealVLLM,
+                                                                   tmp_path: Path) -> None:
+    """`sidecar replay` of a trace without bodies: completion prompts are token ids, drawn from
+    ids the target's own tokenizer produced (the tiny model has 8,192; the old fixed range
+    1000-29999 failed every request), prefixes shared as the trace says; chat prompts are text
+    calibrated with /tokenize. Every request succeeds with the lengths asked."""
+    lines = [TraceRequest(t=0.05 * i, n_in=40 + 10 * i, n_out=4 + i,
+                          endpoint="chat" if i % 3 == 2 else "completions",
+                          prefix=PrefixBlocks("tokens", 16, (1, 2, 3 + i)))
+             for i in range(9)]
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, TraceHeader(source="conformance"), lines)
+    parser = argparse.ArgumentParser()
+    replay_cli.add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args([str(trace), "--target", real_vllm.base_url, "--no-progress",
+                              "--model", real_vllm.model, "--output-dir", str(out)])
+    assert await replay_cli.run(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["completed"] == 9 and report["failed"] == 0
+    token_ids = report["envelope"]["prompt_token_ids"]
+    assert token_ids["source"] == "the target's /tokenize" and token_ids["max"] < 8192
+    replayed = [json.loads(line)["record"]
+                for line in (out / "records-run0.jsonl").read_text().splitlines()]
+    by_length = sorted(replayed, key=lambda r: r["n_out"])
+    assert [r["n_out"] for r in by_length] == [4 + i for i in range(9)]
+    for i, record in enumerate(by_length):
+        if lines[i].endpoint == "completions":
+            assert record["n_in"] == 40 + 10 * i  # token-id prompts: exact
