@@ -391,7 +391,7 @@ def latency_dashboard() -> dict[str, Any]:
             (quantile("0.5", vllm_metric, VLLM_SEL), "vLLM p50"),
             (quantile("0.99", vllm_metric, VLLM_SEL), "vLLM p99"),
         ]
-        if key in ("ttft", "tpot"):
+        if key in ("ttft", "tpot", "e2e"):
             engine_queries.append((quantile("0.99", metric, f'vantage="engine", {SEL}'),
                                    "per-request metrics p99 (vantage=engine)"))
         panels.append(timeseries(
@@ -400,8 +400,8 @@ def latency_dashboard() -> dict[str, Any]:
             f"models (model_name) and replicas. {vllm_note} vLLM's buckets are coarser than "
             "the sidecar's."
             + (" vantage=engine: the timings vLLM returns per request "
-               "(--enable-per-request-metrics), when it does." if key in ("ttft", "tpot")
-               else ""),
+               "(--enable-per-request-metrics), when it does, over the same interval (TTFT and "
+               "E2E from queued in the engine)." if key in ("ttft", "tpot", "e2e") else ""),
             "s", targets(*engine_queries)))
         panels.append(timeseries(
             f"{name} exact over the live window, per sidecar",

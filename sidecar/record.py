@@ -204,14 +204,38 @@ class Timeline:
 @dataclass(frozen=True, slots=True)
 class EngineTiming:
     """vLLM's own per-request timings (``metrics`` in the final usage chunk with
-    ``--enable-per-request-metrics``). Kept as reported, in milliseconds; note that vLLM's
-    ``time_to_first_token_ms`` excludes queue time (spec/vllm-protocol.md A1)."""
+    ``--enable-per-request-metrics``), kept as reported, in milliseconds. vLLM's fields, from
+    its engine's stamps (queued, scheduled, first token, last token):
+
+    - ``queue_time_ms``: queued -> scheduled;
+    - ``time_to_first_token_ms``: scheduled -> first token (the queue excluded, unlike vLLM's
+      own Prometheus TTFT and unlike TTFT at every other vantage);
+    - ``generation_time_ms``: first token -> last token;
+    - ``mean_itl_ms``: generation_time / (N_out - 1), which is TPOT as defined here.
+
+    `ttft_ms` and `e2e_ms` are the engine's intervals that carry those names at every vantage:
+    from the request's start (here: queued in the engine) to its first and last token."""
 
     time_to_first_token_ms: float | None = None
     generation_time_ms: float | None = None
     queue_time_ms: float | None = None
     mean_itl_ms: float | None = None
     tokens_per_second: float | None = None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """Queued -> first token: TTFT at the engine vantage."""
+        if self.queue_time_ms is None or self.time_to_first_token_ms is None:
+            return None
+        return self.queue_time_ms + self.time_to_first_token_ms
+
+    @property
+    def e2e_ms(self) -> float | None:
+        """Queued -> last token: E2E at the engine vantage."""
+        ttft = self.ttft_ms
+        if ttft is None or self.generation_time_ms is None:
+            return None
+        return ttft + self.generation_time_ms
 
     def to_dict(self) -> dict[str, Any]:
         return {

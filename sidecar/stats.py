@@ -574,22 +574,29 @@ def judge_columns(c: Columns, ok: npt.NDArray[np.bool_], slo: SLO
 class EngineReport:
     """vLLM's per-request timings as the engine reported them (vantage "engine"), in seconds.
 
-    Kept apart from the client and server views: vLLM's TTFT here is measured from scheduling,
-    so it excludes queue time, and its ITL is a per-request mean, not a per-event sample.
+    Kept apart from the client and server views. ``ttft`` and ``e2e`` are the intervals those
+    names mean at every vantage, from the request's start (queued in the engine) to its first
+    and last token; ``ttft_from_scheduled`` is vLLM's own ``time_to_first_token_ms``, which
+    starts after the queue; ``mean_itl`` is vLLM's per-request mean, i.e. TPOT, not a
+    per-event ITL sample (record.EngineTiming).
     """
 
     requests: int  # successful requests that carried engine timings
     queue_time: Summary
+    ttft: Summary
     ttft_from_scheduled: Summary
     mean_itl: Summary  # sample = request (vLLM's per-request mean)
     generation_time: Summary
+    e2e: Summary
 
 
 def engine_report(records: Iterable[RequestRecord]) -> EngineReport:
     queue: list[float] = []
     ttft: list[float] = []
+    from_scheduled: list[float] = []
     itl: list[float] = []
     generation: list[float] = []
+    e2e: list[float] = []
     requests = 0
     for record in records:
         if not record.ok or record.engine is None:
@@ -598,18 +605,22 @@ def engine_report(records: Iterable[RequestRecord]) -> EngineReport:
         timing = record.engine
         for sink, value_ms in (
             (queue, timing.queue_time_ms),
-            (ttft, timing.time_to_first_token_ms),
+            (ttft, timing.ttft_ms),
+            (from_scheduled, timing.time_to_first_token_ms),
             (itl, timing.mean_itl_ms),
             (generation, timing.generation_time_ms),
+            (e2e, timing.e2e_ms),
         ):
             if value_ms is not None:
                 sink.append(value_ms / 1000.0)
     return EngineReport(
         requests=requests,
         queue_time=summarize(queue),
-        ttft_from_scheduled=summarize(ttft),
+        ttft=summarize(ttft),
+        ttft_from_scheduled=summarize(from_scheduled),
         mean_itl=summarize(itl),
         generation_time=summarize(generation),
+        e2e=summarize(e2e),
     )
 
 
@@ -806,12 +817,18 @@ class RecordTable:
         done = mask & self.ok
         values = {name: self._view(column, np.float64)[done]
                   for name, column in self._engine.items()}
+        # NaN (a field vLLM left out) propagates, and summarize drops it: a request missing
+        # one part of an interval has no value for it (as EngineTiming.ttft_ms says).
+        # (Summed in ms, then scaled, as EngineTiming does: the same floats as record by record.)
+        ttft_ms = values["queue_time_ms"] + values["time_to_first_token_ms"]
         return EngineReport(
             requests=int(np.count_nonzero(self._view(self._has_engine, np.bool_)[done])),
             queue_time=summarize(values["queue_time_ms"] / 1000.0),
+            ttft=summarize(ttft_ms / 1000.0),
             ttft_from_scheduled=summarize(values["time_to_first_token_ms"] / 1000.0),
             mean_itl=summarize(values["mean_itl_ms"] / 1000.0),
             generation_time=summarize(values["generation_time_ms"] / 1000.0),
+            e2e=summarize((ttft_ms + values["generation_time_ms"]) / 1000.0),
         )
 
     def classes(self, policy: SLOPolicy) -> list[str]:

@@ -760,7 +760,10 @@ def test_span_from_the_record(make_traced: Any, spans: InMemorySpanExporter) -> 
         "sidecar.server.time_per_output_token": pytest.approx(0.110 / 3),
         "sidecar.server.chunks": 4,
         "sidecar.engine.queue_time": pytest.approx(0.005),
-        "sidecar.engine.time_to_first_token": pytest.approx(0.100),
+        # The interval the server's attribute of that name has: queued -> first token.
+        "sidecar.engine.time_to_first_token": pytest.approx(0.105),
+        "sidecar.engine.time_to_first_token_from_scheduled": pytest.approx(0.100),
+        "sidecar.engine.e2e": pytest.approx(0.305),
         "sidecar.engine.generation_time": pytest.approx(0.200),
         "sidecar.engine.mean_itl": pytest.approx(0.036),
         "sidecar.slo.class": "batch",

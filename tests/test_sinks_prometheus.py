@@ -79,8 +79,15 @@ def test_spec_example_lands_in_the_histograms_and_counters() -> None:
     assert value(registry, "sidecar_e2e_request_latency_seconds_sum", **client) == \
         pytest.approx(0.230)
     engine_labels = {**client, "vantage": "engine"}
+    # TTFT means the same interval at every vantage: from the start (queued in the engine,
+    # 20 ms of queue) to the first token (90 ms after scheduling): 110 ms, not vLLM's 90.
     assert value(registry, "sidecar_time_to_first_token_seconds_sum", **engine_labels) == \
-        pytest.approx(0.090)
+        pytest.approx(0.110)
+    assert value(registry, "sidecar_time_per_output_token_seconds_sum", **engine_labels) == \
+        pytest.approx(0.033)
+    # No generation_time: no engine E2E (a missing part leaves the interval unknown).
+    assert value(registry, "sidecar_e2e_request_latency_seconds_count", **engine_labels) in \
+        (None, 0)
     assert value(registry, "sidecar_engine_queue_time_seconds_sum", model="m",
                  replica="127.0.0.1:8000") == pytest.approx(0.020)
     assert value(registry, "sidecar_requests_total", model="m", replica="127.0.0.1:8000",

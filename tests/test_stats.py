@@ -245,6 +245,9 @@ def test_engine_report_keeps_vllm_semantics_apart() -> None:
     assert report.requests == 1
     assert report.queue_time.mean == pytest.approx(0.055)
     assert report.ttft_from_scheduled.mean == pytest.approx(0.040)
+    # TTFT and E2E as at every vantage, from queued: 55 + 40 = 95 ms; + 70 of generation.
+    assert report.ttft.mean == pytest.approx(0.095)
+    assert report.e2e.mean == pytest.approx(0.165)
     assert report.mean_itl.mean == pytest.approx(0.030)
 
 

@@ -626,7 +626,11 @@ def _span_attributes(record: RequestRecord, client: RequestMetrics,
     engine = record.engine
     if engine is not None:
         out["sidecar.engine.queue_time"] = _seconds(engine.queue_time_ms)
-        out["sidecar.engine.time_to_first_token"] = _seconds(engine.time_to_first_token_ms)
+        # Same intervals as the server's attributes of these names (record.EngineTiming).
+        out["sidecar.engine.time_to_first_token"] = _seconds(engine.ttft_ms)
+        out["sidecar.engine.e2e"] = _seconds(engine.e2e_ms)
+        out["sidecar.engine.time_to_first_token_from_scheduled"] = _seconds(
+            engine.time_to_first_token_ms)
         out["sidecar.engine.generation_time"] = _seconds(engine.generation_time_ms)
         out["sidecar.engine.mean_itl"] = _seconds(engine.mean_itl_ms)
     # None means unknown: leave the attribute out rather than export a made-up value.

@@ -330,9 +330,14 @@ class PrometheusSink:
             self.itl.observe_gaps(labels, timeline.offsets_ns)
         engine = record.engine
         if engine is not None:
+            # The same intervals as at the other vantages (record.EngineTiming): TTFT and E2E
+            # from queued in the engine, TPOT = vLLM's mean ITL.
             labels = (model, replica, Vantage.ENGINE.value)
-            if engine.time_to_first_token_ms is not None:
-                self.ttft.observe(labels, engine.time_to_first_token_ms / 1000)
+            engine_ttft, engine_e2e = engine.ttft_ms, engine.e2e_ms
+            if engine_ttft is not None:
+                self.ttft.observe(labels, engine_ttft / 1000)
+            if engine_e2e is not None:
+                self.e2e.observe(labels, engine_e2e / 1000)
             if engine.mean_itl_ms is not None:
                 self.tpot.observe(labels, engine.mean_itl_ms / 1000)
             if engine.queue_time_ms is not None:

@@ -218,7 +218,9 @@ class WindowSink:
         out["vantages"]["engine"] = {
             "requests": engine.requests,
             "queue_time": engine.queue_time.to_dict(),
+            "ttft": engine.ttft.to_dict(),
             "ttft_from_scheduled": engine.ttft_from_scheduled.to_dict(),
+            "e2e": engine.e2e.to_dict(),
             "mean_itl": engine.mean_itl.to_dict(),
             "generation_time": engine.generation_time.to_dict(),
         }
