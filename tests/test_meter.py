@@ -268,6 +268,28 @@ def test_assembled_body_follows_the_upstreams_version(version: str) -> None:
         assert list(choice)[-2:] == ["routed_experts", "weight_versions"]
 
 
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_assembled_metrics_have_the_whole_answers_fields(version: str) -> None:
+    """The usage chunk carries vLLM's per-request metrics without its None fields (0.32 dumps
+    it with exclude_none); the whole answer has every field, null when unknown, and in 0.32
+    also speculative_decoding (0.33 dropped it)."""
+    metrics = {"time_to_first_token_ms": 9.5, "generation_time_ms": 4.5, "queue_time_ms": 0.03,
+               "tokens_per_second": 217.0}  # mean_itl_ms None: left out of the chunk
+    usage_chunk = json.loads(CHAT_USAGE)
+    usage_chunk["metrics"] = metrics
+    stream = INJECTED_BYTES.replace(event(CHAT_USAGE), event(json.dumps(usage_chunk)))
+    if version == "0.32":
+        stream = stream.replace(b',"weight_versions":null', b"")
+    assembler = StreamAssembler("chat")
+    StreamMeter(ORIGIN, forward=False, assembler=assembler).feed(stream, ORIGIN)
+    whole = json.loads(assembler.body())["metrics"]
+    expected = {"time_to_first_token_ms": 9.5, "generation_time_ms": 4.5, "queue_time_ms": 0.03,
+                "mean_itl_ms": None, "tokens_per_second": 217.0}
+    if version == "0.32":
+        expected["speculative_decoding"] = None
+    assert whole == expected and list(whole) == list(expected)
+
+
 def test_text_is_kept_only_when_asked() -> None:
     meter = StreamMeter(ORIGIN, keep_text=True)
     meter.feed(PLAIN_BYTES, ORIGIN)

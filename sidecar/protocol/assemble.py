@@ -119,7 +119,7 @@ class StreamAssembler:
                 "prompt_text": None,
                 "kv_transfer_params": self.kv_transfer_params,
                 "ec_transfer_params": None,
-                "metrics": self.metrics,
+                "metrics": self._metrics(),
             }
         else:
             payload = {
@@ -133,9 +133,23 @@ class StreamAssembler:
                 "usage": self._usage(),
                 "kv_transfer_params": self.kv_transfer_params,
                 "ec_transfer_params": None,
-                "metrics": self.metrics,
+                "metrics": self._metrics(),
             }
         return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+    def _metrics(self) -> Any:
+        """vLLM's per-request metrics as its whole answer has them. The stream's usage chunk
+        leaves out what is None (vLLM 0.32 dumps it with exclude_none); the whole answer has
+        every field, null when unknown, and 0.32 also ``speculative_decoding``, which 0.33
+        dropped. A stream whose choices carry ``weight_versions`` is 0.33's."""
+        metrics = self.metrics
+        if not isinstance(metrics, dict):
+            return metrics
+        whole = {key: metrics.get(key) for key in _TIMING_FIELDS}
+        if not any(choice.has_weight_versions for choice in self._choices.values()):
+            whole["speculative_decoding"] = metrics.get("speculative_decoding")
+        whole.update((key, value) for key, value in metrics.items() if key not in whole)
+        return whole
 
     def _usage(self) -> dict[str, Any] | None:
         if self.usage is None:
@@ -182,6 +196,10 @@ class StreamAssembler:
             "prompt_token_ids": None,
             "routed_experts": None,
         })
+
+
+_TIMING_FIELDS = ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                  "tokens_per_second")
 
 
 def _versioned(choice: _Choice, body: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from real_server import RealVLLM
+from real_server import RealVLLM, post_json
 
 from sidecar.cli import build_proxy_server
 from sidecar.config import build_config
@@ -50,10 +50,14 @@ CREATED = re.compile(rb'"created":\d+')
 
 
 CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
+# vLLM's per-request metrics (--enable-per-request-metrics): timings, different every time.
+ENGINE_TIMES = re.compile(rb'("(?:time_to_first_token_ms|generation_time_ms|queue_time_ms|'
+                          rb'mean_itl_ms|tokens_per_second)":)-?[0-9.]+(?:[eE][-+]?[0-9]+)?')
 
 
 def normalised(body: bytes) -> bytes:
-    """What may differ between two answers to the same request: its id and its clock."""
+    """What may differ between two answers to the same request: its id and its clocks."""
+    body = ENGINE_TIMES.sub(rb"\1 0", body)
     return CREATED.sub(b'"created":0', IDS.sub(rb'"id":"\1-X"', body))
 
 
@@ -491,3 +495,46 @@ async def test_replay_rebuilds_prompts_the_real_vocabulary_accepts(real_vllm: Re
     for i, record in enumerate(by_length):
         if lines[i].endpoint == "completions":
             assert record["n_in"] == 40 + 10 * i  # token-id prompts: exact
+
+
+@pytest.fixture(scope="module")
+def per_request_metrics(real_vllm: RealVLLM) -> bool:
+    """Whether the server runs with --enable-per-request-metrics (CI runs the suite on both)."""
+    status, raw = post_json(real_vllm.base_url, COMPLETIONS_PATH, completion(max_tokens=2))
+    assert status == 200, raw[:300]
+    return json.loads(raw).get("metrics") is not None
+
+
+async def test_engine_vantage_is_vllms_per_request_timing_on_the_same_intervals(
+        real_vllm: RealVLLM, per_request_metrics: bool) -> None:
+    """With --enable-per-request-metrics the record keeps vLLM's own per-request timing, and
+    its TTFT and E2E run over the intervals those names have at the server vantage, from a
+    later start (queued in the engine, after the API server parsed and tokenized) to earlier
+    ends (the engine step, before the answer is written): never longer than the server's.
+    Without the flag there is none. Against vLLM's histograms: its TTFT starts at arrival in the
+    API server, before queued, so it is never shorter than the engine vantage's."""
+    n = 6
+    async with proxy_before(real_vllm) as (proxy, records), aiohttp.ClientSession() as session:
+        before = await vllm_histograms(session, real_vllm, LATENCY_FAMILIES)
+        for i in range(n):
+            body = chat(max_tokens=12, stream=True)
+            body["messages"] = [{"role": "user", "content": f"Engine story {i}."}]
+            assert (await send(session, proxy.url, CHAT_PATH, body)).status == 200
+            await records.after(i)
+        after = await vllm_histograms(session, real_vllm, LATENCY_FAMILIES)
+    if not per_request_metrics:
+        assert all(record.engine is None for record in records.records)
+        return
+    engine_ttft_sum = 0.0
+    for record in records.records:
+        engine, server = record.engine, record.server
+        assert engine is not None and server is not None
+        assert engine.ttft_ms is not None and engine.e2e_ms is not None
+        server_ttft_ms = (server.offsets_ns[0] - server.start_ns) / 1e6
+        server_e2e_ms = (server.offsets_ns[-1] - server.start_ns) / 1e6
+        assert 0 < engine.ttft_ms <= server_ttft_ms
+        assert engine.ttft_ms < engine.e2e_ms <= server_e2e_ms
+        assert engine.mean_itl_ms == pytest.approx(engine.generation_time_ms / 11)
+        engine_ttft_sum += engine.ttft_ms / 1e3
+    vllm_ttft_sum = after[LATENCY_FAMILIES[0]][0] - before[LATENCY_FAMILIES[0]][0]
+    assert engine_ttft_sum <= vllm_ttft_sum
