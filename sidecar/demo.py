@@ -22,10 +22,12 @@ import aiohttp
 from sidecar import stats
 from sidecar.cli import build_proxy_server, wait_for_shutdown_signal
 from sidecar.config import ConfigError, ProxyConfig, build_config, parse_duration, parse_slo
+from sidecar.realvllm import RealVLLMError, start_server
+from sidecar.realvllm.server import free_port
 from sidecar.record import RequestRecord, Vantage
 from sidecar.replay import replay_cli
 from sidecar.sim.engine import EngineConfig
-from sidecar.sim.server import RunningReplica, SimConfig, close_replicas, start_replicas
+from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceReader
 
 DESCRIPTION = """\
@@ -41,6 +43,11 @@ examples:
       20 s of 8 requests/s against 2 simulated replicas
   sidecar demo --rate 40 --duration 60s --replicas 4 --slo ttft=300ms,tpot=30ms
       heavier load: watch the server-side queueing show up in TTFT
+  sidecar demo --real-vllm start
+      the same against a real vLLM on this CPU (`sidecar vllm`, docs/real-vllm.md): installed
+      the first time (a few minutes), started (about a minute), stopped at the end
+  sidecar demo --real-vllm http://127.0.0.1:8000
+      against a vLLM already running (its first served model, unless --model)
 """
 
 WORDS = ("the", "model", "serves", "tokens", "under", "load", "while", "a", "sidecar",
@@ -69,7 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo", default="ttft=500ms,tpot=50ms,e2e=20s",
                         help="SLOs for goodput [ttft=500ms,tpot=50ms,e2e=20s]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the load [0]")
-    parser.add_argument("--model", default="demo-model", help="served model name [demo-model]")
+    parser.add_argument("--model", default=None,
+                        help="served model name [demo-model; with --real-vllm, the server's]")
+    parser.add_argument("--real-vllm", metavar="start|URL",
+                        help="measure a real vLLM instead of simulated replicas: 'start' brings "
+                        "one up on this CPU and stops it after; a URL uses one already running")
     parser.add_argument("--capture", metavar="DIR",
                         help="keep the capture here [a temporary directory]")
     parser.add_argument("--no-replay", action="store_true",
@@ -88,27 +99,61 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     slo = stats.SLO(ttft_s=thresholds.get("ttft"), tpot_s=thresholds.get("tpot"),
                     e2e_s=thresholds.get("e2e"))
-    replicas = await start_replicas(SimConfig(model=args.model, engine=EngineConfig()),
-                                    args.replicas)
     out = sys.stdout
-    with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:
-        capture_dir = args.capture or tmp
+    async with contextlib.AsyncExitStack() as upstream:
         try:
-            original, interrupted = await measured_load(replicas, args, duration, slo,
+            urls = await _upstreams(args, upstream, out)
+        except (RealVLLMError, OSError, ValueError) as exc:
+            print(f"sidecar demo: {exc}", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:
+            capture_dir = args.capture or tmp
+            original, interrupted = await measured_load(urls, args, duration, slo,
                                                         capture_dir, out)
             print_summary(original, slo, out)
             if not interrupted and not args.no_replay:
-                replayed = await replay_capture(replicas, args, capture_dir, out)
+                replayed = await replay_capture(urls, args, capture_dir, out)
                 if replayed is not None:
                     print_comparison(original, replayed, out)
-        finally:
-            await close_replicas(replicas)
     return 0
 
 
-def _proxy_config(replicas: list[RunningReplica], args: argparse.Namespace,
+async def _upstreams(args: argparse.Namespace, stack: contextlib.AsyncExitStack,
+                     out: TextIO) -> list[str]:
+    """The replicas' base URLs: simulated ones (the default), or a real vLLM (started here, or
+    given). Whatever is started is stopped when ``stack`` closes. Sets ``args.model``."""
+    if not args.real_vllm:
+        args.model = args.model or "demo-model"
+        replicas = await start_replicas(SimConfig(model=args.model, engine=EngineConfig()),
+                                        args.replicas)
+        stack.push_async_callback(close_replicas, replicas)
+        return [r.url for r in replicas]
+    if args.real_vllm == "start":
+        print("starting a real vLLM on this CPU (docs/real-vllm.md): about a minute, and a "
+              "few more the first time, to install it ...", file=out, flush=True)
+        handle = await asyncio.to_thread(start_server, free_port())
+        stack.callback(handle.stop)
+        url = handle.url
+        print(f"vLLM:     {url} (log {handle.log_path})", file=out, flush=True)
+    elif args.real_vllm.startswith(("http://", "https://")):
+        url = args.real_vllm.rstrip("/")
+    else:
+        raise ValueError(f"--real-vllm {args.real_vllm!r}: give 'start' or the server's URL")
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        try:
+            model = args.model or await replay_cli.first_model(session, url)
+        except replay_cli.TargetUnreachable as exc:
+            raise ValueError(f"no vLLM: {exc}") from None
+    if model is None:
+        raise ValueError(f"{url}/v1/models lists no model: pass --model")
+    args.model = model
+    return [url]
+
+
+def _proxy_config(upstreams: list[str], args: argparse.Namespace,
                   capture_dir: str | None) -> ProxyConfig:
-    flags: dict[str, Any] = {"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
+    flags: dict[str, Any] = {"upstreams": upstreams, "listen": "127.0.0.1:0",
                              "metrics_listen": "127.0.0.1:0", "window_s": "10s",
                              "slo": args.slo}
     if capture_dir is not None:
@@ -116,16 +161,16 @@ def _proxy_config(replicas: list[RunningReplica], args: argparse.Namespace,
     return build_config(flags, {})
 
 
-async def measured_load(replicas: list[RunningReplica], args: argparse.Namespace,
+async def measured_load(upstreams: list[str], args: argparse.Namespace,
                         duration: float, slo: stats.SLO, capture_dir: str,
                         out: TextIO) -> tuple[list[RequestRecord], bool]:
     """The built-in load through a capturing proxy, with the live table. Returns the records
     and whether the user interrupted it."""
-    server, window = build_proxy_server(_proxy_config(replicas, args, capture_dir))
+    server, window = build_proxy_server(_proxy_config(upstreams, args, capture_dir))
     everything = RecordList()
     server.proxy.fanout.add(everything)
     await server.start()
-    print(f"replicas: {', '.join(r.url for r in replicas)}", file=out)
+    print(f"replicas: {', '.join(upstreams)}", file=out)
     print(f"proxy:    {server.url}   live stats: {server.admin_url}/stats   "
           f"Prometheus: {server.admin_url}/metrics", file=out)
     print(f"capture:  {capture_dir}", file=out)
@@ -147,7 +192,7 @@ async def measured_load(replicas: list[RunningReplica], args: argparse.Namespace
     return everything.records, interrupted
 
 
-async def replay_capture(replicas: list[RunningReplica], args: argparse.Namespace,
+async def replay_capture(upstreams: list[str], args: argparse.Namespace,
                          capture_dir: str, out: TextIO) -> list[RequestRecord] | None:
     """Replay the capture, open loop on its own arrival times, through a fresh proxy in front
     of the same replicas, so both runs are measured at the same place."""
@@ -157,7 +202,7 @@ async def replay_capture(replicas: list[RunningReplica], args: argparse.Namespac
         return None
     parser = argparse.ArgumentParser()
     replay_cli.add_arguments(parser)
-    server, _window = build_proxy_server(_proxy_config(replicas, args, None))
+    server, _window = build_proxy_server(_proxy_config(upstreams, args, None))
     everything = RecordList()
     server.proxy.fanout.add(everything)
     await server.start()

@@ -314,3 +314,21 @@ async def test_shards_split_one_trace_and_keep_its_clock(tmp_path: Path) -> None
         assert [line["scheduled_ns"] for line in lines] == [
             pytest.approx((i + 3 * k) * 20_000_000, abs=1000) for k in range(3)]
     assert len(scheduled) == 9
+
+
+def test_a_target_that_is_down_is_called_unreachable(tmp_path: Path) -> None:
+    """Not "no model: pass --model": nothing answers there, and the message says so."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
+    for command in (["replay", str(trace), "--no-progress"],
+                    ["sweep", "--slo", "ttft=1s", "--dataset", "random:in=8,out=4",
+                     "--rates", "1"]):
+        done = subprocess.run([sys.executable, "-m", "sidecar", *command, "--target",
+                               "http://127.0.0.1:9"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "http://127.0.0.1:9 is unreachable" in done.stderr
+        assert "pass --model" not in done.stderr and "Traceback" not in done.stderr

@@ -131,6 +131,10 @@ class UsageError(Exception):
     pass
 
 
+class TargetUnreachable(UsageError, ValueError):
+    """Nothing answers at the target (refused, timed out, not resolvable)."""
+
+
 async def run(args: argparse.Namespace) -> int:
     try:
         return await _run(args)
@@ -512,10 +516,15 @@ def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
 
 
 async def first_model(session: aiohttp.ClientSession, target: str) -> str | None:
+    """The first model the target's /v1/models lists; None when it lists none or answers
+    something else. Raises TargetUnreachable when nothing answers there."""
     try:
         async with session.get(target + "/v1/models") as response:
             body = await response.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        cause = str(exc) or type(exc).__name__
+        raise TargetUnreachable(f"{target} is unreachable: {cause}") from None
+    except (aiohttp.ClientError, ValueError):
         return None
     data = body.get("data") if isinstance(body, dict) else None
     if isinstance(data, list) and data and isinstance(data[0], dict):

@@ -538,3 +538,42 @@ async def test_engine_vantage_is_vllms_per_request_timing_on_the_same_intervals(
         engine_ttft_sum += engine.ttft_ms / 1e3
     vllm_ttft_sum = after[LATENCY_FAMILIES[0]][0] - before[LATENCY_FAMILIES[0]][0]
     assert engine_ttft_sum <= vllm_ttft_sum
+
+
+def test_the_demo_runs_on_the_real_server(real_vllm: RealVLLM) -> None:
+    """`sidecar demo --real-vllm URL`: load, live table, summary, the capture replayed, all
+    against the real vLLM (its model found on /v1/models)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--real-vllm",
+                           real_vllm.base_url, "--duration", "3s", "--rate", "4", "--seed", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ok = re.search(r"outcomes: ok=(\d+), http_error=0, upstream_error=0, timeout=0",
+                   done.stdout)
+    assert ok is not None and int(ok.group(1)) > 0
+    replayed = re.search(r"requests ok\s+(\d+)\s+(\d+)", done.stdout)
+    assert replayed is not None and replayed.group(1) == replayed.group(2) == ok.group(1)
+
+
+def test_the_real_vllm_benchmark_harness_runs(real_vllm: RealVLLM, tmp_path: Path) -> None:
+    """benchmarks/real_vllm.py in its smallest setting (the harness works; no timings): the
+    sidecar's token totals equal vLLM's counters in every proxied run."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "benchmarks" /
+                                                "real_vllm.py"), "--smoke", "--target",
+                           real_vllm.base_url, "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [run["concurrency"] for run in result["runs"]] == [1, 2]
+    for run in result["runs"]:
+        proxied = run["proxied"]
+        assert proxied["sdk"]["ok"] == proxied["sdk"]["requests"] == 2 * run["concurrency"]
+        assert proxied["sidecar_tokens"] == {"prompt": proxied["vllm"]["prompt_tokens"],
+                                             "generation": proxied["vllm"]["generation_tokens"]}
+    assert "| OpenAI SDK, through the sidecar |" in done.stdout
