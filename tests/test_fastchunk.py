@@ -8,7 +8,15 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm_chunks import CHAT_BANG, CHAT_HELLO, CHAT_ROLE, CHAT_USAGE, COMPLETION_HELLO
+from vllm_chunks import (
+    CHAT_BANG,
+    CHAT_HELLO,
+    CHAT_ROLE,
+    CHAT_TOKEN_032,
+    CHAT_USAGE,
+    COMPLETION_HELLO,
+    COMPLETION_TOKEN_032,
+)
 
 from sidecar.protocol.fastchunk import fast_token_chunk
 from sidecar.protocol.openai import ChunkKind, classify_chunk
@@ -57,7 +65,12 @@ def test_vllms_token_chunks_take_the_fast_path_and_agree() -> None:
     assert check(with_usage(CHAT_HELLO, 2))
     assert check(COMPLETION_HELLO)
     assert check(with_usage(COMPLETION_HELLO, 1, details=False))  # completions: no details
-    assert check(COMPLETION_HELLO.replace(',"weight_versions":null', ""))  # vLLM 0.32
+    # vLLM 0.32.0, as the real server sends them (no kv_transfer_params, no weight_versions):
+    # before this was seen, every 0.32 token chunk took the general path.
+    assert check(CHAT_TOKEN_032)
+    assert check(with_usage(CHAT_TOKEN_032, 1))
+    assert check(COMPLETION_TOKEN_032)
+    assert check(with_usage(COMPLETION_TOKEN_032, 1, details=False))
 
 
 def test_everything_else_takes_the_general_path() -> None:

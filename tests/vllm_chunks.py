@@ -42,3 +42,17 @@ ERROR_COMPACT = (
     '{"error":{"message":"Internal server error","type":"InternalServerError","param":null,'
     '"code":500}}'
 )
+
+# vLLM 0.32.0 itself (`sidecar vllm up`, the tiny model), copied from its streams: no
+# kv_transfer_params and no weight_versions on token chunks.
+CHAT_TOKEN_032 = (
+    '{"id":"chatcmpl-a484a9c1c3c944b4","object":"chat.completion.chunk","created":1796133266,'
+    '"model":"tiny","choices":[{"index":0,"delta":{"content":"NNTP"},"logprobs":null,'
+    '"finish_reason":null,"token_ids":null}]}'
+)
+
+COMPLETION_TOKEN_032 = (
+    '{"id":"cmpl-abe47f2c734129c1","object":"text_completion","created":1796133266,'
+    '"model":"tiny","choices":[{"index":0,"text":"directory","logprobs":null,'
+    '"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}'
+)

@@ -41,7 +41,8 @@ _CHAT_CHOICE = (rb'"delta":\{"content":"' + _TEXT + rb'"\},"logprobs":null,"fini
 _TEXT_CHOICE = (rb'"text":"' + _TEXT + rb'","logprobs":null,"finish_reason":null,'
                 rb'"stop_reason":null,"prompt_token_ids":null,"token_ids":null'
                 rb'(?:,"weight_versions":null)?\}\]')
-_TAIL = rb',"kv_transfer_params":null\}\n\n'
+# 0.33 ends a token chunk with kv_transfer_params; 0.32 does not (seen from the real server).
+_TAIL = rb'(?:,"kv_transfer_params":null)?\}\n\n'
 _TOKEN_CHUNK: Final = re.compile(_HEAD + rb'(?:' + _CHAT_CHOICE + rb'|' + _TEXT_CHOICE + rb')'
                                  + _USAGE + _TAIL)
 

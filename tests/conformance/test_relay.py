@@ -577,3 +577,30 @@ def test_the_real_vllm_benchmark_harness_runs(real_vllm: RealVLLM, tmp_path: Pat
         assert proxied["sidecar_tokens"] == {"prompt": proxied["vllm"]["prompt_tokens"],
                                              "generation": proxied["vllm"]["generation_tokens"]}
     assert "| OpenAI SDK, through the sidecar |" in done.stdout
+
+
+@pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
+def test_the_fast_path_takes_the_real_servers_token_chunks(real_vllm: RealVLLM, path: str,
+                                                            make: Any) -> None:
+    """The byte-level fast path (protocol/fastchunk.py) is for vLLM's common token chunk: it
+    must match the real server's, with and without the usage the proxy injects, and agree with
+    the general path on each (else the proxy pays json.loads on every event)."""
+    from sidecar.protocol.fastchunk import fast_token_chunk
+    from sidecar.protocol.openai import ChunkKind, classify_chunk
+    from sidecar.protocol.sse import SSEParser
+
+    for options in (None, {"include_usage": True, "continuous_usage_stats": True}):
+        body = make(max_tokens=8, stream=True)
+        if options is not None:
+            body["stream_options"] = options
+        status, raw = post_json(real_vllm.base_url, path, body)
+        assert status == 200
+        events = SSEParser().feed(raw)
+        infos = [(event, classify_chunk(event.data)) for event in events if event.data]
+        tokens = [(event, info) for event, info in infos
+                  if info.kind is ChunkKind.TOKEN and info.finish_reason is None]
+        assert len(tokens) >= 5
+        for event, info in tokens:
+            fast = fast_token_chunk(event.raw)
+            assert fast is not None, event.raw
+            assert fast[0] == info
