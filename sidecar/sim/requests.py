@@ -2,9 +2,12 @@
 
 Body-schema problems (bad JSON, a field of the wrong type, a missing required field) become
 vLLM's 400 ``"Bad Request"`` errors, whose message lists pydantic-style error dicts
-(``1 validation error:\\n  {'type': 'missing', 'loc': ('body', 'messages'), ...}``) and whose
-``param`` is the dotted location. Semantic problems found later (context length, min_tokens)
-are the server's 400 ``"BadRequestError"`` (`RequestError` with that type).
+(``1 validation error:\\n  {'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required',
+'input': '<dict of 2 items>'}``) and whose ``param`` is the dotted location. As vLLM renders
+them (0.32 and 0.33, ``validation_exception_handler``): ``loc`` dotted, ``input`` summarised
+(a container by its size, a long string cut at 200 characters: never the request echoed), at
+most 10 errors reported, each cut at 1,000 characters. Semantic problems found later (context
+length, min_tokens) are the server's 400 ``"BadRequestError"`` (`RequestError` with that type).
 
 Types are read in pydantic's lax mode: an int field takes ``5``, ``5.0``, ``"5"`` or a bool;
 a bool field takes ``true``, ``1``, ``"yes"``...; anything else is an error.
@@ -47,11 +50,47 @@ def _loc_param(loc: tuple[Any, ...]) -> str:
     return ".".join(str(part) for part in loc)
 
 
+_MAX_REPORTED_ERRORS = 10
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+
+
+def _summarize_input(value: object) -> object:
+    """vLLM's bounded stand-in for an error's ``input`` (``_summarize_error_input``)."""
+    if isinstance(value, str):
+        if len(value) > _MAX_ERROR_INPUT_CHARS:
+            return value[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    if len(text) > _MAX_ERROR_INPUT_CHARS:
+        return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+    return text
+
+
+def _format_issue(issue: dict[str, Any]) -> str:
+    shown = dict(issue)
+    if "input" in shown:
+        shown["input"] = _summarize_input(shown["input"])
+    shown["loc"] = _loc_param(tuple(shown["loc"]))
+    text = str(shown)
+    if len(text) > _MAX_ERROR_CHARS:
+        text = text[:_MAX_ERROR_CHARS] + "...[truncated]"
+    return text
+
+
 def validation_error(issues: list[dict[str, Any]]) -> RequestError:
     """Body-schema errors, rendered like vLLM's RequestValidationError handler."""
     count = len(issues)
     label = "error" if count == 1 else "errors"
-    message = f"{count} validation {label}:\n" + "".join(f"  {issue}\n" for issue in issues)
+    reported = issues[:_MAX_REPORTED_ERRORS]
+    message = f"{count} validation {label}:\n" + "".join(
+        f"  {_format_issue(issue)}\n" for issue in reported)
+    if count > len(reported):
+        message += f"  ...and {count - len(reported)} more {label}\n"
     return RequestError(400, message.rstrip(), BAD_REQUEST, _loc_param(issues[0]["loc"]))
 
 
@@ -129,6 +168,25 @@ class FieldReader:
         self.issues.append(_issue("int_type", loc, "Input should be a valid integer", value))
         return default
 
+    def float_(self, name: str) -> float | None:
+        """A float field in pydantic's lax mode: a number, a bool or a numeric string."""
+        value = self.body.get(name, _MISSING)
+        if value is _MISSING or value is None:
+            return None
+        if type(value) in (int, float, bool):
+            return float(value)
+        if type(value) is str:
+            try:
+                return float(value.strip())
+            except ValueError:
+                self.issues.append(_issue(
+                    "float_parsing", ("body", name),
+                    "Input should be a valid number, unable to parse string as a number", value))
+                return None
+        self.issues.append(_issue("float_type", ("body", name), "Input should be a valid number",
+                                  value))
+        return None
+
     def bool_(self, name: str, default: bool, source: Mapping[str, Any] | None = None) -> bool:
         mapping = self.body if source is None else source
         value = mapping.get(name, _MISSING)
@@ -203,6 +261,7 @@ class GenerateParams:
     stream_interval: int | None
     use_beam_search: bool
     request_id: str | None
+    temperature: float | None = None  # None: the model's default (1.0 here)
 
 
 def _read_stream_options(reader: FieldReader) -> StreamOptions | None:
@@ -360,6 +419,7 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
         max_tokens = reader.int_("max_tokens", 16)
         max_tokens_param = "max_tokens"
     n = reader.int_("n", 1)
+    temperature = reader.float_("temperature")
     min_tokens = reader.int_("min_tokens", 0)
     stream_interval = reader.int_("stream_interval")
     ignore_eos = reader.bool_("ignore_eos", False)
@@ -393,6 +453,7 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
         stream_interval=stream_interval,
         use_beam_search=use_beam_search,
         request_id=request_id,
+        temperature=temperature,
     )
 
 

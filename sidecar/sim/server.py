@@ -64,6 +64,7 @@ from sidecar.sim.shapes import (
     DONE_EVENT,
     KEEPALIVE_EVENT,
     ChoiceResult,
+    Era,
     Profile,
     RequestTimings,
     StreamFormatter,
@@ -261,6 +262,14 @@ def _decode(token_ids: tuple[int, ...]) -> str:
     return tokenizer.decode(token_ids)
 
 
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
+_GREEDY_EPS = 1e-5
+
+
+class _RefusedInStream(Exception):
+    """A request vLLM refuses only once its stream has begun: 200, an error event, [DONE]."""
+
+
 @dataclass
 class _Plan:
     """A validated generation request, tokenized and resolved, ready for the engine."""
@@ -291,6 +300,8 @@ class SimReplica:
         self.engine = EngineModel(self.engine_config)
         self.model_names = config.model_names
         self.fingerprint = system_fingerprint(config)
+        # Which vLLM's shapes to speak (0.32 or 0.33: shapes.Era); a bad --vllm-version fails here.
+        self.era = Era.of(config.vllm_version)
         self.created = int(time.time())
         self.permission_id = f"modelperm-{uuid.uuid4().hex}"
         self.metrics = ReplicaMetrics(
@@ -544,6 +555,12 @@ class SimReplica:
                 raise RequestError(code, message, err_type)
             plan = self._plan(params, request_id)
             state = self._admit(plan)
+        except _RefusedInStream as refusal:
+            if record is not None:
+                record.request_id = record.request_id or request_id or uuid.uuid4().hex
+                record.status = 200
+                record.outcome = "error_event"
+            return await self._refuse_in_stream(request, params, request_id, str(refusal))
         except RequestError as err:
             if record is not None:
                 record.request_id = record.request_id or request_id or uuid.uuid4().hex
@@ -560,6 +577,21 @@ class SimReplica:
                 self._abort(state, "abort")
             if record is not None:
                 self._fill_record(record, plan, state)
+
+    async def _refuse_in_stream(self, request: web.Request, params: GenerateParams,
+                                request_id: str | None, message: str) -> web.StreamResponse:
+        formatter = StreamFormatter(
+            chat=params.chat, response_id="", created=0, model=params.model or "",
+            profile=self.config.profile, fingerprint=self.fingerprint, include_usage=False,
+            era=self.era)
+        rid = request_id or uuid.uuid4().hex
+        response = web.StreamResponse(status=200,
+                                      headers=self._response_headers(rid, SSE_CONTENT_TYPE))
+        await response.prepare(request)
+        await response.write(formatter.error_event(message, BAD_REQUEST_ERROR, 400))
+        await response.write(DONE_EVENT)
+        await response.write_eof()
+        return response
 
     def _fault_for(self, request: web.Request) -> FaultSpec:
         try:
@@ -597,6 +629,9 @@ class SimReplica:
             raise bad_request("Streaming is not currently supported with beam search")
         if params.n < 1:
             raise bad_request(f"n must be at least 1, got {params.n}.", "n")
+        if params.n > 1 and params.temperature is not None and params.temperature < _GREEDY_EPS:
+            # vLLM's SamplingParams._verify_greedy_sampling: a ValueError, so no param.
+            raise bad_request(f"n must be 1 when using greedy sampling, got {params.n}.")
         if params.stream_interval is not None and params.stream_interval < 1:
             raise bad_request(
                 f"stream_interval must be at least 1, got {params.stream_interval}.",
@@ -620,9 +655,12 @@ class SimReplica:
                     continue
                 out_of_vocab = [t for t in prompt if not 0 <= t < vocab_size]
                 if out_of_vocab:
-                    raise bad_request(
-                        f"Token id {max(out_of_vocab)} is out of vocabulary", "prompt"
-                    )
+                    # vLLM finds it in the engine's input processing: a 400 (a ValueError, no
+                    # param) for a whole answer, after the head (an error event) for a stream.
+                    message = f"Token id {max(out_of_vocab)} is out of vocabulary"
+                    if params.stream:
+                        raise _RefusedInStream(message)
+                    raise bad_request(message)
                 prompts.append(list(prompt))
         max_tokens: list[int] = []
         for ids in prompts:
@@ -752,6 +790,7 @@ class SimReplica:
             profile=self.config.profile,
             fingerprint=self.fingerprint,
             include_usage=include_usage,
+            era=self.era,
         )
         if fault.slow_headers_ms:
             await asyncio.sleep(fault.slow_headers_ms / 1000)
@@ -1019,6 +1058,7 @@ class SimReplica:
             "timings": self._timings(state),
             "fingerprint": self.fingerprint,
             "profile": self.config.profile,
+            "era": self.era,
         }
         if params.chat:
             body = chat_completion_body(

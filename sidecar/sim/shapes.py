@@ -1,8 +1,11 @@
 """vLLM's response shapes, byte for byte (spec/vllm-protocol.md A1), for the simulator.
 
-Two profiles:
+Two profiles, and within ``vllm`` the version (``--vllm-version``):
 
-- ``vllm`` (default): vLLM 0.33.0. Streamed chunks are pydantic ``model_dump_json`` output, so
+- ``vllm`` (default): vLLM 0.33.0, or 0.32 when the version says so (`Era`): 0.32 has no
+  ``kv_transfer_params`` on streamed chunks and no ``weight_versions`` on choices, and its whole
+  answers' per-request ``metrics`` also carry ``speculative_decoding`` (checked against vLLM
+  0.32.0 itself, tests/conformance). Streamed chunks are pydantic ``model_dump_json`` output, so
   compact JSON with keys in model-field order and the spec's inclusion rules (explicit ``null``s
   for fields the server sets, omitted fields it leaves unset). Non-streaming bodies are
   Starlette ``JSONResponse`` renders of ``model_dump()``: compact, every field present.
@@ -45,6 +48,28 @@ __all__ = [
 class Profile(str, enum.Enum):
     VLLM = "vllm"
     MINIMAL = "minimal"
+
+
+@dataclass(frozen=True, slots=True)
+class Era:
+    """What changed between the vLLM versions the simulator speaks."""
+
+    kv_on_chunks: bool  # streamed chunks end with "kv_transfer_params":null (0.33)
+    weight_versions: bool  # choices carry "weight_versions":null (0.33)
+    speculative_decoding: bool  # a whole answer's metrics has "speculative_decoding" (0.32)
+
+    @classmethod
+    def of(cls, version: str) -> Era:
+        """0.33 and later, or 0.32 and earlier (down to the ``minimal`` profile's era)."""
+        try:
+            major, minor = (int(part) for part in version.split(".")[:2])
+        except ValueError:
+            raise ValueError(f"not a vLLM version: {version!r} (e.g. 0.32.0)") from None
+        new = (major, minor) >= (0, 33)
+        return cls(kv_on_chunks=new, weight_versions=new, speculative_decoding=not new)
+
+
+ERA_033 = Era.of("0.33.0")
 
 
 def compact_json(value: Any) -> str:
@@ -118,6 +143,7 @@ class StreamFormatter:
     __slots__ = (
         "chat",
         "minimal",
+        "era",
         "fingerprint",
         "include_usage",
         "_head",
@@ -138,9 +164,11 @@ class StreamFormatter:
         profile: Profile,
         fingerprint: str,
         include_usage: bool,
+        era: Era = ERA_033,
     ) -> None:
         self.chat = chat
         self.minimal = profile is Profile.MINIMAL
+        self.era = era
         self.fingerprint = fingerprint
         self.include_usage = include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -158,13 +186,16 @@ class StreamFormatter:
             self._final_tail = "}\n\n"
         else:
             self._role_tail = ',"prompt_token_ids":null,"prompt_text":null}\n\n'
-            self._token_tail = ',"kv_transfer_params":null}\n\n'
+            kv = ',"kv_transfer_params":null' if era.kv_on_chunks else ""
+            self._token_tail = kv + "}\n\n"
             if include_usage:
-                self._final_tail = ',"kv_transfer_params":null}\n\n'
+                self._final_tail = kv + "}\n\n"
             else:
-                self._final_tail = (
-                    f',"system_fingerprint":{_text(fingerprint)},"kv_transfer_params":null}}\n\n'
-                )
+                self._final_tail = f',"system_fingerprint":{_text(fingerprint)}{kv}}}\n\n'
+
+    @property
+    def _weight_versions(self) -> str:
+        return ',"weight_versions":null' if self.era.weight_versions else ""
 
     def _usage(self, usage: tuple[int, int] | None) -> str:
         if usage is None:
@@ -201,7 +232,7 @@ class StreamFormatter:
             else:
                 body += (
                     '"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
-                    '"token_ids":null,"weight_versions":null}'
+                    '"token_ids":null' + self._weight_versions + "}"
                 )
             tail = self._token_tail
         else:
@@ -209,9 +240,9 @@ class StreamFormatter:
             if self.minimal:
                 body += "}"
             elif self.chat:
-                body += ',"token_ids":null,"weight_versions":null}'
+                body += ',"token_ids":null' + self._weight_versions + "}"
             else:
-                body += ',"prompt_token_ids":null,"token_ids":null,"weight_versions":null}'
+                body += ',"prompt_token_ids":null,"token_ids":null' + self._weight_versions + "}"
             tail = self._final_tail
         return f"{self._head}{body}]{self._usage(usage)}{tail}".encode()
 
@@ -288,6 +319,7 @@ def chat_completion_body(
     timings: RequestTimings | None,
     fingerprint: str,
     profile: Profile,
+    era: Era = ERA_033,
 ) -> bytes:
     minimal = profile is Profile.MINIMAL
     out_choices: list[dict[str, Any]] = []
@@ -320,7 +352,7 @@ def chat_completion_body(
                     "stop_reason": None,
                     "token_ids": None,
                     "routed_experts": None,
-                    "weight_versions": None,
+                    **({"weight_versions": None} if era.weight_versions else {}),
                 }
             )
     usage = _usage_body(prompt_tokens, completion_tokens, cached_tokens, minimal)
@@ -343,8 +375,18 @@ def chat_completion_body(
         body["prompt_text"] = None
         body["kv_transfer_params"] = None
         body["ec_transfer_params"] = None
-        body["metrics"] = None if timings is None else timings.as_dict(drop_none=False)
+        body["metrics"] = _whole_metrics(timings, era)
     return compact_json(body).encode()
+
+
+def _whole_metrics(timings: RequestTimings | None, era: Era) -> dict[str, Any] | None:
+    """A whole answer's per-request metrics: every field (0.32: and speculative_decoding)."""
+    if timings is None:
+        return None
+    metrics: dict[str, Any] = timings.as_dict(drop_none=False)
+    if era.speculative_decoding:
+        metrics["speculative_decoding"] = None
+    return metrics
 
 
 def completion_body(
@@ -359,6 +401,7 @@ def completion_body(
     timings: RequestTimings | None,
     fingerprint: str,
     profile: Profile,
+    era: Era = ERA_033,
 ) -> bytes:
     minimal = profile is Profile.MINIMAL
     out_choices: list[dict[str, Any]] = []
@@ -386,7 +429,7 @@ def completion_body(
                     "prompt_logprobs": None,
                     "prompt_token_ids": None,
                     "routed_experts": None,
-                    "weight_versions": None,
+                    **({"weight_versions": None} if era.weight_versions else {}),
                 }
             )
     usage = _usage_body(prompt_tokens, completion_tokens, cached_tokens, minimal)
@@ -405,7 +448,7 @@ def completion_body(
         body["usage"] = usage
         body["kv_transfer_params"] = None
         body["ec_transfer_params"] = None
-        body["metrics"] = None if timings is None else timings.as_dict(drop_none=False)
+        body["metrics"] = _whole_metrics(timings, era)
     return compact_json(body).encode()
 
 

@@ -604,3 +604,92 @@ def test_the_fast_path_takes_the_real_servers_token_chunks(real_vllm: RealVLLM, 
             fast = fast_token_chunk(event.raw)
             assert fast is not None, event.raw
             assert fast[0] == info
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulator held to the real server: the same requests to `sidecar sim` speaking 0.32
+
+
+def skeleton(value: Any) -> Any:
+    """A JSON value's shape: keys in order, nulls, booleans and the kind of every other value
+    (strings and numbers differ: the tiny model and the simulator generate different text,
+    and their tokenizers count differently)."""
+    if isinstance(value, dict):
+        return [(key, skeleton(item)) for key, item in value.items()]
+    if isinstance(value, list):
+        return [skeleton(item) for item in value]
+    if isinstance(value, bool) or value is None:
+        return value
+    return type(value).__name__
+
+
+def answer_shape(answer: Answer, interleaved: bool = False) -> Any:
+    """Status, content type and the body's shape; a stream as the shapes of its events, runs of
+    equal shapes counted once (the two generate different numbers of events per token only
+    when merging, which this suite's loads do not). ``interleaved`` (n > 1): the set of event
+    shapes, since the order in which choices' events leave is not fixed (see `by_choice`)."""
+    head = (answer.status, answer.content_type.split(";")[0])
+    if not answer.content_type.startswith("text/event-stream"):
+        try:
+            return head, skeleton(json.loads(answer.body))
+        except ValueError:
+            return head, answer.body
+    shapes: list[Any] = []
+    for block in answer.body.split(b"\n\n"):
+        if not block.startswith(b"data: "):
+            continue
+        payload = block[len(b"data: "):]
+        shape = payload.decode() if payload == b"[DONE]" else skeleton(json.loads(payload))
+        if not shapes or shapes[-1] != shape:
+            shapes.append(shape)
+    if interleaved:
+        return head, sorted({json.dumps(shape) for shape in shapes})
+    return head, shapes
+
+
+# Where the simulator still answers otherwise than vLLM 0.32.0, and why (one place; a listed
+# gap that closes fails the test, so that the list stays true).
+_NO_LOGPROBS = ("the simulator produces no logprobs: a toy vocabulary has no distribution "
+                "worth imitating; the relay passes vLLM's through unchanged (the byte cases above)")
+_NO_STOP = ("the simulator ignores `stop`: its toy text would rarely contain the string, and "
+            "the real stream then ends early with finish_reason 'stop' and its stop_reason")
+SIM_GAPS: dict[str, str] = {
+    "chat-logprobs-stream": _NO_LOGPROBS,
+    "completions-logprobs-stream": _NO_LOGPROBS,
+    "chat-logprobs-nonstream": _NO_LOGPROBS,
+    "chat-logprobs-assembled": _NO_LOGPROBS,
+    "completions-echo-stream": "the simulator does not echo the prompt (its text and "
+                               "prompt_token_ids in the first chunk)",
+    "completions-stop": _NO_STOP,
+    "completions-stop-assembled": _NO_STOP,
+}
+
+
+@pytest.fixture
+async def sim_like_real(real_vllm: RealVLLM, per_request_metrics: bool) -> AsyncIterator[str]:
+    from sidecar.sim.engine import EngineConfig
+    from sidecar.sim.server import SimConfig, close_replicas, start_replicas
+
+    config = SimConfig(model="tiny", vllm_version=real_vllm.version,
+                       engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0,
+                                           max_model_len=2048),
+                       enable_per_request_metrics=per_request_metrics)
+    (replica,) = await start_replicas(config, 1)
+    try:
+        yield replica.url
+    finally:
+        await close_replicas([replica])
+
+
+@pytest.mark.parametrize("case", CASES + ERROR_CASES, ids=[c.name for c in CASES + ERROR_CASES])
+async def test_the_simulator_answers_in_the_real_servers_shapes(
+        real_vllm: RealVLLM, sim_like_real: str, case: Case) -> None:
+    async with aiohttp.ClientSession() as session:
+        real = await send(session, real_vllm.base_url, case.path, case.body)
+        sim = await send(session, sim_like_real, case.path, case.body)
+    interleaved = case.n > 1 and case.streamed
+    same = answer_shape(sim, interleaved) == answer_shape(real, interleaved)
+    if case.name in SIM_GAPS:
+        assert not same, f"{case.name} is listed as a gap but now matches: remove it"
+        return
+    assert same, (real.body[:600], sim.body[:600])
