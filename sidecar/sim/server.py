@@ -128,6 +128,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         # Accept the profile's plain name ("minimal") as well as the enum member.
         object.__setattr__(self, "profile", Profile(self.profile))
+        Era.of(self.vllm_version)  # a version the shapes know, or ValueError now
 
     @property
     def model_names(self) -> tuple[str, ...]:
