@@ -41,8 +41,12 @@ class RequestError(Exception):
         self.param = param
 
 
-def bad_request(message: str, param: str | None = None) -> RequestError:
-    """A semantic validation failure (vLLM's ValueError / VLLMValidationError): BadRequestError."""
+def bad_request(message: str, param: str | None = None, value: Any = None) -> RequestError:
+    """A semantic validation failure: BadRequestError. With ``param``, vLLM's
+    VLLMValidationError, whose message ends ``(parameter=P, value=V)`` (``value`` when known);
+    without, a plain ValueError's message."""
+    if param is not None:
+        message += f" (parameter={param}" + ("" if value is None else f", value={value}") + ")"
     return RequestError(400, message, BAD_REQUEST_ERROR, param)
 
 
@@ -430,12 +434,10 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
     stream_options = _read_stream_options(reader)
     reader.fail_if_any()
     if stream_options is not None and not stream:
-        message = "Stream options can only be defined when `stream=True`."
-        issue = _issue("value_error", ("body",), f"Value error, {message}", dict(body))
-        issue["ctx"] = {"error": ValueError(message)}
-        error = validation_error([issue])
-        error.param = "stream_options"
-        raise error
+        # vLLM 0.32: a VLLMValidationError from the request's validator, answered as a
+        # BadRequestError (checked against the real server), not a schema error.
+        raise bad_request("Stream options can only be defined when `stream=True`.",
+                          "stream_options")
     return GenerateParams(
         chat=chat,
         model=model,

@@ -263,6 +263,11 @@ def _decode(token_ids: tuple[int, ...]) -> str:
     return tokenizer.decode(token_ids)
 
 
+async def _vllm_server_headers(_request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = "uvicorn"
+    response.headers["Vary"] = "Origin"
+
+
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
 _GREEDY_EPS = 1e-5
 
@@ -354,6 +359,9 @@ class SimReplica:
         if self.config.api_key:
             middlewares.append(self._auth_middleware)
         app = web.Application(middlewares=middlewares)
+        # Once per response, not per chunk: vLLM's uvicorn names itself, and its CORS
+        # middleware adds Vary: Origin (checked against vLLM 0.32.0 itself).
+        app.on_response_prepare.append(_vllm_server_headers)
         routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
             ("POST", CHAT_PATH, functools.partial(self._handle_generate, chat=True)),
             ("POST", COMPLETIONS_PATH, functools.partial(self._handle_generate, chat=False)),
@@ -607,8 +615,21 @@ class SimReplica:
             raise bad_request(
                 f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
                 "Please request fewer output tokens.",
-                param,
+                param, requested,
             )
+        if not self.era.weight_versions:  # 0.32 (checked against the real server)
+            if prompt_len > max_model_len:
+                # Its tokenizer stops at max_model_len + 1 tokens: "at least" that many.
+                count = min(prompt_len, max_model_len + 1)
+                qualifier = "at least " if count == max_model_len + 1 else ""
+                raise bad_request(
+                    f"This model's maximum context length is {max_model_len} tokens. However, "
+                    f"your prompt contains {qualifier}{count} input tokens, which exceeds this "
+                    "limit even without any output tokens. Please reduce the length of the "
+                    "input prompt.", "input_tokens", count)
+            # A prompt that fits leaves max_tokens clamped to what remains (get_max_tokens).
+            remaining = max_model_len - prompt_len
+            return remaining if requested is None else max(1, min(requested, remaining))
         requested_output = requested if requested is not None and requested > 0 else 0
         max_input = max_model_len - requested_output
         if prompt_len > max_input:
@@ -617,11 +638,12 @@ class SimReplica:
                 f"tokens. However, the model's context length is only {max_model_len} tokens, "
                 f"resulting in a maximum input length of {max_input} tokens. "
                 "Please reduce the length of the input prompt.",
-                "input_tokens",
+                "input_tokens", prompt_len,
             )
         max_tokens = max_model_len - prompt_len if requested is None else requested
         if max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",
+                              max_tokens)
         return max_tokens
 
     def _plan(self, params: GenerateParams, request_id: str) -> _Plan:
@@ -629,19 +651,19 @@ class SimReplica:
         if params.use_beam_search and params.stream:
             raise bad_request("Streaming is not currently supported with beam search")
         if params.n < 1:
-            raise bad_request(f"n must be at least 1, got {params.n}.", "n")
+            raise bad_request(f"n must be at least 1, got {params.n}.", "n", params.n)
         if params.n > 1 and params.temperature is not None and params.temperature < _GREEDY_EPS:
             # vLLM's SamplingParams._verify_greedy_sampling: a ValueError, so no param.
             raise bad_request(f"n must be 1 when using greedy sampling, got {params.n}.")
         if params.stream_interval is not None and params.stream_interval < 1:
             raise bad_request(
                 f"stream_interval must be at least 1, got {params.stream_interval}.",
-                "stream_interval",
+                "stream_interval", params.stream_interval,
             )
         if params.min_tokens < 0:
             raise bad_request(
                 f"min_tokens must be greater than or equal to 0, got {params.min_tokens}.",
-                "min_tokens",
+                "min_tokens", params.min_tokens,
             )
         prompts: list[list[int]] = []
         if params.chat:
@@ -672,7 +694,7 @@ class SimReplica:
                 raise bad_request(
                     f"min_tokens must be less than or equal to max_tokens={resolved}, "
                     f"got {params.min_tokens}.",
-                    "min_tokens",
+                    "min_tokens", params.min_tokens,
                 )
             max_tokens.append(resolved)
         return _Plan(params=params, request_id=request_id, prompts=prompts, max_tokens=max_tokens)
@@ -1124,7 +1146,8 @@ class SimReplica:
         if model is not None and model not in self.model_names:
             raise RequestError(
                 404,
-                f"The model `{model}` does not exist. Valid aliases: {', '.join(self.model_names)}",
+                f"The model `{model}` does not exist. "
+                f"Valid aliases: {', '.join(self.model_names)}.",
                 "NotFoundError",
                 "model",
             )

@@ -116,6 +116,7 @@ class Answer:
     status: int
     content_type: str
     body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 async def send(session: aiohttp.ClientSession, url: str, path: str,
@@ -124,7 +125,7 @@ async def send(session: aiohttp.ClientSession, url: str, path: str,
     async with session.post(url + path, data=data,
                             headers={"Content-Type": "application/json"}) as response:
         return Answer(response.status, response.headers.get("Content-Type", ""),
-                      await response.read())
+                      await response.read(), dict(response.headers))
 
 
 async def vllm_counters(session: aiohttp.ClientSession, server: RealVLLM) -> dict[str, float]:
@@ -693,3 +694,8 @@ async def test_the_simulator_answers_in_the_real_servers_shapes(
         assert not same, f"{case.name} is listed as a gap but now matches: remove it"
         return
     assert same, (real.body[:600], sim.body[:600])
+    if case in ERROR_CASES:
+        # Refusals carry no generated text: the simulator's must be vLLM's, byte for byte.
+        assert sim.body == real.body
+    for header in ("Server", "Vary"):
+        assert sim.headers.get(header) == real.headers.get(header), header
