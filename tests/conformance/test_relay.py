@@ -319,6 +319,21 @@ LATENCY_FAMILIES = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latenc
                     "vllm:inter_token_latency_seconds")
 
 
+async def sequential_streams(server: RealVLLM, n: int, max_tokens: int, label: str) -> tuple[
+        list[RequestRecord], dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
+    """``n`` chat streams through a proxy, one after the other (distinct prompts): the proxy's
+    records, and vLLM's latency histograms (sum, count) before and after them."""
+    async with proxy_before(server) as (proxy, records), aiohttp.ClientSession() as session:
+        before = await vllm_histograms(session, server, LATENCY_FAMILIES)
+        for i in range(n):
+            body = chat(max_tokens=max_tokens, stream=True)
+            body["messages"] = [{"role": "user", "content": f"{label} {i}."}]
+            assert (await send(session, proxy.url, CHAT_PATH, body)).status == 200
+            await records.after(i)
+        after = await vllm_histograms(session, server, LATENCY_FAMILIES)
+    return records.records, before, after
+
+
 async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVLLM) -> None:
     """Sequential streams through the proxy: the sidecar's server-vantage TTFT, E2E and ITL sums
     against the sums vLLM's own histograms gained over the same requests.
@@ -345,18 +360,10 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
     counts agree exactly: one TTFT and one E2E per request, one ITL per token after the first
     (one event per token at this load)."""
     n = 8
-    async with proxy_before(real_vllm) as (proxy, records), aiohttp.ClientSession() as session:
-        before = await vllm_histograms(session, real_vllm, LATENCY_FAMILIES)
-        for i in range(n):
-            body = chat(max_tokens=16, stream=True)
-            body["messages"] = [{"role": "user", "content": f"Story number {i}."}]
-            answer = await send(session, proxy.url, CHAT_PATH, body)
-            assert answer.status == 200
-            await records.after(i)
-        after = await vllm_histograms(session, real_vllm, LATENCY_FAMILIES)
+    recorded, before, after = await sequential_streams(real_vllm, n, 16, "Story number")
     ours = {"ttft": 0.0, "e2e": 0.0, "itl": 0.0}
     itl_count = 0
-    for record in records.records:
+    for record in recorded:
         server = record.server
         assert server is not None and record.outcome is Outcome.OK
         offsets = list(server.offsets_ns)
@@ -374,7 +381,7 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
         added_ms = (ours[key] - theirs[key]) / n * 1e3
         assert 0.0 <= added_ms <= 50.0, (key, added_ms, [
             round((list(r.server.offsets_ns)[0] - r.server.start_ns) / 1e6, 2)
-            for r in records.records if r.server is not None])
+            for r in recorded if r.server is not None])
     assert 0.0 <= ours["itl"] <= theirs["itl"] + n * 0.050, (ours["itl"], theirs["itl"])
 
 
@@ -514,20 +521,12 @@ async def test_engine_vantage_is_vllms_per_request_timing_on_the_same_intervals(
     ends (the engine step, before the answer is written): never longer than the server's.
     Without the flag there is none. Against vLLM's histograms: its TTFT starts at arrival in the
     API server, before queued, so it is never shorter than the engine vantage's."""
-    n = 6
-    async with proxy_before(real_vllm) as (proxy, records), aiohttp.ClientSession() as session:
-        before = await vllm_histograms(session, real_vllm, LATENCY_FAMILIES)
-        for i in range(n):
-            body = chat(max_tokens=12, stream=True)
-            body["messages"] = [{"role": "user", "content": f"Engine story {i}."}]
-            assert (await send(session, proxy.url, CHAT_PATH, body)).status == 200
-            await records.after(i)
-        after = await vllm_histograms(session, real_vllm, LATENCY_FAMILIES)
+    recorded, before, after = await sequential_streams(real_vllm, 6, 12, "Engine story")
     if not per_request_metrics:
-        assert all(record.engine is None for record in records.records)
+        assert all(record.engine is None for record in recorded)
         return
     engine_ttft_sum = 0.0
-    for record in records.records:
+    for record in recorded:
         engine, server = record.engine, record.server
         assert engine is not None and server is not None
         assert engine.ttft_ms is not None and engine.e2e_ms is not None
