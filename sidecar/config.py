@@ -39,16 +39,26 @@ _DURATION_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h"
 
 
 def parse_duration(text: str | float | int) -> float:
-    """'500ms' -> 0.5, '2s' -> 2.0, '1m' -> 60.0, '250us' -> 0.00025, 3 -> 3.0 (seconds)."""
+    """'500ms' -> 0.5, '2s' -> 2.0, '1m' -> 60.0, '250us' -> 0.00025 (seconds); 0 needs no unit.
+
+    Anything else without a unit is refused: a bare ``500`` meant 500 ms as often as 500 s,
+    and an SLO read as the wrong one passes everything (or nothing) without a word."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
+        if value != 0:
+            raise ConfigError(f"a duration needs a unit: {text!r} (write e.g. {text}ms or "
+                              f"{text}s)")
     else:
         match = _DURATION_RE.fullmatch(str(text).strip().lower())
         if match is None:
             raise ConfigError(
-                f"not a duration: {text!r} (use e.g. 500ms, 2s, 1m, or a number of seconds)"
+                f"not a duration: {text!r} (use e.g. 500ms, 2s, 1m)"
             )
         value = float(match["number"]) * _DURATION_UNITS[match["unit"] or "s"]
+        if match["unit"] is None and value != 0:
+            number = match["number"]
+            raise ConfigError(f"a duration needs a unit: {str(text).strip()!r} (write e.g. "
+                              f"{number}ms or {number}s)")
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"a duration must be a finite, non-negative number: {text!r}")
     return value

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,46 @@ from sidecar.config import (
 
 
 @pytest.mark.parametrize(("text", "seconds"), [
-    ("500ms", 0.5), ("2s", 2.0), ("1m", 60.0), ("250us", 0.00025), ("1.5", 1.5), (3, 3.0),
-    ("0", 0.0), ("1h", 3600.0),
+    ("500ms", 0.5), ("2s", 2.0), ("1m", 60.0), ("250us", 0.00025), ("1.5s", 1.5), ("0", 0.0),
+    (0, 0.0), ("1h", 3600.0),
 ])
 def test_durations(text: str | int, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bare", ["500", "1.5", 3, 0.25])
+def test_a_duration_without_a_unit_is_refused_with_the_fix(bare: str | float) -> None:
+    """A bare 500 meant 500 ms as often as 500 s: an SLO read as the wrong one passes every
+    request (or none) without a word. Only 0 needs no unit."""
+    with pytest.raises(ConfigError, match="needs a unit") as caught:
+        parse_duration(bare)
+    assert f"{bare}ms or {bare}s" in str(caught.value)
+
+
+def test_every_front_door_refuses_a_bare_slo(tmp_path: Path) -> None:
+    """As a user types it: the proxy's flag, its environment variable and config file, replay,
+    sweep and the demo all stop at once, exit 2, and name the fix (one line, no traceback)."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "sidecar.toml"
+    config.write_text('upstreams = ["http://127.0.0.1:9"]\nslo = "ttft=500"\n')
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"format": "sidecar-trace", "version": 2}\n')
+    runs = [
+        (["proxy", "--upstream", "http://127.0.0.1:9", "--slo", "ttft=500"], {}),
+        (["proxy", "--upstream", "http://127.0.0.1:9"], {"SIDECAR_SLO": "ttft=500"}),
+        (["proxy", "--config", str(config)], {}),
+        (["sweep", "--target", "http://127.0.0.1:9", "--slo", "ttft=500", "--dataset",
+          "random:in=8,out=4", "--rates", "1"], {}),
+        (["demo", "--slo", "ttft=500"], {}),
+        (["proxy", "--upstream", "http://127.0.0.1:9", "--idle-timeout", "30"], {}),
+    ]
+    for argv, env in runs:
+        done = subprocess.run([sys.executable, "-m", "sidecar", *argv], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, **env})
+        assert done.returncode == 2, (argv, env, done.stderr)
+        assert "needs a unit" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("bad", ["abc", "-1s", "1 parsec", "nan", ""])
