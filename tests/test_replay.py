@@ -332,3 +332,43 @@ def test_a_target_that_is_down_is_called_unreachable(tmp_path: Path) -> None:
         assert done.returncode == 2, done.stderr
         assert "http://127.0.0.1:9 is unreachable" in done.stderr
         assert "pass --model" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_output_paths_are_checked_before_the_first_request(tmp_path: Path) -> None:
+    """A run of hours must not end in "No such file": replay's --output-dir and export files
+    and sweep's --output-dir are tried before anything is sent (the target here is down, so a
+    late check would have shown up as failed requests instead)."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    replay = ["replay", str(trace), "--model", "m", "--no-progress"]
+    runs = [
+        [*replay, "--output-dir", str(blocker / "out")],
+        [*replay, "--export-llmd", str(tmp_path / "no" / "x.json")],
+        [*replay, "--export-vllm-bench", str(blocker / "x.json")],
+        ["sweep", "--model", "m", "--slo", "ttft=1s", "--dataset", "random:in=8,out=4",
+         "--rates", "1", "--output-dir", str(blocker / "out")],
+    ]
+    for argv in runs:
+        done = subprocess.run([sys.executable, "-m", "sidecar", *argv, "--target",
+                               "http://127.0.0.1:9"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert "cannot write to" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_replay_where_nothing_succeeded_exits_non_zero(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
+    done = subprocess.run([sys.executable, "-m", "sidecar", "replay", str(trace), "--model", "m",
+                           "--target", "http://127.0.0.1:9", "--repeats", "1", "--no-progress"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "no request succeeded (ClientConnectorError x1)" in done.stderr

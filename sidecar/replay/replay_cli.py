@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -143,9 +144,30 @@ async def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def check_writable(directory: str | None = None, files: Sequence[str | None] = ()) -> None:
+    """Before the first request: the output directory can be made and written, and each output
+    file's folder exists and is writable (a run of hours must not end in 'No such file').
+    Raises UsageError naming the path and the cause."""
+    import tempfile
+
+    targets = [Path(directory)] if directory else []
+    for file in files:
+        if file:
+            targets.append(Path(file).parent if str(Path(file).parent) else Path("."))
+    for folder in targets:
+        try:
+            if directory and folder == Path(directory):
+                folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".sidecar-write-check-"):
+                pass
+        except OSError as exc:
+            raise UsageError(f"cannot write to {folder}: {exc.strerror or exc}") from None
+
+
 async def _run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.workers < 1:
         raise UsageError("--repeats and --workers must be >= 1")
+    check_writable(args.output_dir, (args.export_vllm_bench, args.export_llmd))
     if args.max_concurrency is not None and args.workers > 1:
         raise UsageError("--workers applies to open loop only")
     if not 0 <= args.shard_index < args.shard_count:
@@ -279,6 +301,12 @@ async def _replay(args: argparse.Namespace, plan: list[PlannedRequest], mode: st
     print(console_table(result))
     if args.output_dir:
         print(f"report: {Path(args.output_dir) / 'report.json'}")
+    if not any(s.record.ok for sent in runs for s in sent):
+        causes = Counter(s.record.error_type or s.record.outcome.value
+                         for sent in runs for s in sent)
+        top = ", ".join(f"{cause} x{count}" for cause, count in causes.most_common(3))
+        print(f"sidecar replay: no request succeeded ({top})", file=sys.stderr)
+        return 1
     return 0
 
 

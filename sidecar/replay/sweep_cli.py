@@ -331,13 +331,15 @@ def engine_sources(target: str, replicas: Mapping[str, Any] | None) -> tuple[lis
 async def run(args: argparse.Namespace) -> int:
     try:
         return await _run(args)
-    except (ValueError, ConfigError, OSError, AdminError) as exc:
+    except (ValueError, ConfigError, OSError, AdminError, replay_cli.UsageError) as exc:
         print(f"sidecar sweep: {exc}", file=sys.stderr)
         return 2
 
 
 async def _run(args: argparse.Namespace) -> int:
     thresholds = parse_thresholds(args.slo)
+    # Before the first step: a sweep of hours must not end in "No such file".
+    replay_cli.check_writable(args.output_dir)
     criteria = Criteria(thresholds, args.slo_percentile, args.max_error_rate, args.keep_up)
     target = args.target.rstrip("/")
     unit = "req/s" if args.mode == "open" else "concurrent requests"
