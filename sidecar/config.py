@@ -105,6 +105,16 @@ def normalise_upstream(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
+def normalise_otel_endpoint(url: str) -> str:
+    """An OTLP/HTTP base URL, checked at start rather than at every export interval (a bare
+    ``localhost:4318`` is read by urllib as scheme "localhost" and fails each time)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError("--otel-endpoint must be an http(s) URL like http://127.0.0.1:4318 "
+                          f"(OTLP over HTTP): {url!r}")
+    return url.strip().rstrip("/")
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     upstreams: tuple[str, ...]
@@ -351,6 +361,8 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "upstreams":
         items = value.split(",") if isinstance(value, str) else list(value)
         return tuple(normalise_upstream(str(item)) for item in items if str(item).strip())
+    if name == "otel_endpoint":
+        return normalise_otel_endpoint(str(value))
     if name == "listen_port" or name == "metrics_port":
         return int(value)
     if name in _MAPPINGS:

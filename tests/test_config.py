@@ -132,3 +132,13 @@ def test_slo_declarations() -> None:
                          ("ttft=1s,ttft=2s", "declared twice"), ("", "empty SLO")):
         with pytest.raises(ConfigError, match=message):
             parse_slo(bad)
+
+
+def test_the_otel_endpoint_is_checked_at_start() -> None:
+    """`localhost:4318` used to be accepted and then fail at every export interval."""
+    for bad in ("localhost:4318", "otel-collector", "grpc://collector:4317"):
+        with pytest.raises(ConfigError, match="must be an http"):
+            build_config({"upstreams": ["http://127.0.0.1:9"], "otel_endpoint": bad}, {})
+    config = build_config({"upstreams": ["http://127.0.0.1:9"],
+                           "otel_endpoint": "http://collector:4318/"}, {})
+    assert config.otel_endpoint == "http://collector:4318"
