@@ -372,3 +372,19 @@ def test_a_replay_where_nothing_succeeded_exits_non_zero(tmp_path: Path) -> None
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     assert "no request succeeded (ClientConnectorError x1)" in done.stderr
+
+
+def test_a_target_without_a_scheme_is_refused_at_once(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
+    for command in (["replay", str(trace), "--no-progress"],
+                    ["sweep", "--slo", "ttft=1s", "--dataset", "random:in=8,out=4",
+                     "--rates", "1"]):
+        done = subprocess.run([sys.executable, "-m", "sidecar", *command, "--target",
+                               "127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "--target must be an http(s) URL like http://127.0.0.1:8000: '127.0.0.1:9'" \
+            in done.stderr

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -144,6 +145,16 @@ async def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def checked_target(target: str) -> str:
+    """The target's base URL, refused at once when it is not an http(s) URL (a bare host:port
+    used to reach the first request and come back as "no model")."""
+    parts = urlsplit(target.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UsageError(f"--target must be an http(s) URL like http://127.0.0.1:8000: "
+                         f"{target!r}")
+    return target.strip().rstrip("/")
+
+
 def check_writable(directory: str | None = None, files: Sequence[str | None] = ()) -> None:
     """Before the first request: the output directory can be made and written, and each output
     file's folder exists and is writable (a run of hours must not end in 'No such file').
@@ -193,7 +204,7 @@ async def _run(args: argparse.Namespace) -> int:
     if args.slo:
         t = parse_slo(args.slo)
         slo_policy = SLOPolicy({"default": SLO(t.get("ttft"), t.get("tpot"), t.get("e2e"))})
-    target = args.target.rstrip("/")
+    target = checked_target(args.target)
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         model = args.model or _trace_model(requests) or await first_model(session, target)

@@ -341,7 +341,7 @@ async def _run(args: argparse.Namespace) -> int:
     # Before the first step: a sweep of hours must not end in "No such file".
     replay_cli.check_writable(args.output_dir)
     criteria = Criteria(thresholds, args.slo_percentile, args.max_error_rate, args.keep_up)
-    target = args.target.rstrip("/")
+    target = replay_cli.checked_target(args.target)
     unit = "req/s" if args.mode == "open" else "concurrent requests"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         model = args.model or await replay_cli.first_model(session, target)
