@@ -198,9 +198,12 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
         assert metric(exposition, "sidecar_workers_alive") == 2
         assert metric(exposition, "sidecar_channel_records_total") == requests
         assert metric(exposition, "sidecar_channel_dropped_records_total") == 0
-        # Per-replica figures come with each worker's status (every 0.25 s): wait for them.
+        # Per-replica figures come with each worker's status (every 0.25 s): wait for them. A
+        # status sent between a request's start (counted) and its end (outstanding back to 0)
+        # is a moment, not the settled view: wait for both.
         replicas = until(lambda: get(admin + "/replicas", TOKEN),
-                         lambda r: r["replicas"][0]["requests_total"] == requests)
+                         lambda r: r["replicas"][0]["requests_total"] == requests
+                         and r["replicas"][0]["outstanding"] == 0)
         assert replicas["requests_total"] == requests == replicas["records_received"]
         assert replicas["replicas"][0]["requests_total"] == requests
         assert replicas["replicas"][0]["outstanding"] == 0
