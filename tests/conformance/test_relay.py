@@ -452,7 +452,7 @@ async def test_a_client_that_leaves_mid_stream_is_counted_as_vllm_counts_it(
 
 async def test_replicas_shows_the_engine_view_read_from_vllms_metrics(
         real_vllm: RealVLLM) -> None:
-    async with proxy_before(real_vllm, engine_scrape_interval="0.2") as (proxy, _records), \
+    async with proxy_before(real_vllm, engine_scrape_interval="200ms") as (proxy, _records), \
             aiohttp.ClientSession() as session:
         await send(session, proxy.url, CHAT_PATH, chat(max_tokens=4))
         direct = await settled_counters(session, real_vllm)
