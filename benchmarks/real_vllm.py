@@ -43,7 +43,7 @@ import aiohttp
 import numpy as np
 import openai
 
-from sidecar.engine_metrics import parse_engine_metrics
+from sidecar.engine_metrics import histogram_totals, parse_engine_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -55,23 +55,14 @@ LATENCY = {"ttft": "vllm:time_to_first_token_seconds",
 
 
 async def vllm_snapshot(session: aiohttp.ClientSession, target: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     async with session.get(target + "/metrics") as response:
         text = await response.text()
     values, _ = parse_engine_metrics(text)
     out = {"prompt_tokens": values.get("prompt_tokens", 0.0),
            "generation_tokens": values.get("generation_tokens", 0.0)}
+    totals = histogram_totals(text, LATENCY.values())
     for key, family_name in LATENCY.items():
-        total = count = 0.0
-        for family in text_string_to_metric_families(text):
-            if family.name == family_name:
-                for sample in family.samples:
-                    if sample.name.endswith("_sum"):
-                        total += sample.value
-                    elif sample.name.endswith("_count"):
-                        count += sample.value
-        out[key + "_sum"], out[key + "_count"] = total, count
+        out[key + "_sum"], out[key + "_count"] = totals[family_name]
     return out
 
 

@@ -65,6 +65,22 @@ def parse_engine_metrics(text: str) -> tuple[dict[str, float], str | None]:
     return values, flavour
 
 
+def histogram_totals(text: str, families: Iterable[str]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each named histogram family in a /metrics text, over its label sets
+    (0, 0 for a family that is absent): a mean over an interval is the difference of two."""
+    out = {name: (0.0, 0.0) for name in families}
+    for family in text_string_to_metric_families(text):
+        if family.name in out:
+            total, count = out[family.name]
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+            out[family.name] = (total, count)
+    return out
+
+
 @dataclass(slots=True)
 class EngineView:
     """The latest scrape of one replica, and the prefix hit rate since the previous one."""

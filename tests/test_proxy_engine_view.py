@@ -87,3 +87,21 @@ async def test_the_proxy_scrapes_each_replica(legacy: bool) -> None:
     assert all(e["running"] == 0 and e["kv_cache_usage"] is not None for e in engines)
     # Repeated prompts hit the prefix cache of whichever replica served them again.
     assert replicas["engine_totals"]["prefix_cache_hit_rate"] > 0
+
+
+def test_histogram_totals_sum_over_label_sets() -> None:
+    from sidecar.engine_metrics import histogram_totals
+
+    text = (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf"} 3.0\n'
+        'vllm:time_to_first_token_seconds_sum{engine="0"} 0.5\n'
+        'vllm:time_to_first_token_seconds_count{engine="0"} 3.0\n'
+        'vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf"} 1.0\n'
+        'vllm:time_to_first_token_seconds_sum{engine="1"} 0.25\n'
+        'vllm:time_to_first_token_seconds_count{engine="1"} 1.0\n'
+    )
+    totals = histogram_totals(text, ["vllm:time_to_first_token_seconds",
+                                     "vllm:e2e_request_latency_seconds"])
+    assert totals == {"vllm:time_to_first_token_seconds": (0.75, 4.0),
+                      "vllm:e2e_request_latency_seconds": (0.0, 0.0)}

@@ -316,19 +316,26 @@ async def test_shards_split_one_trace_and_keep_its_clock(tmp_path: Path) -> None
     assert len(scheduled) == 9
 
 
-def test_a_target_that_is_down_is_called_unreachable(tmp_path: Path) -> None:
-    """Not "no model: pass --model": nothing answers there, and the message says so."""
-    import subprocess
-    import sys
-
+def one_line_trace(tmp_path: Path) -> Path:
     trace = tmp_path / "t.jsonl"
     write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
-    for command in (["replay", str(trace), "--no-progress"],
-                    ["sweep", "--slo", "ttft=1s", "--dataset", "random:in=8,out=4",
-                     "--rates", "1"]):
-        done = subprocess.run([sys.executable, "-m", "sidecar", *command, "--target",
-                               "http://127.0.0.1:9"], capture_output=True, text=True,
-                              timeout=60)
+    return trace
+
+
+def sidecar_command(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`python -m sidecar ...` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "sidecar", *argv], capture_output=True,
+                          text=True, timeout=60)
+
+
+SWEEP_ONE_STEP = ("sweep", "--slo", "ttft=1s", "--dataset", "random:in=8,out=4", "--rates", "1")
+
+
+def test_a_target_that_is_down_is_called_unreachable(tmp_path: Path) -> None:
+    """Not "no model: pass --model": nothing answers there, and the message says so."""
+    trace = one_line_trace(tmp_path)
+    for command in (("replay", str(trace), "--no-progress"), SWEEP_ONE_STEP):
+        done = sidecar_command(*command, "--target", "http://127.0.0.1:9")
         assert done.returncode == 2, done.stderr
         assert "http://127.0.0.1:9 is unreachable" in done.stderr
         assert "pass --model" not in done.stderr and "Traceback" not in done.stderr
@@ -338,11 +345,7 @@ def test_output_paths_are_checked_before_the_first_request(tmp_path: Path) -> No
     """A run of hours must not end in "No such file": replay's --output-dir and export files
     and sweep's --output-dir are tried before anything is sent (the target here is down, so a
     late check would have shown up as failed requests instead)."""
-    import subprocess
-    import sys
-
-    trace = tmp_path / "t.jsonl"
-    write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
+    trace = one_line_trace(tmp_path)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     replay = ["replay", str(trace), "--model", "m", "--no-progress"]
@@ -350,41 +353,26 @@ def test_output_paths_are_checked_before_the_first_request(tmp_path: Path) -> No
         [*replay, "--output-dir", str(blocker / "out")],
         [*replay, "--export-llmd", str(tmp_path / "no" / "x.json")],
         [*replay, "--export-vllm-bench", str(blocker / "x.json")],
-        ["sweep", "--model", "m", "--slo", "ttft=1s", "--dataset", "random:in=8,out=4",
-         "--rates", "1", "--output-dir", str(blocker / "out")],
+        [*SWEEP_ONE_STEP, "--model", "m", "--output-dir", str(blocker / "out")],
     ]
     for argv in runs:
-        done = subprocess.run([sys.executable, "-m", "sidecar", *argv, "--target",
-                               "http://127.0.0.1:9"], capture_output=True, text=True,
-                              timeout=60)
+        done = sidecar_command(*argv, "--target", "http://127.0.0.1:9")
         assert done.returncode == 2, (argv, done.stderr)
         assert "cannot write to" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_replay_where_nothing_succeeded_exits_non_zero(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    trace = tmp_path / "t.jsonl"
-    write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
-    done = subprocess.run([sys.executable, "-m", "sidecar", "replay", str(trace), "--model", "m",
-                           "--target", "http://127.0.0.1:9", "--repeats", "1", "--no-progress"],
-                          capture_output=True, text=True, timeout=60)
+    trace = one_line_trace(tmp_path)
+    done = sidecar_command("replay", str(trace), "--model", "m", "--target",
+                           "http://127.0.0.1:9", "--repeats", "1", "--no-progress")
     assert done.returncode == 1, done.stderr
     assert "no request succeeded (ClientConnectorError x1)" in done.stderr
 
 
 def test_a_target_without_a_scheme_is_refused_at_once(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    trace = tmp_path / "t.jsonl"
-    write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
-    for command in (["replay", str(trace), "--no-progress"],
-                    ["sweep", "--slo", "ttft=1s", "--dataset", "random:in=8,out=4",
-                     "--rates", "1"]):
-        done = subprocess.run([sys.executable, "-m", "sidecar", *command, "--target",
-                               "127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    trace = one_line_trace(tmp_path)
+    for command in (("replay", str(trace), "--no-progress"), SWEEP_ONE_STEP):
+        done = sidecar_command(*command, "--target", "127.0.0.1:9")
         assert done.returncode == 2, done.stderr
         assert "--target must be an http(s) URL like http://127.0.0.1:8000: '127.0.0.1:9'" \
             in done.stderr

@@ -33,11 +33,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from proxy_stack import Collect
 from real_server import RealVLLM, post_json
 
 from sidecar.cli import build_proxy_server
 from sidecar.config import build_config
-from sidecar.engine_metrics import parse_engine_metrics
+from sidecar.engine_metrics import histogram_totals, parse_engine_metrics
 from sidecar.proxy.app import ProxyServer
 from sidecar.record import Outcome, RequestRecord, TokenSource
 from sidecar.replay import replay_cli
@@ -73,36 +74,14 @@ def by_choice(stream: bytes) -> dict[bytes, list[bytes]]:
     return groups
 
 
-class Records:
-    """The proxy's records, as a sink receives them."""
-
-    name = "conformance-records"
-
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-
-    def on_record(self, record: RequestRecord) -> None:
-        self.records.append(record)
-
-    async def after(self, count: int, timeout: float = 30.0) -> RequestRecord:
-        """The record that follows the first ``count``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while len(self.records) == count:
-            if loop.time() > deadline:
-                raise TimeoutError("the proxy recorded nothing for the request")
-            await asyncio.sleep(0.01)
-        return self.records[count]
-
-
 @asynccontextmanager
 async def proxy_before(server: RealVLLM, **settings: str) -> AsyncIterator[
-        tuple[ProxyServer, Records]]:
+        tuple[ProxyServer, Collect]]:
     flags = {"upstreams": [server.base_url], "listen": "127.0.0.1:0",
              "metrics_listen": "127.0.0.1:0", "health_interval": "0",
              "engine_scrape_interval": "0", **settings}
     proxy, _window = build_proxy_server(build_config(flags, {}))
-    records = Records()
+    records = Collect()
     proxy.proxy.fanout.add(records)
     await proxy.start()
     try:
@@ -254,7 +233,7 @@ async def test_errors_reach_the_client_as_vllm_answers_them(real_vllm: RealVLLM,
             aiohttp.ClientSession() as session:
         direct = await send(session, real_vllm.base_url, case.path, case.body)
         proxied = await send(session, proxy.url, case.path, case.body)
-        record = await records.after(0)
+        record = (await records.wait_for(1, 30))[0]
     assert direct.status == case.status, direct.body[:400]
     assert (proxied.status, proxied.content_type) == (direct.status, direct.content_type)
     assert normalised(proxied.body) == normalised(direct.body)
@@ -278,7 +257,7 @@ async def test_the_client_gets_what_vllm_sends_and_the_proxy_counts_what_vllm_co
         direct = await send(session, real_vllm.base_url, case.path, case.body)
         before = await vllm_counters(session, real_vllm)
         proxied = await send(session, proxy.url, case.path, case.body)
-        record = await records.after(seen)
+        record = (await records.wait_for(seen + 1, 30))[seen]
         after = await vllm_counters(session, real_vllm)
     assert direct.status == case.status, direct.body[:400]
     assert (proxied.status, proxied.content_type) == (direct.status, direct.content_type)
@@ -298,21 +277,8 @@ async def test_the_client_gets_what_vllm_sends_and_the_proxy_counts_what_vllm_co
 async def vllm_histograms(session: aiohttp.ClientSession, server: RealVLLM,
                           names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
     """(sum, count) of each named vLLM histogram, over its label sets."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     async with session.get(server.base_url + "/metrics") as response:
-        text = await response.text()
-    out = {name: (0.0, 0.0) for name in names}
-    for family in text_string_to_metric_families(text):
-        if family.name in out:
-            total, count = out[family.name]
-            for sample in family.samples:
-                if sample.name.endswith("_sum"):
-                    total += sample.value
-                elif sample.name.endswith("_count"):
-                    count += sample.value
-            out[family.name] = (total, count)
-    return out
+        return histogram_totals(await response.text(), names)
 
 
 LATENCY_FAMILIES = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
@@ -329,7 +295,7 @@ async def sequential_streams(server: RealVLLM, n: int, max_tokens: int, label: s
             body = chat(max_tokens=max_tokens, stream=True)
             body["messages"] = [{"role": "user", "content": f"{label} {i}."}]
             assert (await send(session, proxy.url, CHAT_PATH, body)).status == 200
-            await records.after(i)
+            await records.wait_for(i + 1, 30)
         after = await vllm_histograms(session, server, LATENCY_FAMILIES)
     return records.records, before, after
 
@@ -407,8 +373,8 @@ async def test_a_client_that_leaves_mid_stream_is_counted_as_vllm_counts_it(
     that had arrived. vLLM counts every token its engine made; the proxy, those whose events
     it read before it closed the upstream connection. The engine goes on making tokens until
     the API server has seen the connection close and the abort has reached the engine core:
-    one token per ~2 ms step here, for 10-60 ms on this machine, where the API server waits
-    for a core beside an engine that busy-spins (measured: 3 read, 32 made). So vLLM's count is
+    one token per ~2 ms step here, while the API server waits for a core beside an engine
+    that busy-spins (measured once: 3 read, 32 made, ~60 ms). So vLLM's count is
     at least the record's, and the gap is bounded by ~300 ms of decoding (150 tokens); the
     record's n_out for a cancelled stream is what was delivered (docs/real-vllm.md).
 
@@ -433,7 +399,7 @@ async def test_a_client_that_leaves_mid_stream_is_counted_as_vllm_counts_it(
                     if token_events == 3:
                         break
             response.close()  # the connection goes with it
-            record = await records.after(0)
+            record = (await records.wait_for(1, 30))[0]
             after = await settled_counters(session, real_vllm)
         if record.n_out != max_tokens:
             break
