@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -35,6 +36,7 @@ from sidecar.config import (
     RoutePolicy,
     build_config,
     default_workers,
+    environment_warnings,
     load_config_file,
 )
 from sidecar.hooks import ScrapeRunner, SinkFanout, ThreadedSink
@@ -69,6 +71,15 @@ examples:
       live statistics at http://127.0.0.1:9464/stats
 
 run 'sidecar COMMAND --help' for a command's options and examples.
+
+exit status, every command:
+  0    done
+  1    it ran but failed: replay where no request succeeded, trace lint that found errors
+  2    a usage or input error: a flag, an unreadable or unusable file, an output that cannot
+       be written, a port in use (one line on stderr says which and why)
+  3    refused: compare, merge and trace merge of runs that differ (--force overrides);
+       vllm status: not running
+  130  interrupted (Ctrl-C)
 """
 
 
@@ -90,7 +101,10 @@ every other path is passed through. Each request ends in exactly one record with
 Every setting can also come from an environment variable SIDECAR_<NAME> (e.g.
 SIDECAR_UPSTREAMS=http://a:8000,http://b:8000, SIDECAR_TTFT_TIMEOUT=30s) or a config file
 (--config FILE, JSON or TOML, keys named like the flags with underscores). Flags win over the
-environment, which wins over the file.
+environment, which wins over the file. Where a flag's name differs from its setting's, both
+work: SIDECAR_UPSTREAM or SIDECAR_UPSTREAMS, SIDECAR_WINDOW or SIDECAR_WINDOW_S, SIDECAR_CAPTURE
+or SIDECAR_CAPTURE_DIR; a SIDECAR_ variable that looks like a misspelt setting is named in a
+warning.
 """
 
 PROXY_EPILOG = """\
@@ -119,9 +133,15 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="header naming the session for --route-policy session "
                              "[X-Session-ID; falls back to the body's `user`]")
     for name, default in (("connect-timeout", "5s"), ("ttft-timeout", "300s"),
-                          ("idle-timeout", "60s"), ("total-timeout", "0 = off")):
+                          ("idle-timeout", "60s"), ("total-timeout", "4h")):
         parser.add_argument(f"--{name}", metavar="DURATION",
                             help=f"e.g. 500ms, 30s, 2m; 0 disables [{default}]")
+    parser.add_argument("--nonstream-timeout", metavar="DURATION",
+                        help="a non-streamed generation relayed whole must be answered within "
+                        "this (504 after it); 0 disables [1h]")
+    parser.add_argument("--max-stream-events", type=int, metavar="N",
+                        help="events in one streamed response; beyond it the stream ends with "
+                        "an error event [1000000]")
     parser.add_argument("--max-body-bytes", type=int, metavar="N",
                         help="larger request bodies get 413 [16 MiB]")
     parser.add_argument("--max-concurrency", type=int, metavar="N",
@@ -209,8 +229,9 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         "(and counted) [10000]")
     parser.add_argument("--admin-token", metavar="TOKEN",
                         help="require 'Authorization: Bearer TOKEN' on the admin listener "
-                        "(/healthz excepted); prefer SIDECAR_ADMIN_TOKEN over the flag, which "
-                        "other local users can see in the process list")
+                        "(the probes /healthz and /readyz excepted); prefer "
+                        "SIDECAR_ADMIN_TOKEN over the flag, which other local users can see in "
+                        "the process list")
     parser.add_argument("--allow-open-admin", action="store_const", const=True,
                         help="serve the admin listener on a non-loopback address without "
                         "--admin-token (refused otherwise: /metrics, /stats and /replicas would "
@@ -230,7 +251,8 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
 def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
     names = ("upstreams", "listen", "metrics_listen", "route_policy", "session_header",
              "connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
-             "max_body_bytes", "max_concurrency", "inject_usage", "assemble_nonstream",
+             "nonstream_timeout", "max_stream_events", "max_body_bytes", "max_concurrency",
+             "inject_usage", "assemble_nonstream",
              "header_timeout", "body_timeout", "keepalive_timeout", "max_connections",
              "max_header_count", "max_header_bytes",
              "retry_connect", "health_interval", "eject_after", "window_s", "window_max_bytes",
@@ -249,9 +271,13 @@ async def run_proxy(args: argparse.Namespace) -> int:
     try:
         file_settings = load_config_file(args.config) if args.config else None
         config = build_config(_proxy_flags(args), file_settings=file_settings)
+        if config.capture_dir:
+            check_capture_dir(config.capture_dir)
     except ConfigError as exc:
         print(f"sidecar proxy: {exc}", file=sys.stderr)
         return 2
+    for warning in environment_warnings():
+        print(f"sidecar proxy: warning: {warning}", file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     workers = default_workers() if config.workers is None else config.workers
@@ -261,12 +287,17 @@ async def run_proxy(args: argparse.Namespace) -> int:
         workers = 0
     models = await upstream_models(config.upstreams) if config.capture_dir else ()
     server: ProxyServer | Collector
-    if workers:
-        server, _window = build_collector(config, workers, models=models)
-        routes = "/stats, /replicas, /workers, /healthz"
-    else:
-        server, _window = build_proxy_server(config, models=models)
-        routes = "/stats, /replicas, /healthz"
+    try:
+        if workers:
+            server, _window = build_collector(config, workers, models=models)
+            routes = "/stats, /replicas, /workers, /healthz"
+        else:
+            server, _window = build_proxy_server(config, models=models)
+            routes = "/stats, /replicas, /healthz"
+    except (ValueError, OSError) as exc:
+        # A sink that cannot start (the capture directory refused or not made): one line.
+        print(f"sidecar proxy: {sink_error(exc, config)}", file=sys.stderr)
+        return 2
     # Handlers first: a SIGTERM right after the "listening" line (an orchestrator that starts
     # and stops quickly) must still be a graceful stop, not the default kill.
     with shutdown_signals() as stop:
@@ -284,7 +315,8 @@ async def run_proxy(args: argparse.Namespace) -> int:
         try:
             starting.result()
         except (StartError, OSError) as exc:
-            # A port in use, a worker that could not start: one line, not a traceback.
+            # A port in use (ListenError names the listener, the address and the cause), a
+            # worker that could not start: one line, not a traceback.
             print(f"sidecar proxy: {exc}", file=sys.stderr)
             return 2
         try:
@@ -297,6 +329,33 @@ async def run_proxy(args: argparse.Namespace) -> int:
         finally:
             await server.close()
     return 0
+
+
+def check_capture_dir(directory: str) -> None:
+    """--capture's directory is one, or can be made, and this user may write there: checked at
+    start, so that a file in its place or a read-only mount is one line (ConfigError), not a
+    traceback. Nothing is created here: the capture sink makes the directory, with its mode."""
+    path = Path(directory)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:  # pragma: no cover - the root always exists
+        return
+    if not existing.is_dir():
+        where = "" if existing == path else f" ({existing} is a file)"
+        raise ConfigError(f"--capture {directory}: not a directory{where or ' (a file is there)'}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "write there" if existing == path else f"create it in {existing}"
+        raise ConfigError(f"--capture {directory}: this user cannot {what}")
+
+
+def sink_error(exc: ValueError | OSError, config: ProxyConfig) -> str:
+    """An error of building the sinks as one line, naming the flag when it is the capture's."""
+    if not isinstance(exc, OSError):
+        return str(exc)
+    text = f"{exc.filename}: {exc.strerror}" if exc.filename else (exc.strerror or str(exc))
+    capture = config.capture_dir
+    if capture and exc.filename and str(exc.filename).startswith(str(capture)):
+        return f"--capture {capture}: {exc.strerror}"
+    return text
 
 
 def settle_gc() -> None:
@@ -319,10 +378,7 @@ def capture_key_notes(key_id: str | None, shared: bool) -> dict[str, str]:
 
 
 def slo_policy_of(config: ProxyConfig) -> SLOPolicy | None:
-    classes = {
-        name: SLO(ttft_s=t.get("ttft"), tpot_s=t.get("tpot"), e2e_s=t.get("e2e"))
-        for name, t in config.slo_thresholds().items()
-    }
+    classes = {name: SLO(**spec.slo_arguments()) for name, spec in config.slo_specs().items()}
     return SLOPolicy(classes) if classes else None
 
 
@@ -525,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sim_cli.add_arguments(sim_parser)
-    sim_parser.set_defaults(handler=sim_cli.run)
+    sim_parser.set_defaults(handler=sim_cli.run, command_parser=sim_parser)
 
     proxy_parser = commands.add_parser(
         "proxy",
@@ -535,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_proxy_arguments(proxy_parser)
-    proxy_parser.set_defaults(handler=run_proxy)
+    proxy_parser.set_defaults(handler=run_proxy, command_parser=proxy_parser)
 
     # Commands that live in their own modules (DESCRIPTION, EPILOG, add_arguments, run).
     from sidecar import demo  # imported here: demo builds on this module's wiring
@@ -560,14 +616,34 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(
             name, help=summary, description=module.DESCRIPTION, epilog=module.EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter)
+        # Set before add_arguments: a command with actions (trace import, ...) sets its own.
+        command.set_defaults(handler=module.run, command_parser=command)
         module.add_arguments(command)
-        command.set_defaults(handler=module.run)
     return parser
+
+
+def parse_arguments(parser: argparse.ArgumentParser,
+                    argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args``, but an unknown flag is reported by the (sub)command it was given
+    to, with that command's usage and the closest flag it has: argparse would show the
+    top-level usage, which does not list the flag the user meant."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        owner: argparse.ArgumentParser = getattr(args, "command_parser", None) or parser
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        flags = [flag for action in owner._actions for flag in action.option_strings]
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0].partition("=")[0], flags, n=1)
+        if unknown[0].startswith("-") and close:
+            message += f" (did you mean {close[0]}?)"
+        owner.error(message)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     handler: Any = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)

@@ -3,7 +3,8 @@
 Precedence (highest first): command-line flag, environment variable ``SIDECAR_<NAME>``, config
 file (``--config FILE``, JSON, or TOML on Python >= 3.11), built-in default. Every setting has
 one name used in all three places: flag ``--connect-timeout``, env ``SIDECAR_CONNECT_TIMEOUT``,
-file key ``connect_timeout``.
+file key ``connect_timeout``. Where a flag is named otherwise than its setting (``--upstream``
+fills ``upstreams``), the flag's name works in the environment and the file too (`ALIASES`).
 """
 
 from __future__ import annotations
@@ -130,7 +131,17 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     ttft_timeout: float = 300.0  # upstream send -> first token-carrying event
     idle_timeout: float = 60.0  # longest gap between two upstream reads once streaming
-    total_timeout: float = 0.0  # whole request; off by default (long generations are legitimate)
+    # Whole request. A ceiling no real generation reaches (a 64k-token answer at 5 tokens/s
+    # takes 3.6 h) that still ends a stream which trickles or never ends.
+    total_timeout: float = 4 * 3600.0
+    # A non-streamed generation relayed whole: nothing arrives until the answer is complete,
+    # so neither the TTFT nor the idle timeout can tell a silent replica from a long answer.
+    # An hour is ~18k tokens at 5 tokens/s on a loaded replica (the total timeout, if shorter,
+    # wins).
+    nonstream_timeout: float = 3600.0
+    # Events in one streamed response; each costs the record ~16 bytes. A million is a
+    # million-token answer at one token per event: beyond it the stream is cut with an error.
+    max_stream_events: int = 1_000_000
     # Limits.
     max_body_bytes: int = 16 * 1024 * 1024
     max_concurrency: int = 4096  # requests in flight through the proxy; excess gets 429
@@ -168,7 +179,8 @@ class ProxyConfig:
     otel_export_interval: float = 10.0
     otel_server_chunks: bool = False  # also export server-side per-chunk gaps (doubles cost)
     label_cap: int = 64  # distinct values per metric label (model, replica) before "other"
-    # Bearer token the admin listener requires (except /healthz); None = open admin listener.
+    # Bearer token the admin listener requires (except the probes /healthz and /readyz); None =
+    # open admin listener.
     admin_token: str | None = field(default=None, repr=False)
     # An admin listener on a non-loopback address without a token is refused unless this is set
     # (the network in front of it, e.g. a NetworkPolicy, is then what keeps strangers out).
@@ -198,12 +210,17 @@ class ProxyConfig:
 
     def slo_thresholds(self) -> dict[str, dict[str, float]]:
         """SLO class name -> {metric: seconds}; empty when no SLO was declared."""
-        return _slo_thresholds(self)
+        return {name: dict(spec.thresholds) for name, spec in self.slo_specs().items()}
+
+    def slo_specs(self) -> dict[str, SLOSpec]:
+        """SLO class name -> its declaration; empty when no SLO was declared."""
+        return _slo_specs(self)
 
     def __post_init__(self) -> None:
         if not self.upstreams:
             raise ConfigError("at least one --upstream URL is required")
         positive_ints = ("max_body_bytes", "max_concurrency", "max_event_bytes", "eject_after",
+                         "max_stream_events",
                          "window_max_records", "window_max_bytes", "prefix_block_chars",
                          "prefix_block_tokens", "max_header_count", "max_header_bytes")
         for name in positive_ints:
@@ -225,6 +242,10 @@ class ProxyConfig:
             read_capture_key(self.capture_key_file)  # refuse a bad key now, not at first use
         if self.capture_text and not self.capture_dir:
             raise ConfigError("capture_text stores prompts and completions: it needs --capture DIR")
+        if self.admin_token and not self.admin_token.strip():
+            # Compared without surrounding whitespace (a Secret file's newline), a blank
+            # token would be no token while looking like one.
+            raise ConfigError("the admin token is only whitespace: set a real token, or none")
         if not self.admin_token and not self.allow_open_admin and not is_loopback_host(
                 self.metrics_host):
             raise ConfigError(
@@ -304,18 +325,19 @@ def read_capture_key(path: str) -> bytes:
     return key
 
 
-def _slo_thresholds(config: ProxyConfig) -> dict[str, dict[str, float]]:
-    classes = {"default": parse_slo(config.slo)} if config.slo else {}
+def _slo_specs(config: ProxyConfig) -> dict[str, SLOSpec]:
+    classes = {"default": parse_slo_spec(config.slo)} if config.slo else {}
     for name, spec in config.slo_classes.items():
         if name == "default" and "default" in classes:
             raise ConfigError("SLO class 'default' declared by both --slo and --slo-class")
-        classes[name] = parse_slo(spec)
+        classes[name] = parse_slo_spec(spec)
     if classes and "default" not in classes:
         raise ConfigError("named SLO classes need a default class too: add --slo SPEC")
     return classes
 
 
 _DURATIONS = {"connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
+              "nonstream_timeout",
               "health_interval", "health_timeout", "window_s", "engine_scrape_interval",
               "capture_rotate_s", "otel_export_interval", "header_timeout", "body_timeout",
               "keepalive_timeout"}
@@ -323,6 +345,7 @@ _BOOLS = {"inject_usage", "assemble_nonstream", "log_requests", "otel_exponentia
           "otel_traces", "capture_text", "capture_compress", "otel_server_chunks",
           "allow_open_admin"}
 _INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
+         "max_stream_events",
          "window_max_records", "window_max_bytes", "prefix_block_chars", "prefix_block_tokens",
          "label_cap", "workers", "channel_buffer_bytes", "max_connections", "max_header_count",
          "max_header_bytes",
@@ -333,6 +356,12 @@ SETTING_NAMES = tuple(f.name for f in fields(ProxyConfig) if f.name != "extra") 
     "listen",
     "metrics_listen",
 )
+# Settings whose flag is named otherwise (--upstream fills `upstreams`): the flag's name is
+# accepted in the environment (SIDECAR_UPSTREAM) and the config file too, where it used to be
+# ignored or refused although the help shows it.
+ALIASES = {"upstream": "upstreams", "slo_class": "slo_classes",
+           "slo_model_class": "slo_model_classes", "window": "window_s",
+           "capture": "capture_dir"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -424,13 +453,19 @@ def build_config(
     """
     environ = os.environ if environ is None else environ
     merged: dict[str, Any] = {}
+    file_keys: dict[str, str] = {}  # setting -> the key that set it
     for key, value in (file_settings or {}).items():
-        if key not in SETTING_NAMES:
-            raise ConfigError(f"unknown setting {key!r} in config file")
-        merged[key] = value
+        name = ALIASES.get(key, key)
+        if name not in SETTING_NAMES:
+            raise ConfigError(f"unknown setting {key!r} in config file{_suggestion(key)}")
+        if name in file_keys:
+            raise ConfigError(f"config file: {file_keys[name]!r} and {key!r} are the same "
+                              "setting: keep one")
+        file_keys[name] = key
+        merged[name] = value
     for name in SETTING_NAMES:
-        env_value = environ.get(f"SIDECAR_{name.upper()}")
-        if env_value is not None and env_value != "":
+        env_value = _env_setting(environ, name)
+        if env_value is not None:
             merged[name] = env_value
     for name, value in flags.items():
         if value is None:
@@ -454,30 +489,134 @@ def build_config(
     return ProxyConfig(**coerced)
 
 
+def _env_setting(environ: Mapping[str, str], name: str) -> str | None:
+    """SIDECAR_<NAME>, or SIDECAR_<FLAG NAME> where the flag is named otherwise; both set to
+    different values is an error rather than a silent choice."""
+    given = {f"SIDECAR_{key.upper()}": environ.get(f"SIDECAR_{key.upper()}")
+             for key in (name, *(alias for alias, of in ALIASES.items() if of == name))}
+    values = {variable: value for variable, value in given.items() if value}
+    if len(set(values.values())) > 1:
+        raise ConfigError(f"{' and '.join(values)} are the same setting, set differently: "
+                          "keep one")
+    return next(iter(values.values()), None)
+
+
+def _suggestion(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, (*SETTING_NAMES, *ALIASES), n=1, cutoff=0.8)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def environment_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """SIDECAR_* variables that are no setting but look like a misspelt one: each is ignored,
+    and says so (other SIDECAR_* variables belong to other tools and pass in silence)."""
+    import difflib
+
+    environ = os.environ if environ is None else environ
+    known = {f"SIDECAR_{name.upper()}" for name in (*SETTING_NAMES, *ALIASES)}
+    warnings = []
+    for variable in sorted(environ):
+        if not variable.startswith("SIDECAR_") or variable in known:
+            continue
+        close = difflib.get_close_matches(variable, known, n=1, cutoff=0.85)
+        if close:
+            warnings.append(f"{variable} is not a setting (did you mean {close[0]}?): ignored")
+    return warnings
+
+
 
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
+# What a class may leave out of its denominator: stats.SLO_EXCLUSIONS (config imports nothing
+# of the package; a test holds the two equal).
+SLO_EXCLUSION_NAMES = ("client_error", "client_cancelled")
+
+
+@dataclass(frozen=True)
+class SLOSpec:
+    """One SLO declaration: thresholds in seconds, and the objective and exclusions when it
+    states them (None: stats.SLO's defaults, 99 % and both exclusions)."""
+
+    thresholds: Mapping[str, float]
+    objective: float | None = None
+    exclude: frozenset[str] | None = None
+
+    def slo_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of stats.SLO."""
+        out: dict[str, Any] = {f"{name}_s": self.thresholds.get(name) for name in SLO_METRICS}
+        if self.objective is not None:
+            out["objective"] = self.objective
+        if self.exclude is not None:
+            out["exclude"] = self.exclude
+        return out
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """'ttft=500ms,tpot=50ms,e2e=20s' -> {'ttft': 0.5, 'tpot': 0.05, 'e2e': 20.0} (seconds)."""
+    """'ttft=500ms,tpot=50ms,e2e=20s' -> {'ttft': 0.5, 'tpot': 0.05, 'e2e': 20.0} (seconds).
+    Objective and exclusion terms are accepted and left out: `parse_slo_spec` has them."""
+    return dict(parse_slo_spec(text).thresholds)
+
+
+def parse_slo_spec(text: str) -> SLOSpec:
+    """'ttft=500ms,tpot=50ms,objective=99.5%,exclude=client_error': thresholds (each with a
+    unit), the objective (a percentage, or a fraction below 1) and what the denominator leaves
+    out (``+``-separated names of SLO_EXCLUSION_NAMES, or ``none``)."""
     thresholds: dict[str, float] = {}
+    objective: float | None = None
+    exclude: frozenset[str] | None = None
+    terms = (*SLO_METRICS, "objective", "exclude")
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
         name, sep, value = part.partition("=")
         name = name.strip().lower()
-        if not sep or name not in SLO_METRICS:
+        value = value.strip()
+        if not sep or name not in terms:
             raise ConfigError(
                 f"bad SLO term {part!r}: use NAME=DURATION with NAME in {', '.join(SLO_METRICS)}"
+                ", objective=99.5% or exclude=client_error+client_cancelled|none"
             )
-        if name in thresholds:
+        if name in thresholds or (name == "objective" and objective is not None) or (
+                name == "exclude" and exclude is not None):
             raise ConfigError(f"SLO {name} declared twice in {text!r}")
-        seconds = parse_duration(value)
-        if seconds <= 0:
-            raise ConfigError(f"SLO {name} must be > 0: {part!r}")
-        thresholds[name] = seconds
+        if name == "objective":
+            objective = _parse_objective(value, part)
+        elif name == "exclude":
+            exclude = _parse_exclusions(value, part)
+        else:
+            seconds = parse_duration(value)
+            if seconds <= 0:
+                raise ConfigError(f"SLO {name} must be > 0: {part!r}")
+            thresholds[name] = seconds
     if not thresholds:
-        raise ConfigError(f"empty SLO declaration: {text!r}")
-    return thresholds
+        raise ConfigError(f"empty SLO declaration (no threshold): {text!r}")
+    return SLOSpec(thresholds, objective, exclude)
+
+
+def _parse_objective(value: str, part: str) -> float:
+    percent = value.endswith("%")
+    try:
+        number = float(value[:-1] if percent else value)
+    except ValueError:
+        raise ConfigError(f"bad SLO objective {part!r}: a percentage, e.g. objective=99.5%"
+                          ) from None
+    share = number / 100 if percent else number
+    if not percent and number >= 1:
+        raise ConfigError(f"bad SLO objective {part!r}: a bare number is a fraction below 1; "
+                          f"did you mean objective={value}%?")
+    if not (0 < share < 1):
+        raise ConfigError(f"bad SLO objective {part!r}: between 0 and 100 % (exclusive)")
+    return share
+
+
+def _parse_exclusions(value: str, part: str) -> frozenset[str]:
+    if value.lower() == "none":
+        return frozenset()
+    names = frozenset(name.strip().lower() for name in value.split("+") if name.strip())
+    unknown = names - set(SLO_EXCLUSION_NAMES)
+    if not names or unknown:
+        raise ConfigError(f"bad SLO exclusion {part!r}: '+'-separated names of "
+                          f"{', '.join(SLO_EXCLUSION_NAMES)}, or none")
+    return names

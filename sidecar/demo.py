@@ -21,7 +21,13 @@ import aiohttp
 
 from sidecar import stats
 from sidecar.cli import build_proxy_server, wait_for_shutdown_signal
-from sidecar.config import ConfigError, ProxyConfig, build_config, parse_duration, parse_slo
+from sidecar.config import (
+    ConfigError,
+    ProxyConfig,
+    build_config,
+    parse_duration,
+    parse_slo_spec,
+)
 from sidecar.realvllm import RealVLLMError, start_server
 from sidecar.realvllm.server import free_port
 from sidecar.record import RequestRecord, Vantage
@@ -90,15 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def run(args: argparse.Namespace) -> int:
     try:
         duration = parse_duration(args.duration)
-        thresholds = parse_slo(args.slo)
+        slo_spec = parse_slo_spec(args.slo)
     except ConfigError as exc:
         print(f"sidecar demo: {exc}", file=sys.stderr)
         return 2
     if args.rate <= 0 or args.replicas < 1:
         print("sidecar demo: --rate must be > 0 and --replicas >= 1", file=sys.stderr)
         return 2
-    slo = stats.SLO(ttft_s=thresholds.get("ttft"), tpot_s=thresholds.get("tpot"),
-                    e2e_s=thresholds.get("e2e"))
+    slo = stats.SLO(**slo_spec.slo_arguments())
     out = sys.stdout
     async with contextlib.AsyncExitStack() as upstream:
         try:
@@ -292,6 +297,7 @@ def _ms(value: float | None) -> str:
 async def live_table(window: Any, out: TextIO, started: float) -> None:
     header = (f"{'t':>4} {'vantage':7} | {'TTFT p50':>8} {'p99':>6} | {'ITL p50':>7} {'p99':>6} |"
               f" {'TPOT p50':>8} {'p99':>6} | {'E2E p50':>7} {'p99':>7} | outcomes (last 10 s)")
+    print("t: seconds since the load began; TTFT, ITL, TPOT, E2E: milliseconds", file=out)
     print(header, file=out)
     print("-" * len(header), file=out, flush=True)
     while True:

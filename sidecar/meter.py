@@ -39,7 +39,7 @@ from sidecar.protocol.openai import (
     safe_error_type,
 )
 from sidecar.protocol.rewrite import NO_CHANGE, UsagePlan, insert_member, without_usage
-from sidecar.protocol.sse import DEFAULT_MAX_EVENT_SIZE, SSEError, SSEParser
+from sidecar.protocol.sse import DEFAULT_MAX_EVENT_SIZE, SSEError, SSEEvent, SSEParser
 from sidecar.record import EngineTiming, Outcome, TokenSource
 
 
@@ -62,6 +62,22 @@ def stream_cut(mid_event: bool) -> StreamFailure:
 
 MALFORMED_CHUNK = StreamFailure(Outcome.UPSTREAM_ERROR, "malformed_chunk", 502,
                                 "The upstream sent a malformed chunk.")
+
+
+# Usage whose counts cannot be believed (see ChunkInfo.usage_malformed). The stream goes on and
+# the client's bytes are what they would have been (injected usage is still cut out), but no
+# count in it is trusted and the record says why.
+MALFORMED_USAGE = StreamFailure(Outcome.UPSTREAM_ERROR, "malformed_usage", 502,
+                                "The upstream sent a malformed usage object.")
+
+
+def too_many_events(limit: int) -> StreamFailure:
+    return StreamFailure(Outcome.UPSTREAM_ERROR, "too_many_events", 502,
+                         f"The upstream stream exceeded the sidecar's limit of {limit} events.")
+
+
+# The default of --max-stream-events (config.py says why).
+DEFAULT_MAX_STREAM_EVENTS = 1_000_000
 
 
 def oversized_event(exc: SSEError) -> StreamFailure:
@@ -99,16 +115,19 @@ class StreamMeter:
         "origin_ns", "offsets", "tokens", "events", "_parser", "_counter", "_forward",
         "_strip", "_drop_usage_chunk", "_held", "_held_cut", "_held_tokens", "usage",
         "saw_done", "finish_reason", "engine", "failure", "fatal", "rewritten", "text_parts",
-        "assembler", "_closed", "_lane", "fingerprint",
+        "assembler", "_closed", "_lane", "fingerprint", "usage_malformed", "_max_events",
+        "after_done", "response_model", "response_id",
     )
 
     def __init__(self, origin_ns: int, plan: UsagePlan = NO_CHANGE, *, forward: bool = True,
-                 max_event_bytes: int = DEFAULT_MAX_EVENT_SIZE, keep_text: bool = False,
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_SIZE,
+                 max_events: int = DEFAULT_MAX_STREAM_EVENTS, keep_text: bool = False,
                  assembler: ChunkConsumer | None = None, fingerprint: str | None = None) -> None:
         self.origin_ns = origin_ns
         self.offsets = array("q")  # token-carrying events: arrival offsets from origin_ns
         self.tokens = array("q")  # ... and the output tokens each carried
         self.events = 0  # every event block read, comments included
+        self._max_events = max_events  # more: fatal (the record's arrays grow per event)
         self._parser = SSEParser(max_event_size=max_event_bytes)
         self._counter = TokenCounter()
         self._forward = forward
@@ -134,6 +153,13 @@ class StreamMeter:
         # the one this stream carries. It goes back on a held finish chunk that must leave
         # before the usage chunk (n > 1: another choice's event follows it).
         self.fingerprint = fingerprint
+        self.usage_malformed = 0  # events whose usage member could not be believed
+        self.after_done = 0  # events after [DONE]: dropped, not counted
+        # The answer's `model` and `id` (OpenTelemetry's gen_ai.response.*), from the first
+        # chunk that has them. Read off the general path only: every stream has chunks there
+        # (a chat role chunk, a finish chunk, the usage chunk), so the lane stays as it is.
+        self.response_model: str | None = None
+        self.response_id: str | None = None
 
     # -- per read: the hot path -----------------------------------------------------------
 
@@ -154,6 +180,7 @@ class StreamMeter:
             and data.find(b"\n") == len(data) - 2
             and len(data) <= self._parser.max_event_size
             and self._parser.between_events
+            and self.events < self._max_events
         ):
             fast = fast_token_chunk(data)
             if fast is not None:
@@ -172,12 +199,24 @@ class StreamMeter:
             # Measure and relay the events completed before the oversized one, then stop.
             events = exc.events
             self.fatal = oversized_event(exc)
+        return self._consume(events, now_ns)
+
+    def _consume(self, events: list[SSEEvent], now_ns: int) -> tuple[bytes, int, int]:
+        """What `feed` does with the events one read completed (see `feed`)."""
         forward = self._forward
         out: list[bytes] = []
         out_tokens = 0
         offset = now_ns - self.origin_ns
         counter = self._counter
         for event in events:
+            if self.saw_done:
+                # vLLM writes nothing after [DONE], and a client stops reading there: what a
+                # broken upstream sends after it is neither counted nor relayed.
+                self.after_done += 1
+                continue
+            if self.events >= self._max_events:
+                self.fatal = too_many_events(self._max_events)
+                break
             self.events += 1
             payload = event.data
             if payload is None:  # a comment (keep-alive): forwarded as is, in order
@@ -202,6 +241,7 @@ class StreamMeter:
                     self.text_parts.append(chunk_text(payload))
             elif kind is ChunkKind.DONE:
                 self.saw_done = True
+                self._lane = False  # every later read must meet the check below
             elif kind is ChunkKind.USAGE:
                 self.engine = engine_timing(info) or self.engine
             elif kind is ChunkKind.ERROR:
@@ -213,8 +253,18 @@ class StreamMeter:
                 if self.assembler is not None:
                     self.fatal = MALFORMED_CHUNK
                     break
+            if info.usage_malformed:
+                self.usage_malformed += 1
+                if self.failure is None:
+                    self.failure = MALFORMED_USAGE
+                if self.assembler is not None:
+                    self.fatal = MALFORMED_USAGE
+                    break
             if info.finish_reason is not None:
                 self.finish_reason = info.finish_reason
+            if self.response_model is None and info.model is not None:
+                self.response_model = _bounded_name(info.model)
+                self.response_id = None if info.id is None else _bounded_name(info.id)
             if info.usage is not None:
                 self.usage = info.usage
             if info.system_fingerprint is not None:
@@ -227,7 +277,8 @@ class StreamMeter:
                 continue
             raw = event.raw
             cut: int | None = None
-            if info.usage is not None and self._strip and kind is not ChunkKind.USAGE:
+            if ((info.usage is not None or info.usage_malformed) and self._strip
+                    and kind is not ChunkKind.USAGE):
                 if usage_at >= 0:  # the fast path found the member: cut it as text
                     raw, cut = raw[:usage_at] + raw[usage_end:], usage_at
                 else:
@@ -261,20 +312,28 @@ class StreamMeter:
 
     # -- end of the upstream stream -------------------------------------------------------
 
-    def close(self) -> tuple[bytes, int, int]:
-        """The upstream's stream ended. Returns what is still to forward (a held finish chunk)
-        as `feed` does; a stream that ended without ``[DONE]`` sets `fatal` (and `failure`,
-        unless something failed before)."""
+    def close(self, now_ns: int | None = None) -> tuple[bytes, int, int]:
+        """The upstream's stream ended (at ``now_ns``; default: the origin, for callers that
+        do not stamp). Returns what is still to forward as `feed` does: the last event, when
+        its final blank line was a lone CR the parser had to wait on (``data: [DONE]\r\r``),
+        and a held finish chunk. A stream that ended without ``[DONE]`` sets `fatal` (and
+        `failure`, unless something failed before)."""
         if self._closed:
             return b"", 0, 0
         self._closed = True
-        self._parser.close()
+        out, n_events, n_tokens = b"", 0, 0
+        last = self._parser.close()
+        if last and self.fatal is None:
+            out, n_events, n_tokens = self._consume(
+                last, self.origin_ns if now_ns is None else now_ns)
         if not self.saw_done and self.fatal is None:
             self.fatal = stream_cut(self._parser.truncated)
             self.failure = self.failure or self.fatal
-        if self._held is None:
-            return b"", 0, 0
-        return self._release_held(self.fingerprint), 1, self._held_tokens
+        if self._held is not None:
+            out += self._release_held(self.fingerprint)
+            n_events += 1
+            n_tokens += self._held_tokens
+        return out, n_events, n_tokens
 
     def _release_held(self, fingerprint: str | None) -> bytes:
         held, self._held = self._held, None
@@ -289,10 +348,11 @@ class StreamMeter:
     def token_totals(self) -> tuple[int | None, int | None, int | None, TokenSource]:
         """(N_in, N_out, N_cached, where they came from). The last usage is authoritative
         (the final usage chunk, else the last cumulative count, which is all a cut or
-        cancelled stream has); without usage, one token per token event, an estimate."""
+        cancelled stream has); without usage, or when any usage could not be believed, one
+        token per token event, an estimate."""
         usage = self.usage
         counter = self._counter
-        if usage is not None:
+        if usage is not None and not self.usage_malformed:
             source = TokenSource.USAGE if counter.exact else TokenSource.USAGE_TOTAL
             return usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, source
         if counter.total:
@@ -302,6 +362,11 @@ class StreamMeter:
     @property
     def text(self) -> str | None:
         return None if self.text_parts is None else "".join(self.text_parts)
+
+
+def _bounded_name(value: str) -> str | None:
+    """An upstream's name as records may carry it: short and printable, else not at all."""
+    return value if len(value) <= 256 and value.isprintable() else None
 
 
 def engine_timing(info: ChunkInfo) -> EngineTiming | None:

@@ -346,6 +346,15 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.outcome is Outcome.OK
 
+    @property
+    def model_confirmed(self) -> bool:
+        """The upstream accepted this request's model name: it answered 2xx (vLLM answers
+        404 for a model it does not serve). Only such names take a metric label slot, so that
+        junk names cannot crowd the real ones out."""
+        status = self.http_status
+        return (status is not None and 200 <= status < 300
+                and self.outcome is not Outcome.REJECTED)
+
     def timeline(self, vantage: Vantage) -> Timeline | None:
         if vantage is Vantage.CLIENT:
             return self.client

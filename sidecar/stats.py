@@ -25,7 +25,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -438,25 +438,58 @@ def measured_interval_s(records: Iterable[RequestRecord]) -> float:
 # SLOs and goodput
 
 
+# Why a request may be left out of an SLO's denominator (`SLO.exclude`), in code order.
+SLO_EXCLUSIONS: Final = ("client_error", "client_cancelled")
+_EXCLUSION_CODE: Final = {name: code for code, name in enumerate(SLO_EXCLUSIONS, start=1)}
+DEFAULT_EXCLUSIONS: Final = frozenset(SLO_EXCLUSIONS)
+DEFAULT_OBJECTIVE: Final = 0.99  # the share of counted requests that must be good
+
+
 @dataclass(frozen=True, slots=True)
 class SLO:
-    """Per-request latency thresholds in seconds; None means not declared.
+    """Per-request latency thresholds in seconds (None: not declared), the objective, and
+    which requests the objective is about.
 
     A request is *good* when it succeeded and met every declared threshold. A threshold whose
     metric is undefined for that request (TTFT with no token event, e.g. a non-streaming client;
     TPOT with N_out <= 1) cannot be violated: the request is judged on the others, and reports
     count such requests (`Goodput.judged_without`).
+
+    The denominator follows availability SLOs: requests the client got wrong
+    (``client_error``: 4xx other than 408 and 429) and requests the client cancelled before
+    its first token (``client_cancelled``) are not service failures. ``exclude`` names the
+    reasons left out of this class's denominator (`slo_exclusion`); they are counted apart.
+    ``objective``: the share of counted requests that must be good (burn rates divide by
+    1 - objective).
     """
 
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
+    objective: float = DEFAULT_OBJECTIVE
+    exclude: frozenset[str] = DEFAULT_EXCLUSIONS
 
     def __post_init__(self) -> None:
         for name in ("ttft_s", "tpot_s", "e2e_s"):
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value <= 0):
                 raise ValueError(f"SLO {name} must be a positive number of seconds, got {value!r}")
+        if not (0 < self.objective < 1):
+            raise ValueError(f"SLO objective must be between 0 and 1 (exclusive), got "
+                             f"{self.objective!r}")
+        unknown = set(self.exclude) - set(SLO_EXCLUSIONS)
+        if unknown:
+            raise ValueError(f"unknown SLO exclusion {sorted(unknown)}: known are "
+                             f"{', '.join(SLO_EXCLUSIONS)}")
+
+    def describe_denominator(self) -> str:
+        """The declared denominator, in words, for every report and export."""
+        if not self.exclude:
+            return "every request, failures included"
+        left_out = {"client_error": "client errors (4xx but 408 and 429)",
+                    "client_cancelled": "requests the client cancelled before its first token"}
+        return ("every request, failures included, but "
+                + " and ".join(left_out[name] for name in SLO_EXCLUSIONS if name in self.exclude))
 
     def describe(self) -> str:
         parts = [
@@ -474,6 +507,25 @@ class _Latencies(Protocol):
     def tpot_s(self) -> float | None: ...
     @property
     def e2e_s(self) -> float | None: ...
+
+
+
+
+def slo_exclusion(record: RequestRecord) -> str | None:
+    """The reason this request is not the service's failure, or None: ``client_error`` for a
+    4xx answer (from the upstream or the proxy) other than 408 (the server timed the request
+    out) and 429 (the service was out of capacity); ``client_cancelled`` for a client that left
+    before its first token. Whether a class leaves it out is `SLO.exclude`'s to say."""
+    outcome = record.outcome
+    status = record.http_status
+    if (outcome is Outcome.HTTP_ERROR or outcome is Outcome.REJECTED) and status is not None \
+            and 400 <= status < 500 and status not in (408, 429):
+        return "client_error"
+    if outcome is Outcome.CLIENT_CANCELLED:
+        client = record.client
+        if client is None or not len(client.offsets_ns):
+            return "client_cancelled"
+    return None
 
 
 def slo_verdict(metrics: _Latencies, slo: SLO) -> tuple[bool, tuple[str, ...]]:
@@ -499,13 +551,16 @@ class Goodput:
     slo: SLO
     vantage: Vantage
     interval_s: float
-    total_requests: int  # the denominator: every request that arrived, failures included
+    # The denominator: every request that ended, failures included, but those the class
+    # excludes (`SLO.exclude`), which are counted in `excluded` by reason.
+    total_requests: int
     good_requests: int
     good_output_tokens: int
     attainment: float | None  # good / total; None when no request arrived
     good_requests_per_s: float
     good_output_tokens_per_s: float
     judged_without: Mapping[str, int]  # threshold name -> good requests judged without it
+    excluded: Mapping[str, int] = field(default_factory=dict)  # reason -> requests left out
 
 
 def goodput(records: Iterable[RequestRecord], slo: SLO, interval_s: float,
@@ -515,14 +570,33 @@ def goodput(records: Iterable[RequestRecord], slo: SLO, interval_s: float,
     members = list(records)
     ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_,
                      count=len(members))
-    return goodput_of(columns_of(members, vantage), ok, slo, interval_s, vantage)
+    reasons = np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8,
+                          count=len(members))
+    return goodput_of(columns_of(members, vantage), ok, slo, interval_s, vantage, reasons)
+
+
+def exclusion_code(record: RequestRecord) -> int:
+    """`slo_exclusion` as a small code (0: none), for columns."""
+    reason = slo_exclusion(record)
+    return 0 if reason is None else _EXCLUSION_CODE[reason]
 
 
 def goodput_of(columns: Columns, ok: npt.NDArray[np.bool_], slo: SLO, interval_s: float,
-               vantage: Vantage = Vantage.CLIENT) -> Goodput:
-    """`goodput` of the requests in ``columns`` (``ok``: which succeeded)."""
-    total = int(columns.counts.size)
+               vantage: Vantage = Vantage.CLIENT,
+               reasons: npt.NDArray[np.uint8] | None = None) -> Goodput:
+    """`goodput` of the requests in ``columns`` (``ok``: which succeeded; ``reasons``: their
+    `exclusion_code`, None: none excluded)."""
+    counted = np.ones(columns.counts.size, dtype=np.bool_)
+    excluded: dict[str, int] = {}
+    if reasons is not None:
+        for name in slo.exclude:
+            left_out = reasons == _EXCLUSION_CODE[name]
+            if np.any(left_out):
+                excluded[name] = int(np.count_nonzero(left_out))
+                counted &= ~left_out
+    total = int(np.count_nonzero(counted))
     good_mask, unjudged, n_out = judge_columns(columns, ok, slo)
+    good_mask &= counted  # an excluded request is never good either: it is not counted
     good = int(np.count_nonzero(good_mask))
     good_tokens = int(n_out[good_mask].sum()) if good else 0
     judged_without = {name: int(np.count_nonzero(mask & good_mask))
@@ -539,6 +613,7 @@ def goodput_of(columns: Columns, ok: npt.NDArray[np.bool_], slo: SLO, interval_s
         good_requests_per_s=good * rate,
         good_output_tokens_per_s=good_tokens * rate,
         judged_without=judged_without,
+        excluded=excluded,
     )
 
 
@@ -679,6 +754,7 @@ class RecordTable:
         self._wall = array("q")
         self._end_wall = array("q")
         self._outcome = array("B")
+        self._exclusion = array("B")  # `exclusion_code` per record
         self._generation = array("B")
         self._declared = array("q")
         self._n_in = array("q")
@@ -697,6 +773,7 @@ class RecordTable:
         self._wall.append(record.wall_time_ns)
         self._end_wall.append(end_wall_ns)
         self._outcome.append(_OUTCOME_CODE[record.outcome])
+        self._exclusion.append(exclusion_code(record))
         self._generation.append(generation)
         self._declared.append(-1 if record.n_out is None else record.n_out)
         self._n_in.append(record.n_in or 0)
@@ -726,7 +803,8 @@ class RecordTable:
     def _compact(self) -> None:
         head = self._head
         columns: list[array[Any]] = [
-            self._wall, self._end_wall, self._outcome, self._generation, self._declared,
+            self._wall, self._end_wall, self._outcome, self._exclusion, self._generation,
+            self._declared,
             self._n_in, self._n_out_total, self._exact, self._has_engine,
             *self._engine.values()]
         for column in columns:
@@ -842,10 +920,11 @@ class RecordTable:
         names = np.asarray(self.classes(policy), dtype=object)
         out: dict[str, Goodput] = {}
         ok = self.ok
+        reasons = self._view(self._exclusion, np.uint8)
         for name, slo in policy.classes.items():
             members = mask & (names == name) if names.size else mask
             out[name] = goodput_of(self.columns(vantage, members), ok[members], slo,
-                                   interval_s, vantage)
+                                   interval_s, vantage, reasons[members])
         return out
 
 
@@ -876,10 +955,20 @@ class SLOPolicy:
         name = record.attributes.get("slo_class")
         return name if name is not None and name in self.classes else self.default_class
 
+    def verdict(self, record: RequestRecord,
+                vantage: Vantage = Vantage.CLIENT) -> tuple[str, bool, str | None]:
+        """(class name, good?, why it is left out of the class's denominator or None). A
+        request left out is never good."""
+        name = self.class_of(record)
+        reason = slo_exclusion(record)
+        if reason is not None and reason in self.classes[name].exclude:
+            return name, False, reason
+        return (*self.judge(record, vantage), None)
+
     def judge(self, record: RequestRecord,
               vantage: Vantage = Vantage.CLIENT) -> tuple[str, bool]:
         """(class name, good?) for one request: good = succeeded and met every declared
-        threshold of its class, from ``vantage``."""
+        threshold of its class, from ``vantage`` (whether it counts at all: `verdict`)."""
         name = self.class_of(record)
         if not record.ok:
             return name, False

@@ -156,6 +156,26 @@ class TraceRequest:
         return cls(**kwargs)
 
 
+def unreplayable_reason(request: TraceRequest, *, use_captured_body: bool = True) -> str | None:
+    """Why `sidecar replay` cannot send this line, or None when it can: the one rule that
+    replay (which skips such lines and counts them) and `sidecar trace lint` (which lists them)
+    share. A captured body is sent as it is; without one the prompt is rebuilt from n_in and
+    the output bounded by n_out or max_tokens (`sidecar.replay.payload.build_body`). A failed
+    request is replayable when its sizes are known (it is part of the workload); one that
+    failed before the server counted its prompt (a 404 for a mistyped model) is not."""
+    if use_captured_body and request.body is not None:
+        return None
+    if request.n_in is None:
+        return "n_in missing: prompt size unknown"
+    if request.n_in == 0:
+        return "n_in=0: prompt size unknown"
+    if request.n_in < 0:
+        return f"n_in={request.n_in}: not a token count"
+    if request.n_out is None and request.max_tokens is None:
+        return "n_out and max_tokens missing: output length unknown"
+    return None
+
+
 # version -> function turning a line of that version into the next version's shape.
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
@@ -181,7 +201,8 @@ class TraceReader:
             with open_text(self.path, "r") as handle:
                 first = handle.readline()
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
-            raise TraceFormatError(f"{self.path}: cannot read: {exc}") from None
+            cause = getattr(exc, "strerror", None) or exc
+            raise TraceFormatError(f"{self.path}: cannot read: {cause}") from None
         try:
             data = json.loads(first)
         except json.JSONDecodeError:
@@ -206,6 +227,11 @@ class TraceReader:
         return data
 
     def __iter__(self) -> Iterator[TraceRequest]:
+        for _line, request in self.numbered():
+            yield request
+
+    def numbered(self) -> Iterator[tuple[int, TraceRequest]]:
+        """Each request with its line number in the file (the header is line 1)."""
         with open_text(self.path, "r") as handle:
             handle.readline()
             line_no = 1
@@ -222,7 +248,7 @@ class TraceReader:
                     except json.JSONDecodeError:
                         pending = line  # fatal unless it turns out to be the last line
                         continue
-                    yield TraceRequest.from_dict(self._migrate(data))
+                    yield line_no, TraceRequest.from_dict(self._migrate(data))
             except (EOFError, gzip.BadGzipFile, OSError):
                 # A compressed file cut short by a crash: everything decoded so far stands.
                 log.warning("%s: compressed stream ends early after line %d; reading stops "

@@ -3,6 +3,10 @@
 ``start_sim(config=None, n=1, **overrides)`` starts ``n`` replicas (a fast engine by default:
 1 ms steps) and returns them; every replica started through it is closed at teardown.
 ``sim_url`` is the base URL of one such replica with the defaults.
+
+At the end of every run, the real parts (programs and packages some tests run as they run in
+production) missing on this machine are named, with the command that installs them: without
+them those tests skip, which a plain `pytest` shows only as a count.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 import pytest
 import uvloop
+from real_parts import report_missing_parts
 
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import RunningReplica, SimConfig, start_replicas
@@ -82,3 +87,9 @@ async def sim_url(start_sim: StartSim) -> str:
 def make_sim_config() -> Callable[..., SimConfig]:
     """`fast_sim_config` as a fixture, for tests that build a config before starting."""
     return fast_sim_config
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """The real parts this machine lacks and how to install them (tests/real_parts.py)."""
+    report_missing_parts(terminalreporter)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +147,51 @@ def whole_body(endpoint: str, text: str, n_out: int) -> bytes:
                "choices": [{"index": 0, "text": text, "logprobs": None,
                             "finish_reason": "length"}], "usage": usage}
     return json.dumps(obj).encode()
+
+
+RawAnswer = Callable[[int, int, bytes, asyncio.StreamWriter], Awaitable[bool]]
+
+
+class RawUpstream:
+    """Reads whole requests (Content-Length bodies) and lets ``answer(connection number,
+    request number on it, head, writer)`` reply; False closes the connection."""
+
+    def __init__(self, answer: RawAnswer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.requests = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        on_connection = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                self.requests += 1
+                on_connection += 1
+                if not await self.answer(number, on_connection, head, writer):
+                    break
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the peer left, or the server is closing (a handler still waiting)
+        finally:
+            writer.close()
 
 
 @dataclass

@@ -10,6 +10,7 @@ from sidecar.config import (
     ConfigError,
     RoutePolicy,
     build_config,
+    environment_warnings,
     load_config_file,
     parse_duration,
     parse_hostport,
@@ -92,6 +93,26 @@ def test_upstreams_from_env_and_v1_suffix_is_dropped() -> None:
     assert config.upstreams == ("http://a:8000", "http://b:8000")
 
 
+def test_a_flags_name_works_where_its_setting_is_named_otherwise() -> None:
+    """--upstream fills `upstreams`, --window `window_s`, --capture `capture_dir`: the flag's
+    name is taken in the environment and the file too, and two names set differently are
+    refused rather than one chosen in silence."""
+    config = build_config({}, {"SIDECAR_UPSTREAM": "http://a:1", "SIDECAR_WINDOW": "30s"})
+    assert config.upstreams == ("http://a:1",) and config.window_s == 30.0
+    config = build_config({}, {}, {"upstream": ["http://b:1"], "window": "10s"})
+    assert config.upstreams == ("http://b:1",) and config.window_s == 10.0
+    same = build_config({}, {"SIDECAR_UPSTREAM": "http://a:1", "SIDECAR_UPSTREAMS": "http://a:1"})
+    assert same.upstreams == ("http://a:1",)
+    with pytest.raises(ConfigError, match="SIDECAR_UPSTREAMS and SIDECAR_UPSTREAM are the same "
+                       "setting, set differently"):
+        build_config({}, {"SIDECAR_UPSTREAM": "http://a:1", "SIDECAR_UPSTREAMS": "http://b:1"})
+    with pytest.raises(ConfigError, match="'upstreams' and 'upstream' are the same setting"):
+        build_config({}, {}, {"upstreams": ["http://a:1"], "upstream": ["http://b:1"]})
+    assert environment_warnings({"SIDECAR_UPSTRAEMS": "x", "SIDECAR_VLLM_HOME": "x",
+                                 "SIDECAR_UPSTREAM": "x", "SIDECAR_DRAIN_S": "5"}) == [
+        "SIDECAR_UPSTRAEMS is not a setting (did you mean SIDECAR_UPSTREAMS?): ignored"]
+
+
 def test_listen_shorthand() -> None:
     config = build_config({"upstreams": ["http://a:1"], "listen": "0.0.0.0:81",
                            "metrics_listen": "127.0.0.1:82"}, {})
@@ -142,3 +163,33 @@ def test_the_otel_endpoint_is_checked_at_start() -> None:
     config = build_config({"upstreams": ["http://127.0.0.1:9"],
                            "otel_endpoint": "http://collector:4318/"}, {})
     assert config.otel_endpoint == "http://collector:4318"
+
+
+def test_an_slo_declares_its_objective_and_what_its_denominator_leaves_out() -> None:
+    from sidecar import stats
+    from sidecar.config import SLO_EXCLUSION_NAMES, parse_slo_spec
+
+    assert SLO_EXCLUSION_NAMES == stats.SLO_EXCLUSIONS
+    spec = parse_slo_spec("ttft=500ms,objective=99.5%,exclude=client_error")
+    slo = stats.SLO(**spec.slo_arguments())
+    assert (slo.ttft_s, slo.tpot_s, slo.objective, slo.exclude) == (
+        0.5, None, pytest.approx(0.995), frozenset({"client_error"}))
+    default = stats.SLO(**parse_slo_spec("tpot=50ms").slo_arguments())
+    assert (default.objective, default.exclude) == (0.99, frozenset(stats.SLO_EXCLUSIONS))
+    assert parse_slo_spec("e2e=1s,exclude=none,objective=0.9").exclude == frozenset()
+    assert parse_slo_spec("e2e=1s,objective=0.9").objective == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("ttft=1s,objective=99", "did you mean objective=99%"),
+    ("ttft=1s,objective=100%", "between 0 and 100"),
+    ("ttft=1s,objective=high", "a percentage"),
+    ("ttft=1s,exclude=timeouts", "bad SLO exclusion"),
+    ("objective=99%", "no threshold"),
+    ("ttft=1s,objective=99%,objective=98%", "declared twice"),
+])
+def test_bad_objective_and_exclusion_terms_say_what_is_wrong(spec: str, message: str) -> None:
+    from sidecar.config import parse_slo_spec
+
+    with pytest.raises(ConfigError, match=message):
+        parse_slo_spec(spec)

@@ -16,6 +16,7 @@ def test_demo_runs_end_to_end_and_summarises() -> None:
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "proxy:" in out and "TTFT p50" in out
+    assert "t: seconds since the load began; TTFT, ITL, TPOT, E2E: milliseconds" in out
     ok = re.search(r"outcomes: ok=(\d+), http_error=0, upstream_error=0, timeout=0", out)
     assert ok is not None and int(ok.group(1)) > 0
     assert "[client]" in out and "[server]" in out

@@ -22,8 +22,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.protocol.rewrite import insert_member, strip_usage_member, without_usage
+from sidecar.meter import StreamMeter
+from sidecar.protocol.openai import MAX_TOKEN_COUNT
+from sidecar.protocol.rewrite import (
+    UsagePlan,
+    insert_member,
+    strip_usage_member,
+    without_usage,
+)
 from sidecar.protocol.sse import SSEError, SSEParser
+from sidecar.record import TokenSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import fuzz_long  # noqa: E402  (benchmarks/fuzz_long.py: the generator and the checks)
@@ -152,3 +160,45 @@ def test_a_brace_inside_a_usage_string_is_not_taken_for_its_end() -> None:
     assert strip_usage_member(raw) is None
     out, cut, reencoded = without_usage(raw, payload)
     assert reencoded and json.loads(out[len(b"data: "):-2]) == {"id": "c", "choices": []}
+
+
+# -- usage counts a hostile upstream can send (issue 16) ---------------------------------------
+
+any_count = st.one_of(st.integers(), st.floats(), st.text(max_size=4), st.none(), st.booleans(),
+                      st.sampled_from([2**63, 2**64, -2**63 - 1, 2**53, 2**53 - 1, 10**4000]))
+
+
+@CI
+@given(st.lists(st.tuples(any_count, any_count), min_size=1, max_size=6))
+def test_property_no_usage_count_breaks_a_stream_or_survives_into_the_clients_bytes(
+        counts: list[tuple[Any, Any]]) -> None:
+    """Whatever numbers the usage carries, the meter never raises, the injected member never
+    reaches the client, every token event is counted, and no count above 2**53 - 1 (where the
+    record's int64 columns would overflow) is believed."""
+    plan = UsagePlan(client_include_usage=False, client_continuous=False,
+                     add_include_usage=True, add_continuous=True)
+    meter = StreamMeter(0, plan)
+    out = b""
+    for i, (prompt, completion) in enumerate(counts):
+        usage = ('{"prompt_tokens":' + _number(prompt) + ',"total_tokens":1,'
+                 '"completion_tokens":' + _number(completion) + "}")
+        event = ('data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+                 '"choices":[{"index":0,"delta":{"content":"t' + str(i) + '"},"logprobs":null,'
+                 '"finish_reason":null}],"usage":' + usage + "}\n\n").encode()
+        out += meter.feed(event, i)[0]
+    out += meter.feed(b"data: [DONE]\n\n", 99)[0] + meter.close(100)[0]
+    assert b'"usage"' not in out
+    assert len(meter.tokens) == len(counts)
+    n_in, n_out, _, source = meter.token_totals
+    for count in (n_in, n_out, *meter.tokens):
+        assert count is None or 0 <= count < 2**63  # fits the record's int64 columns
+    if source in (TokenSource.USAGE, TokenSource.USAGE_TOTAL):
+        assert n_out is not None and n_out <= MAX_TOKEN_COUNT  # believed only when believable
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float) and value != value:
+        return "NaN"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "Infinity" if value > 0 else "-Infinity"
+    return json.dumps(value)

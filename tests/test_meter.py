@@ -232,6 +232,45 @@ def test_malformed_chunk_counts_and_the_stream_goes_on() -> None:
     assert meter.token_totals == (None, 2, None, TokenSource.CHUNK_COUNT)
 
 
+BAD_USAGE_VALUES = [2**63, 2**53, -1, 1.5, "3", None, True, {"n": 1}]
+
+
+def _with_bad_usage(payload: str, bad: object) -> str:
+    # NaN is not JSON; vLLM's encoder never writes it, a hostile one might.
+    obj = json.loads(with_usage(payload, 2))
+    obj["usage"]["completion_tokens"] = bad
+    return json.dumps(obj, separators=(",", ":")) if bad == bad else \
+        json.dumps(obj, separators=(",", ":")).replace('"completion_tokens":null', \
+                                                       '"completion_tokens":NaN')
+
+
+@pytest.mark.parametrize("bad", [*BAD_USAGE_VALUES, float("nan")])
+def test_usage_that_cannot_be_believed_is_cut_counted_and_never_trusted(bad: object) -> None:
+    """A count of 2**63 once overflowed the record's int64 columns and lost the request. Usage
+    out of range, negative, fractional, a string or NaN is malformed usage: the chunk's text is
+    still measured and relayed, the injected member still cut out, and no count is trusted."""
+    hello = _with_bad_usage(CHAT_HELLO, bad)
+    stream = [event(with_usage(CHAT_ROLE, 0)), event(hello), event(with_usage(CHAT_BANG, 3)),
+              event(CHAT_USAGE), DONE]
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    out, _, n_tokens = meter.feed(b"".join(stream), ORIGIN + 5)
+    tail, _, tail_tokens = meter.close()
+    assert out + tail == PLAIN_BYTES  # the client's bytes, injected usage cut everywhere
+    assert n_tokens + tail_tokens == 2
+    assert meter.usage_malformed == 1
+    assert meter.failure is not None and meter.failure.error_type == "malformed_usage"
+    assert meter.fatal is None  # the stream goes on
+    # One per token event ("Hello" 1, "!" 2 from its cumulative 3): an estimate, never 2**63.
+    n_in, n_out, _, source = meter.token_totals
+    assert (n_in, n_out, source) == (None, 3, TokenSource.CHUNK_COUNT)
+
+
+def test_malformed_usage_is_fatal_when_assembling() -> None:
+    meter = StreamMeter(ORIGIN, forward=False, assembler=StreamAssembler("chat"))
+    meter.feed(event(_with_bad_usage(CHAT_HELLO, 2**63)) + event(CHAT_BANG), ORIGIN + 2)
+    assert meter.fatal is not None and meter.fatal.error_type == "malformed_usage"
+
+
 def test_malformed_chunk_is_fatal_when_assembling() -> None:
     meter = StreamMeter(ORIGIN, forward=False, assembler=StreamAssembler("chat"))
     meter.feed(event(CHAT_HELLO) + b"data: [1,2\n\n" + event(CHAT_BANG), ORIGIN + 2)
@@ -416,3 +455,25 @@ def test_n2_finish_chunk_that_must_leave_early_gets_the_fingerprint_known() -> N
         assert forwarded == plain[0] + first_finish + b"".join(plain[2:])
         assert meter.fingerprint == "vllm-0.33.0-1a2b3c4d"  # for the next request
         assert meter.token_totals == (12, 4, None, TokenSource.USAGE)
+
+
+def test_a_last_event_ended_by_a_lone_cr_is_taken_at_close() -> None:
+    """``data: [DONE]\\r\\r``: the parser waits on the last CR (a LF may follow), so [DONE]
+    comes only at close. Once the close result was ignored and such a stream was reported cut,
+    with an error event injected after the client's own [DONE]."""
+    data = event(CHAT_HELLO) + b"data: [DONE]\r\r"
+    meter = StreamMeter(ORIGIN)
+    out, _, _ = meter.feed(data, ORIGIN + 5)
+    tail, n_events, n_tokens = meter.close(ORIGIN + 9)
+    assert out + tail == data and (n_events, n_tokens) == (1, 0)
+    assert meter.saw_done and meter.failure is None and meter.fatal is None
+
+
+def test_events_after_done_are_neither_counted_nor_relayed() -> None:
+    data = event(CHAT_HELLO) + DONE + event(CHAT_BANG) + DONE
+    for k in range(len(data) + 1):
+        meter = StreamMeter(ORIGIN)
+        forwarded, _ = feed_split(meter, data, k)
+        assert forwarded == event(CHAT_HELLO) + DONE
+        assert list(meter.tokens) == [1] and meter.after_done == 2 and meter.events == 2
+        assert meter.failure is None

@@ -277,9 +277,9 @@ def test_a_killed_worker_is_restarted_and_traffic_goes_on(tmp_path: Path) -> Non
         assert "killed by SIGKILL; starting it again" in proc.stderr.read_text()
 
 
-def healthz(admin: str) -> tuple[int, dict[str, Any]]:
+def healthz(admin: str, path: str = "/healthz") -> tuple[int, dict[str, Any]]:
     try:
-        with urllib.request.urlopen(admin + "/healthz", timeout=10) as response:
+        with urllib.request.urlopen(admin + path, timeout=10) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         with error:
@@ -391,10 +391,26 @@ def test_an_ejection_by_one_worker_reaches_every_worker(tmp_path: Path) -> None:
             assert len(idle) == 1 and idle[0]["replicas"][1]["ejections"] == 0
             replicas = get(admin + "/replicas")
             assert [r["healthy"] for r in replicas["replicas"]] == [True, False]
+            assert healthz(admin, "/readyz") == (200, {"status": "ready", "healthy_replicas": 1,
+                                                       "replicas": 2})
             assert replicas["replicas"][1]["ejections"] == 1
             exposition = get(admin + "/metrics")
             assert metric(exposition, "sidecar_replica_healthy",
                           replica=dead.split("://")[1]) == 0
+            proc.popen.send_signal(signal.SIGTERM)
+            assert proc.popen.wait(timeout=30) == 0
+
+
+def test_readyz_is_503_while_no_replica_is_healthy(tmp_path: Path) -> None:
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))  # bound, never listening: health checks fail
+        dead = f"http://127.0.0.1:{hole.getsockname()[1]}"
+        with proxy(tmp_path, [dead], "--workers", "1", "--eject-after", "1",
+                   "--health-interval", "50ms") as (proc, _url, admin):
+            status = until(lambda: healthz(admin, "/readyz"), lambda got: got[0] == 503)
+            assert status == (503, {"status": "no_healthy_replica", "healthy_replicas": 0,
+                                    "replicas": 1})
+            assert healthz(admin)[0] == 200  # alive: a liveness probe must not restart it
             proc.popen.send_signal(signal.SIGTERM)
             assert proc.popen.wait(timeout=30) == 0
 

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from reliability_helpers import (
     until,
 )
 
+import sidecar.sinks.capture as capture_module
 from sidecar.proxy import relay
 from sidecar.record import Outcome
 from sidecar.sim.engine import EngineConfig
@@ -614,18 +614,19 @@ async def test_malformed_http_is_refused_recorded_and_the_proxy_stays_up() -> No
     assert s.server.proxy.router.replicas[0].requests_total == 1
 
 
-async def test_a_full_disk_under_the_capture_never_touches_traffic(tmp_path: Path) -> None:
-    """The capture's disk is full (its file is /dev/full): every request still succeeds, every
-    record is still delivered to the other sinks, and the lost capture lines are counted in
-    /metrics (tests/test_sinks_capture.py covers the sink itself and its recovery)."""
+async def test_a_full_disk_under_the_capture_never_touches_traffic(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture's disk is full (its files write to /dev/full): every request still
+    succeeds, every record is still delivered to the other sinks, and the lost capture lines
+    are counted in /metrics (tests/test_sinks_capture.py covers the sink itself and its
+    recovery)."""
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
     capture = tmp_path / "capture"
-    capture.mkdir()
-    now = time.time()
-    for second in range(-1, 6):  # the part file is named after the sink's start second
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now + second))
-        (capture / f"capture-{stamp}-0000.jsonl").symlink_to("/dev/full")
+    # The capture creates its files itself (never through a link): each one it opens is
+    # /dev/full instead, which fails every write with ENOSPC as a full disk does.
+    monkeypatch.setattr(capture_module, "open_text",
+                        lambda _path, mode: open("/dev/full", mode, encoding="utf-8"))
     async with stack(capture_dir=str(capture), **TIMEOUTS) as s, \
             aiohttp.ClientSession() as session:
         results = await asyncio.gather(*(

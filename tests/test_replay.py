@@ -376,3 +376,106 @@ def test_a_target_without_a_scheme_is_refused_at_once(tmp_path: Path) -> None:
         assert done.returncode == 2, done.stderr
         assert "--target must be an http(s) URL like http://127.0.0.1:8000: '127.0.0.1:9'" \
             in done.stderr
+
+
+async def sidecar_async(*argv: str) -> tuple[int, str, str]:
+    """`python -m sidecar ...` while this test's event loop keeps serving a simulator."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sidecar", *argv, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_a_real_capture_with_a_failed_request_replays_what_it_can(tmp_path: Path) -> None:
+    """The README's path, capture -> lint -> replay, on a capture with a 404 for a mistyped
+    model among good requests: the failed request has no prompt size (the server never counted
+    it), so replay skips that line, says which and why on one line, counts it in the report,
+    and replays the rest; lint names the same line with the same reason."""
+    capture = tmp_path / "cap"
+    async with stack(capture_dir=str(capture)) as s, aiohttp.ClientSession() as session:
+        for model in ("m", "m", "mistyped", "m"):
+            async with session.post(s.url + "/v1/completions", json={
+                    "model": model, "prompt": "count to three", "max_tokens": 3,
+                    "stream": True}) as response:
+                await response.read()
+                assert response.status == (404 if model == "mistyped" else 200)
+        await s.records.wait_for(4)
+    (trace,) = sorted(capture.glob("capture-*.jsonl"))
+    failed_line = 4  # the header is line 1
+    assert TraceReader(trace).requests()[2].http_status == 404
+
+    code, out, err = await sidecar_async("trace", "lint", str(trace))
+    assert code == 0, out + err
+    assert "warning: cannot-replay:" in out and \
+        f"line {failed_line}: n_in missing: prompt size unknown" in out
+
+    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+        step_floor_s=0.002, per_token_s=0.0)), 1)
+    try:
+        code, out, err = await sidecar_async(
+            "replay", str(trace), "--target", replicas[0].url, "--repeats", "1",
+            "--no-progress", "--output-dir", str(tmp_path / "out"), "--slo", "ttft=5s")
+    finally:
+        await close_replicas(replicas)
+    assert code == 0, err
+    assert (f"sidecar replay: skipped 1 of 4 trace lines that cannot be replayed: line "
+            f"{failed_line} (n_in missing: prompt size unknown)\n") in err
+    assert "Traceback" not in err
+    # The console table says the SLO as a person writes it, not as a Python dict.
+    assert "(attainment 100.0%; SLO ttft<=5000ms)" in out and "{" not in out
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["completed"] == 3 and report["failed"] == 0
+    assert report["envelope"]["model"] == "m"
+    assert report["envelope"]["skipped_lines"] == {
+        "count": 1, "of": 4,
+        "lines": [{"line": failed_line, "reason": "n_in missing: prompt size unknown"}]}
+
+    # A capture of nothing but failed requests: nothing to replay, and both commands say so.
+    only_failed = tmp_path / "failed.jsonl"
+    with open(trace) as source:
+        header, *requests = source.read().splitlines()
+    only_failed.write_text(f"{header}\n{requests[2]}\n")
+    code, out, err = await sidecar_async("trace", "lint", str(only_failed))
+    assert code == 1 and "error: nothing-to-replay:" in out, out + err
+    code, out, err = await sidecar_async("replay", str(only_failed), "--target",
+                                         "http://127.0.0.1:9", "--no-progress")
+    assert code == 2, err
+    assert (f"{only_failed}: none of its 1 request lines can be replayed: line 2 (n_in "
+            f"missing: prompt size unknown)") in err
+
+
+def test_replay_and_lint_skip_the_same_lines_for_the_same_reasons(tmp_path: Path) -> None:
+    """One rule for both: each kind of line replay cannot rebuild, and the kinds it can (a
+    failed request whose sizes are known is part of the workload; a captured body is sent as
+    it is)."""
+    from sidecar.replay.tracetools import lint_trace
+
+    lines = [
+        TraceRequest(t=0.0, n_in=5, n_out=2),
+        TraceRequest(t=0.1, n_in=0, n_out=2),
+        TraceRequest(t=0.2, n_out=2),
+        TraceRequest(t=0.3, n_in=5),
+        TraceRequest(t=0.4, n_in=5, max_tokens=3, outcome="http_error", http_status=500),
+        TraceRequest(t=0.5, body={"prompt": "hi", "max_tokens": 2}),
+    ]
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"), lines)
+    sendable, skipped = replay_cli.split_replayable(list(TraceReader(trace).numbered()),
+                                                    use_captured_body=True)
+    assert [r.t for r in sendable] == [0.0, 0.4, 0.5]
+    assert skipped == [
+        replay_cli.SkippedLine(3, "n_in=0: prompt size unknown"),
+        replay_cli.SkippedLine(4, "n_in missing: prompt size unknown"),
+        replay_cli.SkippedLine(5, "n_out and max_tokens missing: output length unknown")]
+    (finding,) = [f for f in lint_trace(trace).findings if f.code == "cannot-replay"]
+    assert finding.examples == [f"line {s.line}: {s.reason}" for s in skipped]
+    assert replay_cli.skipped_summary(skipped, 6, str(trace)) == (
+        "skipped 3 of 6 trace lines that cannot be replayed: line 3 (n_in=0: prompt size "
+        "unknown), line 4 (n_in missing: prompt size unknown), line 5 (n_out and max_tokens "
+        "missing: output length unknown)")
+    _, skipped_without_bodies = replay_cli.split_replayable(
+        list(TraceReader(trace).numbered()), use_captured_body=False)
+    assert skipped_without_bodies[-1] == replay_cli.SkippedLine(
+        7, "n_in missing: prompt size unknown")

@@ -11,13 +11,15 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 import aiohttp
 import pytest
 from proxy_stack import stack
 
+import sidecar.sinks.capture as capture_module
 from sidecar.record import ChunkMark, Outcome, RequestRecord, RequestShape, Timeline
-from sidecar.sinks.capture import CaptureSink
+from sidecar.sinks.capture import CaptureDirError, CaptureSink
 from sidecar.tracefile import TraceHeader, TraceReader
 
 SECRET_PROMPT = "my very private medical question about " * 30
@@ -144,14 +146,21 @@ def test_rotation_by_size_keeps_a_header_per_file(tmp_path: Path) -> None:
     assert [TraceReader(f).header.notes["part"] for f in files] == list(range(len(files)))
 
 
-def test_a_full_disk_drops_and_counts_then_recovers(tmp_path: Path) -> None:
+def test_a_full_disk_drops_and_counts_then_recovers(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
     sink_dir = tmp_path / "cap"
-    sink_dir.mkdir()
     header = TraceHeader(source="capture", start_wall_ns=0)
-    # The first part file is /dev/full: every write to it fails with ENOSPC.
-    (sink_dir / "capture-19700101T000000Z-0000.jsonl").symlink_to("/dev/full")
+    # The first part file writes to /dev/full: every write fails with ENOSPC.
+    real_open = capture_module.open_text
+
+    def first_part_full(path: Path, mode: str) -> IO[str]:
+        if path.name.endswith("-0000.jsonl"):
+            return open("/dev/full", mode, encoding="utf-8")
+        return real_open(path, mode)
+
+    monkeypatch.setattr(capture_module, "open_text", first_part_full)
     sink = CaptureSink(sink_dir, header, flush_interval_s=0.01)
     sink.on_record(make_record(0))
     deadline = time.monotonic() + 5
@@ -216,3 +225,136 @@ def test_a_signal_loses_no_completed_record(tmp_path: Path, sig: signal.Signals)
     lines = read_all(capture)
     assert sorted(int(r.request_id is not None) for r in lines) == [1] * 25
     assert len(lines) == 25 and all(r.outcome == "ok" for r in lines)
+
+
+# -- what a hostile client or a careless operator once broke (issue 16) ----------------------
+
+def text_record(i: int, body: str) -> RequestRecord:
+    return RequestRecord(
+        request_id=f"t{i}", wall_time_ns=1_000_000_000 + i, outcome=Outcome.OK, endpoint="chat",
+        model="m", client=Timeline.from_marks(0, (ChunkMark(1000, 1),), 2000, 1), n_in=5, n_out=1,
+        shape=RequestShape(max_tokens=1, body=body, completion_text="ok \ud800"))
+
+
+def test_a_lone_surrogate_is_written_escaped_and_the_writer_goes_on(tmp_path: Path) -> None:
+    """A prompt with a lone surrogate ("\\ud800" is valid JSON) once raised UnicodeEncodeError
+    in the writer thread, which died silently: nothing more was written or counted, and the
+    queue kept every later body. Now the line is written with the character escaped, as JSON
+    writes it, and the records after it are written too."""
+    header = TraceHeader(source="capture", text_included=True)
+    sink = CaptureSink(tmp_path, header, flush_interval_s=0.01)
+    sink.on_record(text_record(0, '{"messages":[{"role":"user","content":"a \\ud800 b"}]}'))
+    for i in range(1, 4):
+        sink.on_record(make_record(i))
+    sink.close()
+    assert sink.written == 4 and sink.escaped_lines == 1 and sink.dropped_unwritable == 0
+    requests = read_all(tmp_path)
+    assert [r.request_id for r in requests] == ["t0", "r1", "r2", "r3"]
+    assert requests[0].body == {"messages": [{"role": "user", "content": "a \ud800 b"}]}
+    assert requests[0].completion_text == "ok \ud800"  # read back as it was
+
+
+def test_a_record_that_cannot_become_a_line_is_dropped_and_counted(tmp_path: Path) -> None:
+    sink = CaptureSink(tmp_path, TraceHeader(source="capture"), flush_interval_s=0.01)
+    broken = make_record(0)
+    object.__setattr__(broken, "wall_time_ns", "not a number")  # trace_request fails on it
+    sink.on_record(broken)
+    sink.on_record(make_record(1))
+    sink.close()
+    assert sink.dropped_unwritable == 1 and sink.written == 1
+    assert [r.request_id for r in read_all(tmp_path)] == ["r1"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_writer_is_restarted_by_the_next_record(tmp_path: Path) -> None:
+    sink = CaptureSink(tmp_path, TraceHeader(source="capture"), flush_interval_s=0.01)
+    sink._queue.put(object())  # not a record: the writer's assertion kills the thread
+    sink._thread.join(5)
+    assert not sink._thread.is_alive()
+    sink.on_record(make_record(1))
+    sink.close()
+    assert sink.writer_restarts == 1 and sink.written == 1
+
+
+def test_the_queue_is_bounded_in_bytes_too(tmp_path: Path) -> None:
+    """Sixty 8 MiB prompts once took RSS from 58 to 699 MB behind a dead writer; the queue
+    now also holds at most `queue_bytes` of records."""
+    header = TraceHeader(source="capture", text_included=True)
+    sink = HeldCapture(tmp_path, header, queue_bytes=3 * 1024 * 1024, flush_interval_s=0.01)
+    big = "x" * (1024 * 1024)
+    sink.on_record(text_record(0, big))
+    assert sink.entered.wait(5)  # the writer holds the first one
+    for i in range(1, 10):
+        sink.on_record(text_record(i, big))
+    assert sink.queued == 2 and sink.dropped_queue_full == 7  # 2 x (1 MiB + 1 KiB) fit in 3 MiB
+    sink.release.set()
+    sink.close()
+    assert sink.written == 3
+
+
+def test_capture_files_are_new_private_files_never_links(tmp_path: Path) -> None:
+    """A symlink planted at the predictable next name made the capture append to another
+    file, and a pre-created 0644 file received prompt text. Files are now created exclusively
+    (the planted name is skipped) with mode 0600, in a 0700 directory."""
+    directory = tmp_path / "cap"
+    header = TraceHeader(source="capture", start_wall_ns=0)
+    directory.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    (directory / "capture-19700101T000000Z-0000.jsonl").symlink_to(victim)
+    (directory / "capture-19700101T000000Z-0001.jsonl").write_text("")
+    os.chmod(directory / "capture-19700101T000000Z-0001.jsonl", 0o644)
+    sink = CaptureSink(directory, header, flush_interval_s=0.01)
+    sink.on_record(make_record(0))
+    sink.close()
+    assert victim.read_text() == "keep me\n"
+    assert (directory / "capture-19700101T000000Z-0001.jsonl").read_text() == ""
+    (written,) = sink.files
+    assert written.name == "capture-19700101T000000Z-0002.jsonl"
+    assert os.stat(written).st_mode & 0o777 == 0o600
+    fresh = tmp_path / "new" / "cap"
+    CaptureSink(fresh, header).close()
+    assert os.stat(fresh).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o757])
+def test_a_capture_directory_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    os.chmod(directory, mode)
+    with pytest.raises(CaptureDirError, match="writable by every user"):
+        CaptureSink(directory, TraceHeader(source="capture"))
+
+
+def test_a_capture_directory_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(CaptureDirError, match="symbolic link"):
+        CaptureSink(tmp_path / "link", TraceHeader(source="capture"))
+
+
+async def test_non_json_numbers_from_a_client_never_reach_a_trace(tmp_path: Path) -> None:
+    """A NaN temperature or a 4,000-digit max_tokens, copied into the capture, once made it
+    non-strict JSON that the project's own `trace lint` rejected. The shape keeps only what a
+    replay can use: such values are read as absent."""
+    capture = tmp_path / "cap"
+    huge = "9" * 4000
+    async with stack(capture_dir=str(capture)) as s, aiohttp.ClientSession() as session:
+        for extra in ('"temperature": NaN', '"temperature": -Infinity',
+                      f'"max_tokens": {huge}', '"temperature": 1e999'):
+            data = ('{"model": "m", "prompt": "hi", "stream": true, ' + extra + "}").encode()
+            async with session.post(s.url + "/v1/completions", data=data,
+                                    headers={"Content-Type": "application/json"}) as response:
+                await response.read()
+        await s.records.wait_for(4)
+    (path,) = capture.glob("capture-*.jsonl")
+    for line in path.read_text().splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in the trace"))
+        assert huge not in line
+    lint = subprocess.run([sys.executable, "-m", "sidecar", "trace", "lint", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert "not-json" not in lint.stdout + lint.stderr
+    requests = TraceReader(path).requests()
+    assert len(requests) == 4
+    assert all(r.temperature is None for r in requests)
+    assert all(r.max_tokens is None for r in requests)

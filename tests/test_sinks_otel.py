@@ -285,7 +285,9 @@ def test_failed_request_carries_error_type_and_no_latency_points(
 
     assert got.names() == {"gen_ai.client.operation.duration", "gen_ai.server.request.duration",
                            "sidecar.requests"}
-    failed_attrs = {**COMMON, "error.type": "upstream_error"}
+    # error.type as the conventions define it: the failure's type (no HTTP error status here),
+    # never the sidecar's outcome name.
+    failed_attrs = {**COMMON, "error.type": "ClientPayloadError"}
     # A failed operation lasts until the error (400 ms, bucket 6), not its last token.
     client = got.one("gen_ai.client.operation.duration")
     assert dict(client.attributes) == failed_attrs
@@ -308,9 +310,10 @@ def test_rejected_request_has_no_server_side(make_sink: Any,
     got = Collected(reader)
     assert got.names() == {"gen_ai.client.operation.duration", "sidecar.requests"}
     point = got.one("gen_ai.client.operation.duration")
+    # The upstream never confirmed "M" (the request was refused before it): no label slot.
     assert dict(point.attributes) == {
         "gen_ai.operation.name": "chat", "gen_ai.provider.name": "vllm",
-        "gen_ai.request.model": "M", "error.type": "rejected"}
+        "gen_ai.request.model": "other", "error.type": "429"}
     assert point.sum == pytest.approx(0.001)
 
 
@@ -623,7 +626,7 @@ async def test_real_otlp_export_carries_every_convention(receiver: OTLPReceiver)
 
     durations = {kv(p.attributes).get("error.type"): p.count
                  for p in got["gen_ai.client.operation.duration"].histogram.data_points}
-    assert durations == {None: 3, "timeout": 1}
+    assert durations == {None: 3, "upstream_timeout": 1}
     chunks = got["gen_ai.client.operation.time_per_output_chunk"].histogram.data_points
     assert [p.count for p in chunks] == [9]  # three successful requests, 3 gaps each
     usage = {kv(p.attributes)["gen_ai.token.type"]: (p.count, p.sum)
@@ -818,7 +821,7 @@ def test_failed_request_span(make_traced: Any, spans: InMemorySpanExporter) -> N
     assert span.status.status_code is StatusCode.ERROR
     assert span.status.description == "http_503"
     attrs = dict(span.attributes or {})
-    assert attrs["error.type"] == "http_error"
+    assert attrs["error.type"] == "503"  # the status code, per the conventions
     assert attrs["sidecar.error_type"] == "http_503"
     assert attrs["http.response.status_code"] == 503
     assert "gen_ai.usage.output_tokens" not in attrs
@@ -931,3 +934,21 @@ async def test_the_proxy_exports_to_a_real_otlp_receiver_through_its_wiring() ->
         assert spans[0].parent_span_id.hex() == "b7ad6b7169203331"
     finally:
         await receiver.close()
+
+
+def test_the_answers_model_and_id_and_the_requested_max_tokens(
+        make_traced: Any, spans: InMemorySpanExporter, reader: InMemoryMetricReader) -> None:
+    """gen_ai.response.model (the name vLLM answered with: an alias resolves to the served
+    name) on metrics and spans; gen_ai.response.id and gen_ai.request.max_tokens on spans."""
+    sink = make_traced()
+    sink.on_record(spec_example(attributes={
+        "response_model": "meta-llama/Llama-3.1-8B", "response_id": "chatcmpl-abc123",
+        "request_max_tokens": "64"}))
+    (span,) = finished(sink, spans)
+    attrs = dict(span.attributes or {})
+    assert attrs["gen_ai.response.model"] == "meta-llama/Llama-3.1-8B"
+    assert attrs["gen_ai.response.id"] == "chatcmpl-abc123"
+    assert attrs["gen_ai.request.max_tokens"] == 64
+    (point,) = Collected(reader).points["gen_ai.client.operation.duration"]
+    assert point.attributes["gen_ai.response.model"] == "meta-llama/Llama-3.1-8B"
+    assert point.attributes["gen_ai.request.model"] == "M"

@@ -33,7 +33,8 @@ MS = 1_000_000
 
 def record(marks_ms: list[tuple[float, int]], *, n_out: int | None = None,
            outcome: Outcome = Outcome.OK, model: str = "m", slo_class: str | None = None,
-           server_shift_ms: float = 1.0, engine: EngineTiming | None = None) -> RequestRecord:
+           server_shift_ms: float = 1.0, engine: EngineTiming | None = None,
+           http_status: int = 200) -> RequestRecord:
     marks = tuple(ChunkMark(int(t * MS), n) for t, n in marks_ms)
     server_marks = tuple(ChunkMark(m.offset_ns - int(server_shift_ms * MS), m.n_tokens)
                          for m in marks)
@@ -43,7 +44,7 @@ def record(marks_ms: list[tuple[float, int]], *, n_out: int | None = None,
         client=Timeline.from_marks(0, marks, end, len(marks)),
         server=Timeline.from_marks(int(1 * MS), server_marks, end, len(marks)),
         n_in=10, n_out=n_out, n_cached=4, token_source=TokenSource.USAGE,
-        replica="127.0.0.1:8000", engine=engine,
+        replica="127.0.0.1:8000", engine=engine, http_status=http_status,
         attributes={"slo_class": slo_class} if slo_class else {},
     )
 
@@ -133,6 +134,28 @@ def test_labels_are_capped() -> None:
     assert 'model="c"' not in text
     assert value(registry, "sidecar_requests_total", model="other", replica="127.0.0.1:8000",
                  endpoint="chat", outcome="ok") == 2
+
+
+def test_junk_model_names_cannot_take_the_label_slots() -> None:
+    """64 requests with junk model names (each a 404) once filled the label budget, and the
+    real model read 'other' for the life of the process. Only a name the upstream confirmed
+    (a 2xx) takes a slot; a refused name reads 'other', a confirmed one keeps its label on
+    later failures too."""
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry, label_cap=2)
+    for i in range(64):
+        sink.on_record(record([], outcome=Outcome.HTTP_ERROR, model=f"junk{i}", http_status=404))
+    sink.on_record(record([(10, 1)], n_out=1, model="real"))
+    sink.on_record(record([], outcome=Outcome.HTTP_ERROR, model="real", http_status=400))
+    sink.on_record(record([], outcome=Outcome.REJECTED, model="junk", http_status=429))
+    text = generate_latest(registry).decode()
+    assert 'model="junk' not in text
+    assert value(registry, "sidecar_requests_total", model="other", replica="127.0.0.1:8000",
+                 endpoint="chat", outcome="http_error") == 64
+    assert value(registry, "sidecar_requests_total", model="real", replica="127.0.0.1:8000",
+                 endpoint="chat", outcome="ok") == 1
+    assert value(registry, "sidecar_requests_total", model="real", replica="127.0.0.1:8000",
+                 endpoint="chat", outcome="http_error") == 1
 
 
 @pytest.mark.parametrize("repeat", [1, 40])  # 4 and 121 instants: bisect and numpy paths
@@ -295,6 +318,11 @@ async def test_promtool_accepts_the_whole_admin_exposition(tmp_path: Path) -> No
     for name in (b"sidecar_window_latency_seconds", b"sidecar_in_flight_requests",
                  b"sidecar_capture_records_written_total", b"process_resident_memory_bytes"):
         assert name in exposition
+    # Window values are gauges: a summary's _count/_sum slid with the window, and rate() read
+    # every record leaving it as a counter reset.
+    assert b"# TYPE sidecar_window_latency_seconds gauge" in exposition
+    assert b"sidecar_window_latency_seconds_count" not in exposition
+    assert b'sidecar_window_latency_samples{metric="ttft",vantage="client"} 3.0' in exposition
     done = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True,
                           timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr

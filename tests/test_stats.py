@@ -1,8 +1,9 @@
-"""Hand-worked answers for every formula in spec/metrics.md."""
+"""Hand-worked answers for every formula in docs/metrics.md."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from random_records import random_records
@@ -214,6 +215,52 @@ def test_goodput_has_failures_in_the_denominator() -> None:
     assert slo.describe() == "ttft<=500ms, tpot<=50ms"
 
 
+def test_what_the_client_got_wrong_is_out_of_the_denominator() -> None:
+    """Availability-SLO practice, hand-worked: of 8 requests, 2 good, a slow one, a 500, a
+    429 (out of capacity: the service's), a 408 (timed out: the service's), a 404 for a
+    mistyped model (the client's), a client gone before its first token (its own) and one gone
+    after its first token (counted: it may have left because the answer was slow)."""
+    slo = stats.SLO(ttft_s=0.5)
+
+    def failed(outcome: Outcome, status: int | None, *tokens: tuple[float, int]) -> RequestRecord:
+        return replace(make_record(marks(*tokens), outcome=outcome, end_ms=50),
+                       http_status=status)
+
+    records = [
+        make_record(marks((100, 1), (130, 1)), n_out=2),
+        make_record(marks((200, 1), (230, 1)), n_out=2),
+        make_record(marks((700, 1), (730, 1)), n_out=2),  # ttft .7 > .5
+        failed(Outcome.HTTP_ERROR, 500),
+        failed(Outcome.HTTP_ERROR, 429),
+        failed(Outcome.REJECTED, 408),
+        failed(Outcome.HTTP_ERROR, 404),
+        failed(Outcome.CLIENT_CANCELLED, None),
+        failed(Outcome.CLIENT_CANCELLED, 200, (100, 1)),
+    ]
+    assert [stats.slo_exclusion(r) for r in records] == [
+        None, None, None, None, None, None, "client_error", "client_cancelled", None]
+    g = stats.goodput(records, slo, interval_s=1.0)
+    assert (g.good_requests, g.total_requests) == (2, 7)
+    assert g.attainment == pytest.approx(2 / 7)
+    assert g.excluded == {"client_error": 1, "client_cancelled": 1}
+    assert slo.describe_denominator() == (
+        "every request, failures included, but client errors (4xx but 408 and 429) and "
+        "requests the client cancelled before its first token")
+    # A class that counts everything: the 9 requests, the same 2 good.
+    strict = stats.SLO(ttft_s=0.5, exclude=frozenset())
+    g = stats.goodput(records, strict, interval_s=1.0)
+    assert (g.good_requests, g.total_requests, g.excluded) == (2, 9, {})
+    policy = stats.SLOPolicy({"default": slo})
+    assert policy.verdict(records[6]) == ("default", False, "client_error")
+    assert policy.verdict(records[0]) == ("default", True, None)
+
+
+@pytest.mark.parametrize("objective", [0.0, 1.0, 1.5, float("nan")])
+def test_an_objective_is_a_share_strictly_between_0_and_1(objective: float) -> None:
+    with pytest.raises(ValueError, match="objective"):
+        stats.SLO(ttft_s=1.0, objective=objective)
+
+
 def test_goodput_boundary_is_inclusive() -> None:
     at_limit = make_record(marks((500, 1), (550, 1)), n_out=2)
     g = stats.goodput([at_limit], stats.SLO(ttft_s=0.5, tpot_s=0.05), interval_s=1.0)
@@ -370,6 +417,8 @@ def test_bulk_goodput_equals_the_per_request_verdicts(seed: int) -> None:
             good = tokens = 0
             without: dict[str, int] = {}
             for record in members:
+                if stats.slo_exclusion(record) in slo.exclude:
+                    continue
                 if not record.ok or (m := stats.request_metrics(record, vantage)) is None:
                     continue
                 met, unjudged = stats.slo_verdict(m, slo)
@@ -378,6 +427,7 @@ def test_bulk_goodput_equals_the_per_request_verdicts(seed: int) -> None:
                     tokens += m.n_out
                     for threshold in unjudged:
                         without[threshold] = without.get(threshold, 0) + 1
+            counted = [r for r in members if stats.slo_exclusion(r) not in slo.exclude]
             assert (got.total_requests, got.good_requests, got.good_output_tokens) == (
-                len(members), good, tokens)
+                len(counted), good, tokens)
             assert dict(got.judged_without) == without

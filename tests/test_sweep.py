@@ -219,3 +219,27 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
         assert [c["metadata"]["label"] for c in br["scenario"]["stack"]] == ["target",
                                                                               "sidecar"]
         assert "--admin-token" not in br["scenario"]["load"]["native"]["args"]
+
+
+def test_a_sweep_over_a_capture_skips_what_replay_skips(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A capture with a failed request of unknown prompt size (a 404 for a mistyped model)
+    once stopped a sweep with "a trace line needs n_in > 0"; it skips that line, as replay and
+    `trace lint` do, and says so."""
+    from sidecar.replay.sweep import Criteria
+    from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
+
+    trace = tmp_path / "capture.jsonl"
+    write_trace(trace, TraceHeader(source="capture"), [
+        TraceRequest(t=0.0, endpoint="chat", model="m", n_in=20, n_out=5),
+        TraceRequest(t=0.1, endpoint="chat", model="typo", n_in=None, n_out=None,
+                     outcome="http_error", http_status=404),
+        TraceRequest(t=0.2, endpoint="chat", model="m", n_in=30, n_out=6)])
+    parser = argparse.ArgumentParser()
+    sweep_cli.add_arguments(parser)
+    args = parser.parse_args(["--target", "http://127.0.0.1:9", "--trace", str(trace),
+                              "--slo", "ttft=1s", "--rates", "1"])
+    runner = sweep_cli.Runner(args, "m", Criteria(thresholds_ms={"ttft": 1000.0}))
+    assert runner.trace is not None and [r.n_in for r in runner.trace] == [20, 30]
+    err = capsys.readouterr().err
+    assert "skipped 1 of 3 trace lines" in err and "line 3 (n_in missing" in err

@@ -1,7 +1,8 @@
 """Importers: public trace formats -> sidecar traces, with values worked out by hand.
 
 The samples in tests/data/traces/ are written from each format's documented columns (see the
-README there); the real public traces in ../shared/data/traces are read in place.
+README there); the excerpts there of two real public traces (their first rows, with their
+licences and attribution) are read as they are.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from sidecar.replay.tracetools import lint_trace
 from sidecar.tracefile import PrefixBlocks, TraceReader, TraceRequest, request_line
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
-# shared/ lies beside the repository (CI lays a copy there too).
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
 
 def run_import(tmp_path: Path, fmt: str, sample: str | Path, name: str = "out.jsonl",
@@ -398,16 +397,15 @@ def test_fast_request_lines_equal_the_tracefile_serialiser() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The real public traces, read in place (the first 500 rows)
+# Excerpts of the real public traces (tests/data/traces/README.md)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared public traces are not on this host")
 def test_real_mooncake_first_rows(tmp_path: Path) -> None:
-    source = SHARED / "mooncake_conversation_trace.jsonl"
+    source = DATA / "mooncake_conversation_first100.jsonl"
     with open(source) as handle:
-        raw = [json.loads(next(handle)) for _ in range(500)]
-    result, requests = run_import(tmp_path, "mooncake", source, limit=500)
-    assert result.requests == len(requests) == 500 and result.rows_read == 500
+        raw = [json.loads(line) for line in handle]
+    result, requests = run_import(tmp_path, "mooncake", source)
+    assert result.requests == len(requests) == len(raw) == 100 and result.rows_read == 100
     assert result.out_of_order == 0
     times = [r.t for r in requests]
     assert times == sorted(times) and times[0] == 0.0
@@ -422,13 +420,12 @@ def test_real_mooncake_first_rows(tmp_path: Path) -> None:
     assert lint_trace(tmp_path / "out.jsonl").errors == 0
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared public traces are not on this host")
 def test_real_azure_2023_first_rows(tmp_path: Path) -> None:
-    source = SHARED / "AzureLLMInferenceTrace_code_2023.csv"
+    source = DATA / "azure_code_2023_first200.csv"
     with open(source) as handle:
-        rows = [line.strip().split(",") for line in handle][1:501]
-    result, requests = run_import(tmp_path, "azure", source, "azure.jsonl.gz", limit=500)
-    assert result.requests == 500 and result.out_of_order == 0
+        rows = [line.strip().split(",") for line in handle][1:151]
+    result, requests = run_import(tmp_path, "azure", source, "azure.jsonl.gz", limit=150)
+    assert result.requests == 150 and result.out_of_order == 0
     assert [r.n_in for r in requests] == [int(row[1]) for row in rows]
     assert [r.n_out for r in requests] == [int(row[2]) for row in rows]
     first_ns, _ = parse_calendar_ns(rows[0][0])
@@ -438,5 +435,5 @@ def test_real_azure_2023_first_rows(tmp_path: Path) -> None:
     header = TraceReader(tmp_path / "azure.jsonl.gz").header
     assert header.source == "azure-2023"
     assert header.start_wall_ns == utc_ns(2023, 11, 16, 18, 17, 3, fraction_ns=979_960_000)
-    assert header.notes["rows_read"] == 500 and header.notes["window"] == {"limit": 500}
+    assert header.notes["rows_read"] == 150 and header.notes["window"] == {"limit": 150}
     assert lint_trace(tmp_path / "azure.jsonl.gz").errors == 0

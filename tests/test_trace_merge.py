@@ -75,7 +75,7 @@ def test_the_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert run("merge", str(a), str(b), "-o", str(out)) == 3
     assert "different keys" in capsys.readouterr().err and not out.exists()
     assert run("merge", str(a), str(b), "-o", str(out), "--force") == 0
-    assert run("merge", str(a), "-o", str(out)) == 1  # exists
+    assert run("merge", str(a), "-o", str(out)) == 2  # exists: an input error
     assert run("merge", str(a), "-o", str(out), "--overwrite") == 0
     assert "merged 1 requests" in capsys.readouterr().out
 

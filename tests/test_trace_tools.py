@@ -57,6 +57,7 @@ CLEAN = [
     req(0.0, n_in=1100, n_out=10, max_tokens=10, ignore_eos=True, prefix=blocks(512, 1, 2, 3)),
     req(0.5, endpoint="chat", n_in=1024, n_out=20, prefix=blocks(512, 1, 2)),  # exact blocks
     req(0.5, n_in=1025, n_out=20, prefix=blocks(512, 1, 2, 4)),  # a 1-token last block
+    req(0.75, n_in=30, n_out=20, max_tokens=10, n=2),  # n_out counts both choices
     req(1.25, n_in=40, n_out=5, prefix=blocks(64, 7, unit="chars")),
     req(3.0, n_in=200, n_out=0, max_tokens=1, outcome="failed_in_source"),
     req(3.0, n_in=3000, n_out=1000, max_tokens=1096, n_cached=2048, session_id="s"),
@@ -66,8 +67,8 @@ CLEAN = [
 def test_lint_is_silent_on_a_clean_trace(tmp_path: Path) -> None:
     report = lint_trace(write_lines(tmp_path / "clean.jsonl", list(CLEAN)), max_model_len=4096)
     assert report.findings == ()
-    assert report.requests == 6 and report.exit_code == 0
-    assert report.format().endswith("clean.jsonl: 6 requests: clean")
+    assert report.requests == 7 and report.exit_code == 0
+    assert report.format().endswith("clean.jsonl: 7 requests: clean")
 
 
 # (lines, code, count, an example that must be reported); each trace trips only its rule.
@@ -89,7 +90,14 @@ BAD_TRACES: list[tuple[str, list[dict[str, Any] | str], int, str]] = [
      "median inter-arrival 1500 s over 4 requests"),
     ("t-looks-like-ms", [req(0.0), req(1e6), req(1e6 + 1), req(1e6 + 2)], 1,
      "every t is a whole number and the largest is 1e+06"),
-    ("length-missing", [req(0.0), {"t": 1.0, "n_in": 5}], 1, "line 3: no n_out"),
+    # A line replay can still send (max_tokens bounds its output), but not reproduce exactly.
+    ("length-missing", [req(0.0), {"t": 1.0, "n_in": 5, "max_tokens": 8}], 1, "line 3: no n_out"),
+    # Lines replay skips, with replay's own reasons (tracefile.unreplayable_reason).
+    ("cannot-replay", [req(0.0), {"t": 1.0, "n_in": 5}], 1,
+     "line 3: n_out and max_tokens missing: output length unknown"),
+    ("cannot-replay", [req(0.0), req(1.0, n_in=None, http_status=404, outcome="http_error")],
+     1, "line 3: n_in missing: prompt size unknown"),
+    ("cannot-replay", [req(0.0), req(1.0, n_in=0)], 1, "line 3: n_in=0: prompt size unknown"),
     ("length-negative", [req(0.0, n_out=-3)], 1, "line 2: n_out=-3"),
     ("length-absurd", [req(0.0, n_in=20_000_000)], 1, "line 2: n_in=20000000"),
     ("n-cached-over-n-in", [req(0.0, n_in=10, n_cached=20)], 1,
@@ -99,11 +107,17 @@ BAD_TRACES: list[tuple[str, list[dict[str, Any] | str], int, str]] = [
     # vLLM's footgun: Mooncake's 512-token hash_ids read as 16-token blocks.
     ("prefix-size-mismatch", [req(0.0, n_in=6758, prefix=blocks(16, *range(14)))], 1,
      "line 2: 14 hashes of size 16 for n_in=6758 (expected 423; n_in / len(hashes) = 483"),
-    ("over-max-model-len", [req(0.0, n_in=4000, n_out=100, max_tokens=200)], 1,
-     "line 2: 4000 + 200 = 4200 > 4096"),
+    # Line 2's two choices of 90 tokens each fit; line 3's max_tokens does not.
+    ("over-max-model-len", [req(0.0, n_in=4000, n_out=180, n=2),
+                            req(1.0, n_in=4000, n_out=100, max_tokens=200)], 1,
+     "line 3: 4000 + 200 = 4200 > 4096"),
     ("max-tokens-below-n-out", [req(0.0, n_out=10, max_tokens=5)], 1,
      "line 2: max_tokens=5 < n_out=10"),
-    ("empty-prompt", [req(0.0, n_in=0)], 1, "line 2"),
+    # n_out counts every choice's tokens: n=2 x max_tokens=10 reach 20 but not 21.
+    ("max-tokens-below-n-out", [req(0.0, n=2, n_out=20, max_tokens=10),
+                                req(1.0, n=2, n_out=21, max_tokens=10)], 1,
+     "line 3: max_tokens=10 x n=2 < n_out=21"),
+    ("empty-prompt", [req(0.0, n_in=0, body={"prompt": ""})], 1, "line 2"),
     ("zero-output", [req(0.0, n_out=0)], 1, "line 2"),
     ("duplicate", [req(0.0), req(1.0), req(1.0), req(2.0)], 1, "line 4 = line 3"),
     ("unknown-endpoint", [req(0.0, endpoint="responses")], 1, "line 2: 'responses'"),
@@ -279,7 +293,7 @@ def test_cli_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     argv = ["import", "--format", "bailian", str(DATA / "bailian_sample.jsonl"), "-o", str(out)]
     assert trace_cli.main(argv) == 0
     assert "imported 4 requests" in capsys.readouterr().out
-    assert trace_cli.main(argv) == 1  # no overwrite without --force
+    assert trace_cli.main(argv) == 2  # no overwrite without --force: an input error
     assert "exists (use --force" in capsys.readouterr().err
     assert trace_cli.main([*argv, "--force", "--time-scale", "2"]) == 0
     capsys.readouterr()
@@ -299,12 +313,12 @@ def test_cli_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert codes == {"prefix-size-mismatch", "zero-output"}
 
     assert trace_cli.main(["import", "--format", "azure", str(DATA / "mooncake_sample.jsonl"),
-                           "-o", str(tmp_path / "x.jsonl")]) == 1
+                           "-o", str(tmp_path / "x.jsonl")]) == 2
     assert "missing column(s) 'TIMESTAMP'" in capsys.readouterr().err
     assert trace_cli.main(["import", "--format", "mooncake", str(DATA / "mooncake_sample.jsonl"),
-                           "-o", str(tmp_path / "y.jsonl"), "--duration", "soon"]) == 1
+                           "-o", str(tmp_path / "y.jsonl"), "--duration", "soon"]) == 2
     assert "--duration" in capsys.readouterr().err
-    assert trace_cli.main(["stats", str(tmp_path / "absent.jsonl")]) == 1
+    assert trace_cli.main(["stats", str(tmp_path / "absent.jsonl")]) == 2
     assert trace_cli.main([]) == 2
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+import socket
+import struct
 
-from reliability_helpers import proxy_to, settle
+import pytest
+from reliability_helpers import RawUpstream, proxy_to, settle
 
 from sidecar.record import Outcome
 
@@ -19,51 +21,6 @@ SSE = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m
        b'[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":"stop"}],'
        b'"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}\n\n'
        b'data: [DONE]\n\n')
-
-Answer = Callable[[int, int, bytes, asyncio.StreamWriter], Awaitable[bool]]
-
-
-class RawUpstream:
-    """Reads whole requests (Content-Length bodies) and lets ``answer(connection number,
-    request number on it, head, writer)`` reply; False closes the connection."""
-
-    def __init__(self, answer: Answer) -> None:
-        self.answer = answer
-        self.connections = 0
-        self.requests = 0
-        self.server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *_: object) -> None:
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        number = self.connections
-        on_connection = 0
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                await reader.readexactly(length)
-                self.requests += 1
-                on_connection += 1
-                if not await self.answer(number, on_connection, head, writer):
-                    break
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
 
 def sse_response(keep_alive: bool = True) -> bytes:
     return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -111,13 +68,15 @@ async def test_a_connection_the_upstream_does_not_keep_is_not_reused() -> None:
     assert all(r.outcome is Outcome.OK for r in records)
 
 
-async def test_a_pooled_connection_the_replica_closed_is_replaced_once() -> None:
-    """The keep-alive race: the replica drops an idle connection just as a request is sent on
-    it. That request is sent again on a new connection to the same replica, once."""
+async def test_a_pooled_connection_reset_unread_is_replaced_once() -> None:
+    """The keep-alive race: the replica closed an idle connection just as a request was sent
+    on it, and its kernel reset the connection since nothing read the request. That request
+    is sent again on a new connection to the same replica, once."""
     async def answer(_c: int, on_connection: int, _head: bytes,
                      writer: asyncio.StreamWriter) -> bool:
         if on_connection == 2:
-            return False  # the second request on a connection: closed without an answer
+            reset(writer)  # the second request on a connection: reset, not answered
+            return False
         writer.write(sse_response())
         return True
 
@@ -129,6 +88,51 @@ async def test_a_pooled_connection_the_replica_closed_is_replaced_once() -> None
     assert status == 200 and b"data: [DONE]" in body
     assert all(r.outcome is Outcome.OK for r in records)
     assert (upstream.connections, upstream.requests) == (2, 3)
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a reset (RST), as a kernel does for a socket closed with unread data."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+async def test_a_request_the_replica_took_and_dropped_is_never_sent_twice(pooled: bool) -> None:
+    """A replica that read the request and closed the connection without answering may be
+    generating: the request is not retried on another replica (nor on this one), and the
+    client's 502 says what happened. Counting what each replica received proves it."""
+    async def drop(_c: int, on_connection: int, _head: bytes,
+                   writer: asyncio.StreamWriter) -> bool:
+        if pooled and on_connection == 1:
+            writer.write(sse_response())
+            return True
+        return False  # read the request, then an orderly close
+
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(sse_response())
+        return True
+
+    dropping, healthy = RawUpstream(drop), RawUpstream(answer)
+    async with dropping as first, healthy as second, \
+            proxy_to([second, first], engine_scrape_interval="0",
+                     route_policy="round_robin") as p:
+        # Round robin's first turn is the second replica listed: `first`, the dropping one.
+        if pooled:
+            assert (await post_stream(p.url, "warm"))[0] == 200  # to `first`
+            assert (await post_stream(p.url, "other"))[0] == 200  # ... then to `second`
+        status, body = await post_stream(p.url, "dropped")
+        records = await settle(p.server, p.records, 3 if pooled else 1)
+    assert status == 502
+    message = json.loads(body.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    assert "closed the connection after the request was sent" in message
+    assert "not retried" in message
+    (record,) = [r for r in records if r.request_id == "dropped"]
+    assert record.outcome is Outcome.UPSTREAM_ERROR
+    assert record.error_type == "upstream_closed_before_response"
+    assert dropping.requests == (2 if pooled else 1)  # received once
+    assert healthy.requests == (1 if pooled else 0)  # never sent the dropped one
+    assert all(r.healthy for r in p.server.proxy.router.replicas)
 
 
 async def test_interim_responses_are_skipped() -> None:

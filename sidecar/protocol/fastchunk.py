@@ -29,9 +29,12 @@ _TEXT = (rb'(?=[^"])[^"\\\x00-\x1f]*'
          rb'(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*')
 _NAME = rb'[^"\\\x00-\x1f]*'
 _INT = rb'(?:0|[1-9][0-9]{0,17})'  # fits an int64; longer numbers take the general path
-_USAGE = (rb'(?P<usage>,"usage":\{"prompt_tokens":(?P<prompt>' + _INT
-          + rb'),"total_tokens":(?P<total>' + _INT + rb'),"completion_tokens":(?P<completion>'
-          + _INT + rb')(?:,"completion_tokens_details":null)?\})?')
+# Token counts of at most 15 digits are below MAX_TOKEN_COUNT (2**53 - 1, 16 digits): longer
+# ones take the general path, which judges them.
+_COUNT = rb'(?:0|[1-9][0-9]{0,14})'
+_USAGE = (rb'(?P<usage>,"usage":\{"prompt_tokens":(?P<prompt>' + _COUNT
+          + rb'),"total_tokens":(?P<total>' + _COUNT + rb'),"completion_tokens":(?P<completion>'
+          + _COUNT + rb')(?:,"completion_tokens_details":null)?\})?')
 _HEAD = (rb'data: \{"id":"(?P<id>' + _NAME + rb')","object":"(?:chat\.completion\.chunk|'
          rb'text_completion)","created":' + _INT + rb',"model":"(?P<model>' + _NAME
          + rb')","choices":\[\{"index":(?P<index>' + _INT + rb'),')
@@ -64,5 +67,5 @@ def fast_token_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
         start = end = -1
     info = _new_tuple(ChunkInfo, (
         ChunkKind.TOKEN, usage, None, int(index), None, None,
-        model.decode("utf-8", "replace"), request_id.decode("utf-8", "replace"), None))
+        model.decode("utf-8", "replace"), request_id.decode("utf-8", "replace"), None, False))
     return info, start, end

@@ -42,6 +42,12 @@ class ChunkKind(str, enum.Enum):
     MALFORMED = "malformed"  # not JSON, not an object, or a field of an unexpected type
 
 
+# The largest token count believed: 2**53 - 1, the largest integer every JSON reader keeps
+# exactly. No real request comes near it; a larger count is a broken or hostile upstream, and
+# trusting it would overflow the record's 64-bit columns (sums of counts included).
+MAX_TOKEN_COUNT: Final = 2**53 - 1
+
+
 class Usage(NamedTuple):
     """Token accounting of a chunk. In a streamed response ``completion_tokens`` is cumulative:
     with continuous usage stats every chunk carries the count so far *for its choice*, and the
@@ -54,18 +60,18 @@ class Usage(NamedTuple):
 
     @classmethod
     def from_obj(cls, obj: object) -> Usage | None:
-        """Read an OpenAI usage object. None unless prompt and completion counts are
-        non-negative ints; a missing total is their sum; optional parts of a wrong type are
-        read as absent."""
+        """Read an OpenAI usage object. None unless prompt and completion counts are ints in
+        [0, MAX_TOKEN_COUNT]; a missing or out-of-range total is their sum; optional parts of
+        a wrong type or out of range are read as absent."""
         if type(obj) is not dict:
             return None
         prompt = obj.get("prompt_tokens")
         completion = obj.get("completion_tokens")
         # `type(...) is int` rejects bool, which JSON true/false would otherwise pass as.
-        if type(prompt) is not int or type(completion) is not int or prompt < 0 or completion < 0:
+        if not (_is_count(prompt) and _is_count(completion)):
             return None
         total = obj.get("total_tokens")
-        if type(total) is not int or total < 0:
+        if not _is_count(total):
             total = prompt + completion
         cached = None
         details = obj.get("prompt_tokens_details")
@@ -140,7 +146,9 @@ class ChunkInfo(NamedTuple):
     which case ``usage.completion_tokens`` is cumulative for the chunk's choice. ``metrics`` is
     read only from a chunk that carries usage, where vLLM puts it. ``model``, ``id`` and
     ``system_fingerprint`` are None when absent or not strings. Only ``kind`` is set for DONE
-    and MALFORMED.
+    and MALFORMED. ``usage_malformed``: the chunk has a ``usage`` member that is not a usage
+    object of believable counts (negative, fractional, a string, NaN, over MAX_TOKEN_COUNT):
+    ``usage`` is then None and the rest of the chunk is read as usual.
     """
 
     kind: ChunkKind
@@ -152,6 +160,7 @@ class ChunkInfo(NamedTuple):
     model: str | None = None
     id: str | None = None
     system_fingerprint: str | None = None
+    usage_malformed: bool = False
 
 
 _raw_decode: Final = json.JSONDecoder().raw_decode
@@ -210,26 +219,31 @@ def _classify_object(obj: dict[str, Any]) -> ChunkInfo:
         )
 
     usage = None
+    metrics = None
     usage_obj = obj.get("usage")
+    # A usage member that cannot be believed is not a reason to drop the chunk's text: the
+    # chunk is read without it, and the caller counts it and cuts it out as it would good usage.
+    usage_malformed = False
     if usage_obj is not None:
         usage = Usage.from_obj(usage_obj)
         if usage is None:
-            return _MALFORMED_INFO
-        # vLLM sends its per-request metrics only beside the usage.
-        metrics = PerRequestMetrics.from_obj(obj.get("metrics"))
-    else:
-        metrics = None
+            usage_malformed = True
+        else:
+            # vLLM sends its per-request metrics only beside the usage.
+            metrics = PerRequestMetrics.from_obj(obj.get("metrics"))
+    has_usage = usage_obj is not None
 
     choices = obj.get("choices")
     if type(choices) is not list:
-        if choices is None and usage is not None:
+        if choices is None and has_usage:
             # A usage chunk without the (empty) choices list: not vLLM, but unambiguous.
-            kind = ChunkKind.USAGE
-            return ChunkInfo(kind, usage, None, None, metrics, None, model, chunk_id, fingerprint)
+            return ChunkInfo(ChunkKind.USAGE, usage, None, None, metrics, None, model, chunk_id,
+                             fingerprint, usage_malformed)
         return _MALFORMED_INFO
     if not choices:
-        kind = ChunkKind.USAGE if usage is not None else ChunkKind.EMPTY
-        return ChunkInfo(kind, usage, None, None, metrics, None, model, chunk_id, fingerprint)
+        kind = ChunkKind.USAGE if has_usage else ChunkKind.EMPTY
+        return ChunkInfo(kind, usage, None, None, metrics, None, model, chunk_id, fingerprint,
+                         usage_malformed)
 
     kind = ChunkKind.EMPTY
     finish_reason: str | None = None
@@ -264,7 +278,8 @@ def _classify_object(obj: dict[str, Any]) -> ChunkInfo:
             kind = choice_kind
     return _new_tuple(
         ChunkInfo,
-        (kind, usage, finish_reason, choice_index, metrics, None, model, chunk_id, fingerprint),
+        (kind, usage, finish_reason, choice_index, metrics, None, model, chunk_id, fingerprint,
+         usage_malformed),
     )
 
 
@@ -306,7 +321,7 @@ def _choice_kind(choice: dict[str, Any]) -> ChunkKind | None:
 
 def _is_count(value: object) -> TypeGuard[int]:
     # `type(...) is int` rejects bool, which JSON true/false would otherwise pass as.
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value <= MAX_TOKEN_COUNT
 
 
 def _float_or_none(value: object) -> float | None:

@@ -8,8 +8,9 @@ sinks (cli.py), since the proxy itself knows no sink.
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 
@@ -36,9 +37,22 @@ def build_traffic_server(proxy: Proxy) -> TrafficServer:
     return TrafficServer(proxy.handle, proxy.reject, limits)
 
 
+def readiness(healthy: Sequence[bool], *, workers_alive: bool = True) -> web.Response:
+    """/readyz: 200 when at least one upstream replica is healthy (and, in worker mode, a
+    worker relays), else 503. For a gateway's readiness probe: a sidecar whose every replica
+    is ejected can only answer 502. /healthz stays the liveness probe (the process serves)."""
+    ready = workers_alive and any(healthy)
+    status = "ready" if ready else ("no_workers" if not workers_alive else "no_healthy_replica")
+    return web.json_response({"status": status, "healthy_replicas": sum(healthy),
+                              "replicas": len(healthy)}, status=200 if ready else 503)
+
+
 def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "in_flight": proxy.in_flight})
+
+    async def readyz(_request: web.Request) -> web.Response:
+        return readiness([r.healthy for r in proxy.router.replicas])
 
     async def replicas(_request: web.Request) -> web.Response:
         return web.json_response({
@@ -58,23 +72,33 @@ def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> 
         })
 
     app = web.Application(middlewares=[admin_auth(proxy.config.admin_token)])
+    app.on_response_prepare.append(plain_server_header)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/replicas", replicas)
     app.add_routes(list(extra_routes))
     return app
 
 
+# Open without the token: probes carry no secret, and these reveal nothing but up or ready.
+PROBE_PATHS: Final = frozenset({"/healthz", "/readyz"})
+
+
 def admin_auth(token: str | None) -> Any:
-    """Require ``Authorization: Bearer <token>`` on the admin listener, /healthz excepted
-    (probes carry no secrets and it reveals nothing). Compared in constant time; the token is
-    never logged."""
-    expected = f"Bearer {token}".encode() if token else None
+    """Require ``Authorization: Bearer <token>`` on the admin listener, the probe paths
+    excepted. The scheme is case-insensitive (RFC 9110); the token is compared in constant
+    time, without surrounding whitespace (a Secret made from a file often ends in a newline),
+    and never logged."""
+    expected = token.strip().encode() if token else None  # config refuses a blank token
 
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-        if expected is not None and request.path != "/healthz":
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+        if expected is not None and request.path not in PROBE_PATHS:
+            scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+            given = credentials.strip().encode("utf-8", "replace")
+            # Both comparisons run whatever the scheme says: no early exit to time.
+            matches = hmac.compare_digest(given, expected)
+            if not (scheme.lower() == "bearer" and matches):
                 return web.json_response(
                     {"error": "the sidecar's admin endpoints need a bearer token"},
                     status=401, headers={"WWW-Authenticate": "Bearer"})
@@ -82,6 +106,11 @@ def admin_auth(token: str | None) -> Any:
         return response
 
     return middleware
+
+
+async def plain_server_header(_request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp would say ``Server: Python/3.11 aiohttp/3.x``: a version list for scanners."""
+    response.headers["Server"] = "vllm-sidecar"
 
 
 class ProxyServer:
@@ -114,11 +143,19 @@ class ProxyServer:
             # A client that disconnects cancels its handler at once (listener.py), so the
             # upstream request is closed (and vLLM aborts it) even while waiting for a token.
             self.traffic = build_traffic_server(self.proxy)
-            host, port = await self.traffic.start(self.config.listen_host,
-                                                  self.config.listen_port)
+            config = self.config
+            try:
+                host, port = await self.traffic.start(config.listen_host, config.listen_port)
+            except OSError as exc:
+                raise ListenError("traffic, --listen", config.listen_host, config.listen_port,
+                                  exc) from None
             self.url = _url_of(host, port)
-            self.admin_url = await self._serve(admin, self.config.metrics_host,
-                                               self.config.metrics_port)
+            try:
+                self.admin_url = await self._serve(admin, config.metrics_host,
+                                                   config.metrics_port)
+            except OSError as exc:
+                raise ListenError("admin, --metrics-listen", config.metrics_host,
+                                  config.metrics_port, exc) from None
         except BaseException:
             await self.close()
             raise
@@ -143,6 +180,21 @@ class ProxyServer:
         hooks, self._close_hooks = self._close_hooks, []
         for hook in hooks:
             await hook()
+
+
+class ListenError(OSError):
+    """A listener that could not bind, in one line: which one, where and why (the event loop's
+    own message repeats the address as a tuple and lower-cases the cause)."""
+
+    def __init__(self, listener: str, host: str, port: int, cause: OSError) -> None:
+        # A resolver error (socket.gaierror) has a negative errno: its own text says it.
+        reason = os.strerror(cause.errno) if cause.errno and cause.errno > 0 else \
+            (cause.strerror or str(cause))
+        shown = f"[{host}]" if ":" in host else host
+        super().__init__(cause.errno, f"cannot listen on {shown}:{port} ({listener}): {reason}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def _url_of(host: str, port: int) -> str:

@@ -89,6 +89,10 @@ class RecordBuilder:
                                                                        source)
         if meter.finish_reason is not None:
             self.finish_reason = meter.finish_reason
+        if meter.response_model is not None:
+            self.attributes["response_model"] = meter.response_model
+        if meter.response_id is not None:
+            self.attributes["response_id"] = meter.response_id
         if meter.engine is not None:
             self.engine = meter.engine
         if meter.failure is not None:

@@ -38,7 +38,7 @@ from aiohttp import web
 from sidecar.config import ProxyConfig, read_capture_key
 from sidecar.engine_metrics import merge_views
 from sidecar.hooks import LogThrottle, SinkFanout
-from sidecar.proxy.app import admin_auth
+from sidecar.proxy.app import ListenError, admin_auth, plain_server_header, readiness
 from sidecar.proxy.channel import FrameProtocol, Kind, json_frame, parse_json
 from sidecar.proxy.probes import check_health, scrape_engine
 from sidecar.proxy.recordwire import WireError, decode_record
@@ -222,8 +222,8 @@ class Collector:
             self._reserved, self._addresses = reserve_traffic_port(config.listen_host,
                                                                    config.listen_port)
         except OSError as exc:
-            raise StartError(f"cannot listen on {config.listen_host}:{config.listen_port}: "
-                             f"{exc.strerror or exc}") from None
+            raise ListenError("traffic, --listen", config.listen_host, config.listen_port,
+                              exc) from None
         _family, host, port = self._addresses[0]
         self.url = _url(host, port)
         try:
@@ -255,8 +255,7 @@ class Collector:
         try:
             await site.start()
         except OSError as exc:
-            raise StartError(f"cannot serve the admin listener on {host}:{port}: "
-                             f"{exc.strerror or exc}") from None
+            raise ListenError("admin, --metrics-listen", host, port, exc) from None
         server: Any = site._server  # aiohttp keeps the bound socket here; needed for port 0
         bound = server.sockets[0].getsockname()
         self.admin_url = _url(bound[0], bound[1])
@@ -632,6 +631,10 @@ def build_collector_admin_app(collector: Collector,
              "workers_alive": alive, "workers": len(collector.slots)},
             status=200 if alive else 503)
 
+    async def readyz(_request: web.Request) -> web.Response:
+        return readiness([r.healthy for r in collector.replicas],
+                         workers_alive=bool(collector.workers_alive))
+
     async def replicas(_request: web.Request) -> web.Response:
         return web.json_response(collector.replicas_view())
 
@@ -639,7 +642,9 @@ def build_collector_admin_app(collector: Collector,
         return web.json_response(collector.workers_view())
 
     app = web.Application(middlewares=[admin_auth(collector.config.admin_token)])
+    app.on_response_prepare.append(plain_server_header)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/replicas", replicas)
     app.router.add_get("/workers", workers)
     app.add_routes(list(extra_routes))

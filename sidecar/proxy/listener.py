@@ -70,6 +70,7 @@ class IncomingRequest:
     body: bytes
     http_version: str
     keep_alive: bool
+    peer: str | None = None  # the client's address (IP), for X-Forwarded-For
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +230,7 @@ class ClientConnection(asyncio.Protocol):
         self._rejected = False
         self._request_headers: CIMultiDictProxy[str] | None = None
         self._method: str | None = None
+        self._client_address: str | None = None
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
@@ -236,6 +238,9 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
+        peername = self.transport.get_extra_info("peername")
+        if isinstance(peername, tuple) and peername:
+            self._client_address = str(peername[0])
         server = self.server
         server.connections.add(self)
         if len(server.connections) > self.limits.max_connections:
@@ -400,7 +405,7 @@ class ClientConnection(asyncio.Protocol):
             method=self._method, target=target, path=target.split("?", 1)[0],
             headers=self._request_headers, body=b"".join(self._body),
             http_version=self.parser.get_http_version(),
-            keep_alive=self.parser.should_keep_alive()))
+            keep_alive=self.parser.should_keep_alive(), peer=self._client_address))
         self._body = []
 
     # -- dispatch and keep-alive ----------------------------------------------------------

@@ -24,8 +24,8 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlsplit
+from typing import Any, Final
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -36,6 +36,7 @@ from sidecar.hooks import SinkFanout
 from sidecar.meter import StreamMeter, choices_text
 from sidecar.protocol.assemble import StreamAssembler
 from sidecar.protocol.openai import (
+    MAX_TOKEN_COUNT,
     ErrorInfo,
     Usage,
     endpoint_for_path,
@@ -171,7 +172,11 @@ class _Timeouts:
     def __init__(self, config: ProxyConfig, streaming: bool) -> None:
         task = asyncio.current_task()
         self.total = _Watchdog(task)
-        self.total.arm(config.total_timeout, "total_timeout")
+        total, name = config.total_timeout, "total_timeout"
+        limit = config.nonstream_timeout
+        if not streaming and limit > 0 and (total <= 0 or limit < total):
+            total, name = limit, "nonstream_timeout"
+        self.total.arm(total, name)
         self.ttft = _Watchdog(task)
         if streaming:
             self.ttft.arm(config.ttft_timeout, "ttft_timeout")
@@ -216,6 +221,18 @@ def filtered_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
             continue
         out.add(name, value)
     return out
+
+
+_FORWARDED_FOR: Final = "X-Forwarded-For"
+
+
+def has_dot_segment(path: str) -> bool:
+    """True when a segment of the path, percent-decoded, is ``.`` or ``..`` (or holds a
+    backslash, which some servers read as a separator)."""
+    if "." not in path and "%" not in path and "\\" not in path:
+        return False  # the common path: no decoding
+    decoded = unquote(path)
+    return any(segment in (".", "..") or "\\" in segment for segment in decoded.split("/"))
 
 
 def request_id_from(headers: CIMultiDictProxy[str]) -> str:
@@ -372,6 +389,9 @@ class Proxy:
         return answer
 
     async def handle(self, request: IncomingRequest, exchange: ClientExchange) -> None:
+        if has_dot_segment(request.path):
+            self._refuse_path(request, exchange)
+            return
         endpoint = endpoint_for_path(request.path) if request.method == "POST" else None
         request_id = request_id_from(request.headers)
         # t_arrive: the whole request is here (the listener read the body). Offsets count
@@ -416,6 +436,20 @@ class Proxy:
                 builder.down_end_ns = builder.offset(clock.monotonic_ns())
             self._emit(builder)
 
+    def _refuse_path(self, request: IncomingRequest, exchange: ClientExchange) -> None:
+        """A path with ``.`` or ``..`` segments (also percent-encoded): a server that
+        normalises it would serve another path than the one measured and routed here
+        (``/v1/../../etc/passwd`` became ``/etc/passwd``). Refused, with a record."""
+        wall, arrive = clock.anchor()
+        builder = RecordBuilder(request_id_from(request.headers), wall, arrive, "other")
+        builder.route_policy = self.config.route_policy.value
+        self.requests_total += 1
+        builder.fail(Outcome.REJECTED, "dot_segment_path", 400)
+        self._respond_error(exchange, builder, 400,
+                            "The request path has '.' or '..' segments; the sidecar relays "
+                            "only paths as they are meant.", "BadRequestError")
+        self._emit(builder)
+
     def _emit(self, builder: RecordBuilder) -> None:
         if builder.frozen:
             return
@@ -458,6 +492,13 @@ class Proxy:
                           parsed: bool) -> CIMultiDict[str]:
         headers = filtered_headers(request.headers)
         headers[REQUEST_ID_HEADER] = request_id
+        if request.peer is not None:
+            # The de facto standard append (nginx's $proxy_add_x_forwarded_for): what a client
+            # wrote stays, and the address it connected from comes last, where a server that
+            # trusts this hop (uvicorn trusts 127.0.0.1 by default) reads the real client.
+            given = headers.getall(_FORWARDED_FOR, ())
+            headers.popall(_FORWARDED_FOR, None)
+            headers[_FORWARDED_FOR] = ", ".join([*given, request.peer])
         if parsed:
             # The proxy reads these bodies; ask for them uncompressed.
             headers["Accept-Encoding"] = "identity"
@@ -468,9 +509,12 @@ class Proxy:
         builder: RecordBuilder, *, session_key: str | None = None,
         prefix_key: bytes | None = None,
     ) -> tuple[UpstreamExchange, Replica]:
-        """Send the request to a replica and wait for its response head. A failure to connect,
-        or a connection closed before any answer, is retried on another replica (never after a
-        byte went to the client, which cannot have happened yet here)."""
+        """Send the request to a replica and wait for its response head. Retried only where
+        the request cannot have reached the engine: a failure to connect is tried on another
+        replica; a pooled connection reset before any answer (the replica had closed it
+        without reading the request: its keep-alive ran out) is sent again once on a new
+        connection to the same replica. A replica that closed the connection after the request
+        went out, without answering, may have started generating: 502, never a second run."""
         tried: list[Replica] = []
         last_error = "no replica"
         timed_out = False
@@ -495,12 +539,13 @@ class Proxy:
                         head_method=head_method, tls=tls)
                     await upstream.response()
                 except UpstreamError as exc:
-                    if not (upstream is not None and upstream.reused
+                    if not (upstream is not None and upstream.reused and exc.reset
                             and exc.kind == "disconnected" and exc.before_response):
                         raise
                     # A pooled connection the replica closed while we picked it (its
-                    # keep-alive ran out): the request never reached it. Once more, on a new
-                    # connection to the same replica, not counted as a try.
+                    # keep-alive ran out): its kernel reset the connection because nothing
+                    # read our request. Once more, on a new connection to the same replica,
+                    # not counted as a try. (An orderly close instead could follow a read.)
                     self.pool.close_exchange(upstream)
                     upstream = await self.pool.exchange(
                         host, port, head, body, connect_timeout=self.config.connect_timeout,
@@ -514,12 +559,19 @@ class Proxy:
                     raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "upstream_protocol_error", 502,
                                           "The upstream answered with a malformed HTTP "
                                           "response.") from None
-                # No answer came: no connection, or one the server closed before answering (a
-                # pooled connection it had already closed, or it dropped this request): try
-                # another replica. Only a failure to connect counts against the replica's
-                # health: a server that accepted and then dropped one request is not dead.
+                if exc.kind == "disconnected":
+                    # The request went out and the replica dropped the connection without an
+                    # answer: it may be generating. Sending it to another replica would run
+                    # the same request twice. Not a mark against the replica's health either:
+                    # a server that accepted and then dropped one request is not dead.
+                    raise UpstreamFailure(
+                        Outcome.UPSTREAM_ERROR, "upstream_closed_before_response", 502,
+                        f"The upstream replica {replica.label} closed the connection after "
+                        "the request was sent, without answering. It was not retried on "
+                        "another replica, since this one may have started it.") from None
+                # No connection: the request never left. Try another replica.
                 timed_out = exc.kind == "connect_timeout"
-                if exc.kind != "disconnected" and replica.record_failure(self.config.eject_after):
+                if replica.record_failure(self.config.eject_after):
                     log.warning("replica %s ejected after connect failures", replica.label)
                 tried.append(replica)
                 last_error = _CONNECT_ERROR_NAMES.get(exc.kind, exc.kind)
@@ -631,6 +683,9 @@ class Proxy:
             model = parsed.get("model")
             builder.model = (model if isinstance(model, str) and len(model) <= MAX_MODEL_NAME_LEN
                              and model.isprintable() else None)
+            max_tokens = parsed.get("max_completion_tokens", parsed.get("max_tokens"))
+            if type(max_tokens) is int and 0 <= max_tokens <= MAX_TOKEN_COUNT:
+                builder.attributes["request_max_tokens"] = str(max_tokens)
             # vLLM reads `stream` as pydantic does ("true", 1, ... stream too).
             builder.client_stream = stream_usage_options(parsed)[0]
             if builder.client_stream:
@@ -700,6 +755,14 @@ class Proxy:
                     prefix_key=prefix_key)
             timeouts.idle.start()
             builder.http_status = upstream.status
+            coding = upstream.headers.get("Content-Encoding")
+            if coding is not None and coding.strip().lower() not in ("", "identity"):
+                # Asked for identity (`_upstream_headers`): a compressed answer can be neither
+                # measured nor given an error event the client could read. Refused whole.
+                raise UpstreamFailure(
+                    Outcome.UPSTREAM_ERROR, "content_encoding", 502,
+                    f"The upstream answered with Content-Encoding: {coding[:32]!r} although "
+                    "the sidecar asked for none; it cannot measure a compressed answer.")
             content_type = upstream.headers.get("Content-Type", "")
             if upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 timeouts.ttft.disarm()
@@ -717,6 +780,11 @@ class Proxy:
             if fired is None:
                 raise  # the client disconnected: handled (and re-raised) by `handle`
             timeouts.absorb()
+            if upstream is not None:
+                # Stop the relay before the error tail: a read arriving while the tail drains
+                # would otherwise put an event after [DONE].
+                self.pool.close_exchange(upstream)
+                upstream = None
             if exchange.prepared and exchange.write_buffer_size:
                 # Bytes were still waiting for the client when the timeout fired: the relay was
                 # held up by a client that stopped reading, not by the upstream. It cannot be
@@ -728,6 +796,9 @@ class Proxy:
                                   "The upstream did not answer in time "
                                   f"({fired.replace('_', ' ')}).", "GatewayTimeout")
         except UpstreamFailure as failure:
+            if upstream is not None:
+                self.pool.close_exchange(upstream)  # as above: nothing after the error tail
+                upstream = None
             await self._fail_open(exchange, endpoint, builder, failure.outcome,
                                   failure.error_type, failure.status, failure.message,
                                   failure.err_type)
@@ -807,6 +878,10 @@ class Proxy:
             fingerprint = obj.get("system_fingerprint")
             if isinstance(fingerprint, str):
                 self._fingerprints[builder.replica] = fingerprint
+            for key, name in (("model", "response_model"), ("id", "response_id")):
+                value = obj.get(key)
+                if isinstance(value, str) and len(value) <= 256 and value.isprintable():
+                    builder.attributes[name] = value
             usage = Usage.from_obj(obj.get("usage"))
             if usage is not None:
                 builder.n_in, builder.n_out = usage.prompt_tokens, usage.completion_tokens
@@ -826,6 +901,7 @@ class Proxy:
         """The streaming relay: whatever a read yields for the client goes out at once in one
         write, stamped on the client side with that write's instant (see `_run_meter`)."""
         meter = StreamMeter(builder.arrive_ns, plan, max_event_bytes=self.config.max_event_bytes,
+                            max_events=self.config.max_stream_events,
                             keep_text=builder.text_parts is not None,
                             fingerprint=self._fingerprints.get(builder.replica))
         now = clock.monotonic_ns
@@ -854,6 +930,7 @@ class Proxy:
         assembler = StreamAssembler(endpoint)
         meter = StreamMeter(builder.arrive_ns, forward=False,
                             max_event_bytes=self.config.max_event_bytes,
+                            max_events=self.config.max_stream_events,
                             keep_text=builder.text_parts is not None, assembler=assembler)
         await self._run_meter(upstream, meter, builder, timeouts, None)
         failure = meter.failure
@@ -911,7 +988,7 @@ class Proxy:
                 raise trouble[0]
             builder.up_end_ns = builder.offset(clock.monotonic_ns())
             if meter.fatal is None:
-                out, n_events, n_token_events = meter.close()
+                out, n_events, n_token_events = meter.close(clock.monotonic_ns())
                 if out and deliver is not None:
                     deliver(out, n_events, n_token_events)
         finally:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from sidecar.protocol.openai import MAX_TOKEN_COUNT
 from sidecar.record import RequestShape
 
 
@@ -93,7 +95,19 @@ def chat_text(messages: list[Any], limit: int | None = None) -> str:
 
 
 def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    # A trace keeps what a replay can use: a count beyond any real request (a 4,000-digit
+    # max_tokens) is read as absent, so that every trace line stays plain, portable JSON.
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT:
+        return value
+    return None
+
+
+def _finite_or_none(value: Any) -> float | None:
+    # NaN and infinities are not JSON: a trace line with them is refused by strict readers.
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value) if abs(value) < 1e308 else math.inf
+        return number if math.isfinite(number) else None
+    return None
 
 
 def request_shape(body: Mapping[str, Any], hasher: PrefixHasher, *, session_id: str | None,
@@ -123,8 +137,7 @@ def request_shape(body: Mapping[str, Any], hasher: PrefixHasher, *, session_id: 
         max_tokens=max_tokens,
         ignore_eos=ignore_eos if isinstance(ignore_eos, bool) else None,
         n=n if n is not None and n > 0 else 1,
-        temperature=float(temperature) if isinstance(temperature, (int, float))
-        and not isinstance(temperature, bool) else None,
+        temperature=_finite_or_none(temperature),
         session_id=session_id,
         prefix_unit=unit,
         prefix_size=size,

@@ -40,12 +40,16 @@ class UpstreamError(Exception):
     """The exchange failed at the connection level. ``kind``: connect_refused, connect_timeout
     (no connection: the request never left), disconnected (the connection closed before or
     during the answer), protocol_error (the answer was not valid HTTP/1.1), too_large (a body
-    over the caller's limit). ``before_response``: no byte of the answer's head had arrived."""
+    over the caller's limit). ``before_response``: no byte of the answer's head had arrived.
+    ``reset``: the connection ended with a reset (RST), not an orderly close: what a server's
+    kernel answers when the server closed its socket without reading what we sent."""
 
-    def __init__(self, message: str, *, kind: str, before_response: bool) -> None:
+    def __init__(self, message: str, *, kind: str, before_response: bool,
+                 reset: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.before_response = before_response
+        self.reset = reset
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -257,7 +261,8 @@ class UpstreamExchange:
         self._fail(UpstreamError(
             ("the upstream closed the connection before answering" if before else
              "the upstream closed the connection mid-response") + detail,
-            kind="disconnected", before_response=before))
+            kind="disconnected", before_response=before,
+            reset=isinstance(exc, ConnectionResetError)))
 
     def _finish(self) -> None:
         self.complete = True

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar.config import ConfigError, parse_slo
+from sidecar.config import ConfigError, parse_slo_spec
 from sidecar.record import RequestRecord
 from sidecar.replay.compare import NOT_DESIGN
 from sidecar.replay.report import console_table, median_run, run_report
@@ -159,10 +159,10 @@ def slo_policy_for(spec: str | None) -> SLOPolicy | None:
     if not spec:
         return None
     try:
-        t = parse_slo(spec)
+        slo = SLO(**parse_slo_spec(spec).slo_arguments())
     except ConfigError as exc:
         raise MergeError(f"--slo: {exc}") from None
-    return SLOPolicy({"default": SLO(t.get("ttft"), t.get("tpot"), t.get("e2e"))})
+    return SLOPolicy({"default": slo})
 
 
 TaggedRun = list[tuple[int, SentRequest]]  # one run's requests, each with its shard index

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,7 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from sidecar import clock
-from sidecar.config import ConfigError, parse_duration, parse_hostport, parse_slo
+from sidecar.config import ConfigError, parse_duration, parse_hostport, parse_slo_spec
 from sidecar.engine_metrics import parse_engine_metrics
 from sidecar.record import RequestRecord
 from sidecar.replay import llmd
@@ -40,7 +41,12 @@ from sidecar.replay.report import console_table, median_run, run_report
 from sidecar.replay.runner import PlannedRequest, Sender, SentRequest, closed_loop, open_loop
 from sidecar.replay.schedule import gamma_schedule, trace_schedule
 from sidecar.stats import SLO, SLOPolicy
-from sidecar.tracefile import TraceFormatError, TraceReader, TraceRequest
+from sidecar.tracefile import (
+    TraceFormatError,
+    TraceReader,
+    TraceRequest,
+    unreplayable_reason,
+)
 
 DESCRIPTION = """\
 Replay a trace as load against a target (a vLLM replica, or the sidecar in front of replicas),
@@ -83,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Gamma shape for --rate: 1 = Poisson, <1 burstier [1]")
     parser.add_argument("--max-concurrency", type=int,
                         help="closed loop: at most N outstanding (not an open-loop rate)")
-    parser.add_argument("--limit", type=int, help="use the first N requests of the trace")
+    parser.add_argument("--limit", type=int, help="use the first N requests of the trace "
+                        "(of those it can replay: lines without a prompt size are skipped and "
+                        "counted)")
     parser.add_argument("--warmup", type=int, default=0,
                         help="send N warm-up requests first (excluded from results) [0]")
     parser.add_argument("--repeats", type=int, default=3,
@@ -133,6 +141,49 @@ class UsageError(Exception):
     pass
 
 
+# Skipped lines named on stderr, and kept in the report (the count is always whole).
+SKIPPED_LINES_SHOWN = 5
+SKIPPED_LINES_KEPT = 100
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedLine:
+    """A trace line replay cannot send: its line number in the file and why."""
+
+    line: int
+    reason: str
+
+
+def split_replayable(lines: Sequence[tuple[int, TraceRequest]], *, use_captured_body: bool
+                     ) -> tuple[list[TraceRequest], list[SkippedLine]]:
+    """The requests replay can send, and the lines it skips, by `unreplayable_reason` (the
+    rule `sidecar trace lint` reports as cannot-replay)."""
+    sendable: list[TraceRequest] = []
+    skipped: list[SkippedLine] = []
+    for line, request in lines:
+        reason = unreplayable_reason(request, use_captured_body=use_captured_body)
+        if reason is None:
+            sendable.append(request)
+        else:
+            skipped.append(SkippedLine(line, reason))
+    return sendable, skipped
+
+
+def skipped_examples(skipped: Sequence[SkippedLine]) -> str:
+    shown = ", ".join(f"line {skip.line} ({skip.reason})"
+                      for skip in skipped[:SKIPPED_LINES_SHOWN])
+    more = len(skipped) - SKIPPED_LINES_SHOWN
+    return shown + (f", +{more} more" if more > 0 else "")
+
+
+def skipped_summary(skipped: Sequence[SkippedLine], total: int, trace: str) -> str:
+    """One line: how many lines are skipped, the first few with their reasons."""
+    where = "" if len(skipped) <= SKIPPED_LINES_SHOWN else \
+        f" (`sidecar trace lint {trace}` lists them)"
+    return (f"skipped {len(skipped)} of {total} trace lines that cannot be replayed: "
+            f"{skipped_examples(skipped)}{where}")
+
+
 class TargetUnreachable(UsageError, ValueError):
     """Nothing answers at the target (refused, timed out, not resolvable)."""
 
@@ -143,6 +194,9 @@ async def run(args: argparse.Namespace) -> int:
     except (UsageError, TraceFormatError, PayloadError, ValueError) as exc:
         print(f"sidecar replay: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # sender workers that did not start or failed: ran, failed
+        print(f"sidecar replay: {exc}", file=sys.stderr)
+        return 1
 
 
 def checked_target(target: str) -> str:
@@ -191,7 +245,16 @@ async def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     reader = TraceReader(args.trace)
-    requests = sorted(reader.requests(), key=lambda r: r.t)
+    lines = list(reader.numbered())
+    sendable, skipped = split_replayable(lines, use_captured_body=not args.no_captured_bodies)
+    if lines and not sendable:
+        raise UsageError(f"{args.trace}: none of its {len(lines)} request lines can be "
+                         f"replayed: {skipped_examples(skipped)}; `sidecar trace lint "
+                         f"{args.trace}` lists them")
+    if skipped:
+        print(f"sidecar replay: {skipped_summary(skipped, len(lines), args.trace)}",
+              file=sys.stderr)
+    requests = sorted(sendable, key=lambda r: r.t)
     args.trace_origin = requests[0].t if requests else 0.0
     if args.limit is not None:
         requests = requests[: args.limit]
@@ -202,8 +265,7 @@ async def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.trace}: no requests to replay")
     slo_policy = None
     if args.slo:
-        t = parse_slo(args.slo)
-        slo_policy = SLOPolicy({"default": SLO(t.get("ttft"), t.get("tpot"), t.get("e2e"))})
+        slo_policy = SLOPolicy({"default": SLO(**parse_slo_spec(args.slo).slo_arguments())})
     target = checked_target(args.target)
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -243,6 +305,9 @@ async def _run(args: argparse.Namespace) -> int:
             "tokens_per_word": calibration.tokens_per_word,
             "chat_overhead": calibration.chat_overhead},
         "prompt_token_ids": token_ids.describe(),
+        "skipped_lines": {"count": len(skipped), "of": len(lines),
+                          "lines": [{"line": skip.line, "reason": skip.reason}
+                                    for skip in skipped[:SKIPPED_LINES_KEPT]]},
     }
     counters: ReplayCounters | None = None
     metrics: MetricsServer | None = None
@@ -250,7 +315,14 @@ async def _run(args: argparse.Namespace) -> int:
         counters = ReplayCounters()
         host, port = metrics_address
         metrics = MetricsServer(counters, str(args.shard_index), host, port)
-        print(f"metrics on {await metrics.start()}", file=sys.stderr, flush=True)
+        try:
+            print(f"metrics on {await metrics.start()}", file=sys.stderr, flush=True)
+        except OSError as exc:
+            await metrics.close()
+            # The event loop's message repeats the address as a tuple: the cause alone.
+            cause = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror
+            raise UsageError(f"cannot listen on {host}:{port} (--metrics-listen): "
+                             f"{cause or exc}") from None
     try:
         return await _replay(args, plan, mode, target, envelope, requests, engine_before,
                              slo_policy, counters)
@@ -357,7 +429,10 @@ def uses_captured_bodies(requests: Sequence[TraceRequest], args: argparse.Namesp
 
 
 def _trace_model(requests: Sequence[TraceRequest]) -> str | None:
-    return next((r.model for r in requests if r.model), None)
+    """The model of the first request that did not fail, else of the first with one: a
+    capture's first line may be a request for a mistyped model."""
+    return next((r.model for r in requests if r.model and r.outcome in (None, "ok")),
+                next((r.model for r in requests if r.model), None))
 
 
 def lengths_summary(values: Sequence[int | None]) -> dict[str, float | None]:

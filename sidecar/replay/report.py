@@ -130,6 +130,14 @@ def median_run(reports: Sequence[dict[str, Any]]) -> int:
     return keyed[(len(keyed) - 1) // 2]
 
 
+def slo_text(classes: Mapping[str, str]) -> str:
+    """The SLO classes of a report as a person reads them: "ttft<=500ms, tpot<=50ms", or each
+    class by name when there are several."""
+    if list(classes) == ["default"]:
+        return str(classes["default"])
+    return "; ".join(f"{name}: {described}" for name, described in classes.items())
+
+
 def console_table(report: Mapping[str, Any]) -> str:
     lines = [
         f"{'mode':<34} {report['mode']}",
@@ -142,7 +150,8 @@ def console_table(report: Mapping[str, Any]) -> str:
     ]
     if report.get("request_goodput") is not None:
         lines.append(f"{'request goodput (req/s)':<34} {report['request_goodput']:.2f}  "
-                     f"(attainment {report['slo_attainment']:.1%}; {report['slo']})")
+                     f"(attainment {report['slo_attainment']:.1%}; SLO "
+                     f"{slo_text(report['slo'])})")
     lines.append(f"{'':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'p99.9':>14}")
     for name, key in (("TTFT ms", "ttft"), ("TPOT ms", "tpot"), ("ITL ms", "itl"),
                       ("E2E ms", "e2el")):

@@ -127,7 +127,7 @@ class Sender:
                         meter.feed(chunk, clock.monotonic_ns())
                         if meter.fatal is not None:
                             break
-                    meter.close()
+                    meter.close(clock.monotonic_ns())
         except asyncio.TimeoutError:
             failure = StreamFailure(Outcome.TIMEOUT, "request_timeout", 504, "")
         except (aiohttp.ClientError, OSError) as exc:

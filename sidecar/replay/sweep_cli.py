@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import uuid
@@ -64,6 +65,22 @@ under results.observability.vllm_sidecar)
 """
 
 
+def parse_loads(text: str) -> list[float]:
+    """--rates: numbers > 0 separated by commas, in increasing order."""
+    loads = []
+    for part in text.split(","):
+        try:
+            load = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give loads as numbers separated by commas, e.g. 1,2,4,8 (req/s; "
+                "concurrent requests with --mode closed)") from None
+        if not math.isfinite(load) or load <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: every load must be a number > 0")
+        loads.append(load)
+    return sorted(loads)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="URL")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -79,7 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-up", type=float, default=0.9,
                         help="minimum completion rate / offered rate, open loop [0.9]")
     loads = parser.add_mutually_exclusive_group(required=True)
-    loads.add_argument("--rates", help="explicit loads, e.g. 1,2,4,8 (req/s or concurrencies)")
+    loads.add_argument("--rates", type=parse_loads, metavar="LOADS",
+                       help="explicit loads, e.g. 1,2,4,8 (req/s; concurrent requests with "
+                       "--mode closed)")
     loads.add_argument("--auto", action="store_true",
                        help="double from --start until a step fails, then bisect")
     parser.add_argument("--start", type=float, default=1.0, help="first load of --auto [1]")
@@ -157,7 +176,19 @@ class Runner:
         self.step_duration = parse_duration(args.step_duration)
         self.trace: list[TraceRequest] | None = None
         if args.trace:
-            self.trace = sorted(TraceReader(args.trace).requests(), key=lambda r: r.t)
+            lines = list(TraceReader(args.trace).numbered())
+            # The lines replay skips (and `trace lint` reports as cannot-replay): a capture's
+            # failed request of unknown prompt size is not a workload to repeat.
+            sendable, skipped = replay_cli.split_replayable(
+                lines, use_captured_body=not getattr(args, "no_captured_bodies", False))
+            if lines and not sendable:
+                raise ValueError(f"{args.trace}: none of its {len(lines)} request lines can "
+                                 f"be replayed: {replay_cli.skipped_examples(skipped)}")
+            if skipped:
+                print(f"sidecar sweep: "
+                      f"{replay_cli.skipped_summary(skipped, len(lines), args.trace)}",
+                      file=sys.stderr)
+            self.trace = sorted(sendable, key=lambda r: r.t)
             if not self.trace:
                 raise ValueError(f"{args.trace}: no requests")
 
@@ -363,7 +394,7 @@ async def _run(args: argparse.Namespace) -> int:
                 search.record(load, verdict, offered, achieved)
             capacity = search.capacity if search.passed else None
         else:
-            loads = sorted(float(x) for x in args.rates.split(","))
+            loads = args.rates
             passed: list[float] = []
             for load in loads:
                 verdict, offered, achieved = await runner.run_step(load)

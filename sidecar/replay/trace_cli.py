@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,7 +40,8 @@ t in seconds since the trace start, lengths in tokens).
            skipped row's reason.
   lint     check a trace before replaying it: unsorted or negative t, units that look wrong
            (ms for s, characters for tokens), prefix block sizes that do not match n_in,
-           requests too long for --max-model-len, duplicates, empty or missing lengths.
+           requests too long for --max-model-len, duplicates, empty or missing lengths, and
+           the lines `sidecar replay` skips (cannot-replay: the same rule, the same reasons).
            Exit status 1 when there are errors, 0 with only warnings.
   stats    summarise the load: duration, arrival rate over time, burstiness, n_in/n_out
            percentiles, prefix reuse (the hit ratio of an infinite prefix cache), sessions,
@@ -63,6 +65,9 @@ examples:
   sidecar trace stats mooncake.jsonl.gz --json > mooncake-stats.json
   sidecar trace merge captures/*/capture-*.jsonl -o fleet.jsonl.gz
       every pod's capture as one trace (pods sharing --capture-key-file)
+
+exit status: 0 done; 1 lint found errors; 2 a usage or input error (an unreadable file, an
+output that exists or cannot be written); 3 merge refused (--force merges anyway).
 """
 
 IMPORT_DESCRIPTION = """\
@@ -90,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description=IMPORT_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    importing.set_defaults(command_parser=importing)
     importing.add_argument("input", metavar="INPUT", help="the public trace (.gz is read too)")
     importing.add_argument("-o", "--output", required=True, metavar="OUTPUT",
                            help="the sidecar trace to write (.gz: compressed)")
@@ -125,9 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lint",
         help="check a trace before replaying it (exit 1 on errors)",
         description="Check a sidecar trace for problems that would spoil a replay. Each "
-                    "finding says what, where (line numbers), how many and how to fix it. "
-                    "Exit status 1 when there are errors, 0 with only warnings.",
+                    "finding says what, where (line numbers), how many and how to fix it; "
+                    "cannot-replay lists exactly the lines `sidecar replay` skips, with the "
+                    "same reasons. Exit status 1 when there are errors, 0 with only warnings, "
+                    "2 when the file cannot be read.",
     )
+    linting.set_defaults(command_parser=linting)
     linting.add_argument("trace", metavar="TRACE")
     linting.add_argument("--max-model-len", type=int, default=None, metavar="N",
                          help="flag requests with n_in + n_out above N tokens")
@@ -142,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "different keys (pods without a shared --capture-key-file); --force "
                     "merges anyway and notes why in the header.",
     )
+    merging.set_defaults(command_parser=merging)
     merging.add_argument("traces", nargs="+", metavar="TRACE")
     merging.add_argument("-o", "--output", required=True, metavar="OUTPUT",
                          help="the merged trace (.gz: compressed)")
@@ -154,6 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="summarise a trace: rate over time, burstiness, lengths, prefix reuse, sessions",
         description="Summarise the load in a sidecar trace.",
     )
+    summarising.set_defaults(command_parser=summarising)
     summarising.add_argument("trace", metavar="TRACE")
     summarising.add_argument("--json", action="store_true", help="print JSON")
 
@@ -193,26 +204,63 @@ def _import_summary(result: ImportResult, source: str) -> str:
 
 
 def _run_import(args: argparse.Namespace) -> int:
-    output = Path(args.output)
-    if output.exists() and not args.force:
-        print(f"sidecar trace import: error: {output} exists (use --force to overwrite)",
-              file=sys.stderr)
-        return 1
+    source, output = Path(args.input), Path(args.output)
+    problem = None
+    if source.is_dir():
+        problem = f"{source} is a directory: give the trace file in it"
+    elif output.is_dir():
+        problem = f"-o {output} is a directory: give the file to write"
+    elif output.exists() and not args.force:
+        problem = f"{output} exists (use --force to overwrite)"
+    else:
+        problem = unwritable(output)
+    if problem is not None:
+        print(f"sidecar trace import: error: {problem}", file=sys.stderr)
+        return 2
     try:
         result = import_trace(args.source_format, args.input, output, _options(args))
     except TraceImportError as exc:
         print(f"sidecar trace import: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except OSError as exc:
+        print(f"sidecar trace import: error: {os_error(exc)}", file=sys.stderr)
+        return 2
     print(_import_summary(result, args.input))
     return 0
+
+
+def unwritable(output: Path) -> str | None:
+    """Why ``output`` cannot be written (its folder is made when missing), or None: checked
+    before a long import rather than at its end."""
+    folder = output.parent
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
+                   None)
+    if blocker is not None:
+        return f"cannot write {output}: {blocker} is a file, not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".sidecar-write-check-"):
+            pass
+    except OSError as exc:
+        return f"cannot write {output}: {folder}: {exc.strerror or exc}"
+    return None
+
+
+def os_error(exc: OSError) -> str:
+    """An OSError as one line: the path, then the cause."""
+    cause = exc.strerror or str(exc)
+    return f"{exc.filename}: {cause}" if exc.filename else cause
 
 
 def _run_lint(args: argparse.Namespace) -> int:
     try:
         report = lint_trace(args.trace, max_model_len=args.max_model_len)
-    except (TraceFormatError, OSError) as exc:
+    except TraceFormatError as exc:
         print(f"sidecar trace lint: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except OSError as exc:
+        print(f"sidecar trace lint: error: {os_error(exc)}", file=sys.stderr)
+        return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return report.exit_code
 
@@ -220,19 +268,28 @@ def _run_lint(args: argparse.Namespace) -> int:
 def _run_stats(args: argparse.Namespace) -> int:
     try:
         stats = trace_stats(args.trace)
-    except (TraceFormatError, OSError) as exc:
+    except TraceFormatError as exc:
         print(f"sidecar trace stats: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except OSError as exc:
+        print(f"sidecar trace stats: error: {os_error(exc)}", file=sys.stderr)
+        return 2
     print(stats_json(stats) if args.json else format_stats(stats))
     return 0
 
 
 def _run_merge(args: argparse.Namespace) -> int:
     output = Path(args.output)
-    if output.exists() and not args.overwrite:
-        print(f"sidecar trace merge: error: {output} exists (use --overwrite to replace it)",
-              file=sys.stderr)
-        return 1
+    problem = None
+    if output.is_dir():
+        problem = f"-o {output} is a directory: give the file to write"
+    elif output.exists() and not args.overwrite:
+        problem = f"{output} exists (use --overwrite to replace it)"
+    else:
+        problem = unwritable(output)
+    if problem is not None:
+        print(f"sidecar trace merge: error: {problem}", file=sys.stderr)
+        return 2
     try:
         merged = merge_traces(args.traces, output, force=args.force)
     except MergeRefused as exc:
@@ -241,9 +298,12 @@ def _run_merge(args: argparse.Namespace) -> int:
             print(f"  {reason}", file=sys.stderr)
         print("--force merges anyway (the merged header keeps these reasons)", file=sys.stderr)
         return 3
-    except (TraceFormatError, OSError, ValueError) as exc:
+    except OSError as exc:
+        print(f"sidecar trace merge: error: {os_error(exc)}", file=sys.stderr)
+        return 2
+    except (TraceFormatError, ValueError) as exc:
         print(f"sidecar trace merge: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     for warning in merged.warnings:
         print(f"WARNING (--force): {warning}", file=sys.stderr)
     print(f"merged {merged.requests} requests from {len(args.traces)} files -> {merged.output}")

@@ -14,7 +14,12 @@ Lint rules (code, severity; each finding says what, where, how many and how to f
     t-large-start          warning  the first request comes more than a day after t = 0
     t-looks-like-ms        warning  median inter-arrival > 1000 s, or every t a whole number
                                     with t > 1e6: t in ms read as s?
-    length-missing         warning  n_in or n_out absent (a replay cannot reproduce the work)
+    cannot-replay          warning  `sidecar replay` skips the line (no captured body and n_in
+                                    missing or 0, or neither n_out nor max_tokens): the same
+                                    rule replay applies (`tracefile.unreplayable_reason`)
+    nothing-to-replay      error    every line is cannot-replay: replay refuses the trace
+    length-missing         warning  n_in or n_out absent on a line replay can still send (its
+                                    work is not reproduced exactly)
     length-negative        error    n_in, n_out, n_cached or max_tokens < 0
     length-absurd          error    n_in or n_out above 10M tokens
     n-cached-over-n-in     error    more cached prompt tokens than prompt tokens
@@ -23,9 +28,10 @@ Lint rules (code, severity; each finding says what, where, how many and how to f
     prefix-size-mismatch   error    unit "tokens": len(hashes) != ceil(n_in / size), the
                                     convention of Mooncake and Bailian (the last, partial
                                     block has a hash too)
-    over-max-model-len     error    n_in + max(n_out, max_tokens) > --max-model-len
-    max-tokens-below-n-out warning  max_tokens < n_out: the replay cannot reach n_out
-    empty-prompt           warning  n_in = 0 (vLLM refuses an empty prompt)
+    over-max-model-len     error    n_in + the longest choice's output > --max-model-len (a
+                                    choice: max(n_out / n, max_tokens); n_out counts all n)
+    max-tokens-below-n-out warning  max_tokens x n < n_out: the replay cannot reach n_out
+    empty-prompt           warning  n_in = 0 on a line sent with its captured body
     zero-output            warning  n_out = 0 on a request not marked failed_in_source
     duplicate              warning  a request identical to another at the same t
     unknown-endpoint       error    endpoint other than "chat" / "completions"
@@ -66,6 +72,7 @@ from sidecar.tracefile import (
     TraceHeader,
     TraceReader,
     TraceRequest,
+    unreplayable_reason,
 )
 
 ERROR = "error"
@@ -240,9 +247,18 @@ RULES: dict[str, tuple[str, str, str]] = {
     "t-looks-like-ms": (WARNING, "t looks like milliseconds, not seconds",
                         "re-import with the right units, or scale t by 0.001 "
                         "(sidecar trace import --time-scale 0.001)"),
+    "cannot-replay": (WARNING, "sidecar replay skips these lines: it cannot rebuild their "
+                      "requests",
+                      "nothing, if they are requests that failed before the server counted "
+                      "their prompt (a 404 for a mistyped model); else fill in n_in (and n_out "
+                      "or max_tokens), or capture with --capture-text so bodies are sent as "
+                      "captured"),
+    "nothing-to-replay": (ERROR, "no line can be replayed: sidecar replay refuses this trace",
+                          "see cannot-replay: every line lacks a prompt size or an output "
+                          "length"),
     "length-missing": (WARNING, "n_in or n_out is missing",
-                       "a replay cannot reproduce these requests' work; fill in the lengths "
-                       "or drop the lines"),
+                       "a replay sends these lines but cannot reproduce their work exactly; "
+                       "fill in the lengths or drop the lines"),
     "length-negative": (ERROR, "a token count is negative",
                         "fix the lengths (n_in, n_out, n_cached, max_tokens are token counts)"),
     "length-absurd": (ERROR, f"n_in or n_out above {ABSURD_TOKENS:,} tokens",
@@ -256,12 +272,16 @@ RULES: dict[str, tuple[str, str, str]] = {
                              "the declared block size does not match the hashes (Mooncake "
                              "hash_ids are 512-token blocks, Bailian 16): re-import with the "
                              "right --format, or fix prefix.size"),
-    "over-max-model-len": (ERROR, "n_in + max(n_out, max_tokens) exceeds --max-model-len",
+    "over-max-model-len": (ERROR, "n_in + the longest choice's output (max(n_out / n, "
+                           "max_tokens)) exceeds --max-model-len",
                            "the server will refuse these (HTTP 400): drop them, cap max_tokens, "
                            "or serve with a larger --max-model-len"),
-    "max-tokens-below-n-out": (WARNING, "max_tokens < n_out: a replay cannot reach n_out",
-                               "set max_tokens = n_out (and ignore_eos) to reproduce lengths"),
-    "empty-prompt": (WARNING, "n_in = 0: an empty prompt (vLLM refuses it)",
+    "max-tokens-below-n-out": (WARNING, "max_tokens x n < n_out: a replay cannot reach n_out "
+                               "(n_out counts the tokens of all n choices)",
+                               "set max_tokens = n_out / n (and ignore_eos) to reproduce "
+                               "lengths"),
+    "empty-prompt": (WARNING, "n_in = 0 on a line sent with its captured body (vLLM refuses "
+                     "an empty prompt)",
                      "drop these requests or give them a prompt length"),
     "zero-output": (WARNING, "n_out = 0 on a request not marked failed_in_source",
                     "mark failed requests with outcome failed_in_source, or drop them"),
@@ -291,9 +311,15 @@ class _Findings:
 
 
 def _check_lengths(found: _Findings, line: int, request: TraceRequest,
-                   max_model_len: int | None) -> None:
+                   max_model_len: int | None) -> bool:
+    """Length findings of one line; False when replay cannot send it (cannot-replay)."""
     where = f"line {line}"
-    if request.n_in is None or request.n_out is None:
+    reason = unreplayable_reason(request)
+    if reason is not None:
+        # The line is reported as replay reports it; its missing or zero lengths are the
+        # reason, not findings of their own.
+        found.add("cannot-replay", f"{where}: {reason}")
+    elif request.n_in is None or request.n_out is None:
         missing = " and ".join(n for n in ("n_in", "n_out") if getattr(request, n) is None)
         found.add("length-missing", f"{where}: no {missing}")
     for name in ("n_in", "n_out", "n_cached", "max_tokens"):
@@ -308,19 +334,23 @@ def _check_lengths(found: _Findings, line: int, request: TraceRequest,
             and request.n_cached > request.n_in >= 0:
         found.add("n-cached-over-n-in", f"{where}: n_cached={request.n_cached} > "
                   f"n_in={request.n_in}")
-    if request.n_in == 0:
+    if request.n_in == 0 and reason is None:
         found.add("empty-prompt", where)
     if request.n_out == 0 and request.outcome != FAILED_IN_SOURCE:
         found.add("zero-output", where)
+    # n_out counts the tokens of all n choices; max_tokens bounds each choice.
+    choices = max(1, request.n)
     if request.max_tokens is not None and request.n_out is not None \
-            and 0 <= request.max_tokens < request.n_out:
-        found.add("max-tokens-below-n-out", f"{where}: max_tokens={request.max_tokens} < "
-                  f"n_out={request.n_out}")
+            and 0 <= request.max_tokens * choices < request.n_out:
+        times_n = f" x n={choices}" if choices > 1 else ""
+        found.add("max-tokens-below-n-out", f"{where}: max_tokens={request.max_tokens}"
+                  f"{times_n} < n_out={request.n_out}")
     if max_model_len is not None and request.n_in is not None:
-        output = max(request.n_out or 0, request.max_tokens or 0)
+        output = max(math.ceil((request.n_out or 0) / choices), request.max_tokens or 0)
         if request.n_in + output > max_model_len:
             found.add("over-max-model-len", f"{where}: {request.n_in} + {output} = "
                       f"{request.n_in + output} > {max_model_len}")
+    return reason is None
 
 
 def _check_prefix(found: _Findings, line: int, prefix: PrefixBlocks, n_in: int | None,
@@ -354,6 +384,7 @@ def lint_trace(path: str | os.PathLike[str], max_model_len: int | None = None) -
     same_t: float | None = None
     same_t_seen: dict[int, int] = {}  # hash of the line -> line number, at t == same_t
     requests = 0
+    unreplayable = 0
     for entry in iter_trace_lines(path):
         if entry.request is None:
             code = "partial-last-line" if entry.partial else "unreadable-line"
@@ -365,7 +396,8 @@ def lint_trace(path: str | os.PathLike[str], max_model_len: int | None = None) -
         t = request.t
         if request.endpoint not in ENDPOINTS:
             found.add("unknown-endpoint", f"line {line}: {request.endpoint!r}")
-        _check_lengths(found, line, request, max_model_len)
+        if not _check_lengths(found, line, request, max_model_len):
+            unreplayable += 1
         if request.prefix is not None:
             _check_prefix(found, line, request.prefix, request.n_in, covered_ratios)
         if request.n_in is not None:
@@ -397,6 +429,8 @@ def lint_trace(path: str | os.PathLike[str], max_model_len: int | None = None) -
             same_t_seen[identity] = line
     _check_units(found, times)
     _check_char_lengths(found, n_in_values, n_out_values, covered_ratios)
+    if requests and unreplayable == requests:
+        found.add("nothing-to-replay", f"all {requests} request lines are cannot-replay")
     if "t-non-monotonic" in found.by_code:
         finding = found.by_code["t-non-monotonic"]
         finding.what += f"; worst jump back {worst_back[0]:g} s (line {worst_back[1]})"
@@ -725,6 +759,12 @@ def sparkline(counts: tuple[int, ...]) -> str:
     return "".join(_SPARK[0 if c == 0 else 1 + (c * (len(_SPARK) - 2)) // top] for c in counts)
 
 
+def sparkline_legend(bin_s: float, top: int) -> str:
+    """What the sparkline's characters mean, under it."""
+    return (f"{'legend':<12}one character per {_num(bin_s)} s: ' ' no request, "
+            f"{_SPARK[1:]} fewest to most ({_SPARK[-1]} = {top})")
+
+
 def _num(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "-"
@@ -749,6 +789,8 @@ def format_stats(stats: TraceStats) -> str:
         f"per {_num(a.bin_s)} s   |{sparkline(a.counts)}|  ({len(a.counts)} bins, max "
         f"{max(a.counts, default=0)} requests)",
     ]
+    if a.counts:
+        lines.append(sparkline_legend(a.bin_s, max(a.counts)))
     if not a.sorted_in_file:
         lines.append("            (t is not sorted in the file: arrivals use sorted t; prefix "
                      "reuse uses file order)")

@@ -249,8 +249,15 @@ async def run(args: argparse.Namespace) -> int:
     try:
         replicas = await start_replicas(config, args.replicas, args.host, args.port)
     except OSError as exc:
-        print(f"sidecar sim: error: cannot listen: {exc}", file=sys.stderr)
-        return 1
+        # One line naming the address(es) and the cause, exit 2 like every input error.
+        if exc.filename:  # --ground-truth FILE
+            print(f"sidecar sim: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return 2
+        ports = (f"{args.port}" if args.replicas == 1 or args.port == 0
+                 else f"{args.port}-{args.port + args.replicas - 1}")
+        print(f"sidecar sim: error: cannot listen on {args.host}:{ports}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)

@@ -10,6 +10,16 @@ A write error (a full disk) drops that batch, counts it, and abandons the file (
 partial line, which readers skip); the next batch opens a new part, retried at most every few
 seconds while the error lasts. Serving goes on throughout.
 
+The writer survives any record: a line that cannot be encoded as it is (a lone surrogate from
+a prompt, valid JSON) is written with that character escaped; a record that cannot be turned
+into a line at all is dropped and counted, and a writer thread that died anyway is restarted by
+the next record (counted, logged). The queue is bounded in records and in bytes (bodies and
+completions kept with --capture-text can be megabytes each).
+
+Files are created exclusively (``O_EXCL``, never through a symlink) with mode 0600, in a
+directory this process owns and no one else may write to (created 0700): a capture holds
+traffic metadata, and with --capture-text prompts and completions.
+
 Lines are in completion order, not arrival order: a replay sorts by ``t``.
 """
 
@@ -19,6 +29,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from dataclasses import replace
@@ -41,6 +52,46 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 _RETRY_OPEN_S = 5.0
+# What a queued record costs beyond its text (timelines, ids, shape), by estimate.
+_RECORD_OVERHEAD_BYTES = 1024
+
+
+class CaptureDirError(ValueError):
+    """The capture directory cannot be used safely; the message says why, in one line."""
+
+
+def prepare_directory(directory: Path) -> None:
+    """Create the capture directory (0700) or check an existing one: a directory, writable
+    here, not writable by others (someone else could plant files or links in it)."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.lstat()
+    except OSError as exc:
+        raise CaptureDirError(f"capture directory {directory}: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise CaptureDirError(f"capture directory {directory}: not a directory"
+                              + (" (a symbolic link)" if stat.S_ISLNK(info.st_mode) else ""))
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        raise CaptureDirError(
+            f"capture directory {directory}: writable by every user (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}); anyone could plant a file or link there. "
+            f"Use a directory of its own (chmod o-w {directory})")
+    if info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP
+                                       and info.st_uid != os.geteuid()):
+        raise CaptureDirError(
+            f"capture directory {directory}: others can write to it (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}); use a directory "
+            "of its own")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CaptureDirError(f"capture directory {directory}: not writable by this user")
+
+
+def _record_bytes(record: RequestRecord) -> int:
+    shape = record.shape
+    size = _RECORD_OVERHEAD_BYTES
+    if shape is not None:
+        size += len(shape.body or "") + len(shape.completion_text or "")
+    return size
 
 
 def trace_request(record: RequestRecord, start_wall_ns: int) -> TraceRequest:
@@ -91,17 +142,24 @@ class CaptureSink:
     def __init__(self, directory: str | os.PathLike[str], header: TraceHeader, *,
                  compress: bool = False, rotate_bytes: int = 256 * 1024 * 1024,
                  rotate_s: float = 3600.0, queue_size: int = 10_000,
-                 flush_interval_s: float = 0.2) -> None:
+                 queue_bytes: int = 256 * 1024 * 1024, flush_interval_s: float = 0.2) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        prepare_directory(self.directory)
         self.header = header
         self.compress = compress
         self.rotate_bytes = rotate_bytes
         self.rotate_s = rotate_s
         self.flush_interval_s = flush_interval_s
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self.queue_bytes = queue_bytes
+        self._queued_bytes = 0  # estimate of what the queue holds (`_record_bytes`)
+        self._bytes_lock = threading.Lock()
         self.dropped_queue_full = 0
         self.dropped_write_errors = 0
+        self.dropped_unwritable = 0  # records that could not be turned into a line
+        self.escaped_lines = 0  # lines written with unencodable characters escaped
+        self.writer_restarts = 0
+        self._closing = False
         self.written = 0
         self.files: list[Path] = []
         self._handle: IO[str] | None = None
@@ -110,17 +168,36 @@ class CaptureSink:
         self._part = 0
         self._next_open_attempt = 0.0
         self._stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(header.start_wall_ns / 1e9))
-        self._thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
-        self._thread.start()
+        self._thread = self._start_writer()
+
+    def _start_writer(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
+        thread.start()
+        return thread
 
     # -- event loop side ------------------------------------------------------------------
 
     def on_record(self, record: RequestRecord) -> None:
         if record.endpoint not in GENERATION_ENDPOINTS:
             return
+        if not self._thread.is_alive() and not self._closing:
+            # Not expected (the writer catches everything), but a dead writer would let the
+            # queue fill and every later record drop unseen: start another, say so.
+            self.writer_restarts += 1
+            log.error("capture: the writer thread had stopped; restarted (%d so far)",
+                      self.writer_restarts)
+            self._thread = self._start_writer()
+        size = _record_bytes(record)
+        with self._bytes_lock:
+            if self._queued_bytes + size > self.queue_bytes:
+                self.dropped_queue_full += 1
+                return
+            self._queued_bytes += size
         try:
             self._queue.put_nowait(record)
         except queue.Full:
+            with self._bytes_lock:
+                self._queued_bytes -= size
             self.dropped_queue_full += 1
 
     @property
@@ -130,6 +207,7 @@ class CaptureSink:
     def close(self, timeout_s: float = 30.0) -> None:
         """Write everything queued, close the file. Blocking: call it off the event loop
         (``await asyncio.to_thread(sink.close)``) or at shutdown."""
+        self._closing = True
         if not self._thread.is_alive():
             return
         self._queue.put(_STOP, timeout=timeout_s)
@@ -159,27 +237,53 @@ class CaptureSink:
                 except queue.Empty:
                     break
             if batch:
-                self._write(batch)
+                with self._bytes_lock:
+                    self._queued_bytes -= sum(_record_bytes(r) for r in batch)
+                try:
+                    self._write(batch)
+                except Exception:  # noqa: BLE001 - the writer must outlive any batch
+                    self.dropped_write_errors += len(batch)
+                    log.exception("capture: a batch of %d records could not be written; "
+                                  "the writer goes on", len(batch))
             self._maybe_rotate()
         self._close_file()
 
+    def _line(self, record: RequestRecord) -> str | None:
+        """The record's trace line, or None (counted) when it cannot be made."""
+        try:
+            line = request_line(trace_request(record, self.header.start_wall_ns))
+        except Exception as exc:  # noqa: BLE001 - one bad record must not stop the capture
+            self.dropped_unwritable += 1
+            log.error("capture: record %s dropped, it cannot be written as a trace line (%s)",
+                      record.request_id, type(exc).__name__)
+            return None
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate (JSON allows "\ud800"; UTF-8 cannot hold it). It can only sit
+            # inside a JSON string, where the backslash escape is what JSON itself writes.
+            self.escaped_lines += 1
+            line = line.encode("utf-8", "backslashreplace").decode("utf-8")
+        return line
+
     def _write(self, batch: list[RequestRecord]) -> None:
-        start = self.header.start_wall_ns
-        text = "".join(request_line(trace_request(r, start)) for r in batch)
+        lines = [line for line in map(self._line, batch) if line is not None]
+        batch_written = len(lines)
+        text = "".join(lines)
         handle = self._ensure_file()
         if handle is None:
-            self.dropped_write_errors += len(batch)
+            self.dropped_write_errors += batch_written
             return
         try:
             handle.write(text)
             handle.flush()
         except OSError as exc:
-            self.dropped_write_errors += len(batch)
+            self.dropped_write_errors += batch_written
             log.error("capture: writing %s failed (%s); %d records dropped so far; serving "
                       "goes on", self.files[-1], exc.strerror or exc, self.dropped_write_errors)
             self._abandon_file()
             return
-        self.written += len(batch)
+        self.written += batch_written
         self._bytes += len(text.encode("utf-8"))
 
     def _ensure_file(self) -> IO[str] | None:
@@ -189,13 +293,26 @@ class CaptureSink:
         if now < self._next_open_attempt:
             return None
         suffix = ".jsonl.gz" if self.compress else ".jsonl"
-        path = self.directory / f"capture-{self._stamp}-{self._part:04d}{suffix}"
-        self._part += 1
         handle: IO[str] | None = None
+        path = self.directory
         try:
-            if self.header.text_included:
-                # Prompts and completions: readable by the sidecar's user only, from creation.
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+            # A new file, created here, never an existing one or a link planted at the
+            # predictable name (O_EXCL fails on both: that name is skipped, and said);
+            # readable by this user only from the first byte (0600: metadata of the traffic,
+            # prompts with --capture-text). The directory admits no other writer
+            # (`prepare_directory`), so the file opened next is the one just created.
+            for _attempt in range(1000):
+                path = self.directory / f"capture-{self._stamp}-{self._part:04d}{suffix}"
+                self._part += 1
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                                     0o600))
+                    break
+                except FileExistsError:
+                    log.warning("capture: %s already exists (not ours): skipped", path)
+            else:
+                raise FileExistsError(f"1000 capture file names in a row already exist in "
+                                      f"{self.directory}")
             handle = open_text(path, "a")
             line = header_line(replace(self.header, notes={**self.header.notes,
                                                             "part": self._part - 1}))

@@ -63,7 +63,14 @@ from opentelemetry.util.types import AttributeValue
 
 import sidecar
 from sidecar.record import RequestRecord, Timeline, Vantage
-from sidecar.stats import NS_PER_S, RequestMetrics, SLOPolicy, request_metrics, slo_verdict
+from sidecar.stats import (
+    NS_PER_S,
+    RequestMetrics,
+    SLOPolicy,
+    request_metrics,
+    slo_exclusion,
+    slo_verdict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +86,14 @@ OPERATIONS: Final[Mapping[str, str]] = {"chat": "chat", "completions": "text_com
 OPERATION_NAME: Final = "gen_ai.operation.name"
 PROVIDER_NAME: Final = "gen_ai.provider.name"
 REQUEST_MODEL: Final = "gen_ai.request.model"
+RESPONSE_MODEL: Final = "gen_ai.response.model"
 TOKEN_TYPE: Final = "gen_ai.token.type"
 SERVER_ADDRESS: Final = "server.address"
 SERVER_PORT: Final = "server.port"
 ERROR_TYPE: Final = "error.type"
 OUTCOME: Final = "sidecar.outcome"
 SLO_CLASS: Final = "sidecar.slo.class"
+SLO_EXCLUDED: Final = "sidecar.slo.excluded"  # why a request is out of the denominator
 SLO_THRESHOLDS: Final = "sidecar.slo.thresholds"  # e.g. "ttft<=500ms, tpot<=50ms"
 SLO_VANTAGE: Final = "sidecar.slo.vantage"
 SLO_METRIC: Final = "sidecar.slo.metric"
@@ -162,7 +171,8 @@ SERVER_TIME_PER_OUTPUT_CHUNK = InstrumentSpec(
 )
 REQUESTS = InstrumentSpec(
     "sidecar.requests", "{request}",
-    "Every chat/completions request, by outcome (and SLO class): the goodput denominator",
+    "Every chat/completions request, by outcome (and SLO class); without "
+    "sidecar.slo.excluded: the goodput denominator",
 )
 GOOD_REQUESTS = InstrumentSpec(
     "sidecar.good_requests", "{request}",
@@ -202,10 +212,10 @@ class BoundedValues:
         self._admitted: set[str] = set()
         self.overflowed = 0  # observations that were mapped to `other`
 
-    def __call__(self, value: str) -> str:
+    def __call__(self, value: str, admit: bool = True) -> str:
         if value in self._admitted:
             return value
-        if len(self._admitted) < self.cap and len(value) <= self.max_len:
+        if admit and len(self._admitted) < self.cap and len(value) <= self.max_len:
             self._admitted.add(value)
             return value
         self.overflowed += 1
@@ -309,9 +319,9 @@ class OTelSink:
         self.replicas = BoundedValues(max_replicas)
         self.skipped = 0  # records not exported: pass-through paths, or after shutdown
         self._closed = False
-        self._attr_sets: dict[tuple[str, str | None, str | None], _AttrSets] = {}
+        self._attr_sets: dict[tuple[str, str | None, str | None, str | None], _AttrSets] = {}
         self._replica_parts: dict[str, tuple[str, int | None]] = {}
-        self._slo_attrs: dict[tuple[str, str | None, str, str], Attrs] = {}
+        self._slo_attrs: dict[tuple[str, str | None, str, str, str], Attrs] = {}
 
         meter = meter_provider.get_meter(METER_NAME, sidecar.__version__)
 
@@ -362,14 +372,20 @@ class OTelSink:
             # Not a GenAI operation (or the providers are gone: the SDK would warn per call).
             self.skipped += 1
             return
-        model = None if record.model is None else self.models(record.model)
+        # As for Prometheus: only a name the upstream confirmed takes a slot.
+        model = None if record.model is None else self.models(record.model,
+                                                              record.model_confirmed)
         replica = None if record.replica is None else self.replicas(record.replica)
-        attrs = self._attr_sets.get((operation, model, replica))
+        # The model that answered (vLLM: the served name, an alias resolved): a name only the
+        # upstream wrote, under the same cap as the requested one.
+        answered = record.attributes.get("response_model")
+        response_model = None if answered is None else self.models(answered)
+        attrs = self._attr_sets.get((operation, model, response_model, replica))
         if attrs is None:
-            attrs = self._build_attr_sets(operation, model, replica)
+            attrs = self._build_attr_sets(operation, model, response_model, replica)
         common = attrs.common
         ok = record.ok
-        failed = common if ok else {**common, ERROR_TYPE: record.outcome.value}
+        failed = common if ok else {**common, ERROR_TYPE: semconv_error_type(record)}
 
         # Client vantage. request_metrics never returns None for the client (it always exists).
         client = request_metrics(record, Vantage.CLIENT)
@@ -425,6 +441,13 @@ class OTelSink:
             self._requests.add(1, self._counter_attrs(operation, model, outcome, ""))
             return None, None
         slo_class = policy.class_of(record)
+        excluded = slo_exclusion(record)
+        if excluded is not None and excluded in policy.classes[slo_class].exclude:
+            # Not the service's failure: out of the class's denominator (`SLO.exclude`),
+            # counted with the reason as its outcome so that it is not lost.
+            self._requests.add(1, self._counter_attrs(operation, model, outcome, slo_class,
+                                                      excluded))
+            return slo_class, False
         metrics = client if self.slo_vantage is Vantage.CLIENT else server
         good = False
         if record.ok and metrics is not None:
@@ -439,11 +462,13 @@ class OTelSink:
 
     # -- attribute sets (built once per combination, then reused) ------------------------
 
-    def _build_attr_sets(self, operation: str, model: str | None,
+    def _build_attr_sets(self, operation: str, model: str | None, response_model: str | None,
                          replica: str | None) -> _AttrSets:
         common: Attrs = {OPERATION_NAME: operation, PROVIDER_NAME: self.provider_name}
         if model is not None:
             common[REQUEST_MODEL] = model
+        if response_model is not None:
+            common[RESPONSE_MODEL] = response_model
         if replica is not None:
             address, port = self._replica_address(replica)
             common[SERVER_ADDRESS] = address
@@ -454,7 +479,7 @@ class OTelSink:
             input_tokens={**common, TOKEN_TYPE: "input"},
             output_tokens={**common, TOKEN_TYPE: "output"},
         )
-        self._attr_sets[(operation, model, replica)] = sets
+        self._attr_sets[(operation, model, response_model, replica)] = sets
         return sets
 
     def _replica_address(self, replica: str) -> tuple[str, int | None]:
@@ -465,14 +490,15 @@ class OTelSink:
         return parts
 
     def _counter_attrs(self, operation: str, model: str | None, outcome: str,
-                       slo_class: str) -> Attrs:
-        """Attributes of the sidecar.* counters: outcome "" = none, slo_class "" = no policy.
+                       slo_class: str, excluded: str = "") -> Attrs:
+        """Attributes of the sidecar.* counters: outcome "" = none, slo_class "" = no policy,
+        excluded "" = counted in the class's denominator, else why not (`SLO.exclude`).
 
         Deliberately few (each attribute costs about 1 µs per measurement in the SDK): no
         server address (per-replica failures are on the duration histograms' error.type), and
         the thresholds live on the `sidecar.slo.threshold` gauge, joined on the class.
         """
-        key = (operation, model, outcome, slo_class)
+        key = (operation, model, outcome, slo_class, excluded)
         attrs = self._slo_attrs.get(key)
         if attrs is None:
             attrs = {OPERATION_NAME: operation, PROVIDER_NAME: self.provider_name}
@@ -482,6 +508,8 @@ class OTelSink:
                 attrs[OUTCOME] = outcome
             if slo_class:
                 attrs[SLO_CLASS] = slo_class
+            if excluded:
+                attrs[SLO_EXCLUDED] = excluded
             self._slo_attrs[key] = attrs
         return attrs
 
@@ -584,6 +612,23 @@ class OTelSink:
         await asyncio.to_thread(self.shutdown)
 
 
+def semconv_error_type(record: RequestRecord) -> str:
+    """``error.type`` as the semantic conventions define it: the HTTP status code the request
+    ended with when it is an error, else the failure's own type (the record's cause, without
+    its detail: ``ttft_timeout``, ``stream_cut_without_done``, ``client_disconnected``), never
+    the outcome's name. Both sets are small: fit for metric attributes."""
+    status = record.http_status
+    if status is not None and status >= 400:
+        return str(status)
+    if record.error_type:
+        return record.error_type.split(":", 1)[0]
+    return "_OTHER"
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
+
+
 def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
 
@@ -601,6 +646,9 @@ def _span_attributes(record: RequestRecord, client: RequestMetrics,
             (record.finish_reason,) if record.finish_reason is not None else None
         ),
         "http.response.status_code": record.http_status,
+        "gen_ai.response.model": record.attributes.get("response_model"),
+        "gen_ai.response.id": record.attributes.get("response_id"),
+        "gen_ai.request.max_tokens": _int_or_none(record.attributes.get("request_max_tokens")),
         "sidecar.request_id": record.request_id,
         "sidecar.outcome": record.outcome.value,
         "sidecar.upstream_stream": record.upstream_stream,
@@ -615,7 +663,7 @@ def _span_attributes(record: RequestRecord, client: RequestMetrics,
     if record.client_stream:
         out["gen_ai.response.time_to_first_chunk"] = client.ttft_s
     if not record.ok:
-        out[ERROR_TYPE] = record.outcome.value
+        out[ERROR_TYPE] = semconv_error_type(record)
         out["sidecar.error_type"] = record.error_type
     if record.server is not None and server is not None:
         out["sidecar.server.request_sent"] = record.server.start_ns / NS_PER_S

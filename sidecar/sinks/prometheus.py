@@ -64,6 +64,10 @@ class LabelLimiter:
     """Caps the distinct values one label takes: the first ``cap`` pass, the rest are 'other'.
 
     A client chooses the model name it sends; without a cap it could create series without end.
+    And without ``admit`` it could fill the cap with junk names (each a 404) so that the real
+    model's requests read 'other' for the life of the process: a value takes a slot only when
+    ``admit`` says the upstream confirmed it (`RequestRecord.model_confirmed`); until then it
+    reads 'other'.
     """
 
     __slots__ = ("cap", "_seen")
@@ -72,12 +76,12 @@ class LabelLimiter:
         self.cap = cap
         self._seen: set[str] = set()
 
-    def __call__(self, value: str | None) -> str:
+    def __call__(self, value: str | None, admit: bool = True) -> str:
         if value is None or value == "":
             return "unknown"
         if value in self._seen:
             return value
-        if len(self._seen) < self.cap:
+        if admit and len(self._seen) < self.cap:
             self._seen.add(value)
             return value
         return OTHER
@@ -258,8 +262,14 @@ class PrometheusSink:
         slo_labels = ("slo_class",)
         self.slo_requests = Counter(
             "sidecar_slo_requests",
-            "Goodput denominator: every chat/completions request of the class, failures "
-            "included.", slo_labels, registry=registry)
+            "Goodput denominator: the chat/completions requests of the class, failures "
+            "included, but those the class leaves out (see "
+            "sidecar_slo_excluded_requests_total).", slo_labels, registry=registry)
+        self.slo_excluded = Counter(
+            "sidecar_slo_excluded_requests",
+            "Requests left out of the class's denominator: client_error (4xx but 408/429), "
+            "client_cancelled (gone before its first token).", ("slo_class", "reason"),
+            registry=registry)
         self.slo_good = Counter(
             "sidecar_slo_good_requests",
             "Requests that succeeded and met every threshold of their SLO class (client "
@@ -272,12 +282,19 @@ class PrometheusSink:
             "sidecar_slo_threshold_seconds",
             "Declared SLO thresholds, by class and metric (ttft, tpot, e2e).",
             ("slo_class", "metric"), registry=registry)
+        objective = Gauge(
+            "sidecar_slo_objective_ratio",
+            "Declared objective of the class: the share of counted requests that must be good "
+            "(error budget: 1 - objective).", slo_labels, registry=registry)
         if slo_policy is not None:
             for name, slo in slo_policy.classes.items():
                 # Series exist (at 0) from the start, so rate() sees a class's first requests.
                 self.slo_requests.labels(name)
                 self.slo_good.labels(name)
                 self.slo_good_tokens.labels(name)
+                for reason in slo.exclude:
+                    self.slo_excluded.labels(name, reason)
+                objective.labels(name).set(slo.objective)
                 for metric, limit in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s),
                                       ("e2e", slo.e2e_s)):
                     if limit is not None:
@@ -298,15 +315,18 @@ class PrometheusSink:
 
     def on_record(self, record: RequestRecord) -> None:
         generation = record.endpoint in GENERATION_ENDPOINTS
-        model = self._model(record.model) if generation else OTHER
+        model = self._model(record.model, record.model_confirmed) if generation else OTHER
         replica = self._replica(record.replica)
         endpoint = record.endpoint if generation else OTHER
         self._requests(model, replica, endpoint, record.outcome.value).inc()
         if not generation:
             return
         if self.slo_policy is not None:
-            slo_class, good = self.slo_policy.judge(record)
-            self._slo_requests(slo_class).inc()
+            slo_class, good, excluded = self.slo_policy.verdict(record)
+            if excluded is not None:
+                self.slo_excluded.labels(slo_class, excluded).inc()
+            else:
+                self._slo_requests(slo_class).inc()
             if good:
                 self._slo_good(slo_class).inc()
                 self._slo_good_tokens(slo_class).inc(stats.output_tokens(record, record.client))
@@ -374,27 +394,31 @@ class LiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         window_s = f"{self.window.window_s:g}"
-        # A summary is what Prometheus calls quantiles precomputed over a sliding window.
-        # (prometheus_client's SummaryMetricFamily has no quantiles: samples are added here.)
-        name = "sidecar_window_latency_seconds"
-        latency = Metric(
-            name,
-            f"Exact quantiles over the last {window_s} s (numpy, linear interpolation; this "
+        # Gauges, not a summary: a summary's _count and _sum must be counters, and over a
+        # sliding window they go down as records leave it, which rate() reads as resets (27 in
+        # 20 minutes, seen). A quantile of a window is a value at an instant: a gauge. Its
+        # label is `percentile`: Prometheus reserves `quantile` for summaries.
+        latency = GaugeMetricFamily(
+            "sidecar_window_latency_seconds",
+            f"Exact percentiles over the last {window_s} s (numpy, linear interpolation; this "
             "sidecar only: never average these across sidecars, use the histograms).",
-            "summary")
+            labels=("metric", "vantage", "percentile"))
+        samples = GaugeMetricFamily(
+            "sidecar_window_latency_samples",
+            f"Samples behind sidecar_window_latency_seconds over the last {window_s} s "
+            "(requests; gaps for itl).", labels=("metric", "vantage"))
         for vantage, report in self.window.vantage_reports().items():
             for metric, summary in (("ttft", report.ttft), ("itl", report.itl),
                                     ("tpot", report.tpot), ("e2e", report.e2e)):
                 if summary.count == 0 or summary.mean is None:
                     continue
-                labels = {"metric": metric, "vantage": vantage.value}
                 for q in WINDOW_QUANTILES:
                     value = summary.p(q * 100)
                     if value is not None:
-                        latency.add_sample(name, {**labels, "quantile": f"{q:g}"}, value)
-                latency.add_sample(name + "_count", labels, summary.count)
-                latency.add_sample(name + "_sum", labels, summary.mean * summary.count)
+                        latency.add_metric((metric, vantage.value, f"{q * 100:g}"), value)
+                samples.add_metric((metric, vantage.value), summary.count)
         yield latency
+        yield samples
         outcomes = GaugeMetricFamily(
             "sidecar_window_requests", f"Requests that ended in the last {window_s} s.",
             labels=("outcome",))
@@ -516,7 +540,13 @@ class CaptureCollector(Collector):
                                       "Records not captured, by reason.", labels=("reason",))
         dropped.add_metric(("queue_full",), self.capture.dropped_queue_full)
         dropped.add_metric(("write_error",), self.capture.dropped_write_errors)
+        dropped.add_metric(("unwritable",), self.capture.dropped_unwritable)
         yield dropped
+        restarts = CounterMetricFamily(
+            "sidecar_capture_writer_restarts",
+            "Capture writer threads found dead and started again (each is logged).")
+        restarts.add_metric((), self.capture.writer_restarts)
+        yield restarts
         queued = GaugeMetricFamily("sidecar_capture_queue_records",
                                    "Records waiting for the capture writer.")
         queued.add_metric((), self.capture.queued)
@@ -527,6 +557,8 @@ class CaptureLike(Protocol):
     written: int
     dropped_queue_full: int
     dropped_write_errors: int
+    dropped_unwritable: int
+    writer_restarts: int
 
     @property
     def queued(self) -> int: ...

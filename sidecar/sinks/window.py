@@ -238,8 +238,11 @@ class WindowSink:
                 out["goodput"][name] = {
                     "slo": g.slo.describe(),
                     "vantage": g.vantage.value,
+                    "objective": g.slo.objective,
                     "good_requests": g.good_requests,
-                    "denominator_all_requests": g.total_requests,
+                    "denominator": g.slo.describe_denominator(),
+                    "denominator_requests": g.total_requests,
+                    "excluded": dict(g.excluded),
                     "attainment": g.attainment,
                     "good_requests_per_s": g.good_requests_per_s,
                     "good_output_tokens_per_s": g.good_output_tokens_per_s,
