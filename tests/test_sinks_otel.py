@@ -952,3 +952,52 @@ def test_the_answers_model_and_id_and_the_requested_max_tokens(
     (point,) = Collected(reader).points["gen_ai.client.operation.duration"]
     assert point.attributes["gen_ai.response.model"] == "meta-llama/Llama-3.1-8B"
     assert point.attributes["gen_ai.request.model"] == "M"
+
+
+async def test_the_upstream_is_told_the_sidecars_span_as_its_parent() -> None:
+    """With --otel-traces the proxy sends the upstream a traceparent naming the sidecar's own
+    CLIENT span (its id chosen while the request runs, the span built later from the record),
+    so that vLLM's spans (--otlp-traces-endpoint) are its children: with a client traceparent
+    in the client's trace, without one in a trace the sidecar starts."""
+
+    import aiohttp
+    from reliability_helpers import RawUpstream, proxy_to
+
+    heads: list[bytes] = []
+
+    async def answer(_c: int, _n: int, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        heads.append(head)
+        body = b'{"id":"cmpl-1","object":"text_completion","model":"m","choices":[]}'
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        return False
+
+    receiver = OTLPReceiver()
+    url = await receiver.start()
+    client_trace = "0af7651916cd43dd8448eb211c80319c"
+    try:
+        async with RawUpstream(answer) as upstream, \
+                proxy_to([upstream], otel_endpoint=url, otel_traces="true",
+                         engine_scrape_interval="0") as p, aiohttp.ClientSession() as session:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            for headers in ({"traceparent": f"00-{client_trace}-b7ad6b7169203331-01"}, {}):
+                async with session.post(p.url + "/v1/completions", json=body,
+                                        headers=headers) as response:
+                    await response.read()
+            await p.records.wait_for(2)
+    finally:
+        await receiver.close()
+    sent = [line.split(b": ", 1)[1].decode() for head in heads for line in head.split(b"\r\n")
+            if line.lower().startswith(b"traceparent:")]
+    spans = [span for request in receiver.traces for resource in request.resource_spans
+             for scope in resource.scope_spans for span in scope.spans]
+    by_id = {span.span_id.hex(): span for span in spans}
+    assert len(sent) == 2 and len(spans) == 2
+    for traceparent in sent:
+        _version, trace_id, span_id, flags = traceparent.split("-")
+        span = by_id[span_id]  # the span the upstream was told is its parent exists
+        assert span.trace_id.hex() == trace_id and flags == "01"
+    first, second = (by_id[t.split("-")[2]] for t in sent)
+    assert first.trace_id.hex() == client_trace
+    assert first.parent_span_id.hex() == "b7ad6b7169203331"  # the client's span
+    assert second.trace_id.hex() != client_trace and not second.parent_span_id  # a root

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import re
+import secrets
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -722,7 +723,22 @@ class Proxy:
         if traceparent is not None and _TRACEPARENT.fullmatch(traceparent):
             # Kept so that a tracing sink can parent its span; it is an id, not content.
             builder.attributes["traceparent"] = traceparent
+            tracestate = request.headers.get("tracestate")
+            if tracestate is not None and len(tracestate) <= 512 and tracestate.isprintable():
+                builder.attributes["tracestate"] = tracestate
+        else:
+            traceparent = None
         headers = self._upstream_headers(request, builder.request_id, parsed=True)
+        if config.otel_traces:
+            # The sidecar's CLIENT span is built after the fact (the OTel sink, from the
+            # record), but the upstream must name it as its parent now: its id is chosen here,
+            # sent in the upstream's traceparent, and the sink gives the span that id. vLLM's
+            # own spans (--otlp-traces-endpoint) are then children of the sidecar's.
+            trace_id = traceparent[3:35] if traceparent else secrets.token_hex(16)
+            flags = traceparent[-2:] if traceparent else "01"
+            span_id = secrets.token_hex(8)
+            headers["traceparent"] = f"00-{trace_id}-{span_id}-{flags}"
+            builder.attributes["span_ids"] = f"{trace_id}-{span_id}"
         timeouts = _Timeouts(config, builder.upstream_stream)
         upstream: UpstreamExchange | None = None
         replica: Replica | None = None

@@ -56,6 +56,7 @@ from opentelemetry.sdk.metrics.view import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -363,6 +364,8 @@ class OTelSink:
         # The SDK keeps only the *last* max_events events of a span: adding more is wasted
         # work and would drop the first chunks, the most telling ones. None: no limit.
         self._max_span_events = max_span_events
+        generator = getattr(tracer_provider, "id_generator", None)
+        self._preset_ids = generator if isinstance(generator, PresetIdGenerator) else None
 
     # -- the hot path ---------------------------------------------------------------------
 
@@ -556,8 +559,19 @@ class OTelSink:
                 start_attrs[SERVER_PORT] = port
         name = f"{operation} {record.model}" if record.model else operation
         start = record.wall_time_ns
-        span = self._tracer.start_span(name, context=parent, kind=SpanKind.CLIENT,
-                                       start_time=start, attributes=start_attrs)
+        ids = self._preset_ids
+        preset = record.attributes.get("span_ids") if ids is not None else None
+        if ids is not None and preset is not None:
+            # The ids the proxy already sent upstream in its traceparent (relay.py): the span
+            # the upstream named as its parent must be this one.
+            trace_hex, _, span_hex = preset.partition("-")
+            ids.preset(int(trace_hex, 16), int(span_hex, 16))
+        try:
+            span = self._tracer.start_span(name, context=parent, kind=SpanKind.CLIENT,
+                                           start_time=start, attributes=start_attrs)
+        finally:
+            if ids is not None:
+                ids.clear()
         if not span.is_recording():
             # Not sampled and not recorded: skip building attributes and events altogether.
             span.end(end_time=start)
@@ -610,6 +624,31 @@ class OTelSink:
         """`shutdown` from async code: the final export runs in a worker thread, so an OTLP
         receiver served by this same event loop (a test, an in-process collector) can answer."""
         await asyncio.to_thread(self.shutdown)
+
+
+class PresetIdGenerator(RandomIdGenerator):
+    """Random ids, except the next trace and span id when `preset` gave them: spans are
+    built after the request, with the ids the proxy chose while it ran. Used from the one
+    thread that records spans (the sink's), between `preset` and `clear`."""
+
+    def __init__(self) -> None:
+        self._trace_id: int | None = None
+        self._span_id: int | None = None
+
+    def preset(self, trace_id: int, span_id: int) -> None:
+        self._trace_id, self._span_id = trace_id, span_id
+
+    def clear(self) -> None:
+        self._trace_id = self._span_id = None
+
+    def generate_trace_id(self) -> int:
+        # Asked only for a span without a parent: the proxy chose the trace id too.
+        trace_id, self._trace_id = self._trace_id, None
+        return trace_id if trace_id else super().generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        span_id, self._span_id = self._span_id, None
+        return span_id if span_id else super().generate_span_id()
 
 
 def semconv_error_type(record: RequestRecord) -> str:
@@ -769,7 +808,8 @@ def build_otel_sink(
         span_limits = SpanLimits()  # OTEL_SPAN_EVENT_COUNT_LIMIT etc. honoured
         max_span_events = span_limits.max_events
         tracer_provider = TracerProvider(sampler=sampler, resource=resource,
-                                         span_limits=span_limits, meter_provider=meter_provider)
+                                         span_limits=span_limits, meter_provider=meter_provider,
+                                         id_generator=PresetIdGenerator())
         # Batching: the exporter's HTTP request runs on the processor's thread, never on the
         # event loop that ends the span.
         tracer_provider.add_span_processor(
