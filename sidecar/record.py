@@ -321,7 +321,9 @@ class RequestRecord:
     """
 
     request_id: str
-    wall_time_ns: int  # time.time_ns() at t_arrive
+    # time.time_ns() at t_arrive: the first byte of the request reached the proxy. Every
+    # offset in the record counts from this instant.
+    wall_time_ns: int
     outcome: Outcome
     endpoint: str  # "chat" | "completions" | the path, for pass-through requests
     model: str | None = None
@@ -341,6 +343,9 @@ class RequestRecord:
     route_policy: str | None = None
     attributes: Mapping[str, str] = field(default_factory=dict)  # bounded extras (slo class, ...)
     shape: RequestShape | None = None  # only when the proxy captures traffic
+    # t_read: the whole request (head and body) had been read, as an offset from t_arrive.
+    # The upload's share of what the client waited for; None when not measured.
+    request_read_ns: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -386,6 +391,7 @@ class RequestRecord:
             "route_policy": self.route_policy,
             "attributes": dict(self.attributes),
             "shape": None if self.shape is None else self.shape.to_dict(),
+            "request_read_ns": self.request_read_ns,
         }
 
     @classmethod
@@ -424,4 +430,5 @@ class RequestRecord:
             route_policy=data.get("route_policy"),
             attributes={str(k): str(v) for k, v in (data.get("attributes") or {}).items()},
             shape=None if data.get("shape") is None else RequestShape.from_dict(data["shape"]),
+            request_read_ns=opt_int("request_read_ns"),
         )

@@ -126,6 +126,8 @@ class TraceRequest:
     tpot_s: float | None = None
     e2e_s: float | None = None
     server_ttft_s: float | None = None
+    # From the request's first byte to the whole request read (the upload's share of ttft_s).
+    request_read_s: float | None = None
     # Opt-in only: the request body as received, and the completion text.
     body: Mapping[str, Any] | None = None
     completion_text: str | None = None

@@ -39,5 +39,6 @@ def random_records(seed: int, n: int, start_wall_ns: int = 10**18) -> list[Reque
             n_in=rng.choice([None, rng.randint(1, 500)]),
             n_out=None if rng.random() < 0.3 else rng.randint(0, 60),
             attributes={"slo_class": rng.choice(["a", "b", "zzz"])},
+            request_read_ns=rng.choice([None, rng.randint(0, 10**6)]),
         ))
     return out

@@ -468,3 +468,38 @@ async def test_a_refused_request_gets_the_answer_to_its_own_body(
     assert record.outcome is Outcome.HTTP_ERROR and record.http_status == 400
     assert record.upstream_stream is stream
     assert "assembled" not in record.attributes
+
+
+async def test_the_client_vantage_starts_at_the_requests_first_byte(tmp_path: Path) -> None:
+    """A client that takes 300 ms to upload its request waited those 300 ms too: the client
+    vantage starts at the first byte (t_arrive), and t_read (the request read whole) is kept,
+    in the record, the capture and /metrics, so that upload and proxy time can be told apart.
+    The server vantage is unchanged."""
+    async with stack(capture_dir=str(tmp_path / "cap")) as s:
+        host, port = s.url.split("://")[1].rsplit(":", 1)
+        body = json.dumps({"model": "m", "stream": True, "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                      f"Content-Type: application/json\r\nConnection: close\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body[:10])
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(body[10:])
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        (record,) = await s.records.wait_for(1)
+        async with aiohttp.ClientSession() as session, \
+                session.get(s.server.admin_url + "/metrics") as response:
+            exposition = await response.text()
+    assert answer.startswith(b"HTTP/1.1 200") and record.outcome is Outcome.OK
+    assert 'sidecar_request_read_seconds_count{model="m"} 1.0' in exposition
+    assert 'sidecar_request_read_seconds_bucket{le="0.22",model="m"} 0.0' in exposition
+    (line,) = [json.loads(x) for f in (tmp_path / "cap").glob("capture-*.jsonl")
+               for x in f.read_text().splitlines()[1:]]
+    assert line["request_read_s"] == record.request_read_ns / 1e9 and line["ttft_s"] >= 0.3
+    assert record.request_read_ns is not None and record.request_read_ns >= 300_000_000
+    assert record.server is not None and record.server.start_ns >= record.request_read_ns
+    # Client TTFT counts from t_arrive: the upload is in it, and not in the server's.
+    assert record.client.offsets_ns[0] >= 300_000_000
+    assert record.client.offsets_ns[0] - record.server.start_ns < 300_000_000

@@ -68,3 +68,4 @@ def test_ejection_after_consecutive_failures_and_recovery() -> None:
     assert not replica.record_failure(eject_after=2)  # already out: not ejected twice
     replica.record_success()
     assert replica.healthy and replica.consecutive_failures == 0
+

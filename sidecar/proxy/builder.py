@@ -30,6 +30,7 @@ class RecordBuilder:
         "_up_offsets", "_down_offsets", "_tokens", "up_events", "down_events", "n_in", "n_out",
         "n_cached", "token_source", "finish_reason", "http_status", "error_type", "outcome",
         "replica", "route_policy", "engine", "attributes", "frozen", "shape", "text_parts",
+        "request_read_ns",
     )
 
     def __init__(self, request_id: str, wall_time_ns: int, arrive_ns: int, endpoint: str) -> None:
@@ -41,6 +42,7 @@ class RecordBuilder:
         self.client_stream = False
         self.upstream_stream = False
         self.up_send_ns: int | None = None
+        self.request_read_ns: int | None = None  # t_read, offset from arrive_ns
         self.up_headers_ns: int | None = None
         self.up_end_ns: int | None = None
         self.down_end_ns: int | None = None
@@ -162,6 +164,7 @@ class RecordBuilder:
             route_policy=self.route_policy,
             attributes=attributes,
             shape=self._final_shape(),
+            request_read_ns=self.request_read_ns,
         )
 
     def _final_shape(self) -> RequestShape | None:

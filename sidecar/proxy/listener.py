@@ -38,6 +38,8 @@ from typing import cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar import clock
+
 log = logging.getLogger("sidecar.proxy")
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -71,6 +73,9 @@ class IncomingRequest:
     http_version: str
     keep_alive: bool
     peer: str | None = None  # the client's address (IP), for X-Forwarded-For
+    # Monotonic ns when the request's first byte was parsed (t_arrive: where the client's
+    # wait began, its upload included); None for a request not read off a connection.
+    began_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +236,7 @@ class ClientConnection(asyncio.Protocol):
         self._request_headers: CIMultiDictProxy[str] | None = None
         self._method: str | None = None
         self._client_address: str | None = None
+        self._began_ns: int | None = None
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
@@ -327,6 +333,8 @@ class ClientConnection(asyncio.Protocol):
     # -- httptools callbacks --------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        # Called from feed_data on the read that brought the request's first byte.
+        self._began_ns = clock.monotonic_ns()
         self._in_message = True
         self._headers_done = False
         self._url.clear()
@@ -405,7 +413,8 @@ class ClientConnection(asyncio.Protocol):
             method=self._method, target=target, path=target.split("?", 1)[0],
             headers=self._request_headers, body=b"".join(self._body),
             http_version=self.parser.get_http_version(),
-            keep_alive=self.parser.should_keep_alive(), peer=self._client_address))
+            keep_alive=self.parser.should_keep_alive(), peer=self._client_address,
+            began_ns=self._began_ns))
         self._body = []
 
     # -- dispatch and keep-alive ----------------------------------------------------------

@@ -7,7 +7,7 @@ collector). Here the columns travel as their raw bytes and everything else as fi
 fields, so encoding costs one ``struct.pack`` plus a few byte joins, and decoding builds
 `Int64s` straight from slices of the frame.
 
-Layout of version 1 (little-endian; ``str`` = u32 length + UTF-8 with surrogates passed
+Layout of version 2 (little-endian; ``str`` = u32 length + UTF-8 with surrogates passed
 through, so any Python string survives; ``col`` = u32 count + count * 8 raw bytes)::
 
     u8 version | _FIXED (presence bits, scalars) | client timeline | [server timeline]
@@ -40,7 +40,7 @@ from sidecar.record import (
     TokenSource,
 )
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: request_read_ns
 
 # Enum members by wire index. Written out, not taken from the enums' order: a member added to
 # an enum must not silently renumber the others (it makes encode_record fail until it is
@@ -66,9 +66,11 @@ _TOKENS_SHARED = 1 << 9  # client tokens == server tokens[:len(client offsets)]
 # Optional strings, in this order after request_id and endpoint.
 _OPTIONAL_STRINGS = ("model", "finish_reason", "error_type", "replica", "route_policy")
 _STRING_BITS = tuple(1 << (10 + i) for i in range(len(_OPTIONAL_STRINGS)))
+_HAS_REQUEST_READ = 1 << (10 + len(_OPTIONAL_STRINGS))
 
-# flags, wall_time_ns, outcome, token_source, n_in, n_out, n_cached, http_status
-_FIXED = struct.Struct("<IqBBqqqq")
+# flags, wall_time_ns, outcome, token_source, n_in, n_out, n_cached, http_status,
+# request_read_ns
+_FIXED = struct.Struct("<IqBBqqqqq")
 # start_ns, end_ns, events_total, has_end, n_events
 _TIMELINE = struct.Struct("<qqqBI")
 _ENGINE = struct.Struct("<B5d")  # presence bits of the five fields, then the fields (0 absent)
@@ -144,6 +146,9 @@ def _encode(record: RequestRecord) -> bytes:
         flags |= _HAS_N_CACHED
     if status is not None:
         flags |= _HAS_HTTP_STATUS
+    request_read = record.request_read_ns
+    if request_read is not None:
+        flags |= _HAS_REQUEST_READ
     optional = (record.model, record.finish_reason, record.error_type, record.replica,
                 record.route_policy)
     for bit, value in zip(_STRING_BITS, optional, strict=True):
@@ -153,7 +158,7 @@ def _encode(record: RequestRecord) -> bytes:
         bytes((WIRE_VERSION,)),
         _FIXED.pack(flags, record.wall_time_ns, _OUTCOME_INDEX[record.outcome],
                     _TOKEN_SOURCE_INDEX[record.token_source], n_in or 0, n_out or 0,
-                    n_cached or 0, status or 0),
+                    n_cached or 0, status or 0, request_read or 0),
         _timeline(client),
     ]
     if server is not None:
@@ -269,6 +274,7 @@ def _decode(reader: _Reader) -> RequestRecord:
     n_out = int(fixed[5]) if flags & _HAS_N_OUT else None
     n_cached = int(fixed[6]) if flags & _HAS_N_CACHED else None
     status = int(fixed[7]) if flags & _HAS_HTTP_STATUS else None
+    request_read = int(fixed[8]) if flags & _HAS_REQUEST_READ else None
     client_head = reader.unpack(_TIMELINE)
     server_head = reader.unpack(_TIMELINE) if flags & _HAS_SERVER else None
     engine = None
@@ -314,7 +320,8 @@ def _decode(reader: _Reader) -> RequestRecord:
         engine=engine, n_in=n_in, n_out=n_out, n_cached=n_cached, token_source=source,
         finish_reason=optional["finish_reason"], http_status=status,
         error_type=optional["error_type"], replica=optional["replica"],
-        route_policy=optional["route_policy"], attributes=attributes, shape=shape)
+        route_policy=optional["route_policy"], attributes=attributes, shape=shape,
+        request_read_ns=request_read)
 
 
 def _timeline_from(head: tuple[int | float, ...], offsets: Int64s, tokens: Int64s) -> Timeline:

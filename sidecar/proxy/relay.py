@@ -52,6 +52,8 @@ from sidecar.protocol.rewrite import (
     request_with_usage,
 )
 from sidecar.protocol.sse import DONE_EVENT, encode_data_event
+from sidecar.proxy.basemetrics import CONTENT_TYPE as BASE_METRICS_CONTENT_TYPE
+from sidecar.proxy.basemetrics import merge_expositions
 from sidecar.proxy.builder import RecordBuilder
 from sidecar.proxy.listener import (
     WRITE_HIGH_WATER,
@@ -395,10 +397,15 @@ class Proxy:
             return
         endpoint = endpoint_for_path(request.path) if request.method == "POST" else None
         request_id = request_id_from(request.headers)
-        # t_arrive: the whole request is here (the listener read the body). Offsets count
-        # from this instant.
-        wall, arrive = clock.anchor()
-        builder = RecordBuilder(request_id, wall, arrive, endpoint or request.path)
+        # t_arrive is the request's first byte (the client's wait began then, its upload
+        # included); t_read, now, is when the listener had read it whole. Offsets count from
+        # t_arrive; t_read is kept, so that upload time and proxy time can be told apart.
+        wall, read = clock.anchor()
+        began = request.began_ns
+        arrive = began if began is not None and began <= read else read
+        builder = RecordBuilder(request_id, wall - (read - arrive), arrive,
+                                endpoint or request.path)
+        builder.request_read_ns = read - arrive
         builder.route_policy = self.config.route_policy.value
         self.requests_total += 1
         self.in_flight += 1
@@ -410,7 +417,11 @@ class Proxy:
                     f"The sidecar is at its limit of {self.config.max_concurrency} concurrent "
                     "requests; retry later.", "TooManyRequests")
                 return
-            if endpoint is None:
+            if endpoint is None and request.path == "/metrics" and (
+                    request.method == "HEAD" or (request.method == "GET"
+                                                 and len(self.router.replicas) > 1)):
+                await self._base_metrics(request, exchange, builder)
+            elif endpoint is None:
                 await self._pass_through(request, exchange, builder)
             else:
                 await self._generate(request, exchange, endpoint, builder)
@@ -590,6 +601,55 @@ class Proxy:
                                   "GatewayTimeout")
         raise UpstreamFailure(Outcome.UPSTREAM_ERROR, f"connect_failed:{last_error}", 502,
                               "The sidecar could not connect to any upstream replica.")
+
+    # -- /metrics on the traffic port (basemetrics.py) -------------------------------------
+
+    async def _base_metrics(self, request: IncomingRequest, exchange: ClientExchange,
+                            builder: RecordBuilder) -> None:
+        """Every replica's /metrics, merged with a ``replica`` label (one replica: its own
+        text as it is); HEAD gets the GET answer's head. Not a generation request: its record
+        says /metrics, and a replica that does not answer only leaves its part out."""
+        builder.client_stream = builder.upstream_stream = False
+        replicas = self.router.replicas
+        timeout = aiohttp.ClientTimeout(total=max(self.config.health_timeout, 1.0))
+
+        async def fetch(replica: Replica) -> tuple[str, str | None, str]:
+            try:
+                async with self.session.get(replica.url + "/metrics", timeout=timeout) as got:
+                    if got.status != 200:
+                        return replica.label, None, f"HTTP {got.status}"
+                    return replica.label, await got.text(), ""
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                return replica.label, None, type(exc).__name__
+
+        results = await asyncio.gather(*(fetch(r) for r in replicas))
+        texts = [(label, text) for label, text, _ in results if text is not None]
+        failed = [(label, why) for label, text, why in results if text is None]
+        if not texts:
+            builder.fail(Outcome.UPSTREAM_ERROR, "metrics_unavailable", 502)
+            self._respond_error(exchange, builder, 502, "No upstream replica answered /metrics: "
+                                + ", ".join(f"{label} ({why})" for label, why in failed),
+                                "BadGateway")
+            return
+        if len(replicas) == 1:
+            body = texts[0][1].encode()
+        else:
+            try:
+                body = merge_expositions(texts, failed)
+            except ValueError as exc:
+                builder.fail(Outcome.UPSTREAM_ERROR, "metrics_unmergeable", 502)
+                self._respond_error(exchange, builder, 502, f"The replicas' /metrics could not "
+                                    f"be merged: {exc}", "BadGateway")
+                return
+        builder.http_status = 200
+        headers = [("Content-Type", BASE_METRICS_CONTENT_TYPE),
+                   (REQUEST_ID_HEADER, builder.request_id)]
+        if request.method == "HEAD":
+            exchange.start(200, None, headers, len(body), b"")
+        else:
+            exchange.start(200, None, headers, len(body), body)
+        exchange.end()
+        builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
     # -- pass-through paths ---------------------------------------------------------------
 

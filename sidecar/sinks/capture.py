@@ -131,6 +131,8 @@ def trace_request(record: RequestRecord, start_wall_ns: int) -> TraceRequest:
         tpot_s=client.tpot_s if client else None,
         e2e_s=client.e2e_s if client else None,
         server_ttft_s=server.ttft_s if server else None,
+        request_read_s=(None if record.request_read_ns is None
+                        else record.request_read_ns / 1e9),
         body=body,
         completion_text=shape.completion_text if shape else None,
     )

@@ -694,6 +694,9 @@ def _span_attributes(record: RequestRecord, client: RequestMetrics,
         "sidecar.token_source": record.token_source.value,
         "sidecar.route_policy": record.route_policy,
         "sidecar.client.e2e": client.e2e_s,
+        # From the first byte to the whole request read: the upload, inside client TTFT/e2e.
+        "sidecar.client.request_read": (None if record.request_read_ns is None
+                                        else record.request_read_ns / NS_PER_S),
         "sidecar.client.time_per_output_token": client.tpot_s,
         "sidecar.client.chunks": record.client.n_marks,
         "sidecar.slo.class": slo_class,

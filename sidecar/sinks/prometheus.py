@@ -231,6 +231,11 @@ class PrometheusSink:
             "sidecar_engine_queue_time_seconds",
             "Queue time vLLM reported for the request (--enable-per-request-metrics).",
             ("model", "replica"), registry=registry, buckets=buckets)
+        self.request_read = Histogram(
+            "sidecar_request_read_seconds",
+            "From a request's first byte to the whole request read by the proxy (its upload; "
+            "inside the client vantage's TTFT and E2E, outside the server's).",
+            ("model",), registry=registry, buckets=buckets)
         self.prompt_len = Histogram(
             "sidecar_request_prompt_tokens", "Prompt tokens per successful request (usage).",
             ("model",), registry=registry, buckets=TOKEN_BUCKETS)
@@ -306,6 +311,7 @@ class PrometheusSink:
         self._slo_good_tokens = ChildCache(self.slo_good_tokens)
         self._no_tpot = ChildCache(self.no_tpot)
         self._engine_queue = ChildCache(self.engine_queue)
+        self._request_read = ChildCache(self.request_read)
         self._prompt_tokens = ChildCache(self.prompt_tokens)
         self._prompt_len = ChildCache(self.prompt_len)
         self._generation_tokens = ChildCache(self.generation_tokens)
@@ -332,6 +338,8 @@ class PrometheusSink:
                 self._slo_good_tokens(slo_class).inc(stats.output_tokens(record, record.client))
         if record.outcome is not Outcome.OK:
             return
+        if record.request_read_ns is not None:
+            self._request_read(model).observe(record.request_read_ns / 1e9)
         for vantage in (Vantage.CLIENT, Vantage.SERVER):
             timeline = record.timeline(vantage)
             if timeline is None:
