@@ -1,13 +1,23 @@
 # syntax=docker/dockerfile:1
 # The measurement sidecar: `sidecar proxy` by default (traffic :8080, admin/metrics :9464);
 # the same image runs `sidecar sim`, `sidecar replay` and `sidecar demo`.
-#   docker build -t vllm-sidecar:0.1.0 .
-#   docker run --rm -p 8080:8080 -p 9464:9464 vllm-sidecar:0.1.0 \
-#       proxy --listen 0.0.0.0:8080 --metrics-listen 0.0.0.0:9464 --upstream http://vllm:8000
+#   docker build -t vllm-sidecar:0.1.0 \
+#       --build-arg REVISION="$(git rev-parse HEAD)" \
+#       --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" .
+#   export SIDECAR_ADMIN_TOKEN="$(head -c 32 /dev/urandom | base64)"   # Prometheus sends it
+#   docker run --rm -p 8080:8080 -p 9464:9464 -e SIDECAR_ADMIN_TOKEN \
+#       -e SIDECAR_METRICS_LISTEN=0.0.0.0:9464 vllm-sidecar:0.1.0 \
+#       proxy --listen 0.0.0.0:8080 --upstream http://vllm:8000
 # Installed from pyproject.toml with the versions pinned in deploy/docker/constraints.txt.
+#
+# The base image by digest: a rebuild starts from the same bytes, whatever the tag points at
+# since. The digest is of the tag's multi-platform index (amd64 and arm64 alike). To move to
+# a newer base: docker buildx imagetools inspect python:3.11-slim-bookworm, then
+#   --build-arg PYTHON_DIGEST=sha256:<the index digest it prints>
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON_DIGEST=sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${PYTHON_IMAGE}@${PYTHON_DIGEST} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -17,7 +27,22 @@ COPY sidecar /src/sidecar
 # Wheels of the package and of every dependency (uvloop included), at the pinned versions.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels --constraint /src/constraints.txt /src
 
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE}@${PYTHON_DIGEST}
+ARG PYTHON_IMAGE
+ARG PYTHON_DIGEST
+# Build metadata, for the OCI labels: the version of the package (pyproject.toml), the
+# commit and the build time (set them on the command line, see the top).
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+LABEL org.opencontainers.image.title="vllm-sidecar" \
+      org.opencontainers.image.description="A measurement sidecar for vLLM: client- and server-side TTFT, ITL, TPOT and E2E, goodput under SLOs, Prometheus and OpenTelemetry export, capture and replay." \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.base.name="docker.io/library/${PYTHON_IMAGE}" \
+      org.opencontainers.image.base.digest="${PYTHON_DIGEST}"
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -26,24 +51,31 @@ RUN groupadd --system --gid 10001 sidecar \
     && useradd --system --uid 10001 --gid sidecar --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin sidecar \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/sidecar/captures
-COPY --from=build /wheels /wheels
-# Offline from the wheels just built; fail the build if uvloop (the event loop the proxy
-# runs on) or the CLI does not import.
-RUN pip install --no-cache-dir --no-index --find-links /wheels /wheels/vllm_sidecar-*.whl \
-    && rm -rf /wheels \
+# Offline from the wheels just built, mounted from the build stage for this one step: no
+# layer of the image holds them (a COPY would keep them in its layer even after an rm).
+# Fail the build if uvloop (the event loop the proxy runs on) or the CLI does not import.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-index --find-links /wheels /wheels/vllm_sidecar-*.whl \
     && python -c "import uvloop, sidecar.cli"
 # /var/lib/sidecar/captures belongs to this user: a named volume mounted there (compose)
 # starts as a copy of it, writable for the sidecar.
 USER 10001:10001
 # 8080: traffic (the OpenAI-compatible API, relayed and measured).
-# 9464: admin: /metrics (Prometheus), /stats, /replicas, /healthz. Never the traffic port.
+# 9464: admin: /metrics (Prometheus), /stats, /replicas, /healthz, /readyz. Never the traffic
+# port. By default it listens on the container's loopback only (see CMD).
 EXPOSE 8080 9464
 # The admin listener's /healthz. Set HEALTHCHECK_URL when the admin port is not 9464; for
 # `sim` or `replay` containers, turn the check off (compose: healthcheck: disable: true).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ.get('HEALTHCHECK_URL', 'http://127.0.0.1:9464/healthz'), timeout=2)"]
 ENTRYPOINT ["sidecar"]
-# --allow-open-admin: the admin port must be reachable from outside the container to be
-# scraped; set SIDECAR_ADMIN_TOKEN instead where the network does not restrict who reaches it.
-CMD ["proxy", "--listen", "0.0.0.0:8080", "--metrics-listen", "0.0.0.0:9464", \
-     "--allow-open-admin", "--upstream", "http://127.0.0.1:8000"]
+# The default command is safe wherever it runs, `--network host` included: traffic on
+# 0.0.0.0:8080, the admin listener on the CLI's default 127.0.0.1:9464 (the HEALTHCHECK and
+# `docker exec` reach it; a published -p 9464 does not), vLLM expected at 127.0.0.1:8000 (a
+# shared network namespace: `--network container:<vllm>`, a pod). No --metrics-listen and no
+# --allow-open-admin here, so the environment decides (flags would win over it):
+#   scraped, with a token:  -e SIDECAR_METRICS_LISTEN=0.0.0.0:9464 -e SIDECAR_ADMIN_TOKEN
+#     (the value from your shell, off the command line; Prometheus sends it as a bearer token)
+#   open, on a network that restricts who reaches it:  ... -e SIDECAR_ALLOW_OPEN_ADMIN=1
+# A non-loopback admin address without either makes the sidecar refuse to start (exit 2).
+CMD ["proxy", "--listen", "0.0.0.0:8080", "--upstream", "http://127.0.0.1:8000"]

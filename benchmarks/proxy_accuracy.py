@@ -164,10 +164,14 @@ def compare(records: dict[str, RequestRecord], truth: dict[str, dict[str, Any]],
         errs["server_ttft"].append((m[0] - server.start_ns) - (g[0] - gt["received_ns"]))
         errs["server_itl"].extend((m[i + 1] - m[i]) - (g[i + 1] - g[i])
                                   for i in range(len(m) - 1))
-        arrive = ANCHORS.get(rec.wall_time_ns)  # absolute monotonic t_arrive (see docstring)
-        if arrive is None:
+        # The proxy reads its anchor at t_read (the request read whole) and dates the record
+        # back to t_arrive (the first byte) by request_read_ns: undo that to find the anchor.
+        read = rec.request_read_ns or 0
+        anchor = ANCHORS.get(rec.wall_time_ns + read)
+        if anchor is None:
             problems["no_anchor"] += 1
             continue
+        arrive = anchor - read  # absolute monotonic t_arrive (see docstring)
         errs["server_mark_lag"].extend(arrive + m[i] - g[i] for i in range(len(m)))
         errs["up_send_lag"].append(gt["received_ns"] - (arrive + server.start_ns))
         c = [mark.offset_ns for mark in rec.client.marks]

@@ -116,7 +116,7 @@ class StreamMeter:
         "_strip", "_drop_usage_chunk", "_held", "_held_cut", "_held_tokens", "usage",
         "saw_done", "finish_reason", "engine", "failure", "fatal", "rewritten", "text_parts",
         "assembler", "_closed", "_lane", "fingerprint", "usage_malformed", "_max_events",
-        "after_done", "response_model", "response_id",
+        "after_done", "response_model", "response_id", "choices",
     )
 
     def __init__(self, origin_ns: int, plan: UsagePlan = NO_CHANGE, *, forward: bool = True,
@@ -126,6 +126,9 @@ class StreamMeter:
         self.origin_ns = origin_ns
         self.offsets = array("q")  # token-carrying events: arrival offsets from origin_ns
         self.tokens = array("q")  # ... and the output tokens each carried
+        # ... and the choice each belongs to, from the first event of a choice other than 0
+        # (n > 1); None while every event is choice 0, so n = 1 costs one test per event.
+        self.choices: array[int] | None = None
         self.events = 0  # every event block read, comments included
         self._max_events = max_events  # more: fatal (the record's arrays grow per event)
         self._parser = SSEParser(max_event_size=max_event_bytes)
@@ -188,6 +191,9 @@ class StreamMeter:
                 self.events += 1
                 self.offsets.append(now_ns - self.origin_ns)
                 self.tokens.append(self._counter.observe(info))
+                index = info.choice_index
+                if index or self.choices is not None:
+                    self._note_choice(index)
                 if info.usage is not None:
                     self.usage = info.usage
                     if self._strip:
@@ -237,6 +243,9 @@ class StreamMeter:
             if kind is ChunkKind.TOKEN:
                 self.offsets.append(offset)
                 self.tokens.append(n_tokens)
+                index = info.choice_index
+                if index or self.choices is not None:
+                    self._note_choice(index)
                 if self.text_parts is not None:
                     self.text_parts.append(chunk_text(payload))
             elif kind is ChunkKind.DONE:
@@ -334,6 +343,13 @@ class StreamMeter:
             n_events += 1
             n_tokens += self._held_tokens
         return out, n_events, n_tokens
+
+    def _note_choice(self, index: int | None) -> None:
+        """The choice of the token event just appended (the first one other than 0 starts
+        the column, with 0 for the events before it)."""
+        if self.choices is None:
+            self.choices = array("q", bytes(8 * (len(self.offsets) - 1)))
+        self.choices.append(index or 0)
 
     def _release_held(self, fingerprint: str | None) -> bytes:
         held, self._held = self._held, None

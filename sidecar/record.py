@@ -149,6 +149,9 @@ class Timeline:
     ``end_ns``: the stream's end (last byte / close / error) as seen from this side, or None if
     the request never got that far (e.g. rejected before it was sent upstream).
     ``events_total``: every SSE event seen on this side, token-carrying or not ([DONE] excluded).
+    ``choices``: with n > 1, the choice index of each event (a third parallel column): each
+    choice is a sequence of its own, and ITL and TPOT are taken per sequence
+    (`sidecar.stats`). None: one sequence (n = 1, or every event of choice 0).
     """
 
     start_ns: int
@@ -156,6 +159,7 @@ class Timeline:
     tokens: Int64s = EMPTY
     end_ns: int | None = None
     events_total: int = 0
+    choices: Int64s | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence of ints (tests, importers); keep the packed form.
@@ -166,6 +170,12 @@ class Timeline:
         if len(self.offsets_ns) != len(self.tokens):
             raise ValueError(f"a timeline needs one token count per event: "
                              f"{len(self.offsets_ns)} offsets, {len(self.tokens)} counts")
+        if self.choices is not None:
+            if type(self.choices) is not Int64s:
+                object.__setattr__(self, "choices", Int64s(self.choices))
+            if len(self.choices) != len(self.offsets_ns):
+                raise ValueError(f"a timeline needs one choice index per event: "
+                                 f"{len(self.offsets_ns)} offsets, {len(self.choices)} choices")
 
     @classmethod
     def from_marks(cls, start_ns: int, marks: Iterable[tuple[int, int]] = (),
@@ -184,21 +194,29 @@ class Timeline:
         return len(self.offsets_ns)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "start_ns": self.start_ns,
             "marks": [[o, n] for o, n in zip(self.offsets_ns, self.tokens, strict=True)],
             "end_ns": self.end_ns,
             "events_total": self.events_total,
         }
+        if self.choices is not None:
+            out["choices"] = self.choices.tolist()
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Timeline:
-        return cls.from_marks(
+        timeline = cls.from_marks(
             start_ns=int(data["start_ns"]),
             marks=data.get("marks", ()),
             end_ns=None if data.get("end_ns") is None else int(data["end_ns"]),
             events_total=int(data.get("events_total", 0)),
         )
+        choices = data.get("choices")
+        if choices is not None:
+            object.__setattr__(timeline, "choices", Int64s(int(c) for c in choices))
+            timeline.__post_init__()
+        return timeline
 
 
 @dataclass(frozen=True, slots=True)

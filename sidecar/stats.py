@@ -58,9 +58,48 @@ def ttft_ns(timeline: Timeline) -> int | None:
     return timeline.offsets_ns[0] - timeline.start_ns
 
 
+def sequences(timeline: Timeline) -> list[tuple[list[int], list[int]]]:
+    """The timeline's token sequences as (offsets, tokens) pairs: one for n = 1; with n > 1
+    one per choice, by choice index (ITL and TPOT are per sequence)."""
+    if timeline.choices is None:
+        return [(timeline.offsets_ns.tolist(), timeline.tokens.tolist())]
+    by_choice: dict[int, tuple[list[int], list[int]]] = {}
+    for offset, tokens, choice in zip(timeline.offsets_ns, timeline.tokens, timeline.choices,
+                                      strict=True):
+        offsets_of, tokens_of = by_choice.setdefault(choice, ([], []))
+        offsets_of.append(offset)
+        tokens_of.append(tokens)
+    return [by_choice[choice] for choice in sorted(by_choice)]
+
+
 def itl_ns(timeline: Timeline) -> list[int]:
-    offsets = timeline.offsets_ns
-    return [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    """Gaps between consecutive token events of one sequence (of one choice, with n > 1)."""
+    if timeline.choices is None:
+        offsets = timeline.offsets_ns
+        return [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    return [b - a for offsets, _ in sequences(timeline)
+            for a, b in zip(offsets, offsets[1:], strict=False)]
+
+
+def _itl_tokens(timeline: Timeline) -> tuple[int, ...]:
+    """The tokens of the later event of each `itl_ns` gap, in the same order."""
+    if timeline.choices is None:
+        return tuple(timeline.tokens[1:])
+    return tuple(t for _, tokens in sequences(timeline) for t in tokens[1:])
+
+
+def sequence_tpot_ns(timeline: Timeline) -> float | None:
+    """TPOT with n > 1: the decode time of every choice over its tokens after the first,
+    sum(last_i - first_i) / sum(N_i - 1) over the choices with N_i > 1 (N_i: the tokens of
+    choice i's events). With equal choices it is each choice's own TPOT; choices are never
+    mixed into one sequence (that gave TPOT / n)."""
+    decode = steps = 0
+    for offsets, tokens in sequences(timeline):
+        n = sum(tokens)
+        if n > 1:
+            decode += offsets[-1] - offsets[0]
+            steps += n - 1
+    return decode / steps if steps else None
 
 
 def e2e_ns(timeline: Timeline) -> int | None:
@@ -92,11 +131,12 @@ def output_tokens(record: RequestRecord, timeline: Timeline) -> int:
 def timeline_metrics(timeline: Timeline, n_out: int) -> RequestMetrics:
     first = ttft_ns(timeline)
     last = e2e_ns(timeline)
-    tpot = tpot_ns(first, last, n_out)
+    tpot = (tpot_ns(first, last, n_out) if timeline.choices is None
+            else sequence_tpot_ns(timeline))
     return RequestMetrics(
         ttft_s=None if first is None else first / NS_PER_S,
         itl_s=tuple(gap / NS_PER_S for gap in itl_ns(timeline)),
-        itl_tokens=tuple(timeline.tokens[1:]),
+        itl_tokens=_itl_tokens(timeline),
         tpot_s=None if tpot is None else tpot / NS_PER_S,
         e2e_s=None if last is None else last / NS_PER_S,
         n_out=n_out,
@@ -129,7 +169,8 @@ def request_latency(record: RequestRecord, vantage: Vantage) -> RequestLatency |
     n_out = output_tokens(record, timeline)
     first = ttft_ns(timeline)
     last = e2e_ns(timeline)
-    tpot = tpot_ns(first, last, n_out)
+    tpot = (tpot_ns(first, last, n_out) if timeline.choices is None
+            else sequence_tpot_ns(timeline))
     return RequestLatency(
         ttft_s=None if first is None else first / NS_PER_S,
         tpot_s=None if tpot is None else tpot / NS_PER_S,
@@ -143,6 +184,8 @@ def itl_seconds(timeline: Timeline) -> npt.NDArray[np.float64]:
     offsets = timeline.offsets_ns
     if len(offsets) < 2:
         return np.empty(0, dtype=np.float64)
+    if timeline.choices is not None:
+        return np.array(itl_ns(timeline), dtype=np.float64) / NS_PER_S
     gaps = np.diff(np.frombuffer(offsets.data, dtype=np.int64))
     return gaps.astype(np.float64) / NS_PER_S
 
@@ -242,7 +285,9 @@ class Columns(NamedTuple):
     Per request (``n`` of them, in order): ``present`` (the request has this vantage's
     timeline; an absent one has ``counts`` 0), ``counts`` (its token events), ``origin``
     (``start_ns``), ``end`` / ``has_end`` (``end_ns``), ``declared`` (``record.n_out``, -1 for
-    None). Per token event, request after request: ``offsets`` and ``tokens``."""
+    None). Per token event, request after request: ``offsets`` and ``tokens``. ``multi``: per
+    request, it has several choices (n > 1; `Timeline.choices`); ``choices``: the choice of
+    each event of those requests only (nothing is kept per event for n = 1)."""
 
     present: npt.NDArray[np.bool_]
     counts: npt.NDArray[np.int64]
@@ -252,15 +297,18 @@ class Columns(NamedTuple):
     declared: npt.NDArray[np.int64]
     offsets: npt.NDArray[np.int64]
     tokens: npt.NDArray[np.int64]
+    multi: npt.NDArray[np.bool_]
+    choices: npt.NDArray[np.int64]
 
     def select(self, mask: npt.NDArray[np.bool_]) -> Columns:
         """The requests where ``mask`` is true (their events with them)."""
         if mask.all():
             return self  # the common case (every request kept): no copy of the event columns
         events = np.repeat(mask, self.counts)
+        multi_events = np.repeat(mask[self.multi], self.counts[self.multi])
         return Columns(self.present[mask], self.counts[mask], self.origin[mask], self.end[mask],
                        self.has_end[mask], self.declared[mask], self.offsets[events],
-                       self.tokens[events])
+                       self.tokens[events], self.multi[mask], self.choices[multi_events])
 
 
 def columns_of(records: Sequence[RequestRecord], vantage: Vantage) -> Columns:
@@ -287,6 +335,11 @@ def columns_of(records: Sequence[RequestRecord], vantage: Vantage) -> Columns:
         offsets=np.frombuffer(b"".join(offset_data), dtype=np.int64),
         tokens=np.frombuffer(b"".join(b"" if t is None else t.tokens.data for t in timelines),
                              dtype=np.int64),
+        multi=np.fromiter((t is not None and t.choices is not None for t in timelines),
+                          dtype=np.bool_, count=n),
+        choices=np.frombuffer(b"".join(t.choices.data for t in timelines
+                                       if t is not None and t.choices is not None),
+                              dtype=np.int64),
     )
 
 
@@ -321,13 +374,45 @@ def _derive(c: Columns) -> _Derived:
     return _Derived(starts, has_events, ttft, c.has_end | has_events, e2e, n_out)
 
 
-def _tpot_ns(d: _Derived) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
-    """TPOT per request (ns, as `tpot_ns`: integer difference, one division) and where it is
-    defined."""
+def _multi_sequences(c: Columns) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64],
+                                          npt.NDArray[np.bool_]]:
+    """The events of the n > 1 requests ordered by (request, choice, arrival): their indices
+    in the event columns, the request of each, and where each choice's sequence begins."""
+    multi_events = np.repeat(c.multi, c.counts)
+    index = np.flatnonzero(multi_events)
+    request = np.repeat(np.arange(c.counts.size), c.counts)[index]
+    order = np.lexsort((index, c.choices, request))
+    index, request, choice = index[order], request[order], c.choices[order]
+    begins = np.ones(index.size, dtype=np.bool_)
+    begins[1:] = (request[1:] != request[:-1]) | (choice[1:] != choice[:-1])
+    return index, request, begins
+
+
+def _tpot_ns(c: Columns, d: _Derived) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
+    """TPOT per request (ns, as `tpot_ns`: integer difference, one division; with n > 1 as
+    `sequence_tpot_ns`) and where it is defined."""
     defined = (d.n_out > 1) & d.has_events
     tpot = np.full(d.n_out.shape, np.nan)
+    if c.multi.any():
+        defined &= ~c.multi
     tpot[defined] = ((d.e2e_ns[defined] - d.ttft_ns[defined]).astype(np.float64)
                      / (d.n_out[defined] - 1).astype(np.float64))
+    if c.multi.any():
+        index, request, begins = _multi_sequences(c)
+        first = np.flatnonzero(begins)
+        last = np.append(first[1:], index.size) - 1
+        n_seq = np.add.reduceat(c.tokens[index], first)
+        decoding = n_seq > 1
+        owner = request[first][decoding]
+        # Sums of integers below 2**53 are exact in float64: the same value as the per-request
+        # integer sums, then the same one division.
+        spans = (c.offsets[index[last]] - c.offsets[index[first]])[decoding]
+        decode = np.bincount(owner, weights=spans.astype(np.float64), minlength=d.n_out.size)
+        steps = np.bincount(owner, weights=(n_seq[decoding] - 1).astype(np.float64),
+                            minlength=d.n_out.size)
+        multi_defined = c.multi & (steps > 0)
+        tpot[multi_defined] = decode[multi_defined] / steps[multi_defined]
+        defined |= multi_defined
     return tpot, defined
 
 
@@ -347,14 +432,27 @@ def report_of(columns: Columns, vantage: Vantage) -> VantageReport:
         return VantageReport(vantage=vantage, requests=0, ttft=empty, tpot=empty, e2e=empty,
                              itl=empty, itl_per_token=empty, tpot_excluded=0, no_first_token=0)
     d = _derive(c)
-    tpot, defined = _tpot_ns(d)
+    tpot, defined = _tpot_ns(c, d)
     # ITL: gaps between consecutive events of one request (a request's first event starts a
-    # new run), each with the tokens of the later event.
+    # new run), each with the tokens of the later event; with n > 1, of one choice.
     begins = np.zeros(c.offsets.size, dtype=np.bool_)
     begins[d.starts[d.has_events]] = True
     within = ~begins[1:]
-    itl_s = np.diff(c.offsets)[within] / NS_PER_S
-    itl_tokens = c.tokens[1:][within]
+    if c.multi.any():
+        within &= ~np.repeat(c.multi, c.counts)[1:]
+        index, request, seq_begins = _multi_sequences(c)
+        same = ~seq_begins[1:]
+        # Request by request, as the per-request definition lists them (sums of floats are
+        # exact only in one order).
+        owner = np.repeat(np.arange(c.counts.size), c.counts)[1:][within]
+        order = np.argsort(np.concatenate((owner, request[1:][same])), kind="stable")
+        itl_ns_ = np.concatenate((np.diff(c.offsets)[within],
+                                  np.diff(c.offsets[index])[same]))[order]
+        itl_tokens = np.concatenate((c.tokens[1:][within], c.tokens[index][1:][same]))[order]
+        itl_s = itl_ns_ / NS_PER_S
+    else:
+        itl_s = np.diff(c.offsets)[within] / NS_PER_S
+        itl_tokens = c.tokens[1:][within]
     carried = itl_tokens > 0
     per_token = np.repeat(itl_s[carried] / itl_tokens[carried], itl_tokens[carried])
     return VantageReport(
@@ -365,7 +463,7 @@ def report_of(columns: Columns, vantage: Vantage) -> VantageReport:
         e2e=summarize(d.e2e_ns[d.has_e2e] / NS_PER_S),
         itl=summarize(itl_s),
         itl_per_token=summarize(per_token),
-        tpot_excluded=int(np.count_nonzero(d.n_out <= 1)),
+        tpot_excluded=int(np.count_nonzero(~defined & (c.multi | (d.n_out <= 1)))),
         no_first_token=int(np.count_nonzero(~d.has_events)),
     )
 
@@ -624,7 +722,7 @@ def judge_columns(c: Columns, ok: npt.NDArray[np.bool_], slo: SLO
     without this vantage, is never good), per declared threshold whether it could not be
     judged, and N_out."""
     d = _derive(c)
-    tpot, defined = _tpot_ns(d)
+    tpot, defined = _tpot_ns(c, d)
     values: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]] = {
         "ttft": (d.ttft_ns / NS_PER_S, d.has_events),
         "tpot": (tpot / NS_PER_S, defined),
@@ -711,7 +809,7 @@ class _TimelineTable:
     """One vantage's `Columns`, appended record by record (C-level array appends)."""
 
     __slots__ = ("present", "counts", "origin", "end", "has_end", "offsets", "tokens",
-                 "event_head")
+                 "event_head", "multi", "choices", "choice_head")
 
     def __init__(self) -> None:
         self.present = array("B")
@@ -722,6 +820,9 @@ class _TimelineTable:
         self.offsets = array("q")
         self.tokens = array("q")
         self.event_head = 0  # events of dropped records at the front of offsets/tokens
+        self.multi = array("B")  # per record: n > 1 (a choice column)
+        self.choices = array("q")  # per event of those records only
+        self.choice_head = 0  # ... of dropped records at the front of choices
 
     def append(self, timeline: Timeline | None) -> None:
         if timeline is None:
@@ -730,6 +831,7 @@ class _TimelineTable:
             self.origin.append(0)
             self.end.append(0)
             self.has_end.append(0)
+            self.multi.append(0)
             return
         self.present.append(1)
         self.counts.append(len(timeline.offsets_ns))
@@ -739,6 +841,19 @@ class _TimelineTable:
         self.has_end.append(end is not None)
         self.offsets.frombytes(timeline.offsets_ns.data)
         self.tokens.frombytes(timeline.tokens.data)
+        choices = timeline.choices
+        self.multi.append(choices is not None)
+        if choices is not None:
+            self.choices.frombytes(choices.data)
+
+    def forget(self, head: int, count: int) -> None:
+        """Move the event heads past the events of records ``head .. head + count``. (The
+        numpy views made here must be gone before a compaction resizes the arrays: they
+        live in this frame only.)"""
+        counts = np.frombuffer(self.counts, dtype=np.int64)[head:head + count]
+        self.event_head += int(counts.sum())
+        multi = np.frombuffer(self.multi, dtype=np.bool_)[head:head + count]
+        self.choice_head += int(counts[multi].sum())
 
 
 class RecordTable:
@@ -793,9 +908,7 @@ class RecordTable:
         if count <= 0:
             return
         for table in self._timelines.values():
-            head = self._head
-            table.event_head += int(np.frombuffer(table.counts, dtype=np.int64)[
-                head:head + count].sum())
+            table.forget(self._head, count)
         self._head += count
         if self._head >= 4096 and self._head * 2 >= len(self._wall):
             self._compact()
@@ -812,11 +925,14 @@ class RecordTable:
         del self.request_ids[:head]
         del self.slo_attribute[:head]
         for table in self._timelines.values():
-            for column in (table.present, table.counts, table.origin, table.end, table.has_end):
+            for column in (table.present, table.counts, table.origin, table.end, table.has_end,
+                           table.multi):
                 del column[:head]
             del table.offsets[:table.event_head]
             del table.tokens[:table.event_head]
             table.event_head = 0
+            del table.choices[:table.choice_head]
+            table.choice_head = 0
         self._head = 0
 
     # -- numpy views of the live records (no copies) --------------------------------------
@@ -860,6 +976,8 @@ class RecordTable:
             declared=self._view(self._declared, np.int64),
             offsets=np.frombuffer(t.offsets, dtype=np.int64)[t.event_head:],
             tokens=np.frombuffer(t.tokens, dtype=np.int64)[t.event_head:],
+            multi=np.frombuffer(t.multi, dtype=np.bool_)[head:],
+            choices=np.frombuffer(t.choices, dtype=np.int64)[t.choice_head:],
         ).select(mask)
 
     # -- the aggregates, over the live records where ``mask`` is true -----------------------

@@ -1,5 +1,6 @@
 """Random but well-formed records for equivalence tests: failures, missing server sides,
-streams with no token event, multi-token and zero-token events, unknown N_out, missing ends,
+streams with no token event, multi-token and zero-token events, n > 1 (interleaved choices),
+unknown N_out, missing ends,
 SLO classes known and unknown, engine timings present or not, other endpoints."""
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ def random_records(seed: int, n: int, start_wall_ns: int = 10**18) -> list[Reque
             offsets.append(at)
             tokens.append(rng.choice([1, 1, 1, 2, 5, 0]))
         end = None if rng.random() < 0.2 else at + rng.randint(0, 10**6)
-        return Timeline(start_ns=start, offsets_ns=offsets, tokens=tokens, end_ns=end)
+        # n > 1 for a fifth of them: interleaved choices, one choice column per event.
+        n = rng.choice([1, 1, 1, 1, 2, 3])
+        choices = [rng.randrange(n) for _ in offsets] if n > 1 else None
+        return Timeline(start_ns=start, offsets_ns=offsets, tokens=tokens, end_ns=end,
+                        choices=choices)
 
     for i in range(n):
         server = None if rng.random() < 0.2 else timeline(rng.randint(0, 10**7))

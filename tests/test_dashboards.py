@@ -26,10 +26,11 @@ from typing import Any
 
 import aiohttp
 import yaml
+from otlp_receiver import OTLPReceiver
 from prometheus_helpers import Prometheus, free_port, require_module, running_prometheus
 from proxy_stack import FAST_ENGINE
 
-from sidecar.cli import build_proxy_server
+from sidecar.cli import build_collector
 from sidecar.config import build_config, load_config_file
 from sidecar.replay import replay_cli
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
@@ -43,6 +44,11 @@ PROMETHEUS_CPU = ROOT / "deploy/compose/prometheus/prometheus.cpu.yml"
 RULES = ROOT / "deploy/prometheus/sidecar-rules.yml"
 PROMETHEUS_RULE = ROOT / "deploy/kubernetes/base/prometheusrule.yaml"
 MODEL = "sim-model"
+SIDECAR_JOB = "vllm-sidecar"  # the scrape job the alerts watch
+WORKERS = 2
+# Labels a Prometheus adds only in some places (a global view, Kubernetes): absent here, and a
+# variable over them has no values, so Grafana's All (.*) applies.
+OPTIONAL_LABELS = {"cluster", "namespace"}
 
 # Grafana's built-in variables, with values that cover this test's whole history (a minute at
 # most), so that every rate window holds the load.
@@ -85,10 +91,11 @@ def test_the_json_is_what_generate_py_writes() -> None:
             f"grafana/dashboards/{name} is stale: run python grafana/generate.py")
 
 
-def test_the_four_dashboards_exist_with_unique_uids() -> None:
+def test_the_five_dashboards_exist_with_unique_uids() -> None:
     boards = dashboards()
     titles = {d["title"] for d in boards.values()}
-    for word in ("SLO compliance", "Latency", "Replicas", "Replay run"):
+    assert len(boards) == 5
+    for word in ("SLO compliance", "Latency", "Replicas", "Replay run", "Sidecar health"):
         assert any(word in title for title in titles), (word, titles)
     uids = [d["uid"] for d in boards.values()]
     assert len(set(uids)) == len(uids)
@@ -130,23 +137,42 @@ def test_every_data_panel_has_a_unit_and_uses_the_datasource_variable() -> None:
             assert panel.get("description"), f"{where}: say what the panel shows"
 
 
-def test_template_variables_model_replica_slo_class_and_datasource() -> None:
+# Which variables each dashboard has besides the place (cluster, namespace, job), which every
+# one has.
+VARIABLES = {
+    "sidecar-slo.json": {"model", "replica", "slo_class", "slo_window"},
+    "sidecar-latency.json": {"model", "replica", "slo_class"},
+    # The SLO counters carry no model or replica label: no per-replica SLO view.
+    "sidecar-replicas.json": {"model", "replica"},
+    "sidecar-replay.json": {"model", "replica", "slo_class"},
+    "sidecar-health.json": set(),
+}
+PLACE_VARIABLES = ("cluster", "namespace", "job")
+
+
+def test_template_variables_place_model_replica_slo_class_and_datasource() -> None:
+    assert set(VARIABLES) == set(dashboards())
     for name, dashboard in dashboards().items():
         variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert set(variables) == {"datasource", *PLACE_VARIABLES} | VARIABLES[name], name
         datasource = variables["datasource"]
         assert datasource["type"] == "datasource" and datasource["query"] == "prometheus"
-        # The SLO counters carry no model or replica label, so there is no per-replica SLO
-        # view: the Replicas dashboard has no slo_class variable.
-        wanted = ["model", "replica"] + (["slo_class"] if name != "sidecar-replicas.json"
-                                         else [])
-        for var in wanted:
-            label = var
-            variable = variables[var]
-            assert variable["type"] == "query", (name, var)
+        chained: list[str] = []
+        for var, variable in variables.items():
+            if variable["type"] != "query":
+                continue
             assert variable["datasource"]["uid"] == "${datasource}", (name, var)
-            assert re.fullmatch(rf"label_values\(.+, {label}\)", variable_query(variable))
+            match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable_query(variable))
+            assert match and match.group(2) == var, (name, var)
             assert variable["multi"] and variable["includeAll"]
             assert variable["allValue"] == ".*"
+            assert variable.get("description"), (name, var)
+            # Each narrows by the ones before it: cluster, then namespace, then job, ...
+            for earlier in chained:
+                if earlier in PLACE_VARIABLES or (earlier == "model" and var == "replica"):
+                    assert f'{earlier}=~"${earlier}"' in match.group(1), (name, var, earlier)
+            chained.append(var)
+        assert chained[:3] == list(PLACE_VARIABLES), name
         text = json.dumps(dashboard["panels"]) + json.dumps(
             [variable_query(v) for v in variables.values()])
         for var in variables:
@@ -154,12 +180,112 @@ def test_template_variables_model_replica_slo_class_and_datasource() -> None:
                 assert f"${var}" in text or f"${{{var}" in text, f"{name}: ${var} unused"
 
 
-def test_the_slo_dashboard_objective_is_the_alerts_objective() -> None:
+SERIES = re.compile(r"(?<![\w:])((?:sidecar|vllm|process)[_:][a-zA-Z0-9_:]*)(\{[^}]*\})?")
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric, label matchers) of every series selector in a PromQL expression."""
+    return [(m.group(1), m.group(2) or "") for m in SERIES.finditer(expr)]
+
+
+def test_every_query_selects_the_place_and_the_sidecars_job() -> None:
+    """Every series selected by cluster and namespace; the sidecar's own series (and the
+    recorded ones, which keep the label) by job too. vLLM's and the replayer's series have
+    jobs of their own."""
+    checked = 0
+    for where, expr in dashboard_queries():
+        for metric, matchers in selectors(expr):
+            checked += 1
+            assert 'cluster=~"$cluster"' in matchers, (where, metric)
+            assert 'namespace=~"$namespace"' in matchers, (where, metric)
+            own = not (metric.startswith("vllm:") or metric.startswith("sidecar_replay_"))
+            assert ('job=~"$job"' in matchers) is own, (where, metric)
+    assert checked > 150
+    assert selectors('sum(rate(sidecar_x_total{a="b"}[5m])) / vllm:y') == [
+        ("sidecar_x_total", '{a="b"}'), ("vllm:y", "")]
+
+
+def test_long_ranges_are_instant_queries_over_recorded_series() -> None:
+    """A query over the dashboard's whole range or the SLO window is evaluated once (instant),
+    not at every step of a graph; over the SLO window it reads the rules' 5-minute
+    recordings, not 30 days of raw counters."""
+    for name, dashboard in dashboards().items():
+        for panel in all_panels(dashboard):
+            for query in panel.get("targets", []):
+                expr = query["expr"]
+                where = (name, panel["title"], query["refId"])
+                if "$__range" in expr or "$slo_window" in expr:
+                    assert query["instant"] is True and query["range"] is False, where
+                    assert panel["type"] in ("stat", "table"), where
+                if "$slo_window" in expr:
+                    for metric, _ in selectors(expr):
+                        assert metric.startswith("sidecar:"), (where, metric)
+                assert not re.search(r"\[\d+d\]", expr), (where, "a literal day range")
+
+
+def test_the_error_budget_is_clamped_and_its_overspend_stated() -> None:
     slo = dashboards()["sidecar-slo.json"]
-    objective = {v["name"]: v for v in slo["templating"]["list"]}["objective"]
-    rules = RULES.read_text()
-    used = set(re.findall(r"\(1 - (0\.\d+)\)", rules))
-    assert used == {objective["current"]["value"]}, (used, objective["current"])
+    (panel,) = [p for p in all_panels(slo) if p["title"].startswith("Error budget over")]
+    left, spent = panel["targets"]
+    assert left["expr"] == f"clamp(1 - {spent['expr']}, 0, 1)"
+    assert "clamp" not in spent["expr"], "the overspend is not capped"
+    units = {o["matcher"]["options"]: o["properties"] for o in panel["fieldConfig"]["overrides"]}
+    assert units["B"] == [{"id": "unit", "value": "suffix:x budget"}]
+    assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert "overspent" in panel["description"]
+
+
+def test_the_objective_is_the_sidecars_configuration() -> None:
+    """No objective written into a dashboard: it comes from sidecar_slo_objective_ratio (or
+    the rules' error budget recorded from it), as in the alerts."""
+    for name, dashboard in dashboards().items():
+        variables = {v["name"] for v in dashboard["templating"]["list"]}
+        assert "objective" not in variables, name
+    for where, expr in dashboard_queries():
+        without_quantiles = re.sub(r"histogram_quantile\(0\.\d+,", "", expr)
+        assert not re.search(r"0\.9\d*", without_quantiles), where
+    text = json.dumps(dashboards()["sidecar-slo.json"])
+    assert "sidecar_slo_objective_ratio" in text and "sidecar:slo_error_budget:ratio" in text
+
+
+def test_vllms_coarse_histograms_are_compared_by_their_means() -> None:
+    """histogram_quantile inside vLLM's coarse buckets would suggest overhead that is not
+    there: no percentile of a vLLM histogram anywhere, means beside the sidecar's."""
+    compared = set()
+    for where, expr in dashboard_queries():
+        for match in re.finditer(r"histogram_quantile\([^,]+, sum by \([^)]*\) \(rate\("
+                                 r"([\w:]+)_bucket", expr):
+            assert not match.group(1).startswith("vllm:"), where
+        compared.update(re.findall(r"(vllm:\w+_seconds)_sum", expr))
+    assert compared >= {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                        "vllm:request_time_per_output_token_seconds",
+                        "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"}
+
+
+def test_the_sidecars_own_health_has_panels() -> None:
+    queried = " ".join(expr for _, expr in dashboard_queries())
+    for metric in ("sidecar_sink_errors_total", "sidecar_sink_records_dropped_total",
+                   "sidecar_capture_records_dropped_total", "sidecar_capture_writer_restarts_total",
+                   "sidecar_channel_dropped_records_total", "sidecar_channel_records_total",
+                   "sidecar_workers_alive", "sidecar_engine_queue_time_seconds_bucket",
+                   "process_cpu_seconds_total", "process_resident_memory_bytes",
+                   "sidecar_slo_excluded_requests_total"):
+        assert metric in queried, metric
+
+
+def test_every_panel_cites_where_its_quantities_are_defined() -> None:
+    headings = {}
+    for page in ("metrics.md", "workers.md", "runbooks.md"):
+        headings[page] = {re.sub(r"^\d+\.\s*", "", h).strip() for h in re.findall(
+            r"^#+ (.+)$", (ROOT / "docs" / page).read_text(), re.MULTILINE)}
+    for name, dashboard in dashboards().items():
+        for panel in all_panels(dashboard):
+            if panel["type"] in NOT_DATA_PANELS:
+                continue
+            cited = re.findall(r'docs/(\w+\.md) "([^"]+)"', panel["description"])
+            assert cited, (name, panel["title"], "cites no definition")
+            for page, heading in cited:
+                assert heading in headings[page], (name, panel["title"], page, heading)
 
 
 def test_the_foundation_sdk_keeps_every_key() -> None:
@@ -314,11 +440,13 @@ def prometheus_config(sidecar_admin: str, replicas: list[str], replay: str) -> s
     config["rule_files"] = [str(RULES)]
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert jobs["vllm"]["relabel_configs"], "the join label comes from this relabeling"
-    jobs["sidecar"]["static_configs"] = [{"targets": [sidecar_admin]}]
+    jobs[SIDECAR_JOB]["static_configs"] = [{"targets": [sidecar_admin]}]
     jobs["vllm"]["static_configs"] = [{"targets": replicas}]
+    # The compose file finds the load generator by DNS name; here it is an address.
+    del jobs["replay"]["dns_sd_configs"]
     jobs["replay"]["static_configs"] = [{"targets": [replay]}]
     # No OpenTelemetry collector runs here; nothing in grafana/ queries its series.
-    config["scrape_configs"] = [jobs["sidecar"], jobs["vllm"], jobs["replay"]]
+    config["scrape_configs"] = [jobs[SIDECAR_JOB], jobs["vllm"], jobs["replay"]]
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -386,12 +514,16 @@ async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path)
     requests = 120
     sim = SimConfig(model=MODEL, engine=FAST_ENGINE, enable_per_request_metrics=True)
     replicas = await start_replicas(sim, 2)
+    # As shipped: worker processes and a collector (the per-worker series), an OpenTelemetry
+    # sink exporting to a receiver (the queued sink's series), a capture.
+    receiver = OTLPReceiver()
+    await receiver.start()
     flags = {"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
              "metrics_listen": "127.0.0.1:0", "health_interval": "1s",
-             "route_policy": "round_robin",
-             "engine_scrape_interval": "0", "capture_dir": str(tmp_path / "captures")}
+             "route_policy": "round_robin", "engine_scrape_interval": "0",
+             "capture_dir": str(tmp_path / "captures"), "otel_endpoint": receiver.url}
     config = build_config(flags, {}, load_config_file(SIDECAR_TOML))
-    server, _window = build_proxy_server(config)
+    server, _window = build_collector(config, WORKERS)
     await server.start()
     try:
         admin = server.admin_url.split("://")[1]
@@ -402,7 +534,7 @@ async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path)
             replay = start_replay(tmp_path, replicas[1].url, replay_metrics)
             try:
                 await asyncio.to_thread(wait_until, prometheus, {
-                    'sum(up{job="sidecar"})': 1, 'sum(up{job="vllm"})': len(replicas),
+                    f'sum(up{{job="{SIDECAR_JOB}"}})': 1, 'sum(up{job="vllm"})': len(replicas),
                     'sum(up{job="replay"})': 1})
                 await send_load(server.url, requests)
                 await asyncio.to_thread(wait_until, prometheus, {
@@ -411,6 +543,8 @@ async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path)
                     'count(vllm:num_requests_running{replica=~".+"})': len(replicas),
                     "count(sidecar:slo_error_ratio:rate6h)": 3,
                     "sum(sidecar_replay_requests_completed_total)": 50,
+                    "sum(sidecar_workers_alive)": WORKERS,
+                    "count(sidecar:slo_burn_rate:rate3d)": 3,
                 })
                 await asyncio.to_thread(check_every_expression, prometheus, targets)
             finally:
@@ -420,6 +554,7 @@ async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path)
     finally:
         await server.close()
         await close_replicas(replicas)
+        await receiver.close()
 
 
 def check_every_expression(prometheus: Prometheus, replica_addresses: list[str]) -> None:
@@ -458,6 +593,9 @@ def check_every_expression(prometheus: Prometheus, replica_addresses: list[str])
             evaluated += 1
             values = sorted(sample["metric"].get(label, "")
                             for sample in prometheus.query(expr))
+            if var in OPTIONAL_LABELS and values in ([], [""]):
+                concrete[var] = every[var] = variable["allValue"]
+                continue
             if not values or "" in values:
                 failures.append(f"{name}: variable ${var}: {expr} -> {values}")
                 continue
@@ -465,8 +603,9 @@ def check_every_expression(prometheus: Prometheus, replica_addresses: list[str])
             # "batch" declares only e2e, so its TTFT threshold line is rightly empty.
             concrete[var] = PREFERRED.get(var) if PREFERRED.get(var) in values else values[0]
             every[var] = variable["allValue"]
-        assert concrete["model"] == MODEL
-        assert concrete["replica"] in replica_addresses
+        if "model" in concrete:
+            assert concrete["model"] == MODEL
+            assert concrete["replica"] in replica_addresses
         for values in (every, concrete):
             for where, expr in dashboard_queries():
                 if not where.startswith(name):

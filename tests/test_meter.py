@@ -477,3 +477,18 @@ def test_events_after_done_are_neither_counted_nor_relayed() -> None:
         assert forwarded == event(CHAT_HELLO) + DONE
         assert list(meter.tokens) == [1] and meter.after_done == 2 and meter.events == 2
         assert meter.failure is None
+
+
+def test_n2_events_keep_their_choice_and_n1_keeps_none() -> None:
+    """The choice column starts at the first event of a choice other than 0 (0 for the
+    events before it); n = 1 streams never build one."""
+    second = CHAT_HELLO.replace('"index":0', '"index":1')
+    meter = StreamMeter(ORIGIN)
+    meter.feed(event(CHAT_HELLO), ORIGIN + 1)
+    meter.feed(event(CHAT_HELLO), ORIGIN + 2)  # one whole token event: the lane
+    meter.feed(event(second), ORIGIN + 3)
+    meter.feed(event(CHAT_HELLO) + event(second), ORIGIN + 4)  # the general path
+    assert meter.choices is not None and list(meter.choices) == [0, 0, 1, 0, 1]
+    plain = StreamMeter(ORIGIN)
+    plain.feed(PLAIN_BYTES, ORIGIN + 1)
+    assert plain.choices is None

@@ -15,7 +15,8 @@ import openai
 import pytest
 from proxy_stack import FAST_ENGINE, stack
 
-from sidecar.record import Outcome, TokenSource
+from sidecar import stats
+from sidecar.record import Outcome, TokenSource, Vantage
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
 
@@ -503,3 +504,33 @@ async def test_the_client_vantage_starts_at_the_requests_first_byte(tmp_path: Pa
     # Client TTFT counts from t_arrive: the upload is in it, and not in the server's.
     assert record.client.offsets_ns[0] >= 300_000_000
     assert record.client.offsets_ns[0] - record.server.start_ns < 300_000_000
+
+
+async def test_n2_through_the_proxy_keeps_each_choice_a_sequence() -> None:
+    """A streamed n = 2 answer from the simulator: every token event keeps its choice on both
+    sides, and TPOT is per choice (the engine's step), not the step halved."""
+    async with stack() as s, aiohttp.ClientSession() as session:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 8, "ignore_eos": True, "n": 2,
+                "temperature": 0.7, "stream": True}
+        async with session.post(s.url + "/v1/completions", json=body) as response:
+            await response.read()
+        (record,) = await s.records.wait_for(1)
+    assert record.outcome is Outcome.OK and record.n_out == 16
+    assert record.server is not None and record.server.choices is not None
+    assert record.client.choices is not None
+    assert sorted(set(record.client.choices)) == [0, 1]
+    per_choice = [sum(t for t, c in zip(record.client.tokens, record.client.choices,
+                                        strict=True) if c == choice) for choice in (0, 1)]
+    assert per_choice == [8, 8]
+    latency = stats.request_latency(record, Vantage.CLIENT)
+    assert latency is not None and latency.tpot_s is not None
+    # Per sequence: sum(last - first) / sum(N_i - 1) over the two choices...
+    sequences = stats.sequences(record.client)
+    decode = sum(offsets[-1] - offsets[0] for offsets, _ in sequences)
+    steps = sum(sum(tokens) - 1 for _, tokens in sequences)
+    assert latency.tpot_s == pytest.approx(decode / steps / 1e9, rel=1e-12)
+    # ... about twice what one series of both choices' events gives: both choices advance
+    # one token per engine step, so the mixed series saw two tokens per step.
+    offsets = record.client.offsets_ns
+    mixed = (offsets[-1] - offsets[0]) / (16 - 1) / 1e9
+    assert latency.tpot_s > 1.6 * mixed

@@ -384,7 +384,9 @@ def _reference_vantage_report(records: list[RequestRecord],
         if m.e2e_s is not None:
             e2es.append(m.e2e_s)
         if m.tpot_s is None:
-            excluded += m.n_out <= 1
+            # n > 1: no choice had two tokens; else N_out <= 1.
+            timeline = record.timeline(vantage)
+            excluded += timeline is not None and timeline.choices is not None or m.n_out <= 1
         else:
             tpots.append(m.tpot_s)
         itls.extend(m.itl_s)
@@ -431,3 +433,30 @@ def test_bulk_goodput_equals_the_per_request_verdicts(seed: int) -> None:
             assert (got.total_requests, got.good_requests, got.good_output_tokens) == (
                 len(counted), good, tokens)
             assert dict(got.judged_without) == without
+
+
+def test_n2_choices_are_sequences_of_their_own() -> None:
+    """n = 2, hand-worked. Choice 0 at 100, 110, 120 ms; choice 1 at 101, 111, 121, 131 ms
+    (one token each), interleaved as they arrived. TTFT 100 ms (the first token of any
+    choice), E2E 131 ms, ITL 10 ms x 5 (within each choice), TPOT (20 + 30) / (2 + 3) = 10 ms.
+    Mixed into one series they once gave ITL [1, 9, 1, 9, 1, 10] and TPOT 31 / 6 = 5.2 ms: a
+    tpot SLO twice as lenient."""
+    offsets = [100, 101, 110, 111, 120, 121, 131]
+    choices = [0, 1, 0, 1, 0, 1, 1]
+    timeline = Timeline(start_ns=0, offsets_ns=[o * MS for o in offsets], tokens=[1] * 7,
+                        end_ns=132 * MS, choices=choices)
+    record = RequestRecord(request_id="n2", wall_time_ns=0, outcome=Outcome.OK,
+                           endpoint="completions", client=timeline, n_out=7,
+                           token_source=TokenSource.USAGE)
+    m = stats.request_metrics(record, Vantage.CLIENT)
+    assert m is not None
+    assert m.ttft_s == pytest.approx(0.100) and m.e2e_s == pytest.approx(0.131)
+    assert m.itl_s == pytest.approx((0.010,) * 5)
+    assert m.tpot_s == pytest.approx(0.010)
+    assert stats.request_latency(record, Vantage.CLIENT) == (m.ttft_s, m.tpot_s, m.e2e_s, 7)
+    report = stats.vantage_report([record], Vantage.CLIENT)
+    assert report.itl.count == 5 and report.itl.max == pytest.approx(0.010)
+    assert report.tpot.mean == pytest.approx(0.010) and report.tpot_excluded == 0
+    # Goodput judges the per-sequence TPOT: 10 ms meets 12 ms; the mixed 5.2 ms met 6 ms.
+    assert stats.goodput([record], stats.SLO(tpot_s=0.012), 1.0).good_requests == 1
+    assert stats.goodput([record], stats.SLO(tpot_s=0.006), 1.0).good_requests == 0

@@ -160,7 +160,7 @@ async def test_a_body_ended_by_the_connection_close_is_complete() -> None:
 
 async def test_head_requests_pass_through_without_waiting_for_a_body() -> None:
     async def answer(_c: int, _n: int, head: bytes, writer: asyncio.StreamWriter) -> bool:
-        assert head.startswith(b"HEAD /metrics ")
+        assert head.startswith(b"HEAD /v1/models ")
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1234\r\n"
                      b"\r\n")
         return True
@@ -171,9 +171,9 @@ async def test_head_requests_pass_through_without_waiting_for_a_body() -> None:
         reader, writer = await asyncio.open_connection(host, int(port))
         # Two on one connection: the first answer declares the GET's length and carries no
         # body, so the second answer is read where it starts.
-        writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
         first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        writer.write(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         rest = await asyncio.wait_for(reader.read(), 5)
         writer.close()
         records = await settle(p.server, p.records, 2)

@@ -30,7 +30,7 @@ class RecordBuilder:
         "_up_offsets", "_down_offsets", "_tokens", "up_events", "down_events", "n_in", "n_out",
         "n_cached", "token_source", "finish_reason", "http_status", "error_type", "outcome",
         "replica", "route_policy", "engine", "attributes", "frozen", "shape", "text_parts",
-        "request_read_ns",
+        "request_read_ns", "_choices",
     )
 
     def __init__(self, request_id: str, wall_time_ns: int, arrive_ns: int, endpoint: str) -> None:
@@ -49,6 +49,7 @@ class RecordBuilder:
         self._up_offsets = array("q")
         self._down_offsets = array("q")
         self._tokens = array("q")
+        self._choices: array[int] | None = None  # per token event, with n > 1 (the meter's)
         self.up_events = 0
         self.down_events = 0
         self.n_in: int | None = None
@@ -84,6 +85,7 @@ class RecordBuilder:
         that had arrived)."""
         self._up_offsets = meter.offsets
         self._tokens = meter.tokens
+        self._choices = meter.choices
         self.up_events = meter.events
         n_in, n_out, n_cached, source = meter.token_totals
         if source is not TokenSource.NONE:
@@ -120,6 +122,7 @@ class RecordBuilder:
     def freeze(self, extra_attributes: Mapping[str, str] | None = None) -> RequestRecord:
         self.frozen = True
         tokens = Int64s(self._tokens)
+        choices = None if self._choices is None else Int64s(self._choices)
         server: Timeline | None = None
         if self.up_send_ns is not None:
             server = Timeline(
@@ -128,6 +131,7 @@ class RecordBuilder:
                 tokens=tokens,
                 end_ns=self.up_end_ns,
                 events_total=self.up_events,
+                choices=choices,
             )
         written = len(self._down_offsets)
         client = Timeline(
@@ -138,6 +142,8 @@ class RecordBuilder:
             tokens=tokens if written == len(tokens) else tokens[:written],
             end_ns=self.down_end_ns,
             events_total=self.down_events,
+            choices=(None if choices is None or not written else
+                     choices if written == len(choices) else choices[:written]),
         )
         attributes = self.attributes
         if extra_attributes:

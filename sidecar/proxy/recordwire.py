@@ -14,11 +14,12 @@ through, so any Python string survives; ``col`` = u32 count + count * 8 raw byte
     | [engine: 5 * f64] | str request_id, endpoint | optional strs (by presence bit)
     | u32 n_attributes, (str key, str value) * n | client cols | [server cols] | [shape]
 
-A timeline is ``q start_ns, q end_ns, q events_total, u8 has_end``; its columns follow the
-strings. The client's token column is usually the server's (records share one column
-between their sides, or a prefix of it when the client left early): a flag says so and it is
-not sent twice. Integers must fit in 64 bits; a record that does not (a hostile upstream's
-usage numbers) raises `ValueError`, which the channel counts as an encode error.
+A timeline is ``q start_ns, q end_ns, q events_total, u8 bits (1: has_end, 2: has a choice
+column)``; its columns follow the strings (offsets, tokens, then choices when it has them).
+The client's token column is usually the server's (records share one column between their
+sides, or a prefix of it when the client left early): a flag says so and it is not sent twice.
+Integers must fit in 64 bits; a record that does not (a hostile upstream's usage numbers)
+raises `ValueError`, which the channel counts as an encode error.
 
 Any change of layout bumps `WIRE_VERSION`; `decode_record` refuses versions it does not know.
 """
@@ -40,7 +41,7 @@ from sidecar.record import (
     TokenSource,
 )
 
-WIRE_VERSION = 2  # 2: request_read_ns
+WIRE_VERSION = 2  # 2: request_read_ns, choice columns
 
 # Enum members by wire index. Written out, not taken from the enums' order: a member added to
 # an enum must not silently renumber the others (it makes encode_record fail until it is
@@ -71,8 +72,10 @@ _HAS_REQUEST_READ = 1 << (10 + len(_OPTIONAL_STRINGS))
 # flags, wall_time_ns, outcome, token_source, n_in, n_out, n_cached, http_status,
 # request_read_ns
 _FIXED = struct.Struct("<IqBBqqqqq")
-# start_ns, end_ns, events_total, has_end, n_events
+# start_ns, end_ns, events_total, bits (_HAS_END, _HAS_CHOICES), n_events
 _TIMELINE = struct.Struct("<qqqBI")
+_HAS_END = 1
+_HAS_CHOICES = 2
 _ENGINE = struct.Struct("<B5d")  # presence bits of the five fields, then the fields (0 absent)
 # flags (has max_tokens, ignore_eos set, ignore_eos value, has temperature, 4 string bits),
 # max_tokens, n, temperature, prefix_size, n_hashes
@@ -103,8 +106,10 @@ def _text(value: str) -> bytes:
 
 def _timeline(timeline: Timeline) -> bytes:
     end = timeline.end_ns
+    bits = (_HAS_END if end is not None else 0) | (
+        _HAS_CHOICES if timeline.choices is not None else 0)
     return _TIMELINE.pack(timeline.start_ns, 0 if end is None else end, timeline.events_total,
-                          end is not None, len(timeline.offsets_ns))
+                          bits, len(timeline.offsets_ns))
 
 
 def encode_record(record: RequestRecord) -> bytes:
@@ -179,9 +184,13 @@ def _encode(record: RequestRecord) -> bytes:
     parts.append(_column(client.offsets_ns))
     if server is None or not flags & _TOKENS_SHARED:
         parts.append(_column(client.tokens))
+    if client.choices is not None:
+        parts.append(_column(client.choices))
     if server is not None:
         parts.append(_column(server.offsets_ns))
         parts.append(_column(server.tokens))
+        if server.choices is not None:
+            parts.append(_column(server.choices))
     if shape is not None:
         parts.append(_encode_shape(shape))
     return b"".join(parts)
@@ -297,19 +306,22 @@ def _decode(reader: _Reader) -> RequestRecord:
     client_offsets = reader.column(n_client)
     shared = bool(flags & _TOKENS_SHARED) and server_head is not None
     client_tokens = None if shared else reader.column(n_client)
+    client_choices = reader.column(n_client) if int(client_head[3]) & _HAS_CHOICES else None
     server = None
     if server_head is not None:
         n_server = int(server_head[4])
         server_offsets = reader.column(n_server)
         server_tokens = reader.column(n_server)
+        server_choices = (reader.column(n_server) if int(server_head[3]) & _HAS_CHOICES
+                          else None)
         if client_tokens is None:
             if n_client > n_server:
                 raise WireError("shared token column shorter than the client's events")
             # The same object when whole: records keep one column for both sides.
             client_tokens = server_tokens if n_client == n_server else server_tokens[:n_client]
-        server = _timeline_from(server_head, server_offsets, server_tokens)
+        server = _timeline_from(server_head, server_offsets, server_tokens, server_choices)
     assert client_tokens is not None
-    client = _timeline_from(client_head, client_offsets, client_tokens)
+    client = _timeline_from(client_head, client_offsets, client_tokens, client_choices)
     shape = _decode_shape(reader) if flags & _HAS_SHAPE else None
     if reader.pos != len(reader.view):
         raise WireError(f"{len(reader.view) - reader.pos} bytes after the record")
@@ -324,9 +336,11 @@ def _decode(reader: _Reader) -> RequestRecord:
         request_read_ns=request_read)
 
 
-def _timeline_from(head: tuple[int | float, ...], offsets: Int64s, tokens: Int64s) -> Timeline:
+def _timeline_from(head: tuple[int | float, ...], offsets: Int64s, tokens: Int64s,
+                   choices: Int64s | None) -> Timeline:
     return Timeline(start_ns=int(head[0]), offsets_ns=offsets, tokens=tokens,
-                    end_ns=int(head[1]) if head[3] else None, events_total=int(head[2]))
+                    end_ns=int(head[1]) if int(head[3]) & _HAS_END else None,
+                    events_total=int(head[2]), choices=choices)
 
 
 def _decode_shape(reader: _Reader) -> RequestShape:

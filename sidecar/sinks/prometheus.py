@@ -355,7 +355,11 @@ class PrometheusSink:
                 self.tpot.observe(labels, latency.tpot_s)
             elif vantage is Vantage.CLIENT and latency.n_out <= 1:
                 self._no_tpot(model).inc()
-            self.itl.observe_gaps(labels, timeline.offsets_ns)
+            if timeline.choices is None:
+                self.itl.observe_gaps(labels, timeline.offsets_ns)
+            else:  # n > 1: gaps within each choice's sequence, never across choices
+                for offsets, _tokens in stats.sequences(timeline):
+                    self.itl.observe_gaps(labels, offsets)
         engine = record.engine
         if engine is not None:
             # The same intervals as at the other vantages (record.EngineTiming): TTFT and E2E
