@@ -319,15 +319,47 @@ async def run_proxy(args: argparse.Namespace) -> int:
             # worker that could not start: one line, not a traceback.
             print(f"sidecar proxy: {exc}", file=sys.stderr)
             return 2
+        # What this proxy measures and keeps, said once at start: its SLO classes (goodput),
+        # its capture, its processes.
+        policy = slo_policy_of(config)
+        slos = ("SLO " + "; ".join(
+            f"{name}: {slo.describe()}" if len(policy.classes) > 1 else slo.describe()
+            for name, slo in policy.classes.items())) if policy else "no SLO (no goodput)"
+        capture_text = "capture off"
+        if config.capture_dir:
+            kept = "prompts and completions" if config.capture_text else "no text"
+            capture_text = (f"capture to {config.capture_dir} ({kept}"
+                            f"{', gzip' if config.capture_compress else ''})")
+        processes = (f"{workers} worker process{'es' if workers > 1 else ''}" if workers
+                     else "one process (--workers 0)")
+        fanout = server.fanout if isinstance(server, Collector) else server.proxy.fanout
+        capture = next((sink for sink in fanout.sinks if isinstance(sink, CaptureSink)), None)
         try:
             settle_gc()
             print(f"proxy listening on {server.url} -> {', '.join(config.upstreams)} "
                   f"(route policy {config.route_policy.value})", flush=True)
-            shown = f"; {workers} worker process{'es' if workers > 1 else ''}" if workers else ""
-            print(f"admin on {server.admin_url} ({routes}){shown}", flush=True)
+            print(f"admin on {server.admin_url} ({routes})", flush=True)
+            print(f"measuring: {slos}; {capture_text}; {processes}; live window "
+                  f"{config.window_s:g} s", flush=True)
             await stop.wait()
+            print("proxy stopping: in-flight requests finish, then the sinks flush",
+                  flush=True)
         finally:
             await server.close()
+    if capture is None:
+        print("proxy stopped", flush=True)
+    else:
+        dropped = (capture.dropped_queue_full + capture.dropped_write_errors
+                   + capture.dropped_unwritable)
+        causes = ", ".join(f"{count} {cause}" for cause, count in (
+            ("queue full", capture.dropped_queue_full),
+            ("write errors", capture.dropped_write_errors),
+            ("unwritable", capture.dropped_unwritable)) if count)
+        files = len(capture.files)
+        records = "record" if capture.written == 1 else "records"
+        print(f"proxy stopped; capture flushed: {capture.written} {records} written to "
+              f"{config.capture_dir} ({files} file{'' if files == 1 else 's'}), {dropped} "
+              f"dropped{f' ({causes})' if causes else ''}", flush=True)
     return 0
 
 

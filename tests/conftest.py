@@ -37,6 +37,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run tests/conformance against a real vLLM: 'start' brings one up with `sidecar "
         "vllm` (cached in $SIDECAR_VLLM_HOME) and stops it at the end; a base URL uses a "
         "server already running (`sidecar vllm up`)")
+    parser.addoption(
+        "--real-vllm-otlp-port", metavar="PORT", type=int, default=None,
+        help="with --real-vllm=URL: the port on 127.0.0.1 that server exports its spans to "
+        "(`sidecar vllm up --otlp-traces-endpoint http://127.0.0.1:PORT/v1/traces`); the "
+        "tracing test listens there. --real-vllm=start arranges it itself")
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:

@@ -37,13 +37,13 @@ class OTLPReceiver:
         self._runner: web.AppRunner | None = None
         self.url = ""  # base URL, like OTEL_EXPORTER_OTLP_ENDPOINT
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.router.add_post("/v1/metrics", self._metrics)
         app.router.add_post("/v1/traces", self._traces)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"

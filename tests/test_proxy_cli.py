@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,8 +72,61 @@ def test_proxy_process_serves_and_stops_cleanly_on_sigterm() -> None:
             assert stats_when(admin, lambda s: s["outcomes"]["ok"] >= 1)["outcomes"]["ok"] == 1
             proxy.send_signal(signal.SIGTERM)
             assert proxy.wait(timeout=15) == 0
+            assert proxy.stdout is not None
+            rest = proxy.stdout.read()
+            assert "proxy stopping: in-flight requests finish, then the sinks flush" in rest
+            assert rest.endswith("proxy stopped\n"), rest
         sim.send_signal(signal.SIGINT)
         assert sim.wait(timeout=15) == 0
+
+
+def test_the_start_up_lines_name_slos_capture_and_workers_and_sigterm_says_what_it_flushed(
+        tmp_path: Path) -> None:
+    """An operator reads at start what the proxy measures and keeps (its SLOs, its capture
+    directory, its processes), and at a SIGTERM what the capture flushed: records written,
+    records dropped."""
+    capture = tmp_path / "capture"
+    with process("sim", "--replicas", "1", "--port", "0") as sim:
+        upstream = read_url(sim, r"listening on (http://\S+)")
+        for workers, processes in (("2", "2 worker processes"),
+                                   ("0", "one process (--workers 0)")):
+            folder = capture / workers
+            with process("proxy", "--upstream", upstream, "--listen", "127.0.0.1:0",
+                         "--metrics-listen", "127.0.0.1:0", "--health-interval", "0",
+                         "--workers", workers, "--slo", "ttft=500ms,tpot=50ms",
+                         "--capture", str(folder)) as proxy:
+                url = read_url(proxy, r"proxy listening on (http://\S+)")
+                admin = read_url(proxy, r"admin on (http://\S+)")
+                measuring = read_url(proxy, r"^(measuring: .*)$")
+                assert measuring == (f"measuring: SLO ttft<=500ms, tpot<=50ms; capture to "
+                                     f"{folder} (no text); {processes}; live window 60 s")
+                body = json.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 3,
+                                   "stream": True}).encode()
+                for _ in range(3):
+                    request = urllib.request.Request(
+                        url + "/v1/completions", data=body,
+                        headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(request, timeout=10) as response:
+                        response.read()
+                # Workers batch their records to the collector: all three reach its sinks.
+                assert stats_when(admin, lambda s: s["outcomes"]["ok"] >= 3)["outcomes"][
+                    "ok"] == 3
+                proxy.send_signal(signal.SIGTERM)
+                assert proxy.wait(timeout=15) == 0
+                assert proxy.stdout is not None
+                rest = proxy.stdout.read()
+                assert rest.endswith(f"proxy stopped; capture flushed: 3 records written to "
+                                     f"{folder} (1 file), 0 dropped\n"), rest
+        sim.send_signal(signal.SIGINT)
+        assert sim.wait(timeout=15) == 0
+    with process("proxy", "--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:0",
+                 "--metrics-listen", "127.0.0.1:0", "--health-interval", "0",
+                 "--workers", "0") as proxy:
+        measuring = read_url(proxy, r"^(measuring: .*)$")
+        assert measuring == ("measuring: no SLO (no goodput); capture off; one process "
+                             "(--workers 0); live window 60 s")
+        proxy.send_signal(signal.SIGTERM)
+        assert proxy.wait(timeout=15) == 0
 
 
 def test_sigterm_right_after_the_listening_line_is_a_graceful_stop() -> None:

@@ -479,3 +479,150 @@ def test_replay_and_lint_skip_the_same_lines_for_the_same_reasons(tmp_path: Path
         list(TraceReader(trace).numbered()), use_captured_body=False)
     assert skipped_without_bodies[-1] == replay_cli.SkippedLine(
         7, "n_in missing: prompt size unknown")
+
+
+def test_a_request_of_n_choices_is_rebuilt_with_its_n() -> None:
+    """n_out counts the tokens of every choice: n = 2 and n_out = 10 is two choices of 5 (it
+    was once sent as one choice of 10); without n_out, the captured max_tokens is per choice."""
+    _, body = build_body(TraceRequest(t=0, n_in=8, n_out=10, n=2), index=0, model="m")
+    assert body["n"] == 2 and body["max_tokens"] == 5
+    _, body = build_body(TraceRequest(t=0, n_in=8, max_tokens=7, n=3), index=0, model="m")
+    assert body["n"] == 3 and body["max_tokens"] == 7
+    _, body = build_body(TraceRequest(t=0, n_in=8, n_out=7), index=0, model="m")
+    assert "n" not in body and body["max_tokens"] == 7
+
+
+async def test_replaying_a_capture_of_n_choices_does_the_same_work(tmp_path: Path) -> None:
+    """A capture without bodies of n = 2 requests, replayed as a user runs it: the target
+    generates as many tokens as the capture recorded."""
+    trace = tmp_path / "n2.jsonl"
+    write_trace(trace, TraceHeader(source="capture"), [
+        TraceRequest(t=0.05 * i, endpoint="completions", model="m", n_in=8, n_out=12, n=2)
+        for i in range(4)])
+    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+        step_floor_s=0.001, per_token_s=0.0)), 1)
+    try:
+        code, out, err = await sidecar_async(
+            "replay", str(trace), "--target", replicas[0].url, "--repeats", "1", "--quiet",
+            "--output-dir", str(tmp_path / "out"))
+    finally:
+        await close_replicas(replicas)
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["completed"] == 4
+    assert report["total_output_tokens"] == 4 * 12  # two choices of 6 tokens each
+
+
+# -- progress on stderr -------------------------------------------------------------------------
+
+
+def test_progress_lines_say_how_far_a_run_has_got() -> None:
+    """The words of the display, at instants given by hand: waiting for --start-at, then
+    counts, rate and ETA, then the final line."""
+    from sidecar.replay.progress import Counts, ProgressDisplay
+
+    now = [100.0]
+    counts = [Counts(0, 0, 0)]
+    display = ProgressDisplay("run 1/3", 600, lambda: counts[0], starts_at=142.0,
+                              waiting_for="--start-at (2030-01-01 00:00:00 UTC)", tty=False,
+                              clock=lambda: now[0])
+    assert display.line(counts[0], now[0]) == (
+        "run 1/3: waiting for --start-at (2030-01-01 00:00:00 UTC), starts in 0:42")
+    counts[0] = Counts(sent=130, finished=120, failed=2)
+    assert display.line(counts[0], 152.0) == (
+        "run 1/3: 120/600 finished, 130 sent, 2 failed, 12.0 req/s, 0:10 elapsed, ETA 0:40")
+    assert display.line(Counts(600, 600, 3), 192.0, final=True) == (
+        "run 1/3: 600/600 finished, 600 sent, 3 failed, 12.0 req/s, in 0:50")
+    assert display.line(Counts(2, 0, 0), 143.0) == (
+        "run 1/3: 0/600 finished, 2 sent, 0 failed, - req/s, 0:01 elapsed, ETA -")
+
+
+async def test_a_replay_shows_its_progress_on_stderr_and_keeps_stdout_the_report(
+        tmp_path: Path) -> None:
+    """Not a terminal (a log): a line at the end of each run (and one every 10 s of a longer
+    one), on stderr; stdout is the report alone. `--quiet`: no progress at all. Waiting for
+    --start-at is said at once."""
+    import time
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"), [
+        TraceRequest(t=0.02 * i, endpoint="completions", model="m", n_in=8, n_out=3)
+        for i in range(10)])
+    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+        step_floor_s=0.001, per_token_s=0.0)), 1)
+    try:
+        code, out, err = await sidecar_async("replay", str(trace), "--target",
+                                             replicas[0].url, "--repeats", "2")
+        assert code == 0, err
+        for run in (1, 2):
+            assert f"run {run}/2: 10/10 finished, 10 sent, 0 failed, " in err
+        assert out.startswith("mode ") and "finished" not in out
+        code, out, err = await sidecar_async("replay", str(trace), "--target",
+                                             replicas[0].url, "--repeats", "1", "--quiet")
+        assert code == 0 and "finished" not in err and out.startswith("mode ")
+        start_at = time.time() + 2.5
+        code, out, err = await sidecar_async(
+            "replay", str(trace), "--target", replicas[0].url, "--repeats", "1",
+            "--start-at", f"{start_at:.3f}")
+    finally:
+        await close_replicas(replicas)
+    assert code == 0, err
+    first, *_ = err.splitlines()
+    assert first.startswith("run 1/1: waiting for --start-at (" + time.strftime(
+        "%Y-%m-%d %H:%M:%S UTC", time.gmtime(start_at))), err
+    assert "starts in 0:0" in first
+    assert "run 1/1: 10/10 finished" in err
+
+
+async def test_on_a_terminal_the_progress_is_a_bar_that_fits_it(tmp_path: Path) -> None:
+    """stderr a terminal 80 columns wide (a pseudo-terminal): rich draws a bar, redrawn in
+    place, no line of it wider than the terminal; stdout, a pipe here, is the report alone."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import termios
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"), [
+        TraceRequest(t=0.05 * i, endpoint="completions", model="m", n_in=8, n_out=3)
+        for i in range(30)])
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+
+    def drain() -> bytes:
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's other end is closed
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+        step_floor_s=0.001, per_token_s=0.0)), 1)
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        env["TERM"] = "xterm-256color"
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sidecar", "replay", str(trace), "--target",
+            replicas[0].url, "--repeats", "1",
+            stdout=asyncio.subprocess.PIPE, stderr=slave, env=env)
+        os.close(slave)
+        reading = asyncio.get_running_loop().run_in_executor(None, drain)
+        out, _ = await asyncio.wait_for(process.communicate(), 120)
+        screen = (await asyncio.wait_for(reading, 30)).decode()
+    finally:
+        os.close(master)
+        await close_replicas(replicas)
+    assert process.returncode == 0, screen
+    assert out.decode().startswith("mode ")
+    assert "━" in screen  # the bar
+    visible = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
+    drawn = [part for part in re.split(r"[\r\n]+", visible) if part.strip()]
+    assert drawn[-1].startswith("run 1/1 ") and "30/30 finished, 30 sent, 0 failed" in drawn[-1]
+    assert max(len(part) for part in drawn) <= 80, drawn

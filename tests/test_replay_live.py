@@ -104,3 +104,26 @@ async def test_a_replay_with_workers_serves_its_numbers_while_it_runs(tmp_path: 
     assert samples[("sidecar_replay_in_flight_requests", shard)] == 0
     assert samples[("sidecar_replay_send_lateness_seconds_count", shard)] == 16
     assert samples[("sidecar_replay_run", shard)] == 1
+
+
+async def test_a_replay_with_workers_shows_their_progress(tmp_path: Path) -> None:
+    """`--workers 2` as a user runs it: the sender processes' counters, added up in the
+    parent, are what its progress shows on stderr (here a log: the line at the end of each
+    run); the counts start again at each run."""
+    from test_replay import sidecar_async
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"),
+                [TraceRequest(t=i * 0.02, n_in=8, n_out=3) for i in range(12)])
+    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+        step_floor_s=0.002, per_token_s=0.0)), 1)
+    try:
+        code, out, err = await sidecar_async("replay", str(trace), "--target",
+                                             replicas[0].url, "--workers", "2",
+                                             "--repeats", "2")
+    finally:
+        await close_replicas(replicas)
+    assert code == 0, err
+    for run in (1, 2):
+        assert f"run {run}/2: 12/12 finished, 12 sent, 0 failed, " in err, err
+    assert out.startswith("mode ") and "finished" not in out

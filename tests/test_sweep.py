@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
+from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 from br_v0_2 import errors
@@ -59,7 +62,7 @@ def test_judge_step_names_every_reason() -> None:
     verdict = judge_step(report, offered=10.0, mode="open", criteria=criteria, achieved=8.0)
     assert not verdict.passed
     assert verdict.reasons == ("error rate 2.0% > 1.0%", "p90 ttft 650.0 ms > 500 ms",
-                               "achieved 8.00/s < 90% of offered 10/s")
+                               "achieved 8.00 req/s < 90% of offered 10.00 req/s")
     good = {"completed": 100, "failed": 0, "p90_ttft_ms": 400.0, "p90_tpot_ms": 50.0}
     assert judge_step(good, 10.0, "open", criteria, 9.5).passed
     assert judge_step(good, 10.0, "closed", criteria, None).passed  # no keep-up when closed
@@ -243,3 +246,164 @@ def test_a_sweep_over_a_capture_skips_what_replay_skips(
     assert runner.trace is not None and [r.n_in for r in runner.trace] == [20, 30]
     err = capsys.readouterr().err
     assert "skipped 1 of 3 trace lines" in err and "line 3 (n_in missing" in err
+
+
+# -- what the sweep says: one table for the console and the page ------------------------------
+
+
+def a_step(load: float, passed: bool, goodput: float, **extra: Any) -> dict[str, Any]:
+    report = {"completed": 20, "failed": 0, "request_throughput": goodput,
+              "request_goodput": goodput, "slo_attainment": 1.0, "max_concurrent_requests": 3,
+              "p90_ttft_ms": 40.0, "p50_ttft_ms": 30.0, "p99_ttft_ms": 55.0,
+              "lateness_ms": {"p99": 0.25}}
+    return {"load": load, "offered": load * 0.85, "achieved_rate": load * 0.8,
+            "passed": passed, "reasons": [] if passed else ["p90 ttft 650.0 ms > 60 ms"],
+            "report": report, **extra}
+
+
+def a_result(steps: list[dict[str, Any]], capacity: float | None,
+             knee_load: float | None) -> dict[str, Any]:
+    return {"capacity": capacity, "knee": knee_load, "unit": "req/s", "mode": "open",
+            "criteria": "p90 ttft <= 60 ms; errors <= 1.0%; achieved >= 90% of offered "
+                        "(open loop)",
+            "slo_criteria": {"thresholds_ms": {"ttft": 60.0}, "percentile": 90.0,
+                             "max_error_rate": 0.01, "keep_up": 0.9},
+            "steps": steps}
+
+
+def test_capacity_and_knee_say_what_they_are() -> None:
+    """A capacity no step failed above is a lower bound; the knee is said even when it is the
+    capacity; no passing step is no capacity."""
+    from sidecar.replay.sweep import capacity_text, knee_text
+
+    never_broke = a_result([a_step(2, True, 1.7), a_step(4, True, 3.4)], 4, 4)
+    assert capacity_text(never_broke) == (
+        "capacity: >= 4 req/s, no step failed (a lower bound: the highest load tried passed)")
+    assert knee_text(never_broke) == ("knee: 4 req/s (the load of the highest goodput, 3.40 "
+                                      "req/s; the same load as the capacity)")
+    broke = a_result([a_step(2, True, 1.7), a_step(4, True, 3.4), a_step(8, False, 3.0)], 4, 4)
+    assert capacity_text(broke) == "capacity: 4 req/s (the highest passing load; 8 req/s failed)"
+    nothing = a_result([a_step(2, False, 0.5)], None, 2)
+    assert capacity_text(nothing) == "capacity: none, no step passed (lowest load tried: 2 req/s)"
+
+
+def test_the_step_line_shows_the_numbers_the_verdict_was_judged_on() -> None:
+    """"achieved 1.70/s ... pass" beside a 90%-of-offered criterion read as a contradiction at
+    a nominal 2 req/s: the line names the offered rate it was judged against, and the ratio."""
+    from sidecar.replay.sweep import step_line
+
+    step = a_step(2, True, 1.6, offered=1.85, achieved_rate=1.70)
+    assert step_line(a_result([step], 2, 2), step) == (
+        "load 2 req/s: offered 1.85 req/s, achieved 1.70 req/s (91.9% of offered, >= 90% "
+        "passes), TTFT p90 40.0 ms (<= 60), failed 0/20: pass")
+
+
+class Tables(HTMLParser):
+    """The <table>s of a page: per table, its header cells and its body rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[dict[str, list[list[str]]]] = []
+        self.cell: list[str] | None = None
+        self.part = "body"
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag == "table":
+            self.tables.append({"head": [], "body": []})
+        elif tag in ("thead", "tbody"):
+            self.part = "head" if tag == "thead" else "body"
+        elif tag == "tr" and self.tables:
+            self.tables[-1][self.part].append([])
+        elif tag in ("td", "th"):
+            self.cell = []
+        elif tag == "br" and self.cell is not None:
+            self.cell.append("|")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self.cell is not None:
+            self.tables[-1][self.part][-1].append("".join(self.cell))
+            self.cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self.cell is not None:
+            self.cell.append(data)
+
+
+def console_tables(text: str) -> list[dict[str, list[list[str]]]]:
+    """The step tables of `sidecar sweep`'s stdout: per table, its header (names, units) and
+    its rows' cells."""
+    tables: list[dict[str, list[list[str]]]] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Steps: "):
+            rows = []
+            for row in lines[i + 4:]:
+                if not row.strip():
+                    break
+                rows.append(row.split())
+            # Names may hold a space; columns are two spaces apart at least.
+            head = [re.split(r"\s{2,}", lines[i + n].strip()) for n in (1, 2)]
+            tables.append({"head": head, "body": rows})
+    return tables
+
+
+async def test_a_sweep_as_a_user_runs_it_says_what_it_does(tmp_path: Path) -> None:
+    """`sidecar sweep` in a terminal-less run (a log): progress and one line per step on
+    stderr, while stdout has the step tables the HTML page has (same rows, same units), the
+    columns' definitions, the capacity as a lower bound when no step failed, and the knee
+    even where it is the capacity. `--quiet`: stderr says nothing while it runs; a sweep where
+    every step fails has no capacity, and lists why each failed."""
+    from test_replay import sidecar_async
+
+    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0))
+    replicas = await start_replicas(sim, 1)
+    out_dir = tmp_path / "sweep"
+    common = ["--target", replicas[0].url, "--dataset", "synthetic:in=16,out=4",
+              "--rates", "4,8", "--step-duration", "1s", "--min-requests", "8",
+              "--warmup", "1"]
+    try:
+        code, out, err = await sidecar_async("sweep", *common, "--slo", "ttft=5s",
+                                             "--output-dir", str(out_dir))
+        assert code == 0, err
+        quiet_code, quiet_out, quiet_err = await sidecar_async(
+            "sweep", *common, "--slo", "ttft=0.001ms", "--quiet")
+    finally:
+        await close_replicas(replicas)
+    # stderr: progress of each step, then the step's verdict on the numbers it was judged on.
+    assert "step 1: 4 req/s: 8/8 finished, 8 sent, 0 failed, " in err
+    assert "step 2: 8 req/s: 8/8 finished, 8 sent, 0 failed, " in err
+    assert re.search(r"^load 4 req/s: offered \S+ req/s, achieved \S+ req/s \(\S+% of "
+                     r"offered, >= 90% passes\), TTFT p90 \S+ ms \(<= 5000\), failed 0/8: "
+                     r"pass$", err, re.M), err
+    # stdout: the report alone.
+    assert "finished" not in out
+    assert "capacity: >= 8 req/s, no step failed (a lower bound" in out
+    assert re.search(r"^knee: 8 req/s \(the load of the highest goodput, \S+ req/s; the "
+                     r"same load as the capacity\)$", out, re.M), out
+    assert "throughput: completed requests / duration" in out
+    assert "(docs/metrics.md §8 SLOs and goodput)" in out
+    result = json.loads((out_dir / "sweep.json").read_text())
+    assert result["capacity"] == 8 and result["capacity_lower_bound"] is True
+    # The console's tables are the page's: same columns, same units, same rows.
+    page = Tables()
+    page.feed((out_dir / "sweep.html").read_text())
+    shown = console_tables(out)
+    assert len(shown) == len(page.tables) == 2
+    for table, text in zip(page.tables, shown, strict=True):
+        assert table["body"] == text["body"]
+        names, units = text["head"]
+        page_names = [cell.split("|")[0] for cell in table["head"][0]]
+        page_units = [cell.split("|")[1] for cell in table["head"][0]]
+        assert page_names == names
+        assert [unit for unit in page_units if unit] == units  # the verdict has none
+    assert page.tables[0]["head"][0][:5] == ["load|req/s", "offered|req/s", "achieved|req/s",
+                                             "keep-up|%", "throughput|req/s"]
+    assert page.tables[1]["head"][0][1] == "TTFT p90|ms <= 5000"
+    rows = shown[0]["body"]
+    assert [row[0] for row in rows] == ["4", "8"] and rows[0][-1] == "pass"
+    # --quiet, and every step failing.
+    assert quiet_code == 0, quiet_err
+    assert quiet_err == ""
+    assert "capacity: none, no step passed (lowest load tried: 4 req/s)" in quiet_out
+    assert "failed steps:\n  load 4 req/s: p90 ttft " in quiet_out
+    assert [row[-1] for row in console_tables(quiet_out)[0]["body"]] == ["FAIL", "FAIL"]

@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="stay attached; Ctrl-C or SIGTERM stops the server")
     up.add_argument("--timeout", type=float, default=START_TIMEOUT_S, metavar="SECONDS",
                     help=f"how long to wait for GET /health [{START_TIMEOUT_S:.0f}]")
+    up.add_argument("--otlp-traces-endpoint", metavar="URL",
+                    help="vLLM exports its request spans here (OTLP/HTTP, e.g. "
+                    "http://127.0.0.1:4318/v1/traces); with `sidecar proxy --otel-traces` in "
+                    "front they are children of the sidecar's spans")
     up.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[],
                     metavar="ARG", help="one more argument for vLLM's server, e.g. "
                     "--vllm-arg=--enforce-eager (repeat)")
@@ -174,7 +178,7 @@ def _up(args: argparse.Namespace) -> int:
          f"{'on' if args.per_request_metrics else 'off'})")
     began = time.monotonic()
     handle = start_server(args.port, args.per_request_metrics, args.vllm_args, home=home,
-                          timeout_s=args.timeout)
+                          timeout_s=args.timeout, otlp_traces_endpoint=args.otlp_traces_endpoint)
     elapsed = time.monotonic() - began
     try:
         version = handle.version()

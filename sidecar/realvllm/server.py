@@ -90,12 +90,15 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
 
 
 def server_command(home: Home, port: int, per_request_metrics: bool,
-                   extra_args: Sequence[str] = ()) -> list[str]:
+                   extra_args: Sequence[str] = (), otlp_traces_endpoint: str | None = None
+                   ) -> list[str]:
     command = [str(home.python), "-m", MODULE, "--model", str(home.model),
                "--served-model-name", SERVED_MODEL, "--host", HOST, "--port", str(port),
                "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16"]
     if per_request_metrics:
         command.append("--enable-per-request-metrics")
+    if otlp_traces_endpoint:
+        command += ["--otlp-traces-endpoint", otlp_traces_endpoint]
     return command + list(extra_args)
 
 
@@ -316,7 +319,8 @@ def running_server(home: Home) -> ServerHandle | None:
 
 def start_server(port: int = 8000, per_request_metrics: bool = False,
                  extra_args: Sequence[str] = (), *, home: Home | None = None,
-                 timeout_s: float = START_TIMEOUT_S) -> ServerHandle:
+                 timeout_s: float = START_TIMEOUT_S,
+                 otlp_traces_endpoint: str | None = None) -> ServerHandle:
     """Start vLLM's OpenAI server on 127.0.0.1:``port`` serving the tiny model as "tiny", and
     return once GET /health answers 200. The venv and the model are made first if missing.
 
@@ -333,10 +337,14 @@ def start_server(port: int = 8000, per_request_metrics: bool = False,
     ensure_model(home)
     home.logs.mkdir(parents=True, exist_ok=True)
     log_path = home.logs / f"server-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    command = server_command(home, port, per_request_metrics, extra_args)
+    command = server_command(home, port, per_request_metrics, extra_args, otlp_traces_endpoint)
     # vLLM's own cache (torch.compile artefacts) in the home too: one directory to keep or drop.
-    env = child_env({**SERVER_ENV, "VLLM_CACHE_ROOT": str(home.root / "vllm-cache"),
-                     MARK_ENV: str(home.root)})
+    extra_env = {**SERVER_ENV, "VLLM_CACHE_ROOT": str(home.root / "vllm-cache"),
+                 MARK_ENV: str(home.root)}
+    if otlp_traces_endpoint:
+        # vLLM's exporter speaks gRPC unless told otherwise; the sidecar's world is OTLP/HTTP.
+        extra_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    env = child_env(extra_env)
     with open(log_path, "ab") as log:
         log.write(f"==== {' '.join(command)}\n".encode())
         log.flush()

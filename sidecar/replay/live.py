@@ -76,6 +76,13 @@ class ReplayCounters:
         with self.shared.get_lock():
             self.shared[_OUTCOME_SLOT[outcome]] += 1
 
+    def totals(self) -> tuple[int, int, int]:
+        """(sent, finished, failed) over every run so far: what a progress display shows."""
+        values = self.snapshot()
+        finished = sum(values[_COMPLETED:_COMPLETED + len(OUTCOMES)])
+        ok = values[_OUTCOME_SLOT[Outcome.OK]]
+        return int(values[_SENT]), int(finished), int(finished - ok)
+
     def snapshot(self) -> list[float]:
         with self.shared.get_lock():
             return list(self.shared[:])

@@ -11,7 +11,9 @@
   range the operator gave, or by default 1000-29999.
 - Chat (``endpoint == "chat"``) gets a text prompt of words; with a `TokenCalibration` (from the
   upstream's /tokenize) the word count is chosen to hit ``n_in`` tokens.
-- Output length: ``max_tokens = n_out`` and ``ignore_eos`` so the server generates exactly that.
+- Output length: ``max_tokens = n_out`` and ``ignore_eos`` so the server generates exactly that;
+  a request of ``n`` choices is sent with its ``n`` and ``max_tokens = n_out // n`` (``n_out``
+  counts the tokens of every choice, ``max_tokens`` bounds each one).
 - Streaming with ``include_usage`` and ``continuous_usage_stats``: the replayer is a client and
   counts tokens exactly from usage.
 """
@@ -137,7 +139,10 @@ def build_body(request: TraceRequest, *, index: int, model: str, run_seed: int =
         return path, body
     if request.n_out is None and request.max_tokens is None:
         raise PayloadError("a trace line needs n_out (or max_tokens) to bound its output")
-    max_tokens = request.n_out if request.n_out is not None else request.max_tokens
+    # n_out counts the output of every choice (usage's completion_tokens), max_tokens bounds
+    # each one: n choices of n_out // n tokens each are the recorded work.
+    n = max(1, request.n)
+    max_tokens = request.n_out // n if request.n_out is not None else request.max_tokens
     body = {
         "model": model,
         "stream": True,
@@ -145,6 +150,8 @@ def build_body(request: TraceRequest, *, index: int, model: str, run_seed: int =
         "max_tokens": max(1, int(max_tokens or 1)),
         "ignore_eos": True,
     }
+    if n > 1:
+        body["n"] = n
     if request.temperature is not None:
         body["temperature"] = request.temperature
     unique = _stable_key(index, run_seed)

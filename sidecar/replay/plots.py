@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sidecar.replay.sweep import Table, capacity_text, knee_text, step_tables
+
 FIGSIZE = (8.0, 4.5)
 DPI = 100  # 800 x 450 pixels
 
@@ -28,8 +30,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def capacity_label(capacity: float, lower_bound: bool) -> str:
+    return f"capacity >= {capacity:g} (no step failed)" if lower_bound else \
+        f"capacity {capacity:g}"
+
+
 def plot_latency(steps: Sequence[Mapping[str, Any]], unit: str, path: Path,
-                 capacity: float | None) -> Path:
+                 capacity: float | None, lower_bound: bool = False) -> Path:
     plt = _pyplot()
     loads = [s["load"] for s in steps]
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
@@ -41,11 +48,12 @@ def plot_latency(steps: Sequence[Mapping[str, Any]], unit: str, path: Path,
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, style, marker=marker, label=f"{metric.upper()} {q}")
     if capacity is not None:
-        ax.axvline(capacity, color="green", linestyle="-.", label=f"capacity {capacity:g}")
+        ax.axvline(capacity, color="green", linestyle="-.",
+                   label=capacity_label(capacity, lower_bound))
     ax.set_yscale("log")
-    ax.set_xlabel(f"offered load ({unit})")
+    ax.set_xlabel(f"load ({unit}, nominal)")
     ax.set_ylabel("latency (ms, client vantage)")
-    ax.set_title("Latency percentiles vs offered load")
+    ax.set_title("Latency percentiles vs load")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
@@ -55,26 +63,36 @@ def plot_latency(steps: Sequence[Mapping[str, Any]], unit: str, path: Path,
 
 
 def plot_throughput(steps: Sequence[Mapping[str, Any]], unit: str, path: Path,
-                    capacity: float | None, knee_load: float | None) -> Path:
+                    capacity: float | None, knee_load: float | None,
+                    lower_bound: bool = False) -> Path:
     plt = _pyplot()
     loads = [s["load"] for s in steps]
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     ax.plot(loads, [s["report"]["request_throughput"] for s in steps], "o-",
             label="throughput (completed req/s)")
     ax.plot(loads, [s.get("achieved_rate") or 0.0 for s in steps], "x--",
-            label="completion rate (req/s)")
+            label="achieved (completion rate, req/s)")
     goodput = [s["report"].get("request_goodput") or 0.0 for s in steps]
     ax.plot(loads, goodput, "s-", label="goodput (req/s meeting the SLO)")
     if unit == "req/s":
         top = max(loads) if loads else 1.0
-        ax.plot([0, top], [0, top], color="grey", alpha=0.4, label="offered")
-    if knee_load is not None:
-        ax.axvline(knee_load, color="red", linestyle=":", label=f"knee {knee_load:g}")
+        ax.plot([0, top], [0, top], color="grey", alpha=0.4, label="nominal load (y = x)")
+        ax.plot(loads, [s.get("offered") or 0.0 for s in steps], "+", color="grey",
+                markersize=10, label="offered (the rate really sent, req/s)")
     if capacity is not None:
-        ax.axvline(capacity, color="green", linestyle="-.", label=f"capacity {capacity:g}")
-    ax.set_xlabel(f"offered load ({unit})")
+        ax.axvline(capacity, color="green", linestyle="-.",
+                   label=capacity_label(capacity, lower_bound))
+    if knee_load is not None:
+        # A marker on the goodput curve, not a second vertical line: at the capacity's load a
+        # line would hide behind the capacity's.
+        at = next((g for load, g in zip(loads, goodput, strict=True) if load == knee_load),
+                  None)
+        if at is not None:
+            ax.plot([knee_load], [at], "*", color="red", markersize=14, zorder=5,
+                    label=f"knee {knee_load:g} (highest goodput)")
+    ax.set_xlabel(f"load ({unit}, nominal)")
     ax.set_ylabel("requests / s")
-    ax.set_title("Goodput and throughput vs offered load")
+    ax.set_title("Goodput and throughput vs load")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -106,55 +124,40 @@ def plot_scatter(points: Sequence[Mapping[str, Any]], path: Path) -> Path:
     return path
 
 
+def html_table(table: Table) -> str:
+    """A step table as HTML: the same rows, names and units as the console's."""
+    head = "".join(f"<th>{html.escape(c.title)}<br><small>{html.escape(c.unit)}</small></th>"
+                   for c in table.columns)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
+                   for row in table.rows)
+    return (f"<table><caption>{html.escape(table.title)}</caption><thead><tr>{head}</tr>"
+            f"</thead><tbody>{rows}</tbody></table>")
+
+
 def html_page(result: Mapping[str, Any], images: Sequence[Path], path: Path) -> Path:
-    """Everything on one page: images inlined as data URIs, no external resources."""
-    # The sidecar's server vantage (sweep --sidecar-admin) and the engines' prefix-cache hit
-    # ratio get columns only when some step has them.
-    with_sidecar = any(step.get("sidecar") for step in result["steps"])
-    with_cache = any((step.get("engine_delta") or {}).get("prefix_cache_hit_rate") is not None
-                     for step in result["steps"])
-    rows = []
-    for step in result["steps"]:
-        r = step["report"]
-        cells: list[Any] = [
-            step["load"], f"{step.get('achieved_rate') or 0:.2f}",
-            r.get("max_concurrent_requests"), _fmt(r.get("p50_ttft_ms")),
-            _fmt(r.get("p99_ttft_ms")), _fmt(r.get("p50_tpot_ms")),
-            _fmt(r.get("p99_tpot_ms")), _fmt(r.get("p99_itl_ms")),
-            _fmt(r.get("p99_e2el_ms"))]
-        if with_sidecar:
-            cells += _sidecar_cells(step.get("sidecar"))
-        cells += [r["completed"], r["failed"],
-                  _fmt(r.get("request_goodput")), _fmt(r.get("slo_attainment")),
-                  _fmt((r.get("lateness_ms") or {}).get("p99"))]
-        if with_cache:
-            cells.append(_fmt((step.get("engine_delta") or {}).get("prefix_cache_hit_rate")))
-        cells.append("pass" if step["passed"] else "fail: " + "; ".join(step["reasons"]))
-        rows.append("<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in cells)
-                    + "</tr>")
-    sidecar_heads = ("<th>server TTFT p50</th><th>server TTFT p99</th><th>server TPOT p50</th>"
-                     "<th>server E2E p99</th><th>sidecar seen/sent</th>"
-                     if with_sidecar else "")
-    cache_head = "<th>engine cache hit</th>" if with_cache else ""
+    """Everything on one page: images inlined as data URIs, no external resources. The step
+    tables are those `sidecar sweep` prints (`sweep.step_tables`)."""
+    tables = step_tables(result)
     figures = "".join(
         f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
         f'{base64.b64encode(p.read_bytes()).decode()}"></figure>' for p in images)
-    capacity = result.get("capacity")
+    failures = "".join(f"<li>{html.escape(line)}</li>" for line in tables.failures)
+    failed = f"<h2>Failed steps</h2><ul>{failures}</ul>" if failures else ""
+    legend = "".join(f"<dt>{html.escape(names)}</dt><dd>{html.escape(definition)}</dd>"
+                     for names, definition in tables.legend())
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>sidecar sweep</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}img{{max-width:100%}}</style>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px;text-align:right}}
+caption{{text-align:left;font-weight:bold}}img{{max-width:100%}}dt{{font-weight:bold}}</style>
 </head><body>
 <h1>Capacity under SLO</h1>
-<p id="capacity"><b>capacity: {html.escape(str(capacity))} {html.escape(result['unit'])}</b>
- &mdash; {html.escape(result['criteria'])}; knee at {html.escape(str(result.get('knee')))}</p>
-<table><thead><tr><th>load</th><th>achieved/s</th><th>max conc.</th><th>TTFT p50</th>
-<th>TTFT p99</th><th>TPOT p50</th><th>TPOT p99</th><th>ITL p99</th><th>E2E p99</th>
-{sidecar_heads}<th>ok</th><th>failed</th><th>goodput/s</th><th>attainment</th>
-<th>lateness p99</th>{cache_head}<th>verdict</th></tr></thead><tbody>{''.join(rows)}</tbody>
-</table>
-<p>Latencies in ms; the first ones are the replayer's (client vantage), the server ones the
-sidecar's (from the request sent upstream), for the same requests.</p>
+<p id="capacity"><b>{html.escape(capacity_text(result))}</b></p>
+<p id="knee">{html.escape(knee_text(result))}</p>
+<p id="criteria">criteria: {html.escape(str(result['criteria']))}</p>
+{''.join(html_table(table) for table in tables.tables)}
+{failed}
+<h2>Columns</h2><dl>{legend}</dl>
 {figures}
 <h2>Workload envelope</h2><pre>{html.escape(json.dumps(result['envelope'], indent=2,
                                                          default=str))}</pre>
@@ -163,16 +166,3 @@ sidecar's (from the request sent upstream), for the same requests.</p>
 """
     path.write_text(page)
     return path
-
-
-def _sidecar_cells(view: Mapping[str, Any] | None) -> list[str]:
-    if not view:
-        return ["-"] * 5
-    server = view["vantages"]["server"]
-    return [_fmt(server["ttft_ms"].get("p50")), _fmt(server["ttft_ms"].get("p99")),
-            _fmt(server["tpot_ms"].get("p50")), _fmt(server["e2e_ms"].get("p99")),
-            f"{view['requests_seen']}/{view['requests_sent']}"]
-
-
-def _fmt(value: Any) -> str:
-    return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -37,6 +38,7 @@ from sidecar.replay.payload import (
     text_prompt,
 )
 from sidecar.replay.peers import peer_report, vllm_bench_json
+from sidecar.replay.progress import Counts, ProgressDisplay
 from sidecar.replay.report import console_table, median_run, run_report
 from sidecar.replay.runner import PlannedRequest, Sender, SentRequest, closed_loop, open_loop
 from sidecar.replay.schedule import gamma_schedule, trace_schedule
@@ -118,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "1000:29999]")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="write report.json and one records-runN.jsonl per run here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    parser.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
+                        help="no progress on stderr (a bar on a terminal, else a line every "
+                        "10 s); the report on stdout is the same")
     parser.add_argument("--peer-definitions", action="store_true",
                         help="also report every metric under vLLM's, inference-perf's, "
                         "AIPerf's and GuideLLM's definitions, named by formula")
@@ -500,55 +504,53 @@ async def execute(plan: Sequence[PlannedRequest], target: str, mode: str,
                   label: str = "", quiet: bool = False,
                   request_id_prefix: str = "replay",
                   counters: ReplayCounters | None = None) -> list[SentRequest]:
+    """Send ``plan`` and measure it. Unless ``quiet`` (or ``--quiet``), a progress display on
+    stderr reads the sender's counters from a thread of its own while it runs."""
+    show = not (quiet or getattr(args, "quiet", False))
+    start_at = getattr(args, "start_at", None) if not quiet else None
+    waiting_for = "the start" if start_at is None else time.strftime(
+        "--start-at (%Y-%m-%d %H:%M:%S UTC)", time.gmtime(start_at))
     if workers > 1 and mode == "open":
-        return await asyncio.to_thread(run_workers, plan, target, workers, args,
-                                       request_id_prefix, counters)
+        if show and counters is None:
+            counters = ReplayCounters()  # the workers' numbers, for the display
+        display = None
+        if show and counters is not None:
+            base = counters.totals()
+            shared = counters
+
+            def read_shared() -> Counts:
+                sent, finished, failed = shared.totals()
+                return Counts(sent - base[0], finished - base[1], failed - base[2])
+
+            starts_at = (time.monotonic() + start_at - time.time()
+                         if start_at is not None else None)
+            display = ProgressDisplay(label or "replay", len(plan), read_shared,
+                                      starts_at=starts_at, waiting_for=waiting_for)
+        with display or contextlib.nullcontext():
+            return await asyncio.to_thread(run_workers, plan, target, workers, args,
+                                           request_id_prefix, counters)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         sender = Sender(target, session, request_timeout_s=args.request_timeout,
                         request_id_prefix=request_id_prefix, counters=counters)
-        progress = None if quiet or args.no_progress else Progress(len(plan), label, sender)
         start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
-        start_at = getattr(args, "start_at", None)
-        if start_at is not None and not quiet:
+        if start_at is not None:
             # A wall-clock instant shared by every shard, as a monotonic instant here.
             start = clock.monotonic_ns() + int((start_at - time.time()) * 1e9)
             if start < clock.monotonic_ns():
                 raise UsageError(f"--start-at {start_at} is in the past")
-        on_done = progress.update if progress else None
-        if mode == "closed":
-            sent = await closed_loop(sender, plan, concurrency or 1, start, on_done)
-        else:
-            sent = await open_loop(sender, plan, start, on_done)
-        if progress is not None:
-            progress.finish()
-        return sent
+        display = None
+        if show:
+            def read() -> Counts:
+                return Counts(sender.done + sender.in_flight, sender.done, sender.failed)
 
-
-class Progress:
-    def __init__(self, total: int, label: str, sender: Sender) -> None:
-        self.total = total
-        self.label = label
-        self.sender = sender
-        self.last = 0.0
-        self.tty = sys.stderr.isatty()
-
-    def update(self, _result: SentRequest) -> None:
-        now = time.monotonic()
-        if now - self.last < 0.25 and self.sender.done < self.total:
-            return
-        self.last = now
-        done = self.sender.done
-        width = 30
-        filled = int(width * done / self.total) if self.total else width
-        line = (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} "
-                f"in flight {self.sender.in_flight} failed {self.sender.failed}")
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n",
-              file=sys.stderr, flush=True)
-
-    def finish(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
+            starts_at = time.monotonic() + (start - clock.monotonic_ns()) / 1e9
+            display = ProgressDisplay(label or "replay", len(plan), read, starts_at=starts_at,
+                                      waiting_for=waiting_for)
+        with display or contextlib.nullcontext():
+            if mode == "closed":
+                return await closed_loop(sender, plan, concurrency or 1, start)
+            return await open_loop(sender, plan, start)
 
 
 # -- several sender processes ---------------------------------------------------------------

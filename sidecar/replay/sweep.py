@@ -12,10 +12,14 @@ Capacity is the highest passing load (spec/metrics.md section 7). `--auto` doubl
 until a step fails (stopping early once the achieved rate falls under half the offered one:
 far past saturation nothing new is learnt), then bisects between the last pass and the first
 failure. The knee is the load of the highest goodput.
+
+`step_tables` builds the steps' table once, with each column's unit and definition: the console
+(`console_report`) and sweep.html (`plots.html_page`) show the same rows.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,8 +101,8 @@ def judge_step(report: Mapping[str, Any], offered: float, mode: str,
         if achieved is None:
             reasons.append("achieved rate unmeasured")
         elif achieved < criteria.keep_up * offered:
-            reasons.append(f"achieved {achieved:.2f}/s < {criteria.keep_up:.0%} of offered "
-                           f"{offered:g}/s")
+            reasons.append(f"achieved {achieved:.2f} req/s < {criteria.keep_up:.0%} of "
+                           f"offered {offered:.2f} req/s")
     return StepVerdict(not reasons, tuple(reasons))
 
 
@@ -191,3 +195,267 @@ def knee(loads: Sequence[float], goodputs: Sequence[float | None]) -> float | No
         if best is None or goodput > best[1] * 1.02:
             best = (load, goodput)
     return best[0] if best else None
+
+
+# -- the step table: one builder for the console and the HTML page ---------------------------
+
+METRICS_DOC = "docs/metrics.md"
+LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E"}
+# The latency percentiles every table shows (the judged ones come first, and are not repeated).
+SHOWN_LATENCIES = (("ttft", 50.0), ("ttft", 99.0), ("tpot", 50.0), ("tpot", 99.0),
+                   ("itl", 99.0), ("e2el", 99.0))
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    title: str
+    unit: str
+    definition: str
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    title: str
+    columns: tuple[Column, ...]
+    rows: tuple[tuple[str, ...], ...]  # one per step, in load order, cells as shown
+
+
+@dataclass(frozen=True, slots=True)
+class StepTables:
+    """What both the console and sweep.html show of a sweep's steps."""
+
+    tables: tuple[Table, ...]
+    failures: tuple[str, ...]  # "load 16 req/s: <reason>; <reason>", one per failed step
+
+    def definitions(self) -> list[Column]:
+        """Every column once (the load column is in each table)."""
+        seen: dict[str, Column] = {}
+        for table in self.tables:
+            for column in table.columns:
+                seen.setdefault(column.title, column)
+        return list(seen.values())
+
+    def legend(self) -> list[tuple[str, str]]:
+        """(names, definition): the columns of one definition named together."""
+        grouped: dict[str, list[str]] = {}
+        for column in self.definitions():
+            grouped.setdefault(column.definition, []).append(column.title)
+        return [(", ".join(names), definition) for definition, names in grouped.items()]
+
+
+def criteria_of(result: Mapping[str, Any]) -> Criteria:
+    detail = result.get("slo_criteria") or {}
+    return Criteria(detail.get("thresholds_ms") or {"ttft": math.inf},
+                    detail.get("percentile", 90.0), detail.get("max_error_rate", 0.01),
+                    detail.get("keep_up", 0.9))
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) and math.isfinite(
+        value) and not isinstance(value, bool) else "-"
+
+
+def _pct(value: Any) -> str:
+    """A fraction as a percentage, without the sign (the column's unit says %)."""
+    return _num(value * 100, 1) if isinstance(value, (int, float)) else "-"
+
+
+def keep_up_ratio(step: Mapping[str, Any], mode: str) -> float | None:
+    achieved, offered = step.get("achieved_rate"), step.get("offered")
+    if mode != "open" or achieved is None or not offered:
+        return None
+    return float(achieved) / float(offered)
+
+
+def step_tables(result: Mapping[str, Any]) -> StepTables:
+    """The sweep's steps as two tables (rates and outcomes; latencies), with units and each
+    column's definition: `sidecar sweep` prints them, sweep.html shows them."""
+    criteria = criteria_of(result)
+    mode = result.get("mode", "open")
+    unit = result.get("unit", "req/s")
+    steps = sorted(result.get("steps", []), key=lambda s: s["load"])
+    p = criteria.percentile
+    load_column = Column("load", "req/s" if mode == "open" else "concurrent",
+                         "the step's nominal load: the arrival rate asked for (open loop) or "
+                         "the requests kept in flight (closed loop)")
+    rate_columns = [
+        load_column,
+        Column("offered", "req/s", "the rate the step really sent at: (requests - 1) / (last "
+               "scheduled send - first); open loop only"),
+        Column("achieved", "req/s", "completion rate: (completions - 1) / (last completion - "
+               "first completion)"),
+        Column("keep-up", "%", f"achieved / offered; a step passes at >= {criteria.keep_up:.0%}"
+               f" (open loop; {METRICS_DOC} §8, a sweep step's verdict)"),
+        Column("throughput", "req/s", "completed requests / duration, from the run's start to "
+               f"its last response's end ({METRICS_DOC} §7 Throughput)"),
+        Column("goodput", "req/s", "requests that met every threshold / the same duration, "
+               f"judged per request, not the step's verdict ({METRICS_DOC} §8 SLOs and "
+               "goodput)"),
+        Column("attain.", "%", "attainment: requests that met every threshold / all requests, "
+               f"failures included ({METRICS_DOC} §8 SLOs and goodput)"),
+        Column("conc.", "req", "the most requests in flight at once "
+               f"({METRICS_DOC} §7 Throughput)"),
+        Column("failed", "req", "requests with an outcome other than ok / all requests "
+               f"({METRICS_DOC} §6 Outcomes); a step passes at <= {criteria.max_error_rate:.1%}"),
+        Column("late p99", "ms", "p99 of actual send - scheduled send, the sender's own error "
+               "(open loop)"),
+    ]
+    if mode != "open":  # no schedule: nothing offered, nothing late
+        rate_columns = [c for c in rate_columns
+                        if c.title not in ("offered", "keep-up", "late p99")]
+    with_cache = any((s.get("engine_delta") or {}).get("prefix_cache_hit_rate") is not None
+                     for s in steps)
+    if with_cache:
+        rate_columns.append(Column("cache hit", "%", "the engines' prefix-cache hits / queries "
+                                   "(tokens) over the step, from their /metrics"))
+    rate_columns.append(Column("verdict", "", "pass, or FAIL (the reasons are listed below "
+                               "the tables)"))
+    latency_columns = [load_column]
+    latency_keys: list[str] = []
+    judged = [(metric, p) for metric in criteria.thresholds_ms]
+    for metric, q in [*judged, *(x for x in SHOWN_LATENCIES if x not in judged)]:
+        name = f"{LATENCY_NAMES[metric]} p{q:g}"
+        limit = criteria.thresholds_ms.get(metric) if (metric, q) in judged else None
+        where = f"{METRICS_DOC} §4 Per-request metrics, §10 Percentiles"
+        if limit is not None:
+            definition = (f"judged, <= {limit:g} ms for a pass: the percentile over the step's "
+                          f"successful requests, client vantage ({where})")
+        else:
+            definition = f"percentiles over the step's successful requests, client vantage " \
+                f"({where})"
+        latency_columns.append(Column(name, f"ms <= {limit:g}" if limit is not None else "ms",
+                                      definition))
+        latency_keys.append(f"p{q:g}_{metric}_ms")
+    with_sidecar = any(s.get("sidecar") for s in steps)
+    if with_sidecar:
+        latency_columns += [
+            *(Column(f"server {name}", "ms", "the sidecar's view of the same requests, "
+                     "server vantage: from the request it sent upstream "
+                     f"({METRICS_DOC} §2 Vantages)")
+              for name in ("TTFT p50", "TTFT p99", "TPOT p50", "E2E p99")),
+            Column("sidecar seen/sent", "req", "of the step's requests, those the "
+                   "sidecar's /stats window still held"),
+        ]
+    rate_rows: list[tuple[str, ...]] = []
+    latency_rows: list[tuple[str, ...]] = []
+    failures: list[str] = []
+    for step in steps:
+        report = step["report"]
+        load = f"{step['load']:g}"
+        cells_by_title = {
+            "load": load, "offered": _num(step.get("offered")),
+            "achieved": _num(step.get("achieved_rate")),
+            "keep-up": _pct(keep_up_ratio(step, mode)),
+            "throughput": _num(report.get("request_throughput")),
+            "goodput": _num(report.get("request_goodput")),
+            "attain.": _pct(report.get("slo_attainment")),
+            "conc.": str(report.get("max_concurrent_requests", "-")),
+            "failed": f"{report.get('failed', 0)}/"
+                      f"{report.get('failed', 0) + report.get('completed', 0)}",
+            "late p99": _num((report.get("lateness_ms") or {}).get("p99")),
+            "cache hit": _pct((step.get("engine_delta") or {}).get("prefix_cache_hit_rate")),
+            "verdict": "pass" if step["passed"] else "FAIL"}
+        row = [cells_by_title[column.title] for column in rate_columns]
+        rate_rows.append(tuple(row))
+        cells = [load, *(_num(report.get(key), 1) for key in latency_keys)]
+        if with_sidecar:
+            cells += _sidecar_cells(step.get("sidecar"))
+        latency_rows.append(tuple(cells))
+        if not step["passed"]:
+            failures.append(f"load {step['load']:g} {unit}: " + "; ".join(step["reasons"]))
+    return StepTables((Table("Steps: rates and outcomes", tuple(rate_columns),
+                             tuple(rate_rows)),
+                       Table("Steps: latency (ms)", tuple(latency_columns),
+                             tuple(latency_rows))), tuple(failures))
+
+
+def _sidecar_cells(view: Mapping[str, Any] | None) -> list[str]:
+    if not view:
+        return ["-"] * 5
+    server = view["vantages"]["server"]
+    return [_num(server["ttft_ms"].get("p50"), 1), _num(server["ttft_ms"].get("p99"), 1),
+            _num(server["tpot_ms"].get("p50"), 1), _num(server["e2e_ms"].get("p99"), 1),
+            f"{view['requests_seen']}/{view['requests_sent']}"]
+
+
+def text_table(table: Table) -> str:
+    """A table as aligned text: a title, a header of names and one of units, the rows."""
+    columns = table.columns
+    widths = [max(len(c.title), len(c.unit), *(len(row[i]) for row in table.rows))
+              for i, c in enumerate(columns)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths,
+                                                                   strict=True)).rstrip()
+
+    out = [table.title, line([c.title for c in columns]), line([c.unit for c in columns])]
+    out.append("  ".join("-" * width for width in widths))
+    out += [line(row) for row in table.rows]
+    return "\n".join(out)
+
+
+def capacity_text(result: Mapping[str, Any]) -> str:
+    """The capacity as a person reads it: exact, a lower bound, or none."""
+    capacity = result.get("capacity")
+    unit = result.get("unit", "req/s")
+    loads = sorted(s["load"] for s in result.get("steps", []))
+    if capacity is None:
+        lowest = f" (lowest load tried: {loads[0]:g} {unit})" if loads else ""
+        return f"capacity: none, no step passed{lowest}"
+    failed_above = sorted(s["load"] for s in result.get("steps", [])
+                          if not s["passed"] and s["load"] > capacity)
+    if not failed_above:
+        return (f"capacity: >= {capacity:g} {unit}, no step failed (a lower bound: the "
+                "highest load tried passed)")
+    return (f"capacity: {capacity:g} {unit} (the highest passing load; "
+            f"{failed_above[0]:g} {unit} failed)")
+
+
+def knee_text(result: Mapping[str, Any]) -> str:
+    """The knee, always said, also when it is the capacity."""
+    knee_load = result.get("knee")
+    unit = result.get("unit", "req/s")
+    if knee_load is None:
+        return "knee: none (no step measured goodput)"
+    goodput = next((s["report"].get("request_goodput") for s in result.get("steps", [])
+                    if s["load"] == knee_load), None)
+    same = "; the same load as the capacity" if knee_load == result.get("capacity") else ""
+    return (f"knee: {knee_load:g} {unit} (the load of the highest goodput, "
+            f"{_num(goodput)} req/s{same})")
+
+
+def console_report(result: Mapping[str, Any]) -> str:
+    """What `sidecar sweep` prints on stdout: the tables sweep.html shows, the failures, the
+    definitions of the columns, the criteria, the capacity and the knee."""
+    tables = step_tables(result)
+    parts = [text_table(table) for table in tables.tables]
+    if tables.failures:
+        parts.append("failed steps:\n" + "\n".join(f"  {line}" for line in tables.failures))
+    parts.append("columns:\n" + "\n".join(
+        f"  {names}: {definition}" for names, definition in tables.legend()))
+    parts.append("\n".join([f"criteria: {result.get('criteria')}", capacity_text(result),
+                            knee_text(result)]))
+    return "\n\n".join(parts)
+
+
+def step_line(result: Mapping[str, Any], step: Mapping[str, Any]) -> str:
+    """One step as it ends (stderr, while the sweep goes on): the numbers its verdict was
+    judged on, named as in the table."""
+    criteria = criteria_of(result)
+    mode = result.get("mode", "open")
+    report = step["report"]
+    parts = []
+    if mode == "open":
+        parts.append(f"offered {_num(step.get('offered'))} req/s, achieved "
+                     f"{_num(step.get('achieved_rate'))} req/s ({_pct(keep_up_ratio(step, mode))}"
+                     f"% of offered, >= {criteria.keep_up:.0%} passes)")
+    else:
+        parts.append(f"achieved {_num(step.get('achieved_rate'))} req/s")
+    for metric, limit in criteria.thresholds_ms.items():
+        value = report.get(f"p{criteria.percentile:g}_{metric}_ms")
+        parts.append(f"{LATENCY_NAMES[metric]} p{criteria.percentile:g} {_num(value, 1)} ms "
+                     f"(<= {limit:g})")
+    total = report.get("completed", 0) + report.get("failed", 0)
+    parts.append(f"failed {report.get('failed', 0)}/{total}")
+    verdict = "pass" if step["passed"] else "FAIL: " + "; ".join(step["reasons"])
+    return f"load {step['load']:g} {result.get('unit', 'req/s')}: {', '.join(parts)}: {verdict}"

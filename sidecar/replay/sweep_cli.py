@@ -26,8 +26,11 @@ from sidecar.replay.sweep import (
     Search,
     StepVerdict,
     achieved_rate,
+    console_report,
     judge_step,
     knee,
+    step_line,
+    step_tables,
 )
 from sidecar.stats import SLO, SLOPolicy
 from sidecar.tracefile import PrefixBlocks, TraceReader, TraceRequest
@@ -121,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sidecar-admin", metavar="URL",
                         help="the admin listener of the sidecar the target is (e.g. "
                         "http://127.0.0.1:9464): adds its server-vantage view of each step")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress on stderr (a bar per step on a terminal, else a line "
+                        "every 10 s, and one line per finished step); the table on stdout is "
+                        "the same")
     parser.add_argument("--admin-token", metavar="TOKEN",
                         default=os.environ.get("SIDECAR_ADMIN_TOKEN"),
                         help="bearer token of --sidecar-admin [SIDECAR_ADMIN_TOKEN]; prefer "
@@ -206,7 +213,9 @@ class Runner:
         parser = argparse.ArgumentParser()
         replay_cli.add_arguments(parser)
         argv = ["unused", "--target", self.args.target, "--seed", str(self.args.seed),
-                "--no-progress", "--request-timeout", str(self.args.request_timeout)]
+                "--request-timeout", str(self.args.request_timeout)]
+        if self.args.quiet:
+            argv.append("--quiet")
         if mode == "open":
             argv += ["--rate", str(load), "--burstiness", str(self.args.burstiness)]
         else:
@@ -230,11 +239,15 @@ class Runner:
                                      step_args, quiet=True, request_id_prefix=id_prefix + "-w")
         engine_before = await self.scrape_engines()
         runs: list[tuple[dict[str, Any], list[SentRequest], dict[str, Any] | None]] = []
+        unit = "req/s" if mode == "open" else "concurrent"
         for repeat in range(self.args.repeats):
             run_prefix = f"{id_prefix}-r{repeat}"
+            label = f"step {stage + 1}: {load:g} {unit}"
+            if self.args.repeats > 1:
+                label += f", run {repeat + 1}/{self.args.repeats}"
             sent = await replay_cli.execute(measured, self.args.target, plan_mode,
                                             int(load) if mode == "closed" else None, 1,
-                                            step_args, quiet=True,
+                                            step_args, label=label,
                                             request_id_prefix=run_prefix)
             # Read right after each run: the sidecar's window is time-based, and a later
             # repeat may be the reported one or not.
@@ -270,17 +283,20 @@ class Runner:
             e2e = offsets[-1] if offsets else None
             self.points.append({"load": load, "sent_s": s.actual_ns / 1e9,
                                 "e2e_ms": None if e2e is None else e2e / 1e6})
-        status = "pass" if verdict.passed else "FAIL " + "; ".join(verdict.reasons)
-        p = f"p{self.criteria.percentile:g}"
-        server = ""
-        if view is not None:
-            ttft = view["vantages"]["server"]["ttft_ms"].get(p)
-            server = (f"  server {p} ttft {_ms(ttft)} ({view['requests_seen']}/"
-                      f"{view['requests_sent']} seen)")
-        print(f"load {load:>8g}  achieved {achieved or 0:8.2f}/s  "
-              f"{p} ttft {_ms(report.get(_key(self.criteria, 'ttft')))}{server}  "
-              f"{status}", file=sys.stderr, flush=True)
+        if not self.args.quiet:
+            print(step_line(self.result_frame(), self.steps[-1]), file=sys.stderr, flush=True)
+            view = self.steps[-1]["sidecar"]
+            if view is not None:
+                p = f"p{self.criteria.percentile:g}"
+                ttft = view["vantages"]["server"]["ttft_ms"].get(p)
+                print(f"  sidecar: server {p} TTFT {_ms(ttft)} ({view['requests_seen']}/"
+                      f"{view['requests_sent']} requests seen)", file=sys.stderr, flush=True)
         return verdict, offered, achieved
+
+    def result_frame(self) -> dict[str, Any]:
+        """What the tables need of the sweep besides its steps."""
+        return {"mode": self.args.mode, "slo_criteria": criteria_detail(self.criteria),
+                "unit": "req/s" if self.args.mode == "open" else "concurrent requests"}
 
     async def sidecar_view(self, selector: str, sent: int) -> dict[str, Any] | None:
         if self.admin is None:
@@ -332,8 +348,11 @@ def parse_thresholds(spec: str) -> dict[str, float]:
     return out
 
 
-def _key(criteria: Criteria, metric: str) -> str:
-    return f"p{criteria.percentile:g}_{metric}_ms"
+def criteria_detail(criteria: Criteria) -> dict[str, Any]:
+    """The pass criteria as numbers (sweep.json's `slo_criteria`; `criteria` says them in
+    words)."""
+    return {"thresholds_ms": dict(criteria.thresholds_ms), "percentile": criteria.percentile,
+            "max_error_rate": criteria.max_error_rate, "keep_up": criteria.keep_up}
 
 
 def _spread(reports: list[dict[str, Any]]) -> dict[str, list[float | None]]:
@@ -414,7 +433,11 @@ async def _run(args: argparse.Namespace) -> int:
     delta = replay_cli.engine_delta(engine_before, engine_after)
     result: dict[str, Any] = {
         "capacity": capacity, "unit": unit, "knee": knee_load,
-        "criteria": criteria.describe(), "mode": args.mode, "steps": steps,
+        # No step failed above the capacity: the true capacity is this or more.
+        "capacity_lower_bound": capacity is not None and not any(
+            not s["passed"] and s["load"] > capacity for s in steps),
+        "criteria": criteria.describe(), "slo_criteria": criteria_detail(criteria),
+        "mode": args.mode, "steps": steps,
         "envelope": {
             "target": target, "model": model, "engine_version": version,
             "source": args.trace or args.dataset, "mode": args.mode,
@@ -433,8 +456,16 @@ async def _run(args: argparse.Namespace) -> int:
             "engine_delta": delta,
         },
         "definitions": {**DEFINITIONS, "capacity": "highest passing load with no failing "
-                        "load below it", "knee": "load of the highest goodput",
+                        "load below it; a lower bound (capacity_lower_bound) when no load "
+                        "above it failed", "knee": "load of the highest goodput",
                         "achieved_rate": "(completions - 1) / (last completion - first)",
+                        "offered": "open loop: (requests - 1) / (last scheduled send - "
+                        "first), the rate keep-up is judged against",
+                        "columns": {c.title: f"{c.definition} [{c.unit}]" if c.unit
+                                    else c.definition for c in step_tables(
+                                        {"mode": args.mode, "unit": unit, "steps": steps,
+                                         "slo_criteria": criteria_detail(criteria)}
+                                    ).definitions()},
                         "sidecar": "the sidecar's own view of the step's reported run, from "
                         "its /stats selected by request id: server vantage from the request "
                         "sent upstream, client vantage from the request received by the proxy",
@@ -452,12 +483,13 @@ async def _run(args: argparse.Namespace) -> int:
             for point in runner.points:
                 handle.write(json.dumps(point) + "\n")
         write_llmd_reports(runner, result, out / "br")
-        images = [plots.plot_latency(steps, unit, out / "latency.png", capacity),
+        lower_bound = result["capacity_lower_bound"]
+        images = [plots.plot_latency(steps, unit, out / "latency.png", capacity, lower_bound),
                   plots.plot_throughput(steps, unit, out / "throughput.png", capacity,
-                                        knee_load),
+                                        knee_load, lower_bound),
                   plots.plot_scatter(runner.points, out / "scatter.png")]
         plots.html_page(result, images, out / "sweep.html")
-    print(f"\ncapacity: {capacity} {unit} ({criteria.describe()}); knee at {knee_load}")
+    print(console_report(result))
     if args.output_dir:
         print(f"report: {Path(args.output_dir) / 'sweep.html'}")
     return 0

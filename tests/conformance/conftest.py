@@ -63,9 +63,13 @@ def real_vllm(request: pytest.FixtureRequest) -> Iterator[RealVLLM]:
         pytest.fail(f"no real vLLM given: {HOW_TO_RUN}", pytrace=False)
     handle: ServerHandle | None = None
     failure: str | None = None
+    otlp_port = request.config.getoption("real_vllm_otlp_port", default=None)
     try:
         if value == "start":
-            handle = start_server(free_port(), home=Home.resolve())
+            otlp_port = free_port()
+            handle = start_server(
+                free_port(), home=Home.resolve(),
+                otlp_traces_endpoint=f"http://127.0.0.1:{otlp_port}/v1/traces")
             base_url = handle.url
         elif value.startswith(("http://", "https://")):
             base_url = value.rstrip("/")
@@ -80,7 +84,7 @@ def real_vllm(request: pytest.FixtureRequest) -> Iterator[RealVLLM]:
     if failure is not None:  # outside the except: the reason alone, no exception chain
         pytest.fail(f"real vLLM unavailable: {failure}", pytrace=False)
     try:
-        yield RealVLLM(server.base_url, server.model, server.version, handle)
+        yield RealVLLM(server.base_url, server.model, server.version, handle, otlp_port)
     finally:
         if handle is not None:
             handle.stop()

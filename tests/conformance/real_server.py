@@ -23,6 +23,8 @@ class RealVLLM:
     version: str
     # The server this session started (--real-vllm=start), None for one given by URL.
     handle: ServerHandle | None = None
+    # The port on 127.0.0.1 the server exports its spans to (OTLP/HTTP), when it does.
+    otlp_port: int | None = None
 
 
 def describe_server(base_url: str) -> RealVLLM:
