@@ -7,8 +7,8 @@
 Processes (pinned on a 2-core host):
 
 - the simulator (``python -m sidecar sim --ground-truth FILE``): core 0; it appends, per request,
-  ``received_ns`` (body read) and ``chunk_ns`` (right after each write to the socket), all
-  ``time.perf_counter_ns()``;
+  ``received_ns`` (the request's last bytes arrived) and ``chunk_ns`` (right after each write
+  to the socket), all ``time.perf_counter_ns()``;
 - the load client (``proxy_overhead.py client``, the same client as the overhead benchmark,
   sending ``X-Request-Id``): core 0;
 - the sidecar, *in this process* (``sidecar.cli.build_proxy_server`` with the default settings,

@@ -321,3 +321,11 @@ def test_scrape_isolation_smoke(tmp_path: Path) -> None:
         assert r["server_quiet"]["requests"] > 0 and r["server_scraped"]["itl"]["count"] > 0
         assert finite(r["stats_ms_p50"]) and finite(r["itl_p99_delta_ms"])
     assert "| workers | /stats ms p50 / max |" in stdout
+
+
+def test_sim_isolation_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "isolation.json"
+    run_harness("sim_isolation.py", "--smoke", "--json-out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["isolation"]) == {"0", "120"}
+    assert "cold" in result

@@ -617,6 +617,19 @@ def test_seeded_length_is_stable_bounded_and_plausible() -> None:
         assert reason == ("length" if n == 40 else "stop")
 
 
+def test_a_stop_finish_ends_with_eos_and_the_other_ids_do_not_move() -> None:
+    # The model "emits" EOS as its last token (no text, one completion token), as a real one
+    # does; a length finish has none. Every other id is what ignore_eos would have drawn.
+    stop = drive(EngineModel(EngineConfig()),
+                 [(0.0, req("x", 10, 50, ignore_eos=False, natural_length=6))])
+    length = drive(EngineModel(EngineConfig()), [(0.0, req("x", 10, 6))])
+    assert stop.of("x")[-1][1].finish_reason == "stop"
+    assert length.of("x")[-1][1].finish_reason == "length"
+    assert stop.tokens("x")[-1] == EOS_TOKEN_ID and len(stop.tokens("x")) == 6
+    assert stop.tokens("x")[:-1] == length.tokens("x")[:-1]
+    assert EOS_TOKEN_ID not in length.tokens("x")
+
+
 def test_token_ids_are_seeded_pseudo_tokens_independent_of_batching() -> None:
     alone = drive(EngineModel(EngineConfig()), [(0.0, req("x", 10, 200))])
     crowd = [(0.0, req(f"o{i}", 30 + i, 150)) for i in range(20)] + [(0.004, req("x", 10, 200))]

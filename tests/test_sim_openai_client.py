@@ -7,6 +7,7 @@ its errors), real client code can be pointed at a simulated replica unchanged.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -27,7 +28,8 @@ def client_for(replica: RunningReplica) -> openai.AsyncOpenAI:
 
 
 def words(text: str) -> int:
-    """Tokens in a generated text: every simulated token is one space-led pseudo-word."""
+    """Tokens in a generated text: every simulated token is one space-led pseudo-word (but EOS,
+    which has no text: these tests ask for ignore_eos)."""
     return len(text.split())
 
 
@@ -231,6 +233,112 @@ async def test_cli_serves_two_replicas_and_stops_on_sigint() -> None:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_the_sdk_reads_the_empty_final_chunk_of_a_stream_ending_at_eos(
+    start_sim: Any,
+) -> None:
+    (replica,) = await start_sim(engine_natural_length_median=2.0, engine_natural_length_sigma=0.0)
+    async with client_for(replica) as client:
+        stream = await client.completions.create(
+            model="M", prompt="The queue", stream=True, stream_options={"include_usage": True}
+        )
+        *content, usage = [chunk async for chunk in stream]
+    assert [(chunk.choices[0].text != "", chunk.choices[0].finish_reason)
+            for chunk in content] == [(True, None), (False, "stop")]
+    assert usage.usage is not None and usage.usage.completion_tokens == 2
+
+
+async def _sim_cli(*args: str) -> tuple[asyncio.subprocess.Process, list[str]]:
+    """``sidecar sim --port 0 ARGS`` started; its replica URLs, once it printed them all."""
+    replicas = int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sidecar", "sim", "--port", "0", "--step-floor-s", "0.001", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    lines = [await _read_line(process.stdout) for _ in range(replicas)]
+    return process, [line.rsplit(" ", 1)[1] for line in lines]
+
+
+async def _ended(process: asyncio.subprocess.Process) -> None:
+    """Kill it if it still runs, and read its pipes to the end (so they are closed)."""
+    if process.returncode is None:
+        process.kill()
+    await process.communicate()
+
+
+async def _refused(url: str) -> bool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        _, writer = await asyncio.open_connection(host, int(port))
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    return False
+
+
+async def test_cli_replicas_share_one_ground_truth_file_and_go_with_their_parent(
+    tmp_path: Any,
+) -> None:
+    # One process per replica: all append to one ground-truth file, and none outlives the
+    # process that started them (here killed without a chance to stop them).
+    truth = tmp_path / "truth.jsonl"
+    process, urls = await _sim_cli("--replicas", "3", "--ground-truth", str(truth))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for round_ in range(2):
+                for url in urls:
+                    async with session.post(url + "/v1/completions", json={
+                        "prompt": "x", "max_tokens": 2, "stream": True,
+                        "ignore_eos": True}, headers={"X-Request-Id": f"{url}-{round_}"}) as r:
+                        assert r.status == 200
+                        await r.read()
+        process.kill()
+        await process.wait()
+        for url in urls:
+            for _ in range(200):
+                if await _refused(url):
+                    break
+                await asyncio.sleep(0.05)
+            assert await _refused(url), f"{url} still serves after its parent died"
+        # Read once they are gone: a line is written just after its answer's last byte.
+        lines = [json.loads(line) for line in truth.read_text().splitlines()]
+        assert sorted((line["replica"], line["request_id"]) for line in lines) == sorted(
+            (index, f"{url}-{round_}") for index, url in enumerate(urls) for round_ in range(2))
+    finally:
+        await _ended(process)
+
+
+async def test_cli_one_process_serves_all_replicas_too() -> None:
+    process, urls = await _sim_cli("--replicas", "2", "--one-process")
+    try:
+        async with aiohttp.ClientSession() as session:
+            for url in urls:
+                async with session.get(url + "/health") as response:
+                    assert response.status == 200
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 20) == 0
+    finally:
+        await _ended(process)
+
+
+async def test_cli_reports_a_port_in_use_among_replicas_in_one_line() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sidecar", "sim", "--replicas", "2", "--port", str(port - 1),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 20)
+    assert process.returncode == 2 and stdout == b""
+    assert stderr.decode().strip() == (
+        f"sidecar sim: error: cannot listen on 127.0.0.1:{port - 1}-{port}: "
+        "Address already in use")
 
 
 async def test_cli_rejects_a_bad_fault_spec() -> None:

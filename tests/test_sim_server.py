@@ -123,11 +123,25 @@ async def session() -> Any:
 # ---------------------------------------------------------------- byte-exact stream shapes
 
 
+def spec_chat_stream_ending_at_eos() -> str:
+    """The spec's example as a model that stops by EOS streams it: "Hello", "!", then EOS.
+
+    vLLM (chat_completion/serving.py, completion/serving.py) sends one chunk per engine output;
+    the EOS token's output has token ids but no text (the detokenizer skips the stop token), so
+    the finish rides on a last chunk of its own with empty content: the spec's terminal chunk
+    with ``"content":""``, after "!" in the shape of a content chunk.
+    """
+    role, hello, finish, done = SPEC_CHAT_STREAM[:-2].split("\n\n")
+    bang = hello.replace('"Hello"', '"!"')
+    eos = finish.replace('"content":"!"', '"content":""')
+    return "\n\n".join([role, hello, bang, eos, done]) + "\n\n"
+
+
 async def test_chat_stream_is_the_spec_example_byte_for_byte(
     start_sim: Any, session: aiohttp.ClientSession
 ) -> None:
-    # Two output tokens and an EOS-style finish: exactly the spec's three-chunk example.
-    (replica,) = await start_sim(engine_natural_length_median=2.0, engine_natural_length_sigma=0.0)
+    # Two words and EOS: the spec's example, its finish on an empty EOS chunk (vLLM's shape).
+    (replica,) = await start_sim(engine_natural_length_median=3.0, engine_natural_length_sigma=0.0)
     status, body, headers = await post(
         session,
         replica.url + CHAT,
@@ -137,11 +151,11 @@ async def test_chat_stream_is_the_spec_example_byte_for_byte(
     assert status == 200
     assert headers["Content-Type"] == "text/event-stream; charset=utf-8"
     texts = [p["choices"][0]["delta"]["content"] for p in data_payloads(body)[1:-1]]
-    assert all(texts) and len(texts) == 2
+    assert all(texts[:2]) and texts[2] == "" and len(texts) == 3
     normalized = pin_clock_and_fingerprint(body.decode())
-    for text, spec_text in zip(texts, ["Hello", "!"], strict=True):
+    for text, spec_text in zip(texts[:2], ["Hello", "!"], strict=True):
         normalized = normalized.replace(json.dumps(text), json.dumps(spec_text), 1)
-    assert normalized == SPEC_CHAT_STREAM
+    assert normalized == spec_chat_stream_ending_at_eos()
 
 
 async def test_chat_stream_with_include_usage(
@@ -372,7 +386,8 @@ async def test_non_stream_chat_is_the_spec_example(
     response = json.loads(body)
     prompt = response["usage"]["prompt_tokens"]
     text = response["choices"][0]["message"]["content"]
-    assert len(text.split()) == 3
+    # Three completion tokens: two words, then EOS, which counts but shows no text (as in vLLM).
+    assert len(text.split()) == 2
     expected = SPEC_CHAT_RESPONSE.replace('"Hello world!"', json.dumps(text)).replace(
         '"prompt_tokens":12,"total_tokens":15',
         f'"prompt_tokens":{prompt},"total_tokens":{prompt + 3}',
@@ -1523,3 +1538,174 @@ async def test_vllms_refusals_that_the_simulator_gives_alike(
     assert status == 200 and raw == (
         b'data: {"error": {"message": "Token id 99999999 is out of vocabulary", "type": '
         b'"BadRequestError", "param": null, "code": 400}}\n\ndata: [DONE]\n\n')
+
+
+# ---------------------------------------------------------------- end of a stream (EOS)
+
+
+async def test_a_stream_ending_at_eos_sends_an_empty_final_chunk(
+    start_sim: Any, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    # vLLM streams the EOS token's output like any other: no text (the detokenizer skips the
+    # stop token), the finish reason, and the token counted in usage.
+    truth = tmp_path / "truth.jsonl"
+    (replica,) = await start_sim(
+        engine_natural_length_median=3.0, engine_natural_length_sigma=0.0,
+        ground_truth_path=str(truth),
+    )
+    options = {"include_usage": True}
+    for path, field in ((CHAT, "delta"), (COMPLETIONS, "text")):
+        body: dict[str, Any] = {"stream": True, "stream_options": options}
+        body.update({"messages": HELLO} if path == CHAT else {"prompt": "Hi"})
+        _, raw, _ = await post(session, replica.url + path, body)
+        payloads = data_payloads(raw)
+        usage, content = payloads[-2], [p for p in payloads[:-2] if p["choices"]]
+        if path == CHAT:
+            content = content[1:]  # the role chunk
+        texts = [p["choices"][0]["delta"]["content"] if field == "delta"
+                 else p["choices"][0]["text"] for p in content]
+        reasons = [p["choices"][0]["finish_reason"] for p in content]
+        assert all(texts[:2]) and texts[2:] == [""]
+        assert reasons == [None, None, "stop"]
+        assert content[-1]["choices"][0]["stop_reason"] is None
+        assert usage["usage"]["completion_tokens"] == 3
+    lines = [json.loads(line) for line in truth.read_text().splitlines()]
+    for line in lines:
+        tokens = [n for n, kind in zip(line["chunk_tokens"], line["chunk_kinds"], strict=True)
+                  if kind == "token"]
+        assert tokens == [1, 1, 1] and line["finish_reasons"] == ["stop"]
+    # A whole answer: two words of text, three completion tokens.
+    _, raw, _ = await post(session, replica.url + COMPLETIONS, {"prompt": "Hi"})
+    answer = json.loads(raw)
+    assert len(answer["choices"][0]["text"].split()) == 2
+    assert answer["usage"]["completion_tokens"] == 3
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_a_stream_ending_at_its_length_has_no_empty_chunk(
+    start_sim: Any, session: aiohttp.ClientSession
+) -> None:
+    (replica,) = await start_sim(engine_natural_length_median=50.0, engine_natural_length_sigma=0.0)
+    for extra in ({"ignore_eos": True}, {}):  # ignore_eos, and an EOS the length cap pre-empts
+        _, raw, _ = await post(session, replica.url + COMPLETIONS,
+                               {"prompt": "Hi", "max_tokens": 3, "stream": True, **extra})
+        choices = [p["choices"][0] for p in data_payloads(raw)[:-1]]
+        assert all(choice["text"] for choice in choices) and len(choices) == 3
+        assert [choice["finish_reason"] for choice in choices] == [None, None, "length"]
+
+
+async def test_eos_merges_into_the_last_delta_when_tokens_are_held_back(
+    start_sim: Any, session: aiohttp.ClientSession
+) -> None:
+    # stream_interval 2: the first token at once, then the second with EOS in one delta, as
+    # vLLM's output processor groups them: the finish then rides on a chunk with text.
+    (replica,) = await start_sim(engine_natural_length_median=3.0, engine_natural_length_sigma=0.0)
+    _, raw, _ = await post(session, replica.url + COMPLETIONS,
+                           {"prompt": "Hi", "stream": True, "stream_interval": 2})
+    choices = [p["choices"][0] for p in data_payloads(raw)[:-1]]
+    assert [bool(choice["text"]) for choice in choices] == [True, True]
+    assert [choice["finish_reason"] for choice in choices] == [None, "stop"]
+
+
+# ---------------------------------------------------------------- large prompts, warm start
+
+
+async def test_received_stamp_is_the_arrival_of_the_last_bytes_not_the_handlers_turn(
+    start_sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the loop runs between a request's arrival and its handler (here a blocker that
+    stands for another replica parsing a large prompt) is not in the request's stamps."""
+    from aiohttp import web_protocol
+
+    truth = tmp_path / "truth.jsonl"
+    (replica,) = await start_sim(ground_truth_path=str(truth))
+    loop = asyncio.get_running_loop()
+    blockers: list[tuple[int, int]] = []
+
+    def blocker() -> None:
+        entered = time.perf_counter_ns()
+        while time.perf_counter_ns() == entered:  # distinct instants, nothing more
+            pass
+        blockers.append((entered, time.perf_counter_ns()))
+
+    original = web_protocol.RequestHandler.data_received
+
+    def data_received(self: Any, data: bytes) -> None:
+        # Queued before aiohttp feeds the bytes, so it runs before the handler resumes (aiohttp
+        # also calls this itself with b"" to reparse what it buffered: no bytes arrived then).
+        if data:
+            loop.call_soon(blocker)
+        original(self, data)
+
+    monkeypatch.setattr(web_protocol.RequestHandler, "data_received", data_received)
+    payload = json.dumps({"prompt": "x", "max_tokens": 2, "ignore_eos": True}).encode()
+    reader, writer = await asyncio.open_connection(replica.host, replica.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(payload) + payload
+    )
+    sent_ns = time.perf_counter_ns()
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200")
+    monkeypatch.undo()
+    await replica.close()
+    (line,) = [json.loads(text) for text in truth.read_text().splitlines()]
+    # The stamp is taken as the last bytes are handed over, before the blocker they queued.
+    assert sent_ns <= line["received_ns"] <= blockers[-1][0]
+    assert line["received_ns"] < line["headers_ns"]
+
+
+async def test_a_large_prompt_is_tokenized_off_the_loop_in_slices(
+    start_sim: Any, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sidecar.sim import server
+
+    (replica,) = await start_sim(engine_max_model_len=200_000,
+                                 engine_max_num_batched_tokens=200_000)
+    calls: list[tuple[str, int]] = []
+    encode = tokenizer.encode
+
+    def spy(text: str, add_special_tokens: bool = True, slice_chars: int = 0) -> list[int]:
+        import threading
+
+        calls.append((threading.current_thread().name, slice_chars))
+        return encode(text, add_special_tokens, slice_chars)
+
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    small = "a small prompt"
+    large = " ".join(f"w{i % 977}x" for i in range(server.OFFLOAD_BODY_BYTES // 3))
+    for prompt in (small, large):
+        _, raw, _ = await post(session, replica.url + COMPLETIONS,
+                               {"prompt": prompt, "max_tokens": 1})
+        assert json.loads(raw)["usage"]["prompt_tokens"] == len(encode(prompt))
+    (small_thread, small_slices), (large_thread, large_slices) = calls
+    assert small_thread == "MainThread" and small_slices == 0
+    assert large_thread.startswith("sim-tokenizer-0") and large_slices > 0
+
+
+def test_tokenizing_in_slices_gives_the_same_ids() -> None:
+    import random
+
+    rng = random.Random(7)
+    alphabet = " \t\n\u00a0\u2003ab.,\u00e9\u6f22"
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 120)))
+        whole = tokenizer.encode(text)
+        for slice_chars in (1, 2, 5, 33):
+            assert tokenizer.encode(text, slice_chars=slice_chars) == whole
+        assert whole == [tokenizer.BOS_ID] + [tokenizer.piece_id(piece)
+                                              for piece in tokenizer.split_pieces(text)]
+
+
+async def test_a_replica_is_warm_at_start_and_the_warm_up_leaves_no_trace(
+    start_sim: Any, session: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    truth = tmp_path / "truth.jsonl"
+    (replica,) = await start_sim(ground_truth_path=str(truth))
+    assert tokenizer._WORDS is not None  # the decode table a first answer would build
+    assert replica.replica._tokenizer_thread is not None  # and the tokenizer thread
+    families = await scrape(session, replica.url)
+    assert all(sample.value == 0 for sample in families["vllm:request_success"])
+    assert truth.read_text() == ""

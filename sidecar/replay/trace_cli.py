@@ -203,17 +203,19 @@ def _import_summary(result: ImportResult, source: str) -> str:
     return "\n".join(lines)
 
 
+def _output_problem(output: Path, may_replace: bool, how_to_replace: str) -> str | None:
+    """Why ``-o output`` cannot be written, checked before any work; None when it can."""
+    if output.is_dir():
+        return f"-o {output} is a directory: give the file to write"
+    if output.exists() and not may_replace:
+        return f"{output} exists ({how_to_replace})"
+    return unwritable(output)
+
+
 def _run_import(args: argparse.Namespace) -> int:
     source, output = Path(args.input), Path(args.output)
-    problem = None
-    if source.is_dir():
-        problem = f"{source} is a directory: give the trace file in it"
-    elif output.is_dir():
-        problem = f"-o {output} is a directory: give the file to write"
-    elif output.exists() and not args.force:
-        problem = f"{output} exists (use --force to overwrite)"
-    else:
-        problem = unwritable(output)
+    problem = (f"{source} is a directory: give the trace file in it" if source.is_dir() else
+               _output_problem(output, args.force, "use --force to overwrite"))
     if problem is not None:
         print(f"sidecar trace import: error: {problem}", file=sys.stderr)
         return 2
@@ -280,13 +282,7 @@ def _run_stats(args: argparse.Namespace) -> int:
 
 def _run_merge(args: argparse.Namespace) -> int:
     output = Path(args.output)
-    problem = None
-    if output.is_dir():
-        problem = f"-o {output} is a directory: give the file to write"
-    elif output.exists() and not args.overwrite:
-        problem = f"{output} exists (use --overwrite to replace it)"
-    else:
-        problem = unwritable(output)
+    problem = _output_problem(output, args.overwrite, "use --overwrite to replace it")
     if problem is not None:
         print(f"sidecar trace merge: error: {problem}", file=sys.stderr)
         return 2

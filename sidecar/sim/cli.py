@@ -1,7 +1,16 @@
-"""``sidecar sim``: serve N simulated vLLM replicas from one process.
+"""``sidecar sim``: serve N simulated vLLM replicas, one process each.
 
 Every `EngineConfig` field is a flag, generated from the dataclass so the two never drift apart
 (``--step-floor-s``, ``--max-num-seqs``, ``--enable-prefix-caching/--no-enable-prefix-caching``...).
+
+Processes: with ``--replicas N`` (N > 1) this process binds the N listening sockets (so a port
+in use or a bad ``--ground-truth`` path is reported here, as with one replica) and starts one
+child process per replica, handing it its socket and its configuration; each child serves
+one replica on an event loop of its own, so that a large request on one replica (tens of ms
+of parsing and tokenizing) never holds up another replica's streams or its ground-truth
+stamps. This process forwards SIGINT/SIGTERM to the children and stops them all when one
+exits; a child whose parent is gone (its stdin closes) stops too. ``--one-process`` serves all
+replicas on this process's loop instead (less memory; replicas then share one core).
 """
 
 from __future__ import annotations
@@ -10,13 +19,34 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
+import pickle
 import signal
+import socket
+import struct
 import sys
+from collections.abc import Awaitable, Coroutine
+from pathlib import Path
+from typing import Any
 
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.faults import FAULT_HEADER, FaultSpecError, parse_fault_spec
-from sidecar.sim.server import VLLM_VERSION, SimConfig, close_replicas, start_replicas
+from sidecar.sim.groundtruth import GroundTruthWriter
+from sidecar.sim.server import (
+    VLLM_VERSION,
+    SimConfig,
+    bind,
+    close_replicas,
+    start_replica,
+    start_replicas,
+)
 from sidecar.sim.shapes import Profile
+
+# The GIL switch interval of a process serving replicas: a thread tokenizing a long prompt
+# gives the event loop's thread the GIL back within this (the default is 5 ms).
+SWITCH_INTERVAL_S = 0.001
+# How long a child may take to stop after SIGTERM before it is killed.
+CHILD_STOP_GRACE_S = 10.0
 
 DESCRIPTION = """\
 Serve simulated vLLM replicas (no GPU, no model) that speak vLLM 0.33's OpenAI-compatible
@@ -25,8 +55,9 @@ protocol byte for byte: /v1/chat/completions and /v1/completions (streaming and 
 Token timing comes from a continuous-batching engine model (step time, batch limits, KV cache,
 prefix cache, chunked prefill, speculative decoding), all seeded and reproducible.
 
-Replica i listens on PORT+i (PORT 0: ephemeral ports). When all are ready, one line per replica
-is printed to stdout: "replica I listening on http://HOST:PORT". SIGINT/SIGTERM stop them.
+Replica i listens on PORT+i (PORT 0: ephemeral ports), each in a process of its own (see
+--one-process). When all are ready, one line per replica is printed to stdout:
+"replica I listening on http://HOST:PORT". SIGINT/SIGTERM stop them.
 """
 
 EPILOG = f"""\
@@ -103,6 +134,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving = parser.add_argument_group("serving")
     serving.add_argument("--replicas", type=int, default=1, help="replicas to serve (default: 1)")
+    serving.add_argument(
+        "--one-process",
+        action="store_true",
+        help="serve all replicas from this process, on one event loop (less memory, but a "
+        "large request on one replica then delays the others); default: one process each",
+    )
     serving.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
     )
@@ -246,29 +283,190 @@ async def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print("sidecar sim: error: --replicas must be >= 1", file=sys.stderr)
         return 2
+    if args.replicas > 1 and not args.one_process:
+        return await _run_processes(config, args)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         replicas = await start_replicas(config, args.replicas, args.host, args.port)
     except OSError as exc:
-        # One line naming the address(es) and the cause, exit 2 like every input error.
-        if exc.filename:  # --ground-truth FILE
-            print(f"sidecar sim: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
-            return 2
-        ports = (f"{args.port}" if args.replicas == 1 or args.port == 0
-                 else f"{args.port}-{args.port + args.replicas - 1}")
-        print(f"sidecar sim: error: cannot listen on {args.host}:{ports}: "
-              f"{exc.strerror or exc}", file=sys.stderr)
+        return _start_error(exc, args)
+    try:
+        for running in replicas:
+            print(f"replica {running.index} listening on {running.url}", flush=True)
+        await _until_signalled()
+    finally:
+        await close_replicas(replicas)
+    return 0
+
+
+def _start_error(exc: OSError, args: argparse.Namespace) -> int:
+    """One line naming the address(es) or file and the cause; exit 2 like every input error."""
+    if exc.filename:  # --ground-truth FILE
+        print(f"sidecar sim: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
+    ports = (f"{args.port}" if args.replicas == 1 or args.port == 0
+             else f"{args.port}-{args.port + args.replicas - 1}")
+    print(f"sidecar sim: error: cannot listen on {args.host}:{ports}: "
+          f"{exc.strerror or exc}", file=sys.stderr)
+    return 2
+
+
+async def _until_signalled(*others: Awaitable[Any]) -> bool:
+    """Wait for SIGINT/SIGTERM (True), or for the first of ``others`` to finish (False)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
     for signum in signals:
         loop.add_signal_handler(signum, stop.set)
+    signalled = asyncio.ensure_future(stop.wait())
+    waits = [signalled, *(asyncio.ensure_future(other) for other in others)]
     try:
-        for running in replicas:
-            print(f"replica {running.index} listening on {running.url}", flush=True)
-        await stop.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for signum in signals:
             loop.remove_signal_handler(signum)
-        await close_replicas(replicas)
+        for wait in waits:
+            wait.cancel()
+    return stop.is_set()
+
+
+# ---------------------------------------------------------------- one process per replica
+
+# What a child runs: the directory holding this `sidecar` package first on its path (so the
+# child imports the same code as this process, however it was started), then serve_child().
+_CHILD_CODE = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from sidecar.sim.cli import serve_child; sys.exit(serve_child())"
+)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_LENGTH = struct.Struct("!Q")
+
+
+async def _run_processes(config: SimConfig, args: argparse.Namespace) -> int:
+    sockets: list[socket.socket] = []
+    try:
+        for index in range(args.replicas):
+            sockets.append(bind(args.host, 0 if args.port == 0 else args.port + index))
+        if config.ground_truth_path:
+            GroundTruthWriter(config.ground_truth_path).close()  # a bad path fails here
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        return _start_error(exc, args)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    urls = [f"http://{host}:{sock.getsockname()[1]}" for sock in sockets]
+    children: list[asyncio.subprocess.Process] = []
+    try:
+        for index, sock in enumerate(sockets):
+            children.append(await _start_child(config, index, args.host, sock, args.log_level))
+        for sock in sockets:
+            sock.close()  # each child holds its own copy
+        for index, child in enumerate(children):
+            assert child.stdout is not None
+            if (await child.stdout.readline()).strip() != b"ready":
+                print(f"sidecar sim: error: replica {index} did not start", file=sys.stderr)
+                return 1
+        for index, url in enumerate(urls):
+            print(f"replica {index} listening on {url}", flush=True)
+        if await _until_signalled(*(child.wait() for child in children)):
+            return 0
+        for index, child in enumerate(children):
+            if child.returncode is not None:
+                print(f"sidecar sim: error: replica {index} exited with status "
+                      f"{child.returncode}", file=sys.stderr)
+        return 1
+    finally:
+        for sock in sockets:
+            sock.close()
+        await _stop_children(children)
+
+
+async def _start_child(config: SimConfig, index: int, host: str, sock: socket.socket,
+                       log_level: str) -> asyncio.subprocess.Process:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CHILD_CODE, _PACKAGE_ROOT,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        pass_fds=(sock.fileno(),),
+    )
+    payload = pickle.dumps({"config": config, "index": index, "host": host,
+                            "fd": sock.fileno(), "log_level": log_level})
+    assert child.stdin is not None
+    # The stdin pipe stays open: the child stops when it closes (this process is gone).
+    child.stdin.write(_LENGTH.pack(len(payload)) + payload)
+    await child.stdin.drain()
+    return child
+
+
+async def _stop_children(children: list[asyncio.subprocess.Process]) -> None:
+    for child in children:
+        if child.returncode is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            await asyncio.wait_for(child.wait(), CHILD_STOP_GRACE_S)
+        except asyncio.TimeoutError:
+            child.kill()
+            await child.wait()
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        piece = os.read(fd, size - len(data))
+        if not piece:
+            raise EOFError("the parent closed the pipe before the configuration was read")
+        data += piece
+    return data
+
+
+def serve_child() -> int:
+    """A child's entry point: read its configuration from stdin, serve its replica."""
+    size = _LENGTH.unpack(_read_exactly(0, _LENGTH.size))[0]
+    payload = pickle.loads(_read_exactly(0, size))  # from our own parent only
+    logging.basicConfig(level=payload["log_level"].upper(), stream=sys.stderr)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # Ctrl-C reaches the whole process group: the parent alone decides, and sends SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return _run_loop(_serve_child(payload))
+
+
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - Windows, or a stripped install
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _StdinClosed(asyncio.Protocol):
+    def __init__(self, closed: asyncio.Future[None]) -> None:
+        self._closed = closed
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        _settle(self._closed)
+
+
+async def _serve_child(payload: dict[str, Any]) -> int:
+    config: SimConfig = payload["config"]
+    sock = socket.socket(fileno=payload["fd"])
+    ground_truth = (GroundTruthWriter(config.ground_truth_path)
+                    if config.ground_truth_path else None)
+    running = await start_replica(config, payload["index"], payload["host"], 0, ground_truth,
+                                  sock=sock)
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future[None] = loop.create_future()
+    # SIGTERM (from the parent) or the parent gone: close, still answering SIGTERM meanwhile
+    # (a handler stays installed, so a second one cannot cut the shutdown short).
+    loop.add_signal_handler(signal.SIGTERM, _settle, stop)
+    await loop.connect_read_pipe(lambda: _StdinClosed(stop), sys.stdin)
+    try:
+        print("ready", flush=True)
+        await stop
+    finally:
+        await running.close()
     return 0

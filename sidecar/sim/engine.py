@@ -58,8 +58,10 @@ Token emission: the step that completes a request's prefill samples its first to
   ``a`` is the number of accepted drafts: each of the (budget-trimmed) drafts is accepted with
   probability ``spec_acceptance`` until the first rejection. Rejected draft slots are rolled
   back. Token ids are seeded pseudo-tokens in ``[3, vocab_size)`` (0..2 are the usual
-  unk/bos/eos ids; EOS, id 2, is never emitted), drawn from a per-request stream, so the i-th
-  token of a request does not depend on batching or preemption.
+  unk/bos/eos ids), drawn from a per-request stream, so the i-th token of a request does not
+  depend on batching or preemption; the last token of a request that finishes "stop" is EOS
+  (id 2) instead, as a model's is: it counts as a completion token, decodes to no text, and
+  its delta is what carries the finish (vLLM's final chunk with empty content).
 
 Output length ``L`` (generated tokens), decided when the request is added:
   ``cap = max(1, min(max_tokens, max_model_len - prompt_len))`` (vLLM stops at
@@ -115,7 +117,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 # Pseudo-token ids are drawn from [_FIRST_TOKEN_ID, vocab_size): 0, 1, 2 are unk/bos/eos in the
-# Llama-2 style vocabularies this mimics, so the stream never contains EOS (id 2).
+# Llama-2 style vocabularies this mimics; EOS (id 2) only ends a request that finishes "stop".
 EOS_TOKEN_ID = 2
 _FIRST_TOKEN_ID = 3
 # Root of the block-hash chain (vLLM uses a random NONE_HASH; a constant keeps runs repeatable).
@@ -709,6 +711,8 @@ class EngineModel:
             state.pending_steps.append(end_s)
             num_out = len(out)
             finished = num_out >= state.target_len
+            if finished and state.finish_reason == "stop":
+                out[-1] = EOS_TOKEN_ID  # drawn all the same, so the other ids do not move
             if caching and state.num_computed // bs > state.num_registered:
                 # Finished requests too: their full blocks are worth keeping for a next turn.
                 self._register_full_blocks(state)

@@ -11,7 +11,7 @@ Line format (``"v": 1``)::
      "stream": bool, "status": int, "outcome": str, "finish_reasons": [str|null, ...],
      "n": int, "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
      "fault": str|null, "wall_time_ns": int,
-     "received_ns": int,          # the whole request body had been read
+     "received_ns": int,          # the request's last bytes reached the replica
      "headers_ns": int|null,      # response headers handed to the socket
      "done_ns": int,              # the handler finished (last write, or the error/reset)
      "chunk_ns": [int, ...],      # right after each write to the socket
@@ -22,16 +22,23 @@ Line format (``"v": 1``)::
 admission limit), error_event (mid-stream error), reset (connection aborted by a fault),
 truncated (body ended without ``[DONE]``), client_disconnect.
 
+``received_ns`` is taken when the loop hands the request's last bytes to the replica, before
+they are parsed and before any handler runs (sidecar.sim.server), so it is the request's
+arrival, not the end of its own or of another request's parsing.
+
 Writing: stamps are appended to in-memory lists while the request runs; the finished line is
-written with one buffered ``write`` + ``flush`` at request end. That costs one small write(2)
-into the page cache per request (microseconds, it never waits for the disk), nothing per chunk,
-and keeps lines in completion order without a thread or a queue to drain at shutdown.
+written with one ``write(2)`` on an ``O_APPEND`` descriptor at request end. That costs one small
+write into the page cache per request (microseconds, it never waits for the disk), nothing per
+chunk, and keeps lines in completion order without a thread or a queue to drain at shutdown.
+Several processes (``sidecar sim --replicas N`` runs one per replica) append to one file: each
+line is a single append, which Linux does not interleave with another's.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, TextIO
+import os
+from typing import Any
 
 GROUND_TRUTH_VERSION = 1
 
@@ -91,7 +98,7 @@ class GroundTruthWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._file: TextIO | None = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         self._users = 0
 
     def acquire(self) -> GroundTruthWriter:
@@ -104,12 +111,14 @@ class GroundTruthWriter:
             self.close()
 
     def write(self, record: GroundTruthRecord) -> None:
-        if self._file is None:
+        if self._fd is None:
             return
-        self._file.write(json.dumps(record.as_dict(), separators=(",", ":")) + "\n")
-        self._file.flush()
+        line = (json.dumps(record.as_dict(), separators=(",", ":")) + "\n").encode()
+        written = os.write(self._fd, line)
+        while written < len(line):  # a regular file takes it whole; this is for the odd case
+            written += os.write(self._fd, line[written:])
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

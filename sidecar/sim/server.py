@@ -1,4 +1,7 @@
-"""Simulated vLLM replicas: one aiohttp app and one `EngineModel` each, all on one event loop.
+"""Simulated vLLM replicas: one aiohttp app and one `EngineModel` each.
+
+`start_replicas` serves them all on the caller's event loop; ``sidecar sim --replicas N`` runs
+one process per replica (`sidecar.sim.cli`), so that no replica's work can hold up another's.
 
 A replica speaks vLLM 0.33's OpenAI-compatible protocol (spec/vllm-protocol.md) with the timing
 of the engine model: headers go out at admission, each engine step's outputs become visible at
@@ -12,6 +15,14 @@ drift; only a lag above `MAX_SCHEDULE_LAG_S` (an overloaded process) resets the 
 Outputs are handed to the request's handler through a list and a future (no queue object per
 request); a handler that lags gets several outputs merged into one chunk, as vLLM's
 ``RequestOutputCollector`` merges deltas for a slow consumer.
+
+Ground truth stays exact under large prompts: a request's ``received`` stamp is taken when its
+last bytes reach the replica (in the protocol's ``data_received``, before the handler runs, so
+it excludes the parse and tokenization of this and of every other request), and prompts of
+more than `OFFLOAD_BODY_BYTES` are tokenized on the replica's tokenizer thread (as vLLM
+tokenizes off its event loop), in slices that let the loop's thread take the GIL in between,
+so that a 370 KB prompt does not stall the replica's other streams for the ~20 ms it takes.
+A replica does at start what a first request would otherwise pay for (`SimReplica.warm_up`).
 
 Around that core: request validation and vLLM's error shapes (`sidecar.sim.requests`), the
 byte-exact chunk and body shapes (`sidecar.sim.shapes`), the toy tokenizer, per-replica
@@ -30,6 +41,8 @@ Programmatic use::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -88,6 +101,11 @@ GENERATION_ERROR_MESSAGE = "Internal server error"
 MAX_SCHEDULE_LAG_S = 0.05
 JSON_CONTENT_TYPE = "application/json"
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+# Bodies above this size are tokenized on the replica's tokenizer thread (below it the thread
+# hop costs more than the ~1 ms of tokenizing on the loop), in slices of TOKENIZE_SLICE_CHARS
+# characters (~0.5 ms each) with the GIL released in between.
+OFFLOAD_BODY_BYTES = 16 * 1024
+TOKENIZE_SLICE_CHARS = 8192
 
 # Error `type` for an injected error status: vLLM's names where it has one, else the phrase.
 _ERROR_TYPES = {
@@ -290,6 +308,49 @@ class _ResetConnection(Exception):
     """Raised inside a handler after a fault aborted the TCP connection."""
 
 
+class _ArrivalStamp(asyncio.Protocol):
+    """aiohttp's protocol for one connection, plus the instant its latest bytes arrived.
+
+    ``last_data_ns`` is read when the loop hands the bytes over, before aiohttp parses them and
+    before any handler runs, so when a request's body is complete it is the arrival instant of
+    the body's last bytes, whatever the loop did next (HTTP/1.1 clients do not send the next
+    request on a connection before the answer, so no later request's bytes move it).
+    """
+
+    __slots__ = ("_inner", "last_data_ns")
+
+    def __init__(self, inner: asyncio.Protocol) -> None:
+        self._inner = inner
+        self.last_data_ns = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_data_ns = time.perf_counter_ns()
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+def _arrival_ns(request: web.Request) -> int:
+    """When the request's last bytes reached the replica (now, if that is not known)."""
+    transport = request.transport
+    protocol = transport.get_protocol() if transport is not None else None
+    stamp = protocol.last_data_ns if isinstance(protocol, _ArrivalStamp) else 0
+    return stamp or time.perf_counter_ns()
+
+
 class SimReplica:
     """One simulated vLLM server: the aiohttp app, its engine model and its metrics."""
 
@@ -330,6 +391,7 @@ class SimReplica:
         self._ground_truth = ground_truth
         self._faults = FaultPlan(config.fault, config.fault_rate, config.fault_seed + index)
         self._known_paths: frozenset[str] = frozenset()
+        self._tokenizer_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app
@@ -421,6 +483,60 @@ class SimReplica:
                 pass
         for state in list(self._live_requests):
             state.fail()
+        pool, self._tokenizer_thread = self._tokenizer_thread, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def warm_up(self) -> None:
+        """Run once, with nothing recorded, what a first request would pay for on its own.
+
+        The tokenizer's tables, the JSON reading and validation of both endpoints, the chunk and
+        body rendering, the metrics page and the tokenizer thread. No engine request, metric or
+        ground-truth line comes of it.
+        """
+        tokenizer.warm()
+        chat_raw = (
+            b'{"model":null,"messages":[{"role":"user","content":"warm up"}],"max_tokens":2,'
+            b'"stream":true,"stream_options":{"include_usage":true}}'
+        )
+        completion_raw = b'{"model":null,"prompt":["warm up",[5,6,7]],"max_tokens":2}'
+        for raw, chat in ((chat_raw, True), (completion_raw, False)):
+            params = read_generate_params(parse_json_object(raw), chat)
+            with contextlib.suppress(RequestError):  # e.g. a context shorter than the prompt
+                self._plan(params, "warm-up", slice_chars=TOKENIZE_SLICE_CHARS)
+        formatter = StreamFormatter(
+            chat=True, response_id="chatcmpl-warm-up", created=self.created,
+            model=self.model_names[0], profile=self.config.profile,
+            fingerprint=self.fingerprint, include_usage=True, era=self.era,
+        )
+        formatter.role_chunk(0, "assistant", (1, 0))
+        formatter.token_chunk(0, _decode((300,)), None, (1, 1))
+        formatter.token_chunk(0, _decode((301, tokenizer.EOS_ID)), "stop", (1, 3))
+        formatter.usage_chunk(1, 3, 0, RequestTimings.from_instants(
+            arrival_s=0.0, scheduled_s=0.0, first_token_s=0.1, last_token_s=0.2,
+            num_generation_tokens=3))
+        common: dict[str, Any] = {
+            "created": self.created, "model": self.model_names[0],
+            "choices": [ChoiceResult(index=0, text="warm", finish_reason="stop")],
+            "prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": None,
+            "timings": None, "fingerprint": self.fingerprint, "profile": self.config.profile,
+            "era": self.era,
+        }
+        chat_completion_body(response_id="chatcmpl-warm-up", role="assistant", **common)
+        completion_body(response_id="cmpl-warm-up", **common)
+        error_body("warm up", BAD_REQUEST_ERROR, 400)
+        self.metrics.render()
+        uuid.uuid4()
+        self._tokenizer().submit(tokenizer.warm).result()
+
+    def _tokenizer(self) -> concurrent.futures.ThreadPoolExecutor:
+        pool = self._tokenizer_thread
+        if pool is None:
+            # One thread per replica, as vLLM's API server has one tokenizer thread.
+            pool = self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"sim-tokenizer-{self.index}"
+            )
+        return pool
 
     # ------------------------------------------------------------------ the engine loop
 
@@ -523,7 +639,7 @@ class SimReplica:
 
     async def _handle_generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
-        received_ns = time.perf_counter_ns()
+        received_ns = _arrival_ns(request)
         record: GroundTruthRecord | None = None
         if self._ground_truth is not None:
             record = GroundTruthRecord(
@@ -562,7 +678,10 @@ class SimReplica:
                 message = ENGINE_DEAD_MESSAGE if code == 500 else f"Simulated HTTP {code} error"
                 err_type = _ERROR_TYPES.get(code) or http.HTTPStatus(code).phrase
                 raise RequestError(code, message, err_type)
-            plan = self._plan(params, request_id)
+            if len(raw) > OFFLOAD_BODY_BYTES:
+                plan = await self._plan_off_loop(params, request_id, record)
+            else:
+                plan = self._plan(params, request_id)
             state = self._admit(plan)
         except _RefusedInStream as refusal:
             if record is not None:
@@ -646,7 +765,25 @@ class SimReplica:
                               max_tokens)
         return max_tokens
 
-    def _plan(self, params: GenerateParams, request_id: str) -> _Plan:
+    async def _plan_off_loop(
+        self, params: GenerateParams, request_id: str, record: GroundTruthRecord | None
+    ) -> _Plan:
+        """`_plan` on the tokenizer thread (a large prompt), its text tokenized in slices."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._tokenizer(),
+                functools.partial(
+                    self._plan, params, request_id, slice_chars=TOKENIZE_SLICE_CHARS
+                ),
+            )
+        except asyncio.CancelledError:
+            if record is not None:
+                record.outcome = "shutdown" if self._closing else "client_disconnect"
+            raise
+
+    def _plan(self, params: GenerateParams, request_id: str, slice_chars: int = 0) -> _Plan:
+        """Validate and tokenize (pure: it may run on the tokenizer thread)."""
         self._check_model(params.model)
         if params.use_beam_search and params.stream:
             raise bad_request("Streaming is not currently supported with beam search")
@@ -668,13 +805,17 @@ class SimReplica:
         prompts: list[list[int]] = []
         if params.chat:
             prompts.append(
-                tokenizer.apply_chat_template(params.messages, params.add_generation_prompt)
+                tokenizer.apply_chat_template(
+                    params.messages, params.add_generation_prompt, slice_chars
+                )
             )
         else:
             vocab_size = self.engine_config.vocab_size
             for prompt in params.prompts:
                 if isinstance(prompt, str):
-                    prompts.append(tokenizer.encode(prompt, params.add_special_tokens))
+                    prompts.append(
+                        tokenizer.encode(prompt, params.add_special_tokens, slice_chars)
+                    )
                     continue
                 out_of_vocab = [t for t in prompt if not 0 <= t < vocab_size]
                 if out_of_vocab:
@@ -1237,6 +1378,7 @@ __all__ = [
     "RunningReplica",
     "SimConfig",
     "SimReplica",
+    "bind",
     "close_replicas",
     "start_replica",
     "start_replicas",
@@ -1251,12 +1393,14 @@ class RunningReplica:
         self,
         replica: SimReplica,
         runner: web.AppRunner,
+        server: asyncio.AbstractServer,
         host: str,
         port: int,
         ground_truth: GroundTruthWriter | None,
     ) -> None:
         self.replica = replica
         self.runner = runner
+        self.server = server
         self.host = host
         self.port = port
         self._ground_truth = ground_truth
@@ -1276,6 +1420,7 @@ class RunningReplica:
             return
         self._closed = True
         self.replica.begin_shutdown()
+        self.server.close()  # no new connections
         # In-flight requests get shutdown_timeout_s to finish while the engine still runs.
         await self.runner.cleanup()
         await self.replica.stop_engine()
@@ -1297,15 +1442,25 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A listening, non-blocking socket on ``host:port`` (0: an ephemeral port)."""
+    return _bind(host, port)
+
+
 async def start_replica(
     config: SimConfig,
     index: int,
     host: str,
     port: int,
     ground_truth: GroundTruthWriter | None = None,
+    sock: socket.socket | None = None,
 ) -> RunningReplica:
-    """Serve one replica on ``host:port`` (0: an ephemeral port) and start its engine loop."""
-    sock = _bind(host, port)
+    """Serve one replica on ``host:port`` (0: an ephemeral port), or on ``sock`` (a listening
+    socket, e.g. bound by a parent process), and start its engine loop."""
+    if sock is None:
+        sock = _bind(host, port)
+    else:
+        sock.setblocking(False)
     replica = SimReplica(config, index, ground_truth=ground_truth)
     runner = web.AppRunner(
         replica.app,
@@ -1315,17 +1470,23 @@ async def start_replica(
         shutdown_timeout=config.shutdown_timeout_s,
     )
     try:
+        replica.warm_up()
         await runner.setup()
-        site = web.SockSite(runner, sock)
-        await site.start()
+        make_protocol = runner.server
+        assert make_protocol is not None
+        # Not a web.SockSite: each connection's protocol is wrapped to stamp arrivals.
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _ArrivalStamp(make_protocol()), sock=sock, backlog=1024
+        )
     except BaseException:
         await runner.cleanup()
+        await replica.stop_engine()
         sock.close()
         raise
     replica.start_engine()
     if ground_truth is not None:
         ground_truth.acquire()
-    return RunningReplica(replica, runner, host, sock.getsockname()[1], ground_truth)
+    return RunningReplica(replica, runner, server, host, sock.getsockname()[1], ground_truth)
 
 
 async def start_replicas(
