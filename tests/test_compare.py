@@ -90,6 +90,46 @@ SWEEP_ENVELOPE = {"target": "http://a:8000", "model": "m", "mode": "open", "repe
                   "engine_delta": {"prefix_cache_hits": 5}, "engine_prefix_cache_hit_rate": 0.1}
 
 
+
+def degraded(result: dict[str, Any], reason: str) -> dict[str, Any]:
+    return {**result, "degraded": True, "degraded_reason": reason, "max_lateness_ms": 50.0}
+
+
+def test_a_degraded_run_is_not_called_better_or_worse_without_force(tmp_path: Path) -> None:
+    """Reports from `sidecar replay` whose sender fell behind (degraded) are refused with exit
+    3 and one line naming each and why; --force compares under a warning; the JSON says which.
+    Reports without the flag (older ones) and sweeps are compared as before."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    late = "sender lateness p99 812.0 ms > --max-lateness 50 ms: the sender fell behind"
+    a.write_text(json.dumps(report(BASE, runs([100, 110, 105], [4, 4, 4]))))
+    b.write_text(json.dumps(degraded(report(BASE, runs([60, 65, 62], [4, 4, 4])), late)))
+
+    def sidecar(x: Path, y: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sidecar", "compare", str(x), str(y),
+                               *args], capture_output=True, text=True, timeout=60)
+
+    refused = sidecar(a, b)
+    assert refused.returncode == 3 and refused.stdout == ""
+    assert refused.stderr.splitlines() == [
+        f"sidecar compare: refused: B ({b}) is degraded: {late}; a run that did not offer its "
+        "load is not called better or worse (--force compares anyway)"]
+    both = sidecar(b, b)
+    assert both.returncode == 3
+    assert f"refused: A ({b}) is degraded: {late}; B ({b}) is degraded: {late};" in both.stderr
+    forced = sidecar(a, b, "--force")
+    assert forced.returncode == 0
+    assert f"WARNING: degraded (--force): B ({b}) is degraded: {late}" in forced.stdout
+    assert "real: better" in forced.stdout
+    as_json = json.loads(sidecar(a, b, "--force", "--json").stdout)
+    assert as_json["degraded"] == f"B ({b}) is degraded: {late}"
+    # Degraded and another experiment: both refusals are given.
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps(degraded(report({**BASE, "rate": 8.0}, runs([60], [4])), late)))
+    two = sidecar(a, c)
+    assert two.returncode == 3 and "is degraded" in two.stderr and "rate: 4.0 vs 8.0" in \
+        two.stderr
+    assert sidecar(a, a).returncode == 0  # no flag at all: compared
+
 def step(load: float, passed: bool, ttft: list[float], goodput: list[float]) -> dict[str, Any]:
     """A sweep step whose reported run is the median by TTFT (enough for these tests)."""
     return {"load": load, "passed": passed, "reasons": [] if passed else ["slow"],

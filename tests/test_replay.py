@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -580,7 +581,6 @@ async def test_on_a_terminal_the_progress_is_a_bar_that_fits_it(tmp_path: Path) 
     import fcntl
     import os
     import pty
-    import re
     import struct
     import termios
 
@@ -626,3 +626,70 @@ async def test_on_a_terminal_the_progress_is_a_bar_that_fits_it(tmp_path: Path) 
     drawn = [part for part in re.split(r"[\r\n]+", visible) if part.strip()]
     assert drawn[-1].startswith("run 1/1 ") and "30/30 finished, 30 sent, 0 failed" in drawn[-1]
     assert max(len(part) for part in drawn) <= 80, drawn
+
+
+LATE_RE = (r"sender lateness p99 > --max-lateness 0 ms in run 1 \([\d.]+ ms\) and run 2 "
+           r"\([\d.]+ ms\) of 2: the sender fell behind its schedule, so those runs did not "
+           r"offer the load they claim")
+
+
+async def test_a_replay_whose_sender_fell_behind_is_degraded_and_compare_refuses_it(
+        tmp_path: Path) -> None:
+    """--max-lateness 0ms: every open-loop send is some nanoseconds behind its instant, so the
+    sender is "behind" in every run, deterministically. The console says so on one line, the
+    report has degraded/degraded_reason/max_lateness_ms (each run too), and compare refuses to
+    call the run better or worse (exit 3, one line) unless --force. `off` never marks; closed
+    loop has no schedule to be late for."""
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, TraceHeader(source="test"),
+                [TraceRequest(t=i * 0.01, n_in=8, n_out=3) for i in range(6)])
+    late, fine, closed = tmp_path / "late", tmp_path / "fine", tmp_path / "closed"
+    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
+        step_floor_s=0.002, per_token_s=0.0)), 1)
+    try:
+        replay = ("replay", str(trace), "--target", replicas[0].url, "--repeats", "2",
+                  "--no-progress")
+        code, out, err = await sidecar_async(*replay, "--output-dir", str(late),
+                                             "--max-lateness", "0ms")
+        assert code == 0, err
+        code, fine_out, err = await sidecar_async(*replay, "--output-dir", str(fine),
+                                                  "--max-lateness", "off")
+        assert code == 0, err
+        assert await replay_cli.run(args_for(trace, replicas[0].url, repeats=1,
+                                             max_concurrency=2, max_lateness="0ms",
+                                             output_dir=closed)) == 0
+    finally:
+        await close_replicas(replicas)
+    (line,) = [x for x in out.splitlines() if x.startswith("DEGRADED: ")]
+    assert re.fullmatch("DEGRADED: " + LATE_RE, line), line
+    report = json.loads((late / "report.json").read_text())
+    assert report["degraded"] is True and report["max_lateness_ms"] == 0.0
+    assert report["degraded_reason"] == line.removeprefix("DEGRADED: ")
+    for run in report["runs"]:
+        assert run["degraded"] is True and run["max_lateness_ms"] == 0.0
+        assert re.fullmatch(r"sender lateness p99 [\d.]+ ms > --max-lateness 0 ms: the sender "
+                            r"fell behind its schedule, so the run did not offer the load it "
+                            r"claims", run["degraded_reason"])
+    assert "DEGRADED" not in fine_out
+    for directory in (fine, closed):
+        other = json.loads((directory / "report.json").read_text())
+        assert other["degraded"] is False and other["degraded_reason"] is None
+    assert json.loads((fine / "report.json").read_text())["max_lateness_ms"] is None
+
+    code, out, err = await sidecar_async("compare", str(fine), str(late))
+    assert code == 3 and out == ""
+    (refusal,) = err.splitlines()
+    assert re.fullmatch(rf"sidecar compare: refused: B \({re.escape(str(late))}\) is degraded: "
+                        rf"{LATE_RE}; a run that did not offer its load is not called better "
+                        r"or worse \(--force compares anyway\)", refusal), refusal
+    code, out, err = await sidecar_async("compare", str(fine), str(late), "--force")
+    assert code == 0, err
+    assert f"WARNING: degraded (--force): B ({late}) is degraded: sender lateness" in out
+    assert "median_e2el_ms" in out
+
+
+def test_max_lateness_needs_a_duration(tmp_path: Path) -> None:
+    done = sidecar_command("replay", str(one_line_trace(tmp_path)), "--target",
+                           "http://127.0.0.1:9", "--max-lateness", "5")
+    assert done.returncode == 2
+    assert "sidecar replay: --max-lateness: a duration needs a unit: '5'" in done.stderr

@@ -13,6 +13,10 @@ steps at loads only one side ran are listed as such. Two more rows sum a sweep u
 capacity, called different only when the two searches' brackets (from the highest passing
 load to the lowest failing one above it) do not overlap, and the knee with its goodput. A
 replay report is never compared with a sweep.
+
+A degraded replay (its sender fell behind its schedule: `sidecar replay --max-lateness`) did
+not offer the load it claims, so compare will not call it better or worse: it refuses (exit 3)
+in one line saying which run and why, unless ``--force``, which compares with a warning.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ examples:
   sidecar compare sweep-v1/ sweep-v2/ --variable engine_version
       two sweeps (their sweep.json): capacity, knee, and the steps both ran, by load
 
-exit status: 0 compared, 2 unreadable input or a replay report against a sweep, 3 different
-experiments (the envelopes differ in an undeclared key; --force compares anyway)
+exit status: 0 compared, 2 unreadable input or a replay report against a sweep, 3 refused:
+different experiments (the envelopes differ in an undeclared key) or a degraded run (its
+sender fell behind its schedule); --force compares anyway
 """
 
 # Envelope keys that are measurements or run bookkeeping, not part of the experiment's design.
@@ -76,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variable", action="append", default=[], metavar="KEY",
                         help="envelope key that is meant to differ (repeatable), e.g. target")
     parser.add_argument("--force", action="store_true",
-                        help="compare even when other envelope keys differ (warns loudly)")
+                        help="compare even when other envelope keys differ or a run is "
+                        "degraded (warns loudly)")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
@@ -96,6 +102,13 @@ def load_result(path: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"{file}: not a `sidecar replay` report or a `sidecar sweep` result "
                          "(no envelope)")
     return (SWEEP if isinstance(data.get("steps"), list) else REPLAY), data
+
+
+def degraded_text(results: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """One line naming each degraded result ("B (path) is degraded: reason"), or None."""
+    found = [f"{name} is degraded: {result.get('degraded_reason') or 'see its report'}"
+             for name, result in results.items() if result.get("degraded") is True]
+    return "; ".join(found) or None
 
 
 def envelope_differences(a: Mapping[str, Any], b: Mapping[str, Any],
@@ -253,6 +266,10 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     differences = envelope_differences(design(kind_a, a), design(kind_b, b),
                                        set(args.variable))
+    degraded = degraded_text({f"A ({args.run_a})": a, f"B ({args.run_b})": b})
+    if degraded and not args.force:
+        print(f"sidecar compare: refused: {degraded}; a run that did not offer its load is "
+              "not called better or worse (--force compares anyway)", file=sys.stderr)
     if differences and not args.force:
         print("sidecar compare: these are different experiments; the envelopes differ in:",
               file=sys.stderr)
@@ -260,6 +277,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"  {key}: {va!r} vs {vb!r}", file=sys.stderr)
         print("declare the intended variable with --variable KEY, or --force to compare "
               "anyway", file=sys.stderr)
+    if (degraded or differences) and not args.force:
         return 3
     if kind_a == SWEEP:
         comparison: dict[str, Any] = {"kind": SWEEP, **compare_sweeps(a, b)}
@@ -267,8 +285,12 @@ async def run(args: argparse.Namespace) -> int:
         comparison = {"kind": REPLAY, "rows": compare(a, b)}
     if args.json:
         print(json.dumps({"envelope_differences": differences, "variables": args.variable,
-                          **comparison}, indent=2, default=str))
+                          "degraded": degraded, **comparison}, indent=2, default=str))
         return 0
+    if degraded:
+        print("!" * 78)
+        print(f"WARNING: degraded (--force): {degraded}")
+        print("!" * 78)
     if differences:
         print("!" * 78)
         print("WARNING: different experiments (--force). Envelopes differ in:")

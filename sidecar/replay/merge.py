@@ -26,7 +26,13 @@ from typing import Any
 from sidecar.config import ConfigError, parse_slo_spec
 from sidecar.record import RequestRecord
 from sidecar.replay.compare import NOT_DESIGN
-from sidecar.replay.report import console_table, median_run, run_report
+from sidecar.replay.report import (
+    DEFAULT_MAX_LATENESS_MS,
+    console_table,
+    mark_degraded,
+    median_run,
+    run_report,
+)
 from sidecar.replay.runner import SentRequest
 from sidecar.stats import SLO, SLOPolicy
 
@@ -192,6 +198,9 @@ def merge(shards: Sequence[Shard], slo_spec: str | None,
     result["envelope"] = envelope
     result["median_run"] = chosen
     result["runs"] = reports
+    # The union's lateness, judged by the threshold the shards were run with.
+    threshold = shards[0].report.get("max_lateness_ms", DEFAULT_MAX_LATENESS_MS)
+    mark_degraded(result, threshold if isinstance(threshold, (int, float)) else None)
     result["merged_from"] = [{
         "path": str(shard.path), "shard_index": shard.index,
         "requests": len(shard.runs[chosen]),

@@ -37,9 +37,15 @@ from sidecar.replay.payload import (
     parse_token_id_range,
     text_prompt,
 )
-from sidecar.replay.peers import peer_report, vllm_bench_json
+from sidecar.replay.peers import peer_report, vllm_bench_counters, vllm_bench_json
 from sidecar.replay.progress import Counts, ProgressDisplay
-from sidecar.replay.report import console_table, median_run, run_report
+from sidecar.replay.report import (
+    DEFAULT_MAX_LATENESS_MS,
+    console_table,
+    mark_degraded,
+    median_run,
+    run_report,
+)
 from sidecar.replay.runner import PlannedRequest, Sender, SentRequest, closed_loop, open_loop
 from sidecar.replay.schedule import gamma_schedule, trace_schedule
 from sidecar.stats import SLO, SLOPolicy
@@ -58,6 +64,9 @@ the trace's own arrival times (scaled by --time-scale) or on a synthetic process
 instead, reported as such. Each request reproduces the recorded work: exact input length
 (token-id prompts on /v1/completions), exact output length (max_tokens + ignore_eos), shared
 prefixes where the trace's hashes say so, captured bodies verbatim when the trace has them.
+A run whose sender fell behind its schedule (lateness p99 over --max-lateness) did not offer
+the load it claims: it is marked DEGRADED, and `sidecar compare` will not call it better or
+worse.
 """
 
 EPILOG = """\
@@ -127,7 +136,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also report every metric under vLLM's, inference-perf's, "
                         "AIPerf's and GuideLLM's definitions, named by formula")
     parser.add_argument("--export-vllm-bench", metavar="FILE",
-                        help="also write the median run as `vllm bench serve` result JSON")
+                        help="also write the median run as `vllm bench serve` result JSON "
+                        "(--save-result --save-detailed: every key it writes, with its "
+                        "meaning)")
+    parser.add_argument("--max-lateness", default=f"{DEFAULT_MAX_LATENESS_MS:g}ms",
+                        metavar="DURATION",
+                        help="mark a run DEGRADED when its sender lateness p99 (actual send - "
+                        "scheduled send, open loop) exceeds this: the sender fell behind and "
+                        "the run did not offer the load it claims; `off` never marks "
+                        "[%(default)s: a healthy sender stays under 1 ms]")
     parser.add_argument("--metrics-listen", metavar="HOST:PORT",
                         help="serve this sender's live numbers on http://HOST:PORT/metrics "
                         "(Prometheus): requests planned, sent, completed by outcome, in "
@@ -143,6 +160,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 class UsageError(Exception):
     pass
+
+
+def max_lateness_ms(text: str) -> float | None:
+    """--max-lateness as milliseconds; None for `off`."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        return parse_duration(text) * 1000.0
+    except ConfigError as exc:
+        raise UsageError(f"--max-lateness: {exc}") from None
 
 
 # Skipped lines named on stderr, and kept in the report (the count is always whole).
@@ -244,6 +271,7 @@ async def _run(args: argparse.Namespace) -> int:
     if args.start_at is not None and args.repeats != 1:
         raise UsageError("--start-at fixes one common instant: use it with --repeats 1")
     try:
+        args.max_lateness_ms = max_lateness_ms(args.max_lateness)
         linger_s = parse_duration(args.metrics_linger)
         metrics_address = parse_hostport(args.metrics_listen) if args.metrics_listen else None
     except ConfigError as exc:
@@ -348,11 +376,17 @@ async def _replay(args: argparse.Namespace, plan: list[PlannedRequest], mode: st
         await execute(warmup, target, "closed", min(8, len(warmup)), 1, args, quiet=True)
     reports: list[dict[str, Any]] = []
     runs: list[list[SentRequest]] = []
+    # The target's speculative-decoding / diffusion counters around each run, for the export
+    # (vllm bench reads them around its run); only when one is asked for.
+    server: list[tuple[dict[str, Any] | None, dict[str, Any] | None]] = []
     for repeat in range(args.repeats):
         if counters is not None:
             counters.start_run(repeat + 1, len(plan))
+        before = await server_counters(target) if args.export_vllm_bench else None
         sent = await execute(plan, target, mode, args.max_concurrency, args.workers, args,
                              label=f"run {repeat + 1}/{args.repeats}", counters=counters)
+        after = await server_counters(target) if args.export_vllm_bench else None
+        server.append((before, after))
         runs.append(sent)
         reports.append(run_report(sent, mode=mode, slo_policy=slo_policy))
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -365,12 +399,15 @@ async def _replay(args: argparse.Namespace, plan: list[PlannedRequest], mode: st
     result["envelope"] = envelope
     result["median_run"] = chosen
     result["runs"] = reports
+    mark_degraded(result, getattr(args, "max_lateness_ms", DEFAULT_MAX_LATENESS_MS))
     chosen_records = [s.record for s in runs[chosen]]
     if args.peer_definitions:
         result["peer_definitions"] = peer_report(chosen_records)
     if args.export_vllm_bench:
-        Path(args.export_vllm_bench).write_text(
-            json.dumps(vllm_bench_json(result, chosen_records), indent=2, default=str))
+        planned = {p.index: r.n_in for p, r in zip(plan, requests, strict=True)}
+        exported = vllm_bench_json(result, runs[chosen], requested_input=planned,
+                                   server=server[chosen])
+        Path(args.export_vllm_bench).write_text(json.dumps(exported, indent=2, default=str))
     if args.export_llmd:
         br = llmd_report(result, runs[chosen], requests, args, slo_policy)
         Path(args.export_llmd).write_text(json.dumps(br, indent=2))
@@ -720,6 +757,19 @@ async def engine_version(session: aiohttp.ClientSession, target: str) -> str | N
         return None
     version = body.get("version") if isinstance(body, dict) else None
     return version if isinstance(version, str) else None
+
+
+async def server_counters(target: str) -> dict[str, Any] | None:
+    """The target's /metrics counters that vllm bench reads (`vllm_bench_counters`); None
+    when it serves no /metrics."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session, \
+                session.get(target + "/metrics") as response:
+            if response.status != 200:
+                return None
+            return vllm_bench_counters(await response.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
 
 
 async def scrape_engine(session: aiohttp.ClientSession,

@@ -5,6 +5,16 @@ Meaning notes against `vllm bench serve`: TTFT, ITL (per event), TPOT ((E2E - TT
 1), N_out from usage) and E2EL are the same definitions, measured by the replayer as a client;
 ``request_goodput`` counts requests that met every declared threshold of the SLO, per second.
 ``duration`` runs from the run's start (the first scheduled instant) to the last response's end.
+``max_concurrent_requests`` is vllm bench's per-second count (`peers.vllm_bench_peaks`); the
+exact most requests in flight at once is ``max_in_flight_requests``.
+
+A replay whose sender fell behind its schedule did not offer the load it claims: a run whose
+sender lateness p99 exceeds ``--max-lateness`` (`DEFAULT_MAX_LATENESS_MS` unless given) is
+marked ``degraded`` with the reason and the threshold (`late_p99`, `mark_degraded`), and
+`sidecar compare` refuses to call it better or worse. The default, 50 ms: a healthy sender
+keeps p99 under 1 ms (benchmarks/RESULTS.md, replay pacing: 0.27 ms at 1,000 req/s on 2
+cores), so 50 ms is never host noise; and it is a tenth of AIPerf's 500 ms, which would let a
+run at 100 req/s bunch 50 requests together unflagged.
 """
 
 from __future__ import annotations
@@ -16,9 +26,11 @@ import numpy as np
 
 from sidecar import stats
 from sidecar.record import Outcome, Vantage
+from sidecar.replay.peers import vllm_bench_peaks
 from sidecar.replay.runner import SentRequest
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
+DEFAULT_MAX_LATENESS_MS = 50.0
 
 DEFINITIONS = {
     "ttft": "send -> first token-carrying chunk (client vantage); sample = request",
@@ -29,6 +41,13 @@ DEFINITIONS = {
     "percentiles": "numpy linear interpolation; std is the population std",
     "goodput": "completed requests meeting every declared threshold, per second; attainment "
                "= good / all requests (failures included)",
+    "max_concurrent_requests": "vllm bench's: one-second buckets from the first send, a "
+                               "successful request counted in every bucket from its send's "
+                               "to its last chunk's; the most in one bucket",
+    "max_in_flight_requests": "the most requests in flight at once (send to response end), "
+                              "exact",
+    "degraded": "open loop: sender lateness p99 > max_lateness_ms in some run; the sender fell "
+                "behind its schedule, so that run did not offer the load it claims",
 }
 
 
@@ -84,7 +103,8 @@ def run_report(sent: Sequence[SentRequest], *, mode: str,
         "request_throughput": len(completed) * rate,
         "output_throughput": total_out * rate,
         "total_token_throughput": (total_in + total_out) * rate,
-        "max_concurrent_requests": max_concurrency(sent),
+        "max_concurrent_requests": vllm_bench_peaks(sent)[1],
+        "max_in_flight_requests": max_concurrency(sent),
     }
     report["request_goodput"] = None
     if slo_policy is not None:
@@ -122,6 +142,51 @@ def max_concurrency(sent: Sequence[SentRequest]) -> int:
     return peak
 
 
+BEHIND = "the sender fell behind its schedule, so"
+
+
+def late_p99(report: Mapping[str, Any], max_lateness_ms: float | None) -> float | None:
+    """One run's sender lateness p99 (ms) when it exceeds ``max_lateness_ms``, else None.
+    Closed loop has no schedule to be late for; None as the threshold turns the check off."""
+    late = report.get("lateness_ms")
+    p99 = late.get("p99") if isinstance(late, Mapping) else None
+    if max_lateness_ms is None or not isinstance(p99, (int, float)) or p99 <= max_lateness_ms:
+        return None
+    return float(p99)
+
+
+def _ms_text(value: float) -> str:
+    return f"{value:.3f} ms" if value < 1 else f"{value:.1f} ms"
+
+
+def mark_degraded(result: dict[str, Any], max_lateness_ms: float | None) -> None:
+    """Set ``degraded``, ``degraded_reason`` and ``max_lateness_ms`` on each of
+    ``result["runs"]`` and on the result itself: degraded when any run is (the runs are the
+    result's spread, and its median run is one of them)."""
+    runs: list[dict[str, Any]] = result.get("runs") or [result]
+    late: list[tuple[int, float]] = []
+    for number, run in enumerate(runs, 1):
+        p99 = late_p99(run, max_lateness_ms)
+        reason = None if p99 is None else (
+            f"sender lateness p99 {_ms_text(p99)} > --max-lateness {max_lateness_ms:g} ms: "
+            f"{BEHIND} the run did not offer the load it claims")
+        run.update(degraded=reason is not None, degraded_reason=reason,
+                   max_lateness_ms=max_lateness_ms)
+        if p99 is not None:
+            late.append((number, p99))
+    reason = None
+    if len(runs) == 1 and late:
+        reason = runs[0]["degraded_reason"]
+    elif late:
+        which = " and ".join(f"run {n} ({_ms_text(p99)})" for n, p99 in late)
+        reason = (f"sender lateness p99 > --max-lateness {max_lateness_ms:g} ms in {which} "
+                  f"of {len(runs)}: {BEHIND} "
+                  + ("that run did not offer the load it claims" if len(late) == 1
+                     else "those runs did not offer the load they claim"))
+    result.update(degraded=reason is not None, degraded_reason=reason,
+                  max_lateness_ms=max_lateness_ms)
+
+
 def median_run(reports: Sequence[dict[str, Any]]) -> int:
     """Index of the run reported as the result: the median by median E2E latency (ties to
     the earlier run); every run is kept beside it."""
@@ -146,7 +211,7 @@ def console_table(report: Mapping[str, Any]) -> str:
         f"{'request throughput (req/s)':<34} {report['request_throughput']:.2f}",
         f"{'output token throughput (tok/s)':<34} {report['output_throughput']:.1f}",
         f"{'total token throughput (tok/s)':<34} {report['total_token_throughput']:.1f}",
-        f"{'max concurrent requests':<34} {report['max_concurrent_requests']}",
+        f"{'max concurrent requests':<34} {concurrency_text(report)}",
     ]
     if report.get("request_goodput") is not None:
         lines.append(f"{'request goodput (req/s)':<34} {report['request_goodput']:.2f}  "
@@ -168,4 +233,16 @@ def console_table(report: Mapping[str, Any]) -> str:
                      f"p99 {late['p99'] or 0:.3f}  max {late['max'] or 0:.3f}")
     outcomes = ", ".join(f"{k}={v}" for k, v in report["outcomes"].items() if v)
     lines.append(f"{'outcomes':<34} {outcomes}")
+    if report.get("degraded"):
+        lines.append(f"DEGRADED: {report.get('degraded_reason')}")
     return "\n".join(lines)
+
+
+def concurrency_text(report: Mapping[str, Any]) -> str:
+    """"7 in flight at once (vllm bench's per-second count: 9)"; a report without the exact
+    figure (written before it existed) shows the one it has."""
+    exact = report.get("max_in_flight_requests")
+    if exact is None:
+        return str(report.get("max_concurrent_requests", "-"))
+    return (f"{exact} in flight at once (vllm bench's per-second count: "
+            f"{report.get('max_concurrent_requests', '-')})")

@@ -224,9 +224,12 @@ async def open_loop(sender: Sender, plan: Sequence[PlannedRequest], start_ns: in
 async def closed_loop(sender: Sender, plan: Sequence[PlannedRequest], concurrency: int,
                       start_ns: int,
                       on_done: Callable[[SentRequest], None] | None = None) -> list[SentRequest]:
-    """At most ``concurrency`` requests outstanding; the next leaves when one finishes."""
+    """At most ``concurrency`` requests outstanding; the next leaves when one finishes. The
+    first ``concurrency`` leave at ``start_ns``, the instant every offset counts from (sending
+    earlier made their offsets negative and the run's duration short)."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    await sleep_until(start_ns)
     queue = list(plan)
     queue.reverse()
     results: list[SentRequest] = []

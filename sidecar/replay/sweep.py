@@ -349,7 +349,8 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
             "throughput": _num(report.get("request_throughput")),
             "goodput": _num(report.get("request_goodput")),
             "attain.": _pct(report.get("slo_attainment")),
-            "conc.": str(report.get("max_concurrent_requests", "-")),
+            "conc.": str(report.get("max_in_flight_requests",
+                                    report.get("max_concurrent_requests", "-"))),
             "failed": f"{report.get('failed', 0)}/"
                       f"{report.get('failed', 0) + report.get('completed', 0)}",
             "late p99": _num((report.get("lateness_ms") or {}).get("p99")),
