@@ -474,8 +474,9 @@ def latency_dashboard() -> dict[str, Any]:
             panels.append(timeseries(
                 f"{name} {vantage} side: p50, p90, p99",
                 f"{title} ({name}), {where}, of successful requests. Percentiles from the "
-                "histograms of every selected sidecar merged (bucket resolution: neighbouring "
-                "bounds at most 1.5x apart)"
+                "histograms of every selected sidecar merged: with the default buckets "
+                "(--histogram-buckets schema3, bounds 2^(1/8) apart) within 9.2 % of the exact "
+                "percentile"
                 + (", with the declared SLO thresholds of the selected classes."
                    if slo_metric else ".") + see(METRICS_DEFS, VANTAGES, PERCENTILES),
                 "s", targets(*queries)))

@@ -193,3 +193,16 @@ def test_bad_objective_and_exclusion_terms_say_what_is_wrong(spec: str, message:
 
     with pytest.raises(ConfigError, match=message):
         parse_slo_spec(spec)
+
+
+def test_histogram_layouts_are_the_sinks_and_a_bad_name_is_refused() -> None:
+    from sidecar.config import HISTOGRAM_LAYOUTS
+    from sidecar.sinks.prometheus import DEFAULT_LATENCY_LAYOUT, LATENCY_LAYOUTS
+
+    assert set(HISTOGRAM_LAYOUTS) == set(LATENCY_LAYOUTS)
+    assert build_config({"upstreams": ["http://a:1"]}, {}).histogram_buckets == \
+        DEFAULT_LATENCY_LAYOUT
+    assert build_config({"upstreams": ["http://a:1"], "histogram_buckets": "E6"},
+                        {}).histogram_buckets == "e6"
+    with pytest.raises(ConfigError, match="histogram_buckets must be one of"):
+        build_config({"upstreams": ["http://a:1"], "histogram_buckets": "e12"}, {})
