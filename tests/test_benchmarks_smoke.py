@@ -329,3 +329,54 @@ def test_sim_isolation_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert set(result["isolation"]) == {"0", "120"}
     assert "cold" in result
+
+
+# ---------------------------------------------------------------------------------------------
+# agreement.py: client tools vs the sidecar's client vantage vs the simulator's ground truth
+
+
+def test_agreement_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "agreement.json"
+    stdout = run_harness("agreement.py", "--smoke", "--json-out", str(out), timeout_s=60)
+    result = json.loads(out.read_text())
+    # vllm is not needed in smoke mode: its part is skipped, and says so; the rest runs.
+    assert "vllm bench: skipped (smoke run" in stdout
+    runs = {(r["tool"], r["workload"]): r for r in result["runs"]}
+    assert set(runs) == {("sdk", "synthetic"), ("sdk", "mooncake")}
+    for key, r in runs.items():
+        assert r["joined"] == r["requests_sent"] > 0, key
+        assert all(v == 0 for k, v in r["problems"].items() if k != "tpot_undefined"), key
+        for q in ("ttft", "e2e", "tpot", "server_ttft", "server_e2e", "send", "first", "last"):
+            assert r["stats"][q]["n"] > 0 and finite(r["stats"][q]["p50"]), (key, q)
+    floor = result["send_floor"]["OpenAI SDK, as the sdk-client sends"]
+    assert finite(floor["back_to_back"]["p50"]) and finite(floor["after_pause"]["p50"])
+    assert "| tool | workload | n | quantity | median | p90 | \\|d\\| p50 | target |" in stdout
+
+
+def test_agreement_reads_vllm_bench_and_mooncake() -> None:
+    import agreement
+
+    # vllm bench's detailed result: output i is request prefix + i; TPOT as vllm bench has it.
+    detailed = {"ttfts": [0.010, 0.0], "latencies": [0.050, 0.0], "start_times": [100.0, 100.5],
+                "output_lens": [5, 0], "errors": ["", "Bad Request"]}
+    ok, failed = agreement.from_vllm_bench(detailed, "p-")
+    assert (ok.id, ok.ok, ok.ttft_ns, ok.e2e_ns, ok.n_out) == ("p-0", True, 10**7, 5 * 10**7, 5)
+    assert ok.tpot_ns is not None and abs(ok.tpot_ns - 10**7) < 1
+    assert ok.first_ns == 100 * 10**9 + 10**7 and ok.last_ns == 100 * 10**9 + 5 * 10**7
+    assert (failed.id, failed.ok, failed.ttft_ns) == ("p-1", False, None)
+    # Mooncake lines: input_length words (one simulator token each), shared hash ids share text.
+    rows = agreement.mooncake_rows(agreement.MOONCAKE, 3, max_out=8)
+    lines = [json.loads(line) for line in agreement.MOONCAKE.read_text().splitlines()[:3]]
+    for row, line in zip(rows, lines, strict=True):
+        assert len(row["prompt"].split(" ")) == line["input_length"]
+        assert row["output_tokens"] == min(8, line["output_length"])
+    assert lines[0]["hash_ids"][0] == lines[1]["hash_ids"][0]
+    assert lines[0]["hash_ids"][1] != lines[1]["hash_ids"][1]
+    block = agreement.MOONCAKE_BLOCK
+    first0, first1 = rows[0]["prompt"].split(" "), rows[1]["prompt"].split(" ")
+    assert first0[:block] == first1[:block] and first0[block:2 * block] != first1[block:2 * block]
+
+
+def test_histogram_accuracy_smoke() -> None:
+    stdout = run_harness("histogram_accuracy.py", "--smoke")
+    assert "schema3" in stdout
