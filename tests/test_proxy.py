@@ -498,12 +498,14 @@ async def test_the_client_vantage_starts_at_the_requests_first_byte(tmp_path: Pa
     assert 'sidecar_request_read_seconds_bucket{le="0.25",model="m"} 0.0' in exposition
     (line,) = [json.loads(x) for f in (tmp_path / "cap").glob("capture-*.jsonl")
                for x in f.read_text().splitlines()[1:]]
-    assert line["request_read_s"] == record.request_read_ns / 1e9 and line["ttft_s"] >= 0.3
-    assert record.request_read_ns is not None and record.request_read_ns >= 300_000_000
+    # The client paused 300 ms mid-upload; the proxy's stamps are taken where its loop reads
+    # the bytes, so allow for a loop that woke a little late or early (no timing claim here).
+    assert line["request_read_s"] == record.request_read_ns / 1e9 and line["ttft_s"] >= 0.25
+    assert record.request_read_ns is not None and record.request_read_ns >= 250_000_000
     assert record.server is not None and record.server.start_ns >= record.request_read_ns
     # Client TTFT counts from t_arrive: the upload is in it, and not in the server's.
-    assert record.client.offsets_ns[0] >= 300_000_000
-    assert record.client.offsets_ns[0] - record.server.start_ns < 300_000_000
+    assert record.client.offsets_ns[0] >= 250_000_000
+    assert record.client.offsets_ns[0] - record.server.start_ns < 100_000_000
 
 
 async def test_n2_through_the_proxy_keeps_each_choice_a_sequence() -> None:
