@@ -814,9 +814,12 @@ async def test_admission_limit_answers_503_and_counts(
     }
     assert [s for s, _, _ in await asyncio.gather(running, waiting)] == [200, 200]
     families = await scrape(session, replica.url)
-    (rejections,) = [s for s in families["vllm:admission_rejections"] if s.name.endswith("_total")]
-    assert rejections.labels == {"model_name": "M", "reason": "max_num_queued_reqs"}
-    assert rejections.value == 1
+    rejections = {
+        s.labels["reason"]: s.value
+        for s in families["vllm:admission_rejections"]
+        if s.name.endswith("_total") and s.labels["model_name"] == "M"
+    }
+    assert rejections == {"max_num_queued_reqs": 1, "max_num_queued_tokens": 0}
 
 
 async def test_unknown_route_and_method_use_fastapi_shape(
@@ -986,6 +989,60 @@ async def test_metrics_after_traffic(start_sim: Any, session: aiohttp.ClientSess
     assert TTFT_BUCKETS[:3] == (0.001, 0.005, 0.01) and ITERATION_BUCKETS[-1] == 16384
 
 
+async def test_metrics_vllm_0_32_engine_families(
+    start_sim: Any, session: aiohttp.ClientSession
+) -> None:
+    """The families vLLM 0.32 added, derived from the engine's totals (no KV connector, no
+    multi-modal input, no sleep): a repeated prompt is served partly from the prefix cache."""
+    (replica,) = await start_sim(engine_max_model_len=1000)
+    long_prompt = [{"role": "user", "content": "hello there " * 40}]
+    for _ in range(2):
+        await post(
+            session,
+            replica.url + CHAT,
+            {"messages": long_prompt, "max_tokens": 2, "ignore_eos": True},
+        )
+    families = await scrape(session, replica.url)
+
+    def values(name: str, label: str) -> dict[str, float]:
+        return {s.labels[label]: s.value for s in families[name] if not s.name.endswith("_created")}
+
+    def value(name: str) -> float:
+        (sample,) = [s for s in families[name] if not s.name.endswith("_created")]
+        assert sample.labels == {"model_name": "M", "engine": "0"}, name
+        return float(sample.value)
+
+    prompt_tokens = value("vllm:prompt_tokens")
+    cached = value("vllm:prompt_tokens_cached")
+    hits = value("vllm:prefix_cache_hits")
+    assert 0 < cached < prompt_tokens and hits > 0
+    assert values("vllm:prompt_tokens_by_source", "source") == {
+        "local_compute": prompt_tokens - cached,
+        "local_cache_hit": cached,
+        "external_kv_transfer": 0,
+    }
+    assert values("vllm:prompt_tokens_cached_by_source", "source") == {
+        "device": hits, "host": 0, "p2p": 0, "disk": 0, "external_unspecified": 0,
+    }
+    assert values("vllm:num_requests_waiting_by_reason", "reason") == {
+        "capacity": 0, "deferred": 0,
+    }
+    assert values("vllm:engine_sleep_state", "sleep_state") == {
+        "awake": 1, "weights_offloaded": 0, "discard_all": 0,
+    }
+    for name in (
+        "vllm:external_prefix_cache_queries",
+        "vllm:external_prefix_cache_hits",
+        "vllm:mm_cache_queries",
+        "vllm:mm_cache_hits",
+    ):
+        assert value(name) == 0, name
+    info = families["vllm:cache_config_info"][0].labels
+    assert info["kv_cache_size_tokens"] == str(16 * int(info["num_gpu_blocks"]))
+    assert info["effective_attention_block_size"] == info["block_size"] == "16"
+    assert "swap_space" not in info and "_block_size_resolved" in info
+
+
 async def test_legacy_metric_names(start_sim: Any, session: aiohttp.ClientSession) -> None:
     (replica,) = await start_sim(legacy_metric_names=True)
     await post(
@@ -999,6 +1056,9 @@ async def test_legacy_metric_names(start_sim: Any, session: aiohttp.ClientSessio
         ("vllm:gpu_prefix_cache_hits", "vllm:prefix_cache_hits"),
     ):
         assert old in families and new not in families
+    # A 0.10-era server: its CacheConfig labels, none of the families vLLM added since.
+    assert "swap_space" in families["vllm:cache_config_info"][0].labels
+    assert "vllm:prompt_tokens_by_source" not in families
 
 
 async def test_client_disconnect_aborts_the_request(

@@ -54,6 +54,63 @@ LEGACY_NAMES: dict[str, str] = {
     "vllm:prefix_cache_hits": "vllm:gpu_prefix_cache_hits",
 }
 
+# The labels of vLLM 0.32's ``vllm:cache_config_info`` (its CacheConfig fields), with the values
+# the CPU server reports where the simulator has no counterpart. `vllm_cache_config_info` fills
+# in the ones the engine model knows.
+_CACHE_CONFIG_DEFAULTS: dict[str, str] = {
+    "_block_size_resolved": "True",
+    "block_size": "16",
+    "cache_dtype": "auto",
+    "cache_hit_alignment_tokens": "None",
+    "effective_attention_block_size": "16",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.9",
+    "hash_block_size": "None",
+    "is_attention_free": "False",
+    "kv_cache_dtype_skip_layers": "[]",
+    "kv_cache_layout": "None",
+    "kv_cache_max_concurrency": "None",
+    "kv_cache_memory_bytes": "None",
+    "kv_cache_size_tokens": "None",
+    "kv_offloading_backend": "native",
+    "kv_offloading_size": "None",
+    "kv_sharing_fast_prefill": "False",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "float32",
+    "num_cpu_blocks": "None",
+    "num_gpu_blocks": "None",
+    "num_gpu_blocks_override": "None",
+    "prefix_cache_retention_interval": "0",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_match_unit": "None",
+    "replayssm_buffer_len": "16",
+    "skip_page_size_padded": "None",
+    "sliding_window": "None",
+    "swa_bounded_replay": "True",
+    "use_kda_recoverssm": "False",
+    "use_replayssm": "False",
+    "user_specified_block_size": "False",
+}
+
+
+def vllm_cache_config_info(cache_info: Mapping[str, str], max_model_len: int) -> dict[str, str]:
+    """``cache_info`` (the server's, 0.10-era keys) as vLLM 0.32's label set: its keys that
+    0.32 still has keep their values, the KV-cache size is derived from the block count, and
+    every other label takes the value a default vLLM 0.32 reports."""
+    info = dict(_CACHE_CONFIG_DEFAULTS)
+    info.update((key, value) for key, value in cache_info.items() if key in info)
+    info["effective_attention_block_size"] = info["block_size"]
+    if info["num_gpu_blocks"].isdigit() and info["block_size"].isdigit():
+        tokens = int(info["num_gpu_blocks"]) * int(info["block_size"])
+        info["kv_cache_size_tokens"] = str(tokens)
+        if max_model_len > 0:
+            info["kv_cache_max_concurrency"] = str(tokens / max_model_len)
+    return info
+
 
 def one_two_five_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's ``build_1_2_5_buckets``)."""
@@ -133,7 +190,9 @@ class _EngineStatsCollector:
         created: float,
         cache_info: Mapping[str, str],
         name: Callable[[str], str],
+        legacy: bool,
     ) -> None:
+        self._legacy = legacy
         self._stats_source = stats_source
         self._labels = list(labels)
         self._created = created
@@ -152,8 +211,21 @@ class _EngineStatsCollector:
         family.add_metric(self._labels, value, created=self._created)
         return family
 
+    def _by_label(
+        self,
+        family: CounterMetricFamily | GaugeMetricFamily,
+        values: Mapping[str, float],
+    ) -> CounterMetricFamily | GaugeMetricFamily:
+        for label, value in values.items():
+            if isinstance(family, CounterMetricFamily):
+                family.add_metric([*self._labels, label], value, created=self._created)
+            else:
+                family.add_metric([*self._labels, label], value)
+        return family
+
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_source()
+        labelled = ["model_name", "engine"]
         yield self._gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
@@ -164,6 +236,31 @@ class _EngineStatsCollector:
             "Number of requests waiting to be processed.",
             stats.num_waiting,
         )
+        if not self._legacy:
+            # No LoRA budget or KV transfer to defer a request: every waiting one waits for
+            # capacity.
+            yield self._by_label(
+                GaugeMetricFamily(
+                    "vllm:num_requests_waiting_by_reason",
+                    "Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
+                    "for scheduling capacity; 'deferred' = deferred by transient constraints "
+                    "(LoRA budget, KV transfer, blocked status). Sum of all reasons equals "
+                    "vllm:num_requests_waiting.",
+                    labels=[*labelled, "reason"],
+                ),
+                {"capacity": stats.num_waiting, "deferred": 0},
+            )
+            # The simulator never sleeps (no /sleep endpoint).
+            yield self._by_label(
+                GaugeMetricFamily(
+                    "vllm:engine_sleep_state",
+                    "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means "
+                    "engine is awake; weights_offloaded = 1 means sleep level 1; "
+                    "discard_all = 1 means sleep level 2.",
+                    labels=[*labelled, "sleep_state"],
+                ),
+                {"awake": 1, "weights_offloaded": 0, "discard_all": 0},
+            )
         yield self._gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
@@ -186,6 +283,30 @@ class _EngineStatsCollector:
             "Prefix cache hits, in terms of number of cached tokens.",
             stats.prefix_cache_hits_total,
         )
+        if not self._legacy:
+            # No KV connector and a text-only model: vLLM serves these at 0 then too.
+            yield self._counter(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, "
+                "in terms of number of queried tokens.",
+                0,
+            )
+            yield self._counter(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, in "
+                "terms of number of cached tokens.",
+                0,
+            )
+            yield self._counter(
+                "vllm:mm_cache_queries",
+                "Multi-modal cache queries, in terms of number of queried items.",
+                0,
+            )
+            yield self._counter(
+                "vllm:mm_cache_hits",
+                "Multi-modal cache hits, in terms of number of cached items.",
+                0,
+            )
         yield self._counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
@@ -194,6 +315,43 @@ class _EngineStatsCollector:
         yield self._counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens_total
         )
+        if not self._legacy:
+            cached = stats.prompt_tokens_cached_total
+            yield self._by_label(
+                CounterMetricFamily(
+                    "vllm:prompt_tokens_by_source",
+                    "Number of prompt tokens by source.",
+                    labels=[*labelled, "source"],
+                ),
+                {
+                    "local_compute": stats.prompt_tokens_total - cached,
+                    "local_cache_hit": cached,
+                    "external_kv_transfer": 0,
+                },
+            )
+            yield self._counter(
+                "vllm:prompt_tokens_cached",
+                "Number of cached prompt tokens (local + external).",
+                cached,
+            )
+            # Counted at admission, like vllm:prefix_cache_hits; all from the device's cache.
+            yield self._by_label(
+                CounterMetricFamily(
+                    "vllm:prompt_tokens_cached_by_source",
+                    "Prefix-cache hit tokens by the cache tier that supplied them: device (local "
+                    "HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM "
+                    "instance) or external_unspecified. Counted at admission; sums to "
+                    "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+                    labels=[*labelled, "source"],
+                ),
+                {
+                    "device": stats.prefix_cache_hits_total,
+                    "host": 0,
+                    "p2p": 0,
+                    "disk": 0,
+                    "external_unspecified": 0,
+                },
+            )
         yield self._counter(
             "vllm:generation_tokens",
             "Number of generation tokens processed.",
@@ -242,12 +400,14 @@ class ReplicaMetrics:
         }
         self._admission_rejections = Counter(
             "vllm:admission_rejections",
-            "Number of requests rejected by the admission limits.",
+            "Number of admission attempts rejected by a queue limit, by reason.",
             ["model_name", "reason"],
             registry=registry,
         )
         # Expose the series at 0 from the start, so a scrape before the first 503 sees it.
-        self._admission_rejections.labels(model_name, "max_num_queued_reqs")
+        # (The simulator has no max_num_queued_tokens limit: that series stays at 0.)
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            self._admission_rejections.labels(model_name, reason)
         self._prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
@@ -311,12 +471,16 @@ class ReplicaMetrics:
         )
         self._preemptions = histogram(
             "vllm:request_num_preemptions",
-            "Number of preemptions per request.",
+            "Histogram of the number of times a request was preempted.",
             PREEMPTION_BUCKETS,
         )
         registry.register(_HistogramCollector(histograms, labels))
+        if not legacy_names:
+            cache_info = vllm_cache_config_info(cache_info, max_model_len)
         registry.register(
-            _EngineStatsCollector(stats_source, labels, time.time(), cache_info, self._name)
+            _EngineStatsCollector(
+                stats_source, labels, time.time(), cache_info, self._name, legacy_names
+            )
         )
 
     def _name(self, name: str) -> str:
