@@ -272,7 +272,9 @@ async def _refused(url: str) -> bool:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     try:
         _, writer = await asyncio.open_connection(host, int(port))
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
+        # Refused: nothing listens. Reset: the listening process died with this connection
+        # in its accept queue, and the kernel reset it (seen on CI).
         return True
     writer.close()
     return False
