@@ -58,10 +58,12 @@ Token emission: the step that completes a request's prefill samples its first to
   ``a`` is the number of accepted drafts: each of the (budget-trimmed) drafts is accepted with
   probability ``spec_acceptance`` until the first rejection. Rejected draft slots are rolled
   back. Token ids are seeded pseudo-tokens in ``[3, vocab_size)`` (0..2 are the usual
-  unk/bos/eos ids), drawn from a per-request stream, so the i-th token of a request does not
-  depend on batching or preemption; the last token of a request that finishes "stop" is EOS
-  (id 2) instead, as a model's is: it counts as a completion token, decodes to no text, and
-  its delta is what carries the finish (vLLM's final chunk with empty content).
+  unk/bos/eos ids), drawn from a per-request stream (keyed by the request id, or by its
+  ``sampling_key`` when the server gives one: greedy and seeded requests), so the i-th token
+  of a request does not depend on batching or preemption; the last token of a request that
+  finishes "stop" is EOS (id 2) instead, as a model's is: it counts as a completion token,
+  decodes to no text, and its delta is what carries the finish (vLLM's final chunk with empty
+  content).
 
 Output length ``L`` (generated tokens), decided when the request is added:
   ``cap = max(1, min(max_tokens, max_model_len - prompt_len))`` (vLLM stops at
@@ -232,6 +234,10 @@ class EngineRequest:
     # The length at which the simulated model would emit EOS if allowed (None: the model picks a
     # seeded length). With ignore_eos the request generates exactly max_tokens.
     natural_length: int | None = None
+    # ADDED. What the token ids and the seeded length are drawn from, when not the request id:
+    # a greedy request's answer is a function of its prompt, a seeded one's of its seed, as a
+    # real model's is (the server derives the key; None: the request id, a fresh draw).
+    sampling_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +363,8 @@ class _Req:
         self.num_sent = 0  # output tokens already made visible
         self.pending_steps: list[float] = []  # step end instants of not yet visible tokens
         # Separate streams so token ids never depend on how drafts were trimmed by the budget.
-        self.tok_rng = random.Random(_stable_seed(seed, req.request_id, "tokens"))
+        key = req.request_id if req.sampling_key is None else req.sampling_key
+        self.tok_rng = random.Random(_stable_seed(seed, key, "tokens"))
         self.spec_rng = random.Random(_stable_seed(seed, req.request_id, "spec"))
         self.live = True
 
@@ -412,7 +419,8 @@ class EngineModel:
         if request.natural_length is not None:
             n = max(1, request.natural_length)
         else:
-            rng = random.Random(_stable_seed(cfg.seed, request.request_id, "length"))
+            key = request.request_id if request.sampling_key is None else request.sampling_key
+            rng = random.Random(_stable_seed(cfg.seed, key, "length"))
             draw = rng.lognormvariate(math.log(cfg.natural_length_median), cfg.natural_length_sigma)
             n = max(1, round(draw)) if math.isfinite(draw) else cap
         n = max(n, request.min_tokens)
@@ -462,10 +470,12 @@ class EngineModel:
         self._waiting.append(state)
         self._num_waiting += 1
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Remove a request now and free its blocks; no "abort" output is produced.
 
-        Returns True if the request was live (ADDED; the contract returned nothing).
+        Returns True if the request was live (ADDED; the contract returned nothing). ADDED:
+        ``reason`` "stop" for a request its stop string ended (counted as a stop, as vLLM's
+        output processor finishes it).
         """
         state = self._requests.pop(request_id, None)
         if state is None:
@@ -478,7 +488,7 @@ class EngineModel:
             self._running.remove(state)
         else:
             self._num_waiting -= 1  # stays in the deque until it reaches the front
-        self._success["abort"] += 1
+        self._success[reason] += 1
         return True
 
     def has_work(self) -> bool:

@@ -23,6 +23,10 @@ from typing import Any
 from sidecar.sim.tokenizer import ChatMessage
 
 BAD_REQUEST = "Bad Request"
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
+GREEDY_EPS = 1e-5
+# vLLM's default --max-logprobs: more alternatives per token than this are refused.
+MAX_LOGPROBS = 20
 BAD_REQUEST_ERROR = "BadRequestError"
 
 _MISSING: Any = object()
@@ -266,6 +270,21 @@ class GenerateParams:
     use_beam_search: bool
     request_id: str | None
     temperature: float | None = None  # None: the model's default (1.0 here)
+    # Logprobs of sampled tokens: None (not asked) or how many alternatives per token (chat:
+    # ``top_logprobs`` when ``logprobs`` is true; completions: ``logprobs``).
+    logprobs: int | None = None
+    echo: bool = False  # completions: the prompt's text before the completion
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+    prompt_logprobs: int | None = None
+    # Chat with tools: why the simulator, like vLLM without a tool parser, refuses them.
+    tool_refusal: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: vLLM samples the most likely token, the same for the same prompt."""
+        return self.temperature is not None and self.temperature < GREEDY_EPS
 
 
 def _read_stream_options(reader: FieldReader) -> StreamOptions | None:
@@ -432,12 +451,51 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
     add_generation_prompt = reader.bool_("add_generation_prompt", True)
     add_special_tokens = reader.bool_("add_special_tokens", not chat)
     stream_options = _read_stream_options(reader)
+    echo = reader.bool_("echo", False)
+    include_stop = reader.bool_("include_stop_str_in_output", False)
+    seed = reader.int_("seed")
+    stop = _read_stop(reader)
+    if chat:
+        wants_logprobs = reader.bool_("logprobs", False)
+        top_logprobs = reader.int_("top_logprobs", 0)
+    else:
+        completion_logprobs = reader.int_("logprobs")
+    prompt_logprobs = reader.int_("prompt_logprobs")
     reader.fail_if_any()
+    # The request models' "before" validators (check_logprobs), in their order.
+    if prompt_logprobs is not None:
+        if stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
+                              "prompt_logprobs")
+        if prompt_logprobs < 0 and prompt_logprobs != -1:
+            raise bad_request("`prompt_logprobs` must be a positive value or -1.",
+                              "prompt_logprobs", prompt_logprobs)
+    logprobs: int | None
+    if chat:
+        if top_logprobs is not None and top_logprobs < 0 and top_logprobs != -1:
+            raise bad_request("`top_logprobs` must be a positive value or -1.",
+                              "top_logprobs", top_logprobs)
+        if top_logprobs and not wants_logprobs:
+            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.",
+                              "top_logprobs")
+        logprobs = (top_logprobs or 0) if wants_logprobs else None
+    else:
+        logprobs = completion_logprobs
+        if logprobs is not None and logprobs < 0 and logprobs != -1:
+            raise bad_request("`logprobs` must be a positive value or -1.", "logprobs",
+                              logprobs)
     if stream_options is not None and not stream:
         # vLLM 0.32: a VLLMValidationError from the request's validator, answered as a
         # BadRequestError (checked against the real server), not a schema error.
         raise bad_request("Stream options can only be defined when `stream=True`.",
                           "stream_options")
+    tool_refusal = _tool_refusal(reader.body) if chat else None
+    if chat and prompt_logprobs is None and echo:
+        # Chat with echo asks for the prompt's logprobs with top_logprobs alternatives
+        # (ChatCompletionRequest.to_sampling_params).
+        prompt_logprobs = logprobs or 0
+    if not chat and prompt_logprobs is None and echo:
+        prompt_logprobs = logprobs  # CompletionRequest.to_sampling_params
     return GenerateParams(
         chat=chat,
         model=model,
@@ -456,7 +514,49 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
         use_beam_search=use_beam_search,
         request_id=request_id,
         temperature=temperature,
+        logprobs=logprobs,
+        echo=echo and not chat,
+        stop=stop,
+        include_stop_str_in_output=include_stop,
+        seed=seed,
+        prompt_logprobs=prompt_logprobs,
+        tool_refusal=tool_refusal,
     )
+
+
+def _tool_refusal(body: Mapping[str, Any]) -> str | None:
+    """``tools`` / ``tool_choice`` as vLLM started without ``--tool-call-parser`` answers them
+    (the server `sidecar vllm up` starts): ChatCompletionRequest.check_tool_usage, then the
+    renderer's refusal (vllm/renderers/online_renderer.py, 0.32). Only "none" (or no tools)
+    gets an answer, a plain one; the simulator has no tool parser either."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto" if tools else None)
+    if choice is None or choice == "none":
+        return None
+    if tools is None:
+        raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice == "auto":
+        return ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set")
+    if isinstance(choice, Mapping):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        return f'tool_choice=function "{name}" requires --tool-call-parser to be set'
+    return f'tool_choice="{choice}" requires --tool-call-parser to be set'
+
+
+def _read_stop(reader: FieldReader) -> tuple[str, ...]:
+    """``stop``: a string or a list of strings (empty strings never match and are dropped)."""
+    raw = reader.body.get("stop")
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        return (raw,) if raw else ()
+    if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+        return tuple(item for item in raw if item)
+    reader.issues.append(
+        _issue("union_type", ("body", "stop"), "Input should be a valid string or list", raw))
+    return ()
 
 
 def read_token_ids(body: Mapping[str, Any], name: str) -> list[int]:

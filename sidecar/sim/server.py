@@ -64,6 +64,8 @@ from sidecar.sim.groundtruth import GroundTruthRecord, GroundTruthWriter
 from sidecar.sim.metrics import METRICS_CONTENT_TYPE, ReplicaMetrics
 from sidecar.sim.requests import (
     BAD_REQUEST_ERROR,
+    GREEDY_EPS,
+    MAX_LOGPROBS,
     FieldReader,
     GenerateParams,
     RequestError,
@@ -73,6 +75,7 @@ from sidecar.sim.requests import (
     read_messages,
     read_token_ids,
 )
+from sidecar.sim.sampling import LogprobSource, Position, StopChecker, sampling_seed
 from sidecar.sim.shapes import (
     DONE_EVENT,
     KEEPALIVE_EVENT,
@@ -82,10 +85,13 @@ from sidecar.sim.shapes import (
     RequestTimings,
     StreamFormatter,
     chat_completion_body,
+    chat_logprobs,
     compact_json,
     completion_body,
+    completion_logprobs,
     error_body,
     models_body,
+    prompt_logprobs_json,
 )
 
 log = logging.getLogger(__name__)
@@ -182,6 +188,11 @@ class _Choice:
         "held",
         "shown_any",
         "token_ids",
+        "stop",
+        "stop_reason",
+        "logprob_source",
+        "text_offset",
+        "echo_pending",
     )
 
     def __init__(
@@ -212,9 +223,17 @@ class _Choice:
         self.held: tuple[int, ...] = ()  # tokens held back by a per-request stream_interval
         self.shown_any = False
         self.token_ids: list[int] = []  # non-streaming: the whole output
+        # Stop strings: the choice's detokenized text, checked as vLLM's output processor does
+        # (None: no stop strings, the text is decoded as it is written).
+        self.stop: StopChecker | None = None
+        self.stop_reason: str | None = None
+        self.logprob_source: LogprobSource | None = None
+        self.text_offset = 0  # completions logprobs: where the next token's text starts
+        self.echo_pending = False  # completions echo: the first chunk still owes the prompt
 
 
-_Delivery = tuple[_Choice, tuple[int, ...], bool]
+# (choice, new token ids, finished, their text when a stop checker made it, else None)
+_Delivery = tuple[_Choice, tuple[int, ...], bool, str | None]
 
 
 class _RequestState:
@@ -242,7 +261,9 @@ class _RequestState:
                 return
             choice.held = ()
         choice.shown_any = True
-        self.pending.append((choice, token_ids, finished))
+        checker = choice.stop
+        text = None if checker is None else checker.next_text(finished)
+        self.pending.append((choice, token_ids, finished, text))
         self._wake()
 
     def fail(self) -> None:
@@ -261,18 +282,15 @@ def _merge(batch: list[_Delivery]) -> list[_Delivery]:
     """Merge consecutive deliveries per choice (a lagging consumer sees one bigger delta)."""
     if len(batch) == 1:
         return batch
-    merged: dict[_Choice, tuple[tuple[int, ...], bool]] = {}
-    for choice, token_ids, finished in batch:
+    merged: dict[_Choice, tuple[tuple[int, ...], bool, str | None]] = {}
+    for choice, token_ids, finished, text in batch:
         previous = merged.get(choice)
-        merged[choice] = (
-            (token_ids, finished)
-            if previous is None
-            else (
-                previous[0] + token_ids,
-                finished,
-            )
-        )
-    return [(choice, ids, finished) for choice, (ids, finished) in merged.items()]
+        if previous is None:
+            merged[choice] = (token_ids, finished, text)
+        else:
+            joined = None if text is None else (previous[2] or "") + text
+            merged[choice] = (previous[0] + token_ids, finished, joined)
+    return [(choice, ids, finished, text) for choice, (ids, finished, text) in merged.items()]
 
 
 def _decode(token_ids: tuple[int, ...]) -> str:
@@ -281,13 +299,18 @@ def _decode(token_ids: tuple[int, ...]) -> str:
     return tokenizer.decode(token_ids)
 
 
+def _token_str(token_id: int) -> str:
+    """A token's string as vLLM's logprobs name it: pad/BOS/EOS by their names."""
+    if token_id <= tokenizer.EOS_ID:
+        return tokenizer.SPECIAL_TOKEN_STRS[token_id]
+    return tokenizer.token_text(token_id)
+
+
 async def _vllm_server_headers(_request: web.Request, response: web.StreamResponse) -> None:
     response.headers["Server"] = "uvicorn"
     response.headers["Vary"] = "Origin"
 
 
-# vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
-_GREEDY_EPS = 1e-5
 
 
 class _RefusedInStream(Exception):
@@ -302,6 +325,9 @@ class _Plan:
     request_id: str
     prompts: list[list[int]]
     max_tokens: list[int]
+    # Echo and prompt logprobs only: each prompt's text and each of its tokens' strings.
+    prompt_texts: list[str] = field(default_factory=list)
+    prompt_strs: list[list[str]] = field(default_factory=list)
 
 
 class _ResetConnection(Exception):
@@ -596,12 +622,28 @@ class SimReplica:
             choice.num_preemptions = output.num_preemptions
             token_ids = output.new_token_ids
             choice.num_tokens += len(token_ids)
-            if output.finished:
+            finished = output.finished
+            checker = choice.stop
+            if checker is not None and checker.update(token_ids) is not None and not finished:
+                # A stop string in the text: vLLM's output processor finishes the request as
+                # "stop" with the string as stop_reason and aborts it in the engine core.
+                finished = True
+                choice.stop_reason = checker.matched
+                del choices[output.request_id]
+                self.engine.abort_request(output.request_id, "stop")
+                choice.finished = True
+                choice.finish_reason = "stop"
+                self._observe_finished(choice, "stop", end_s)
+            elif finished:
+                if checker is not None and checker.matched is not None:
+                    choice.stop_reason = checker.matched  # the last token held the string
+                    choice.finish_reason = "stop"
+                else:
+                    choice.finish_reason = output.finish_reason or "stop"
                 del choices[output.request_id]
                 choice.finished = True
-                choice.finish_reason = output.finish_reason or "stop"
                 self._observe_finished(choice, choice.finish_reason, end_s)
-            choice.request.push(choice, token_ids, output.finished)
+            choice.request.push(choice, token_ids, finished)
 
     def _observe_finished(self, choice: _Choice, reason: str, finished_s: float) -> None:
         state = choice.request
@@ -785,11 +827,13 @@ class SimReplica:
     def _plan(self, params: GenerateParams, request_id: str, slice_chars: int = 0) -> _Plan:
         """Validate and tokenize (pure: it may run on the tokenizer thread)."""
         self._check_model(params.model)
+        if params.tool_refusal is not None:
+            raise bad_request(params.tool_refusal)
         if params.use_beam_search and params.stream:
             raise bad_request("Streaming is not currently supported with beam search")
         if params.n < 1:
             raise bad_request(f"n must be at least 1, got {params.n}.", "n", params.n)
-        if params.n > 1 and params.temperature is not None and params.temperature < _GREEDY_EPS:
+        if params.n > 1 and params.temperature is not None and params.temperature < GREEDY_EPS:
             # vLLM's SamplingParams._verify_greedy_sampling: a ValueError, so no param.
             raise bad_request(f"n must be 1 when using greedy sampling, got {params.n}.")
         if params.stream_interval is not None and params.stream_interval < 1:
@@ -838,7 +882,39 @@ class SimReplica:
                     "min_tokens", params.min_tokens,
                 )
             max_tokens.append(resolved)
-        return _Plan(params=params, request_id=request_id, prompts=prompts, max_tokens=max_tokens)
+        # SamplingParams._validate_logprobs, against vLLM's default --max-logprobs.
+        for count, name, what in ((params.logprobs, "logprobs", "sample"),
+                                  (params.prompt_logprobs, "prompt_logprobs", "prompt")):
+            if count:
+                count = self.engine_config.vocab_size if count == -1 else count
+                if count > MAX_LOGPROBS:
+                    raise bad_request(f"Requested {what} logprobs of {count}, which is greater "
+                                      f"than max allowed: {MAX_LOGPROBS}", name, count)
+        plan = _Plan(params=params, request_id=request_id, prompts=prompts,
+                     max_tokens=max_tokens)
+        if params.echo or params.prompt_logprobs is not None:
+            self._describe_prompts(plan)
+        return plan
+
+    @staticmethod
+    def _describe_prompts(plan: _Plan) -> None:
+        """The prompts' texts (what echo shows) and their tokens' strings (what logprobs of
+        prompt tokens name): a text prompt's own pieces; token ids decoded one by one."""
+        params = plan.params
+        if params.chat:
+            ids, strs = tokenizer.apply_chat_template_with_strs(
+                params.messages, params.add_generation_prompt)
+            plan.prompt_texts.append("")
+            plan.prompt_strs.append(strs)
+            return
+        for prompt, ids in zip(params.prompts, plan.prompts, strict=True):
+            if isinstance(prompt, str):
+                _, strs = tokenizer.encode_with_strs(prompt, params.add_special_tokens)
+                plan.prompt_texts.append(prompt)
+            else:
+                strs = [_token_str(t) for t in ids]
+                plan.prompt_texts.append(tokenizer.decode(ids))
+            plan.prompt_strs.append(strs)
 
     def _admit(self, plan: _Plan) -> _RequestState:
         """Admission control, then hand the request's choices to the engine."""
@@ -863,12 +939,14 @@ class SimReplica:
             for i in range(params.n):
                 engine_id = f"{plan.request_id}#{self._next_engine_id}"
                 self._next_engine_id += 1
+                key = self._sampling_key(params, prompt_ids, i)
                 engine_request = EngineRequest(
                     request_id=engine_id,
                     prompt_token_ids=prompt_ids,
                     max_tokens=plan.max_tokens[prompt_index],
                     min_tokens=params.min_tokens,
                     ignore_eos=params.ignore_eos,
+                    sampling_key=key,
                 )
                 try:
                     self.engine.validate(engine_request)
@@ -882,6 +960,14 @@ class SimReplica:
                     len(prompt_ids),
                     plan.max_tokens[prompt_index],
                 )
+                if params.stop:
+                    choice.stop = StopChecker(params.stop, params.include_stop_str_in_output,
+                                              params.min_tokens)
+                if params.logprobs is not None:
+                    choice.logprob_source = LogprobSource(
+                        sampling_seed(self.engine_config.seed, key or engine_id, "logprobs"),
+                        params.greedy, self.engine_config.vocab_size)
+                choice.echo_pending = params.echo
                 requests.append((engine_request, choice))
         now = time.perf_counter()
         self._latest_arrival_s = now
@@ -893,6 +979,18 @@ class SimReplica:
         self._live_requests.add(state)
         self._wake.set()
         return state
+
+    @staticmethod
+    def _sampling_key(params: GenerateParams, prompt_ids: tuple[int, ...],
+                      index: int) -> str | None:
+        """What a choice's tokens are drawn from: a greedy answer is a function of the prompt
+        alone, a seeded one of the prompt, the seed and the choice (vLLM's per-request
+        generators); anything else is a fresh draw (None: the engine request's id)."""
+        if params.greedy:
+            return f"greedy:{sampling_seed(*prompt_ids)}"
+        if params.seed is not None:
+            return f"seed:{params.seed}:{index}:{sampling_seed(*prompt_ids)}"
+        return None
 
     def _usage_flags(self, params: GenerateParams) -> tuple[bool, bool]:
         if self.config.enable_force_include_usage:
@@ -1026,7 +1124,8 @@ class SimReplica:
                             chunk_ns.append(perf_ns())
                             chunk_tokens.append(0)
                             chunk_kinds.append("role")
-                for choice, token_ids, finished in batch if len(batch) == 1 else _merge(batch):
+                for choice, token_ids, finished, text in (
+                        batch if len(batch) == 1 else _merge(batch)):
                     if faulty:
                         ended = await self._stream_fault(
                             request, response, formatter, state, fault, token_chunks, record
@@ -1043,14 +1142,16 @@ class SimReplica:
                     count = len(token_ids)
                     choice.delivered += count
                     usage = (choice.prompt_tokens, choice.delivered) if continuous else None
-                    await write(
-                        formatter.token_chunk(
-                            choice.index,
-                            _decode(token_ids),
-                            choice.finish_reason if finished else None,
-                            usage,
-                        )
-                    )
+                    if text is None:
+                        text = _decode(token_ids)
+                    if choice.logprob_source is None and not choice.echo_pending:
+                        chunk = formatter.token_chunk(
+                            choice.index, text, choice.finish_reason if finished else None,
+                            usage, stop_reason=choice.stop_reason)
+                    else:
+                        chunk = self._rich_token_chunk(formatter, plan, choice, token_ids,
+                                                       text, finished, usage)
+                    await write(chunk)
                     if stamping:
                         chunk_ns.append(perf_ns())
                         chunk_tokens.append(count)
@@ -1087,6 +1188,51 @@ class SimReplica:
                 record.outcome = "shutdown" if self._closing else "client_disconnect"
             self._abort(state, "abort")
             raise asyncio.CancelledError() from None
+
+    def _rich_token_chunk(self, formatter: StreamFormatter, plan: _Plan, choice: _Choice,
+                          token_ids: tuple[int, ...], text: str, finished: bool,
+                          usage: tuple[int, int] | None) -> bytes:
+        """A token chunk with logprobs, or a completion's first chunk with the echoed prompt
+        (vLLM's serving code: the prompt's text before the first delta, its token ids, and with
+        logprobs the prompt's positions before the new tokens')."""
+        params = plan.params
+        prompt_ids: list[int] | None = None
+        positions: list[Position | None] = []
+        tokens: list[str] = []
+        if choice.echo_pending:
+            choice.echo_pending = False
+            prompt_ids = plan.prompts[choice.prompt_index]
+            text = plan.prompt_texts[choice.prompt_index] + text
+            if params.logprobs is not None:
+                positions.extend(self._prompt_positions(plan, choice.prompt_index,
+                                                        params.logprobs))
+                tokens.extend(plan.prompt_strs[choice.prompt_index])
+        logprobs: dict[str, Any] | None = None
+        source = choice.logprob_source
+        if source is not None and params.logprobs is not None:
+            k = params.logprobs
+            sampled = [source.sampled(token_id, k) for token_id in token_ids]
+            if params.chat:
+                logprobs = chat_logprobs(sampled, k)
+            else:
+                positions.extend(sampled)
+                tokens.extend(position[0].token for position in sampled)
+                logprobs = completion_logprobs(positions, tokens, k, choice.text_offset)
+                if tokens:
+                    choice.text_offset = logprobs["text_offset"][-1] + len(tokens[-1])
+        return formatter.token_chunk(
+            choice.index, text, choice.finish_reason if finished else None, usage,
+            logprobs=logprobs, stop_reason=choice.stop_reason, prompt_token_ids=prompt_ids)
+
+    def _prompt_positions(self, plan: _Plan, prompt_index: int, k: int) -> list[Position | None]:
+        """A prompt's logprobs: none for its first token, then each token's position with
+        ``k`` alternatives; a function of the prompt (the same for every choice and request)."""
+        ids = plan.prompts[prompt_index]
+        source = LogprobSource(sampling_seed(self.engine_config.seed, "prompt", *ids), True,
+                               self.engine_config.vocab_size)
+        positions: list[Position | None] = [None]
+        positions.extend(source.prompt(token_id, k) for token_id in ids[1:])
+        return positions
 
     async def _stream_fault(
         self,
@@ -1169,7 +1315,7 @@ class SimReplica:
                     await asyncio.sleep((fault.stall_ms or 0.0) / 1000)
                 batch = state.pending
                 state.pending = []
-                for choice, token_ids, finished in batch:
+                for choice, token_ids, finished, _text in batch:
                     if fault.reset_after is not None and outputs >= fault.reset_after:
                         if record is not None:
                             record.outcome = "reset"
@@ -1202,14 +1348,7 @@ class SimReplica:
                 record.outcome = "shutdown" if self._closing else "client_disconnect"
             self._abort(state, "abort")
             raise asyncio.CancelledError() from None
-        choices = [
-            ChoiceResult(
-                index=choice.index,
-                text=tokenizer.decode(choice.token_ids),
-                finish_reason=choice.finish_reason or "stop",
-            )
-            for choice in state.choices
-        ]
+        choices = [self._whole_choice(plan, choice) for choice in state.choices]
         prompt_tokens = sum(len(ids) for ids in plan.prompts)
         completion_tokens = sum(choice.delivered for choice in state.choices)
         common: dict[str, Any] = {
@@ -1225,9 +1364,15 @@ class SimReplica:
             "era": self.era,
         }
         if params.chat:
+            prompt_logprobs = None
+            if params.prompt_logprobs is not None:
+                prompt_logprobs = prompt_logprobs_json(
+                    self._prompt_positions(plan, 0, params.prompt_logprobs),
+                    plan.prompt_strs[0])
             body = chat_completion_body(
                 response_id="chatcmpl-" + plan.request_id,
                 role=self._response_role(params),
+                prompt_logprobs=prompt_logprobs,
                 **common,
             )
         else:
@@ -1244,6 +1389,41 @@ class SimReplica:
             headers=self._response_headers(plan.request_id, JSON_CONTENT_TYPE),
         )
         return await self._send_whole(request, response, record)
+
+    def _whole_choice(self, plan: _Plan, choice: _Choice) -> ChoiceResult:
+        """One choice of a whole answer (vLLM's request_output_to_*_response): its text (cut
+        at a stop string), logprobs, and for a completion the echoed prompt before them and
+        the prompt's logprobs."""
+        params = plan.params
+        checker = choice.stop
+        text = tokenizer.decode(choice.token_ids) if checker is None else checker.text
+        positions: list[Position | None] = []
+        tokens: list[str] = []
+        prompt_logprobs: list[Any] | None = None
+        index = choice.prompt_index
+        if not params.chat and params.prompt_logprobs is not None:
+            prompt_positions = self._prompt_positions(plan, index, params.prompt_logprobs)
+            prompt_logprobs = prompt_logprobs_json(prompt_positions, plan.prompt_strs[index])
+            if params.echo and params.logprobs is not None:
+                positions.extend(prompt_positions)
+                tokens.extend(plan.prompt_strs[index])
+        if params.echo:
+            text = plan.prompt_texts[index] + text
+        logprobs: dict[str, Any] | None = None
+        source = choice.logprob_source
+        if source is not None and params.logprobs is not None:
+            k = params.logprobs
+            sampled = [source.sampled(token_id, k) for token_id in choice.token_ids]
+            if params.chat:
+                logprobs = chat_logprobs(sampled, k)
+            else:
+                positions.extend(sampled)
+                tokens.extend(position[0].token for position in sampled)
+                logprobs = completion_logprobs(positions, tokens, k, 0)
+        return ChoiceResult(index=choice.index, text=text,
+                            finish_reason=choice.finish_reason or "stop",
+                            stop_reason=choice.stop_reason, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs)
 
     async def _send_whole(
         self, request: web.Request, response: web.Response, record: GroundTruthRecord | None

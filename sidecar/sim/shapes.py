@@ -29,6 +29,7 @@ from json.encoder import encode_basestring
 from typing import Any
 
 from sidecar.protocol import DONE_EVENT, KEEPALIVE_EVENT, error_body
+from sidecar.sim.sampling import Position
 
 __all__ = [
     "DONE_EVENT",
@@ -38,6 +39,9 @@ __all__ = [
     "RequestTimings",
     "StreamFormatter",
     "chat_completion_body",
+    "chat_logprobs",
+    "completion_logprobs",
+    "prompt_logprobs_json",
     "compact_json",
     "completion_body",
     "error_body",
@@ -218,12 +222,21 @@ class StreamFormatter:
         text: str,
         finish_reason: str | None = None,
         usage: tuple[int, int] | None = None,
+        logprobs: dict[str, Any] | None = None,
+        stop_reason: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> bytes:
+        """A token delta; ``logprobs`` as `chat_logprobs` / `completion_logprobs` make it,
+        ``stop_reason`` the stop string that ended the choice, ``prompt_token_ids`` on a
+        completion's echoed first chunk."""
         text_json = _text(text)
+        logprobs_json = "null" if logprobs is None else compact_json(logprobs)
+        prompt_ids = "null" if prompt_token_ids is None else compact_json(list(prompt_token_ids))
         if self.chat:
-            body = f'{{"index":{index},"delta":{{"content":{text_json}}},"logprobs":null,'
+            body = (f'{{"index":{index},"delta":{{"content":{text_json}}},'
+                    f'"logprobs":{logprobs_json},')
         else:
-            body = f'{{"index":{index},"text":{text_json},"logprobs":null,'
+            body = f'{{"index":{index},"text":{text_json},"logprobs":{logprobs_json},'
         if finish_reason is None:
             if self.minimal:
                 body += '"finish_reason":null' + ("}" if self.chat else ',"stop_reason":null}')
@@ -231,18 +244,20 @@ class StreamFormatter:
                 body += '"finish_reason":null,"token_ids":null}'
             else:
                 body += (
-                    '"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+                    f'"finish_reason":null,"stop_reason":null,"prompt_token_ids":{prompt_ids},'
                     '"token_ids":null' + self._weight_versions + "}"
                 )
             tail = self._token_tail
         else:
-            body += f'"finish_reason":"{finish_reason}","stop_reason":null'
+            stop_json = "null" if stop_reason is None else _text(stop_reason)
+            body += f'"finish_reason":"{finish_reason}","stop_reason":{stop_json}'
             if self.minimal:
                 body += "}"
             elif self.chat:
                 body += ',"token_ids":null' + self._weight_versions + "}"
             else:
-                body += ',"prompt_token_ids":null,"token_ids":null' + self._weight_versions + "}"
+                body += (f',"prompt_token_ids":{prompt_ids},"token_ids":null'
+                         + self._weight_versions + "}")
             tail = self._final_tail
         return f"{self._head}{body}]{self._usage(usage)}{tail}".encode()
 
@@ -284,6 +299,85 @@ class ChoiceResult:
     index: int
     text: str
     finish_reason: str
+    stop_reason: str | None = None
+    logprobs: dict[str, Any] | None = None  # chat_logprobs / completion_logprobs
+    # Completions: the prompt's logprobs (prompt_logprobs_json), per choice.
+    prompt_logprobs: list[Any] | None = None
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(positions: Sequence[Position], top_logprobs: int) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` (``_create_chat_logprobs``): per token its text, logprob
+    and UTF-8 bytes, and the first ``top_logprobs`` entries of its position (the sampled token
+    first) in the same form."""
+    content: list[dict[str, Any]] = []
+    for position in positions:
+        sampled = position[0]
+        token = sampled.token
+        content.append({
+            "token": token,
+            "logprob": sampled.logprob,
+            "bytes": _token_bytes(token),
+            "top_logprobs": [
+                {"token": (alt := entry.token), "logprob": entry.logprob,
+                 "bytes": _token_bytes(alt)}
+                for entry in position[:top_logprobs]
+            ],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(
+    positions: Sequence[Position | None],
+    tokens: Sequence[str],
+    num_logprobs: int,
+    initial_text_offset: int,
+) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` (``_create_completion_logprobs``): the tokens'
+    strings, their character offsets from ``initial_text_offset``, their logprobs and the first
+    ``num_logprobs + 1`` entries of each position keyed by token string (None where a prompt's
+    first token has no logprob). ``tokens[i]`` names the position's own token (a prompt token's
+    own piece of text)."""
+    offsets: list[int] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    last_len = 0
+    for i, position in enumerate(positions):
+        token = tokens[i]
+        if position is None:
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            token_logprobs.append(position[0].logprob)
+            entries: dict[str, float] = {token: position[0].logprob}
+            for entry in position[1:num_logprobs + 1]:
+                entries[entry.token] = entry.logprob
+            top.append(entries)
+        offsets.append(initial_text_offset if not offsets else offsets[-1] + last_len)
+        last_len = len(token)
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": list(tokens),
+            "top_logprobs": top}
+
+
+def prompt_logprobs_json(positions: Sequence[Position | None],
+                         tokens: Sequence[str]) -> list[Any]:
+    """``prompt_logprobs``: per prompt token (None for the first) vLLM's dict of Logprob
+    objects keyed by token id, the prompt's own token first with its rank."""
+    out: list[Any] = []
+    for i, position in enumerate(positions):
+        if position is None:
+            out.append(None)
+            continue
+        entries: dict[str, Any] = {}
+        for j, entry in enumerate(position):
+            entries[str(entry.token_id)] = {
+                "logprob": entry.logprob, "rank": entry.rank,
+                "decoded_token": tokens[i] if j == 0 else entry.token}
+        out.append(entries)
+    return out
 
 
 def _usage_body(
@@ -320,6 +414,7 @@ def chat_completion_body(
     fingerprint: str,
     profile: Profile,
     era: Era = ERA_033,
+    prompt_logprobs: list[Any] | None = None,
 ) -> bytes:
     minimal = profile is Profile.MINIMAL
     out_choices: list[dict[str, Any]] = []
@@ -329,9 +424,9 @@ def chat_completion_body(
                 {
                     "index": choice.index,
                     "message": {"role": role, "content": choice.text, "tool_calls": []},
-                    "logprobs": None,
+                    "logprobs": choice.logprobs,
                     "finish_reason": choice.finish_reason,
-                    "stop_reason": None,
+                    "stop_reason": choice.stop_reason,
                 }
             )
         else:
@@ -347,9 +442,9 @@ def chat_completion_body(
                         "function_call": None,
                         "reasoning": None,
                     },
-                    "logprobs": None,
+                    "logprobs": choice.logprobs,
                     "finish_reason": choice.finish_reason,
-                    "stop_reason": None,
+                    "stop_reason": choice.stop_reason,
                     "token_ids": None,
                     "routed_experts": None,
                     **({"weight_versions": None} if era.weight_versions else {}),
@@ -365,12 +460,12 @@ def chat_completion_body(
     }
     if minimal:
         body["usage"] = usage
-        body["prompt_logprobs"] = None
+        body["prompt_logprobs"] = prompt_logprobs
     else:
         body["service_tier"] = None
         body["system_fingerprint"] = fingerprint
         body["usage"] = usage
-        body["prompt_logprobs"] = None
+        body["prompt_logprobs"] = prompt_logprobs
         body["prompt_token_ids"] = None
         body["prompt_text"] = None
         body["kv_transfer_params"] = None
@@ -411,10 +506,10 @@ def completion_body(
                 {
                     "index": choice.index,
                     "text": choice.text,
-                    "logprobs": None,
+                    "logprobs": choice.logprobs,
                     "finish_reason": choice.finish_reason,
-                    "stop_reason": None,
-                    "prompt_logprobs": None,
+                    "stop_reason": choice.stop_reason,
+                    "prompt_logprobs": choice.prompt_logprobs,
                 }
             )
         else:
@@ -422,11 +517,11 @@ def completion_body(
                 {
                     "index": choice.index,
                     "text": choice.text,
-                    "logprobs": None,
+                    "logprobs": choice.logprobs,
                     "finish_reason": choice.finish_reason,
-                    "stop_reason": None,
+                    "stop_reason": choice.stop_reason,
                     "token_ids": None,
-                    "prompt_logprobs": None,
+                    "prompt_logprobs": choice.prompt_logprobs,
                     "prompt_token_ids": None,
                     "routed_experts": None,
                     **({"weight_versions": None} if era.weight_versions else {}),

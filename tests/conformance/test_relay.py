@@ -144,6 +144,12 @@ def completion(**extra: Any) -> dict[str, Any]:
             "ignore_eos": True, "temperature": 0, **extra}
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
 STREAM_OPTIONS: list[tuple[str, Any]] = [
     ("absent", ...),
     ("null", None),
@@ -185,6 +191,24 @@ CASES: list[Case] = [
          {**chat(stream=True), "ignore_eos": False, "stop": ["e", "a"]}),
     Case("completions-stop", COMPLETIONS_PATH,
          {**completion(), "ignore_eos": False, "stop": ["e", "a"]}),
+    Case("completions-stop-stream", COMPLETIONS_PATH,
+         {**completion(stream=True), "ignore_eos": False, "stop": ["e", "a"]}),
+    Case("completions-stop-included", COMPLETIONS_PATH,
+         {**completion(), "stop": ["e", "a"], "include_stop_str_in_output": True}),
+    # Stop strings both texts hold in their first token (the tiny model's "****" and every
+    # simulator word's leading space): the shape of a stream that a stop string ends at once.
+    Case("chat-stop-first-token-stream", CHAT_PATH,
+         {**chat(stream=True), "stop": ["*", " "]}),
+    Case("completions-logprobs-nonstream", COMPLETIONS_PATH, completion(logprobs=2)),
+    Case("completions-logprobs-stream-usage", COMPLETIONS_PATH,
+         completion(logprobs=0, stream=True,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})),
+    Case("completions-echo-stream-usage", COMPLETIONS_PATH,
+         completion(echo=True, stream=True, stream_options={"include_usage": True,
+                                                            "continuous_usage_stats": True})),
+    Case("completions-echo-token-ids-stream", COMPLETIONS_PATH,
+         completion(prompt=[10, 20, 30], echo=True, stream=True)),
+    Case("chat-tools-none", CHAT_PATH, chat(tools=TOOLS, tool_choice="none")),
     *(Case(f"{name}-assembled", path, body, settings={"assemble_nonstream": "true"})
       for name, path, body in (
           ("chat", CHAT_PATH, chat()),
@@ -221,6 +245,17 @@ ERROR_CASES: list[Case] = [
     # Streamed, vLLM finds the bad id after the head went out: a 200 with an error event.
     Case("error-out-of-vocabulary-ids-stream", COMPLETIONS_PATH,
          completion(prompt=[1, 2, 99_999_999], stream=True), status=200, record_status=400),
+    # A server without --tool-call-parser (as `sidecar vllm up` starts it) refuses tool use.
+    Case("error-tool-choice-auto", CHAT_PATH, chat(tools=TOOLS), status=400),
+    Case("error-tool-choice-named-stream", CHAT_PATH,
+         chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}},
+              stream=True), status=400),
+    Case("error-tool-choice-required", CHAT_PATH, chat(tools=TOOLS, tool_choice="required"),
+         status=400),
+    Case("error-top-logprobs-without-logprobs", CHAT_PATH, chat(top_logprobs=2), status=400),
+    Case("error-logprobs-beyond-max", COMPLETIONS_PATH, completion(logprobs=50), status=400),
+    Case("error-prompt-logprobs-stream", COMPLETIONS_PATH,
+         completion(prompt_logprobs=1, stream=True), status=400),
 ]
 
 
@@ -576,14 +611,24 @@ def test_the_fast_path_takes_the_real_servers_token_chunks(real_vllm: RealVLLM, 
 # The simulator held to the real server: the same requests to `sidecar sim` speaking 0.32
 
 
-def skeleton(value: Any) -> Any:
+# Logprobs maps keyed by generated text or token ids (completions' top_logprobs, the entries of
+# prompt_logprobs): their keys are generated text too, so only their entries' shapes count.
+TOKEN_KEYED = ("top_logprobs", "prompt_logprobs")
+
+
+def skeleton(value: Any, parent: str | None = None) -> Any:
     """A JSON value's shape: keys in order, nulls, booleans and the kind of every other value
     (strings and numbers differ: the tiny model and the simulator generate different text,
-    and their tokenizers count differently)."""
+    and their tokenizers count differently; so do the keys of token-keyed logprobs maps and
+    the length of a token's UTF-8 ``bytes``)."""
     if isinstance(value, dict):
-        return [(key, skeleton(item)) for key, item in value.items()]
+        if parent in TOKEN_KEYED and "logprob" not in value:
+            return [("<token>", skeleton(item)) for item in value.values()]
+        return [(key, skeleton(item, key)) for key, item in value.items()]
     if isinstance(value, list):
-        return [skeleton(item) for item in value]
+        if parent == "bytes":
+            return "bytes"
+        return [skeleton(item, parent) for item in value]
     if isinstance(value, bool) or value is None:
         return value
     return type(value).__name__
@@ -615,19 +660,12 @@ def answer_shape(answer: Answer, interleaved: bool = False) -> Any:
 
 # Where the simulator still answers otherwise than vLLM 0.32.0, and why (one place; a listed
 # gap that closes fails the test, so that the list stays true).
-_NO_LOGPROBS = ("the simulator produces no logprobs: a toy vocabulary has no distribution "
-                "worth imitating; the relay passes vLLM's through unchanged (the byte cases above)")
-_NO_STOP = ("the simulator ignores `stop`: its toy text would rarely contain the string, and "
-            "the real stream then ends early with finish_reason 'stop' and its stop_reason")
 SIM_GAPS: dict[str, str] = {
-    "chat-logprobs-stream": _NO_LOGPROBS,
-    "completions-logprobs-stream": _NO_LOGPROBS,
-    "chat-logprobs-nonstream": _NO_LOGPROBS,
-    "chat-logprobs-assembled": _NO_LOGPROBS,
-    "completions-echo-stream": "the simulator does not echo the prompt (its text and "
-                               "prompt_token_ids in the first chunk)",
-    "completions-stop": _NO_STOP,
-    "completions-stop-assembled": _NO_STOP,
+    "chat-stop-stream": (
+        "stop strings are matched in the generated text, and the texts differ: the tiny "
+        "model's chat answer (\"**** [_ [_ ...\") holds neither 'e' nor 'a' and runs to "
+        "max_tokens, the simulator's pseudo-words hold one within a few tokens and stop there "
+        "(the completions-stop cases, where both texts hold one in the first token, match)"),
 }
 
 
