@@ -33,30 +33,37 @@ class RoutePolicy(str, enum.Enum):
     PREFIX = "prefix"  # prefix affinity: hash of the prompt's first block
 
 
+# The one duration grammar of the package (settings, SLOs, replay, sweep, trace import): a
+# number and a unit. "min" is kept beside "m" because `sidecar trace import` took it.
 _DURATION_RE = re.compile(
-    r"(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>us|µs|ms|s|m|h)?"
+    r"(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>us|µs|ms|s|min|m|h|d)?"
 )
-_DURATION_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0,
+                   "h": 3600.0, "d": 86400.0}
 
 
-def parse_duration(text: str | float | int) -> float:
-    """'500ms' -> 0.5, '2s' -> 2.0, '1m' -> 60.0, '250us' -> 0.00025 (seconds); 0 needs no unit.
+def parse_duration(text: str | float | int, *, bare_unit: str | None = None) -> float:
+    """'500ms' -> 0.5, '2s' -> 2.0, '1m' -> 60.0, '250us' -> 0.00025, '2d' -> 172800.0
+    (seconds); units us (µs), ms, s, m (min), h, d. 0 needs no unit.
 
     Anything else without a unit is refused: a bare ``500`` meant 500 ms as often as 500 s,
-    and an SLO read as the wrong one passes everything (or nothing) without a word."""
+    and an SLO read as the wrong one passes everything (or nothing) without a word. Only where
+    the flag itself names the unit (``bare_unit``: `sidecar trace import`'s --start-at and
+    --duration, in SECONDS on the source's clock) is a bare number read in that unit."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
-        if value != 0:
+        if value != 0 and bare_unit is None:
             raise ConfigError(f"a duration needs a unit: {text!r} (write e.g. {text}ms or "
                               f"{text}s)")
+        value *= _DURATION_UNITS[bare_unit or "s"]
     else:
         match = _DURATION_RE.fullmatch(str(text).strip().lower())
         if match is None:
             raise ConfigError(
-                f"not a duration: {text!r} (use e.g. 500ms, 2s, 1m)"
+                f"not a duration: {text!r} (use e.g. 500ms, 2s, 1m, 2h, 1d)"
             )
-        value = float(match["number"]) * _DURATION_UNITS[match["unit"] or "s"]
-        if match["unit"] is None and value != 0:
+        value = float(match["number"]) * _DURATION_UNITS[match["unit"] or bare_unit or "s"]
+        if match["unit"] is None and value != 0 and bare_unit is None:
             number = match["number"]
             raise ConfigError(f"a duration needs a unit: {str(text).strip()!r} (write e.g. "
                               f"{number}ms or {number}s)")
@@ -536,7 +543,14 @@ def environment_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 
+# The metrics a latency threshold names, in one vocabulary (the names of docs/metrics.md):
+# a per-request SLO (stats.SLO) judges the first three; a sweep step's percentile criteria
+# (replay/sweep.py) also ITL, which is a sample per gap, not one value per request.
 SLO_METRICS = ("ttft", "tpot", "e2e")
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2e")
+# Other spellings taken for compatibility: vllm bench names E2E "e2el" (and so did `sidecar
+# sweep --slo`).
+SLO_METRIC_ALIASES = {"e2el": "e2e"}
 # The names of sinks/prometheus.py's LATENCY_LAYOUTS (config imports nothing of the package;
 # a test holds the two equal).
 HISTOGRAM_LAYOUTS = ("schema3", "schema4", "e6")
@@ -555,7 +569,8 @@ class SLOSpec:
     exclude: frozenset[str] | None = None
 
     def slo_arguments(self) -> dict[str, Any]:
-        """Keyword arguments of stats.SLO."""
+        """Keyword arguments of stats.SLO. An ITL threshold (a sweep's percentile criterion,
+        `PERCENTILE_METRICS`) has no per-request value to judge and is not among them."""
         out: dict[str, Any] = {f"{name}_s": self.thresholds.get(name) for name in SLO_METRICS}
         if self.objective is not None:
             out["objective"] = self.objective
@@ -570,24 +585,27 @@ def parse_slo(text: str) -> dict[str, float]:
     return dict(parse_slo_spec(text).thresholds)
 
 
-def parse_slo_spec(text: str) -> SLOSpec:
+def parse_slo_spec(text: str, metrics: tuple[str, ...] = SLO_METRICS) -> SLOSpec:
     """'ttft=500ms,tpot=50ms,objective=99.5%,exclude=client_error': thresholds (each with a
-    unit), the objective (a percentage, or a fraction below 1) and what the denominator leaves
-    out (``+``-separated names of SLO_EXCLUSION_NAMES, or ``none``)."""
+    unit, `parse_duration`; held in seconds), the objective (a percentage, or a fraction below
+    1) and what the denominator leaves out (``+``-separated names of SLO_EXCLUSION_NAMES, or
+    ``none``). ``metrics``: the threshold names taken (`PERCENTILE_METRICS` for a sweep's
+    criteria, which also judge ITL)."""
     thresholds: dict[str, float] = {}
     objective: float | None = None
     exclude: frozenset[str] | None = None
-    terms = (*SLO_METRICS, "objective", "exclude")
+    terms = (*metrics, "objective", "exclude")
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
         name, sep, value = part.partition("=")
         name = name.strip().lower()
+        name = SLO_METRIC_ALIASES.get(name, name)
         value = value.strip()
         if not sep or name not in terms:
             raise ConfigError(
-                f"bad SLO term {part!r}: use NAME=DURATION with NAME in {', '.join(SLO_METRICS)}"
+                f"bad SLO term {part!r}: use NAME=DURATION with NAME in {', '.join(metrics)}"
                 ", objective=99.5% or exclude=client_error+client_cancelled|none"
             )
         if name in thresholds or (name == "objective" and objective is not None) or (

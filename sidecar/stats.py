@@ -1,21 +1,18 @@
-"""Metric math exactly as spec/metrics.md defines it. Pure: no I/O, no clock, no globals.
+"""Metric math exactly as docs/metrics.md defines it. Pure: no I/O, no clock, no globals.
 
-Per request (one vantage at a time):
-
-- TTFT  = first token-carrying event - vantage start (t_arrive for the client, t_up_send for
-          the server side).
-- ITL   = gaps between consecutive token-carrying events; the sample unit is the *event*, and
-          the number of tokens the later event carried is kept beside each gap.
-- token-normalised ITL = each gap divided by its event's tokens, repeated once per token
-          (a derived view, labelled as such; not the same statistic as ITL).
-- E2E   = last token-carrying event - vantage start; the stream's end when no token came.
-- TPOT  = (E2E - TTFT) / (N_out - 1); undefined for N_out <= 1 (excluded and counted).
+Per request (one vantage at a time), each defined once, in its function's docstring and in
+docs/metrics.md section 4: TTFT (`ttft_ns`), ITL (`itl_ns`: the sample unit is the *event*),
+token-normalised ITL (`token_normalised_itl`, a derived view), E2E (`e2e_ns`), TPOT (`tpot_ns`;
+with n > 1 `sequence_tpot_ns`), N_out (`output_tokens`) and when the request ended
+(`end_offset_ns`). `request_samples` computes them for many requests at once: every aggregate
+(`vantage_report`, the replay and llm-d reports) reads them from there.
 
 Aggregation: TTFT, TPOT and E2E percentiles are over requests, ITL percentiles over events of
 all successful requests. Percentiles use numpy's default linear interpolation between closest
 ranks (the same as vLLM's bench), std is the population standard deviation (ddof=0).
 Goodput and SLO attainment count every request that arrived in their denominator, failures
-included. Durations come out in seconds (float); records hold integer nanoseconds.
+included (`goodput_of`, the one place a goodput rate is computed). Durations come out in
+seconds (float); records hold integer nanoseconds.
 """
 
 from __future__ import annotations
@@ -53,6 +50,8 @@ class RequestMetrics:
 
 
 def ttft_ns(timeline: Timeline) -> int | None:
+    """TTFT: the first token-carrying event - the vantage's start (t_arrive for the client,
+    t_up_send for the server side); None without a token event."""
     if not timeline.offsets_ns:
         return None
     return timeline.offsets_ns[0] - timeline.start_ns
@@ -103,6 +102,8 @@ def sequence_tpot_ns(timeline: Timeline) -> float | None:
 
 
 def e2e_ns(timeline: Timeline) -> int | None:
+    """E2E: the last token-carrying event - the vantage's start; the stream's end when no
+    event carried a token; None when that side never ended."""
     if timeline.offsets_ns:
         return timeline.offsets_ns[-1] - timeline.start_ns
     if timeline.end_ns is None:
@@ -111,7 +112,9 @@ def e2e_ns(timeline: Timeline) -> int | None:
 
 
 def tpot_ns(ttft: int | None, e2e: int | None, n_out: int) -> float | None:
-    """(E2E - TTFT) / (N_out - 1) in ns; None when N_out <= 1 or either instant is missing.
+    """TPOT = (E2E - TTFT) / (N_out - 1) in ns; None (excluded, and counted by the reports)
+    when N_out <= 1 or either instant is missing. The one statement of TPOT in the code (the
+    other is docs/metrics.md section 4); with n > 1, `sequence_tpot_ns`.
 
     Computed on integer nanoseconds, so a request exactly at an SLO threshold is not pushed
     over it by float rounding of two separately converted durations.
@@ -128,17 +131,38 @@ def output_tokens(record: RequestRecord, timeline: Timeline) -> int:
     return sum(timeline.tokens)
 
 
-def timeline_metrics(timeline: Timeline, n_out: int) -> RequestMetrics:
+class RequestLatency(NamedTuple):
+    """TTFT, TPOT and E2E of one request (seconds), without the per-event ITL list: what SLO
+    judgement and per-request export need, at a fraction of `request_metrics`' cost."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    n_out: int
+
+
+def timeline_latency(timeline: Timeline, n_out: int) -> RequestLatency:
+    """TTFT, TPOT (with n > 1 per sequence) and E2E of one timeline, in seconds."""
     first = ttft_ns(timeline)
     last = e2e_ns(timeline)
     tpot = (tpot_ns(first, last, n_out) if timeline.choices is None
             else sequence_tpot_ns(timeline))
-    return RequestMetrics(
+    return RequestLatency(
         ttft_s=None if first is None else first / NS_PER_S,
-        itl_s=tuple(gap / NS_PER_S for gap in itl_ns(timeline)),
-        itl_tokens=_itl_tokens(timeline),
         tpot_s=None if tpot is None else tpot / NS_PER_S,
         e2e_s=None if last is None else last / NS_PER_S,
+        n_out=n_out,
+    )
+
+
+def timeline_metrics(timeline: Timeline, n_out: int) -> RequestMetrics:
+    latency = timeline_latency(timeline, n_out)
+    return RequestMetrics(
+        ttft_s=latency.ttft_s,
+        itl_s=tuple(gap / NS_PER_S for gap in itl_ns(timeline)),
+        itl_tokens=_itl_tokens(timeline),
+        tpot_s=latency.tpot_s,
+        e2e_s=latency.e2e_s,
         n_out=n_out,
     )
 
@@ -152,31 +176,11 @@ def request_metrics(record: RequestRecord, vantage: Vantage) -> RequestMetrics |
     return timeline_metrics(timeline, output_tokens(record, timeline))
 
 
-class RequestLatency(NamedTuple):
-    """TTFT, TPOT and E2E of one request (seconds), without the per-event ITL list: what SLO
-    judgement and per-request export need, at a fraction of `request_metrics`' cost."""
-
-    ttft_s: float | None
-    tpot_s: float | None
-    e2e_s: float | None
-    n_out: int
-
-
 def request_latency(record: RequestRecord, vantage: Vantage) -> RequestLatency | None:
     timeline = record.timeline(vantage)
     if timeline is None:
         return None
-    n_out = output_tokens(record, timeline)
-    first = ttft_ns(timeline)
-    last = e2e_ns(timeline)
-    tpot = (tpot_ns(first, last, n_out) if timeline.choices is None
-            else sequence_tpot_ns(timeline))
-    return RequestLatency(
-        ttft_s=None if first is None else first / NS_PER_S,
-        tpot_s=None if tpot is None else tpot / NS_PER_S,
-        e2e_s=None if last is None else last / NS_PER_S,
-        n_out=n_out,
-    )
+    return timeline_latency(timeline, output_tokens(record, timeline))
 
 
 def itl_seconds(timeline: Timeline) -> npt.NDArray[np.float64]:
@@ -416,21 +420,53 @@ def _tpot_ns(c: Columns, d: _Derived) -> tuple[npt.NDArray[np.float64], npt.NDAr
     return tpot, defined
 
 
-def vantage_report(records: Iterable[RequestRecord], vantage: Vantage) -> VantageReport:
-    """Aggregate latency of the successful requests from one vantage (definitions: module
-    docstring and `timeline_metrics`), in bulk with numpy, equal to the per-request values."""
+@dataclass(frozen=True, slots=True)
+class Samples:
+    """The per-request metric values of many requests from one vantage, in seconds: the one
+    computation every aggregate reads (`vantage_report`, `goodput` judges from the same
+    `_derive`, the replay report, the llm-d report). Bulk numpy over `Columns`, equal to
+    `timeline_metrics` request by request (tests/test_stats.py holds them to it).
+
+    ``ttft_s``, ``tpot_s``, ``e2e_s`` and ``n_out``: one per request, in input order, NaN where
+    the metric is undefined for it; ``itl_s`` and ``itl_tokens``: one per gap, request after
+    request (with n > 1, choice after choice)."""
+
+    ttft_s: npt.NDArray[np.float64]
+    tpot_s: npt.NDArray[np.float64]
+    e2e_s: npt.NDArray[np.float64]
+    n_out: npt.NDArray[np.int64]
+    itl_s: npt.NDArray[np.float64]
+    itl_tokens: npt.NDArray[np.int64]
+    tpot_excluded: int  # requests with N_out <= 1 (or n > 1 with no choice past one token)
+    no_first_token: int  # requests with no token-carrying event on this side
+
+    @property
+    def requests(self) -> int:
+        return int(self.n_out.size)
+
+    def defined(self, metric: str) -> npt.NDArray[np.float64]:
+        """The values of ``metric`` ("ttft", "tpot" or "e2e") where defined, in request
+        order."""
+        values: npt.NDArray[np.float64] = getattr(self, f"{metric}_s")
+        return values[~np.isnan(values)]
+
+
+def request_samples(records: Iterable[RequestRecord], vantage: Vantage) -> Samples:
+    """`Samples` of the successful requests (outcome ok) from one vantage."""
     ok_records = [r for r in records if r.outcome is Outcome.OK]
-    return report_of(columns_of(ok_records, vantage), vantage)
+    columns = columns_of(ok_records, vantage)
+    return samples_of(columns.select(columns.present))
 
 
-def report_of(columns: Columns, vantage: Vantage) -> VantageReport:
-    """`vantage_report` of the requests in ``columns`` (successful ones only, as selected by
-    the caller)."""
-    c = columns.select(columns.present)
-    if not c.counts.size:
-        empty = Summary(count=0)
-        return VantageReport(vantage=vantage, requests=0, ttft=empty, tpot=empty, e2e=empty,
-                             itl=empty, itl_per_token=empty, tpot_excluded=0, no_first_token=0)
+def _undefined_nan(values_ns: npt.NDArray[Any], known: npt.NDArray[np.bool_]
+                   ) -> npt.NDArray[np.float64]:
+    out = np.full(known.size, np.nan)
+    out[known] = values_ns[known] / NS_PER_S
+    return out
+
+
+def samples_of(c: Columns) -> Samples:
+    """`Samples` of the requests in ``c`` (every one present: select them first)."""
     d = _derive(c)
     tpot, defined = _tpot_ns(c, d)
     # ITL: gaps between consecutive events of one request (a request's first event starts a
@@ -453,18 +489,49 @@ def report_of(columns: Columns, vantage: Vantage) -> VantageReport:
     else:
         itl_s = np.diff(c.offsets)[within] / NS_PER_S
         itl_tokens = c.tokens[1:][within]
+    return Samples(
+        ttft_s=_undefined_nan(d.ttft_ns, d.has_events),
+        tpot_s=_undefined_nan(tpot, defined),
+        e2e_s=_undefined_nan(d.e2e_ns, d.has_e2e),
+        n_out=d.n_out,
+        itl_s=itl_s,
+        itl_tokens=itl_tokens,
+        tpot_excluded=int(np.count_nonzero(~defined & (c.multi | (d.n_out <= 1)))),
+        no_first_token=int(np.count_nonzero(~d.has_events)),
+    )
+
+
+def vantage_report(records: Iterable[RequestRecord], vantage: Vantage) -> VantageReport:
+    """Aggregate latency of the successful requests from one vantage (definitions: module
+    docstring), from their `request_samples`."""
+    return summary_of(request_samples(records, vantage), vantage)
+
+
+def report_of(columns: Columns, vantage: Vantage) -> VantageReport:
+    """`vantage_report` of the requests in ``columns`` (successful ones only, as selected by
+    the caller)."""
+    return summary_of(samples_of(columns.select(columns.present)), vantage)
+
+
+def summary_of(samples: Samples, vantage: Vantage) -> VantageReport:
+    """The `VantageReport` of some requests' `Samples`."""
+    if not samples.requests:
+        empty = Summary(count=0)
+        return VantageReport(vantage=vantage, requests=0, ttft=empty, tpot=empty, e2e=empty,
+                             itl=empty, itl_per_token=empty, tpot_excluded=0, no_first_token=0)
+    itl_s, itl_tokens = samples.itl_s, samples.itl_tokens
     carried = itl_tokens > 0
     per_token = np.repeat(itl_s[carried] / itl_tokens[carried], itl_tokens[carried])
     return VantageReport(
         vantage=vantage,
-        requests=int(c.counts.size),
-        ttft=summarize(d.ttft_ns[d.has_events] / NS_PER_S),
-        tpot=summarize(tpot[defined] / NS_PER_S),
-        e2e=summarize(d.e2e_ns[d.has_e2e] / NS_PER_S),
+        requests=samples.requests,
+        ttft=summarize(samples.defined("ttft")),
+        tpot=summarize(samples.defined("tpot")),
+        e2e=summarize(samples.defined("e2e")),
         itl=summarize(itl_s),
         itl_per_token=summarize(per_token),
-        tpot_excluded=int(np.count_nonzero(~defined & (c.multi | (d.n_out <= 1)))),
-        no_first_token=int(np.count_nonzero(~d.has_events)),
+        tpot_excluded=samples.tpot_excluded,
+        no_first_token=samples.no_first_token,
     )
 
 
@@ -515,16 +582,24 @@ def throughput(records: Iterable[RequestRecord], interval_s: float) -> Throughpu
     )
 
 
+def end_offset_ns(record: RequestRecord) -> int:
+    """When the request ended, in ns after its arrival (t_arrive): the client side's end (its
+    last byte written, or the failure: docs/metrics.md section 1), else its last token event,
+    else 0 (nothing was stamped). The one definition of a request's end for intervals,
+    concurrency and completion rates."""
+    client = record.client
+    if client.end_ns is not None:
+        return client.end_ns
+    return client.offsets_ns[-1] if client.offsets_ns else 0
+
+
 def measured_interval_s(records: Iterable[RequestRecord]) -> float:
-    """From the first arrival to the last end seen by the client, in seconds (0.0 if empty)."""
+    """From the first arrival to the last end (`end_offset_ns`), in seconds (0.0 if empty)."""
     first: int | None = None
     last: int | None = None
     for record in records:
         start = record.wall_time_ns
-        end_offset = record.client.end_ns
-        if end_offset is None and record.client.offsets_ns:
-            end_offset = record.client.offsets_ns[-1]
-        end = start + (end_offset or 0)
+        end = start + end_offset_ns(record)
         first = start if first is None else min(first, start)
         last = end if last is None else max(last, end)
     if first is None or last is None:
@@ -671,6 +746,27 @@ def goodput(records: Iterable[RequestRecord], slo: SLO, interval_s: float,
     reasons = np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8,
                           count=len(members))
     return goodput_of(columns_of(members, vantage), ok, slo, interval_s, vantage, reasons)
+
+
+def goodput_by_class(records: Iterable[RequestRecord], policy: SLOPolicy, interval_s: float,
+                     vantage: Vantage = Vantage.CLIENT, *,
+                     exclusions: bool = True) -> dict[str, Goodput]:
+    """Per declared class of ``policy``, `goodput` of the records of that class
+    (`SLOPolicy.class_of`). ``exclusions=False``: every request counts in its class's
+    denominator whatever `SLO.exclude` says (replay reports: docs/metrics.md section 8)."""
+    members = list(records)
+    columns = columns_of(members, vantage)
+    ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_,
+                     count=len(members))
+    reasons = np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8,
+                          count=len(members)) if exclusions else None
+    names = [policy.class_of(r) for r in members]
+    out: dict[str, Goodput] = {}
+    for name, slo in policy.classes.items():
+        mask = np.fromiter((n == name for n in names), dtype=np.bool_, count=len(names))
+        out[name] = goodput_of(columns.select(mask), ok[mask], slo, interval_s, vantage,
+                               None if reasons is None else reasons[mask])
+    return out
 
 
 def exclusion_code(record: RequestRecord) -> int:

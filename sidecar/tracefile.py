@@ -188,11 +188,27 @@ def open_text(path: Path, mode: str) -> IO[str]:
     return open(path, mode, encoding="utf-8")  # noqa: SIM115 - returned to the caller
 
 
+COMPRESSED_CUT = "compressed stream ends early"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceLine:
+    """One request line: its number in the file, and the request or why it is unreadable."""
+
+    line: int
+    request: TraceRequest | None
+    error: str | None = None
+    partial: bool = False  # the unreadable last line of a file cut short
+    text: str = ""  # the line as written (duplicate detection compares lines, not objects)
+
+
 class TraceReader:
     """Reads a trace file (plain or .gz): ``header`` then iterate the requests.
 
-    A last line cut short by a crash is skipped with a warning (``skipped_partial`` says so);
-    a bad line anywhere else is an error naming its line number.
+    The one reader of the format (migrations included): iterating gives the requests, and a
+    last line cut short by a crash is skipped with a warning (``skipped_partial`` says so),
+    a bad line anywhere else is an error naming its line number; `lines` gives every line,
+    the unreadable ones too (lint).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -232,34 +248,63 @@ class TraceReader:
         for _line, request in self.numbered():
             yield request
 
-    def numbered(self) -> Iterator[tuple[int, TraceRequest]]:
-        """Each request with its line number in the file (the header is line 1)."""
+    def lines(self) -> Iterator[TraceLine]:
+        """Every request line with its number in the file (the header is line 1), migrated to
+        this version; an unreadable line is reported (``error``) and reading goes on, so that
+        `sidecar trace lint` can list every bad line. The last line, or the end of a
+        compressed stream cut short, is ``partial`` when a crash cut it (a reader keeps
+        everything before it)."""
+        pending: TraceLine | None = None  # an unreadable line: fatal unless it is the last
+        line_no = 1
         with open_text(self.path, "r") as handle:
             handle.readline()
-            line_no = 1
-            pending: str | None = None
             try:
-                for line in handle:
+                for text in handle:
                     line_no += 1
                     if pending is not None:
-                        raise TraceFormatError(f"{self.path}:{line_no - 1}: invalid JSON line")
-                    if not line.strip():
+                        yield pending
+                        pending = None
+                    if not text.strip():
                         continue
                     try:
-                        data = json.loads(line)
-                    except json.JSONDecodeError:
-                        pending = line  # fatal unless it turns out to be the last line
+                        data = json.loads(text)
+                    except json.JSONDecodeError as exc:
+                        pending = TraceLine(line_no, None, f"not valid JSON ({exc.msg})")
                         continue
-                    yield line_no, TraceRequest.from_dict(self._migrate(data))
+                    try:
+                        if not isinstance(data, dict):
+                            raise TraceFormatError("not a JSON object")
+                        request = TraceRequest.from_dict(self._migrate(data))
+                    except (TraceFormatError, TypeError, ValueError, KeyError) as exc:
+                        yield TraceLine(line_no, None, str(exc) or type(exc).__name__)
+                        continue
+                    yield TraceLine(line_no, request, text=text.strip())
             except (EOFError, gzip.BadGzipFile, OSError):
-                # A compressed file cut short by a crash: everything decoded so far stands.
-                log.warning("%s: compressed stream ends early after line %d; reading stops "
-                            "there", self.path, line_no)
-                self.skipped_partial = True
+                # A compressed file cut short by a crash: everything decoded so far stands (an
+                # unreadable line just before the cut is the line the cut went through).
+                if pending is not None:
+                    yield TraceLine(pending.line, None, pending.error, partial=True)
+                yield TraceLine(line_no, None, COMPRESSED_CUT, partial=True)
                 return
-            if pending is not None:
+        if pending is not None:
+            yield TraceLine(pending.line, None, pending.error, partial=True)
+
+    def numbered(self) -> Iterator[tuple[int, TraceRequest]]:
+        """Each request with its line number in the file (the header is line 1): `lines`,
+        where an unreadable line is an error, but a partial last line is skipped with a
+        warning (``skipped_partial``)."""
+        for line in self.lines():
+            if line.request is not None:
+                yield line.line, line.request
+            elif not line.partial:
+                raise TraceFormatError(f"{self.path}:{line.line}: {line.error}")
+            elif line.error == COMPRESSED_CUT:
+                log.warning("%s: compressed stream ends early after line %d; reading stops "
+                            "there", self.path, line.line)
+                self.skipped_partial = True
+            else:
                 log.warning("%s: last line (%d) is incomplete (a crash mid-write?); skipped",
-                            self.path, line_no)
+                            self.path, line.line)
                 self.skipped_partial = True
 
     def requests(self) -> list[TraceRequest]:

@@ -20,7 +20,7 @@ from sidecar.config import (
 
 @pytest.mark.parametrize(("text", "seconds"), [
     ("500ms", 0.5), ("2s", 2.0), ("1m", 60.0), ("250us", 0.00025), ("1.5s", 1.5), ("0", 0.0),
-    (0, 0.0), ("1h", 3600.0),
+    (0, 0.0), ("1h", 3600.0), ("2d", 172800.0), ("15min", 900.0), ("1E3ms", 1.0),
 ])
 def test_durations(text: str | int, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
@@ -59,6 +59,16 @@ def test_every_front_door_refuses_a_bare_slo(tmp_path: Path) -> None:
                               text=True, timeout=60, env={**os.environ, **env})
         assert done.returncode == 2, (argv, env, done.stderr)
         assert "needs a unit" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_bare_number_is_read_only_where_the_flag_names_its_unit() -> None:
+    """`sidecar trace import --duration 3600` (metavar SECONDS) keeps taking a bare number;
+    everywhere else it is refused (above)."""
+    assert parse_duration("90", bare_unit="s") == 90.0
+    assert parse_duration(90, bare_unit="s") == 90.0
+    assert parse_duration("90ms", bare_unit="s") == pytest.approx(0.09)
+    with pytest.raises(ConfigError):
+        parse_duration("-90", bare_unit="s")
 
 
 @pytest.mark.parametrize("bad", ["abc", "-1s", "1 parsec", "nan", ""])
@@ -153,6 +163,19 @@ def test_slo_declarations() -> None:
                          ("ttft=1s,ttft=2s", "declared twice"), ("", "empty SLO")):
         with pytest.raises(ConfigError, match=message):
             parse_slo(bad)
+
+
+def test_one_slo_vocabulary_for_requests_and_sweep_steps() -> None:
+    """A per-request SLO has no ITL term (a request has many gaps); a sweep's percentile
+    criteria take one, with the same grammar, names and units (seconds). vllm bench's "e2el"
+    is read as e2e everywhere."""
+    from sidecar.config import PERCENTILE_METRICS, SLO_METRICS, parse_slo_spec
+
+    assert set(SLO_METRICS) < set(PERCENTILE_METRICS)
+    spec = parse_slo_spec("ttft=500ms,itl=30ms,e2el=2s", PERCENTILE_METRICS)
+    assert dict(spec.thresholds) == {"ttft": 0.5, "itl": 0.03, "e2e": 2.0}
+    assert spec.slo_arguments()["e2e_s"] == 2.0 and "itl_s" not in spec.slo_arguments()
+    assert parse_slo("e2el=2s") == {"e2e": 2.0}
 
 
 def test_the_otel_endpoint_is_checked_at_start() -> None:

@@ -64,6 +64,21 @@ def test_each_tool_formula_by_hand() -> None:
     assert one("inference_perf.tpot") == pytest.approx(0.070 / 5)
 
 
+def test_a_peer_metric_that_is_ours_takes_our_value_and_definition() -> None:
+    """peers.py states a peer only where it differs: vLLM's TTFT, ITL, TPOT and E2EL (and
+    their AIPerf / GuideLLM twins) are ours, from `stats.request_samples`."""
+    from sidecar import stats
+    from sidecar.record import Vantage
+    from sidecar.replay.peers import FORMULAS, SAME_AS_OURS
+
+    records = [record([(100, 2), (130, 1), (170, 3)], 6, 175), record([(80, 1)], 1, 85)]
+    values = peer_values(records)
+    samples = stats.request_samples(records, Vantage.CLIENT)
+    assert values["vllm.tpot"] == values["guidellm.itl"] == samples.defined("tpot").tolist()
+    assert values["aiperf.icl"] == samples.itl_s.tolist()
+    assert all(FORMULAS[name].startswith("= our ") for name in SAME_AS_OURS)
+
+
 def test_single_token_replies_split_the_tools() -> None:
     values = peer_values([record([(80, 1)], 1, 85)])
     assert values["vllm.ttft"] == pytest.approx([0.080])  # vLLM: has a TTFT

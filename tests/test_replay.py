@@ -451,7 +451,7 @@ def test_replay_and_lint_skip_the_same_lines_for_the_same_reasons(tmp_path: Path
     """One rule for both: each kind of line replay cannot rebuild, and the kinds it can (a
     failed request whose sizes are known is part of the workload; a captured body is sent as
     it is)."""
-    from sidecar.replay.tracetools import lint_trace
+    from sidecar.replay.tracelint import lint_trace
 
     lines = [
         TraceRequest(t=0.0, n_in=5, n_out=2),

@@ -279,6 +279,62 @@ def test_measured_interval_spans_first_arrival_to_last_end() -> None:
     assert stats.measured_interval_s([a, b]) == pytest.approx(0.9)
 
 
+def test_a_request_ends_at_its_client_end_else_its_last_token() -> None:
+    """`end_offset_ns`, the one "when did it end" (docs/metrics.md section 1): the client
+    side's end; without one (a record cut short) its last token event; with neither, 0."""
+    assert stats.end_offset_ns(make_record(marks((100, 1), (130, 1)), end_ms=150)) == 150 * MS
+    no_end = replace(make_record(marks((100, 1), (130, 1))),
+                     client=Timeline.from_marks(start_ns=0, marks=marks((100, 1), (130, 1))))
+    assert stats.end_offset_ns(no_end) == 130 * MS
+    nothing = replace(no_end, client=Timeline.from_marks(start_ns=0, marks=()))
+    assert stats.end_offset_ns(nothing) == 0
+
+
+def test_request_samples_hand_worked() -> None:
+    """The one per-request computation every aggregate reads. Three successful requests and
+    a failure: TTFT 100 / 200 ms / none (no token, ended at 50 ms); TPOT (170 - 100) / 5 = 14
+    ms / none (N_out 1) / none; E2E 170 / 200 / 50 ms; ITL 30, 40 ms (3 and 2 tokens)."""
+    records = [make_record(marks((100, 1), (130, 3), (170, 2)), n_out=6),
+               make_record(marks((200, 1)), n_out=1),
+               make_record((), n_out=0, end_ms=50),
+               make_record(marks((90, 1)), outcome=Outcome.TIMEOUT, end_ms=95)]
+    samples = stats.request_samples(records, Vantage.CLIENT)
+    assert samples.requests == 3
+    assert samples.ttft_s[:2] == pytest.approx([0.100, 0.200]) and math.isnan(samples.ttft_s[2])
+    assert samples.defined("tpot") == pytest.approx([0.014])
+    assert samples.defined("e2e") == pytest.approx([0.170, 0.200, 0.050])
+    assert samples.itl_s == pytest.approx([0.030, 0.040]) and samples.itl_tokens.tolist() == [3, 2]
+    assert samples.n_out.tolist() == [6, 1, 0]
+    assert (samples.tpot_excluded, samples.no_first_token) == (2, 1)
+    for index, record in enumerate(records[:3]):  # equal to the per-request definition
+        m = stats.request_metrics(record, Vantage.CLIENT)
+        assert m is not None
+        for value, sample in ((m.ttft_s, samples.ttft_s), (m.tpot_s, samples.tpot_s),
+                              (m.e2e_s, samples.e2e_s)):
+            assert (value is None and math.isnan(sample[index])) or value == sample[index]
+
+
+def test_goodput_by_class_with_and_without_exclusions() -> None:
+    """Two classes over T = 2 s. default (ttft <= 150 ms): a fast request (good), a slow one,
+    a 404 (a client error). interactive (ttft <= 50 ms): one request at 40 ms (good). With
+    exclusions the 404 leaves default's denominator: 1 good of 2; without, 1 of 3."""
+    policy = stats.SLOPolicy({"default": stats.SLO(ttft_s=0.150),
+                              "interactive": stats.SLO(ttft_s=0.050)})
+    records = [make_record(marks((100, 1), (120, 1)), n_out=2),
+               make_record(marks((300, 1), (320, 1)), n_out=2),
+               replace(make_record((), end_ms=5), outcome=Outcome.HTTP_ERROR, http_status=404),
+               replace(make_record(marks((40, 1), (60, 1), (80, 1)), n_out=3),
+                       attributes={"slo_class": "interactive"})]
+    counted = stats.goodput_by_class(records, policy, 2.0)
+    assert (counted["default"].good_requests, counted["default"].total_requests) == (1, 2)
+    assert counted["default"].excluded == {"client_error": 1}
+    assert counted["default"].good_requests_per_s == pytest.approx(0.5)
+    assert counted["interactive"].good_output_tokens_per_s == pytest.approx(1.5)
+    every = stats.goodput_by_class(records, policy, 2.0, exclusions=False)
+    assert (every["default"].good_requests, every["default"].total_requests) == (1, 3)
+    assert every["default"].attainment == pytest.approx(1 / 3)
+
+
 def test_engine_report_keeps_vllm_semantics_apart() -> None:
     from dataclasses import replace
 

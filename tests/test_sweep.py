@@ -22,8 +22,11 @@ from sidecar.replay.sweep import (
     Search,
     StepVerdict,
     achieved_rate,
+    criteria_detail,
+    criteria_of,
     judge_step,
     knee,
+    parse_criteria,
 )
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
@@ -57,7 +60,7 @@ def test_auto_search_halves_when_the_first_load_fails_and_stops_when_closed_is_t
 
 
 def test_judge_step_names_every_reason() -> None:
-    criteria = Criteria({"ttft": 500.0, "tpot": 50.0}, percentile=90)
+    criteria = Criteria({"ttft": 0.5, "tpot": 0.05}, percentile=90)
     report = {"completed": 98, "failed": 2, "p90_ttft_ms": 650.0, "p90_tpot_ms": 20.0}
     verdict = judge_step(report, offered=10.0, mode="open", criteria=criteria, achieved=8.0)
     assert not verdict.passed
@@ -77,11 +80,22 @@ def test_achieved_rate_and_knee() -> None:
     assert knee([1, 2], [None, None]) is None
 
 
-def test_thresholds_and_datasets_parse() -> None:
-    assert sweep_cli.parse_thresholds("ttft=500ms,e2e=2s,itl=30ms") == {
-        "ttft": 500.0, "e2el": 2000.0, "itl": 30.0}
-    with pytest.raises(ValueError, match="bad SLO term"):
-        sweep_cli.parse_thresholds("speed=1s")
+def test_criteria_and_datasets_parse() -> None:
+    """The sweep's --slo is the SLO grammar (config.parse_slo_spec) with ITL; held in seconds,
+    written to sweep.json in ms under the report's names, as before."""
+    criteria = parse_criteria("ttft=500ms,e2e=2s,itl=30ms", 99.0)
+    assert criteria.thresholds == {"ttft": 0.5, "e2e": 2.0, "itl": 0.03}
+    assert criteria.percentile == 99.0 and parse_criteria("e2el=2s").thresholds == {"e2e": 2.0}
+    assert criteria_detail(criteria)["thresholds_ms"] == {"ttft": 500.0, "e2el": 2000.0,
+                                                          "itl": 30.0}
+    assert criteria_of({"slo_criteria": criteria_detail(criteria)}).thresholds == \
+        pytest.approx(criteria.thresholds)
+    assert criteria.slo().ttft_s == 0.5 and criteria.slo().e2e_s == 2.0
+    assert criteria.describe().startswith("p99 ttft <= 500 ms, p99 e2e <= 2000 ms, p99 itl")
+    for bad, message in (("speed=1s", "bad SLO term"), ("ttft=500", "needs a unit"),
+                         ("ttft=1s,objective=99%", "do not apply")):
+        with pytest.raises(ValueError, match=message):
+            parse_criteria(bad)
     requests = sweep_cli.synthetic_requests("synthetic:in=64,out=8,shared=32", 3)
     assert [(r.n_in, r.n_out) for r in requests] == [(64, 8)] * 3
     assert requests[0].prefix is not None and requests[0].prefix.hashes == (1, 2)
@@ -242,7 +256,7 @@ def test_a_sweep_over_a_capture_skips_what_replay_skips(
     sweep_cli.add_arguments(parser)
     args = parser.parse_args(["--target", "http://127.0.0.1:9", "--trace", str(trace),
                               "--slo", "ttft=1s", "--rates", "1"])
-    runner = sweep_cli.Runner(args, "m", Criteria(thresholds_ms={"ttft": 1000.0}))
+    runner = sweep_cli.Runner(args, "m", Criteria(thresholds={"ttft": 1.0}))
     assert runner.trace is not None and [r.n_in for r in runner.trace] == [20, 30]
     err = capsys.readouterr().err
     assert "skipped 1 of 3 trace lines" in err and "line 3 (n_in missing" in err

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import sidecar
+from sidecar.config import parse_duration
 from sidecar.replay import importers
 from sidecar.replay.importers import (
     FAILED_IN_SOURCE,
@@ -25,9 +26,8 @@ from sidecar.replay.importers import (
     TraceImportError,
     import_trace,
     parse_calendar_ns,
-    parse_seconds,
 )
-from sidecar.replay.tracetools import lint_trace
+from sidecar.replay.tracelint import lint_trace
 from sidecar.tracefile import PrefixBlocks, TraceReader, TraceRequest, request_line
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
@@ -310,8 +310,11 @@ def test_bad_options(tmp_path: Path) -> None:
         import_trace("sharegpt", sample, tmp_path / "o.jsonl")
     with pytest.raises(TraceImportError, match="no such file"):
         import_trace("mooncake", tmp_path / "absent.jsonl", tmp_path / "o.jsonl")
-    assert parse_seconds("1.5h") == 5400.0 and parse_seconds("250ms") == 0.25
-    assert parse_seconds("90") == 90.0 and parse_seconds("2d") == 172800.0
+    # The package's one duration grammar; a bare number is seconds here only (the flags say
+    # SECONDS on the source's clock).
+    assert parse_duration("1.5h") == 5400.0 and parse_duration("250ms") == 0.25
+    assert parse_duration("90", bare_unit="s") == 90.0 and parse_duration("2d") == 172800.0
+    assert parse_duration("15min") == 900.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,18 +14,9 @@ import pytest
 
 from sidecar.replay import trace_cli
 from sidecar.replay.importers import ImportOptions, import_trace
-from sidecar.replay.tracetools import (
-    ERROR,
-    RULES,
-    WARNING,
-    choose_bin_s,
-    format_stats,
-    iter_trace_lines,
-    lint_trace,
-    sparkline,
-    trace_stats,
-)
-from sidecar.tracefile import TraceFormatError, TraceHeader, TraceRequest, write_trace
+from sidecar.replay.tracelint import ERROR, RULES, WARNING, lint_trace
+from sidecar.replay.tracestats import choose_bin_s, format_stats, sparkline, trace_stats
+from sidecar.tracefile import TraceFormatError, TraceHeader, TraceReader, TraceRequest, write_trace
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
 REPO = Path(__file__).resolve().parent.parent
@@ -190,9 +181,9 @@ def test_unsorted_import_is_sorted_or_warned(tmp_path: Path) -> None:
     assert finding.examples == ["line 5: t=0.5 after t=1 (line 4), 0.5 s back"]
 
 
-def test_iter_trace_lines_numbers_lines_past_blank_ones(tmp_path: Path) -> None:
+def test_the_reader_numbers_lines_past_blank_ones(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "t.jsonl", [req(0.0), "", req(1.0)])
-    entries = list(iter_trace_lines(path))
+    entries = list(TraceReader(path).lines())
     assert [(e.line, e.request is not None) for e in entries] == [(2, True), (4, True)]
 
 

@@ -75,7 +75,23 @@ def test_a_bad_line_in_the_middle_is_an_error(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     lines.insert(2, "{broken")
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(TraceFormatError, match=":3: invalid JSON"):
+    with pytest.raises(TraceFormatError, match=":3: not valid JSON"):
+        TraceReader(path).requests()
+
+
+def test_a_bad_request_line_is_an_error_naming_its_line(tmp_path: Path) -> None:
+    """The reader and lint read lines alike (`TraceReader.lines`): a line that is JSON but not
+    a request is an error with its file and line, as an unreadable one is."""
+    path = tmp_path / "t.jsonl"
+    write_trace(path, HEADER, REQUESTS)
+    lines = path.read_text().splitlines()
+    lines[1:1] = ['{"n_in": 5}', "[1, 2]"]
+    path.write_text("\n".join(lines) + "\n")
+    entries = list(TraceReader(path).lines())
+    assert [(e.line, e.error) for e in entries[:2]] == [
+        (2, "a request line needs `t` (arrival, seconds)"), (3, "not a JSON object")]
+    assert all(e.request is not None for e in entries[2:])
+    with pytest.raises(TraceFormatError, match=":2: a request line needs `t`"):
         TraceReader(path).requests()
 
 

@@ -77,6 +77,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import sidecar
+from sidecar.config import parse_duration
 from sidecar.tracefile import PrefixBlocks, TraceHeader, TraceRequest, header_line
 
 FORMATS = ("mooncake", "bailian", "azure", "burstgpt")
@@ -160,19 +161,6 @@ class _Tally:
 
 # ---------------------------------------------------------------------------------------------
 # Field parsing
-
-
-_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(ms|s|m|min|h|d)?\s*")
-_DURATION_UNITS = {None: 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
-                   "d": 86400.0}
-
-
-def parse_seconds(text: str) -> float:
-    """'90' -> 90.0, '1.5h' -> 5400.0, '250ms' -> 0.25 (ValueError otherwise)."""
-    match = _DURATION.fullmatch(text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a duration (e.g. 90, 90s, 15m, 2h, 1d)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
 
 
 _CALENDAR = re.compile(
@@ -304,7 +292,7 @@ class _Source:
     def clock_of(self, spec: str) -> int:
         """--start-at on this source's clock, ns."""
         try:
-            return round(parse_seconds(spec) * NS_PER_S)
+            return round(parse_duration(spec, bare_unit="s") * NS_PER_S)
         except ValueError as exc:
             raise TraceImportError(f"--start-at: {exc}") from None
 

@@ -33,10 +33,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 import sidecar
 from sidecar import stats
 from sidecar.record import Outcome, Vantage
-from sidecar.replay.report import DEFINITIONS
+from sidecar.replay.report import DEFINITIONS, replay_goodput
 from sidecar.replay.runner import SentRequest
 
 SCHEMA_VERSION = "0.2"
@@ -181,41 +183,30 @@ def _load(workload: Workload, sent: Sequence[SentRequest]) -> dict[str, Any]:
 
 
 def _latencies_ms(sent: Sequence[SentRequest]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": [], "e2el": [], "ntpot": []}
-    for s in sent:
-        if not s.record.ok:
-            continue
-        m = stats.request_metrics(s.record, Vantage.CLIENT)
-        if m is None:
-            continue
-        if m.ttft_s is not None:
-            out["ttft"].append(m.ttft_s * 1e3)
-        if m.tpot_s is not None:
-            out["tpot"].append(m.tpot_s * 1e3)
-        out["itl"].extend(gap * 1e3 for gap in m.itl_s)
-        if m.e2e_s is not None:
-            out["e2el"].append(m.e2e_s * 1e3)
-            if m.n_out >= 1:
-                out["ntpot"].append(m.e2e_s * 1e3 / m.n_out)
-    return out
+    """The run's latency samples in ms, from `stats.request_samples` (successful requests,
+    client vantage); ``ntpot``: E2E / N_out per request with N_out >= 1."""
+    samples = stats.request_samples((s.record for s in sent), Vantage.CLIENT)
+    e2e_ms = samples.e2e_s * 1e3
+    with_output = ~np.isnan(e2e_ms) & (samples.n_out >= 1)
+    return {"ttft": (samples.defined("ttft") * 1e3).tolist(),
+            "tpot": (samples.defined("tpot") * 1e3).tolist(),
+            "itl": (samples.itl_s * 1e3).tolist(),
+            "e2el": (samples.defined("e2e") * 1e3).tolist(),
+            "ntpot": (e2e_ms[with_output] / samples.n_out[with_output]).tolist()}
 
 
 def _goodput(sent: Sequence[SentRequest], slo_policy: stats.SLOPolicy,
              duration_s: float) -> dict[str, Any]:
-    good = good_tokens = 0
-    for s in sent:
-        if slo_policy.judge(s.record)[1]:
-            good += 1
-            good_tokens += stats.output_tokens(s.record, s.record.client)
-    rate = 1.0 / duration_s if duration_s > 0 else 0.0
+    goodput = replay_goodput([s.record for s in sent], slo_policy, duration_s)
     return {
         "slo": {name: slo.describe() for name, slo in slo_policy.classes.items()},
         "vantage": Vantage.CLIENT.value,
-        "good_requests": good,
-        "requests": len(sent),
-        "attainment": {"units": FRACTION, "value": good / len(sent) if sent else None},
-        "request_goodput": {"units": QUERIES_PER_S, "value": good * rate},
-        "good_output_token_rate": {"units": TOKENS_PER_S, "value": good_tokens * rate},
+        "good_requests": goodput.good_requests,
+        "requests": goodput.requests,
+        "attainment": {"units": FRACTION, "value": goodput.attainment},
+        "request_goodput": {"units": QUERIES_PER_S, "value": goodput.good_requests_per_s},
+        "good_output_token_rate": {"units": TOKENS_PER_S,
+                                   "value": goodput.good_output_tokens_per_s},
     }
 
 

@@ -3,8 +3,9 @@
 Tools give one name to different quantities ("ITL" is a pooled per-chunk gap in vLLM, a
 per-request mean in AIPerf and GuideLLM; "TPOT" includes TTFT in GuideLLM). To answer "what
 would tool X have said?", each metric here is computed from our client-side records with that
-tool's formula, and keyed ``tool.name`` with the formula beside it. Our own definitions are in
-`report.DEFINITIONS`; these never replace them.
+tool's formula, and keyed ``tool.name`` with the formula beside it. A peer metric that is one of
+ours (`SAME_AS_OURS`) takes our value and our definition (docs/metrics.md section 4); the
+others are stated only by where they differ from ours (`DIFFERENCES`).
 
 Where a tool re-tokenises text on the client, we use the server's usage counts instead (stated
 in `NOTES`); per-token timestamps are derived from per-chunk stamps and token counts exactly as
@@ -22,31 +23,35 @@ from typing import Any
 import numpy as np
 
 from sidecar import stats
-from sidecar.record import RequestRecord
+from sidecar.record import RequestRecord, Vantage
 from sidecar.replay.runner import SentRequest
 
 NS = 1e9
 
-FORMULAS = {
-    "vllm.ttft": "first token chunk - send",
-    "vllm.itl": "gaps between consecutive token chunks, pooled",
-    "vllm.tpot": "(e2el - ttft) / (N_out - 1), N_out > 1",
-    "vllm.e2el": "last token chunk - send",
-    "inference_perf.ttft": "first token - send, only with >= 2 token timestamps",
-    "inference_perf.tpot": "(t_last_token - t_first_token) / (N - 1)",
-    "inference_perf.itl": "gaps between consecutive tokens (tokens of a chunk share its "
-                          "instant: zeros included), pooled",
-    "inference_perf.ntpot": "(end - send) / N",
-    "aiperf.ttft": "first content chunk - send",
-    "aiperf.ttst": "second content chunk - first",
-    "aiperf.itl": "(latency - ttft) / (OSL - first_chunk_tokens), per request",
-    "aiperf.icl": "gaps between consecutive content chunks, pooled",
-    "aiperf.request_latency": "last content chunk - send",
-    "guidellm.ttft": "first content line - send",
-    "guidellm.itl": "(t_last - t_first) / (N - 1), per request (= vLLM's TPOT)",
-    "guidellm.tpot": "(t_last - send) / N, per request (includes TTFT)",
-    "guidellm.request_latency": "end - send",
+# Peer metrics that are one of ours under the tool's name: their values are ours
+# (`stats.request_samples`), and their definition is ours (docs/metrics.md section 4).
+SAME_AS_OURS = {
+    "vllm.ttft": "ttft", "aiperf.ttft": "ttft", "guidellm.ttft": "ttft",
+    "vllm.itl": "itl", "aiperf.icl": "itl",
+    "vllm.tpot": "tpot", "guidellm.itl": "tpot",
+    "vllm.e2el": "e2e", "aiperf.request_latency": "e2e",
 }
+# The others: each stated by where it differs from ours (N: the output tokens; per-token
+# instants: every token of a chunk at the chunk's instant, as those tools do).
+DIFFERENCES = {
+    "inference_perf.ttft": "our TTFT, but only for requests with >= 2 tokens",
+    "inference_perf.tpot": "our TPOT over per-token instants: N counted per chunk, not usage",
+    "inference_perf.itl": "our ITL between tokens, not chunks: the tokens of one chunk share "
+                          "its instant, so zeros",
+    "inference_perf.ntpot": "(end - send) / N: our E2E to the stream's end, over N, TTFT "
+                            "included",
+    "aiperf.ttst": "second token chunk - first",
+    "aiperf.itl": "(E2E - TTFT) / (N - the first chunk's tokens), per request",
+    "guidellm.tpot": "our E2E / N, per request (includes TTFT)",
+    "guidellm.request_latency": "end - send: to the stream's end, not the last token chunk",
+}
+FORMULAS = {**{name: f"= our {ours.upper()} (docs/metrics.md section 4)"
+               for name, ours in SAME_AS_OURS.items()}, **DIFFERENCES}
 
 NOTES = ("Token counts are the server's usage (inference-perf and AIPerf would re-tokenise the "
          "text on the client). Timestamps are ours (perf_counter_ns per read); GuideLLM uses "
@@ -61,40 +66,32 @@ def _per_token_instants(record: RequestRecord) -> list[int]:
 
 
 def peer_values(records: Iterable[RequestRecord]) -> dict[str, list[float]]:
-    values: dict[str, list[float]] = {name: [] for name in FORMULAS}
+    """Each peer metric's samples (seconds) over the successful requests."""
+    kept = [record for record in records if record.ok]
+    samples = stats.request_samples(kept, Vantage.CLIENT)
+    ours = {"ttft": samples.defined("ttft").tolist(), "tpot": samples.defined("tpot").tolist(),
+            "itl": samples.itl_s.tolist(), "e2e": samples.defined("e2e").tolist()}
+    values: dict[str, list[float]] = {name: list(ours[metric])
+                                      for name, metric in SAME_AS_OURS.items()}
+    values.update({name: [] for name in DIFFERENCES})
 
     def add(name: str, value: float | None) -> None:
         if value is not None:
             values[name].append(value)
 
-    for record in records:
-        if not record.ok:
-            continue
+    for record in kept:
         offsets = record.client.offsets_ns
         n_out = stats.output_tokens(record, record.client)
         end = record.client.end_ns
-        if not offsets:
-            if end is not None:
-                add("guidellm.request_latency", end / NS)
-            continue
-        first, last = offsets[0], offsets[-1]
-        add("vllm.ttft", first / NS)
-        add("aiperf.ttft", first / NS)
-        add("guidellm.ttft", first / NS)
-        add("vllm.e2el", last / NS)
-        add("aiperf.request_latency", last / NS)
         if end is not None:
             add("guidellm.request_latency", end / NS)
-            if n_out > 0:
-                add("inference_perf.ntpot", end / n_out / NS)
-        gaps = [(b - a) / NS for a, b in zip(offsets, offsets[1:], strict=False)]
-        values["vllm.itl"].extend(gaps)
-        values["aiperf.icl"].extend(gaps)
+        if not offsets:
+            continue
+        first, last = offsets[0], offsets[-1]
+        if end is not None and n_out > 0:
+            add("inference_perf.ntpot", end / n_out / NS)
         if len(offsets) > 1:
             add("aiperf.ttst", (offsets[1] - first) / NS)
-        if n_out > 1:
-            add("vllm.tpot", (last - first) / (n_out - 1) / NS)
-            add("guidellm.itl", (last - first) / (n_out - 1) / NS)
         denominator = n_out - record.client.tokens[0]
         if denominator > 0:
             add("aiperf.itl", (last - first) / denominator / NS)

@@ -1,8 +1,9 @@
 """A replay run's report: `vllm bench serve`'s JSON keys where the meaning is the same, plus
 what that tool leaves out (outcomes, sender lateness, the workload envelope, definitions).
 
-Meaning notes against `vllm bench serve`: TTFT, ITL (per event), TPOT ((E2E - TTFT) / (N_out -
-1), N_out from usage) and E2EL are the same definitions, measured by the replayer as a client;
+Meaning notes against `vllm bench serve`: TTFT, ITL (per event), TPOT (N_out from usage) and
+E2EL are the same definitions (docs/metrics.md sections 4 and 11), measured by the replayer as
+a client (`stats.request_samples`);
 ``request_goodput`` counts requests that met every declared threshold of the SLO, per second.
 ``duration`` runs from the run's start (the first scheduled instant) to the last response's end.
 ``max_concurrent_requests`` is vllm bench's per-second count (`peers.vllm_bench_peaks`); the
@@ -20,12 +21,13 @@ run at 100 req/s bunch 50 requests together unflagged.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from sidecar import stats
-from sidecar.record import Outcome, Vantage
+from sidecar.record import Outcome, RequestRecord, Vantage
 from sidecar.replay.peers import vllm_bench_peaks
 from sidecar.replay.runner import SentRequest
 
@@ -35,7 +37,8 @@ DEFAULT_MAX_LATENESS_MS = 50.0
 DEFINITIONS = {
     "ttft": "send -> first token-carrying chunk (client vantage); sample = request",
     "itl": "gap between consecutive token-carrying chunks; sample = chunk (event)",
-    "tpot": "(E2E - TTFT) / (N_out - 1), N_out from usage; N_out <= 1 excluded and counted",
+    "tpot": "TPOT as docs/metrics.md section 4 defines it, N_out from usage; N_out <= 1 "
+            "excluded and counted",
     "e2el": "send -> last token-carrying chunk (response end if none); sample = request",
     "lateness": "actual send - scheduled send, per request (open loop only)",
     "percentiles": "numpy linear interpolation; std is the population std",
@@ -51,7 +54,7 @@ DEFINITIONS = {
 }
 
 
-def _ms_stats(prefix: str, values: Sequence[float],
+def _ms_stats(prefix: str, values: npt.NDArray[np.float64],
               percentiles: Sequence[float]) -> dict[str, float | None]:
     summary = stats.summarize(values, percentiles)
 
@@ -74,24 +77,11 @@ def run_report(sent: Sequence[SentRequest], *, mode: str,
                envelope: Mapping[str, Any] | None = None) -> dict[str, Any]:
     records = [s.record for s in sent]
     completed = [r for r in records if r.outcome is Outcome.OK]
-    ends = [s.actual_ns + (s.record.client.end_ns or 0) for s in sent]
+    ends = [s.end_ns for s in sent]
     duration = max(ends) / 1e9 if ends else 0.0
+    samples = stats.request_samples(records, Vantage.CLIENT)
     total_in = sum(r.n_in or 0 for r in completed)
-    total_out = sum(stats.output_tokens(r, r.client) for r in completed)
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    e2els: list[float] = []
-    itls: list[float] = []
-    for record in completed:
-        m = stats.request_metrics(record, Vantage.CLIENT)
-        assert m is not None
-        if m.ttft_s is not None:
-            ttfts.append(m.ttft_s)
-        if m.tpot_s is not None:
-            tpots.append(m.tpot_s)
-        if m.e2e_s is not None:
-            e2els.append(m.e2e_s)
-        itls.extend(m.itl_s)
+    total_out = int(samples.n_out.sum())
     rate = 1.0 / duration if duration > 0 else 0.0
     report: dict[str, Any] = {
         "mode": mode,
@@ -108,15 +98,14 @@ def run_report(sent: Sequence[SentRequest], *, mode: str,
     }
     report["request_goodput"] = None
     if slo_policy is not None:
-        verdicts = [slo_policy.judge(r) for r in records]
-        good = sum(ok for _name, ok in verdicts)
-        report["request_goodput"] = good * rate
-        report["slo_attainment"] = good / len(records) if records else None
+        goodput = replay_goodput(records, slo_policy, duration)
+        report["request_goodput"] = goodput.good_requests_per_s
+        report["slo_attainment"] = goodput.attainment
         report["slo"] = {name: slo.describe() for name, slo in slo_policy.classes.items()}
-    for prefix, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+    for prefix, values in (("ttft", samples.defined("ttft")), ("tpot", samples.defined("tpot")),
+                           ("itl", samples.itl_s), ("e2el", samples.defined("e2e"))):
         report.update(_ms_stats(prefix, values, percentiles))
-    report["requests_without_tpot"] = sum(1 for r in completed
-                                          if stats.output_tokens(r, r.client) <= 1)
+    report["requests_without_tpot"] = int(np.count_nonzero(samples.n_out <= 1))
     report["outcomes"] = {o.value: n for o, n in stats.outcome_counts(records).items()}
     if mode == "open":
         lateness = stats.summarize([s.lateness_ns / 1e6 for s in sent], percentiles)
@@ -128,12 +117,38 @@ def run_report(sent: Sequence[SentRequest], *, mode: str,
     return report
 
 
+class ReplayGoodput(NamedTuple):
+    """A run's goodput over every class of its SLO policy."""
+
+    good_requests: int
+    requests: int
+    attainment: float | None  # good / every request of the run; None for no request
+    good_requests_per_s: float
+    good_output_tokens_per_s: float
+
+
+def replay_goodput(records: Sequence[RequestRecord], slo_policy: stats.SLOPolicy,
+                   duration_s: float) -> ReplayGoodput:
+    """`stats.goodput_by_class` at the client vantage, summed over the classes (a replay has
+    one, "default"). Every request of the run is in the denominator: `SLO.exclude` is not
+    applied here, as replay reports have always said (docs/metrics.md section 8)."""
+    per_class = stats.goodput_by_class(records, slo_policy, duration_s, Vantage.CLIENT,
+                                       exclusions=False)
+    good = sum(g.good_requests for g in per_class.values())
+    total = sum(g.total_requests for g in per_class.values())
+    return ReplayGoodput(
+        good_requests=good, requests=total, attainment=good / total if total else None,
+        good_requests_per_s=sum(g.good_requests_per_s for g in per_class.values()),
+        good_output_tokens_per_s=sum(g.good_output_tokens_per_s
+                                     for g in per_class.values()))
+
+
 def max_concurrency(sent: Sequence[SentRequest]) -> int:
     """The most requests in flight at once, from the send and end instants."""
     events: list[tuple[int, int]] = []
     for s in sent:
         events.append((s.actual_ns, 1))
-        events.append((s.actual_ns + (s.record.client.end_ns or 0), -1))
+        events.append((s.end_ns, -1))
     events.sort()
     current = peak = 0
     for _at, delta in events:

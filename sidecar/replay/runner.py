@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from sidecar import clock
+from sidecar import clock, stats
 from sidecar.meter import StreamFailure, StreamMeter
 from sidecar.protocol.openai import ErrorInfo, Usage, safe_error_type
 from sidecar.record import (
@@ -57,6 +57,12 @@ class SentRequest:
     @property
     def lateness_ns(self) -> int:
         return self.actual_ns - self.scheduled_ns
+
+    @property
+    def end_ns(self) -> int:
+        """When the request ended (`stats.end_offset_ns`), as an offset from the run's
+        start."""
+        return self.actual_ns + stats.end_offset_ns(self.record)
 
 
 async def sleep_until(deadline_ns: int) -> None:

@@ -24,6 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.config import PERCENTILE_METRICS, SLO_METRIC_ALIASES, parse_slo_spec
+from sidecar.stats import SLO
+
 # The step metrics kept for every repeat of a step (its `repeat_spread`), so that a comparison
 # of two sweeps can tell a change from run-to-run noise: (report key, unit, higher is better).
 STEP_METRICS: tuple[tuple[str, str, bool], ...] = (
@@ -43,9 +46,19 @@ STEP_METRICS: tuple[tuple[str, str, bool], ...] = (
 )
 
 
+# The run report's key of each metric (`report.run_report`: vllm bench's names, "e2el").
+REPORT_NAMES = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2e": "e2el"}
+
+
 @dataclass(frozen=True, slots=True)
 class Criteria:
-    thresholds_ms: Mapping[str, float]  # "ttft" | "tpot" | "itl" | "e2el" -> ms
+    """A load step's pass criteria. Not a per-request SLO (`stats.SLO`, which says whether one
+    request was good): each threshold applies to a percentile of the step's successful
+    requests (ITL: of their gaps), beside an error bound and the keep-up ratio. The thresholds
+    are named, parsed and held as SLO thresholds are (`config.parse_slo_spec` with
+    `config.PERCENTILE_METRICS`; seconds)."""
+
+    thresholds: Mapping[str, float]  # metric name (config.PERCENTILE_METRICS) -> seconds
     percentile: float = 90.0
     max_error_rate: float = 0.01
     keep_up: float = 0.9
@@ -53,17 +66,38 @@ class Criteria:
     def __post_init__(self) -> None:
         if not 0 < self.percentile < 100:
             raise ValueError("the SLO percentile must be in (0, 100)")
-        if not self.thresholds_ms:
+        if not self.thresholds:
             raise ValueError("a sweep needs at least one SLO threshold")
-        unknown = set(self.thresholds_ms) - {"ttft", "tpot", "itl", "e2el"}
+        unknown = set(self.thresholds) - set(PERCENTILE_METRICS)
         if unknown:
             raise ValueError(f"unknown SLO metrics for a sweep: {sorted(unknown)}")
 
+    def limits_ms(self) -> dict[str, float]:
+        """The thresholds in ms (the run report's unit), by metric name."""
+        return {name: seconds * 1000 for name, seconds in self.thresholds.items()}
+
+    def slo(self) -> SLO:
+        """The per-request SLO of the same thresholds, for the step's goodput (ITL has no
+        per-request value, so it is judged by the percentile only)."""
+        get = self.thresholds.get
+        return SLO(ttft_s=get("ttft"), tpot_s=get("tpot"), e2e_s=get("e2e"))
+
     def describe(self) -> str:
         p = f"p{self.percentile:g}"
-        parts = [f"{p} {name} <= {ms:g} ms" for name, ms in self.thresholds_ms.items()]
+        parts = [f"{p} {name} <= {ms:g} ms" for name, ms in self.limits_ms().items()]
         return (", ".join(parts) + f"; errors <= {self.max_error_rate:.1%}"
                 + f"; achieved >= {self.keep_up:.0%} of offered (open loop)")
+
+
+def parse_criteria(slo: str, percentile: float = 90.0, max_error_rate: float = 0.01,
+                   keep_up: float = 0.9) -> Criteria:
+    """`sidecar sweep --slo ttft=500ms,itl=30ms` (the SLO grammar, with ITL) and the bounds."""
+    spec = parse_slo_spec(slo, PERCENTILE_METRICS)
+    if spec.objective is not None or spec.exclude is not None:
+        # The percentile is a step's objective, and every request counts in its error bound.
+        raise ValueError(f"--slo {slo!r}: a sweep judges each threshold at --slo-percentile; "
+                         "objective= and exclude= do not apply to it")
+    return Criteria(dict(spec.thresholds), percentile, max_error_rate, keep_up)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +125,8 @@ def judge_step(report: Mapping[str, Any], offered: float, mode: str,
     if error_rate > criteria.max_error_rate:
         reasons.append(f"error rate {error_rate:.1%} > {criteria.max_error_rate:.1%}")
     p = f"p{criteria.percentile:g}"
-    for name, limit in criteria.thresholds_ms.items():
-        value = report.get(f"{p}_{name}_ms")
+    for name, limit in criteria.limits_ms().items():
+        value = report.get(f"{p}_{REPORT_NAMES[name]}_ms")
         if value is None:
             reasons.append(f"{p} {name} unmeasured")
         elif value > limit:
@@ -200,10 +234,10 @@ def knee(loads: Sequence[float], goodputs: Sequence[float | None]) -> float | No
 # -- the step table: one builder for the console and the HTML page ---------------------------
 
 METRICS_DOC = "docs/metrics.md"
-LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E"}
+LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 # The latency percentiles every table shows (the judged ones come first, and are not repeated).
 SHOWN_LATENCIES = (("ttft", 50.0), ("ttft", 99.0), ("tpot", 50.0), ("tpot", 99.0),
-                   ("itl", 99.0), ("e2el", 99.0))
+                   ("itl", 99.0), ("e2e", 99.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,11 +277,22 @@ class StepTables:
         return [(", ".join(names), definition) for definition, names in grouped.items()]
 
 
+def criteria_detail(criteria: Criteria) -> dict[str, Any]:
+    """The pass criteria as numbers (sweep.json's `slo_criteria`; `criteria` says them in
+    words). The file keeps its format: ms, keyed by the run report's names ("e2el")."""
+    return {"thresholds_ms": {REPORT_NAMES[name]: ms for name, ms in
+                              criteria.limits_ms().items()},
+            "percentile": criteria.percentile, "max_error_rate": criteria.max_error_rate,
+            "keep_up": criteria.keep_up}
+
+
 def criteria_of(result: Mapping[str, Any]) -> Criteria:
+    """`criteria_detail` read back (sweep.json)."""
     detail = result.get("slo_criteria") or {}
-    return Criteria(detail.get("thresholds_ms") or {"ttft": math.inf},
-                    detail.get("percentile", 90.0), detail.get("max_error_rate", 0.01),
-                    detail.get("keep_up", 0.9))
+    thresholds = {SLO_METRIC_ALIASES.get(name, name): ms / 1000
+                  for name, ms in (detail.get("thresholds_ms") or {"ttft": math.inf}).items()}
+    return Criteria(thresholds, detail.get("percentile", 90.0),
+                    detail.get("max_error_rate", 0.01), detail.get("keep_up", 0.9))
 
 
 def _num(value: Any, digits: int = 2) -> str:
@@ -312,10 +357,11 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
                                "the tables)"))
     latency_columns = [load_column]
     latency_keys: list[str] = []
-    judged = [(metric, p) for metric in criteria.thresholds_ms]
+    limits = criteria.limits_ms()
+    judged = [(metric, p) for metric in limits]
     for metric, q in [*judged, *(x for x in SHOWN_LATENCIES if x not in judged)]:
         name = f"{LATENCY_NAMES[metric]} p{q:g}"
-        limit = criteria.thresholds_ms.get(metric) if (metric, q) in judged else None
+        limit = limits.get(metric) if (metric, q) in judged else None
         where = f"{METRICS_DOC} §4 Per-request metrics, §10 Percentiles"
         if limit is not None:
             definition = (f"judged, <= {limit:g} ms for a pass: the percentile over the step's "
@@ -325,7 +371,7 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
                 f"({where})"
         latency_columns.append(Column(name, f"ms <= {limit:g}" if limit is not None else "ms",
                                       definition))
-        latency_keys.append(f"p{q:g}_{metric}_ms")
+        latency_keys.append(f"p{q:g}_{REPORT_NAMES[metric]}_ms")
     with_sidecar = any(s.get("sidecar") for s in steps)
     if with_sidecar:
         latency_columns += [
@@ -452,8 +498,8 @@ def step_line(result: Mapping[str, Any], step: Mapping[str, Any]) -> str:
                      f"% of offered, >= {criteria.keep_up:.0%} passes)")
     else:
         parts.append(f"achieved {_num(step.get('achieved_rate'))} req/s")
-    for metric, limit in criteria.thresholds_ms.items():
-        value = report.get(f"p{criteria.percentile:g}_{metric}_ms")
+    for metric, limit in criteria.limits_ms().items():
+        value = report.get(f"p{criteria.percentile:g}_{REPORT_NAMES[metric]}_ms")
         parts.append(f"{LATENCY_NAMES[metric]} p{criteria.percentile:g} {_num(value, 1)} ms "
                      f"(<= {limit:g})")
     total = report.get("completed", 0) + report.get("failed", 0)

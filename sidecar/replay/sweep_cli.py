@@ -27,12 +27,14 @@ from sidecar.replay.sweep import (
     StepVerdict,
     achieved_rate,
     console_report,
+    criteria_detail,
     judge_step,
     knee,
+    parse_criteria,
     step_line,
     step_tables,
 )
-from sidecar.stats import SLO, SLOPolicy
+from sidecar.stats import SLOPolicy
 from sidecar.tracefile import PrefixBlocks, TraceReader, TraceRequest
 
 DESCRIPTION = """\
@@ -92,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="synthetic:in=N,out=M[,shared=K] (K tokens of shared prefix)")
     parser.add_argument("--slo", required=True,
                         help="thresholds judged at --slo-percentile, e.g. ttft=500ms,tpot=50ms "
-                        "(also itl=, e2el=)")
+                        "(the SLO grammar of `sidecar proxy --slo`, with itl= too)")
     parser.add_argument("--slo-percentile", type=float, default=90.0,
                         help="the percentile each threshold applies to [90]")
     parser.add_argument("--max-error-rate", type=float, default=0.01, help="[0.01]")
@@ -257,7 +259,7 @@ class Runner:
         engine_after = await self.scrape_engines()
         runs.sort(key=lambda r: r[0].get("median_e2el_ms") or float("inf"))
         report, sent, view = runs[(len(runs) - 1) // 2]
-        ends = [(s.actual_ns + (s.record.client.end_ns or 0)) / 1e9 for s in sent
+        ends = [s.end_ns / 1e9 for s in sent
                 if s.record.ok]
         achieved = achieved_rate(ends)
         # The offered rate this step really had: a seeded Poisson schedule of a few dozen
@@ -325,34 +327,7 @@ class Runner:
         return {"flavour": self.engine_flavour, "values": values}
 
     def criteria_policy(self) -> SLOPolicy:
-        ms = self.criteria.thresholds_ms
-
-        def s(name: str) -> float | None:
-            return ms[name] / 1000 if name in ms else None
-
-        return SLOPolicy({"default": SLO(ttft_s=s("ttft"), tpot_s=s("tpot"), e2e_s=s("e2el"))})
-
-
-def parse_thresholds(spec: str) -> dict[str, float]:
-    """'ttft=500ms,tpot=50ms,itl=100ms,e2e=5s' -> milliseconds by report metric name."""
-    out: dict[str, float] = {}
-    for term in spec.split(","):
-        name, sep, value = term.strip().partition("=")
-        name = {"e2e": "e2el"}.get(name.strip().lower(), name.strip().lower())
-        if not sep or name not in ("ttft", "tpot", "itl", "e2el"):
-            raise ValueError(f"bad SLO term {term!r}: use ttft=, tpot=, itl= or e2e= durations")
-        seconds = parse_duration(value)
-        if seconds <= 0:
-            raise ValueError(f"SLO {name} must be > 0")
-        out[name] = seconds * 1000
-    return out
-
-
-def criteria_detail(criteria: Criteria) -> dict[str, Any]:
-    """The pass criteria as numbers (sweep.json's `slo_criteria`; `criteria` says them in
-    words)."""
-    return {"thresholds_ms": dict(criteria.thresholds_ms), "percentile": criteria.percentile,
-            "max_error_rate": criteria.max_error_rate, "keep_up": criteria.keep_up}
+        return SLOPolicy({"default": self.criteria.slo()})
 
 
 def _spread(reports: list[dict[str, Any]]) -> dict[str, list[float | None]]:
@@ -387,10 +362,9 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    thresholds = parse_thresholds(args.slo)
+    criteria = parse_criteria(args.slo, args.slo_percentile, args.max_error_rate, args.keep_up)
     # Before the first step: a sweep of hours must not end in "No such file".
     replay_cli.check_writable(args.output_dir)
-    criteria = Criteria(thresholds, args.slo_percentile, args.max_error_rate, args.keep_up)
     target = replay_cli.checked_target(args.target)
     unit = "req/s" if args.mode == "open" else "concurrent requests"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from sidecar.config import parse_duration
 from sidecar.replay.importers import (
     ENDPOINTS,
     FORMATS,
@@ -21,10 +22,10 @@ from sidecar.replay.importers import (
     ImportResult,
     TraceImportError,
     import_trace,
-    parse_seconds,
 )
+from sidecar.replay.tracelint import lint_trace
 from sidecar.replay.tracemerge import MergeRefused, merge_traces
-from sidecar.replay.tracetools import format_stats, lint_trace, stats_json, trace_stats
+from sidecar.replay.tracestats import format_stats, stats_json, trace_stats
 from sidecar.tracefile import TraceFormatError
 
 DESCRIPTION = """\
@@ -173,7 +174,7 @@ def _options(args: argparse.Namespace) -> ImportOptions:
     duration = None
     if args.duration is not None:
         try:
-            duration = parse_seconds(args.duration)
+            duration = parse_duration(args.duration, bare_unit="s")
         except ValueError as exc:
             raise TraceImportError(f"--duration: {exc}") from None
     return ImportOptions(

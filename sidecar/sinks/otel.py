@@ -64,6 +64,7 @@ from opentelemetry.util.types import AttributeValue
 
 import sidecar
 from sidecar.record import RequestRecord, Timeline, Vantage
+from sidecar.sinks.labels import OTHER, BoundedLabel
 from sidecar.stats import (
     NS_PER_S,
     RequestMetrics,
@@ -78,7 +79,6 @@ log = logging.getLogger(__name__)
 METER_NAME: Final = "sidecar.sinks.otel"
 TRACER_NAME: Final = "sidecar.sinks.otel"
 DEFAULT_SERVICE_NAME: Final = "vllm-sidecar"
-OTHER: Final = "other"  # the value every attribute value past its cap collapses to
 
 # record.endpoint -> gen_ai.operation.name. Anything else is not a GenAI operation.
 OPERATIONS: Final[Mapping[str, str]] = {"chat": "chat", "completions": "text_completion"}
@@ -197,32 +197,6 @@ HISTOGRAMS: Final[tuple[InstrumentSpec, ...]] = (
 Attrs = dict[str, AttributeValue]
 
 
-class BoundedValues:
-    """Admits the first ``cap`` distinct values of one attribute; later ones become ``other``.
-
-    Model names come from client request bodies, so an unbounded label set is one misbehaving
-    client away; the first values seen are kept as-is because they are the ones dashboards
-    already show. Values longer than ``max_len`` are ``other`` too (no 10 kB label values).
-    """
-
-    def __init__(self, cap: int, max_len: int = 128) -> None:
-        if cap < 1:
-            raise ValueError("cap must be >= 1")
-        self.cap = cap
-        self.max_len = max_len
-        self._admitted: set[str] = set()
-        self.overflowed = 0  # observations that were mapped to `other`
-
-    def __call__(self, value: str, admit: bool = True) -> str:
-        if value in self._admitted:
-            return value
-        if admit and len(self._admitted) < self.cap and len(value) <= self.max_len:
-            self._admitted.add(value)
-            return value
-        self.overflowed += 1
-        return OTHER
-
-
 def parse_replica(label: str) -> tuple[str, int | None]:
     """``host:port`` (a replica label: the upstream URL without its scheme) -> (address, port).
 
@@ -316,8 +290,8 @@ class OTelSink:
         self.provider_name = provider_name
         self.slo_policy = slo_policy
         self.slo_vantage = slo_vantage
-        self.models = BoundedValues(max_models)
-        self.replicas = BoundedValues(max_replicas)
+        self.models = BoundedLabel(max_models)
+        self.replicas = BoundedLabel(max_replicas)
         self.skipped = 0  # records not exported: pass-through paths, or after shutdown
         self._closed = False
         self._attr_sets: dict[tuple[str, str | None, str | None, str | None], _AttrSets] = {}
@@ -838,7 +812,6 @@ __all__ = [
     "SERVER_TPOT_BUCKETS",
     "SERVER_TTFT_BUCKETS",
     "TOKEN_BUCKETS",
-    "BoundedValues",
     "InstrumentSpec",
     "OTelSink",
     "build_otel_sink",

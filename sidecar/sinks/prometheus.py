@@ -48,11 +48,12 @@ from prometheus_client.utils import floatToGoString
 from sidecar import stats
 from sidecar.hooks import SinkFanout
 from sidecar.record import Int64s, Outcome, RequestRecord, TokenSource, Vantage
+from sidecar.sinks.labels import OTHER, BoundedLabel
 from sidecar.sinks.window import GENERATION_ENDPOINTS, WindowSink
 from sidecar.stats import NS_PER_S
 
+UNKNOWN = "unknown"  # the label of a model or replica the record does not name
 E6 = (1.0, 1.5, 2.2, 3.3, 4.7, 6.8)
-OTHER = "other"
 
 
 def e6_buckets(low_exponent: int = -4, high_exponent: int = 3) -> tuple[float, ...]:
@@ -95,33 +96,6 @@ def latency_buckets(extra: Iterable[float] = (),
 
 # Token counts: 1-2-5 per decade up to 1M tokens (vLLM's TOK_B shape, extended).
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 6) for m in (1, 2, 5)) + (1e6,)
-
-
-class LabelLimiter:
-    """Caps the distinct values one label takes: the first ``cap`` pass, the rest are 'other'.
-
-    A client chooses the model name it sends; without a cap it could create series without end.
-    And without ``admit`` it could fill the cap with junk names (each a 404) so that the real
-    model's requests read 'other' for the life of the process: a value takes a slot only when
-    ``admit`` says the upstream confirmed it (`RequestRecord.model_confirmed`); until then it
-    reads 'other'.
-    """
-
-    __slots__ = ("cap", "_seen")
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self._seen: set[str] = set()
-
-    def __call__(self, value: str | None, admit: bool = True) -> str:
-        if value is None or value == "":
-            return "unknown"
-        if value in self._seen:
-            return value
-        if admit and len(self._seen) < self.cap:
-            self._seen.add(value)
-            return value
-        return OTHER
 
 
 class BulkHistogram(Collector):
@@ -235,8 +209,8 @@ class PrometheusSink:
                  histogram_buckets: str = DEFAULT_LATENCY_LAYOUT) -> None:
         self.registry = registry
         self.slo_policy = slo_policy
-        self._model = LabelLimiter(label_cap)
-        self._replica = LabelLimiter(label_cap)
+        self._model = BoundedLabel(label_cap)
+        self._replica = BoundedLabel(label_cap)
         thresholds = [
             limit
             for slo in (slo_policy.classes.values() if slo_policy else ())
@@ -359,8 +333,10 @@ class PrometheusSink:
 
     def on_record(self, record: RequestRecord) -> None:
         generation = record.endpoint in GENERATION_ENDPOINTS
-        model = self._model(record.model, record.model_confirmed) if generation else OTHER
-        replica = self._replica(record.replica)
+        # A missing value is a label of its own ("unknown"), outside the cap.
+        model = ((self._model(record.model, record.model_confirmed) if record.model
+                  else UNKNOWN) if generation else OTHER)
+        replica = self._replica(record.replica) if record.replica else UNKNOWN
         endpoint = record.endpoint if generation else OTHER
         self._requests(model, replica, endpoint, record.outcome.value).inc()
         if not generation:
