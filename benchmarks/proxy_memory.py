@@ -108,26 +108,38 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
 
 
-def sim_argv(port: int, streams: int, step_s: float) -> list[str]:
+def sim_argv(port: int, streams: int, step_s: float, prompt_kib: int = 0) -> list[str]:
+    # A prompt's tokens, over-estimated (the simulator's tokenizer takes a few characters per
+    # token): room in the context and the KV cache for every stream's prompt at once.
+    prompt_tokens = prompt_kib * 1024 // 2
     return [sys.executable, "-m", "sidecar", "sim", "--host", po.HOST, "--port", str(port),
             "--model", po.MODEL, "--step-floor-s", f"{step_s:g}", "--per-token-s", "0",
             "--max-num-seqs", str(streams + 256),
-            "--max-num-batched-tokens", str(max(8192, 64 * (streams + 256))),
-            "--num-gpu-blocks", str(max(32768, 64 * (streams + 256))),
-            "--max-model-len", str(MAX_TOKENS + 1024)]
+            "--max-num-batched-tokens", str(max(8192, 64 * (streams + 256), 2 * prompt_tokens)),
+            "--num-gpu-blocks", str(max(32768, (64 + prompt_tokens // 16) * (streams + 256))),
+            "--max-model-len", str(MAX_TOKENS + 1024 + prompt_tokens)]
+
+
+def prompt_text(kib: int) -> str:
+    """The user message: a short sentence, or about ``kib`` KiB of text (a long prompt shows
+    whether a relay holds the request while the answer streams)."""
+    sentence = "Hold this stream open. "
+    if kib <= 0:
+        return sentence.strip()
+    return sentence * (kib * 1024 // len(sentence) + 1)
 
 
 class Streams:
     """The client: streams held open through the relay until closed."""
 
-    def __init__(self, url: str, parallel: int) -> None:
+    def __init__(self, url: str, parallel: int, prompt_kib: int = 0) -> None:
         import aiohttp
 
         self.aiohttp = aiohttp
         self.url = url.rstrip("/") + "/v1/chat/completions"
         self.body = json.dumps({
             "model": po.MODEL, "stream": True, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Hold this stream open."}],
+            "messages": [{"role": "user", "content": prompt_text(prompt_kib)}],
         }).encode()
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True),
@@ -233,7 +245,8 @@ async def run_level(mode: str, n: int, args: argparse.Namespace, workdir: Path,
     streams: Streams | None = None
     tag = f"{mode}-{n}"
     try:
-        sim = po.spawn(sim_argv(sim_port, n, args.step_s), workdir / f"sim-{tag}.log", place.sim)
+        sim = po.spawn(sim_argv(sim_port, n, args.step_s, args.prompt_kib),
+                       workdir / f"sim-{tag}.log", place.sim)
         procs.append(sim)
         po.wait_port(sim_port, sim)
         if mode == "sidecar":
@@ -247,7 +260,7 @@ async def run_level(mode: str, n: int, args: argparse.Namespace, workdir: Path,
             relay, pids = po.start_relay(mode, sim_port, port, workdir, tag, place.proxy,
                                          max_conns=n + 1024)
             procs.append(relay)
-        streams = Streams(f"http://{po.HOST}:{port}", args.connect_parallel)
+        streams = Streams(f"http://{po.HOST}:{port}", args.connect_parallel, args.prompt_kib)
         open_timeout = args.open_timeout_s + 3 * args.step_s
         warm = await streams.open_streams(args.warmup_streams, open_timeout)
         await streams.close_all()
@@ -338,6 +351,7 @@ async def amain(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({
             "machine": po.machine_line(), "step_s": args.step_s, "modes": modes,
+            "prompt_kib": args.prompt_kib,
             "skipped": skipped, "nofile_limit": have, "results": results}, indent=1))
     return 0
 
@@ -354,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the simulator's engine step: one chunk per stream per step [2 s]")
     parser.add_argument("--warmup-streams", type=int, default=200,
                         help="streams opened and closed before the 0-stream reading [200]")
+    parser.add_argument("--prompt-kib", type=int, default=0,
+                        help="each request's prompt, about this many KiB (0: one sentence)")
     parser.add_argument("--connect-parallel", type=int, default=100,
                         help="streams connecting at once while opening [100]")
     parser.add_argument("--open-timeout-s", type=float, default=120.0,

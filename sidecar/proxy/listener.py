@@ -60,10 +60,13 @@ class ListenerLimits:
     max_connections: int = 10_000
 
 
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+
+
 @dataclass(slots=True)
 class IncomingRequest:
     """A complete request as parsed (the body read whole). Not frozen for one reason:
-    `release_body`."""
+    `release`."""
 
     method: str
     target: str  # path and query as sent
@@ -77,10 +80,11 @@ class IncomingRequest:
     # wait began, its upload included); None for a request not read off a connection.
     began_ns: int | None = None
 
-    def release_body(self) -> None:
-        """The handler will not read the body again (the upstream answered): let it go, so
-        that a long stream does not hold its prompt for its whole life."""
+    def release(self) -> None:
+        """The handler will not read the body or the headers again (the upstream answered):
+        let them go, so that a long stream does not hold its prompt for its whole life."""
         self.body = b""
+        self.headers = _NO_HEADERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,6 +427,7 @@ class ClientConnection(asyncio.Protocol):
             keep_alive=self.parser.should_keep_alive(), peer=self._client_address,
             began_ns=self._began_ns))
         self._body = []
+        self._request_headers = None  # the request has them; a rejection now is not of it
 
     # -- dispatch and keep-alive ----------------------------------------------------------
 

@@ -824,8 +824,9 @@ class Proxy:
                     prefix_key=prefix_key)
             # Answered: nothing reads the request again. Held for the whole stream, the body,
             # its parsed form and the copy with usage injected came to 3x the prompt per
-            # in-flight stream (310 KiB each at a 100 KB prompt; tracemalloc).
-            request.release_body()
+            # in-flight stream (310 KiB each at a 100 KB prompt; tracemalloc), the header
+            # maps to ~1.5 KiB.
+            request.release()
             body = upstream_body = b""
             parsed = None
             del headers
@@ -978,21 +979,14 @@ class Proxy:
                             builder: RecordBuilder, plan: UsagePlan,
                             timeouts: _Timeouts) -> None:
         """The streaming relay: whatever a read yields for the client goes out at once in one
-        write, stamped on the client side with that write's instant (see `_run_meter`)."""
+        write, stamped on the client side with that write's instant (see `_MeteredRead`)."""
         meter = StreamMeter(builder.arrive_ns, plan, max_event_bytes=self.config.max_event_bytes,
                             max_events=self.config.max_stream_events,
                             keep_text=builder.text_parts is not None,
                             fingerprint=self._fingerprints.get(builder.replica))
-        now = clock.monotonic_ns
-
-        def deliver(out: bytes, n_events: int, n_token_events: int) -> None:
-            _write_paced(exchange, upstream, out)
-            builder.down_events += n_events
-            if n_token_events:
-                builder.client_token_writes(now(), n_token_events)
-
+        run = _MeteredRead(upstream, meter, builder, timeouts, exchange)
         try:
-            await self._run_meter(upstream, meter, builder, timeouts, deliver)
+            await run.body()
         finally:
             self.rewritten_events += meter.rewritten
             if meter.fingerprint is not None:
@@ -1001,7 +995,7 @@ class Proxy:
             raise UpstreamFailure(*meter.fatal)
         await exchange.drain()
         exchange.end()
-        builder.down_end_ns = builder.offset(now())
+        builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
     async def _assemble(self, exchange: ClientExchange, upstream: UpstreamExchange,
                         endpoint: str, builder: RecordBuilder, timeouts: _Timeouts) -> None:
@@ -1011,7 +1005,7 @@ class Proxy:
                             max_event_bytes=self.config.max_event_bytes,
                             max_events=self.config.max_stream_events,
                             keep_text=builder.text_parts is not None, assembler=assembler)
-        await self._run_meter(upstream, meter, builder, timeouts, None)
+        await _MeteredRead(upstream, meter, builder, timeouts, None).body()
         failure = meter.failure
         headers = [("Content-Type", "application/json"), (REQUEST_ID_HEADER, builder.request_id)]
         if failure is not None and failure.outcome is Outcome.HTTP_ERROR:
@@ -1026,48 +1020,72 @@ class Proxy:
         exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
-    @staticmethod
-    async def _run_meter(upstream: UpstreamExchange, meter: StreamMeter, builder: RecordBuilder,
-                         timeouts: _Timeouts,
-                         deliver: Callable[[bytes, int, int], None] | None) -> None:
-        """The per-read hot path, run inside the upstream connection's ``data_received``: the
-        measuring core (`StreamMeter`) parses, classifies, counts and stamps each read (its
-        instant is the server-side stamp of every event in it) and ``deliver`` gets what the
-        read yields for the client (None: the meter forwards nothing). No task wakes up per
-        read; this coroutine only waits for the end of the body, then closes the meter (a
-        stream cut short sets ``meter.fatal``). Whatever happens, the builder takes what the
-        meter counted; a failure inside the callback is raised here."""
-        feed = meter.feed
-        upstream_connection = upstream.connection
-        trouble: list[BaseException] = []  # what went wrong inside the callback
 
-        def on_read(data: bytes, t_up: int) -> None:
-            timeouts.last_ns = t_up
-            try:
-                out, n_events, n_token_events = feed(data, t_up)
-                if timeouts.ttft_at != _NEVER and meter.offsets:
-                    timeouts.ttft_at = _NEVER  # first_token(), inlined: this is per read
-                if out and deliver is not None:
-                    deliver(out, n_events, n_token_events)
-                if meter.fatal is not None:
-                    upstream_connection.abort()  # stop reading; the handler raises the failure
-            except BaseException as exc:  # never let a failure escape into the transport
-                trouble.append(exc)
-                upstream_connection.abort()
+class _MeteredRead:
+    """The per-read hot path of a streamed answer, run inside the upstream connection's
+    ``data_received`` (`on_read`): the measuring core (`StreamMeter`) parses, classifies,
+    counts and stamps each read (its instant is the server-side stamp of every event in it),
+    and what the read yields for the client is written at once (``exchange``; None: the meter
+    forwards nothing). No task wakes up per read; `body` only waits for the end of the body,
+    then closes the meter (a stream cut short sets ``meter.fatal``). Whatever happens, the
+    builder takes what the meter counted; a failure inside the callback is raised by `body`.
 
+    An object with slots rather than closures in a coroutine: a stream in flight holds it
+    for its whole life, and this is ~0.8 KiB smaller per stream (tracemalloc).
+    """
+
+    __slots__ = ("upstream", "meter", "builder", "timeouts", "exchange", "trouble")
+
+    def __init__(self, upstream: UpstreamExchange, meter: StreamMeter, builder: RecordBuilder,
+                 timeouts: _Timeouts, exchange: ClientExchange | None) -> None:
+        self.upstream = upstream
+        self.meter = meter
+        self.builder = builder
+        self.timeouts = timeouts
+        self.exchange = exchange
+        self.trouble: BaseException | None = None  # what went wrong inside the callback
+
+    def on_read(self, data: bytes, t_up: int) -> None:
+        timeouts = self.timeouts
+        timeouts.last_ns = t_up
+        meter = self.meter
+        try:
+            out, n_events, n_token_events = meter.feed(data, t_up)
+            if timeouts.ttft_at != _NEVER and meter.offsets:
+                timeouts.ttft_at = _NEVER  # first_token(), inlined: this is per read
+            if out and self.exchange is not None:
+                self._deliver(out, n_events, n_token_events)
+            if meter.fatal is not None:
+                self.upstream.connection.abort()  # stop reading; `body` raises the failure
+        except BaseException as exc:  # never let a failure escape into the transport
+            if self.trouble is None:
+                self.trouble = exc
+            self.upstream.connection.abort()
+
+    def _deliver(self, out: bytes, n_events: int, n_token_events: int) -> None:
+        exchange = self.exchange
+        assert exchange is not None
+        _write_paced(exchange, self.upstream, out)
+        builder = self.builder
+        builder.down_events += n_events
+        if n_token_events:
+            builder.client_token_writes(clock.monotonic_ns(), n_token_events)
+
+    async def body(self) -> None:
+        upstream, meter, builder = self.upstream, self.meter, self.builder
         try:
             try:
-                await upstream.stream_body(on_read)
+                await upstream.stream_body(self.on_read)
             except UpstreamError:
-                if not (trouble or meter.fatal is not None):
+                if not (self.trouble is not None or meter.fatal is not None):
                     raise  # otherwise we aborted the upstream ourselves: the cause is below
-            if trouble:
-                raise trouble[0]
+            if self.trouble is not None:
+                raise self.trouble
             builder.up_end_ns = builder.offset(clock.monotonic_ns())
             if meter.fatal is None:
                 out, n_events, n_token_events = meter.close(clock.monotonic_ns())
-                if out and deliver is not None:
-                    deliver(out, n_events, n_token_events)
+                if out and self.exchange is not None:
+                    self._deliver(out, n_events, n_token_events)
         finally:
             builder.take_stream(meter)
 
