@@ -21,13 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    GCCollector,
-    ProcessCollector,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 
 from sidecar import __version__
 from sidecar.config import (
@@ -40,7 +34,7 @@ from sidecar.config import (
     load_config_file,
 )
 from sidecar.hooks import ScrapeRunner, SinkFanout, ThreadedSink
-from sidecar.proxy.app import ProxyServer
+from sidecar.proxy.app import ProxyServer, metrics_route
 from sidecar.proxy.collector import Collector, StartError
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import (
@@ -482,13 +476,23 @@ def build_proxy_server(config: ProxyConfig,
     _wire_sinks(config, sinks, server, models, server.proxy.capture_key_id,
                 lambda: [ReplicaState(r.label, r.outstanding, r.healthy)
                          for r in router.replicas])
+    fanout = sinks.fanout
+
+    async def close_sinks() -> None:
+        # After the listeners stopped and the last request ended (ProxyServer.close runs its
+        # hooks then): every record is in. One call closes them all (hooks.SinkFanout.close);
+        # in a thread, so that an OTLP receiver on this loop can take the last export.
+        await asyncio.to_thread(fanout.close)
+
+    server.on_close(close_sinks)
     return server, sinks.window
 
 
 def build_collector(config: ProxyConfig, workers: int,
                     models: Sequence[str] = ()) -> tuple[Collector, WindowSink]:
     """The proxy as ``workers`` worker processes and this process as their collector, which
-    holds the same sinks as `build_proxy_server` (fed by every worker's records)."""
+    holds the same sinks as `build_proxy_server` (fed by every worker's records) and closes
+    them when it closes (Collector.close)."""
     sinks = _core_sinks(config)
     collector = Collector(config, sinks.fanout, workers)
     sinks.registry.register(WorkerCollector(
@@ -519,17 +523,14 @@ def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequenc
         return web.json_response(await runner.run(lambda: window.snapshot(slo_policy,
                                                                           selection)))
 
-    async def metrics_handler(_request: web.Request) -> web.Response:
-        body = await runner.run(lambda: generate_latest(registry))
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     async def close_scrape() -> None:
         await asyncio.to_thread(runner.close)
 
+    # Registered before the host closes the sinks: no scrape reads a sink being closed.
     host.on_close(close_scrape)
 
     host.add_admin_routes([web.get("/stats", stats_handler),
-                           web.get("/metrics", metrics_handler)])
+                           metrics_route(registry, runner)])
     if otel_enabled(config):
         from sidecar.sinks.otel import build_otel_sink
 
@@ -540,14 +541,8 @@ def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequenc
             export_interval_s=config.otel_export_interval, traces=config.otel_traces,
             max_models=config.label_cap, server_chunks=config.otel_server_chunks)
         # The SDK costs microseconds per measurement (one per chunk): off the event loop.
-        threaded = ThreadedSink(otel, queue_size=config.capture_queue)
-        fanout.add(threaded)
-
-        async def close_otel() -> None:
-            await asyncio.to_thread(threaded.close)
-            await otel.aclose()
-
-        host.on_close(close_otel)
+        # Closing it drains its queue, then shuts the SDK down (the last export).
+        fanout.add(ThreadedSink(otel, queue_size=config.capture_queue))
     if config.capture_dir:
         capture = CaptureSink(
             config.capture_dir,
@@ -561,11 +556,6 @@ def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequenc
             rotate_s=config.capture_rotate_s, queue_size=config.capture_queue)
         fanout.add(capture)
         registry.register(CaptureCollector(capture))
-
-        async def flush_capture() -> None:
-            await asyncio.to_thread(capture.close)
-
-        host.on_close(flush_capture)
 
 
 @contextlib.contextmanager

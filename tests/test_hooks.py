@@ -1,10 +1,21 @@
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+from collections.abc import Mapping
 
 import pytest
 
-from sidecar.hooks import RecordSink, SinkFanout
+from sidecar.hooks import (
+    SINK_TIMEOUT_S,
+    QueuedSink,
+    RecordSink,
+    Sink,
+    SinkFanout,
+    ThreadedSink,
+    dropped_by_reason,
+)
 from sidecar.record import Outcome, RequestRecord
 
 
@@ -54,10 +65,6 @@ def test_sink_names_are_unique_and_protocol_is_structural() -> None:
 
 
 def test_threaded_sink_delivers_everything_in_order_and_drops_when_full() -> None:
-    import threading
-
-    from sidecar.hooks import ThreadedSink
-
     gate = threading.Event()
 
     class Slow(Collecting):
@@ -77,6 +84,10 @@ def test_threaded_sink_delivers_everything_in_order_and_drops_when_full() -> Non
     delivered = [r.request_id for r in inner.records]
     assert len(delivered) + threaded.dropped == 10
     assert delivered == sorted(delivered, key=int) and delivered[0] == "0"
+    counters = threaded.counters()
+    assert counters["taken"] == 10 and counters["written"] == len(delivered)
+    assert dropped_by_reason(counters) == {"queue_full": threaded.dropped, "closed": 0,
+                                           "write_error": 0, "error": 0}
 
 
 async def test_a_threaded_scrape_runner_runs_below_the_traffic_and_holds_the_sinks_lock() -> None:
@@ -96,7 +107,7 @@ async def test_a_threaded_scrape_runner_runs_below_the_traffic_and_holds_the_sin
     try:
         tid, nice, locked = await runner.run(work)
     finally:
-        runner.close()
+        await asyncio.to_thread(runner.close)  # joins the scrape thread: off the loop
     assert tid != threading.get_native_id()  # not on the event loop's thread
     assert nice == os.getpriority(os.PRIO_PROCESS, 0) + SCRAPE_NICE or nice == 19
     assert locked
@@ -112,3 +123,156 @@ async def test_an_inline_scrape_runner_runs_on_the_loop() -> None:
     assert runner.lock is None
     assert await runner.run(threading.get_native_id) == threading.get_native_id()
     runner.close()
+
+
+# -- the lifecycle: flush, close, counters ---------------------------------------------------
+
+
+class Lifecycle(Collecting):
+    """A sink that keeps the whole contract and notes every close in a shared journal."""
+
+    def __init__(self, name: str, journal: list[str]) -> None:
+        super().__init__(name)
+        self.journal = journal
+        self.closes = 0
+        self.flushes = 0
+
+    def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
+        self.flushes += 1
+        return True
+
+    def close(self, timeout_s: float = SINK_TIMEOUT_S) -> None:
+        self.closes += 1
+        self.journal.append(self.name)
+
+    def counters(self) -> Mapping[str, int]:
+        return {"taken": len(self.records)}
+
+
+class FailsToClose(Lifecycle):
+    def close(self, timeout_s: float = SINK_TIMEOUT_S) -> None:
+        super().close(timeout_s)
+        raise OSError("the export endpoint is gone")
+
+
+def test_the_fanout_closes_each_sink_once_last_registered_first(
+        caplog: pytest.LogCaptureFixture) -> None:
+    journal: list[str] = []
+    first, broken, last = (Lifecycle("first", journal), FailsToClose("broken", journal),
+                           Lifecycle("last", journal))
+    bare = Collecting("bare")  # only name and on_record: nothing to close, no counters
+    fanout = SinkFanout([first, broken, bare])
+    fanout.add(last)
+    assert all(isinstance(sink, Sink) for sink in (first, broken, last))
+    assert not isinstance(bare, Sink)
+    fanout.on_record(record())
+    assert fanout.counters() == {"first": {"taken": 1}, "broken": {"taken": 1}, "bare": {},
+                                 "last": {"taken": 1}}
+    with caplog.at_level(logging.ERROR):
+        failed = fanout.close(timeout_s=5)
+    # Reverse order; the failure is logged and said, and the sink before it still closes.
+    assert journal == ["last", "broken", "first"]
+    assert failed == ["broken"] == fanout.close_failures
+    assert any("'broken' failed to close" in r.getMessage() for r in caplog.records)
+    assert any("1 of 4 sinks failed to close: broken" in r.getMessage()
+               for r in caplog.records)
+    # Once: a second close closes nothing again and reports nothing.
+    assert fanout.close() == [] and journal == ["last", "broken", "first"]
+    assert (first.closes, broken.closes, last.closes) == (1, 1, 1)
+    # A record after close reaches no sink; it is counted.
+    fanout.on_record(record())
+    assert len(first.records) == 1 and len(bare.records) == 1
+    assert fanout.records_after_close == 1 and fanout.records_delivered == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        fanout.add(Collecting("late"))
+
+
+def test_the_fanout_flushes_every_sink_and_says_when_one_failed() -> None:
+    journal: list[str] = []
+
+    class FailsToFlush(Lifecycle):
+        def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
+            raise RuntimeError("flush failed")
+
+    good, bad = Lifecycle("good", journal), FailsToFlush("bad", journal)
+    assert SinkFanout([good, Collecting("bare")]).flush(1) is True
+    fanout = SinkFanout([bad, good])
+    assert fanout.flush(1) is False
+    assert good.flushes == 2  # the one after the failure still flushed
+
+
+class Held(QueuedSink):
+    """A queued sink whose thread waits at each batch until ``gate`` opens."""
+
+    def __init__(self, queue_size: int = 10) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.batches: list[list[str]] = []
+        self.finished = False
+        super().__init__("held", queue_size=queue_size)
+
+    def _write_batch(self, batch: list[RequestRecord]) -> None:
+        self.entered.set()
+        assert self.gate.wait(10)
+        self.batches.append([r.request_id for r in batch])
+        self.written += len(batch)
+
+    def _finish(self) -> None:
+        self.finished = True
+
+
+def numbered(i: int) -> RequestRecord:
+    return RequestRecord(request_id=str(i), wall_time_ns=i, outcome=Outcome.OK, endpoint="chat")
+
+
+def test_a_queued_sink_flushes_what_it_took_and_closes_once_joining_its_thread() -> None:
+    sink = Held()
+    sink.on_record(numbered(0))
+    assert sink.entered.wait(5)  # the thread holds record 0
+    sink.on_record(numbered(1))
+    # Held at the gate: nothing is done yet, so a flush runs out of time and says so.
+    assert sink.flush(timeout_s=0.05) is False
+    sink.gate.set()
+    assert sink.flush(timeout_s=10) is True
+    assert [r for batch in sink.batches for r in batch] == ["0", "1"]
+    assert sink.counters()["written"] == 2 and sink.queued == 0
+    sink.on_record(numbered(2))
+    sink.close(timeout_s=10)
+    assert not sink._thread.is_alive() and sink.finished  # joined, after its last batch
+    assert sink.written == 3
+    sink.close(timeout_s=10)  # idempotent
+    sink.on_record(numbered(3))  # after close: dropped and counted, not an error
+    counters = sink.counters()
+    assert counters["taken"] == 4 and counters["dropped_closed"] == 1
+    assert counters["taken"] == counters["written"] + sum(dropped_by_reason(counters).values())
+    assert sink.flush(timeout_s=1) is True  # nothing pending
+
+
+def test_a_threaded_sink_closes_its_inner_sink_after_its_queue() -> None:
+    journal: list[str] = []
+    inner = Lifecycle("inner", journal)
+    threaded = ThreadedSink(inner)
+    for i in range(5):
+        threaded.on_record(numbered(i))
+    assert threaded.flush(timeout_s=10) and inner.flushes == 1
+    threaded.on_record(numbered(5))
+    fanout = SinkFanout([threaded])
+    assert fanout.close(timeout_s=10) == []
+    # Everything queued reached the inner sink before it was closed, once.
+    assert [r.request_id for r in inner.records] == [str(i) for i in range(6)]
+    assert inner.closes == 1 and not threaded._thread.is_alive()
+    counters = fanout.counters()["inner"]
+    assert counters["taken"] == counters["written"] == 6
+    assert sum(dropped_by_reason(counters).values()) == 0
+
+
+def test_a_threaded_sink_counts_what_its_inner_sink_fails_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    threaded = ThreadedSink(Failing())
+    with caplog.at_level(logging.ERROR):
+        threaded.on_record(record())
+        threaded.on_record(record())
+        threaded.close(timeout_s=10)
+    counters = threaded.counters()
+    assert counters["taken"] == 2 and counters["written"] == 0
+    assert dropped_by_reason(counters)["error"] == 2

@@ -6,6 +6,7 @@ poll the collector's own account (/workers) until it settles; nothing asserts on
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import os
@@ -28,7 +29,11 @@ import pytest
 
 from sidecar import stats
 from sidecar.config import ConfigError, build_config, cgroup_cpu_quota, default_workers
-from sidecar.proxy.worker import config_from_wire, config_to_wire
+from sidecar.hooks import Sink, SinkFanout, dropped_by_reason
+from sidecar.proxy.channel import FrameProtocol, Kind
+from sidecar.proxy.recordwire import decode_record
+from sidecar.proxy.worker import ChannelSink, config_from_wire, config_to_wire
+from sidecar.record import Outcome, RequestRecord
 from sidecar.tracefile import TraceReader
 
 TOKEN = "workers-test-token"
@@ -198,6 +203,17 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
         assert metric(exposition, "sidecar_workers_alive") == 2
         assert metric(exposition, "sidecar_channel_records_total") == requests
         assert metric(exposition, "sidecar_channel_dropped_records_total") == 0
+        # The collector's sinks say what they took and dropped (their own counters)...
+        assert metric(exposition, "sidecar_sink_records_taken_total", sink="capture") == requests
+        assert metric(exposition, "sidecar_sink_records_dropped_total") == 0
+        # ... and /metrics speaks OpenMetrics to whoever asks for it (Prometheus does).
+        scrape = urllib.request.Request(admin + "/metrics", headers={
+            "Authorization": f"Bearer {TOKEN}", "Accept": "application/openmetrics-text"})
+        with urllib.request.urlopen(scrape, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+            openmetrics = response.read().decode()
+        assert openmetrics.endswith("# EOF\n")
+        assert metric(openmetrics, "sidecar_requests_total") == requests
         # Per-replica figures come with each worker's status (every 0.25 s): wait for them. A
         # status sent between a request's start (counted) and its end (outstanding back to 0)
         # is a moment, not the settled view: wait for both.
@@ -498,3 +514,56 @@ def test_a_cgroup_cpu_limit_bounds_the_default(tmp_path: Path) -> None:
     assert cgroup_cpu_quota(tmp_path) == 2
     (directory / "cpu.max").write_text("max 100000\n")
     assert cgroup_cpu_quota(tmp_path) is None
+
+
+# -- the worker's sink ------------------------------------------------------------------------
+
+
+def channel_record(i: int) -> RequestRecord:
+    return RequestRecord(request_id=f"c{i}", wall_time_ns=i, outcome=Outcome.OK, endpoint="chat")
+
+
+async def test_the_channel_sink_lifecycle_on_a_real_socket() -> None:
+    """The worker's ChannelSink keeps the sink contract: flush hands its frames to the kernel
+    (waiting for it only off the loop's thread), close refuses later records, and its counters
+    add up: taken == written + every drop."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    received: list[str] = []
+    arrived = asyncio.Event()
+
+    def on_frame(kind: int, payload: bytes) -> None:
+        if kind == Kind.RECORD:
+            received.append(decode_record(payload).request_id)
+            arrived.set()
+
+    _, sender = await loop.create_unix_connection(
+        lambda: FrameProtocol(lambda _kind, _payload: None, lambda: None), sock=ours)
+    reader_transport, _reader = await loop.create_unix_connection(
+        lambda: FrameProtocol(on_frame, lambda: None), sock=theirs)
+    try:
+        sink = ChannelSink(sender, bound=1 << 20)
+        assert isinstance(sink, Sink)
+        sink.on_record(channel_record(0))
+        assert sink.flush(1)  # on the loop: written at once, nothing left in the transport
+        sink.on_record(channel_record(1))
+        assert await asyncio.to_thread(sink.flush, 5)  # from a thread: via the loop
+        fanout = SinkFanout([sink])
+        fanout.on_record(channel_record(2))
+        assert await asyncio.to_thread(fanout.close, 5) == []
+        sink.close()  # idempotent
+        sink.on_record(channel_record(3))  # closed: dropped and counted
+        while len(received) < 3:
+            arrived.clear()
+            await asyncio.wait_for(arrived.wait(), 5)
+        assert received == ["c0", "c1", "c2"]
+        assert sink.counters() == {"taken": 4, "written": 3, "dropped_channel_full": 0,
+                                   "dropped_channel_closed": 1, "dropped_encode_error": 0}
+        full = ChannelSink(sender, bound=-1)  # any byte waiting is over this bound
+        full.on_record(channel_record(4))
+        assert dropped_by_reason(full.counters()) == {"channel_full": 1, "channel_closed": 0,
+                                                      "encode_error": 0}
+    finally:
+        assert sender.transport is not None
+        sender.transport.close()
+        reader_transport.close()

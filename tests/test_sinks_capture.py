@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
@@ -18,6 +19,7 @@ import pytest
 from proxy_stack import stack
 
 import sidecar.sinks.capture as capture_module
+from sidecar.hooks import Sink, dropped_by_reason
 from sidecar.record import ChunkMark, Outcome, RequestRecord, RequestShape, Timeline
 from sidecar.sinks.capture import CaptureDirError, CaptureSink
 from sidecar.tracefile import TraceHeader, TraceReader
@@ -163,9 +165,7 @@ def test_a_full_disk_drops_and_counts_then_recovers(tmp_path: Path,
     monkeypatch.setattr(capture_module, "open_text", first_part_full)
     sink = CaptureSink(sink_dir, header, flush_interval_s=0.01)
     sink.on_record(make_record(0))
-    deadline = time.monotonic() + 5
-    while sink.dropped_write_errors == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert sink.flush(5)  # the writer is done with it: dropped, not pending
     assert sink.dropped_write_errors == 1
     sink._next_open_attempt = 0.0  # skip the retry pause (5 s in service)
     sink.on_record(make_record(1))
@@ -173,6 +173,27 @@ def test_a_full_disk_drops_and_counts_then_recovers(tmp_path: Path,
     assert sink.written == 1
     good = sink_dir / "capture-19700101T000000Z-0001.jsonl"
     assert [r.request_id for r in TraceReader(good)] == ["r1"]
+
+
+def test_the_capture_lifecycle_flush_close_and_counters(tmp_path: Path) -> None:
+    sink = CaptureSink(tmp_path, TraceHeader(source="capture"))
+    assert isinstance(sink, Sink)
+    for i in range(3):
+        sink.on_record(make_record(i))
+    sink.on_record(replace(make_record(9), endpoint="models"))  # not a generation: skipped
+    # flush returns once the writer wrote every record taken: readable without closing.
+    assert sink.flush(10)
+    assert [r.request_id for r in read_all(tmp_path)] == ["r0", "r1", "r2"]
+    sink.close(10)
+    assert not sink._thread.is_alive()  # joined
+    sink.close(10)  # idempotent
+    sink.on_record(make_record(3))  # after close: dropped and counted, not queued
+    counters = sink.counters()
+    assert counters["taken"] == 4 and counters["skipped"] == 1
+    assert counters["written"] == 3 and counters["files"] == 1
+    assert dropped_by_reason(counters) == {"queue_full": 0, "closed": 1, "write_error": 0,
+                                           "unwritable": 0}
+    assert sink.queued == 0 and len(read_all(tmp_path)) == 3
 
 
 def _start(args: list[str]) -> subprocess.Popen[str]:

@@ -30,7 +30,7 @@ from opentelemetry.trace import Link, SpanKind, StatusCode, TraceState
 from opentelemetry.util.types import Attributes
 from otlp_receiver import OTLPReceiver
 
-from sidecar.hooks import RecordSink, SinkFanout
+from sidecar.hooks import RecordSink, Sink, SinkFanout, ThreadedSink, dropped_by_reason
 from sidecar.record import (
     ChunkMark,
     EngineTiming,
@@ -545,6 +545,51 @@ def test_shutdown_is_idempotent_and_later_records_are_dropped(
     sink.shutdown()
     sink.on_record(spec_example())
     assert sink.skipped == 1
+
+
+def test_the_sink_lifecycle_in_seconds_closing_once(reader: InMemoryMetricReader) -> None:
+    sink = build_otel_sink(readers=[reader], slo_policy=None)
+    assert isinstance(sink, Sink)
+    shutdowns: list[int] = []
+    real_shutdown = sink.meter_provider.shutdown
+
+    def counted_shutdown(timeout_millis: float = 30_000) -> None:
+        shutdowns.append(int(timeout_millis))
+        real_shutdown(timeout_millis)
+
+    sink.meter_provider.shutdown = counted_shutdown  # type: ignore[method-assign]
+    sink.on_record(spec_example())
+    sink.on_record(spec_example(endpoint="/v1/models", model=None))
+    assert sink.flush(timeout_s=5) is True
+    assert Collected(reader).one("gen_ai.client.operation.duration").count == 1
+    assert sink.counters() == {"taken": 1, "skipped": 1}
+    sink.close(timeout_s=2.5)
+    sink.close(timeout_s=2.5)  # idempotent: the SDK is shut down once
+    assert shutdowns == [2500]
+    sink.on_record(spec_example())  # after close: not measured, counted
+    assert sink.counters() == {"taken": 1, "skipped": 2}
+
+
+async def test_the_fanout_drains_the_threaded_sink_then_the_last_export(
+        receiver: OTLPReceiver) -> None:
+    """As `sidecar proxy` wires it: the OTel sink behind a ThreadedSink, closed through the
+    fan-out only. The queue drains into the SDK first, then its shutdown exports."""
+    # Built off the loop: the SDK's resource detection waits on threads of its own.
+    sink = await asyncio.to_thread(lambda: build_otel_sink(
+        endpoint=receiver.url, slo_policy=None, export_interval_s=3600))
+    fanout = SinkFanout([ThreadedSink(sink)])
+    for _ in range(3):
+        fanout.on_record(spec_example())
+    fanout.on_record(spec_example(endpoint="/v1/models", model=None))
+    # In a thread: the final export goes to a receiver served by this loop.
+    assert await asyncio.to_thread(fanout.close, 10) == []
+    got = received_metrics(receiver)
+    assert sum(p.count for p in
+               got["gen_ai.client.operation.duration"].histogram.data_points) == 3
+    counters = fanout.counters()["otel"]
+    # The thread handed on all four; the SDK measured three and skipped the pass-through.
+    assert counters["taken"] == counters["written"] == 4 and counters["skipped"] == 1
+    assert sum(dropped_by_reason(counters).values()) == 0
 
 
 def test_resource_honours_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,16 +23,21 @@ from prometheus_helpers import Prometheus, require_binary, running_prometheus
 from proxy_stack import stack
 
 from sidecar import stats
+from sidecar.cli import build_proxy_server
+from sidecar.config import build_config
+from sidecar.hooks import SINK_TIMEOUT_S, Sink, SinkFanout, ThreadedSink
 from sidecar.record import ChunkMark, EngineTiming, Outcome, RequestRecord, Timeline, TokenSource
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
 from sidecar.sinks.prometheus import (
     BulkHistogram,
+    LiveCollector,
     PrometheusSink,
     e6_buckets,
     latency_buckets,
     log_linear_buckets,
 )
+from sidecar.sinks.window import WindowSink
 
 MS = 1_000_000
 
@@ -214,6 +220,86 @@ def test_the_layouts_by_name() -> None:
     assert sink.latency_buckets == e6_buckets()
     with pytest.raises(ValueError, match="schema3, schema4, e6"):
         PrometheusSink(CollectorRegistry(), histogram_buckets="e12")
+
+
+@pytest.mark.parametrize(("buckets", "named"), [
+    ([0.001, 0.1, 0.01, 1.0], "0.01 after 0.1"),
+    ([0.5, 0.5, 1.0], "0.5 after 0.5"),  # a repeated bound would be a repeated le series
+    ([2.0, 1.0, 0.5], "1 after 2, 0.5 after 1"),
+])
+def test_unsorted_buckets_are_refused_and_named_never_sorted(buckets: list[float],
+                                                             named: str) -> None:
+    with pytest.raises(ValueError, match=f"strictly increasing: {named}$"):
+        BulkHistogram("h", "doc", ("v",), buckets, CollectorRegistry())
+    with pytest.raises(ValueError, match="finite"):
+        BulkHistogram("h", "doc", ("v",), [0.1, float("inf")], CollectorRegistry())
+    with pytest.raises(ValueError, match="at least one"):
+        BulkHistogram("h", "doc", ("v",), [], CollectorRegistry())
+
+
+def test_the_prometheus_sink_lifecycle() -> None:
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    assert isinstance(sink, Sink)
+    fanout = SinkFanout([sink])
+    fanout.on_record(record([(120, 1), (150, 1)], n_out=2))
+    assert sink.counters() == {"taken": 1}
+    assert sink.flush(0) is True
+    assert fanout.close() == []
+    sink.close()  # idempotent
+    # The series stay readable after close (a last scrape while the process stops).
+    assert value(registry, "sidecar_requests_total", model="m", replica="127.0.0.1:8000",
+                 endpoint="chat", outcome="ok") == 1
+
+
+def test_sink_health_comes_from_each_sinks_counters() -> None:
+    """sidecar_sink_* are read from the sinks' `counters()` (hooks.Sink), by reason."""
+    gate = threading.Event()
+    entered = threading.Event()
+
+    class Slow:
+        name = "slow"
+
+        def on_record(self, _record: RequestRecord) -> None:
+            entered.set()
+            assert gate.wait(10)
+
+    class Broken:
+        name = "broken"
+
+        def on_record(self, _record: RequestRecord) -> None:
+            raise RuntimeError("broken on purpose")
+
+        def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
+            return True
+
+        def close(self, timeout_s: float = SINK_TIMEOUT_S) -> None:
+            return None
+
+        def counters(self) -> dict[str, int]:
+            return {}
+
+    registry = CollectorRegistry()
+    window = WindowSink()
+    slow = ThreadedSink(Slow(), queue_size=1)
+    fanout = SinkFanout([window, PrometheusSink(registry), slow, Broken()])
+    registry.register(LiveCollector(window, fanout, None, lambda: []))
+    fanout.on_record(record([(120, 1)], n_out=1))
+    assert entered.wait(5)  # the slow sink's thread holds the first record
+    for _ in range(3):  # one more fits its queue, two are dropped
+        fanout.on_record(record([(120, 1)], n_out=1))
+    assert value(registry, "sidecar_sink_records_taken_total", sink="window") == 4
+    assert value(registry, "sidecar_sink_records_taken_total", sink="slow") == 4
+    assert value(registry, "sidecar_sink_records_dropped_total", sink="slow",
+                 reason="queue_full") == 2
+    assert value(registry, "sidecar_sink_records_dropped_total", sink="slow",
+                 reason="error") == 0
+    assert value(registry, "sidecar_sink_errors_total", sink="broken") == 4
+    assert value(registry, "sidecar_sink_errors_total", sink="window") == 0
+    gate.set()
+    assert fanout.close(10) == []
+    assert value(registry, "sidecar_sink_records_written_total", sink="slow") == 2
+    assert value(registry, "sidecar_sink_records_written_total", sink="window") is None
 
 
 def test_promtool_accepts_the_exposition() -> None:
@@ -475,3 +561,51 @@ async def test_promtool_accepts_the_whole_admin_exposition(tmp_path: Path) -> No
                           timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == b"" and done.stderr.strip() == b""
+
+
+# What Prometheus 2.x sends (scrape.go's acceptHeader): OpenMetrics first, then the classic text.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+async def test_metrics_negotiates_openmetrics_or_the_classic_text() -> None:
+    """/metrics is prometheus_client's own exposition in the format asked for, on the real
+    admin socket; closing the server closes every sink through the fan-out."""
+    config = build_config({"upstreams": ["http://127.0.0.1:9"], "listen": "127.0.0.1:0",
+                           "metrics_listen": "127.0.0.1:0", "health_interval": "0"}, {})
+    server, _window = build_proxy_server(config)
+
+    class Keep:
+        name = "keep"
+
+        def on_record(self, _record: RequestRecord) -> None:
+            return None
+
+    # A sink with a thread, as the OTel one is wired (no exporter needed here).
+    threaded = ThreadedSink(Keep())
+    server.proxy.fanout.add(threaded)
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def scrape(accept: str | None) -> tuple[str, bytes]:
+                headers = {"Accept": accept} if accept is not None else {}
+                async with session.get(server.admin_url + "/metrics",
+                                       headers=headers) as response:
+                    assert response.status == 200
+                    return response.headers["Content-Type"], await response.read()
+
+            for accept in ("application/openmetrics-text", PROMETHEUS_ACCEPT):
+                content_type, body = await scrape(accept)
+                assert content_type.startswith("application/openmetrics-text"), accept
+                assert body.endswith(b"# EOF\n")
+                assert b"# TYPE sidecar_requests counter" in body
+            for accept in (None, "*/*", "text/plain"):
+                content_type, body = await scrape(accept)
+                assert content_type.startswith("text/plain; version=0.0.4"), accept
+                assert b"# EOF" not in body
+                assert b"# TYPE sidecar_requests_total counter" in body
+    finally:
+        await server.close()
+    fanout = server.proxy.fanout
+    assert fanout.closed and fanout.close_failures == []
+    assert not threaded._thread.is_alive()  # closed through the fan-out: its thread joined

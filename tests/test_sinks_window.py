@@ -8,6 +8,7 @@ from proxy_stack import stack
 from random_records import random_records
 
 from sidecar import stats
+from sidecar.hooks import Sink, SinkFanout
 from sidecar.record import Outcome, RequestRecord, Timeline, TokenSource, Vantage
 from sidecar.sinks.window import Selection, WindowSink
 
@@ -38,6 +39,34 @@ def test_a_selection_summarises_only_the_named_requests() -> None:
     assert mine["vantages"]["client"]["ttft"]["max"] == pytest.approx(0.030)
     assert mine["vantages"]["client"]["ttft"]["mean"] == pytest.approx(0.020)
     assert window.snapshot(selection=Selection("nobody"))["generation_requests"] == 0
+
+
+def test_the_window_lifecycle_keeps_what_it_holds_readable() -> None:
+    window = WindowSink(window_s=60.0, max_records=2, wall_ns=lambda: 1_001 * MS)
+    assert isinstance(window, Sink)
+    fanout = SinkFanout([window])
+    for i in range(3):
+        fanout.on_record(record(f"r{i}", 10))
+    assert window.counters() == {"taken": 3, "evicted_over_cap": 1}
+    assert window.flush(0) is True
+    assert fanout.close() == []
+    window.close()  # idempotent: nothing to release
+    # In memory only: /stats (a last scrape while the process stops) still reads it.
+    assert [r.request_id for r in window.records()] == ["r1", "r2"]
+
+
+def test_the_window_ages_records_by_their_end() -> None:
+    """A record leaves the window window_s after it ended (stats.end_offset_ns), not after it
+    arrived: a 50 s stream that ended 20 s ago is still in a 60 s window."""
+    now = [200 * 1_000 * MS]
+    window = WindowSink(window_s=60.0, wall_ns=lambda: now[0])
+    long = RequestRecord(request_id="long", wall_time_ns=130 * 1_000 * MS, outcome=Outcome.OK,
+                         endpoint="completions",
+                         client=Timeline.from_marks(0, [(MS, 1)], 50 * 1_000 * MS, 1))
+    window.on_record(long)
+    assert [r.request_id for r in window.records()] == ["long"]
+    now[0] = 241 * 1_000 * MS  # 61 s after its end
+    assert window.records() == []
 
 
 def test_selection_queries_are_checked() -> None:

@@ -13,10 +13,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from sidecar.config import ProxyConfig
 from sidecar.engine_metrics import merge_views
-from sidecar.hooks import SinkFanout
+from sidecar.hooks import ScrapeRunner, SinkFanout
 from sidecar.proxy.listener import ListenerLimits, TrafficServer, raise_open_files_limit
 from sidecar.proxy.relay import Proxy
 
@@ -78,6 +80,21 @@ def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> 
     app.router.add_get("/replicas", replicas)
     app.add_routes(list(extra_routes))
     return app
+
+
+def metrics_route(registry: CollectorRegistry, scrape: ScrapeRunner) -> web.RouteDef:
+    """GET /metrics: ``registry`` as prometheus_client's own exposition writes it, in the
+    format the scraper asks for (``choose_encoder`` on its Accept header): OpenMetrics text
+    when asked (Prometheus asks for it first), the classic text format otherwise (curl,
+    promtool). The work runs where ``scrape`` says (hooks.ScrapeRunner: off the loop in worker
+    mode)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = await scrape.run(lambda: encoder(registry))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    return web.get("/metrics", metrics)
 
 
 # Open without the token: probes carry no secret, and these reveal nothing but up or ready.

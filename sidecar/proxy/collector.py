@@ -13,8 +13,9 @@ failures) comes back in its status and is pushed to the others.
 A worker that dies is logged, counted and started again (backoff 0.5 s doubling to 10 s, back
 to 0.5 s after a worker lived 30 s). On `close`: STOP to every worker (they stop accepting,
 finish in-flight requests, send their last records and status, exit), then the channels are
-drained, then the close hooks run (the capture's flush among them), so every record a worker
-sent is in the sinks before they close.
+drained, then the close hooks run, then the sinks close through their fan-out (the capture's
+last lines, the last OTLP export), so every record a worker sent is in the sinks before they
+close.
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ class Collector:
     # -- wiring (as ProxyServer) --------------------------------------------------------------
 
     def on_close(self, hook: Callable[[], Awaitable[None]]) -> None:
-        """Run ``hook`` once every worker exited and every record it sent is in the sinks."""
+        """Run ``hook`` once every worker exited and every record it sent is in the sinks,
+        before the sinks close."""
         self._close_hooks.append(hook)
 
     def add_admin_routes(self, routes: Sequence[web.RouteDef]) -> None:
@@ -298,6 +300,9 @@ class Collector:
         hooks, self._close_hooks = self._close_hooks, []
         for hook in hooks:
             await hook()
+        # The collector holds the sinks (its fan-out): it closes them, once, when nothing can
+        # reach them any more. In a thread: closing joins sink threads and exports.
+        await asyncio.to_thread(self.fanout.close)
         self._check_accounts()
 
     def _check_accounts(self) -> None:

@@ -28,15 +28,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import stat
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
 from sidecar import stats
+from sidecar.hooks import QueuedSink
 from sidecar.record import RequestRecord, Vantage
 from sidecar.sinks.window import GENERATION_ENDPOINTS
 from sidecar.tracefile import (
@@ -50,7 +49,6 @@ from sidecar.tracefile import (
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
 _RETRY_OPEN_S = 5.0
 # What a queued record costs beyond its text (timelines, ids, shape), by estimate.
 _RECORD_OVERHEAD_BYTES = 1024
@@ -138,8 +136,9 @@ def trace_request(record: RequestRecord, start_wall_ns: int) -> TraceRequest:
     )
 
 
-class CaptureSink:
-    name = "capture"
+class CaptureSink(QueuedSink):
+    """Writes each chat/completions record as a trace line, on a writer thread of its own
+    (`QueuedSink`: bounded queue, batches, counted drops). Other paths are ``skipped``."""
 
     def __init__(self, directory: str | os.PathLike[str], header: TraceHeader, *,
                  compress: bool = False, rotate_bytes: int = 256 * 1024 * 1024,
@@ -152,17 +151,8 @@ class CaptureSink:
         self.rotate_bytes = rotate_bytes
         self.rotate_s = rotate_s
         self.flush_interval_s = flush_interval_s
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
-        self.queue_bytes = queue_bytes
-        self._queued_bytes = 0  # estimate of what the queue holds (`_record_bytes`)
-        self._bytes_lock = threading.Lock()
-        self.dropped_queue_full = 0
-        self.dropped_write_errors = 0
         self.dropped_unwritable = 0  # records that could not be turned into a line
         self.escaped_lines = 0  # lines written with unencodable characters escaped
-        self.writer_restarts = 0
-        self._closing = False
-        self.written = 0
         self.files: list[Path] = []
         self._handle: IO[str] | None = None
         self._opened_at = 0.0
@@ -170,84 +160,30 @@ class CaptureSink:
         self._part = 0
         self._next_open_attempt = 0.0
         self._stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(header.start_wall_ns / 1e9))
-        self._thread = self._start_writer()
+        # Last: this starts the writer thread, which uses everything above. It wakes up every
+        # flush_interval_s when idle, so that a file rotates by age without traffic.
+        super().__init__("capture", queue_size=queue_size, queue_bytes=queue_bytes,
+                         idle_s=flush_interval_s, thread_name="capture-writer")
 
-    def _start_writer(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
-        thread.start()
-        return thread
+    def _accepts(self, record: RequestRecord) -> bool:
+        return record.endpoint in GENERATION_ENDPOINTS
 
-    # -- event loop side ------------------------------------------------------------------
+    def _record_bytes(self, record: RequestRecord) -> int:
+        return _record_bytes(record)
 
-    def on_record(self, record: RequestRecord) -> None:
-        if record.endpoint not in GENERATION_ENDPOINTS:
-            return
-        if not self._thread.is_alive() and not self._closing:
-            # Not expected (the writer catches everything), but a dead writer would let the
-            # queue fill and every later record drop unseen: start another, say so.
-            self.writer_restarts += 1
-            log.error("capture: the writer thread had stopped; restarted (%d so far)",
-                      self.writer_restarts)
-            self._thread = self._start_writer()
-        size = _record_bytes(record)
-        with self._bytes_lock:
-            if self._queued_bytes + size > self.queue_bytes:
-                self.dropped_queue_full += 1
-                return
-            self._queued_bytes += size
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
-            with self._bytes_lock:
-                self._queued_bytes -= size
-            self.dropped_queue_full += 1
+    def _extra_counters(self) -> dict[str, int]:
+        return {"dropped_unwritable": self.dropped_unwritable,
+                "escaped_lines": self.escaped_lines, "files": len(self.files)}
 
-    @property
-    def queued(self) -> int:
-        return self._queue.qsize()
+    # -- writer thread (QueuedSink's hooks) ---------------------------------------------------
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Write everything queued, close the file. Blocking: call it off the event loop
-        (``await asyncio.to_thread(sink.close)``) or at shutdown."""
-        self._closing = True
-        if not self._thread.is_alive():
-            return
-        self._queue.put(_STOP, timeout=timeout_s)
-        self._thread.join(timeout_s)
+    def _write_batch(self, batch: list[RequestRecord]) -> None:
+        self._write(batch)
 
-    # -- writer thread --------------------------------------------------------------------
+    def _idle(self) -> None:
+        self._maybe_rotate()
 
-    def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            try:
-                item = self._queue.get(timeout=self.flush_interval_s)
-            except queue.Empty:
-                self._maybe_rotate()
-                continue
-            batch: list[RequestRecord] = []
-            while True:
-                if item is _STOP:
-                    stopping = True
-                    break
-                assert isinstance(item, RequestRecord)
-                batch.append(item)
-                if len(batch) >= 1000:
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            if batch:
-                with self._bytes_lock:
-                    self._queued_bytes -= sum(_record_bytes(r) for r in batch)
-                try:
-                    self._write(batch)
-                except Exception:  # noqa: BLE001 - the writer must outlive any batch
-                    self.dropped_write_errors += len(batch)
-                    log.exception("capture: a batch of %d records could not be written; "
-                                  "the writer goes on", len(batch))
-            self._maybe_rotate()
+    def _finish(self) -> None:
         self._close_file()
 
     def _line(self, record: RequestRecord) -> str | None:

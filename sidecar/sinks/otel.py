@@ -63,6 +63,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util.types import AttributeValue
 
 import sidecar
+from sidecar.hooks import SINK_TIMEOUT_S, SKIPPED, TAKEN
 from sidecar.record import RequestRecord, Timeline, Vantage
 from sidecar.sinks.labels import OTHER, BoundedLabel
 from sidecar.stats import (
@@ -260,7 +261,7 @@ class _AttrSets(NamedTuple):
 
 
 class OTelSink:
-    """A RecordSink that records each finished request into OpenTelemetry instruments.
+    """A `hooks.Sink` that records each finished request into OpenTelemetry instruments.
 
     Build it with `build_otel_sink`. It owns its MeterProvider (and TracerProvider when spans
     are on): never the global ones, so it neither steals nor is stolen from by other
@@ -292,6 +293,7 @@ class OTelSink:
         self.slo_vantage = slo_vantage
         self.models = BoundedLabel(max_models)
         self.replicas = BoundedLabel(max_replicas)
+        self.taken = 0  # records measured
         self.skipped = 0  # records not exported: pass-through paths, or after shutdown
         self._closed = False
         self._attr_sets: dict[tuple[str, str | None, str | None, str | None], _AttrSets] = {}
@@ -349,6 +351,7 @@ class OTelSink:
             # Not a GenAI operation (or the providers are gone: the SDK would warn per call).
             self.skipped += 1
             return
+        self.taken += 1
         # As for Prometheus: only a name the upstream confirmed takes a slot.
         model = None if record.model is None else self.models(record.model,
                                                               record.model_confirmed)
@@ -573,7 +576,18 @@ class OTelSink:
                 span.set_attribute("sidecar.chunk_events.dropped", len(offsets) - limit)
         span.end(end_time=start + _end_offset_ns(record))
 
-    # -- lifecycle --------------------------------------------------------------------------
+    # -- lifecycle (hooks.Sink) ----------------------------------------------------------------
+
+    def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
+        """`force_flush` in the sinks' units (seconds)."""
+        return self.force_flush(_millis(timeout_s))
+
+    def close(self, timeout_s: float = SINK_TIMEOUT_S) -> None:
+        """`shutdown` in the sinks' units (seconds)."""
+        self.shutdown(_millis(timeout_s))
+
+    def counters(self) -> dict[str, int]:
+        return {TAKEN: self.taken, SKIPPED: self.skipped}
 
     def force_flush(self, timeout_millis: int = 10_000) -> bool:
         """Collect and export now. Blocking I/O: call it off the event loop
@@ -598,6 +612,11 @@ class OTelSink:
         """`shutdown` from async code: the final export runs in a worker thread, so an OTLP
         receiver served by this same event loop (a test, an in-process collector) can answer."""
         await asyncio.to_thread(self.shutdown)
+
+
+def _millis(timeout_s: float) -> int:
+    # The SDK takes whole milliseconds; a timeout that ran out still gets one to try.
+    return max(1, int(timeout_s * 1000))
 
 
 class PresetIdGenerator(RandomIdGenerator):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Protocol
@@ -46,7 +46,13 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from sidecar import stats
-from sidecar.hooks import SinkFanout
+from sidecar.hooks import (
+    SINK_TIMEOUT_S,
+    TAKEN,
+    WRITTEN,
+    SinkFanout,
+    dropped_by_reason,
+)
 from sidecar.record import Int64s, Outcome, RequestRecord, TokenSource, Vantage
 from sidecar.sinks.labels import OTHER, BoundedLabel
 from sidecar.sinks.window import GENERATION_ENDPOINTS, WindowSink
@@ -83,14 +89,35 @@ LATENCY_LAYOUTS: dict[str, Callable[[], tuple[float, ...]]] = {
 DEFAULT_LATENCY_LAYOUT = "schema3"
 
 
+def checked_buckets(buckets: Sequence[float]) -> tuple[float, ...]:
+    """``buckets`` as given, or ValueError naming what is wrong: each bound must be finite and
+    above the one before it. Never sorted here: bounds out of order are a mistake upstream (a
+    layout, a threshold merged by hand), and sorting would hide it (prometheus_client's own
+    Histogram refuses them too)."""
+    bounds = tuple(float(b) for b in buckets)
+    if not bounds:
+        raise ValueError("a histogram needs at least one bucket bound")
+    bad = [b for b in bounds if not math.isfinite(b)]
+    if bad:
+        raise ValueError(f"histogram bucket bounds must be finite (+Inf is implied): {bad}")
+    unsorted = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b <= a]
+    if unsorted:
+        pairs = ", ".join(f"{b:g} after {a:g}" for a, b in unsorted[:5])
+        more = f" (and {len(unsorted) - 5} more)" if len(unsorted) > 5 else ""
+        raise ValueError(f"histogram bucket bounds must be strictly increasing: {pairs}{more}")
+    return bounds
+
+
 def latency_buckets(extra: Iterable[float] = (),
                     layout: str = DEFAULT_LATENCY_LAYOUT) -> tuple[float, ...]:
     """The layout's bounds plus the ``extra`` ones (SLO thresholds)."""
     try:
-        bounds = LATENCY_LAYOUTS[layout]()
+        bounds = checked_buckets(LATENCY_LAYOUTS[layout]())
     except KeyError:
         raise ValueError(f"histogram buckets must be one of {', '.join(LATENCY_LAYOUTS)}: "
                          f"{layout!r}") from None
+    # A layout is in order (checked); the thresholds are inserted where they belong, and one
+    # that is already a bound is not repeated.
     return tuple(sorted(set(bounds) | {round(x, 10) for x in extra if x > 0}))
 
 
@@ -117,7 +144,7 @@ class BulkHistogram(Collector):
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self.bounds = np.asarray(sorted(buckets), dtype=np.float64)
+        self.bounds = np.asarray(checked_buckets(buckets), dtype=np.float64)
         self._bound_list: list[float] = self.bounds.tolist()
         self._le = [floatToGoString(b) for b in self._bound_list] + ["+Inf"]
         self._counts: dict[tuple[str, ...], list[int]] = {}
@@ -200,7 +227,8 @@ class ReplicaState:
 
 class PrometheusSink:
     """Turns each record into histogram observations and counter increments (synchronous,
-    a few microseconds plus ~1 µs per streamed event)."""
+    a few microseconds plus ~1 µs per streamed event). A `hooks.Sink` with nothing to flush or
+    release: the registry is read when scraped."""
 
     name = "prometheus"
 
@@ -209,6 +237,7 @@ class PrometheusSink:
                  histogram_buckets: str = DEFAULT_LATENCY_LAYOUT) -> None:
         self.registry = registry
         self.slo_policy = slo_policy
+        self.taken = 0
         self._model = BoundedLabel(label_cap)
         self._replica = BoundedLabel(label_cap)
         thresholds = [
@@ -331,7 +360,18 @@ class PrometheusSink:
         self._cached_tokens = ChildCache(self.cached_tokens)
         self._estimated = ChildCache(self.estimated)
 
+    def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
+        return True
+
+    def close(self, timeout_s: float = SINK_TIMEOUT_S) -> None:
+        # The series stay: a scrape after close still reads the last values.
+        return None
+
+    def counters(self) -> dict[str, int]:
+        return {TAKEN: self.taken}
+
     def on_record(self, record: RequestRecord) -> None:
+        self.taken += 1
         generation = record.endpoint in GENERATION_ENDPOINTS
         # A missing value is a label of its own ("unknown"), outside the cap.
         model = ((self._model(record.model, record.model_confirmed) if record.model
@@ -470,19 +510,40 @@ class LiveCollector(Collector):
             up.add_metric((state.replica,), 1.0 if state.healthy else 0.0)
         yield in_flight
         yield up
-        errors = CounterMetricFamily("sidecar_sink_errors",
-                                     "Records a sink failed to take.", labels=("sink",))
-        for sink, count in self.fanout.errors.items():
-            errors.add_metric((sink,), count)
-        yield errors
-        dropped = CounterMetricFamily("sidecar_sink_records_dropped",
-                                      "Records a queued sink dropped because its queue was full.",
-                                      labels=("sink",))
-        for queued_sink in self.fanout.sinks:
-            dropped_count = getattr(queued_sink, "dropped", None)
-            if isinstance(dropped_count, int):
-                dropped.add_metric((queued_sink.name,), dropped_count)
-        yield dropped
+        yield from sink_metrics(self.fanout)
+
+
+def sink_metrics(fanout: SinkFanout) -> Iterator[Metric]:
+    """The sinks' own health, from the fan-out's failure counts and every sink's `counters()`
+    (hooks.Sink): what each took, handed on and dropped, by reason."""
+    errors = CounterMetricFamily("sidecar_sink_errors",
+                                 "Records a sink failed to take (an exception in its on_record).",
+                                 labels=("sink",))
+    for sink, count in fanout.errors.items():
+        errors.add_metric((sink,), count)
+    yield errors
+    taken = CounterMetricFamily(
+        "sidecar_sink_records_taken", "Records a sink accepted (each ends written, dropped or "
+        "still queued).", labels=("sink",))
+    written = CounterMetricFamily(
+        "sidecar_sink_records_written",
+        "Records a sink handed on to where it sends them (a file, its thread, the collector).",
+        labels=("sink",))
+    dropped = CounterMetricFamily(
+        "sidecar_sink_records_dropped",
+        "Records a sink took and lost, by reason (queue_full: its queue was full; closed: "
+        "given after it closed; write_error, unwritable, error: its own failures).",
+        labels=("sink", "reason"))
+    for name, counters in fanout.counters().items():
+        if TAKEN in counters:
+            taken.add_metric((name,), counters[TAKEN])
+        if WRITTEN in counters:
+            written.add_metric((name,), counters[WRITTEN])
+        for reason, count in sorted(dropped_by_reason(counters).items()):
+            dropped.add_metric((name, reason), count)
+    yield taken
+    yield written
+    yield dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,20 +619,23 @@ class CaptureCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
+        counters = self.capture.counters()
         written = CounterMetricFamily("sidecar_capture_records_written",
                                       "Records written to capture files.")
-        written.add_metric((), self.capture.written)
+        written.add_metric((), counters[WRITTEN])
         yield written
         dropped = CounterMetricFamily("sidecar_capture_records_dropped",
                                       "Records not captured, by reason.", labels=("reason",))
-        dropped.add_metric(("queue_full",), self.capture.dropped_queue_full)
-        dropped.add_metric(("write_error",), self.capture.dropped_write_errors)
-        dropped.add_metric(("unwritable",), self.capture.dropped_unwritable)
+        by_reason = dropped_by_reason(counters)
+        # The three reasons of this family since it exists; records given after close are
+        # in sidecar_sink_records_dropped_total (a stopping process is not scraped).
+        for reason in ("queue_full", "write_error", "unwritable"):
+            dropped.add_metric((reason,), by_reason.get(reason, 0))
         yield dropped
         restarts = CounterMetricFamily(
             "sidecar_capture_writer_restarts",
             "Capture writer threads found dead and started again (each is logged).")
-        restarts.add_metric((), self.capture.writer_restarts)
+        restarts.add_metric((), counters["writer_restarts"])
         yield restarts
         queued = GaugeMetricFamily("sidecar_capture_queue_records",
                                    "Records waiting for the capture writer.")
@@ -580,11 +644,9 @@ class CaptureCollector(Collector):
 
 
 class CaptureLike(Protocol):
-    written: int
-    dropped_queue_full: int
-    dropped_write_errors: int
-    dropped_unwritable: int
-    writer_restarts: int
+    """What `CaptureCollector` reads of a capture (sinks.capture.CaptureSink)."""
+
+    def counters(self) -> Mapping[str, int]: ...
 
     @property
     def queued(self) -> int: ...

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from sidecar import clock, stats
+from sidecar.hooks import SINK_TIMEOUT_S, TAKEN
 from sidecar.record import Outcome, RequestRecord, Vantage
 
 GENERATION_ENDPOINTS = frozenset({"chat", "completions"})
@@ -30,7 +31,8 @@ DEFINITIONS = {
             "proxy; server: request sent upstream); sample = request",
     "itl": "gap between consecutive token-carrying events; sample = event (SSE chunk)",
     "itl_per_token": "each ITL gap / tokens in its event, repeated per token (derived view)",
-    "tpot": "(E2E - TTFT) / (N_out - 1), N_out <= 1 excluded and counted; sample = request",
+    "tpot": "TPOT as docs/metrics.md section 4 defines it (stats.tpot_ns); N_out <= 1 "
+            "excluded and counted; sample = request",
     "e2e": "last token-carrying event (stream end if none) - vantage start; sample = request",
     "percentiles": "numpy linear interpolation; std is the population std",
     "latency_population": "successful chat/completions requests that ended in the window",
@@ -72,10 +74,8 @@ ALL = Selection()
 
 
 def _end_wall_ns(record: RequestRecord) -> int:
-    end = record.client.end_ns
-    if end is None and record.client.offsets_ns:
-        end = record.client.offsets_ns[-1]
-    return record.wall_time_ns + (end or 0)
+    """When the request ended, wall clock (ns): the window's age is by end, not arrival."""
+    return record.wall_time_ns + stats.end_offset_ns(record)
 
 
 # What a frozen record costs beyond its columns (the record, its timelines, ids, strings).
@@ -93,6 +93,9 @@ def approx_record_bytes(record: RequestRecord) -> int:
 
 
 class WindowSink:
+    """The live window as a `hooks.Sink`: it holds records in memory only, so there is nothing
+    to flush or release (closing it keeps what it holds readable)."""
+
     name = "window"
 
     def __init__(self, window_s: float = 60.0, max_records: int = 100_000,
@@ -108,13 +111,26 @@ class WindowSink:
         self._table = stats.RecordTable()
         self._bytes = 0
         self._wall_ns = wall_ns
+        self.taken = 0
         self.evicted_over_cap = 0
 
     @property
     def approx_bytes(self) -> int:
         return self._bytes
 
+    def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
+        return True
+
+    def close(self, timeout_s: float = SINK_TIMEOUT_S) -> None:
+        return None
+
+    def counters(self) -> dict[str, int]:
+        # Evictions over the caps are not drops: the window is a sample of recent records by
+        # design; /stats says how many left early.
+        return {TAKEN: self.taken, "evicted_over_cap": self.evicted_over_cap}
+
     def on_record(self, record: RequestRecord) -> None:
+        self.taken += 1
         records = self._records
         size = approx_record_bytes(record)
         records.append((record, size))
