@@ -478,3 +478,29 @@ def test_the_command_is_registered(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "    vllm " in capsys.readouterr().out
+
+
+def test_up_with_tool_calls_starts_vllm_with_a_tool_parser(
+        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up --tool-calls` (how CI starts it): vLLM's flags for tool calls before any
+    --vllm-arg, so that a --vllm-arg can still override them."""
+    from sidecar.realvllm import cli
+    from sidecar.realvllm.server import TOOL_CALL_ARGS
+
+    seen: list[list[str]] = []
+
+    def fake_start(port: int, per_request_metrics: bool, extra_args: list[str],
+                   **_: Any) -> ServerHandle:
+        seen.append(list(extra_args))
+        raise ServerStartError("stop here")
+
+    make_ready(home)
+    monkeypatch.setattr(cli, "start_server", fake_start)
+    port = free_port()
+    assert main(["vllm", "up", "--port", str(port), "--tool-calls", "--vllm-arg=--x"]) == 2
+    assert main(["vllm", "up", "--port", str(port)]) == 2
+    assert seen == [[*TOOL_CALL_ARGS, "--x"], []]
+    text = " ".join(TOOL_CALL_ARGS)
+    assert "--enable-auto-tool-choice --tool-call-parser pythonic" in text
+    assert json.loads(TOOL_CALL_ARGS[-1]) == {"backend": "xgrammar",
+                                              "disable_any_whitespace": True}

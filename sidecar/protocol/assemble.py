@@ -4,8 +4,11 @@ A non-streaming client sees only E2E. With this mode on, the proxy asks the upst
 stream anyway, so the server side gets TTFT and ITL, and hands the client the JSON body vLLM
 would have returned for ``stream: false`` (spec/vllm-protocol.md, "Non-streaming responses"):
 the same keys in the same order, nulls included. What cannot be rebuilt from chunks exactly
-(``prompt_logprobs``, ``prompt_token_ids``, tool-call assembly) is left null / as streamed and
-is documented in the README; the record says the answer was assembled.
+(``prompt_logprobs``, ``prompt_token_ids``) is left null and is documented in the README; the
+record says the answer was assembled. Tool calls are rebuilt from their streamed deltas as vLLM
+0.32's whole answer has them (vllm/parser/abstract_parser.py, the chat serving's full
+generator): the call's id, type and name from its first delta, the arguments as streamed for a
+named tool choice, re-serialised by ``json.dumps`` for ``tool_choice: "required"``.
 """
 
 from __future__ import annotations
@@ -29,13 +32,18 @@ class _Choice:
     # The assembled body has the key when the stream had it: the upstream's own version.
     has_weight_versions: bool = False
     weight_versions: Any = None
+    # Tool calls by their index: [id, type, name, argument pieces].
+    tool_calls: dict[int, list[Any]] = field(default_factory=dict)
 
 
 class StreamAssembler:
     """Fed every parsed chunk object of a stream, builds the non-streaming response body."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, *, tool_choice_required: bool = False) -> None:
         self.endpoint = endpoint
+        # vLLM parses a "required" call's JSON and writes its arguments back with json.dumps
+        # in the whole answer; a stream carries them as generated.
+        self.tool_choice_required = tool_choice_required
         self.id: str | None = None
         self.created: int | None = None
         self.model: str | None = None
@@ -81,6 +89,9 @@ class StreamAssembler:
                 reasoning = delta.get("reasoning", delta.get("reasoning_content"))
                 if isinstance(reasoning, str):
                     choice.reasoning_parts.append(reasoning)
+                calls = delta.get("tool_calls")
+                if isinstance(calls, list):
+                    _feed_tool_calls(choice, calls)
         elif isinstance(raw.get("text"), str):
             choice.text_parts.append(raw["text"])
         if raw.get("finish_reason") is not None:
@@ -163,25 +174,43 @@ class StreamAssembler:
             "completion_tokens_details": usage.get("completion_tokens_details"),
         }
 
-    @staticmethod
-    def _chat_choice(choice: _Choice) -> dict[str, Any]:
+    def _chat_choice(self, choice: _Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "role": choice.role or "assistant",
+            "content": "".join(choice.text_parts),
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+        }
+        calls = [self._tool_call(*choice.tool_calls[index]) for index in sorted(choice.tool_calls)]
+        if calls and all(call is not None for call in calls):
+            # vLLM's ChatMessage leaves the key out when there is none.
+            message["tool_calls"] = calls
+        message["reasoning"] = ("".join(choice.reasoning_parts) if choice.reasoning_parts
+                                else None)
         return _versioned(choice, {
             "index": choice.index,
-            "message": {
-                "role": choice.role or "assistant",
-                "content": "".join(choice.text_parts),
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-                "reasoning": "".join(choice.reasoning_parts) if choice.reasoning_parts else None,
-            },
+            "message": message,
             "logprobs": choice.logprobs,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
             "token_ids": choice.token_ids,
             "routed_experts": None,
         })
+
+    def _tool_call(self, call_id: Any, call_type: Any, name: Any,
+                   pieces: list[str]) -> dict[str, Any] | None:
+        """One call of the whole answer; None for a "required" call whose arguments are not
+        JSON (cut short by max_tokens): vLLM then parses no call at all from the answer."""
+        arguments = "".join(pieces)
+        if self.tool_choice_required:
+            try:
+                arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
+            except ValueError:
+                return None
+        return {"id": call_id, "type": call_type or "function",
+                "function": {"name": name, "arguments": arguments}}
 
     @staticmethod
     def _completion_choice(choice: _Choice) -> dict[str, Any]:
@@ -200,6 +229,25 @@ class StreamAssembler:
 
 _TIMING_FIELDS = ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
                   "tokens_per_second")
+
+
+def _feed_tool_calls(choice: _Choice, calls: list[Any]) -> None:
+    """One delta's ``tool_calls``: the first delta of a call names it, later ones add pieces of
+    its arguments (vLLM's DeltaToolCall)."""
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("index"), int):
+            continue
+        entry = choice.tool_calls.setdefault(call["index"], [None, None, None, []])
+        if entry[0] is None and isinstance(call.get("id"), str):
+            entry[0] = call["id"]
+        if entry[1] is None and isinstance(call.get("type"), str):
+            entry[1] = call["type"]
+        function = call.get("function")
+        if isinstance(function, dict):
+            if entry[2] is None and isinstance(function.get("name"), str):
+                entry[2] = function["name"]
+            if isinstance(function.get("arguments"), str):
+                entry[3].append(function["arguments"])
 
 
 def _versioned(choice: _Choice, body: dict[str, Any]) -> dict[str, Any]:

@@ -826,6 +826,7 @@ class Proxy:
             # its parsed form and the copy with usage injected came to 3x the prompt per
             # in-flight stream (310 KiB each at a 100 KB prompt; tracemalloc), the header
             # maps to ~1.5 KiB.
+            tools_required = isinstance(parsed, dict) and parsed.get("tool_choice") == "required"
             request.release()
             body = upstream_body = b""
             parsed = None
@@ -845,7 +846,8 @@ class Proxy:
                 timeouts.first_token()  # no stream: the total timeout alone bounds it
                 await self._relay_whole(exchange, upstream, builder)
             elif assemble:
-                await self._assemble(exchange, upstream, endpoint, builder, timeouts)
+                await self._assemble(exchange, upstream, endpoint, builder, timeouts,
+                                     tools_required)
             else:
                 response_headers = list(filtered_headers(upstream.headers).items())
                 response_headers.append((REQUEST_ID_HEADER, builder.request_id))
@@ -998,9 +1000,10 @@ class Proxy:
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
     async def _assemble(self, exchange: ClientExchange, upstream: UpstreamExchange,
-                        endpoint: str, builder: RecordBuilder, timeouts: _Timeouts) -> None:
+                        endpoint: str, builder: RecordBuilder, timeouts: _Timeouts,
+                        tool_choice_required: bool) -> None:
         """Stream from the upstream, answer the non-streaming client with one JSON body."""
-        assembler = StreamAssembler(endpoint)
+        assembler = StreamAssembler(endpoint, tool_choice_required=tool_choice_required)
         meter = StreamMeter(builder.arrive_ns, forward=False,
                             max_event_bytes=self.config.max_event_bytes,
                             max_events=self.config.max_stream_events,

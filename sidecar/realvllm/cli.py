@@ -9,6 +9,7 @@ after a detached ``up`` has returned, which is the point of it.
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 import time
@@ -30,6 +31,7 @@ from sidecar.realvllm.install import (
 from sidecar.realvllm.server import (
     SERVED_MODEL,
     START_TIMEOUT_S,
+    TOOL_CALL_ARGS,
     ServerHandle,
     ServerStartError,
     check_port_free,
@@ -59,9 +61,12 @@ examples:
       on 127.0.0.1:8000, detached; prints the URL and how to stop it
   sidecar vllm up --port 8100 --per-request-metrics --foreground
       per-request metrics on; Ctrl-C stops it
+  sidecar vllm up --tool-calls
+      with a tool parser: named and "required" tool_choice answer with tool calls
   sidecar vllm down
   pytest tests/conformance --real-vllm=http://127.0.0.1:8000
-      the conformance suite against the running server
+      the conformance suite against the running server (started with --tool-calls, as CI
+      starts it)
 """
 
 
@@ -88,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="vLLM exports its request spans here (OTLP/HTTP, e.g. "
                     "http://127.0.0.1:4318/v1/traces); with `sidecar proxy --otel-traces` in "
                     "front they are children of the sidecar's spans")
+    up.add_argument("--tool-calls", action="store_true",
+                    help="serve tool calls: start vLLM with "
+                    f"{' '.join(shlex.quote(arg) for arg in TOOL_CALL_ARGS)} "
+                    "(docs/real-vllm.md)")
     up.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[],
                     metavar="ARG", help="one more argument for vLLM's server, e.g. "
                     "--vllm-arg=--enforce-eager (repeat)")
@@ -177,7 +186,8 @@ def _up(args: argparse.Namespace) -> int:
     _say(f"vLLM:  starting on 127.0.0.1:{args.port} (about a minute; per-request metrics "
          f"{'on' if args.per_request_metrics else 'off'})")
     began = time.monotonic()
-    handle = start_server(args.port, args.per_request_metrics, args.vllm_args, home=home,
+    vllm_args = [*(TOOL_CALL_ARGS if args.tool_calls else ()), *args.vllm_args]
+    handle = start_server(args.port, args.per_request_metrics, vllm_args, home=home,
                           timeout_s=args.timeout, otlp_traces_endpoint=args.otlp_traces_endpoint)
     elapsed = time.monotonic() - began
     try:

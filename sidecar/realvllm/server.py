@@ -41,6 +41,15 @@ MAX_MODEL_LEN = 2048
 # 1 GiB of KV cache: plenty for the tiny model at 2048 tokens.
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 MARK_ENV = "SIDECAR_REALVLLM_HOME"
+# `sidecar vllm up --tool-calls`: vLLM with a tool parser, so that named and "required"
+# tool_choice answer with tool calls (without one it refuses every tool_choice but "none").
+# pythonic: a parser without a structural tag (hermes, llama3_json... constrain with xgrammar
+# structural tags by default, whose JSON admits unbounded whitespace: the random tiny model
+# fills max_tokens with it and never finishes a call), so named and "required" get vLLM's
+# guided-JSON path; compact JSON, because any whitespace would do the same to it.
+TOOL_CALL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+                  "--structured-outputs-config",
+                  '{"backend": "xgrammar", "disable_any_whitespace": true}')
 START_TIMEOUT_S = 300.0
 STOP_GRACE_S = 20.0
 POLL_S = 0.5

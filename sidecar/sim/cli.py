@@ -208,6 +208,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="503 new requests while this many are waiting (default: no limit)",
     )
     serving.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="vLLM's tool parser flag; with --enable-auto-tool-choice, named and \"required\" "
+        "tool_choice answer with tool calls in vLLM's shapes (else refused, as by vLLM)",
+    )
+    serving.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="serve tool calls (needs --tool-call-parser, as vLLM does)",
+    )
+    serving.add_argument(
         "--legacy-metric-names",
         action="store_true",
         help="use vLLM 0.10's metric names (gpu_cache_usage_perc, time_per_output_token...)",
@@ -266,6 +278,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         enable_server_load_tracking=args.enable_server_load_tracking,
         max_num_queued_reqs=args.max_num_queued_reqs,
         legacy_metric_names=args.legacy_metric_names,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         ground_truth_path=args.ground_truth,
         fault=fault_spec,
         fault_rate=fault_rate,

@@ -371,6 +371,7 @@ class ReplicaMetrics:
         stats_source: Callable[[], EngineStats],
         cache_info: Mapping[str, str],
         legacy_names: bool = False,
+        tool_parser: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -408,6 +409,22 @@ class ReplicaMetrics:
         # (The simulator has no max_num_queued_tokens limit: that series stays at 0.)
         for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
             self._admission_rejections.labels(model_name, reason)
+        # vLLM registers it when started with --tool-call-parser (api_server/app_state.py),
+        # every label set at 0 (vllm/parser/metrics.py init_parser_metrics).
+        self._tool_parser_invocations: Counter | None = None
+        if tool_parser:
+            self._tool_parser_invocations = Counter(
+                "vllm:tool_call_parser_invocations",
+                "Total number of ToolParser invocations. Non-streaming increments once per "
+                "choice; streaming increments once per delta.",
+                ["model_name", "mode", "outcome", "request_type"],
+                registry=registry,
+            )
+            for mode in ("streaming", "non_streaming"):
+                for outcome in ("tool_call", "no_tool_call"):
+                    for request_type in ("chat_completions", "responses", "other"):
+                        self._tool_parser_invocations.labels(model_name, mode, outcome,
+                                                             request_type)
         self._prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
@@ -538,6 +555,15 @@ class ReplicaMetrics:
             self._decode.observe(decode_s)
             if generation_tokens > 1:
                 self._tpot.observe(decode_s / (generation_tokens - 1))
+
+    def count_tool_parser_invocations(self, streaming: bool, count: int = 1) -> None:
+        """The tool parser read a chat answer under tool_choice "auto" (once per delta
+        streamed, once per choice whole) and found no call: the simulated model answers in
+        text."""
+        if self._tool_parser_invocations is not None:
+            self._tool_parser_invocations.labels(
+                self.model_name, "streaming" if streaming else "non_streaming", "no_tool_call",
+                "chat_completions").inc(count)
 
     def count_admission_rejection(self, reason: str) -> None:
         self._admission_rejections.labels(self.model_name, reason).inc()

@@ -18,9 +18,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar.sim.tokenizer import ChatMessage
+
+if TYPE_CHECKING:
+    from sidecar.sim.tools import ToolRequest
 
 BAD_REQUEST = "Bad Request"
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
@@ -278,8 +281,8 @@ class GenerateParams:
     include_stop_str_in_output: bool = False
     seed: int | None = None
     prompt_logprobs: int | None = None
-    # Chat with tools: why the simulator, like vLLM without a tool parser, refuses them.
-    tool_refusal: str | None = None
+    # Chat: ``tools`` / ``tool_choice`` as vLLM's check_tool_usage leaves them (None: neither).
+    tools: ToolRequest | None = None
 
     @property
     def greedy(self) -> bool:
@@ -489,7 +492,12 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
         # BadRequestError (checked against the real server), not a schema error.
         raise bad_request("Stream options can only be defined when `stream=True`.",
                           "stream_options")
-    tool_refusal = _tool_refusal(reader.body) if chat else None
+    tools: ToolRequest | None = None
+    if chat:
+        # Here, not at the top: sidecar.sim.tools builds its errors with this module's helpers.
+        from sidecar.sim.tools import read_tool_request
+
+        tools = read_tool_request(reader.body)
     if chat and prompt_logprobs is None and echo:
         # Chat with echo asks for the prompt's logprobs with top_logprobs alternatives
         # (ChatCompletionRequest.to_sampling_params).
@@ -520,29 +528,8 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
         include_stop_str_in_output=include_stop,
         seed=seed,
         prompt_logprobs=prompt_logprobs,
-        tool_refusal=tool_refusal,
+        tools=tools,
     )
-
-
-def _tool_refusal(body: Mapping[str, Any]) -> str | None:
-    """``tools`` / ``tool_choice`` as vLLM started without ``--tool-call-parser`` answers them
-    (the server `sidecar vllm up` starts): ChatCompletionRequest.check_tool_usage, then the
-    renderer's refusal (vllm/renderers/online_renderer.py, 0.32). Only "none" (or no tools)
-    gets an answer, a plain one; the simulator has no tool parser either."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice", "auto" if tools else None)
-    if choice is None or choice == "none":
-        return None
-    if tools is None:
-        raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
-    if choice == "auto":
-        return ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                "to be set")
-    if isinstance(choice, Mapping):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else None
-        return f'tool_choice=function "{name}" requires --tool-call-parser to be set'
-    return f'tool_choice="{choice}" requires --tool-call-parser to be set'
 
 
 def _read_stop(reader: FieldReader) -> tuple[str, ...]:

@@ -93,6 +93,7 @@ from sidecar.sim.shapes import (
     models_body,
     prompt_logprobs_json,
 )
+from sidecar.sim.tools import ToolCallOutput, tool_refusal
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,10 @@ class SimConfig:
     enable_server_load_tracking: bool = False
     max_num_queued_reqs: int | None = None
     legacy_metric_names: bool = False
+    # vLLM's --tool-call-parser and --enable-auto-tool-choice: tool calls are served only with
+    # both (sidecar.sim.tools); otherwise every tool_choice but "none" is refused, as by vLLM.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     ground_truth_path: str | None = None
     fault: FaultSpec = NO_FAULT
     fault_rate: float = 0.0
@@ -153,6 +158,14 @@ class SimConfig:
         # Accept the profile's plain name ("minimal") as well as the enum member.
         object.__setattr__(self, "profile", Profile(self.profile))
         Era.of(self.vllm_version)  # a version the shapes know, or ValueError now
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            # vLLM refuses to start so (vllm/entrypoints/launchers/cli_args.py 523-524).
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+    @property
+    def serves_tools(self) -> bool:
+        """vLLM has a tool parser only with both flags (ParserManager.get_tool_parser)."""
+        return self.enable_auto_tool_choice and bool(self.tool_call_parser)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -193,6 +206,7 @@ class _Choice:
         "logprob_source",
         "text_offset",
         "echo_pending",
+        "tool",
     )
 
     def __init__(
@@ -230,9 +244,12 @@ class _Choice:
         self.logprob_source: LogprobSource | None = None
         self.text_offset = 0  # completions logprobs: where the next token's text starts
         self.echo_pending = False  # completions echo: the first chunk still owes the prompt
+        # A forced tool call (named or "required" tool_choice): the text the model generates.
+        self.tool: ToolCallOutput | None = None
 
 
-# (choice, new token ids, finished, their text when a stop checker made it, else None)
+# (choice, new token ids, finished, their text when a stop checker or a tool call made it,
+# else None)
 _Delivery = tuple[_Choice, tuple[int, ...], bool, str | None]
 
 
@@ -262,7 +279,10 @@ class _RequestState:
             choice.held = ()
         choice.shown_any = True
         checker = choice.stop
-        text = None if checker is None else checker.next_text(finished)
+        if choice.tool is not None:
+            text: str | None = choice.tool.next_text(token_ids)
+        else:
+            text = None if checker is None else checker.next_text(finished)
         self.pending.append((choice, token_ids, finished, text))
         self._wake()
 
@@ -404,6 +424,7 @@ class SimReplica:
             stats_source=self.engine.stats,
             cache_info=self._cache_info(),
             legacy_names=config.legacy_metric_names,
+            tool_parser=config.tool_call_parser is not None,
         )
         self.dead = False
         self.in_flight = 0
@@ -513,7 +534,7 @@ class SimReplica:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def warm_up(self) -> None:
+    async def warm_up(self) -> None:
         """Run once, with nothing recorded, what a first request would pay for on its own.
 
         The tokenizer's tables, the JSON reading and validation of both endpoints, the chunk and
@@ -553,7 +574,9 @@ class SimReplica:
         error_body("warm up", BAD_REQUEST_ERROR, 400)
         self.metrics.render()
         uuid.uuid4()
-        self._tokenizer().submit(tokenizer.warm).result()
+        # Awaited, not waited for: the replica starts on a running loop, which a blocking
+        # wait would hold up (tests/conftest.py fails a test whose code blocks the loop).
+        await asyncio.wrap_future(self._tokenizer().submit(tokenizer.warm))
 
     def _tokenizer(self) -> concurrent.futures.ThreadPoolExecutor:
         pool = self._tokenizer_thread
@@ -827,8 +850,9 @@ class SimReplica:
     def _plan(self, params: GenerateParams, request_id: str, slice_chars: int = 0) -> _Plan:
         """Validate and tokenize (pure: it may run on the tokenizer thread)."""
         self._check_model(params.model)
-        if params.tool_refusal is not None:
-            raise bad_request(params.tool_refusal)
+        refusal = tool_refusal(params.tools, self.config.serves_tools)
+        if refusal is not None:
+            raise bad_request(refusal)
         if params.use_beam_search and params.stream:
             raise bad_request("Streaming is not currently supported with beam search")
         if params.n < 1:
@@ -934,18 +958,23 @@ class SimReplica:
         interval = params.stream_interval or engine_interval
         state = _RequestState(params.n, interval if interval > engine_interval else 1)
         requests: list[tuple[EngineRequest, _Choice]] = []
+        tools = params.tools if self.config.serves_tools else None
+        forced = tools is not None and tools.forces_call
         for prompt_index, ids in enumerate(plan.prompts):
             prompt_ids = tuple(ids)
             for i in range(params.n):
                 engine_id = f"{plan.request_id}#{self._next_engine_id}"
                 self._next_engine_id += 1
                 key = self._sampling_key(params, prompt_ids, i)
+                # A forced call is as long as its JSON, then EOS (structured outputs).
+                tool = ToolCallOutput(tools) if forced and tools is not None else None
                 engine_request = EngineRequest(
                     request_id=engine_id,
                     prompt_token_ids=prompt_ids,
                     max_tokens=plan.max_tokens[prompt_index],
                     min_tokens=params.min_tokens,
                     ignore_eos=params.ignore_eos,
+                    natural_length=None if tool is None else tool.natural_length,
                     sampling_key=key,
                 )
                 try:
@@ -960,7 +989,8 @@ class SimReplica:
                     len(prompt_ids),
                     plan.max_tokens[prompt_index],
                 )
-                if params.stop:
+                choice.tool = tool
+                if params.stop and tool is None:  # a tool call's text is not searched: gap
                     choice.stop = StopChecker(params.stop, params.include_stop_str_in_output,
                                               params.min_tokens)
                 if params.logprobs is not None:
@@ -1077,6 +1107,18 @@ class SimReplica:
         remaining = len(state.choices)
         role_pending = chat
         token_chunks = 0
+        # Per choice, tokens of tool-call text vLLM sends no event for: the ground truth counts
+        # them with the choice's next event.
+        unsent_tokens: dict[int, int] = {}
+        # With a tool parser every chat delta goes through it (serving.py 662-676). Under
+        # tool_choice "none" (a request without tools too) it gives no delta for empty text
+        # (abstract_parser.py 706-727): such an event is dropped, or with a finish or logprobs
+        # sent with "delta":{} (serving.py 700-716); checked against the real server. Under
+        # "auto" the parser's own streaming reads every delta (counted in its metric).
+        tools = params.tools if chat and self.config.serves_tools else None
+        drop_empty = chat and self.config.serves_tools and (
+            tools is None or tools.choice.kind == "none")
+        auto_tools = tools is not None and tools.choice.kind == "auto"
         stalled = fault.stall_ms is None
         malformed_done = fault.malformed_after is None
         faulty = not fault.is_empty
@@ -1144,13 +1186,36 @@ class SimReplica:
                     usage = (choice.prompt_tokens, choice.delivered) if continuous else None
                     if text is None:
                         text = _decode(token_ids)
-                    if choice.logprob_source is None and not choice.echo_pending:
+                    tool = choice.tool
+                    if tool is not None:
+                        delta = tool.delta(text)
+                        if delta is None and not finished:
+                            unsent_tokens[choice.index] = unsent_tokens.get(choice.index, 0) + count
+                            continue
                         chunk = formatter.token_chunk(
-                            choice.index, text, choice.finish_reason if finished else None,
-                            usage, stop_reason=choice.stop_reason)
+                            choice.index, "",
+                            tool.stream_finish_reason(choice.finish_reason or "stop")
+                            if finished else None,
+                            usage, delta="{}" if delta is None else delta)
+                        count += unsent_tokens.pop(choice.index, 0)
                     else:
-                        chunk = self._rich_token_chunk(formatter, plan, choice, token_ids,
-                                                       text, finished, usage)
+                        empty_delta: str | None = None
+                        if auto_tools:
+                            self.metrics.count_tool_parser_invocations(streaming=True)
+                        elif drop_empty and not text:
+                            if not finished and choice.logprob_source is None:
+                                unsent_tokens[choice.index] = (
+                                    unsent_tokens.get(choice.index, 0) + count)
+                                continue
+                            empty_delta = "{}"
+                        count += unsent_tokens.pop(choice.index, 0)
+                        if choice.logprob_source is None and not choice.echo_pending:
+                            chunk = formatter.token_chunk(
+                                choice.index, text, choice.finish_reason if finished else None,
+                                usage, stop_reason=choice.stop_reason, delta=empty_delta)
+                        else:
+                            chunk = self._rich_token_chunk(formatter, plan, choice, token_ids,
+                                                           text, finished, usage, empty_delta)
                     await write(chunk)
                     if stamping:
                         chunk_ns.append(perf_ns())
@@ -1191,7 +1256,7 @@ class SimReplica:
 
     def _rich_token_chunk(self, formatter: StreamFormatter, plan: _Plan, choice: _Choice,
                           token_ids: tuple[int, ...], text: str, finished: bool,
-                          usage: tuple[int, int] | None) -> bytes:
+                          usage: tuple[int, int] | None, delta: str | None = None) -> bytes:
         """A token chunk with logprobs, or a completion's first chunk with the echoed prompt
         (vLLM's serving code: the prompt's text before the first delta, its token ids, and with
         logprobs the prompt's positions before the new tokens')."""
@@ -1222,7 +1287,8 @@ class SimReplica:
                     choice.text_offset = logprobs["text_offset"][-1] + len(tokens[-1])
         return formatter.token_chunk(
             choice.index, text, choice.finish_reason if finished else None, usage,
-            logprobs=logprobs, stop_reason=choice.stop_reason, prompt_token_ids=prompt_ids)
+            logprobs=logprobs, stop_reason=choice.stop_reason, prompt_token_ids=prompt_ids,
+            delta=delta)
 
     def _prompt_positions(self, plan: _Plan, prompt_index: int, k: int) -> list[Position | None]:
         """A prompt's logprobs: none for its first token, then each token's position with
@@ -1349,6 +1415,10 @@ class SimReplica:
             self._abort(state, "abort")
             raise asyncio.CancelledError() from None
         choices = [self._whole_choice(plan, choice) for choice in state.choices]
+        tools = params.tools
+        if self.config.serves_tools and tools is not None and tools.choice.kind == "auto":
+            # The parser reads each whole choice once (abstract_parser.py 626-652).
+            self.metrics.count_tool_parser_invocations(streaming=False, count=len(choices))
         prompt_tokens = sum(len(ids) for ids in plan.prompts)
         completion_tokens = sum(choice.delivered for choice in state.choices)
         common: dict[str, Any] = {
@@ -1397,6 +1467,10 @@ class SimReplica:
         params = plan.params
         checker = choice.stop
         text = tokenizer.decode(choice.token_ids) if checker is None else checker.text
+        finish_reason = choice.finish_reason or "stop"
+        tool_calls: list[dict[str, Any]] | None = None
+        if choice.tool is not None:
+            text, tool_calls, finish_reason = choice.tool.whole(finish_reason)
         positions: list[Position | None] = []
         tokens: list[str] = []
         prompt_logprobs: list[Any] | None = None
@@ -1420,10 +1494,9 @@ class SimReplica:
                 positions.extend(sampled)
                 tokens.extend(position[0].token for position in sampled)
                 logprobs = completion_logprobs(positions, tokens, k, 0)
-        return ChoiceResult(index=choice.index, text=text,
-                            finish_reason=choice.finish_reason or "stop",
+        return ChoiceResult(index=choice.index, text=text, finish_reason=finish_reason,
                             stop_reason=choice.stop_reason, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs, tool_calls=tool_calls)
 
     async def _send_whole(
         self, request: web.Request, response: web.Response, record: GroundTruthRecord | None
@@ -1650,7 +1723,7 @@ async def start_replica(
         shutdown_timeout=config.shutdown_timeout_s,
     )
     try:
-        replica.warm_up()
+        await replica.warm_up()
         await runner.setup()
         make_protocol = runner.server
         assert make_protocol is not None

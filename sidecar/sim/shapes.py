@@ -225,18 +225,21 @@ class StreamFormatter:
         logprobs: dict[str, Any] | None = None,
         stop_reason: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
+        delta: str | None = None,
     ) -> bytes:
         """A token delta; ``logprobs`` as `chat_logprobs` / `completion_logprobs` make it,
         ``stop_reason`` the stop string that ended the choice, ``prompt_token_ids`` on a
-        completion's echoed first chunk."""
-        text_json = _text(text)
+        completion's echoed first chunk. ``delta`` (chat): the delta object's JSON in place of
+        ``{"content": text}`` (a tool call's, sidecar.sim.tools)."""
         logprobs_json = "null" if logprobs is None else compact_json(logprobs)
         prompt_ids = "null" if prompt_token_ids is None else compact_json(list(prompt_token_ids))
         if self.chat:
-            body = (f'{{"index":{index},"delta":{{"content":{text_json}}},'
+            if delta is None:
+                delta = f'{{"content":{_text(text)}}}'
+            body = (f'{{"index":{index},"delta":{delta},'
                     f'"logprobs":{logprobs_json},')
         else:
-            body = f'{{"index":{index},"text":{text_json},"logprobs":{logprobs_json},'
+            body = f'{{"index":{index},"text":{_text(text)},"logprobs":{logprobs_json},'
         if finish_reason is None:
             if self.minimal:
                 body += '"finish_reason":null' + ("}" if self.chat else ',"stop_reason":null}')
@@ -303,6 +306,8 @@ class ChoiceResult:
     logprobs: dict[str, Any] | None = None  # chat_logprobs / completion_logprobs
     # Completions: the prompt's logprobs (prompt_logprobs_json), per choice.
     prompt_logprobs: list[Any] | None = None
+    # Chat: the message's tool calls (sidecar.sim.tools); the key is left out when empty.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def _token_bytes(token: str) -> list[int]:
@@ -423,25 +428,29 @@ def chat_completion_body(
             out_choices.append(
                 {
                     "index": choice.index,
-                    "message": {"role": role, "content": choice.text, "tool_calls": []},
+                    "message": {"role": role, "content": choice.text,
+                                "tool_calls": choice.tool_calls or []},
                     "logprobs": choice.logprobs,
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
                 }
             )
         else:
+            message: dict[str, Any] = {
+                "role": role,
+                "content": choice.text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+            }
+            if choice.tool_calls:
+                message["tool_calls"] = choice.tool_calls
+            message["reasoning"] = None
             out_choices.append(
                 {
                     "index": choice.index,
-                    "message": {
-                        "role": role,
-                        "content": choice.text,
-                        "refusal": None,
-                        "annotations": None,
-                        "audio": None,
-                        "function_call": None,
-                        "reasoning": None,
-                    },
+                    "message": message,
                     "logprobs": choice.logprobs,
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,

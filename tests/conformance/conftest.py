@@ -4,7 +4,8 @@
         install (once; cached in $SIDECAR_VLLM_HOME) and start a real vLLM on a free port,
         stop it when the session ends
     pytest tests/conformance --real-vllm=http://127.0.0.1:8000
-        use a server already running (`sidecar vllm up`)
+        use a server already running (`sidecar vllm up --tool-calls`: the tool-call cases
+        need a tool parser)
 
 Every test in this directory is marked ``realvllm``. Without ``--real-vllm`` they are
 deselected (the summary says so and how to run them): the normal suite needs no vLLM. With
@@ -24,7 +25,7 @@ import pytest
 from real_server import RealVLLM, describe_server
 
 from sidecar.realvllm import Home, RealVLLMError, ServerHandle, start_server
-from sidecar.realvllm.server import free_port
+from sidecar.realvllm.server import TOOL_CALL_ARGS, free_port
 
 HERE = Path(__file__).resolve().parent
 MARKER = "realvllm"
@@ -67,8 +68,9 @@ def real_vllm(request: pytest.FixtureRequest) -> Iterator[RealVLLM]:
     try:
         if value == "start":
             otlp_port = free_port()
+            # With a tool parser, as CI starts it (.ci/run: `sidecar vllm up --tool-calls`).
             handle = start_server(
-                free_port(), home=Home.resolve(),
+                free_port(), extra_args=TOOL_CALL_ARGS, home=Home.resolve(),
                 otlp_traces_endpoint=f"http://127.0.0.1:{otlp_port}/v1/traces")
             base_url = handle.url
         elif value.startswith(("http://", "https://")):

@@ -100,9 +100,12 @@ async def sim_url(real_vllm: RealVLLM) -> AsyncIterator[str]:
     from sidecar.sim.engine import EngineConfig
     from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 
+    # With a tool parser, as CI starts the real server (`sidecar vllm up --tool-calls`): vLLM
+    # then serves vllm:tool_call_parser_invocations.
     config = SimConfig(model=real_vllm.model, vllm_version=real_vllm.version,
                        engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0,
-                                           max_model_len=real_max_model_len(real_vllm)))
+                                           max_model_len=real_max_model_len(real_vllm)),
+                       tool_call_parser="pythonic", enable_auto_tool_choice=True)
     (replica,) = await start_replicas(config, 1)
     try:
         yield replica.url
