@@ -14,6 +14,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -246,9 +247,11 @@ def print_comparison(original: list[RequestRecord], replayed: list[RequestRecord
             summary = getattr(report, name)
             cells += [_ms(summary.p(50)), _ms(summary.p(99))]
         print(f"{name.upper():16}" + "".join(f"{c:>11}" for c in cells), file=out)
-    for label, pick in (("requests ok", lambda rs: sum(r.ok for r in rs)),
-                        ("input tokens", lambda rs: sum(r.n_in or 0 for r in rs if r.ok)),
-                        ("output tokens", lambda rs: sum(r.n_out or 0 for r in rs if r.ok))):
+    totals: list[tuple[str, Callable[[list[RequestRecord]], int]]] = [
+        ("requests ok", lambda rs: sum(r.ok for r in rs)),
+        ("input tokens", lambda rs: sum(r.n_in or 0 for r in rs if r.ok)),
+        ("output tokens", lambda rs: sum(r.n_out or 0 for r in rs if r.ok))]
+    for label, pick in totals:
         print(f"{label:16}{pick(original):>22}{pick(replayed):>22}", file=out)
     out.flush()
 

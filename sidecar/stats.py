@@ -1050,7 +1050,8 @@ class RecordTable:
 
     @property
     def ok(self) -> npt.NDArray[np.bool_]:
-        return self._view(self._outcome, np.uint8) == _OUTCOME_CODE[Outcome.OK]
+        ok: npt.NDArray[np.bool_] = self._view(self._outcome, np.uint8) == _OUTCOME_CODE[Outcome.OK]
+        return ok
 
     def ids(self) -> list[str]:
         return self.request_ids[self._head:]

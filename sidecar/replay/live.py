@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import multiprocessing
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate
 from typing import Any
 
@@ -28,9 +28,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client.utils import floatToGoString as _untyped_float_to_go_string
 
 from sidecar.record import Outcome
+
+# prometheus-client leaves it untyped: the `le` label text of a bucket bound.
+_go_float: Callable[[float], str] = _untyped_float_to_go_string
 
 OUTCOMES = tuple(Outcome)
 # Send lateness (actual - scheduled): a healthy sender is well under a millisecond; AIPerf calls
@@ -127,7 +130,7 @@ class ReplayCollector(Collector):
             "sidecar_replay_send_lateness_seconds", "Actual send instant - scheduled one, per "
             "open-loop request (0 when early).", labels=["shard"])
         buckets = values[_LATE_BUCKETS:_LATE_BUCKETS + len(LATENESS_BOUNDS_S) + 1]
-        bounds = [floatToGoString(b) for b in LATENESS_BOUNDS_S] + ["+Inf"]
+        bounds = [_go_float(b) for b in LATENESS_BOUNDS_S] + ["+Inf"]
         lateness.add_metric(labels, list(zip(bounds, accumulate(buckets), strict=True)),
                             values[_LATE_SUM])
         yield lateness

@@ -147,7 +147,7 @@ def vllm_bench_peaks(sent: Sequence[SentRequest]) -> tuple[float, int]:
     token_times: list[float] = []
     for s in ok:
         start = (s.actual_ns - origin) / 1e9
-        metrics = stats.request_metrics(s.record, stats.Vantage.CLIENT)
+        metrics = stats.request_metrics(s.record, Vantage.CLIENT)
         latency = (metrics.e2e_s or 0.0) if metrics is not None else 0.0
         spans.append((start, start + latency))
         timeline = s.record.client
@@ -341,7 +341,7 @@ def vllm_bench_json(report: Mapping[str, Any], sent: Sequence[SentRequest], *,
         "max_concurrency": envelope.get("max_concurrency"),
     }
     closed = envelope.get("mode") == "closed"
-    metrics = [stats.request_metrics(r, stats.Vantage.CLIENT) for r in records]
+    metrics = [stats.request_metrics(r, Vantage.CLIENT) for r in records]
     max_tokens_per_s, max_concurrent = vllm_bench_peaks(sent)
     planned = requested_input or {}
     out.update({

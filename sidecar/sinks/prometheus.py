@@ -43,7 +43,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client.utils import floatToGoString as _untyped_float_to_go_string
 
 from sidecar import stats
 from sidecar.hooks import (
@@ -57,6 +57,9 @@ from sidecar.record import Int64s, Outcome, RequestRecord, TokenSource, Vantage
 from sidecar.sinks.labels import OTHER, BoundedLabel
 from sidecar.sinks.window import GENERATION_ENDPOINTS, WindowSink
 from sidecar.stats import NS_PER_S
+
+# prometheus-client leaves it untyped: the `le` label text of a bucket bound.
+_go_float: Callable[[float], str] = _untyped_float_to_go_string
 
 UNKNOWN = "unknown"  # the label of a model or replica the record does not name
 E6 = (1.0, 1.5, 2.2, 3.3, 4.7, 6.8)
@@ -146,7 +149,7 @@ class BulkHistogram(Collector):
         self.labelnames = tuple(labelnames)
         self.bounds = np.asarray(checked_buckets(buckets), dtype=np.float64)
         self._bound_list: list[float] = self.bounds.tolist()
-        self._le = [floatToGoString(b) for b in self._bound_list] + ["+Inf"]
+        self._le = [_go_float(b) for b in self._bound_list] + ["+Inf"]
         self._counts: dict[tuple[str, ...], list[int]] = {}
         self._sums: dict[tuple[str, ...], float] = {}
         registry.register(self)
