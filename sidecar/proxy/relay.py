@@ -1037,7 +1037,7 @@ class _MeteredRead:
     for its whole life, and this is ~0.8 KiB smaller per stream (tracemalloc).
     """
 
-    __slots__ = ("upstream", "meter", "builder", "timeouts", "exchange", "trouble")
+    __slots__ = ("upstream", "meter", "builder", "timeouts", "exchange", "trouble", "ended")
 
     def __init__(self, upstream: UpstreamExchange, meter: StreamMeter, builder: RecordBuilder,
                  timeouts: _Timeouts, exchange: ClientExchange | None) -> None:
@@ -1047,6 +1047,7 @@ class _MeteredRead:
         self.timeouts = timeouts
         self.exchange = exchange
         self.trouble: BaseException | None = None  # what went wrong inside the callback
+        self.ended = False  # the meter was closed in the callback (`_end_in_read`)
 
     def on_read(self, data: bytes, t_up: int) -> None:
         timeouts = self.timeouts
@@ -1056,6 +1057,9 @@ class _MeteredRead:
             out, n_events, n_token_events = meter.feed(data, t_up)
             if timeouts.ttft_at != _NEVER and meter.offsets:
                 timeouts.ttft_at = _NEVER  # first_token(), inlined: this is per read
+            if self.upstream.last_read and meter.fatal is None and self.exchange is not None:
+                self._end_in_read(t_up, out, n_events, n_token_events)
+                return
             if out and self.exchange is not None:
                 self._deliver(out, n_events, n_token_events)
             if meter.fatal is not None:
@@ -1074,6 +1078,29 @@ class _MeteredRead:
         if n_token_events:
             builder.client_token_writes(clock.monotonic_ns(), n_token_events)
 
+    def _end_in_read(self, t_up: int, out: bytes, n_events: int, n_token_events: int) -> None:
+        """The upstream's body ended in this read (vLLM's [DONE] and the end of the chunked
+        body usually arrive together): close the meter here, and when the stream ended well,
+        the client's last events and the end of its response leave in one write instead of
+        two (strace of a short stream: five writes per request became four)."""
+        meter, builder, exchange = self.meter, self.builder, self.exchange
+        assert exchange is not None
+        self.ended = True
+        builder.up_end_ns = builder.offset(t_up)
+        tail, n_tail, n_tail_tokens = meter.close(t_up)
+        if tail:
+            out = out + tail if out else tail
+            n_events += n_tail
+            n_token_events += n_tail_tokens
+        if meter.fatal is not None:  # no [DONE]: `body` raises it, the handler ends the stream
+            if out:
+                self._deliver(out, n_events, n_token_events)
+            return
+        exchange.end(out)
+        builder.down_events += n_events
+        if n_token_events:
+            builder.client_token_writes(clock.monotonic_ns(), n_token_events)
+
     async def body(self) -> None:
         upstream, meter, builder = self.upstream, self.meter, self.builder
         try:
@@ -1084,6 +1111,8 @@ class _MeteredRead:
                     raise  # otherwise we aborted the upstream ourselves: the cause is below
             if self.trouble is not None:
                 raise self.trouble
+            if self.ended:
+                return
             builder.up_end_ns = builder.offset(clock.monotonic_ns())
             if meter.fatal is None:
                 out, n_events, n_token_events = meter.close(clock.monotonic_ns())

@@ -291,6 +291,12 @@ class UpstreamExchange:
         await self._head
 
     @property
+    def last_read(self) -> bool:
+        """True inside the sink's call for the body's last read: the body ended, and no read
+        that arrived earlier is still waiting to be handed over (`stream_body`)."""
+        return self.complete and not self._pending
+
+    @property
     def content_length(self) -> int | None:
         value = self.headers.get("Content-Length")
         if value is None or not value.isdigit():
