@@ -1,17 +1,18 @@
 """The measuring relay: one handler for every request, one record for every request.
 
-Stamps (all ``time.perf_counter_ns()``, see clock.py), as spec/metrics.md names them:
-t_arrive (request body fully read), t_up_send (just before the request goes to the upstream;
+Stamps (all ``time.perf_counter_ns()``, see clock.py), as docs/metrics.md names them:
+t_arrive (the request's first byte; when the body was read whole is kept beside it as
+``request_read_ns``), t_up_send (just before the request goes to the upstream;
 includes taking a pooled connection, or connecting when the pool has none), upstream response
 headers, every upstream read (all events parsed from one read share its stamp: that is when their
 bytes arrived), every write of an event to the client (after the write call returned: the bytes
 are in the kernel's socket buffer), and the end of the stream on each side.
 
-The per-read path runs inside the upstream connection's callback (upstream.py): the measuring
-core (meter.py) parses, classifies, counts and stamps, and what it returns is written to the
-client's transport (listener.py) in the same callback. Events are forwarded as the upstream's
-bytes unless the proxy itself changed the request (usage injection), in which case only what it
-added is cut out (protocol/rewrite.py).
+The per-read path runs inside the upstream connection's callback (upstream.py, then
+stream_relay.py): the measuring core (meter.py) parses, classifies, counts and stamps, and what
+it returns is written to the client's transport (listener.py) in the same callback. Events are
+forwarded as the upstream's bytes unless the proxy itself changed the request (usage injection),
+in which case only what it added is cut out (protocol/rewrite.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import re
 import secrets
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, Final
-from urllib.parse import unquote, urlsplit
+from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from sidecar import clock
 from sidecar.config import ProxyConfig, RoutePolicy, read_capture_key
@@ -54,8 +55,14 @@ from sidecar.protocol.sse import DONE_EVENT, encode_data_event
 from sidecar.proxy.basemetrics import CONTENT_TYPE as BASE_METRICS_CONTENT_TYPE
 from sidecar.proxy.basemetrics import merge_expositions
 from sidecar.proxy.builder import RecordBuilder
+from sidecar.proxy.headers import (
+    FORWARDED_FOR,
+    REQUEST_ID_HEADER,
+    filtered_headers,
+    has_dot_segment,
+    request_id_from,
+)
 from sidecar.proxy.listener import (
-    WRITE_HIGH_WATER,
     ClientExchange,
     IncomingRequest,
     Rejection,
@@ -63,6 +70,8 @@ from sidecar.proxy.listener import (
 from sidecar.proxy.probes import check_health, scrape_engine
 from sidecar.proxy.routing import Replica, Router
 from sidecar.proxy.shape import PrefixHasher, chat_text, request_shape
+from sidecar.proxy.stream_relay import MeteredRead, write_paced
+from sidecar.proxy.timeouts import Timeouts
 from sidecar.proxy.upstream import (
     UpstreamError,
     UpstreamExchange,
@@ -73,15 +82,6 @@ from sidecar.record import EngineTiming, Outcome, TokenSource
 
 log = logging.getLogger("sidecar.proxy")
 
-# RFC 9110 section 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself, and
-# Expect (the listener answered any 100-continue; the upstream gets the whole body at once).
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-    "expect",
-})
-REQUEST_ID_HEADER = "X-Request-Id"
-MAX_REQUEST_ID_LEN = 128
 MAX_NON_SSE_BODY = 64 * 1024 * 1024  # an upstream's non-streamed answer is read whole
 # A model name longer than this (or with control characters) is not kept on the record: it
 # would become a metric label and a log field. The request still goes upstream as sent (vLLM
@@ -90,105 +90,6 @@ MAX_MODEL_NAME_LEN = 256
 # How long the proxy tries to hand a failed stream its error event and [DONE] before it cuts
 # the connection instead (a client that does not read must not hold the request open).
 ERROR_TAIL_WRITE_S = 2.0
-
-
-# A deadline that never comes (ns; past any monotonic clock this process will read).
-_NEVER = 1 << 62
-
-
-class _Timeouts:
-    """The timeouts of one request (total, TTFT, idle) on one timer: the first to pass
-    cancels the handler task, and `fired` names it (a client disconnect cancels with none).
-
-    One timer per request, not one per timeout: arming and cancelling a uvloop timer costs
-    ~2 µs, and each one waiting holds ~0.5 KiB (a TimerHandle and its libuv timer) for the
-    whole stream. The timer is lazy: it wakes at the earliest deadline known when it was set,
-    and a deadline that moved since (the first token came, a read happened) only means it
-    sleeps again until the next one. A read costs one attribute store (`last_ns`), the first
-    token one more (`ttft_at`).
-    """
-
-    __slots__ = ("task", "total_at", "total_name", "ttft_at", "idle_ns", "last_ns", "fired",
-                 "_handle", "_wake_at")
-
-    def __init__(self, *, total_s: float = 0.0, total_name: str = "total_timeout",
-                 ttft_s: float = 0.0, idle_s: float = 0.0) -> None:
-        now = clock.monotonic_ns()
-        self.task = asyncio.current_task()
-        self.total_at = now + int(total_s * 1e9) if total_s > 0 else _NEVER
-        self.total_name = total_name
-        self.ttft_at = now + int(ttft_s * 1e9) if ttft_s > 0 else _NEVER
-        self.idle_ns = int(idle_s * 1e9) if idle_s > 0 else 0
-        # The last upstream read; the idle deadline counts from it once `start_idle` ran.
-        self.last_ns = _NEVER
-        self.fired: str | None = None
-        self._handle: asyncio.TimerHandle | None = None
-        self._wake_at = _NEVER
-        self._arm(now)
-
-    @classmethod
-    def for_generation(cls, config: ProxyConfig, streaming: bool) -> _Timeouts:
-        total, name = config.total_timeout, "total_timeout"
-        limit = config.nonstream_timeout
-        if not streaming and limit > 0 and (total <= 0 or limit < total):
-            total, name = limit, "nonstream_timeout"
-        return cls(total_s=total, total_name=name,
-                   ttft_s=config.ttft_timeout if streaming else 0.0,
-                   idle_s=config.idle_timeout if streaming else 0.0)
-
-    def start_idle(self) -> None:
-        """From now on, a gap of ``idle_s`` between two reads (`last_ns`) ends the request."""
-        if self.idle_ns:
-            now = clock.monotonic_ns()
-            self.last_ns = now
-            self._arm(now)
-
-    def first_token(self) -> None:
-        self.ttft_at = _NEVER
-
-    def _deadline(self) -> tuple[int, str]:
-        when, name = self.total_at, self.total_name
-        if self.ttft_at < when:
-            when, name = self.ttft_at, "ttft_timeout"
-        if self.idle_ns and self.last_ns != _NEVER and self.last_ns + self.idle_ns < when:
-            when, name = self.last_ns + self.idle_ns, "idle_timeout"
-        return when, name
-
-    def _arm(self, now: int) -> None:
-        when = self._deadline()[0]
-        if when >= _NEVER or self.task is None or self.fired is not None:
-            return
-        if self._handle is not None:
-            if self._wake_at <= when:
-                return  # it wakes first and looks again
-            self._handle.cancel()
-        self._wake_at = when
-        self._handle = asyncio.get_running_loop().call_later(
-            max(when - now, 0) / 1e9, self._check)
-
-    def _check(self) -> None:
-        self._handle = None
-        self._wake_at = _NEVER
-        now = clock.monotonic_ns()
-        when, name = self._deadline()
-        if when > now:
-            self._arm(now)  # a deadline moved, or the loop's clock woke us a little early
-            return
-        if self.fired is None and self.task is not None:
-            self.fired = name
-            self.task.cancel()
-
-    def disarm(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-            self._wake_at = _NEVER
-
-    def absorb(self) -> None:
-        """Our own cancellation was handled: clear it so that later awaits work (3.11+)."""
-        uncancel = getattr(self.task, "uncancel", None)
-        if uncancel is not None:
-            uncancel()
 
 
 class UpstreamFailure(Exception):
@@ -200,42 +101,6 @@ class UpstreamFailure(Exception):
         self.status = status
         self.message = message
         self.err_type = err_type  # the `type` of the vLLM-shaped error the client gets
-
-
-def filtered_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    connection_tokens = {
-        token.strip().lower()
-        for value in (headers.get("Connection") or "").split(",")
-        for token in [value]
-        if token.strip()
-    }
-    out: CIMultiDict[str] = CIMultiDict()
-    items = headers.items()
-    for name, value in items:
-        lower = name.lower()
-        if lower in HOP_BY_HOP or lower in connection_tokens:
-            continue
-        out.add(name, value)
-    return out
-
-
-_FORWARDED_FOR: Final = "X-Forwarded-For"
-
-
-def has_dot_segment(path: str) -> bool:
-    """True when a segment of the path, percent-decoded, is ``.`` or ``..`` (or holds a
-    backslash, which some servers read as a separator)."""
-    if "." not in path and "%" not in path and "\\" not in path:
-        return False  # the common path: no decoding
-    decoded = unquote(path)
-    return any(segment in (".", "..") or "\\" in segment for segment in decoded.split("/"))
-
-
-def request_id_from(headers: CIMultiDictProxy[str]) -> str:
-    given = headers.get(REQUEST_ID_HEADER)
-    if given and len(given) <= MAX_REQUEST_ID_LEN and given.isprintable():
-        return given
-    return uuid.uuid4().hex
 
 
 def prompt_prefix_key(body: Mapping[str, Any], chars: int, tokens: int) -> bytes | None:
@@ -501,9 +366,9 @@ class Proxy:
             # The de facto standard append (nginx's $proxy_add_x_forwarded_for): what a client
             # wrote stays, and the address it connected from comes last, where a server that
             # trusts this hop (uvicorn trusts 127.0.0.1 by default) reads the real client.
-            given = headers.getall(_FORWARDED_FOR, ())
-            headers.popall(_FORWARDED_FOR, None)
-            headers[_FORWARDED_FOR] = ", ".join([*given, request.peer])
+            given = headers.getall(FORWARDED_FOR, ())
+            headers.popall(FORWARDED_FOR, None)
+            headers[FORWARDED_FOR] = ", ".join([*given, request.peer])
         if parsed:
             # The proxy reads these bodies; ask for them uncompressed.
             headers["Accept-Encoding"] = "identity"
@@ -651,7 +516,7 @@ class Proxy:
         """Other paths, relayed as they are, with the idle timeout as their read timeout."""
         builder.client_stream = builder.upstream_stream = False
         headers = self._upstream_headers(request, builder.request_id, parsed=False)
-        idle = _Timeouts(idle_s=self.config.idle_timeout)
+        idle = Timeouts(idle_s=self.config.idle_timeout)
         idle.start_idle()
         upstream: UpstreamExchange | None = None
         replica: Replica | None = None
@@ -706,13 +571,13 @@ class Proxy:
 
     @staticmethod
     def _client_writer(exchange: ClientExchange, upstream: UpstreamExchange,
-                       idle: _Timeouts) -> Callable[[bytes, int], None]:
+                       idle: Timeouts) -> Callable[[bytes, int], None]:
         """Body reads of a pass-through answer, written to the client as they come, the
         upstream paused while the client's buffer is full."""
         def write(data: bytes, at_ns: int) -> None:
             idle.last_ns = at_ns
             try:
-                _write_paced(exchange, upstream, data)
+                write_paced(exchange, upstream, data)
             except ConnectionResetError:
                 upstream.connection.abort()
 
@@ -720,19 +585,18 @@ class Proxy:
 
     # -- generation endpoints -------------------------------------------------------------
 
-    async def _generate(self, request: IncomingRequest, exchange: ClientExchange, endpoint: str,
-                        builder: RecordBuilder) -> None:
+    def _prepare_generation(self, request: IncomingRequest,
+                            builder: RecordBuilder) -> _Generation:
+        """Read a generation request (the record's model, max_tokens, stream flags, SLO class,
+        shape, trace ids) and decide what goes upstream: the body (with usage asked for, or as
+        a stream to assemble), the headers, the routing keys."""
         config = self.config
         body = request.body
         try:
             parsed: Any = json.loads(body)
         except (ValueError, RecursionError):
             parsed = None
-        upstream_body = body
-        plan: UsagePlan = NO_CHANGE
-        assemble = False
-        session_key: str | None = None
-        prefix_key: bytes | None = None
+        gen = _Generation(body)
         if isinstance(parsed, dict):
             model = parsed.get("model")
             builder.model = (model if isinstance(model, str) and len(model) <= MAX_MODEL_NAME_LEN
@@ -743,21 +607,22 @@ class Proxy:
             # vLLM reads `stream` as pydantic does ("true", 1, ... stream too).
             builder.client_stream = stream_usage_options(parsed)[0]
             if builder.client_stream:
-                plan = plan_usage(parsed, config.inject_usage)
-                if plan.modifies:
-                    upstream_body = request_with_usage(body, parsed, plan)
+                gen.plan = plan_usage(parsed, config.inject_usage)
+                if gen.plan.modifies:
+                    gen.upstream_body = request_with_usage(body, parsed, gen.plan)
             elif config.assemble_nonstream and not parsed.get("use_beam_search"):
-                assemble = True
-                upstream_body = _dumps({**parsed, "stream": True, "stream_options": {
+                gen.assemble = True
+                gen.upstream_body = _dumps({**parsed, "stream": True, "stream_options": {
                     "include_usage": True, "continuous_usage_stats": True}})
             if config.route_policy is RoutePolicy.SESSION:
-                session_key = request.headers.get(config.session_header) or (
+                gen.session_key = request.headers.get(config.session_header) or (
                     parsed.get("user") if isinstance(parsed.get("user"), str) else None)
             elif config.route_policy is RoutePolicy.PREFIX:
-                prefix_key = prompt_prefix_key(parsed, config.prefix_block_chars,
-                                               config.prefix_block_tokens)
-        builder.upstream_stream = builder.client_stream or assemble
-        if assemble:
+                gen.prefix_key = prompt_prefix_key(parsed, config.prefix_block_chars,
+                                                   config.prefix_block_tokens)
+            gen.tools_required = parsed.get("tool_choice") == "required"
+        builder.upstream_stream = builder.client_stream or gen.assemble
+        if gen.assemble:
             builder.attributes["assembled"] = "true"
         slo_class = self._slo_class(request, builder.model)
         if slo_class is not None:
@@ -772,6 +637,14 @@ class Proxy:
                                           raw_body=body if config.capture_text else None)
             if config.capture_text:
                 builder.text_parts = []
+        gen.headers = self._upstream_headers(request, builder.request_id, parsed=True)
+        self._trace_context(request, builder, gen.headers)
+        return gen
+
+    def _trace_context(self, request: IncomingRequest, builder: RecordBuilder,
+                       headers: CIMultiDict[str]) -> None:
+        """The client's W3C trace context, kept on the record (ids, not content), and with
+        OpenTelemetry on, the upstream's traceparent naming the sidecar's span."""
         traceparent = request.headers.get("traceparent")
         if traceparent is not None and _TRACEPARENT.fullmatch(traceparent):
             # Kept so that a tracing sink can parent its span; it is an id, not content.
@@ -781,8 +654,7 @@ class Proxy:
                 builder.attributes["tracestate"] = tracestate
         else:
             traceparent = None
-        headers = self._upstream_headers(request, builder.request_id, parsed=True)
-        if config.otel_traces:
+        if self.config.otel_traces:
             # The sidecar's CLIENT span is built after the fact (the OTel sink, from the
             # record), but the upstream must name it as its parent now: its id is chosen here,
             # sent in the upstream's traceparent, and the sink gives the span that id. vLLM's
@@ -792,21 +664,26 @@ class Proxy:
             span_id = secrets.token_hex(8)
             headers["traceparent"] = f"00-{trace_id}-{span_id}-{flags}"
             builder.attributes["span_ids"] = f"{trace_id}-{span_id}"
-        timeouts = _Timeouts.for_generation(config, builder.upstream_stream)
+
+    async def _generate(self, request: IncomingRequest, exchange: ClientExchange, endpoint: str,
+                        builder: RecordBuilder) -> None:
+        config = self.config
+        gen = self._prepare_generation(request, builder)
+        timeouts = Timeouts.for_generation(config, builder.upstream_stream)
         upstream: UpstreamExchange | None = None
         replica: Replica | None = None
         completed = False
         try:
             try:
                 upstream, replica = await self._open_upstream(
-                    request, upstream_body, headers, builder, session_key=session_key,
-                    prefix_key=prefix_key)
+                    request, gen.upstream_body, gen.headers, builder,
+                    session_key=gen.session_key, prefix_key=gen.prefix_key)
             except UpstreamFailure as failure:
                 builder.fail(failure.outcome, failure.error_type, failure.status)
                 self._respond_error(exchange, builder, failure.status, failure.message,
                                     failure.err_type)
                 return
-            if upstream.status in _VALIDATION_STATUSES and upstream_body is not body:
+            if upstream.status in _VALIDATION_STATUSES and gen.rewritten:
                 # The replica refused the body the proxy rewrote (usage injected, streaming for
                 # an assembled answer). Its message may describe that body (vLLM: "<dict of 7
                 # items>" for the client's 6): ask again with the client's own, so that the
@@ -816,21 +693,18 @@ class Proxy:
                 upstream = None
                 replica.outstanding -= 1
                 replica = None
-                assemble = False
+                gen.assemble = False
                 builder.upstream_stream = builder.client_stream
                 builder.attributes.pop("assembled", None)
                 upstream, replica = await self._open_upstream(
-                    request, body, headers, builder, session_key=session_key,
-                    prefix_key=prefix_key)
+                    request, request.body, gen.headers, builder,
+                    session_key=gen.session_key, prefix_key=gen.prefix_key)
             # Answered: nothing reads the request again. Held for the whole stream, the body,
             # its parsed form and the copy with usage injected came to 3x the prompt per
             # in-flight stream (310 KiB each at a 100 KB prompt; tracemalloc), the header
             # maps to ~1.5 KiB.
-            tools_required = isinstance(parsed, dict) and parsed.get("tool_choice") == "required"
             request.release()
-            body = upstream_body = b""
-            parsed = None
-            del headers
+            gen.release()
             timeouts.start_idle()
             builder.http_status = upstream.status
             coding = upstream.headers.get("Content-Encoding")
@@ -845,9 +719,9 @@ class Proxy:
             if upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 timeouts.first_token()  # no stream: the total timeout alone bounds it
                 await self._relay_whole(exchange, upstream, builder)
-            elif assemble:
+            elif gen.assemble:
                 await self._assemble(exchange, upstream, endpoint, builder, timeouts,
-                                     tools_required)
+                                     gen.tools_required)
             else:
                 response_headers = list(filtered_headers(upstream.headers).items())
                 response_headers.append((REQUEST_ID_HEADER, builder.request_id))
@@ -855,7 +729,7 @@ class Proxy:
                 # Sent: neither is read again, and a stream would hold both (~1.4 KiB).
                 del response_headers
                 upstream.headers.clear()
-                await self._relay_stream(upstream, exchange, builder, plan, timeouts)
+                await self._relay_stream(upstream, exchange, builder, gen.plan, timeouts)
             completed = True
         except asyncio.CancelledError:
             fired = timeouts.fired
@@ -979,14 +853,14 @@ class Proxy:
 
     async def _relay_stream(self, upstream: UpstreamExchange, exchange: ClientExchange,
                             builder: RecordBuilder, plan: UsagePlan,
-                            timeouts: _Timeouts) -> None:
+                            timeouts: Timeouts) -> None:
         """The streaming relay: whatever a read yields for the client goes out at once in one
-        write, stamped on the client side with that write's instant (see `_MeteredRead`)."""
+        write, stamped on the client side with that write's instant (see `MeteredRead`)."""
         meter = StreamMeter(builder.arrive_ns, plan, max_event_bytes=self.config.max_event_bytes,
                             max_events=self.config.max_stream_events,
                             keep_text=builder.text_parts is not None,
                             fingerprint=self._fingerprints.get(builder.replica))
-        run = _MeteredRead(upstream, meter, builder, timeouts, exchange)
+        run = MeteredRead(upstream, meter, builder, timeouts, exchange)
         try:
             await run.body()
         finally:
@@ -1000,7 +874,7 @@ class Proxy:
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
     async def _assemble(self, exchange: ClientExchange, upstream: UpstreamExchange,
-                        endpoint: str, builder: RecordBuilder, timeouts: _Timeouts,
+                        endpoint: str, builder: RecordBuilder, timeouts: Timeouts,
                         tool_choice_required: bool) -> None:
         """Stream from the upstream, answer the non-streaming client with one JSON body."""
         assembler = StreamAssembler(endpoint, tool_choice_required=tool_choice_required)
@@ -1008,7 +882,7 @@ class Proxy:
                             max_event_bytes=self.config.max_event_bytes,
                             max_events=self.config.max_stream_events,
                             keep_text=builder.text_parts is not None, assembler=assembler)
-        await _MeteredRead(upstream, meter, builder, timeouts, None).body()
+        await MeteredRead(upstream, meter, builder, timeouts, None).body()
         failure = meter.failure
         headers = [("Content-Type", "application/json"), (REQUEST_ID_HEADER, builder.request_id)]
         if failure is not None and failure.outcome is Outcome.HTTP_ERROR:
@@ -1024,111 +898,29 @@ class Proxy:
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
 
-class _MeteredRead:
-    """The per-read hot path of a streamed answer, run inside the upstream connection's
-    ``data_received`` (`on_read`): the measuring core (`StreamMeter`) parses, classifies,
-    counts and stamps each read (its instant is the server-side stamp of every event in it),
-    and what the read yields for the client is written at once (``exchange``; None: the meter
-    forwards nothing). No task wakes up per read; `body` only waits for the end of the body,
-    then closes the meter (a stream cut short sets ``meter.fatal``). Whatever happens, the
-    builder takes what the meter counted; a failure inside the callback is raised by `body`.
+class _Generation:
+    """What `Proxy._prepare_generation` decided for one generation request."""
 
-    An object with slots rather than closures in a coroutine: a stream in flight holds it
-    for its whole life, and this is ~0.8 KiB smaller per stream (tracemalloc).
-    """
+    __slots__ = ("upstream_body", "plan", "assemble", "session_key", "prefix_key",
+                 "tools_required", "headers")
 
-    __slots__ = ("upstream", "meter", "builder", "timeouts", "exchange", "trouble", "ended")
+    def __init__(self, body: bytes) -> None:
+        self.upstream_body = body  # what goes upstream: the client's body, or a rewrite of it
+        self.plan: UsagePlan = NO_CHANGE
+        self.assemble = False  # a non-streaming request asked for as a stream, then assembled
+        self.session_key: str | None = None
+        self.prefix_key: bytes | None = None
+        self.tools_required = False  # tool_choice "required" (the assembler's arguments)
+        self.headers: CIMultiDict[str] = CIMultiDict()
 
-    def __init__(self, upstream: UpstreamExchange, meter: StreamMeter, builder: RecordBuilder,
-                 timeouts: _Timeouts, exchange: ClientExchange | None) -> None:
-        self.upstream = upstream
-        self.meter = meter
-        self.builder = builder
-        self.timeouts = timeouts
-        self.exchange = exchange
-        self.trouble: BaseException | None = None  # what went wrong inside the callback
-        self.ended = False  # the meter was closed in the callback (`_end_in_read`)
+    @property
+    def rewritten(self) -> bool:
+        return self.plan.modifies or self.assemble
 
-    def on_read(self, data: bytes, t_up: int) -> None:
-        timeouts = self.timeouts
-        timeouts.last_ns = t_up
-        meter = self.meter
-        try:
-            out, n_events, n_token_events = meter.feed(data, t_up)
-            if timeouts.ttft_at != _NEVER and meter.offsets:
-                timeouts.ttft_at = _NEVER  # first_token(), inlined: this is per read
-            if self.upstream.last_read and meter.fatal is None and self.exchange is not None:
-                self._end_in_read(t_up, out, n_events, n_token_events)
-                return
-            if out and self.exchange is not None:
-                self._deliver(out, n_events, n_token_events)
-            if meter.fatal is not None:
-                self.upstream.connection.abort()  # stop reading; `body` raises the failure
-        except BaseException as exc:  # never let a failure escape into the transport
-            if self.trouble is None:
-                self.trouble = exc
-            self.upstream.connection.abort()
-
-    def _deliver(self, out: bytes, n_events: int, n_token_events: int) -> None:
-        exchange = self.exchange
-        assert exchange is not None
-        _write_paced(exchange, self.upstream, out)
-        builder = self.builder
-        builder.down_events += n_events
-        if n_token_events:
-            builder.client_token_writes(clock.monotonic_ns(), n_token_events)
-
-    def _end_in_read(self, t_up: int, out: bytes, n_events: int, n_token_events: int) -> None:
-        """The upstream's body ended in this read (vLLM's [DONE] and the end of the chunked
-        body usually arrive together): close the meter here, and when the stream ended well,
-        the client's last events and the end of its response leave in one write instead of
-        two (strace of a short stream: five writes per request became four)."""
-        meter, builder, exchange = self.meter, self.builder, self.exchange
-        assert exchange is not None
-        self.ended = True
-        builder.up_end_ns = builder.offset(t_up)
-        tail, n_tail, n_tail_tokens = meter.close(t_up)
-        if tail:
-            out = out + tail if out else tail
-            n_events += n_tail
-            n_token_events += n_tail_tokens
-        if meter.fatal is not None:  # no [DONE]: `body` raises it, the handler ends the stream
-            if out:
-                self._deliver(out, n_events, n_token_events)
-            return
-        exchange.end(out)
-        builder.down_events += n_events
-        if n_token_events:
-            builder.client_token_writes(clock.monotonic_ns(), n_token_events)
-
-    async def body(self) -> None:
-        upstream, meter, builder = self.upstream, self.meter, self.builder
-        try:
-            try:
-                await upstream.stream_body(self.on_read)
-            except UpstreamError:
-                if not (self.trouble is not None or meter.fatal is not None):
-                    raise  # otherwise we aborted the upstream ourselves: the cause is below
-            if self.trouble is not None:
-                raise self.trouble
-            if self.ended:
-                return
-            builder.up_end_ns = builder.offset(clock.monotonic_ns())
-            if meter.fatal is None:
-                out, n_events, n_token_events = meter.close(clock.monotonic_ns())
-                if out and self.exchange is not None:
-                    self._deliver(out, n_events, n_token_events)
-        finally:
-            builder.take_stream(meter)
-
-
-def _write_paced(exchange: ClientExchange, upstream: UpstreamExchange, data: bytes) -> None:
-    """Write to the client; past the high-water mark of its buffer, stop reading the upstream
-    until the client drained (TCP back-pressure to the upstream, bounded memory here)."""
-    exchange.write(data)
-    if exchange.write_buffer_size > WRITE_HIGH_WATER and not upstream.complete:
-        upstream.pause()
-        exchange.connection.when_writable(upstream.resume)
+    def release(self) -> None:
+        """Sent and answered: the body and headers are not needed any more."""
+        self.upstream_body = b""
+        self.headers = CIMultiDict()
 
 
 # Statuses of a request refused for its content (vLLM answers validation errors 400; 422 is

@@ -1,4 +1,4 @@
-"""The relay's per-request timeouts share one lazy timer (`relay._Timeouts`): whichever
+"""The relay's per-request timeouts share one lazy timer (`proxy/timeouts.py`): whichever
 deadline passes first cancels the handler task and is named in `fired`."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from collections.abc import Callable
 import pytest
 
 from sidecar import clock
-from sidecar.proxy.relay import _Timeouts
+from sidecar.proxy.timeouts import Timeouts
 
 
-async def _until_cancelled(make: Callable[[], _Timeouts]) -> _Timeouts:
+async def _until_cancelled(make: Callable[[], Timeouts]) -> Timeouts:
     """Makes the timeouts inside a task, as the handler does (they cancel the task that made
     them), and returns them once one of them cancelled it (fails if none does within 5 s)."""
-    holder: list[_Timeouts] = []
+    holder: list[Timeouts] = []
 
     async def handler() -> None:
         holder.append(make())
@@ -28,8 +28,8 @@ async def _until_cancelled(make: Callable[[], _Timeouts]) -> _Timeouts:
 
 
 async def test_the_ttft_deadline_fires_first_when_it_is_the_earliest() -> None:
-    def make() -> _Timeouts:
-        timeouts = _Timeouts(total_s=10, ttft_s=0.05, idle_s=10)
+    def make() -> Timeouts:
+        timeouts = Timeouts(total_s=10, ttft_s=0.05, idle_s=10)
         timeouts.start_idle()
         return timeouts
 
@@ -38,10 +38,10 @@ async def test_the_ttft_deadline_fires_first_when_it_is_the_earliest() -> None:
 
 
 async def test_after_the_first_token_the_idle_deadline_fires() -> None:
-    def make() -> _Timeouts:
+    def make() -> Timeouts:
         # The timer was set for the TTFT deadline (0.05 s); the first token moves it away,
         # the idle one (0.1 s after the last read) is next.
-        timeouts = _Timeouts(total_s=10, ttft_s=0.05, idle_s=0.1)
+        timeouts = Timeouts(total_s=10, ttft_s=0.05, idle_s=0.1)
         timeouts.start_idle()
         timeouts.first_token()
         return timeouts
@@ -53,8 +53,8 @@ async def test_after_the_first_token_the_idle_deadline_fires() -> None:
 async def test_reads_postpone_the_idle_deadline_until_the_total_one_passes() -> None:
     reads: list[int] = []
 
-    def make() -> _Timeouts:
-        timeouts = _Timeouts(total_s=0.3, total_name="nonstream_timeout", idle_s=0.1)
+    def make() -> Timeouts:
+        timeouts = Timeouts(total_s=0.3, total_name="nonstream_timeout", idle_s=0.1)
         timeouts.start_idle()
 
         async def read_every_20ms() -> None:
@@ -72,7 +72,7 @@ async def test_reads_postpone_the_idle_deadline_until_the_total_one_passes() -> 
 
 
 async def test_disarmed_timeouts_never_fire() -> None:
-    timeouts = _Timeouts(total_s=0.02, ttft_s=0.01, idle_s=0.01)
+    timeouts = Timeouts(total_s=0.02, ttft_s=0.01, idle_s=0.01)
     timeouts.start_idle()
     timeouts.disarm()
     await asyncio.sleep(0.1)
@@ -80,6 +80,6 @@ async def test_disarmed_timeouts_never_fire() -> None:
 
 
 async def test_no_deadline_means_no_timer() -> None:
-    timeouts = _Timeouts()
+    timeouts = Timeouts()
     timeouts.start_idle()
     assert timeouts._handle is None

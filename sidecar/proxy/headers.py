@@ -1,0 +1,56 @@
+"""What the relay reads and rewrites in a request's headers: hop-by-hop filtering, the
+request id, X-Forwarded-For, paths that a server would normalise into another."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Final
+from urllib.parse import unquote
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+# RFC 9110 section 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself, and
+# Expect (the listener answered any 100-continue; the upstream gets the whole body at once).
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    "expect",
+})
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_LEN = 128
+
+def filtered_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    connection_tokens = {
+        token.strip().lower()
+        for value in (headers.get("Connection") or "").split(",")
+        for token in [value]
+        if token.strip()
+    }
+    out: CIMultiDict[str] = CIMultiDict()
+    items = headers.items()
+    for name, value in items:
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in connection_tokens:
+            continue
+        out.add(name, value)
+    return out
+
+
+FORWARDED_FOR: Final = "X-Forwarded-For"
+
+
+def has_dot_segment(path: str) -> bool:
+    """True when a segment of the path, percent-decoded, is ``.`` or ``..`` (or holds a
+    backslash, which some servers read as a separator)."""
+    if "." not in path and "%" not in path and "\\" not in path:
+        return False  # the common path: no decoding
+    decoded = unquote(path)
+    return any(segment in (".", "..") or "\\" in segment for segment in decoded.split("/"))
+
+
+def request_id_from(headers: CIMultiDictProxy[str]) -> str:
+    given = headers.get(REQUEST_ID_HEADER)
+    if given and len(given) <= MAX_REQUEST_ID_LEN and given.isprintable():
+        return given
+    return uuid.uuid4().hex

@@ -1,0 +1,106 @@
+"""A request's timeouts (total, TTFT, idle) on one lazy timer; see `Timeouts`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sidecar import clock
+from sidecar.config import ProxyConfig
+
+# A deadline that never comes (ns; past any monotonic clock this process will read).
+NEVER = 1 << 62
+
+
+class Timeouts:
+    """The timeouts of one request (total, TTFT, idle) on one timer: the first to pass
+    cancels the handler task, and `fired` names it (a client disconnect cancels with none).
+
+    One timer per request, not one per timeout: arming and cancelling a uvloop timer costs
+    ~2 µs, and each one waiting holds ~0.5 KiB (a TimerHandle and its libuv timer) for the
+    whole stream. The timer is lazy: it wakes at the earliest deadline known when it was set,
+    and a deadline that moved since (the first token came, a read happened) only means it
+    sleeps again until the next one. A read costs one attribute store (`last_ns`), the first
+    token one more (`ttft_at`).
+    """
+
+    __slots__ = ("task", "total_at", "total_name", "ttft_at", "idle_ns", "last_ns", "fired",
+                 "_handle", "_wake_at")
+
+    def __init__(self, *, total_s: float = 0.0, total_name: str = "total_timeout",
+                 ttft_s: float = 0.0, idle_s: float = 0.0) -> None:
+        now = clock.monotonic_ns()
+        self.task = asyncio.current_task()
+        self.total_at = now + int(total_s * 1e9) if total_s > 0 else NEVER
+        self.total_name = total_name
+        self.ttft_at = now + int(ttft_s * 1e9) if ttft_s > 0 else NEVER
+        self.idle_ns = int(idle_s * 1e9) if idle_s > 0 else 0
+        # The last upstream read; the idle deadline counts from it once `start_idle` ran.
+        self.last_ns = NEVER
+        self.fired: str | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._wake_at = NEVER
+        self._arm(now)
+
+    @classmethod
+    def for_generation(cls, config: ProxyConfig, streaming: bool) -> Timeouts:
+        total, name = config.total_timeout, "total_timeout"
+        limit = config.nonstream_timeout
+        if not streaming and limit > 0 and (total <= 0 or limit < total):
+            total, name = limit, "nonstream_timeout"
+        return cls(total_s=total, total_name=name,
+                   ttft_s=config.ttft_timeout if streaming else 0.0,
+                   idle_s=config.idle_timeout if streaming else 0.0)
+
+    def start_idle(self) -> None:
+        """From now on, a gap of ``idle_s`` between two reads (`last_ns`) ends the request."""
+        if self.idle_ns:
+            now = clock.monotonic_ns()
+            self.last_ns = now
+            self._arm(now)
+
+    def first_token(self) -> None:
+        self.ttft_at = NEVER
+
+    def _deadline(self) -> tuple[int, str]:
+        when, name = self.total_at, self.total_name
+        if self.ttft_at < when:
+            when, name = self.ttft_at, "ttft_timeout"
+        if self.idle_ns and self.last_ns != NEVER and self.last_ns + self.idle_ns < when:
+            when, name = self.last_ns + self.idle_ns, "idle_timeout"
+        return when, name
+
+    def _arm(self, now: int) -> None:
+        when = self._deadline()[0]
+        if when >= NEVER or self.task is None or self.fired is not None:
+            return
+        if self._handle is not None:
+            if self._wake_at <= when:
+                return  # it wakes first and looks again
+            self._handle.cancel()
+        self._wake_at = when
+        self._handle = asyncio.get_running_loop().call_later(
+            max(when - now, 0) / 1e9, self._check)
+
+    def _check(self) -> None:
+        self._handle = None
+        self._wake_at = NEVER
+        now = clock.monotonic_ns()
+        when, name = self._deadline()
+        if when > now:
+            self._arm(now)  # a deadline moved, or the loop's clock woke us a little early
+            return
+        if self.fired is None and self.task is not None:
+            self.fired = name
+            self.task.cancel()
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+            self._wake_at = NEVER
+
+    def absorb(self) -> None:
+        """Our own cancellation was handled: clear it so that later awaits work (3.11+)."""
+        uncancel = getattr(self.task, "uncancel", None)
+        if uncancel is not None:
+            uncancel()
