@@ -1720,7 +1720,7 @@ async def test_received_stamp_is_the_arrival_of_the_last_bytes_not_the_handlers_
 async def test_a_large_prompt_is_tokenized_off_the_loop_in_slices(
     start_sim: Any, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sidecar.sim import server
+    from sidecar.sim import planning
 
     (replica,) = await start_sim(engine_max_model_len=200_000,
                                  engine_max_num_batched_tokens=200_000)
@@ -1735,7 +1735,7 @@ async def test_a_large_prompt_is_tokenized_off_the_loop_in_slices(
 
     monkeypatch.setattr(tokenizer, "encode", spy)
     small = "a small prompt"
-    large = " ".join(f"w{i % 977}x" for i in range(server.OFFLOAD_BODY_BYTES // 3))
+    large = " ".join(f"w{i % 977}x" for i in range(planning.OFFLOAD_BODY_BYTES // 3))
     for prompt in (small, large):
         _, raw, _ = await post(session, replica.url + COMPLETIONS,
                                {"prompt": prompt, "max_tokens": 1})
@@ -1765,7 +1765,7 @@ async def test_a_replica_is_warm_at_start_and_the_warm_up_leaves_no_trace(
     truth = tmp_path / "truth.jsonl"
     (replica,) = await start_sim(ground_truth_path=str(truth))
     assert tokenizer._WORDS is not None  # the decode table a first answer would build
-    assert replica.replica._tokenizer_thread is not None  # and the tokenizer thread
+    assert replica.replica.planner.tokenizer_thread is not None  # and the tokenizer thread
     families = await scrape(session, replica.url)
     assert all(sample.value == 0 for sample in families["vllm:request_success"])
     assert truth.read_text() == ""

@@ -1,6 +1,6 @@
 """The simulated engine's timing model: continuous batching, pure and seeded, no I/O, no clock.
 
-INTERFACE CONTRACT (the server in sim/server.py drives this; keep these names and meanings):
+INTERFACE CONTRACT (the engine driver in sim/driver.py drives this; keep these names and meanings):
 
     model = EngineModel(EngineConfig(...))
     model.add_request(EngineRequest(...), now_s)      # a request arrives (admission already done)
@@ -580,18 +580,41 @@ class EngineModel:
         if not self.has_work():
             # The caller should not ask, but an idle step must still take time (no busy loop).
             return StepResult(duration_s=cfg.step_floor_s, outputs=())
-        bs = self._bs
-        k = self._k
-        budget = cfg.max_num_batched_tokens
-        running = self._running
-        free = self._free
         # (request, tokens scheduled, whether it was a decode step for it)
         scheduled: list[tuple[_Req, int, bool]] = []
+        budget, prefill_tokens, decode_tokens, preempted = self._schedule_running(scheduled)
+        if not preempted:
+            # Waiting requests only if this step preempted nobody (vLLM does the same:
+            # admitting work while evicting other work would thrash).
+            prefill_tokens += self._schedule_waiting(scheduled, budget, now_s)
+        self._steps += 1
+        total = prefill_tokens + decode_tokens
+        duration = cfg.step_duration_s(total)
+        outputs = self._run_scheduled(scheduled, now_s + duration)
+        return StepResult(
+            duration_s=duration,
+            outputs=tuple(outputs),
+            num_batched_tokens=total,
+            num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=decode_tokens,
+            num_preemptions=preempted,
+        )
+
+    def _schedule_running(
+        self, scheduled: list[tuple[_Req, int, bool]]
+    ) -> tuple[int, int, int, int]:
+        """Schedule the running requests first, preempting from the back when blocks run out.
+
+        Returns (token budget left, prefill tokens, decode tokens, requests preempted).
+        """
+        bs = self._bs
+        k = self._k
+        budget = self.config.max_num_batched_tokens
+        running = self._running
+        free = self._free
         prefill_tokens = 0
         decode_tokens = 0
         preempted = 0
-
-        # 1. Running requests first.
         i = 0
         while i < len(running) and budget > 0:
             state = running[i]
@@ -618,78 +641,81 @@ class EngineModel:
                 prefill_tokens += num_new
             budget -= num_new
             i += 1
+        return budget, prefill_tokens, decode_tokens, preempted
 
-        # 2. Waiting requests, FCFS, only if this step preempted nobody (vLLM does the same:
-        # admitting work while evicting other work would thrash).
-        if not preempted:
-            waiting = self._waiting
-            caching = cfg.enable_prefix_caching
-            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-                state = waiting[0]
-                if not state.live:
-                    waiting.popleft()
-                    continue
-                hits = self._cached_prefix(state) if caching else []
-                num_computed = len(hits) * bs
-                num_new = state.num_tokens - num_computed
-                if num_new > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    num_new = budget
-                need = -(-(num_computed + num_new) // bs) - len(hits)
-                # Hit blocks nobody holds are in the free queue: touching them removes them.
-                evictable_hits = sum(1 for b in hits if self._ref[b] == 0)
-                if need > len(free) - evictable_hits:
-                    break
+    def _schedule_waiting(
+        self, scheduled: list[tuple[_Req, int, bool]], budget: int, now_s: float
+    ) -> int:
+        """Admit waiting requests, FCFS, while budget, sequences and blocks allow; returns the
+        prefill tokens scheduled for them."""
+        cfg = self.config
+        bs = self._bs
+        running = self._running
+        free = self._free
+        waiting = self._waiting
+        caching = cfg.enable_prefix_caching
+        prefill_tokens = 0
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            state = waiting[0]
+            if not state.live:
                 waiting.popleft()
-                self._num_waiting -= 1
-                for b in hits:
-                    if self._ref[b] == 0:
-                        del free[b]
-                    self._ref[b] += 1
-                state.blocks = hits
-                state.num_registered = len(hits)
-                state.num_computed = num_computed
-                self._allocate(state, need)
-                if state.scheduled_s is None:
-                    # First admission: the only one that counts for cache stats and for
-                    # num_cached_tokens (vLLM sets request.num_cached_tokens once).
-                    state.scheduled_s = now_s
-                    state.num_cached_tokens = num_computed
-                    if caching:
-                        self._prefix_queries += state.num_tokens
-                        self._prefix_hits += num_computed
-                running.append(state)
-                scheduled.append((state, num_new, False))
-                prefill_tokens += num_new
-                budget -= num_new
+                continue
+            hits = self._cached_prefix(state) if caching else []
+            num_computed = len(hits) * bs
+            num_new = state.num_tokens - num_computed
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                num_new = budget
+            need = -(-(num_computed + num_new) // bs) - len(hits)
+            # Hit blocks nobody holds are in the free queue: touching them removes them.
+            evictable_hits = sum(1 for b in hits if self._ref[b] == 0)
+            if need > len(free) - evictable_hits:
+                break
+            waiting.popleft()
+            self._num_waiting -= 1
+            for b in hits:
+                if self._ref[b] == 0:
+                    del free[b]
+                self._ref[b] += 1
+            state.blocks = hits
+            state.num_registered = len(hits)
+            state.num_computed = num_computed
+            self._allocate(state, need)
+            if state.scheduled_s is None:
+                # First admission: the only one that counts for cache stats and for
+                # num_cached_tokens (vLLM sets request.num_cached_tokens once).
+                state.scheduled_s = now_s
+                state.num_cached_tokens = num_computed
+                if caching:
+                    self._prefix_queries += state.num_tokens
+                    self._prefix_hits += num_computed
+            running.append(state)
+            scheduled.append((state, num_new, False))
+            prefill_tokens += num_new
+            budget -= num_new
+        return prefill_tokens
 
-        self._steps += 1
-        total = prefill_tokens + decode_tokens
-        duration = cfg.step_duration_s(total)
-        end_s = now_s + duration
+    def _run_scheduled(
+        self, scheduled: list[tuple[_Req, int, bool]], end_s: float
+    ) -> list[RequestOutput]:
+        """What the step computed for each scheduled request, visible at ``end_s``: tokens
+        sampled (speculative drafts accepted or not), finished requests freed, and an output
+        per request that has something to show under the stream interval."""
+        cfg = self.config
+        bs = self._bs
+        running = self._running
         outputs: list[RequestOutput] = []
         finished_any = False
         caching = cfg.enable_prefix_caching
         interval = cfg.stream_interval
-        p_accept = cfg.spec_acceptance
-        per_pos = self._spec_accepted_per_pos
         token_lo = _FIRST_TOKEN_ID
         token_span = cfg.vocab_size - _FIRST_TOKEN_ID
         for state, num_new, decoding in scheduled:
             out = state.output
             if decoding:
                 drafts = num_new - 1
-                accepted = 0
-                if drafts > 0:
-                    spec_random = state.spec_rng.random
-                    while accepted < drafts and spec_random() < p_accept:
-                        per_pos[accepted] += 1
-                        accepted += 1
-                    self._spec_drafts += 1
-                    self._spec_draft_tokens += drafts
-                    self._spec_accepted += accepted
-                produced = 1 + accepted
+                produced = 1 + self._accept_drafts(state, drafts) if drafts > 0 else 1
             else:
                 state.num_computed += num_new
                 if state.num_computed < state.prompt_len + len(out):
@@ -728,26 +754,7 @@ class EngineModel:
                 self._register_full_blocks(state)
             sent = state.num_sent
             if finished or sent == 0 or num_out - sent >= interval:
-                cached = 0
-                if not state.cached_reported:
-                    cached = state.num_cached_tokens
-                    state.cached_reported = True
-                outputs.append(
-                    RequestOutput(
-                        request_id=state.rid,
-                        new_token_ids=tuple(out[sent:]),
-                        finished=finished,
-                        finish_reason=state.finish_reason if finished else None,
-                        num_cached_tokens=cached,
-                        arrival_s=state.arrival_s,
-                        scheduled_s=state.scheduled_s,
-                        first_token_s=state.first_token_s,
-                        num_preemptions=state.num_preemptions,
-                        step_times_s=tuple(state.pending_steps),
-                    )
-                )
-                state.num_sent = num_out
-                state.pending_steps = []
+                outputs.append(self._output(state, finished))
             if finished:
                 finished_any = True
                 state.live = False
@@ -756,14 +763,46 @@ class EngineModel:
                 self._success[state.finish_reason] += 1
         if finished_any:
             self._running = [s for s in running if s.live]
-        return StepResult(
-            duration_s=duration,
-            outputs=tuple(outputs),
-            num_batched_tokens=total,
-            num_prefill_tokens=prefill_tokens,
-            num_decode_tokens=decode_tokens,
-            num_preemptions=preempted,
+        return outputs
+
+    def _accept_drafts(self, state: _Req, drafts: int) -> int:
+        """How many of a decode step's ``drafts`` speculative tokens are accepted: each in turn
+        with the configured probability, until the first rejection."""
+        p_accept = self.config.spec_acceptance
+        per_pos = self._spec_accepted_per_pos
+        spec_random = state.spec_rng.random
+        accepted = 0
+        while accepted < drafts and spec_random() < p_accept:
+            per_pos[accepted] += 1
+            accepted += 1
+        self._spec_drafts += 1
+        self._spec_draft_tokens += drafts
+        self._spec_accepted += accepted
+        return accepted
+
+    def _output(self, state: _Req, finished: bool) -> RequestOutput:
+        """What the request shows now: its tokens since the last output, and the step end
+        instants that made them."""
+        cached = 0
+        if not state.cached_reported:
+            cached = state.num_cached_tokens
+            state.cached_reported = True
+        out = state.output
+        output = RequestOutput(
+            request_id=state.rid,
+            new_token_ids=tuple(out[state.num_sent:]),
+            finished=finished,
+            finish_reason=state.finish_reason if finished else None,
+            num_cached_tokens=cached,
+            arrival_s=state.arrival_s,
+            scheduled_s=state.scheduled_s,
+            first_token_s=state.first_token_s,
+            num_preemptions=state.num_preemptions,
+            step_times_s=tuple(state.pending_steps),
         )
+        state.num_sent = len(out)
+        state.pending_steps = []
+        return output
 
     # ------------------------------------------------------------------ observability
 

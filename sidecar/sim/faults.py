@@ -19,12 +19,31 @@ Syntax (one header value or one ``--fault`` flag): faults separated by ``;``, ea
 
 K counts chunks that carry at least one token (role chunks, keep-alives and usage chunks are not
 counted). Example: ``X-Sim-Fault: stall_ms=500@after=2; error_event_after=5``.
+
+Below the syntax, how a fault is served: `request_fault` and `status_error` before any engine
+work, then a `FaultInjector` while the answer is written (sidecar.sim.answers calls it at the
+points the faults above name).
 """
 
 from __future__ import annotations
 
+import asyncio
+import http
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from aiohttp import web
+
+from sidecar.sim.groundtruth import GroundTruthRecord
+from sidecar.sim.requests import (
+    BAD_REQUEST_ERROR,
+    ENGINE_DEAD_MESSAGE,
+    GENERATION_ERROR_MESSAGE,
+    RequestError,
+    bad_request,
+)
+from sidecar.sim.shapes import DONE_EVENT, StreamFormatter
 
 FAULT_HEADER = "X-Sim-Fault"
 
@@ -139,3 +158,134 @@ class FaultPlan:
         if self.rate >= 1.0 or self._random.random() < self.rate:
             return self.default
         return NO_FAULT
+
+
+# ---------------------------------------------------------------------- serving a fault
+
+# Error `type` for an injected error status: vLLM's names where it has one, else the phrase.
+_ERROR_TYPES = {
+    400: BAD_REQUEST_ERROR,
+    404: "NotFoundError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "Service Unavailable",
+}
+
+
+class ResetConnection(Exception):
+    """Raised inside a handler after a fault aborted the TCP connection."""
+
+
+def request_fault(plan: FaultPlan, header_value: str | None) -> FaultSpec:
+    """The fault of one request; a fault header that does not parse is the request's 400."""
+    try:
+        return plan.for_request(header_value)
+    except FaultSpecError as exc:
+        raise bad_request(f"Invalid {FAULT_HEADER} header: {exc}") from None
+
+
+def status_error(fault: FaultSpec) -> RequestError | None:
+    """``error_status=CODE``: the vLLM-shaped error to answer instead of any engine work."""
+    code = fault.error_status
+    if code is None:
+        return None
+    message = ENGINE_DEAD_MESSAGE if code == 500 else f"Simulated HTTP {code} error"
+    err_type = _ERROR_TYPES.get(code) or http.HTTPStatus(code).phrase
+    return RequestError(code, message, err_type)
+
+
+class FaultInjector:
+    """Serves one request's (non-empty) fault while its answer is written.
+
+    ``written`` is what the answer has written so far: token-carrying chunks for a stream, the
+    engine outputs collected for a whole answer. ``abort(reason)`` stops the request's engine
+    work; the ground-truth ``record`` (if any) gets the outcome a fault causes.
+    """
+
+    __slots__ = ("spec", "cut_body", "_request", "_record", "_abort", "_stall_pending",
+                 "_malformed_pending")
+
+    def __init__(self, spec: FaultSpec, request: web.Request, record: GroundTruthRecord | None,
+                 abort: Callable[[str], None]) -> None:
+        self.spec = spec
+        self.cut_body = False  # a whole answer: send half of the body
+        self._request = request
+        self._record = record
+        self._abort = abort
+        self._stall_pending = spec.stall_ms is not None
+        self._malformed_pending = spec.malformed_after is not None
+
+    async def delay_headers(self) -> None:
+        if self.spec.slow_headers_ms:
+            await asyncio.sleep(self.spec.slow_headers_ms / 1000)
+
+    async def stall(self, written: int) -> None:
+        if self._stall_pending and written >= self.spec.stall_after:
+            self._stall_pending = False
+            # Silence on the wire while the engine keeps going: what piles up meanwhile goes
+            # out merged in the next chunk.
+            await asyncio.sleep((self.spec.stall_ms or 0.0) / 1000)
+
+    def _reset_if_due(self, written: int) -> None:
+        reset_after = self.spec.reset_after
+        if reset_after is not None and written >= reset_after:
+            if self._record is not None:
+                self._record.outcome = "reset"
+            self._abort("abort")
+            transport = self._request.transport
+            if transport is not None:
+                transport.abort()
+            raise ResetConnection()
+
+    async def before_stream_chunk(self, response: web.StreamResponse,
+                                  formatter: StreamFormatter, written: int,
+                                  choice_index: int) -> bool:
+        """Apply what is due before token chunk ``written + 1``; True if the answer ended."""
+        self._reset_if_due(written)
+        spec = self.spec
+        record = self._record
+        if spec.error_event_after is not None and written >= spec.error_event_after:
+            self._abort("error")
+            await response.write(
+                formatter.error_event(GENERATION_ERROR_MESSAGE, "InternalServerError", 500)
+            )
+            if record is not None:
+                record.stamp(0, "error")
+            await response.write(DONE_EVENT)
+            if record is not None:
+                record.stamp(0, "done")
+                record.outcome = "error_event"
+            await response.write_eof()
+            return True
+        if spec.close_after is not None and written >= spec.close_after:
+            self._abort("abort")
+            if record is not None:
+                record.outcome = "truncated"
+            await response.write_eof()
+            return True
+        if self._malformed_pending and written >= (spec.malformed_after or 0):
+            self._malformed_pending = False
+            await response.write(formatter.malformed_event(choice_index))
+            if record is not None:
+                record.stamp(0, "malformed")
+        return False
+
+    def before_whole_output(self, written: int) -> None:
+        """Apply what is due before a whole answer's engine output ``written + 1``: a reset or
+        an error now (raised), or a body to cut when it is sent."""
+        self._reset_if_due(written)
+        spec = self.spec
+        if spec.error_event_after is not None and written >= spec.error_event_after:
+            self._abort("error")
+            raise RequestError(500, GENERATION_ERROR_MESSAGE, "InternalServerError")
+        for cut_after in (spec.close_after, spec.malformed_after):
+            if cut_after is not None and written >= cut_after:
+                self.cut_body = True
+
+    def cut(self, body: bytes) -> bytes:
+        """A whole answer's body as sent: half of it after a close or malformed fault."""
+        if not self.cut_body:
+            return body
+        if self._record is not None:
+            self._record.outcome = "truncated"
+        return body[: len(body) // 2]

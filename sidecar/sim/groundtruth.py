@@ -23,8 +23,8 @@ admission limit), error_event (mid-stream error), reset (connection aborted by a
 truncated (body ended without ``[DONE]``), client_disconnect.
 
 ``received_ns`` is taken when the loop hands the request's last bytes to the replica, before
-they are parsed and before any handler runs (sidecar.sim.server), so it is the request's
-arrival, not the end of its own or of another request's parsing.
+they are parsed and before any handler runs (`ArrivalStamp`), so it is the request's arrival,
+not the end of its own or of another request's parsing.
 
 Writing: stamps are appended to in-memory lists while the request runs; the finished line is
 written with one ``write(2)`` on an ``O_APPEND`` descriptor at request end. That costs one small
@@ -36,9 +36,13 @@ line is a single append, which Linux does not interleave with another's.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from typing import Any
+
+from aiohttp import web
 
 GROUND_TRUTH_VERSION = 1
 
@@ -89,6 +93,19 @@ class GroundTruthRecord:
         self.chunk_tokens: list[int] = []
         self.chunk_kinds: list[str] = []
 
+    def stamp(self, tokens: int, kind: str) -> None:
+        """One write to the socket, stamped right after it: the output tokens it carried and
+        its kind. Every chunk stamp is taken here, so all share one clock and one order."""
+        self.chunk_ns.append(time.perf_counter_ns())
+        self.chunk_tokens.append(tokens)
+        self.chunk_kinds.append(kind)
+
+    def cut_short(self, closing: bool) -> None:
+        """The answer ended early with no fault to blame: the replica shutting down (``closing``)
+        or else the client gone. An outcome already set (a fault's) is kept."""
+        if self.outcome == "ok":
+            self.outcome = "shutdown" if closing else "client_disconnect"
+
     def as_dict(self) -> dict[str, Any]:
         return {"v": GROUND_TRUTH_VERSION, **{name: getattr(self, name) for name in self.__slots__}}
 
@@ -122,3 +139,46 @@ class GroundTruthWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class ArrivalStamp(asyncio.Protocol):
+    """aiohttp's protocol for one connection, plus the instant its latest bytes arrived.
+
+    ``last_data_ns`` is read when the loop hands the bytes over, before aiohttp parses them and
+    before any handler runs, so when a request's body is complete it is the arrival instant of
+    the body's last bytes, whatever the loop did next (HTTP/1.1 clients do not send the next
+    request on a connection before the answer, so no later request's bytes move it).
+    """
+
+    __slots__ = ("_inner", "last_data_ns")
+
+    def __init__(self, inner: asyncio.Protocol) -> None:
+        self._inner = inner
+        self.last_data_ns = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_data_ns = time.perf_counter_ns()
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+def arrival_ns(request: web.Request) -> int:
+    """When the request's last bytes reached the replica (now, if that is not known)."""
+    transport = request.transport
+    protocol = transport.get_protocol() if transport is not None else None
+    stamp = protocol.last_data_ns if isinstance(protocol, ArrivalStamp) else 0
+    return stamp or time.perf_counter_ns()

@@ -3,10 +3,11 @@
 One `ReplicaMetrics` per replica, on its own `CollectorRegistry` (never the global one), so
 several replicas in one process and tests running side by side never share a series.
 
-Per-request histograms are observed by the server as the engine reports progress (the same
-instants vLLM's engine core stamps: arrival, first scheduled, each step that produced tokens,
-finish); the engine's running totals (tokens, preemptions, prefix cache, KV usage, queue sizes)
-are read from `EngineModel.stats()` at scrape time by a custom collector.
+Per-request histograms are observed by the engine driver (`sidecar.sim.driver`) as the engine
+reports progress (the same instants vLLM's engine core stamps: arrival, first scheduled, each
+step that produced tokens, finish); the engine's running totals (tokens, preemptions, prefix
+cache, KV usage, queue sizes) are read from `EngineModel.stats()` at scrape time by a custom
+collector.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.utils import floatToGoString
+from prometheus_client.utils import floatToGoString as _untyped_float_to_go_string
 
 from sidecar.sim.engine import EngineStats
+
+# prometheus-client leaves it untyped: the `le` label text of a bucket bound.
+_go_float: Callable[[float], str] = _untyped_float_to_go_string
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -141,7 +145,7 @@ class FastHistogram:
         self.name = name
         self.documentation = documentation
         self._bounds = [float(bound) for bound in buckets]
-        self._le = [floatToGoString(bound) for bound in self._bounds] + ["+Inf"]
+        self._le = [_go_float(bound) for bound in self._bounds] + ["+Inf"]
         self._counts = [0] * (len(self._bounds) + 1)
         self._sum = 0.0
         self._created = time.time()

@@ -31,6 +31,9 @@ GREEDY_EPS = 1e-5
 # vLLM's default --max-logprobs: more alternatives per token than this are refused.
 MAX_LOGPROBS = 20
 BAD_REQUEST_ERROR = "BadRequestError"
+# vLLM's message for a dead engine (500), and for a generation that failed mid-way.
+ENGINE_DEAD_MESSAGE = "The server had an error while processing your request."
+GENERATION_ERROR_MESSAGE = "Internal server error"
 
 _MISSING: Any = object()
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
