@@ -234,6 +234,9 @@ class ClientConnection(asyncio.Protocol):
     """One client connection: parse, bound, dispatch, one request at a time."""
 
     def __init__(self, server: TrafficServer) -> None:
+        # Made by the server's protocol factory, on its loop. Kept: each get_running_loop()
+        # is a getpid() syscall on CPython 3.11, and a connection serves many requests.
+        self.loop = asyncio.get_running_loop()
         self.server = server
         self.limits = server.limits
         self.transport: asyncio.Transport | None = None
@@ -346,7 +349,7 @@ class ClientConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._write_ready is None:
-            self._write_ready = asyncio.get_running_loop().create_future()
+            self._write_ready = self.loop.create_future()
 
     def resume_writing(self) -> None:
         ready, self._write_ready = self._write_ready, None
@@ -450,7 +453,7 @@ class ClientConnection(asyncio.Protocol):
         request = self._queue.pop(0)
         exchange = ClientExchange(self, request)
         self._exchange = exchange
-        self._task = asyncio.get_running_loop().create_task(self._run(request, exchange))
+        self._task = self.loop.create_task(self._run(request, exchange))
 
     async def _run(self, request: IncomingRequest, exchange: ClientExchange) -> None:
         try:
@@ -509,7 +512,7 @@ class ClientConnection(asyncio.Protocol):
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
         self._disarm()
         if delay_s > 0:
-            self._timer = asyncio.get_running_loop().call_later(delay_s, callback)
+            self._timer = self.loop.call_later(delay_s, callback)
 
     def _disarm(self) -> None:
         if self._timer is not None:

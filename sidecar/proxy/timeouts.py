@@ -24,12 +24,15 @@ class Timeouts:
     """
 
     __slots__ = ("task", "total_at", "total_name", "ttft_at", "idle_ns", "last_ns", "fired",
-                 "_handle", "_wake_at")
+                 "_handle", "_wake_at", "_loop")
 
     def __init__(self, *, total_s: float = 0.0, total_name: str = "total_timeout",
                  ttft_s: float = 0.0, idle_s: float = 0.0) -> None:
         now = clock.monotonic_ns()
-        self.task = asyncio.current_task()
+        # Looked up once: every asyncio.get_running_loop() is a getpid() syscall on CPython
+        # 3.11 (its fork check), ~10 of them per request before this.
+        self._loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task(self._loop)
         self.total_at = now + int(total_s * 1e9) if total_s > 0 else NEVER
         self.total_name = total_name
         self.ttft_at = now + int(ttft_s * 1e9) if ttft_s > 0 else NEVER
@@ -78,7 +81,7 @@ class Timeouts:
                 return  # it wakes first and looks again
             self._handle.cancel()
         self._wake_at = when
-        self._handle = asyncio.get_running_loop().call_later(
+        self._handle = self._loop.call_later(
             max(when - now, 0) / 1e9, self._check)
 
     def _check(self) -> None:

@@ -56,10 +56,14 @@ class UpstreamConnection(asyncio.Protocol):
     """One TCP connection to one replica; one exchange at a time."""
 
     __slots__ = (
+        "loop",
         "key", "transport", "exchange", "reusable", "_idle_handle", "_closed", "_write_ready",
     )
 
     def __init__(self, key: tuple[str, int, bool]) -> None:
+        # Made on the loop (UpstreamPool._connect). Kept: each get_running_loop() is a getpid()
+        # syscall on CPython 3.11, and a pooled connection serves many requests.
+        self.loop = asyncio.get_running_loop()
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.exchange: UpstreamExchange | None = None
@@ -98,7 +102,7 @@ class UpstreamConnection(asyncio.Protocol):
             exchange.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self._write_ready = asyncio.get_running_loop().create_future()
+        self._write_ready = self.loop.create_future()
 
     def resume_writing(self) -> None:
         ready, self._write_ready = self._write_ready, None
@@ -122,7 +126,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def park(self, idle_s: float, on_expire: Callable[[UpstreamConnection], None]) -> None:
         self.exchange = None
-        self._idle_handle = asyncio.get_running_loop().call_later(idle_s, on_expire, self)
+        self._idle_handle = self.loop.call_later(idle_s, on_expire, self)
 
     def unpark(self) -> None:
         if self._idle_handle is not None:
@@ -149,7 +153,7 @@ class UpstreamExchange:
         self.headers: CIMultiDict[str] = CIMultiDict()
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._parser = httptools.HttpResponseParser(self)
-        loop = asyncio.get_running_loop()
+        loop = connection.loop
         self._head: asyncio.Future[None] = loop.create_future()
         self._done: asyncio.Future[None] = loop.create_future()
         self._pending: list[tuple[bytes, int]] = []  # body reads not yet taken by a sink
