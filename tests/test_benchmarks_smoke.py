@@ -29,6 +29,8 @@ NO_NGINX = po.find_nginx() is None
 NO_ENVOY = po.find_envoy() is None
 needs_nginx = pytest.mark.skipif(NO_NGINX, reason=f"nginx not installed: {po.NGINX_HINT}")
 needs_envoy = pytest.mark.skipif(NO_ENVOY, reason=f"envoy not installed: {po.ENVOY_HINT}")
+# Each harness runs as CI runs it, in its smallest setting: seconds each, ~1 min in all.
+pytestmark = pytest.mark.slow
 
 
 def run_harness(script: str, *args: str, timeout_s: float = 120.0) -> str:
@@ -97,6 +99,7 @@ def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> N
     assert "| 4 | sidecar |" in stdout
 
 
+@pytest.mark.realparts
 @needs_nginx
 def test_overhead_nginx_mode(overhead: tuple[dict[str, Any], str]) -> None:
     result, stdout = overhead
@@ -104,6 +107,7 @@ def test_overhead_nginx_mode(overhead: tuple[dict[str, Any], str]) -> None:
     assert f"| 4 | {po.MODE_LABELS['nginx']} |" in stdout
 
 
+@pytest.mark.realparts
 @needs_envoy
 def test_overhead_envoy_mode_and_ratio(overhead: tuple[dict[str, Any], str]) -> None:
     result, stdout = overhead
@@ -140,6 +144,7 @@ def test_reference_proxy_configs_stream_without_timeouts(tmp_path: Path) -> None
         assert text in envoy
 
 
+@pytest.mark.realparts
 @needs_envoy
 def test_envoy_accepts_its_config(tmp_path: Path) -> None:
     conf = tmp_path / "envoy.yaml"
@@ -259,6 +264,7 @@ def test_hot_paths_smoke() -> None:
         assert figures[name] > 0, name
 
 
+@pytest.mark.realparts
 @needs_nginx
 def test_replay_pacing_smoke(tmp_path: Path) -> None:
     out = tmp_path / "pacing.json"

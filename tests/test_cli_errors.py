@@ -95,6 +95,7 @@ def test_a_capture_path_that_cannot_be_a_directory_is_one_line(tmp_path: Path,
                                      "(a file is there)")
 
 
+@pytest.mark.slow
 def test_trace_import_into_a_folder_that_cannot_be_is_one_line(tmp_path: Path) -> None:
     a_file = tmp_path / "results"
     a_file.write_text("a file, not a folder")
@@ -198,6 +199,7 @@ def test_trace_import_of_a_directory_says_it_is_one(tmp_path: Path) -> None:
                                      "give the trace file in it")
 
 
+@pytest.mark.slow
 def test_every_command_exits_2_on_input_errors_and_1_when_it_ran_but_failed(
         tmp_path: Path) -> None:
     """The convention of `sidecar --help` (trace used to exit 1 on unreadable input)."""

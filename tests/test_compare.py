@@ -95,6 +95,7 @@ def degraded(result: dict[str, Any], reason: str) -> dict[str, Any]:
     return {**result, "degraded": True, "degraded_reason": reason, "max_lateness_ms": 50.0}
 
 
+@pytest.mark.slow
 def test_a_degraded_run_is_not_called_better_or_worse_without_force(tmp_path: Path) -> None:
     """Reports from `sidecar replay` whose sender fell behind (degraded) are refused with exit
     3 and one line naming each and why; --force compares under a warning; the JSON says which.
@@ -230,6 +231,7 @@ def test_the_cli_compares_sweeps_and_refuses_a_replay_against_a_sweep(tmp_path: 
     assert data["kind"] == "sweep" and data["envelope_differences"][0][0] == "criteria"
 
 
+@pytest.mark.slow
 async def test_two_real_sweeps_compare_a_slow_engine_with_a_fast_one(tmp_path: Path) -> None:
     """The same sweep against a fast and a ten times slower simulated engine: at the load both
     ran, the slower one's TTFT is worse beyond the spread of two repeats."""

@@ -35,6 +35,7 @@ def test_a_duration_without_a_unit_is_refused_with_the_fix(bare: str | float) ->
     assert f"{bare}ms or {bare}s" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_every_front_door_refuses_a_bare_slo(tmp_path: Path) -> None:
     """As a user types it: the proxy's flag, its environment variable and config file, replay,
     sweep and the demo all stop at once, exit 2, and name the fix (one line, no traceback)."""

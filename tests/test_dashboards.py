@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 from otlp_receiver import OTLPReceiver
 from prometheus_helpers import Prometheus, free_port, require_module, running_prometheus
@@ -510,6 +511,8 @@ def wait_until(prometheus: Prometheus, checks: dict[str, Any], timeout_s: float 
         time.sleep(0.25)
 
 
+@pytest.mark.slow
+@pytest.mark.realparts
 async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path) -> None:
     requests = 120
     sim = SimConfig(model=MODEL, engine=FAST_ENGINE, enable_per_request_metrics=True)

@@ -6,7 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_runs_end_to_end_and_summarises() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "sidecar", "demo", "--duration", "2s", "--rate", "6",

@@ -53,6 +53,7 @@ import yaml
 from packaging.requirements import Requirement
 from prometheus_helpers import require_binary, require_module
 from proxy_stack import FAST_ENGINE, stack
+from reliability_helpers import until
 
 import sidecar
 from sidecar.cli import build_parser, slo_policy_of
@@ -249,7 +250,10 @@ def test_the_image_carries_oci_labels() -> None:
     project = pyproject()
     prefix = "org.opencontainers.image."
     assert labels[prefix + "title"] == project["name"]
-    assert labels[prefix + "licenses"] == project["license"]["text"]
+    # PEP 639's SPDX string (`license = "Apache-2.0"`), or the older `{text = ...}` table.
+    license_ = project["license"]
+    assert labels[prefix + "licenses"] == (
+        license_ if isinstance(license_, str) else license_["text"])
     assert labels[prefix + "description"]
     assert labels[prefix + "version"] == "${VERSION}"
     assert defaults["VERSION"] == project["version"] == sidecar.__version__
@@ -528,6 +532,7 @@ def with_components(directory: Path, overlay: str, components: tuple[str, ...],
     return directory
 
 
+@pytest.mark.slow
 def test_every_overlay_renders_and_validates(rendered: dict[str, list[dict[str, Any]]]) -> None:
     for name, docs in rendered.items():
         assert docs, name
@@ -1370,7 +1375,9 @@ async def test_vllm_prestop_waits_for_the_sidecar_then_for_vllm_to_be_idle() -> 
                 return time.monotonic()
 
             in_flight = asyncio.create_task(request())
-            await asyncio.sleep(0.3)  # streaming now: 30 steps of 50 ms
+            # Streaming now (30 steps of 50 ms): the simulator is generating it.
+            await until(lambda: s.replicas[0].replica.in_flight == 1,
+                        what="the request streaming")
             started = time.monotonic()
             drain = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", drain_script(), env=env)
@@ -1552,6 +1559,7 @@ def test_gpu_compose_runs_vllm_on_a_gpu_and_cpu_compose_runs_the_simulator() -> 
         f":{args.port + args.replicas - 1}/health") == 1
 
 
+@pytest.mark.realparts
 def test_prometheus_configs_pass_promtool(tmp_path: Path) -> None:
     promtool = require_binary("promtool")
     for path in sorted((COMPOSE / "prometheus").glob("*.yml")):
@@ -1566,6 +1574,8 @@ def test_prometheus_configs_pass_promtool(tmp_path: Path) -> None:
 
 # --- Prometheus rules ------------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.realparts
 def test_promtool_checks_and_unit_tests_the_rules(tmp_path: Path) -> None:
     promtool = require_binary("promtool")
     (resource,) = yaml_documents(K8S / "base/prometheusrule.yaml")

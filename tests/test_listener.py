@@ -11,7 +11,7 @@ import logging
 
 import pytest
 from proxy_stack import stack
-from reliability_helpers import settle
+from reliability_helpers import settle, until
 
 from sidecar.record import Outcome
 
@@ -64,7 +64,10 @@ async def test_a_connection_that_sends_nothing_is_closed_without_a_record() -> N
         reader, writer = await connect(s.url)
         assert await read_all(reader) == b""  # closed by the proxy, nothing said
         await close(writer)
-        await asyncio.sleep(0.05)
+        # Once the proxy has let the connection go it has done all it will about it.
+        traffic = s.server.traffic
+        assert traffic is not None
+        await until(lambda: not traffic.connections, what="the connection let go")
         assert s.server.proxy.requests_total == 0 and not s.records.records
 
 
@@ -97,7 +100,10 @@ async def test_an_idle_keepalive_connection_is_closed() -> None:
 async def test_connections_beyond_the_cap_get_503_and_a_record() -> None:
     async with stack(max_connections="2") as s:
         held = [await connect(s.url) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        # Connected on our side is not yet accepted on the proxy's: wait until it holds both.
+        traffic = s.server.traffic
+        assert traffic is not None
+        await until(lambda: len(traffic.connections) == 2, what="two connections held")
         reader, writer = await connect(s.url)
         answer = await read_all(reader)
         await close(writer)

@@ -16,8 +16,9 @@ import jsonschema
 import numpy as np
 import pytest
 from br_v0_2 import SCHEMA, STAT_KEYS, errors
+from factories import MS, S, build_record, build_sent, ns
 
-from sidecar.record import Outcome, RequestRecord, Timeline, TokenSource
+from sidecar.record import Outcome
 from sidecar.replay import llmd, replay_cli
 from sidecar.replay.report import run_report
 from sidecar.replay.runner import SentRequest
@@ -26,21 +27,17 @@ from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.stats import SLO, SLOPolicy
 from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
 
-MS = 1_000_000
-WALL = 1_700_000_000 * 1_000_000_000  # 2023-11-14T22:13:20Z
+WALL = 1_700_000_000 * S  # 2023-11-14T22:13:20Z
 STATISTICS_KEYS = {"units", "mean", "mode", "stddev", *STAT_KEYS}
 
 
 def sent(index: int, actual_ms: float, marks: list[tuple[float, int]], *, n_in: int | None,
          n_out: int | None, end_ms: float, outcome: Outcome = Outcome.OK) -> SentRequest:
-    record = RequestRecord(
-        request_id=f"r{index}", wall_time_ns=WALL + int(actual_ms * MS), outcome=outcome,
-        endpoint="completions",
-        client=Timeline.from_marks(0, [(int(t * MS), n) for t, n in marks], int(end_ms * MS),
-                                   len(marks)),
-        n_in=n_in, n_out=n_out,
-        token_source=TokenSource.USAGE if n_out is not None else TokenSource.NONE)
-    return SentRequest(index, int(actual_ms * MS), int(actual_ms * MS), record)
+    """Request ``index`` of a run that started at `WALL`, sent on time ``actual_ms`` in."""
+    record = build_record(marks, request_id=f"r{index}", wall_time_ns=WALL + ns(actual_ms),
+                          outcome=outcome, endpoint="completions", end_ms=end_ms, n_in=n_in,
+                          n_out=n_out)
+    return build_sent(index, actual_ms, record)
 
 
 # A: sent at 0 ms, tokens at 100 (1), 130 (1), 170 (2) ms, 10 in / 4 out, ends at 175 ms.

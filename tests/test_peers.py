@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from factories import build_record, build_sent
 
 from sidecar.realvllm import Home
-from sidecar.record import ChunkMark, Outcome, RequestRecord, Timeline, TokenSource
+from sidecar.record import Outcome, RequestRecord
 from sidecar.replay import replay_cli
 from sidecar.replay.peers import (
     offered_arrivals,
@@ -30,15 +31,10 @@ from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
 
-MS = 1_000_000
 
-
-def record(marks: list[tuple[float, int]], n_out: int, end_ms: float) -> RequestRecord:
-    return RequestRecord(
-        request_id="r", wall_time_ns=0, outcome=Outcome.OK, endpoint="completions",
-        client=Timeline.from_marks(0, tuple(ChunkMark(int(t * MS), n) for t, n in marks),
-                                   int(end_ms * MS), len(marks)),
-        n_in=10, n_out=n_out, token_source=TokenSource.USAGE)
+def record(marks_ms: list[tuple[float, int]], n_out: int, end_ms: float) -> RequestRecord:
+    """A completion of 10 input tokens and ``n_out`` output tokens (from usage)."""
+    return build_record(marks_ms, endpoint="completions", n_in=10, n_out=n_out, end_ms=end_ms)
 
 
 def test_each_tool_formula_by_hand() -> None:
@@ -191,8 +187,7 @@ def sent_request(index: int, send_s: float, chunks_s: list[float], ok: bool = Tr
     rec = record([(c * 1000, 1) for c in chunks_s], len(chunks_s), end_ms)
     if not ok:
         rec = dataclasses.replace(rec, outcome=Outcome.HTTP_ERROR, error_type="boom")
-    at = int(send_s * 1e9)
-    return SentRequest(index, at, at, rec)
+    return build_sent(index, send_s * 1000, rec)
 
 
 def test_vllm_bench_peaks_are_per_second_buckets_and_the_exact_peak_is_kept() -> None:
@@ -393,6 +388,7 @@ print("RESULT " + json.dumps(out))
 '''
 
 
+@pytest.mark.slow
 def test_vllms_own_readers_load_the_export(vllm_exports: dict[str, Path],
                                            tmp_path: Path) -> None:
     """vLLM's result readers, run from its wheel on the exports: the sweep's reading and

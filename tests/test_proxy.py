@@ -14,6 +14,7 @@ import aiohttp
 import openai
 import pytest
 from proxy_stack import FAST_ENGINE, stack
+from reliability_helpers import until
 
 from sidecar import stats
 from sidecar.record import Outcome, TokenSource, Vantage
@@ -251,7 +252,8 @@ async def test_limits_reject_with_a_record() -> None:
         assert status == 413 and json.loads(body)["error"]["code"] == 413
         slow = asyncio.create_task(post(session, s.url, "/v1/completions",
                                         {**COMPLETION, "max_tokens": 50, "stream": True}))
-        await asyncio.sleep(0.05)
+        # The next request is sent once the slow one holds the only slot.
+        await until(lambda: s.server.proxy.in_flight == 1, what="the slow stream in flight")
         status, body, _ = await post(session, s.url, "/v1/completions", COMPLETION)
         assert status == 429 and "limit of 1 concurrent" in json.loads(body)["error"]["message"]
         await slow

@@ -80,6 +80,7 @@ def test_proxy_process_serves_and_stops_cleanly_on_sigterm() -> None:
         assert sim.wait(timeout=15) == 0
 
 
+@pytest.mark.slow
 def test_the_start_up_lines_name_slos_capture_and_workers_and_sigterm_says_what_it_flushed(
         tmp_path: Path) -> None:
     """An operator reads at start what the proxy measures and keeps (its SLOs, its capture

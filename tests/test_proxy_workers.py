@@ -266,6 +266,7 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
             assert shown[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12), key
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_traffic_goes_on(tmp_path: Path) -> None:
     with simulator(tmp_path) as upstream, proxy(tmp_path, [upstream], "--workers", "2") as (
             proc, url, admin):

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 import pytest
 
@@ -89,38 +88,6 @@ def test_packed_columns_behave_as_immutable_int_sequences() -> None:
         column[0] = 1  # type: ignore[index]
     with pytest.raises(ValueError, match="multiple of 8"):
         Int64s(b"123")
-
-
-def _server_side(builder: Any, marks: tuple[tuple[int, int], ...]) -> None:
-    """The upstream's token events as the measuring core hands them over (offsets from the
-    builder's t_arrive, tokens per event)."""
-    from sidecar.meter import StreamMeter
-
-    meter = StreamMeter(builder.arrive_ns)
-    for at, n in marks:
-        meter.offsets.append(at)
-        meter.tokens.append(n)
-    builder.take_stream(meter)
-
-
-def test_a_frozen_record_shares_one_token_column_between_its_sides() -> None:
-    from sidecar.proxy.builder import RecordBuilder
-
-    builder = RecordBuilder("r", 0, 1_000, "chat")
-    builder.up_send_ns = 5
-    _server_side(builder, ((100, 1), (200, 3), (300, 1)))
-    builder.client_token_writes(1_000 + 350, 3)
-    record = builder.freeze()
-    assert record.server is not None and record.client.tokens is record.server.tokens
-    assert record.client.offsets_ns == (350, 350, 350) and record.server.offsets_ns == (
-        100, 200, 300)
-    # A client gone after two writes: its column is the first two counts.
-    builder = RecordBuilder("r", 0, 1_000, "chat")
-    builder.up_send_ns = 5
-    _server_side(builder, ((100, 1), (200, 3), (300, 1)))
-    builder.client_token_writes(1_000 + 150, 1)
-    builder.client_token_writes(1_000 + 250, 1)
-    assert builder.freeze().client.tokens == (1, 3)
 
 
 def test_timeline_by_vantage() -> None:

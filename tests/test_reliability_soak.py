@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from reliability_helpers import proxy_to, until
 
 from sidecar.sim.engine import EngineConfig
@@ -75,6 +76,7 @@ async def _run_batch(session: aiohttp.ClientSession, url: str,
     return unexpected
 
 
+@pytest.mark.slow
 async def test_soak_is_flat_and_loses_nothing(tmp_path: Path) -> None:
     sims = await start_replicas(SIM, 2)
     settings = {**soak.PROXY_SETTINGS, "capture_dir": str(tmp_path / "capture"),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from factories import MS
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_helpers import free_port
@@ -19,8 +20,6 @@ from sidecar.replay.live import ReplayCollector, ReplayCounters
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
-
-MS = 1_000_000
 
 
 def test_counters_by_hand() -> None:
@@ -61,6 +60,7 @@ def test_counters_by_hand() -> None:
     assert value("sidecar_replay_requests_planned_total") == 10 and value("sidecar_replay_run") == 2
 
 
+@pytest.mark.slow
 async def test_a_replay_with_workers_serves_its_numbers_while_it_runs(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     write_trace(trace, TraceHeader(source="test"),
@@ -106,6 +106,7 @@ async def test_a_replay_with_workers_serves_its_numbers_while_it_runs(tmp_path: 
     assert samples[("sidecar_replay_run", shard)] == 1
 
 
+@pytest.mark.slow
 async def test_a_replay_with_workers_shows_their_progress(tmp_path: Path) -> None:
     """`--workers 2` as a user runs it: the sender processes' counters, added up in the
     parent, are what its progress shows on stderr (here a log: the line at the end of each

@@ -225,6 +225,7 @@ def _label_values(exposition: str, label: str) -> set[str]:
     return set(re.findall(rf'{label}="((?:[^"\\]|\\.)*)"', exposition))
 
 
+@pytest.mark.slow
 async def test_label_cardinality_is_capped_against_10k_model_names() -> None:
     """A client sending 10 000 distinct model names (the upstream answers 404 to each) adds at
     most ``label_cap`` model label values (plus `other`/`unknown`) to /metrics and the

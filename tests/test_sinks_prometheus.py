@@ -302,6 +302,7 @@ def test_sink_health_comes_from_each_sinks_counters() -> None:
     assert value(registry, "sidecar_sink_records_written_total", sink="window") is None
 
 
+@pytest.mark.realparts
 def test_promtool_accepts_the_exposition() -> None:
     promtool = require_binary("promtool")
     registry = CollectorRegistry()
@@ -332,6 +333,8 @@ def bucket_bounds(estimate: float, bounds: tuple[float, ...]) -> tuple[float, fl
     return lower, bounds[upper_index]
 
 
+@pytest.mark.slow
+@pytest.mark.realparts
 async def test_real_prometheus_quantiles_and_goodput_agree_with_the_records(
         prometheus_for: Any) -> None:
     # Prompt lengths vary widely, so prefill (and TTFT) does too: the SLO splits the requests.
@@ -453,6 +456,8 @@ def scraped(prometheus: Prometheus, selector: str) -> list[tuple[float, float]]:
             for t, v in series["values"]]
 
 
+@pytest.mark.slow
+@pytest.mark.realparts
 async def test_dashboard_percentiles_are_within_10_percent_of_the_exact_ones(
         prometheus_for: Any) -> None:
     """Issue #15 item 3, end to end: the Latency dashboard's own p50/p90/p99 queries (TTFT, ITL,
@@ -536,6 +541,7 @@ async def test_dashboard_percentiles_are_within_10_percent_of_the_exact_ones(
     assert abs(worst[1]) < 0.10, (worst, errors)
 
 
+@pytest.mark.realparts
 async def test_promtool_accepts_the_whole_admin_exposition(tmp_path: Path) -> None:
     """Everything /metrics serves (sinks, live gauges, capture, process), after real traffic."""
     promtool = require_binary("promtool")

@@ -4,51 +4,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 
 import pytest
+from factories import MS, build_record, marks
 from random_records import random_records
 
 from sidecar import stats
-from sidecar.record import ChunkMark, Outcome, RequestRecord, Timeline, TokenSource, Vantage
+from sidecar.record import Outcome, RequestRecord, Timeline, TokenSource, Vantage
 
-MS = 1_000_000  # ns
-
-
-def marks(*pairs: tuple[float, int]) -> tuple[ChunkMark, ...]:
-    return tuple(ChunkMark(int(ms * MS), n) for ms, n in pairs)
-
-
-def make_record(
-    client_marks: tuple[ChunkMark, ...] = (),
-    *,
-    n_out: int | None = None,
-    n_in: int | None = 10,
-    outcome: Outcome = Outcome.OK,
-    server: Timeline | None = None,
-    end_ms: float | None = None,
-    wall_ms: float = 0.0,
-    source: TokenSource = TokenSource.USAGE,
-) -> RequestRecord:
-    end_ns = int(end_ms * MS) if end_ms is not None else (
-        client_marks[-1].offset_ns if client_marks else None
-    )
-    return RequestRecord(
-        request_id="r",
-        wall_time_ns=int(wall_ms * MS),
-        outcome=outcome,
-        endpoint="chat",
-        client=Timeline.from_marks(start_ns=0, marks=client_marks, end_ns=end_ns,
-                        events_total=len(client_marks)),
-        server=server,
-        n_in=n_in,
-        n_out=n_out,
-        token_source=source,
-    )
+# This module's records: 10 input tokens, the output count from usage, unless a case says.
+make_record = partial(build_record, n_in=10, token_source=TokenSource.USAGE)
 
 
 def test_spec_worked_example() -> None:
     # spec/metrics.md section 1: 4 tokens, first at 120 ms, then gaps of 30, 40, 40 ms.
-    record = make_record(marks((120, 1), (150, 1), (190, 1), (230, 1)), n_out=4)
+    record = make_record([(120, 1), (150, 1), (190, 1), (230, 1)], n_out=4)
     m = stats.request_metrics(record, Vantage.CLIENT)
     assert m is not None
     assert m.ttft_s == pytest.approx(0.120)
@@ -61,7 +32,7 @@ def test_spec_worked_example() -> None:
 
 def test_multi_token_chunks() -> None:
     # Chunks of 1, 3 and 2 tokens (speculative decoding / stream interval), usage says 6.
-    record = make_record(marks((100, 1), (130, 3), (170, 2)), n_out=6)
+    record = make_record([(100, 1), (130, 3), (170, 2)], n_out=6)
     m = stats.request_metrics(record, Vantage.CLIENT)
     assert m is not None
     assert m.ttft_s == pytest.approx(0.100)
@@ -75,20 +46,20 @@ def test_multi_token_chunks() -> None:
 
 
 def test_n_out_falls_back_to_event_tokens_without_usage() -> None:
-    record = make_record(marks((100, 1), (130, 3), (170, 2)), n_out=None,
-                         source=TokenSource.CHUNK_COUNT)
+    record = make_record([(100, 1), (130, 3), (170, 2)], n_out=None,
+                         token_source=TokenSource.CHUNK_COUNT)
     m = stats.request_metrics(record, Vantage.CLIENT)
     assert m is not None and m.n_out == 6
     assert m.tpot_s == pytest.approx(0.014)
 
 
 def test_single_token_reply_has_no_tpot_and_is_counted() -> None:
-    single = make_record(marks((80, 1)), n_out=1)
+    single = make_record([(80, 1)], n_out=1)
     m = stats.request_metrics(single, Vantage.CLIENT)
     assert m is not None
     assert (m.ttft_s, m.itl_s, m.tpot_s, m.e2e_s) == (pytest.approx(0.08), (), None,
                                                      pytest.approx(0.08))
-    report = stats.vantage_report([single, make_record(marks((100, 1), (140, 1)), n_out=2)],
+    report = stats.vantage_report([single, make_record([(100, 1), (140, 1)], n_out=2)],
                                   Vantage.CLIENT)
     assert report.requests == 2
     assert report.tpot_excluded == 1
@@ -100,14 +71,14 @@ def test_server_vantage_starts_at_upstream_send() -> None:
     # Proxy: request arrived at 0, sent upstream at 2 ms; upstream events at 112, 142 ms,
     # written to the client at 113, 143 ms.
     server = Timeline.from_marks(start_ns=2 * MS, marks=marks((112, 1), (142, 1)), end_ns=145 * MS)
-    record = make_record(marks((113, 1), (143, 1)), n_out=2, server=server)
+    record = make_record([(113, 1), (143, 1)], n_out=2, server=server)
     client_m = stats.request_metrics(record, Vantage.CLIENT)
     server_m = stats.request_metrics(record, Vantage.SERVER)
     assert client_m is not None and server_m is not None
     assert client_m.ttft_s == pytest.approx(0.113)
     assert server_m.ttft_s == pytest.approx(0.110)
     assert server_m.itl_s == pytest.approx((0.030,))
-    assert stats.request_metrics(make_record(marks((5, 1))), Vantage.SERVER) is None
+    assert stats.request_metrics(make_record([(5, 1)]), Vantage.SERVER) is None
 
 
 def test_no_token_event_gives_e2e_from_stream_end() -> None:
@@ -123,9 +94,9 @@ def test_no_token_event_gives_e2e_from_stream_end() -> None:
 
 
 def test_errors_are_out_of_latency_but_in_outcomes() -> None:
-    ok = make_record(marks((100, 1), (130, 1)), n_out=2)
-    failed = make_record(marks((50, 1)), n_out=None, outcome=Outcome.HTTP_ERROR)
-    cancelled = make_record(marks((60, 1), (90, 1)), outcome=Outcome.CLIENT_CANCELLED)
+    ok = make_record([(100, 1), (130, 1)], n_out=2)
+    failed = make_record([(50, 1)], n_out=None, outcome=Outcome.HTTP_ERROR)
+    cancelled = make_record([(60, 1), (90, 1)], outcome=Outcome.CLIENT_CANCELLED)
     report = stats.vantage_report([ok, failed, cancelled], Vantage.CLIENT)
     assert report.requests == 1
     assert report.ttft.count == 1 and report.ttft.min == pytest.approx(0.100)
@@ -138,8 +109,8 @@ def test_errors_are_out_of_latency_but_in_outcomes() -> None:
 
 
 def test_itl_pools_events_across_requests() -> None:
-    a = make_record(marks((100, 1), (110, 1), (130, 1)), n_out=3)  # gaps 10, 20
-    b = make_record(marks((200, 1), (240, 1)), n_out=2)  # gap 40
+    a = make_record([(100, 1), (110, 1), (130, 1)], n_out=3)  # gaps 10, 20
+    b = make_record([(200, 1), (240, 1)], n_out=2)  # gap 40
     report = stats.vantage_report([a, b], Vantage.CLIENT)
     assert report.itl.count == 3
     assert report.itl.mean == pytest.approx((0.010 + 0.020 + 0.040) / 3)
@@ -183,8 +154,8 @@ def test_summary_ignores_non_finite_values() -> None:
 
 
 def test_throughput_counts_completed_requests_and_says_which_tokens() -> None:
-    a = make_record(marks((100, 1), (200, 1)), n_in=100, n_out=20)
-    b = make_record(marks((100, 1)), n_in=50, n_out=10)
+    a = make_record([(100, 1), (200, 1)], n_in=100, n_out=20)
+    b = make_record([(100, 1)], n_in=50, n_out=10)
     failed = make_record((), n_in=999, n_out=999, outcome=Outcome.UPSTREAM_ERROR, end_ms=5)
     t = stats.throughput([a, b, failed], interval_s=2.0)
     assert t.completed_requests == 2
@@ -193,18 +164,18 @@ def test_throughput_counts_completed_requests_and_says_which_tokens() -> None:
     assert t.output_tokens_per_s == pytest.approx(15.0)
     assert t.total_tokens_per_s == pytest.approx(90.0)
     assert not t.output_tokens_estimated
-    est = make_record(marks((100, 2), (200, 3)), n_out=None, source=TokenSource.CHUNK_COUNT)
+    est = make_record([(100, 2), (200, 3)], n_out=None, token_source=TokenSource.CHUNK_COUNT)
     t2 = stats.throughput([est], interval_s=1.0)
     assert t2.output_tokens_per_s == pytest.approx(5.0) and t2.output_tokens_estimated
 
 
 def test_goodput_has_failures_in_the_denominator() -> None:
     slo = stats.SLO(ttft_s=0.5, tpot_s=0.05)
-    good = make_record(marks((100, 1), (130, 1), (160, 1)), n_out=3)  # ttft .1, tpot .03
-    slow_first = make_record(marks((600, 1), (610, 1)), n_out=2)  # ttft .6 > .5
-    slow_tokens = make_record(marks((100, 1), (200, 1)), n_out=2)  # tpot .1 > .05
+    good = make_record([(100, 1), (130, 1), (160, 1)], n_out=3)  # ttft .1, tpot .03
+    slow_first = make_record([(600, 1), (610, 1)], n_out=2)  # ttft .6 > .5
+    slow_tokens = make_record([(100, 1), (200, 1)], n_out=2)  # tpot .1 > .05
     failed = make_record((), outcome=Outcome.TIMEOUT, end_ms=30_000)
-    single = make_record(marks((200, 1)), n_out=1)  # no TPOT: judged on TTFT alone
+    single = make_record([(200, 1)], n_out=1)  # no TPOT: judged on TTFT alone
     g = stats.goodput([good, slow_first, slow_tokens, failed, single], slo, interval_s=2.0)
     assert g.total_requests == 5
     assert g.good_requests == 2
@@ -223,13 +194,13 @@ def test_what_the_client_got_wrong_is_out_of_the_denominator() -> None:
     slo = stats.SLO(ttft_s=0.5)
 
     def failed(outcome: Outcome, status: int | None, *tokens: tuple[float, int]) -> RequestRecord:
-        return replace(make_record(marks(*tokens), outcome=outcome, end_ms=50),
+        return replace(make_record([*tokens], outcome=outcome, end_ms=50),
                        http_status=status)
 
     records = [
-        make_record(marks((100, 1), (130, 1)), n_out=2),
-        make_record(marks((200, 1), (230, 1)), n_out=2),
-        make_record(marks((700, 1), (730, 1)), n_out=2),  # ttft .7 > .5
+        make_record([(100, 1), (130, 1)], n_out=2),
+        make_record([(200, 1), (230, 1)], n_out=2),
+        make_record([(700, 1), (730, 1)], n_out=2),  # ttft .7 > .5
         failed(Outcome.HTTP_ERROR, 500),
         failed(Outcome.HTTP_ERROR, 429),
         failed(Outcome.REJECTED, 408),
@@ -262,7 +233,7 @@ def test_an_objective_is_a_share_strictly_between_0_and_1(objective: float) -> N
 
 
 def test_goodput_boundary_is_inclusive() -> None:
-    at_limit = make_record(marks((500, 1), (550, 1)), n_out=2)
+    at_limit = make_record([(500, 1), (550, 1)], n_out=2)
     g = stats.goodput([at_limit], stats.SLO(ttft_s=0.5, tpot_s=0.05), interval_s=1.0)
     assert g.good_requests == 1
 
@@ -274,16 +245,16 @@ def test_slo_rejects_meaningless_thresholds(bad: float) -> None:
 
 
 def test_measured_interval_spans_first_arrival_to_last_end() -> None:
-    a = make_record(marks((100, 1)), wall_ms=1_000, end_ms=150)  # ends at 1150 ms
-    b = make_record(marks((300, 1)), wall_ms=1_500, end_ms=400)  # ends at 1900 ms
+    a = make_record([(100, 1)], wall_ms=1_000, end_ms=150)  # ends at 1150 ms
+    b = make_record([(300, 1)], wall_ms=1_500, end_ms=400)  # ends at 1900 ms
     assert stats.measured_interval_s([a, b]) == pytest.approx(0.9)
 
 
 def test_a_request_ends_at_its_client_end_else_its_last_token() -> None:
     """`end_offset_ns`, the one "when did it end" (docs/metrics.md section 1): the client
     side's end; without one (a record cut short) its last token event; with neither, 0."""
-    assert stats.end_offset_ns(make_record(marks((100, 1), (130, 1)), end_ms=150)) == 150 * MS
-    no_end = replace(make_record(marks((100, 1), (130, 1))),
+    assert stats.end_offset_ns(make_record([(100, 1), (130, 1)], end_ms=150)) == 150 * MS
+    no_end = replace(make_record([(100, 1), (130, 1)]),
                      client=Timeline.from_marks(start_ns=0, marks=marks((100, 1), (130, 1))))
     assert stats.end_offset_ns(no_end) == 130 * MS
     nothing = replace(no_end, client=Timeline.from_marks(start_ns=0, marks=()))
@@ -294,10 +265,10 @@ def test_request_samples_hand_worked() -> None:
     """The one per-request computation every aggregate reads. Three successful requests and
     a failure: TTFT 100 / 200 ms / none (no token, ended at 50 ms); TPOT (170 - 100) / 5 = 14
     ms / none (N_out 1) / none; E2E 170 / 200 / 50 ms; ITL 30, 40 ms (3 and 2 tokens)."""
-    records = [make_record(marks((100, 1), (130, 3), (170, 2)), n_out=6),
-               make_record(marks((200, 1)), n_out=1),
+    records = [make_record([(100, 1), (130, 3), (170, 2)], n_out=6),
+               make_record([(200, 1)], n_out=1),
                make_record((), n_out=0, end_ms=50),
-               make_record(marks((90, 1)), outcome=Outcome.TIMEOUT, end_ms=95)]
+               make_record([(90, 1)], outcome=Outcome.TIMEOUT, end_ms=95)]
     samples = stats.request_samples(records, Vantage.CLIENT)
     assert samples.requests == 3
     assert samples.ttft_s[:2] == pytest.approx([0.100, 0.200]) and math.isnan(samples.ttft_s[2])
@@ -320,10 +291,10 @@ def test_goodput_by_class_with_and_without_exclusions() -> None:
     exclusions the 404 leaves default's denominator: 1 good of 2; without, 1 of 3."""
     policy = stats.SLOPolicy({"default": stats.SLO(ttft_s=0.150),
                               "interactive": stats.SLO(ttft_s=0.050)})
-    records = [make_record(marks((100, 1), (120, 1)), n_out=2),
-               make_record(marks((300, 1), (320, 1)), n_out=2),
+    records = [make_record([(100, 1), (120, 1)], n_out=2),
+               make_record([(300, 1), (320, 1)], n_out=2),
                replace(make_record((), end_ms=5), outcome=Outcome.HTTP_ERROR, http_status=404),
-               replace(make_record(marks((40, 1), (60, 1), (80, 1)), n_out=3),
+               replace(make_record([(40, 1), (60, 1), (80, 1)], n_out=3),
                        attributes={"slo_class": "interactive"})]
     counted = stats.goodput_by_class(records, policy, 2.0)
     assert (counted["default"].good_requests, counted["default"].total_requests) == (1, 2)
@@ -340,7 +311,7 @@ def test_engine_report_keeps_vllm_semantics_apart() -> None:
 
     from sidecar.record import EngineTiming
 
-    base = make_record(marks((100, 1), (130, 1)), n_out=2)
+    base = make_record([(100, 1), (130, 1)], n_out=2)
     with_engine = replace(base, engine=EngineTiming(time_to_first_token_ms=40.0,
                                                     queue_time_ms=55.0, mean_itl_ms=30.0,
                                                     generation_time_ms=70.0))
@@ -359,8 +330,8 @@ def test_slo_policy_judges_each_request_by_its_class() -> None:
 
     policy = stats.SLOPolicy({"default": stats.SLO(ttft_s=0.5),
                               "interactive": stats.SLO(ttft_s=0.1)})
-    fast = make_record(marks((80, 1), (100, 1)), n_out=2)
-    medium = make_record(marks((300, 1), (320, 1)), n_out=2)
+    fast = make_record([(80, 1), (100, 1)], n_out=2)
+    medium = make_record([(300, 1), (320, 1)], n_out=2)
     assert policy.judge(fast) == ("default", True)
     assert policy.judge(medium) == ("default", True)
     medium_interactive = replace(medium, attributes={"slo_class": "interactive"})
@@ -379,10 +350,10 @@ def test_the_live_window_trims_by_age_without_being_read() -> None:
     now = [10_000 * MS]
     window = WindowSink(window_s=1.0, max_records=1000, wall_ns=lambda: now[0])
     for i in range(5):
-        window.on_record(make_record(marks((10, 1)), n_out=1, wall_ms=9_000 + 100 * i))
+        window.on_record(make_record([(10, 1)], n_out=1, wall_ms=9_000 + 100 * i))
     assert len(window._records) == 5  # all ended within the last second
     now[0] = 12_000 * MS
-    window.on_record(make_record(marks((10, 1)), n_out=1, wall_ms=11_990))
+    window.on_record(make_record([(10, 1)], n_out=1, wall_ms=11_990))
     assert len(window._records) == 1  # the five old ones went when the new one came
 
 
@@ -394,10 +365,10 @@ def test_the_live_window_keeps_to_its_memory_bound() -> None:
 
     now = [10_000 * MS]
     window = WindowSink(window_s=60.0, max_bytes=5000, wall_ns=lambda: now[0])
-    records = [make_record(marks((10, 1), (20, 1), (30, 1)), n_out=3, wall_ms=9_000 + i)
+    records = [make_record([(10, 1), (20, 1), (30, 1)], n_out=3, wall_ms=9_000 + i)
                for i in range(5)]
     assert approx_record_bytes(records[0]) == 2096
-    both = make_record(marks((10, 1), (20, 1), (30, 1)), n_out=3,
+    both = make_record([(10, 1), (20, 1), (30, 1)], n_out=3,
                        server=Timeline.from_marks(2 * MS, marks((9, 1), (19, 1), (29, 1))))
     assert approx_record_bytes(both) == 2120
     for record in records:

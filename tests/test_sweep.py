@@ -112,6 +112,8 @@ SERVERS, STEP_S, OUT = 4, 0.01, 20
 BOUND = SERVERS / (OUT * STEP_S)
 
 
+@pytest.mark.slow
+@pytest.mark.realparts
 async def test_sweep_finds_the_capacity_the_simulator_predicts(tmp_path: Path) -> None:
     sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=STEP_S, per_token_s=0.0,
                                                    saturation_tokens=100_000,
@@ -163,6 +165,7 @@ async def test_sweep_finds_the_capacity_the_simulator_predicts(tmp_path: Path) -
     assert "CONSOLE" not in done.stderr and "net::ERR" not in done.stderr
 
 
+@pytest.mark.slow
 async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: Path) -> None:
     sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0))
     out = tmp_path / "sweep"
@@ -361,6 +364,7 @@ def console_tables(text: str) -> list[dict[str, list[list[str]]]]:
     return tables
 
 
+@pytest.mark.slow
 async def test_a_sweep_as_a_user_runs_it_says_what_it_does(tmp_path: Path) -> None:
     """`sidecar sweep` in a terminal-less run (a log): progress and one line per step on
     stderr, while stdout has the step tables the HTML page has (same rows, same units), the

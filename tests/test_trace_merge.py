@@ -8,14 +8,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from factories import S
 from proxy_stack import stack
 
 from sidecar.config import ConfigError, build_config
 from sidecar.replay import trace_cli
 from sidecar.replay.tracemerge import MergeRefused, merge_traces
 from sidecar.tracefile import PrefixBlocks, TraceHeader, TraceReader, TraceRequest, write_trace
-
-S = 1_000_000_000
 
 
 def capture(path: Path, start_s: float, key: str | None, requests: list[tuple[float, str]],

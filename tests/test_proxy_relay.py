@@ -1,8 +1,20 @@
+"""The relay's pure parts (sidecar/proxy/relay.py): the headers it forwards, the request id
+it keeps, the prefix key it routes on, the paths it refuses and the error event it writes.
+The relay serving traffic is tested through a running proxy (tests/test_proxy*.py); its
+timeouts in tests/test_relay_timeouts.py."""
+
 from __future__ import annotations
 
+import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from sidecar.proxy.relay import filtered_headers, prompt_prefix_key, request_id_from
+from sidecar.proxy.relay import (
+    error_event,
+    filtered_headers,
+    has_dot_segment,
+    prompt_prefix_key,
+    request_id_from,
+)
 from sidecar.proxy.shape import chat_text
 
 
@@ -44,3 +56,27 @@ def test_prefix_keys() -> None:
     assert prompt_prefix_key({"messages": [{"role": "user", "content": None}]}, chars=10,
                              tokens=2) == b"user\x1f\x1e"
     assert prompt_prefix_key({"messages": "junk"}, chars=10, tokens=2) is None
+
+
+@pytest.mark.parametrize(("path", "refused"), [
+    ("/v1/chat/completions", False),
+    ("/v1/a.b/c", False),  # a dot inside a segment is a name, not a step
+    ("/v1/..a", False),
+    ("/v1/../admin", True),
+    ("/.", True),
+    ("/v1/%2e%2e/admin", True),  # decoded before it is judged: what the upstream would see
+    ("/v1/.%2E/x", True),
+    ("/v1/a\\b", True),  # a backslash some servers read as a separator
+    ("/v1/%5cb", True),
+])
+def test_dot_segments_are_found_after_percent_decoding(path: str, refused: bool) -> None:
+    assert has_dot_segment(path) is refused
+
+
+def test_the_error_event_is_written_the_way_vllm_writes_it() -> None:
+    # vLLM's chat stream writes compact JSON; its completions stream json.dumps' default spacing.
+    assert error_event("chat", "boom", "BadGateway", 502) == (
+        b'data: {"error":{"message":"boom","type":"BadGateway","param":null,"code":502}}\n\n')
+    assert error_event("completions", "boom", "BadGateway", 502) == (
+        b'data: {"error": {"message": "boom", "type": "BadGateway", "param": null, '
+        b'"code": 502}}\n\n')
