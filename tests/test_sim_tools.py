@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_stack import FAST_ENGINE, stack
+from wire import events, post
 
 from sidecar.protocol.openai import ChunkKind, classify_chunk
 from sidecar.record import Outcome, TokenSource
@@ -53,20 +54,6 @@ async def sim() -> AsyncIterator[RunningReplica]:
         yield replica
     finally:
         await close_replicas([replica])
-
-
-async def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
-        return response.status, await response.read()
-
-
-def events(raw: bytes) -> list[Any]:
-    out: list[Any] = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: "):
-            payload = block[len(b"data: "):]
-            out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
-    return out
 
 
 def chat(**extra: Any) -> dict[str, Any]:
