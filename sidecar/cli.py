@@ -9,45 +9,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
-import os
 import socket
 import sys
-import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
-
-from aiohttp import web
-from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from sidecar import __version__
 from sidecar.config import (
     ConfigError,
-    ProxyConfig,
-    RoutePolicy,
+    add_setting_arguments,
     build_config,
     default_workers,
     environment_warnings,
+    flag_settings,
     load_config_file,
 )
-from sidecar.hooks import ScrapeRunner, SinkFanout, ThreadedSink
-from sidecar.proxy.app import ProxyServer, metrics_route
+from sidecar.proxy.app import ProxyServer
 from sidecar.proxy.collector import Collector, StartError
-from sidecar.sinks.capture import CaptureSink
-from sidecar.sinks.prometheus import (
-    CaptureCollector,
-    LiveCollector,
-    PrometheusSink,
-    ReplicaState,
-    WorkerCollector,
-    WorkerState,
+
+# The proxy's wiring lives in serve.py, which holds no command. The ``X as X`` names are
+# re-exported: tests, benchmarks and scripts import them from sidecar.cli.
+from sidecar.serve import build_collector as build_collector
+from sidecar.serve import build_proxy_server as build_proxy_server
+from sidecar.serve import (
+    check_capture_dir,
+    shutdown_signals,
+    sink_error,
+    upstream_models,
 )
-from sidecar.sinks.window import Selection, WindowSink
-from sidecar.stats import SLO, SLOPolicy
-from sidecar.tracefile import TraceHeader
+from sidecar.serve import settle_gc as settle_gc
+from sidecar.serve import slo_policy_of as slo_policy_of
+from sidecar.serve import wait_for_shutdown_signal as wait_for_shutdown_signal
+from sidecar.sinks.capture import CaptureSink
 
 AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -114,162 +108,16 @@ examples:
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
-    # Every default is None: an absent flag lets the environment or the config file decide.
+    # --config is no setting (it names where settings come from); every setting's flag is
+    # derived from its declaration on ProxyConfig (config.py).
     parser.add_argument("--config", metavar="FILE", help="JSON or TOML file of settings")
-    parser.add_argument("--upstream", dest="upstreams", action="append", metavar="URL",
-                        help="a replica's base URL (repeat for several)")
-    parser.add_argument("--listen", metavar="HOST:PORT", help="traffic listener [127.0.0.1:8080]")
-    parser.add_argument("--metrics-listen", metavar="HOST:PORT",
-                        help="admin/metrics listener, never the traffic port [127.0.0.1:9464]")
-    parser.add_argument("--route-policy", choices=[p.value for p in RoutePolicy],
-                        help="how requests are spread over replicas [least_outstanding]")
-    parser.add_argument("--session-header", metavar="NAME",
-                        help="header naming the session for --route-policy session "
-                             "[X-Session-ID; falls back to the body's `user`]")
-    for name, default in (("connect-timeout", "5s"), ("ttft-timeout", "300s"),
-                          ("idle-timeout", "60s"), ("total-timeout", "4h")):
-        parser.add_argument(f"--{name}", metavar="DURATION",
-                            help=f"e.g. 500ms, 30s, 2m; 0 disables [{default}]")
-    parser.add_argument("--nonstream-timeout", metavar="DURATION",
-                        help="a non-streamed generation relayed whole must be answered within "
-                        "this (504 after it); 0 disables [1h]")
-    parser.add_argument("--max-stream-events", type=int, metavar="N",
-                        help="events in one streamed response; beyond it the stream ends with "
-                        "an error event [1000000]")
-    parser.add_argument("--max-body-bytes", type=int, metavar="N",
-                        help="larger request bodies get 413 [16 MiB]")
-    parser.add_argument("--max-concurrency", type=int, metavar="N",
-                        help="requests in flight beyond this get 429 [4096]")
-    for name, default, what in (
-            ("header-timeout", "10s", "a request's head must be complete this long after it "
-             "began (else 408)"),
-            ("body-timeout", "60s", "a request's body must be complete this long after its "
-             "head (else 408)"),
-            ("keepalive-timeout", "60s", "an idle keep-alive client connection closes after "
-             "this")):
-        parser.add_argument(f"--{name}", metavar="DURATION", help=f"{what}; 0 disables "
-                            f"[{default}]")
-    parser.add_argument("--max-connections", type=int, metavar="N",
-                        help="client connections on the traffic port; the next gets 503 "
-                        "[0: half the open-files limit, raised to its hard limit at start]")
-    parser.add_argument("--max-header-count", type=int, metavar="N",
-                        help="request headers beyond this get 431 [100]")
-    parser.add_argument("--max-header-bytes", type=int, metavar="N",
-                        help="request line + headers beyond this get 431 [60 KiB]")
-    parser.add_argument("--no-inject-usage", dest="inject_usage", action="store_const",
-                        const=False, help="do not ask the upstream for per-chunk usage (token "
-                        "counts per event become estimates)")
-    parser.add_argument("--assemble-nonstream", action="store_const", const=True,
-                        help="stream from the upstream for non-streaming clients, so the server "
-                        "side gets TTFT/ITL; the client still gets one JSON body")
-    parser.add_argument("--retry-connect", type=int, metavar="N",
-                        help="other replicas to try when connecting fails [1]")
-    parser.add_argument("--health-interval", metavar="DURATION",
-                        help="active health checks (GET /health); 0 disables [5s]")
-    parser.add_argument("--eject-after", type=int, metavar="N",
-                        help="consecutive failures that eject a replica [2]")
-    parser.add_argument("--window", dest="window_s", metavar="DURATION",
-                        help="live statistics window [60s]")
-    parser.add_argument("--window-max-bytes", dest="window_max_bytes", type=int, metavar="N",
-                        help="memory bound of the live window: the oldest records go first, "
-                        "counted in /stats as evicted_over_cap [268435456, 256 MiB]")
-    parser.add_argument("--slo", metavar="SPEC",
-                        help="the default SLO class, e.g. ttft=500ms,tpot=50ms,e2e=20s")
-    parser.add_argument("--slo-class", dest="slo_classes", action="append", metavar="NAME:SPEC",
-                        help="a named SLO class, e.g. interactive:ttft=200ms,tpot=30ms (repeat)")
-    parser.add_argument("--slo-class-header", metavar="NAME",
-                        help="request header whose value names the SLO class (e.g. X-Priority)")
-    parser.add_argument("--slo-model-class", dest="slo_model_classes", action="append",
-                        metavar="MODEL=CLASS", help="SLO class of a model's requests (repeat)")
-    parser.add_argument("--otel-endpoint", metavar="URL",
-                        help="OTLP/HTTP endpoint for metrics (default: OTEL_EXPORTER_OTLP_ENDPOINT "
-                        "when set; no OpenTelemetry export otherwise)")
-    parser.add_argument("--otel-exponential-histograms", action="store_const", const=True,
-                        help="export base-2 exponential histograms instead of the conventions' "
-                        "explicit buckets")
-    parser.add_argument("--otel-traces", action="store_const", const=True,
-                        help="also export one span per request (OTLP/HTTP)")
-    parser.add_argument("--otel-provider-name", metavar="NAME",
-                        help="gen_ai.provider.name attribute [vllm]")
-    parser.add_argument("--otel-export-interval", metavar="DURATION",
-                        help="OpenTelemetry metric export interval [10s]")
-    parser.add_argument("--otel-server-chunks", action="store_const", const=True,
-                        help="also export server-side per-chunk gaps "
-                        "(sidecar.server.time_per_output_chunk; doubles the per-chunk cost)")
-    parser.add_argument("--label-cap", type=int, metavar="N",
-                        help="distinct model/replica label values before 'other' [64]")
-    parser.add_argument("--histogram-buckets", choices=("schema3", "schema4", "e6"),
-                        help="latency histogram bounds: schema3 = 2^(1/8) apart, 191 series "
-                        "per histogram, dashboard percentiles within 9.2 %% [default]; "
-                        "schema4 = 2^(1/16), 377 series, 4.5 %%; e6 = 1, 1.5, 2.2, 3.3, 4.7, "
-                        "6.8 per decade, 46 series, up to 50 %% (docs/metrics.md)")
-    parser.add_argument("--engine-scrape-interval", metavar="DURATION",
-                        help="scrape each upstream's /metrics for the engine view; 0 disables "
-                        "[15s]")
-    parser.add_argument("--capture", dest="capture_dir", metavar="DIR",
-                        help="write every chat/completions request to trace files in DIR "
-                        "(shapes, lengths, prefix hashes, timings; no text)")
-    parser.add_argument("--capture-key-file", metavar="FILE",
-                        help="key for the capture's prefix hashes and session pseudonyms, "
-                        "shared by a fleet (a mounted Secret, >= 16 bytes) so that its pods' "
-                        "captures can be merged [a random key per process]")
-    parser.add_argument("--capture-text", action="store_const", const=True,
-                        help="OPT-IN: also store request bodies, completion text and session "
-                        "ids as sent in the capture (without it ids are keyed pseudonyms; "
-                        "prompts are user data: mind where the files go)")
-    parser.add_argument("--capture-compress", action="store_const", const=True,
-                        help="gzip the capture files")
-    parser.add_argument("--capture-rotate-bytes", type=int, metavar="N",
-                        help="start a new capture file after N bytes [256 MiB]")
-    parser.add_argument("--capture-rotate-s", metavar="DURATION",
-                        help="start a new capture file after this long [1h]")
-    parser.add_argument("--capture-queue", type=int, metavar="N",
-                        help="records waiting for the writer before new ones are dropped "
-                        "(and counted) [10000]")
-    parser.add_argument("--admin-token", metavar="TOKEN",
-                        help="require 'Authorization: Bearer TOKEN' on the admin listener "
-                        "(the probes /healthz and /readyz excepted); prefer "
-                        "SIDECAR_ADMIN_TOKEN over the flag, which other local users can see in "
-                        "the process list")
-    parser.add_argument("--allow-open-admin", action="store_const", const=True,
-                        help="serve the admin listener on a non-loopback address without "
-                        "--admin-token (refused otherwise: /metrics, /stats and /replicas would "
-                        "be open to whoever reaches it); for networks that already restrict it")
-    parser.add_argument("--log-requests", action="store_const", const=True,
-                        help="log one line per request (ids, outcome, counts; never text)")
-    parser.add_argument("--workers", type=int, metavar="N",
-                        help="worker processes sharing the traffic port, each relaying on its "
-                        "own core, beside one collector process that serves the admin "
-                        "listener and the sinks; 0 runs everything in one process "
-                        "[the CPUs this process may use]")
-    parser.add_argument("--channel-buffer-bytes", type=int, metavar="N",
-                        help="records a worker lets wait for the collector before it drops "
-                        "(and counts) new ones rather than wait [8388608, 8 MiB]")
-
-
-def _proxy_flags(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("upstreams", "listen", "metrics_listen", "route_policy", "session_header",
-             "connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
-             "nonstream_timeout", "max_stream_events", "max_body_bytes", "max_concurrency",
-             "inject_usage", "assemble_nonstream",
-             "header_timeout", "body_timeout", "keepalive_timeout", "max_connections",
-             "max_header_count", "max_header_bytes",
-             "retry_connect", "health_interval", "eject_after", "window_s", "window_max_bytes",
-             "log_requests",
-             "slo", "slo_classes", "slo_class_header", "slo_model_classes", "otel_endpoint",
-             "otel_exponential_histograms", "otel_traces", "otel_provider_name", "label_cap",
-             "histogram_buckets", "engine_scrape_interval", "capture_dir", "capture_text",
-             "capture_compress", "capture_key_file",
-             "capture_rotate_bytes", "capture_rotate_s", "capture_queue", "admin_token",
-             "otel_export_interval", "otel_server_chunks", "allow_open_admin", "workers",
-             "channel_buffer_bytes")
-    return {name: getattr(args, name, None) for name in names}
+    add_setting_arguments(parser)
 
 
 async def run_proxy(args: argparse.Namespace) -> int:
     try:
         file_settings = load_config_file(args.config) if args.config else None
-        config = build_config(_proxy_flags(args), file_settings=file_settings)
+        config = build_config(flag_settings(args), file_settings=file_settings)
         if config.capture_dir:
             check_capture_dir(config.capture_dir)
     except ConfigError as exc:
@@ -360,229 +208,6 @@ async def run_proxy(args: argparse.Namespace) -> int:
               f"{config.capture_dir} ({files} file{'' if files == 1 else 's'}), {dropped} "
               f"dropped{f' ({causes})' if causes else ''}", flush=True)
     return 0
-
-
-def check_capture_dir(directory: str) -> None:
-    """--capture's directory is one, or can be made, and this user may write there: checked at
-    start, so that a file in its place or a read-only mount is one line (ConfigError), not a
-    traceback. Nothing is created here: the capture sink makes the directory, with its mode."""
-    path = Path(directory)
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    if existing is None:  # pragma: no cover - the root always exists
-        return
-    if not existing.is_dir():
-        where = "" if existing == path else f" ({existing} is a file)"
-        raise ConfigError(f"--capture {directory}: not a directory{where or ' (a file is there)'}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "write there" if existing == path else f"create it in {existing}"
-        raise ConfigError(f"--capture {directory}: this user cannot {what}")
-
-
-def sink_error(exc: ValueError | OSError, config: ProxyConfig) -> str:
-    """An error of building the sinks as one line, naming the flag when it is the capture's."""
-    if not isinstance(exc, OSError):
-        return str(exc)
-    text = f"{exc.filename}: {exc.strerror}" if exc.filename else (exc.strerror or str(exc))
-    capture = config.capture_dir
-    if capture and exc.filename and str(exc.filename).startswith(str(capture)):
-        return f"--capture {capture}: {exc.strerror}"
-    return text
-
-
-def settle_gc() -> None:
-    """Move everything alive after start-up (modules, classes, the app) out of the collector's
-    reach, so that collections scan only what traffic created. A pause stalls every stream and
-    is stamped into every event behind it: in the accuracy benchmark (benchmarks/proxy.md) GC
-    time at 128 streams fell from 166 to 89 ms in 8 s, and a 14.5 ms full collection at one
-    stream went away."""
-    gc.collect()
-    gc.freeze()
-
-
-def capture_key_notes(key_id: str | None, shared: bool) -> dict[str, str]:
-    """What a capture says of the key behind its prefix hashes and session pseudonyms:
-    captures with the same id can be merged (`sidecar trace merge`)."""
-    if key_id is None:
-        return {}
-    return {"capture_key_id": key_id,
-            "capture_key": "shared (--capture-key-file)" if shared else "this process only"}
-
-
-def slo_policy_of(config: ProxyConfig) -> SLOPolicy | None:
-    classes = {name: SLO(**spec.slo_arguments()) for name, spec in config.slo_specs().items()}
-    return SLOPolicy(classes) if classes else None
-
-
-async def upstream_models(upstreams: Sequence[str]) -> tuple[str, ...]:
-    """Model ids the upstreams serve (GET /v1/models), best effort, for a capture's header."""
-    import aiohttp
-
-    found: list[str] = []
-    timeout = aiohttp.ClientTimeout(total=5)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for url in upstreams:
-            try:
-                async with session.get(url + "/v1/models") as response:
-                    body = await response.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                continue
-            for card in body.get("data", []) if isinstance(body, dict) else []:
-                if isinstance(card, dict) and isinstance(card.get("id"), str):
-                    if card["id"] not in found:
-                        found.append(card["id"])
-    return tuple(found)
-
-
-def otel_enabled(config: ProxyConfig) -> bool:
-    """OpenTelemetry export is on with --otel-endpoint or the standard OTLP variables."""
-    return bool(config.otel_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"))
-
-
-class _Host(Protocol):
-    """What the sink wiring needs of the process that serves: `ProxyServer` (one process) or
-    `Collector` (worker mode)."""
-
-    def add_admin_routes(self, routes: Sequence[web.RouteDef]) -> None: ...
-
-    def on_close(self, hook: Callable[[], Coroutine[Any, Any, None]]) -> None: ...
-
-
-@dataclass
-class _Sinks:
-    slo_policy: SLOPolicy | None
-    window: WindowSink
-    registry: CollectorRegistry
-    fanout: SinkFanout
-
-
-def _core_sinks(config: ProxyConfig) -> _Sinks:
-    slo_policy = slo_policy_of(config)
-    window = WindowSink(config.window_s, config.window_max_records, config.window_max_bytes)
-    registry = CollectorRegistry()
-    ProcessCollector(registry=registry)
-    GCCollector(registry=registry)
-    prometheus = PrometheusSink(registry, slo_policy, label_cap=config.label_cap,
-                                histogram_buckets=config.histogram_buckets)
-    return _Sinks(slo_policy, window, registry, SinkFanout([window, prometheus]))
-
-
-def build_proxy_server(config: ProxyConfig,
-                       models: Sequence[str] = ()) -> tuple[ProxyServer, WindowSink]:
-    """The proxy in one process with its sinks wired: the one place that knows both."""
-    sinks = _core_sinks(config)
-    server = ProxyServer(config, sinks.fanout)
-    router = server.proxy.router
-    _wire_sinks(config, sinks, server, models, server.proxy.capture_key_id,
-                lambda: [ReplicaState(r.label, r.outstanding, r.healthy)
-                         for r in router.replicas])
-    fanout = sinks.fanout
-
-    async def close_sinks() -> None:
-        # After the listeners stopped and the last request ended (ProxyServer.close runs its
-        # hooks then): every record is in. One call closes them all (hooks.SinkFanout.close);
-        # in a thread, so that an OTLP receiver on this loop can take the last export.
-        await asyncio.to_thread(fanout.close)
-
-    server.on_close(close_sinks)
-    return server, sinks.window
-
-
-def build_collector(config: ProxyConfig, workers: int,
-                    models: Sequence[str] = ()) -> tuple[Collector, WindowSink]:
-    """The proxy as ``workers`` worker processes and this process as their collector, which
-    holds the same sinks as `build_proxy_server` (fed by every worker's records) and closes
-    them when it closes (Collector.close)."""
-    sinks = _core_sinks(config)
-    collector = Collector(config, sinks.fanout, workers)
-    sinks.registry.register(WorkerCollector(
-        lambda: [WorkerState(**state) for state in collector.worker_states()]))
-    # Scrapes on a thread of lower CPU priority: the workers share the cores (hooks.py).
-    _wire_sinks(config, sinks, collector, models, collector.capture_key_id,
-                lambda: [ReplicaState(label, outstanding, healthy)
-                         for label, outstanding, healthy in collector.replica_states()],
-                ScrapeRunner(threaded=True))
-    return collector, sinks.window
-
-
-def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequence[str],
-                capture_key_id: str | None,
-                replicas: Callable[[], Sequence[ReplicaState]],
-                scrape: ScrapeRunner | None = None) -> None:
-    slo_policy, window, registry, fanout = (sinks.slo_policy, sinks.window, sinks.registry,
-                                            sinks.fanout)
-    registry.register(LiveCollector(window, fanout, slo_policy, replicas))
-    runner = scrape or ScrapeRunner()
-    fanout.lock = runner.lock
-
-    async def stats_handler(request: web.Request) -> web.Response:
-        try:
-            selection = Selection.from_query(request.query)  # e.g. ?request_id_prefix=
-        except ValueError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
-        return web.json_response(await runner.run(lambda: window.snapshot(slo_policy,
-                                                                          selection)))
-
-    async def close_scrape() -> None:
-        await asyncio.to_thread(runner.close)
-
-    # Registered before the host closes the sinks: no scrape reads a sink being closed.
-    host.on_close(close_scrape)
-
-    host.add_admin_routes([web.get("/stats", stats_handler),
-                           metrics_route(registry, runner)])
-    if otel_enabled(config):
-        from sidecar.sinks.otel import build_otel_sink
-
-        otel = build_otel_sink(
-            endpoint=config.otel_endpoint, slo_policy=slo_policy,
-            provider_name=config.otel_provider_name,
-            exponential_histograms=config.otel_exponential_histograms,
-            export_interval_s=config.otel_export_interval, traces=config.otel_traces,
-            max_models=config.label_cap, server_chunks=config.otel_server_chunks)
-        # The SDK costs microseconds per measurement (one per chunk): off the event loop.
-        # Closing it drains its queue, then shuts the SDK down (the last export).
-        fanout.add(ThreadedSink(otel, queue_size=config.capture_queue))
-    if config.capture_dir:
-        capture = CaptureSink(
-            config.capture_dir,
-            TraceHeader(source="capture", start_wall_ns=time.time_ns(),
-                        sidecar_version=__version__, models=tuple(models),
-                        route_policy=config.route_policy.value, slos=config.slo_thresholds(),
-                        text_included=config.capture_text,
-                        notes=capture_key_notes(capture_key_id,
-                                                config.capture_key_file is not None)),
-            compress=config.capture_compress, rotate_bytes=config.capture_rotate_bytes,
-            rotate_s=config.capture_rotate_s, queue_size=config.capture_queue)
-        fanout.add(capture)
-        registry.register(CaptureCollector(capture))
-
-
-@contextlib.contextmanager
-def shutdown_signals() -> Iterator[asyncio.Event]:
-    """An event set on SIGINT or SIGTERM, with the handlers installed for the block's duration
-    (graceful stop: in-flight requests get to finish)."""
-    import signal
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
-            pass
-    try:
-        yield stop
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)
-
-
-async def wait_for_shutdown_signal() -> None:
-    """Return on SIGINT or SIGTERM."""
-    with shutdown_signals() as stop:
-        await stop.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:

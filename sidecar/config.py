@@ -5,18 +5,21 @@ file (``--config FILE``, JSON, or TOML on Python >= 3.11), built-in default. Eve
 one name used in all three places: flag ``--connect-timeout``, env ``SIDECAR_CONNECT_TIMEOUT``,
 file key ``connect_timeout``. Where a flag is named otherwise than its setting (``--upstream``
 fills ``upstreams``), the flag's name works in the environment and the file too (`ALIASES`).
+Each setting is declared once, as a ProxyConfig field made with `setting` (default, kind,
+help); its flag, variable, key and type conversion are derived from that (`SETTINGS`).
 """
 
 from __future__ import annotations
 
+import argparse
 import enum
 import ipaddress
 import json
 import math
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -123,100 +126,328 @@ def normalise_otel_endpoint(url: str) -> str:
     return url.strip().rstrip("/")
 
 
+# The names of sinks/prometheus.py's LATENCY_LAYOUTS (config imports nothing of the package;
+# a test holds the two equal).
+HISTOGRAM_LAYOUTS = ("schema3", "schema4", "e6")
+
+
+# -- the settings: each declared once ---------------------------------------------------------
+#
+# A setting is one field of ProxyConfig, declared with `setting(...)`: its default, its kind
+# (how text from a flag or the environment, or a file's value, becomes its value) and its help.
+# Everything else is derived from that declaration (`SETTINGS`): the flag --<name-with-dashes>
+# (`add_setting_arguments`), the environment variable SIDECAR_<NAME>, the config-file key
+# <name>, the type conversion (`build_config`). Adding a setting is adding a field.
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How a setting's value is read: ``convert(name, raw)`` takes a flag's or the
+    environment's text, or a config file's value, and returns the value or raises ConfigError.
+    The rest shapes its flag."""
+
+    convert: Callable[[str, Any], Any]
+    flag_type: Callable[[str], Any] | None = None  # argparse's type=: refused at parse time
+    choices: tuple[str, ...] | None = None
+    repeated: bool = False  # the flag may be given several times (action="append")
+    switch: bool = False  # the flag takes no value: it sets the opposite of the default
+
+
+def _to_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: not a boolean: {value!r}")
+
+
+def _to_int(name: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: not an integer: {value!r}") from None
+
+
+def _to_histogram_layout(name: str, value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in HISTOGRAM_LAYOUTS:
+        raise ConfigError(f"{name} must be one of {', '.join(HISTOGRAM_LAYOUTS)}: {value!r}")
+    return text
+
+
+def _to_route_policy(name: str, value: Any) -> RoutePolicy:
+    try:
+        return RoutePolicy(str(value))
+    except ValueError:
+        choices = ", ".join(p.value for p in RoutePolicy)
+        raise ConfigError(f"{name} must be one of {choices}: {value!r}") from None
+
+
+def _to_upstreams(name: str, value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(normalise_upstream(str(item)) for item in items if str(item).strip())
+
+
+def _mapping_kind(separator: str) -> Kind:
+    return Kind(lambda name, value: _mapping(name, value, separator), repeated=True)
+
+
+DURATION = Kind(lambda name, value: parse_duration(value))
+BOOL = Kind(_to_bool, switch=True)
+INT = Kind(_to_int, flag_type=int)
+STRING = Kind(lambda name, value: str(value))
+UPSTREAMS = Kind(_to_upstreams, repeated=True)
+ROUTE_POLICY = Kind(_to_route_policy, choices=tuple(p.value for p in RoutePolicy))
+HISTOGRAM_LAYOUT = Kind(_to_histogram_layout, choices=HISTOGRAM_LAYOUTS)
+OTEL_ENDPOINT = Kind(lambda name, value: normalise_otel_endpoint(str(value)))
+# The kind of a setting that names none, by its annotation. Every float setting of the proxy is
+# a duration (given with a unit, held in seconds): a float that is not one declares its kind.
+_KIND_OF_TYPE = {"float": DURATION, "bool": BOOL, "int": INT, "int | None": INT, "str": STRING,
+                 "str | None": STRING}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting's declaration (a ProxyConfig field's metadata; the name is the field's)."""
+
+    kind: Kind | None  # None: from the field's annotation (`_KIND_OF_TYPE`)
+    help: str | None  # None: no flag (the environment and the config file only)
+    flag: str | None = None  # the flag's name when not the setting's (underscores for dashes)
+    metavar: str | None = None
+    # A HOST:PORT flag declared on a host setting: it fills this port setting too.
+    port: str | None = None
+
+
+def setting(default: Any = MISSING, *, help: str | None = None, kind: Kind | None = None,
+            flag: str | None = None, metavar: str | None = None, port: str | None = None,
+            factory: Callable[[], Any] | None = None, repr: bool = True) -> Any:
+    """A ProxyConfig field declared as a setting (`Setting`); ``factory`` for a mutable
+    default."""
+    metadata = {"setting": Setting(kind, help, flag, metavar, port)}
+    if factory is not None:
+        return field(default_factory=factory, repr=repr, metadata=metadata)
+    return field(default=default, repr=repr, metadata=metadata)
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    upstreams: tuple[str, ...]
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 8080
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9464
-    route_policy: RoutePolicy = RoutePolicy.LEAST_OUTSTANDING
-    session_header: str = "X-Session-ID"
-    prefix_block_chars: int = 256  # prefix affinity hashes this many leading prompt characters
-    prefix_block_tokens: int = 64  # ... or this many leading token ids for token-id prompts
+    # The order of the fields is the order of the flags in `sidecar proxy --help`.
+    upstreams: tuple[str, ...] = setting(
+        kind=UPSTREAMS, flag="upstream", metavar="URL",
+        help="a replica's base URL (repeat for several)")
+    listen_host: str = setting(
+        "127.0.0.1", flag="listen", port="listen_port", metavar="HOST:PORT",
+        help="traffic listener [127.0.0.1:8080]")
+    listen_port: int = setting(8080)
+    metrics_host: str = setting(
+        "127.0.0.1", flag="metrics_listen", port="metrics_port", metavar="HOST:PORT",
+        help="admin/metrics listener, never the traffic port [127.0.0.1:9464]")
+    metrics_port: int = setting(9464)
+    route_policy: RoutePolicy = setting(
+        RoutePolicy.LEAST_OUTSTANDING, kind=ROUTE_POLICY,
+        help="how requests are spread over replicas [least_outstanding]")
+    session_header: str = setting(
+        "X-Session-ID", metavar="NAME",
+        help="header naming the session for --route-policy session [X-Session-ID; falls back "
+        "to the body's `user`]")
+    # Prefix affinity hashes this many leading prompt characters, or this many leading token
+    # ids for token-id prompts.
+    prefix_block_chars: int = setting(256)
+    prefix_block_tokens: int = setting(64)
     # Timeouts in seconds; 0 disables one.
-    connect_timeout: float = 5.0
-    ttft_timeout: float = 300.0  # upstream send -> first token-carrying event
-    idle_timeout: float = 60.0  # longest gap between two upstream reads once streaming
+    connect_timeout: float = setting(
+        5.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [5s]")
+    # Upstream send -> first token-carrying event.
+    ttft_timeout: float = setting(
+        300.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [300s]")
+    # The longest gap between two upstream reads once streaming.
+    idle_timeout: float = setting(
+        60.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [60s]")
     # Whole request. A ceiling no real generation reaches (a 64k-token answer at 5 tokens/s
     # takes 3.6 h) that still ends a stream which trickles or never ends.
-    total_timeout: float = 4 * 3600.0
+    total_timeout: float = setting(
+        4 * 3600.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [4h]")
     # A non-streamed generation relayed whole: nothing arrives until the answer is complete,
     # so neither the TTFT nor the idle timeout can tell a silent replica from a long answer.
     # An hour is ~18k tokens at 5 tokens/s on a loaded replica (the total timeout, if shorter,
     # wins).
-    nonstream_timeout: float = 3600.0
+    nonstream_timeout: float = setting(
+        3600.0, metavar="DURATION",
+        help="a non-streamed generation relayed whole must be answered within this (504 after "
+        "it); 0 disables [1h]")
     # Events in one streamed response; each costs the record ~16 bytes. A million is a
     # million-token answer at one token per event: beyond it the stream is cut with an error.
-    max_stream_events: int = 1_000_000
+    max_stream_events: int = setting(
+        1_000_000, metavar="N",
+        help="events in one streamed response; beyond it the stream ends with an error event "
+        "[1000000]")
     # Limits.
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_concurrency: int = 4096  # requests in flight through the proxy; excess gets 429
-    max_event_bytes: int = 4 * 1024 * 1024  # one SSE event; larger is a malformed upstream
+    max_body_bytes: int = setting(
+        16 * 1024 * 1024, metavar="N", help="larger request bodies get 413 [16 MiB]")
+    max_concurrency: int = setting(
+        4096, metavar="N", help="requests in flight beyond this get 429 [4096]")
+    max_event_bytes: int = setting(4 * 1024 * 1024)  # one SSE event; larger: a bad upstream
     # The traffic listener's connection hygiene (proxy/listener.py); 0 disables a timeout.
-    header_timeout: float = 10.0  # a request's head must be complete this long after it began
-    body_timeout: float = 60.0  # ... and its body this long after the head
-    keepalive_timeout: float = 60.0  # an idle keep-alive client connection closes after this
-    max_connections: int = 0  # client connections (next: 503); 0 = from the open-files limit
-    max_header_count: int = 100  # request headers (more: 431)
-    max_header_bytes: int = 60 * 1024  # request line + headers (more: 431); Envoy's default
+    header_timeout: float = setting(
+        10.0, metavar="DURATION",
+        help="a request's head must be complete this long after it began (else 408); "
+        "0 disables [10s]")
+    body_timeout: float = setting(
+        60.0, metavar="DURATION",
+        help="a request's body must be complete this long after its head (else 408); "
+        "0 disables [60s]")
+    keepalive_timeout: float = setting(
+        60.0, metavar="DURATION",
+        help="an idle keep-alive client connection closes after this; 0 disables [60s]")
+    max_connections: int = setting(
+        0, metavar="N",
+        help="client connections on the traffic port; the next gets 503 [0: half the "
+        "open-files limit, raised to its hard limit at start]")
+    max_header_count: int = setting(
+        100, metavar="N", help="request headers beyond this get 431 [100]")
+    # Request line + headers; Envoy's default.
+    max_header_bytes: int = setting(
+        60 * 1024, metavar="N", help="request line + headers beyond this get 431 [60 KiB]")
     # Behaviour.
-    inject_usage: bool = True  # ask the upstream for (continuous) usage, strip what we added
-    assemble_nonstream: bool = False  # stream from the upstream for non-streaming clients
-    retry_connect: int = 1  # other replicas to try when connecting fails (before any byte)
-    health_interval: float = 5.0  # active health checks (GET /health); 0 disables
-    health_timeout: float = 2.0
-    eject_after: int = 2  # consecutive failures (health or connect) that eject a replica
-    window_s: float = 60.0  # live statistics window
-    window_max_records: int = 100_000  # bound on the live window, whatever the traffic
+    # Ask the upstream for (continuous) usage, strip what we added.
+    inject_usage: bool = setting(
+        True, flag="no_inject_usage",
+        help="do not ask the upstream for per-chunk usage (token counts per event become "
+        "estimates)")
+    assemble_nonstream: bool = setting(
+        False,
+        help="stream from the upstream for non-streaming clients, so the server side gets "
+        "TTFT/ITL; the client still gets one JSON body")
+    # Other replicas to try when connecting fails (before any byte).
+    retry_connect: int = setting(
+        1, metavar="N", help="other replicas to try when connecting fails [1]")
+    health_interval: float = setting(
+        5.0, metavar="DURATION",
+        help="active health checks (GET /health); 0 disables [5s]")
+    health_timeout: float = setting(2.0)
+    # Consecutive failures (health or connect) that eject a replica.
+    eject_after: int = setting(
+        2, metavar="N", help="consecutive failures that eject a replica [2]")
+    window_s: float = setting(
+        60.0, flag="window", metavar="DURATION", help="live statistics window [60s]")
+    window_max_records: int = setting(100_000)  # bound on the live window, whatever the traffic
     # ... and on its memory (records of long streams are large: ~8 KiB at 256 tokens)
-    window_max_bytes: int = 256 * 1024 * 1024
-    log_requests: bool = False  # one log line per request (no text, no credentials)
+    window_max_bytes: int = setting(
+        256 * 1024 * 1024, metavar="N",
+        help="memory bound of the live window: the oldest records go first, counted in /stats "
+        "as evicted_over_cap [268435456, 256 MiB]")
     # SLOs: the default class ("ttft=500ms,tpot=50ms"), named classes (name -> spec), and how a
     # request picks its class: a header naming the class, else its model, else "default".
-    slo: str | None = None
-    slo_classes: Mapping[str, str] = field(default_factory=dict)
-    slo_class_header: str | None = None
-    slo_model_classes: Mapping[str, str] = field(default_factory=dict)
+    slo: str | None = setting(
+        None, metavar="SPEC", help="the default SLO class, e.g. ttft=500ms,tpot=50ms,e2e=20s")
+    slo_classes: Mapping[str, str] = setting(
+        factory=dict, kind=_mapping_kind(":"), flag="slo_class", metavar="NAME:SPEC",
+        help="a named SLO class, e.g. interactive:ttft=200ms,tpot=30ms (repeat)")
+    slo_class_header: str | None = setting(
+        None, metavar="NAME",
+        help="request header whose value names the SLO class (e.g. X-Priority)")
+    slo_model_classes: Mapping[str, str] = setting(
+        factory=dict, kind=_mapping_kind("="), flag="slo_model_class", metavar="MODEL=CLASS",
+        help="SLO class of a model's requests (repeat)")
     # Export.
-    otel_endpoint: str | None = None
-    otel_exponential_histograms: bool = False
-    otel_traces: bool = False
-    otel_provider_name: str = "vllm"
-    otel_export_interval: float = 10.0
-    otel_server_chunks: bool = False  # also export server-side per-chunk gaps (doubles cost)
-    label_cap: int = 64  # distinct values per metric label (model, replica) before "other"
+    otel_endpoint: str | None = setting(
+        None, kind=OTEL_ENDPOINT, metavar="URL",
+        help="OTLP/HTTP endpoint for metrics (default: OTEL_EXPORTER_OTLP_ENDPOINT when set; no "
+        "OpenTelemetry export otherwise)")
+    otel_exponential_histograms: bool = setting(
+        False,
+        help="export base-2 exponential histograms instead of the conventions' explicit "
+        "buckets")
+    otel_traces: bool = setting(False, help="also export one span per request (OTLP/HTTP)")
+    otel_provider_name: str = setting(
+        "vllm", metavar="NAME", help="gen_ai.provider.name attribute [vllm]")
+    otel_export_interval: float = setting(
+        10.0, metavar="DURATION", help="OpenTelemetry metric export interval [10s]")
+    # Also export server-side per-chunk gaps (doubles the cost).
+    otel_server_chunks: bool = setting(
+        False,
+        help="also export server-side per-chunk gaps (sidecar.server.time_per_output_chunk; "
+        "doubles the per-chunk cost)")
+    # Distinct values per metric label (model, replica) before "other".
+    label_cap: int = setting(
+        64, metavar="N", help="distinct model/replica label values before 'other' [64]")
     # Latency histogram bounds (sinks/prometheus.py LATENCY_LAYOUTS): schema3 keeps the
     # dashboards' percentiles within 9.2 % of the exact ones (benchmarks/RESULTS.md).
-    histogram_buckets: str = "schema3"
-    # Bearer token the admin listener requires (except the probes /healthz and /readyz); None =
-    # open admin listener.
-    admin_token: str | None = field(default=None, repr=False)
-    # An admin listener on a non-loopback address without a token is refused unless this is set
-    # (the network in front of it, e.g. a NetworkPolicy, is then what keeps strangers out).
-    allow_open_admin: bool = False
+    histogram_buckets: str = setting(
+        "schema3", kind=HISTOGRAM_LAYOUT,
+        help="latency histogram bounds: schema3 = 2^(1/8) apart, 191 series per histogram, "
+        "dashboard percentiles within 9.2 %% [default]; schema4 = 2^(1/16), 377 series, "
+        "4.5 %%; e6 = 1, 1.5, 2.2, 3.3, 4.7, 6.8 per decade, 46 series, up to 50 %% "
+        "(docs/metrics.md)")
+    # Upstream /metrics scrapes for the engine view; 0 = off.
+    engine_scrape_interval: float = setting(
+        15.0, metavar="DURATION",
+        help="scrape each upstream's /metrics for the engine view; 0 disables [15s]")
     # Capture (traces of the traffic). Text (bodies, completions) only with capture_text.
-    capture_dir: str | None = None
-    capture_text: bool = False
-    capture_compress: bool = False
-    capture_rotate_bytes: int = 256 * 1024 * 1024
-    capture_rotate_s: float = 3600.0
-    capture_queue: int = 10_000
-    capture_block_chars: int = 256
-    capture_block_tokens: int = 64
+    capture_dir: str | None = setting(
+        None, flag="capture", metavar="DIR",
+        help="write every chat/completions request to trace files in DIR (shapes, lengths, "
+        "prefix hashes, timings; no text)")
     # A key shared by every sidecar of a fleet (a mounted Secret): their prefix hashes and
     # session pseudonyms then agree, so their captures can be merged. Default: a random key
     # per process, never written anywhere.
-    capture_key_file: str | None = None
-    engine_scrape_interval: float = 15.0  # upstream /metrics scrapes for the engine view; 0=off
+    capture_key_file: str | None = setting(
+        None, metavar="FILE",
+        help="key for the capture's prefix hashes and session pseudonyms, shared by a fleet "
+        "(a mounted Secret, >= 16 bytes) so that its pods' captures can be merged [a random "
+        "key per process]")
+    capture_text: bool = setting(
+        False,
+        help="OPT-IN: also store request bodies, completion text and session ids as sent in "
+        "the capture (without it ids are keyed pseudonyms; prompts are user data: mind where "
+        "the files go)")
+    capture_compress: bool = setting(False, help="gzip the capture files")
+    capture_rotate_bytes: int = setting(
+        256 * 1024 * 1024, metavar="N",
+        help="start a new capture file after N bytes [256 MiB]")
+    capture_rotate_s: float = setting(
+        3600.0, metavar="DURATION", help="start a new capture file after this long [1h]")
+    capture_queue: int = setting(
+        10_000, metavar="N",
+        help="records waiting for the writer before new ones are dropped (and counted) "
+        "[10000]")
+    capture_block_chars: int = setting(256)
+    capture_block_tokens: int = setting(64)
+    # Bearer token the admin listener requires (except the probes /healthz and /readyz); None =
+    # open admin listener.
+    admin_token: str | None = setting(
+        None, repr=False, metavar="TOKEN",
+        help="require 'Authorization: Bearer TOKEN' on the admin listener (the probes /healthz "
+        "and /readyz excepted); prefer SIDECAR_ADMIN_TOKEN over the flag, which other local "
+        "users can see in the process list")
+    # An admin listener on a non-loopback address without a token is refused unless this is set
+    # (the network in front of it, e.g. a NetworkPolicy, is then what keeps strangers out).
+    allow_open_admin: bool = setting(
+        False,
+        help="serve the admin listener on a non-loopback address without --admin-token "
+        "(refused otherwise: /metrics, /stats and /replicas would be open to whoever reaches "
+        "it); for networks that already restrict it")
+    # One log line per request (no text, no credentials).
+    log_requests: bool = setting(
+        False, help="log one line per request (ids, outcome, counts; never text)")
     # Processes: `sidecar proxy` runs this many worker processes sharing the traffic port
     # (SO_REUSEPORT), each a whole data plane, and one collector process that owns the sinks
     # and the admin listener (docs/workers.md). None: the CPUs this process may use
     # (`default_workers`). 0: everything in one process, as `ProxyServer` always does.
-    workers: int | None = None
+    workers: int | None = setting(
+        None, metavar="N",
+        help="worker processes sharing the traffic port, each relaying on its own core, beside "
+        "one collector process that serves the admin listener and the sinks; 0 runs "
+        "everything in one process [the CPUs this process may use]")
     # Bytes of finished records a worker lets wait for the collector before it drops (and
     # counts) new ones instead: the channel never blocks traffic.
-    channel_buffer_bytes: int = 8 * 1024 * 1024
+    channel_buffer_bytes: int = setting(
+        8 * 1024 * 1024, metavar="N",
+        help="records a worker lets wait for the collector before it drops (and counts) new "
+        "ones rather than wait [8388608, 8 MiB]")
 
     def slo_thresholds(self) -> dict[str, dict[str, float]]:
         """SLO class name -> {metric: seconds}; empty when no SLO was declared."""
@@ -346,73 +577,78 @@ def _slo_specs(config: ProxyConfig) -> dict[str, SLOSpec]:
     return classes
 
 
-_DURATIONS = {"connect_timeout", "ttft_timeout", "idle_timeout", "total_timeout",
-              "nonstream_timeout",
-              "health_interval", "health_timeout", "window_s", "engine_scrape_interval",
-              "capture_rotate_s", "otel_export_interval", "header_timeout", "body_timeout",
-              "keepalive_timeout"}
-_BOOLS = {"inject_usage", "assemble_nonstream", "log_requests", "otel_exponential_histograms",
-          "otel_traces", "capture_text", "capture_compress", "otel_server_chunks",
-          "allow_open_admin"}
-_INTS = {"max_body_bytes", "max_concurrency", "max_event_bytes", "retry_connect", "eject_after",
-         "max_stream_events",
-         "window_max_records", "window_max_bytes", "prefix_block_chars", "prefix_block_tokens",
-         "label_cap", "workers", "channel_buffer_bytes", "max_connections", "max_header_count",
-         "max_header_bytes",
-         "capture_rotate_bytes", "capture_queue", "capture_block_chars", "capture_block_tokens"}
-_MAPPINGS = {"slo_classes": ":", "slo_model_classes": "="}
-# "listen" and "metrics_listen" are HOST:PORT shorthands for the host/port pairs.
-SETTING_NAMES = tuple(f.name for f in fields(ProxyConfig) if f.name != "extra") + (
-    "listen",
-    "metrics_listen",
-)
+def _declared_settings(settings_class: Any = ProxyConfig) -> dict[str, Setting]:
+    """Each field's declaration (`setting`), its kind resolved; a field declared otherwise is
+    refused rather than left without its flag, variable and key."""
+    out: dict[str, Setting] = {}
+    for item in fields(settings_class):
+        where = f"{settings_class.__name__}.{item.name}"
+        declared = item.metadata.get("setting")
+        if declared is None:
+            raise TypeError(f"{where} is not declared with setting()")
+        kind = declared.kind or _KIND_OF_TYPE.get(str(item.type))
+        if kind is None:
+            raise TypeError(f"{where}: no kind for {item.type}: declare kind=")
+        out[item.name] = replace(declared, kind=kind)
+    return out
+
+
+SETTINGS = _declared_settings()
+
+
+def _kind(name: str) -> Kind:
+    kind = SETTINGS[name].kind
+    assert kind is not None  # resolved by _declared_settings
+    return kind
+
+
+# HOST:PORT flags ("listen", "metrics_listen") -> the host and port settings they fill.
+HOSTPORTS = {declared.flag or name: (name, declared.port) for name, declared in SETTINGS.items()
+             if declared.port is not None}
+SETTING_NAMES = (*SETTINGS, *HOSTPORTS)
 # Settings whose flag is named otherwise (--upstream fills `upstreams`): the flag's name is
 # accepted in the environment (SIDECAR_UPSTREAM) and the config file too, where it used to be
-# ignored or refused although the help shows it.
-ALIASES = {"upstream": "upstreams", "slo_class": "slo_classes",
-           "slo_model_class": "slo_model_classes", "window": "window_s",
-           "capture": "capture_dir"}
+# ignored or refused although the help shows it. Not a switch's name: --no-inject-usage says
+# the opposite of its setting.
+ALIASES = {declared.flag: name for name, declared in SETTINGS.items()
+           if declared.flag and declared.port is None and not _kind(name).switch}
+
+
+def _flag_dest(name: str) -> str:
+    return SETTINGS[name].flag or name if SETTINGS[name].port else name
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """A flag for every setting declared with help, in ProxyConfig's order. Every default is
+    None: an absent flag lets the environment or the config file decide (`build_config`)."""
+    for name, declared in SETTINGS.items():
+        if declared.help is None:
+            continue
+        kind = _kind(name)
+        options: dict[str, Any] = {"dest": _flag_dest(name), "help": declared.help}
+        if kind.switch:
+            default = next(f.default for f in fields(ProxyConfig) if f.name == name)
+            options.update(action="store_const", const=not default)
+        else:
+            if kind.repeated:
+                options["action"] = "append"
+            if kind.flag_type is not None:
+                options["type"] = kind.flag_type
+            if kind.choices is not None:
+                options["choices"] = kind.choices
+            if declared.metavar is not None:
+                options["metavar"] = declared.metavar
+        parser.add_argument("--" + (declared.flag or name).replace("_", "-"), **options)
+
+
+def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of `add_setting_arguments` as `build_config`'s ``flags`` (None: not given)."""
+    return {_flag_dest(name): getattr(args, _flag_dest(name), None)
+            for name, declared in SETTINGS.items() if declared.help is not None}
 
 
 def _coerce(name: str, value: Any) -> Any:
-    if name in _DURATIONS:
-        return parse_duration(value)
-    if name in _BOOLS:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name}: not a boolean: {value!r}")
-    if name in _INTS:
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}: not an integer: {value!r}") from None
-    if name == "histogram_buckets":
-        text = str(value).strip().lower()
-        if text not in HISTOGRAM_LAYOUTS:
-            raise ConfigError(f"histogram_buckets must be one of {', '.join(HISTOGRAM_LAYOUTS)}"
-                              f": {value!r}")
-        return text
-    if name == "route_policy":
-        try:
-            return RoutePolicy(str(value))
-        except ValueError:
-            choices = ", ".join(p.value for p in RoutePolicy)
-            raise ConfigError(f"route_policy must be one of {choices}: {value!r}") from None
-    if name == "upstreams":
-        items = value.split(",") if isinstance(value, str) else list(value)
-        return tuple(normalise_upstream(str(item)) for item in items if str(item).strip())
-    if name == "otel_endpoint":
-        return normalise_otel_endpoint(str(value))
-    if name == "listen_port" or name == "metrics_port":
-        return int(value)
-    if name in _MAPPINGS:
-        return _mapping(name, value, _MAPPINGS[name])
-    return str(value)
+    return _kind(name).convert(name, value)
 
 
 def _mapping(name: str, value: Any, separator: str) -> dict[str, str]:
@@ -491,8 +727,7 @@ def build_config(
         if isinstance(value, (list, tuple)) and not value:
             continue
         merged[name] = value
-    for hostport, host_key, port_key in (("listen", "listen_host", "listen_port"),
-                                         ("metrics_listen", "metrics_host", "metrics_port")):
+    for hostport, (host_key, port_key) in HOSTPORTS.items():
         raw = merged.pop(hostport, None)
         if raw is not None:
             merged[host_key], merged[port_key] = parse_hostport(str(raw))
@@ -551,9 +786,6 @@ PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2e")
 # Other spellings taken for compatibility: vllm bench names E2E "e2el" (and so did `sidecar
 # sweep --slo`).
 SLO_METRIC_ALIASES = {"e2el": "e2e"}
-# The names of sinks/prometheus.py's LATENCY_LAYOUTS (config imports nothing of the package;
-# a test holds the two equal).
-HISTOGRAM_LAYOUTS = ("schema3", "schema4", "e6")
 # What a class may leave out of its denominator: stats.SLO_EXCLUSIONS (config imports nothing
 # of the package; a test holds the two equal).
 SLO_EXCLUSION_NAMES = ("client_error", "client_cancelled")

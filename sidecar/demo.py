@@ -21,7 +21,6 @@ from typing import Any, TextIO
 import aiohttp
 
 from sidecar import stats
-from sidecar.cli import build_proxy_server, wait_for_shutdown_signal
 from sidecar.config import (
     ConfigError,
     ProxyConfig,
@@ -32,7 +31,10 @@ from sidecar.config import (
 from sidecar.realvllm import RealVLLMError, start_server
 from sidecar.realvllm.server import free_port
 from sidecar.record import RequestRecord, Vantage
+from sidecar.replay import load as replay_load
 from sidecar.replay import replay_cli
+from sidecar.replay.options import ReplayOptions
+from sidecar.serve import build_proxy_server, wait_for_shutdown_signal
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceReader
@@ -206,15 +208,13 @@ async def replay_capture(upstreams: list[str], args: argparse.Namespace,
     if not files:
         print("\nno capture to replay", file=out)
         return None
-    parser = argparse.ArgumentParser()
-    replay_cli.add_arguments(parser)
     server, _window = build_proxy_server(_proxy_config(upstreams, args, None))
     everything = RecordList()
     server.proxy.fanout.add(everything)
     await server.start()
     try:
-        replay_args = parser.parse_args([str(files[0]), "--target", server.url, "--repeats",
-                                         "1", "--no-progress", "--seed", str(args.seed)])
+        options = ReplayOptions(trace=str(files[0]), target=server.url, repeats=1, quiet=True,
+                                seed=args.seed)
         requests = TraceReader(files[0]).requests()
         print(f"\nreplaying {len(requests)} captured requests from {files[0]} "
               "(open loop, their own arrival times) ...", file=out, flush=True)
@@ -222,9 +222,8 @@ async def replay_capture(upstreams: list[str], args: argparse.Namespace,
             # Chat prompts are rebuilt as text: calibrate words to tokens on the target.
             calibration = await replay_cli.calibrate(session, server.url, args.model)
             token_ids = await replay_cli.probe_token_ids(session, server.url, args.model)
-        plan, mode = replay_cli.make_plan(requests, replay_args, args.model, calibration,
-                                          token_ids)
-        await replay_cli.execute(plan, server.url, mode, None, 1, replay_args, quiet=True)
+        plan = replay_load.plan(requests, options, args.model, calibration, token_ids)
+        await replay_load.run(plan, options, quiet=True)
     finally:
         await server.close()
     return everything.records

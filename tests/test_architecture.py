@@ -31,6 +31,9 @@ ALLOWED: dict[str, set[str]] = {
                "meter"},
     "sim": {"protocol"},
     "demo": {"*"},
+    # The proxy built with its sinks wired (build_proxy_server, build_collector), for the
+    # commands (cli, demo), the tests and scripts alike: no command lives there.
+    "serve": {"config", "hooks", "proxy", "sinks", "stats", "tracefile"},
     # A real vLLM in a venv of its own, driven through subprocesses (docs/real-vllm.md).
     "realvllm": set(),
 }

@@ -4,41 +4,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
-import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
-from sidecar import clock
 from sidecar.config import ConfigError, parse_duration, parse_hostport, parse_slo_spec
 from sidecar.engine_metrics import parse_engine_metrics
-from sidecar.record import RequestRecord
-from sidecar.replay import llmd
+from sidecar.replay import llmd, load
 from sidecar.replay.live import MetricsServer, ReplayCounters
+from sidecar.replay.options import ReplayOptions, UsageError
 from sidecar.replay.payload import (
     DEFAULT_TOKEN_IDS,
     WORDS,
     PayloadError,
     TokenCalibration,
     TokenIds,
-    build_body,
     parse_token_id_range,
     text_prompt,
 )
 from sidecar.replay.peers import peer_report, vllm_bench_counters, vllm_bench_json
-from sidecar.replay.progress import Counts, ProgressDisplay
 from sidecar.replay.report import (
     DEFAULT_MAX_LATENESS_MS,
     console_table,
@@ -46,8 +39,7 @@ from sidecar.replay.report import (
     median_run,
     run_report,
 )
-from sidecar.replay.runner import PlannedRequest, Sender, SentRequest, closed_loop, open_loop
-from sidecar.replay.schedule import gamma_schedule, trace_schedule
+from sidecar.replay.runner import PlannedRequest, SentRequest
 from sidecar.stats import SLO, SLOPolicy
 from sidecar.tracefile import (
     TraceFormatError,
@@ -158,10 +150,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "results.observability.vllm_sidecar")
 
 
-class UsageError(Exception):
-    pass
-
-
 def max_lateness_ms(text: str) -> float | None:
     """--max-lateness as milliseconds; None for `off`."""
     if text.strip().lower() == "off":
@@ -244,7 +232,6 @@ def check_writable(directory: str | None = None, files: Sequence[str | None] = (
     """Before the first request: the output directory can be made and written, and each output
     file's folder exists and is writable (a run of hours must not end in 'No such file').
     Raises UsageError naming the path and the cause."""
-    import tempfile
 
     targets = [Path(directory)] if directory else []
     for file in files:
@@ -261,76 +248,80 @@ def check_writable(directory: str | None = None, files: Sequence[str | None] = (
 
 
 async def _run(args: argparse.Namespace) -> int:
-    if args.repeats < 1 or args.workers < 1:
+    options = ReplayOptions.from_namespace(args)
+    if options.repeats < 1 or options.workers < 1:
         raise UsageError("--repeats and --workers must be >= 1")
-    check_writable(args.output_dir, (args.export_vllm_bench, args.export_llmd))
-    if args.max_concurrency is not None and args.workers > 1:
+    check_writable(options.output_dir, (options.export_vllm_bench, options.export_llmd))
+    if options.max_concurrency is not None and options.workers > 1:
         raise UsageError("--workers applies to open loop only")
-    if not 0 <= args.shard_index < args.shard_count:
+    if not 0 <= options.shard_index < options.shard_count:
         raise UsageError("need 0 <= --shard-index < --shard-count")
-    if args.start_at is not None and args.repeats != 1:
+    if options.start_at is not None and options.repeats != 1:
         raise UsageError("--start-at fixes one common instant: use it with --repeats 1")
     try:
-        args.max_lateness_ms = max_lateness_ms(args.max_lateness)
-        linger_s = parse_duration(args.metrics_linger)
-        metrics_address = parse_hostport(args.metrics_listen) if args.metrics_listen else None
+        lateness_ms = max_lateness_ms(options.max_lateness)
+        linger_s = parse_duration(options.metrics_linger)
+        metrics_address = parse_hostport(options.metrics_listen) if options.metrics_listen else None
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    reader = TraceReader(args.trace)
+    reader = TraceReader(options.trace)
     lines = list(reader.numbered())
-    sendable, skipped = split_replayable(lines, use_captured_body=not args.no_captured_bodies)
+    sendable, skipped = split_replayable(lines, use_captured_body=not options.no_captured_bodies)
     if lines and not sendable:
-        raise UsageError(f"{args.trace}: none of its {len(lines)} request lines can be "
+        raise UsageError(f"{options.trace}: none of its {len(lines)} request lines can be "
                          f"replayed: {skipped_examples(skipped)}; `sidecar trace lint "
-                         f"{args.trace}` lists them")
+                         f"{options.trace}` lists them")
     if skipped:
-        print(f"sidecar replay: {skipped_summary(skipped, len(lines), args.trace)}",
+        print(f"sidecar replay: {skipped_summary(skipped, len(lines), options.trace)}",
               file=sys.stderr)
     requests = sorted(sendable, key=lambda r: r.t)
-    args.trace_origin = requests[0].t if requests else 0.0
-    if args.limit is not None:
-        requests = requests[: args.limit]
-    if args.shard_count > 1:
+    trace_origin = requests[0].t if requests else 0.0
+    if options.limit is not None:
+        requests = requests[: options.limit]
+    if options.shard_count > 1:
         # Round-robin in arrival order: each shard keeps the trace's time span and shape.
-        requests = requests[args.shard_index:: args.shard_count]
+        requests = requests[options.shard_index:: options.shard_count]
     if not requests:
-        raise UsageError(f"{args.trace}: no requests to replay")
+        raise UsageError(f"{options.trace}: no requests to replay")
     slo_policy = None
-    if args.slo:
-        slo_policy = SLOPolicy({"default": SLO(**parse_slo_spec(args.slo).slo_arguments())})
-    target = checked_target(args.target)
+    if options.slo:
+        slo_policy = SLOPolicy({"default": SLO(**parse_slo_spec(options.slo).slo_arguments())})
+    target = checked_target(options.target)
+    options = replace(options, target=target)
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        model = args.model or _trace_model(requests) or await first_model(session, target)
+        model = options.model or _trace_model(requests) or await first_model(session, target)
         if model is None:
             raise UsageError("no model: pass --model (the target's /v1/models was empty)")
-        needs_text = args.endpoint == "chat" or any(
-            r.endpoint == "chat" and (r.body is None or args.no_captured_bodies)
+        needs_text = options.endpoint == "chat" or any(
+            r.endpoint == "chat" and (r.body is None or options.no_captured_bodies)
             for r in requests)
         calibration = await calibrate(session, target, model) if needs_text else None
         token_ids = DEFAULT_TOKEN_IDS
-        if args.token_id_range:
+        if options.token_id_range:
             try:
-                token_ids = parse_token_id_range(args.token_id_range)
+                token_ids = parse_token_id_range(options.token_id_range)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
-        elif needs_token_ids(requests, args):
+        elif load.needs_token_ids(requests, options):
             token_ids = await probe_token_ids(session, target, model)
         version = await engine_version(session, target)
         engine_before = await scrape_engine(session, target)
-    plan, mode = make_plan(requests, args, model, calibration, token_ids)
-    warmup = plan[: args.warmup] if args.warmup else []
+    plan = load.plan(requests, options, model, calibration, token_ids,
+                     trace_origin=trace_origin)
+    mode = plan.mode
+    warmup = plan.requests[: options.warmup] if options.warmup else []
     envelope = {
-        "trace": str(args.trace), "trace_source": reader.header.source,
-        "requests": len(plan), "model": model, "target": target, "engine_version": version,
+        "trace": str(options.trace), "trace_source": reader.header.source,
+        "requests": len(plan.requests), "model": model, "target": target, "engine_version": version,
         "mode": mode,
-        "time_scale": args.time_scale if args.rate is None else None,
-        "rate": args.rate, "burstiness": args.burstiness if args.rate else None,
-        "max_concurrency": args.max_concurrency, "warmup": len(warmup),
-        "repeats": args.repeats, "workers": args.workers,
+        "time_scale": options.time_scale if options.rate is None else None,
+        "rate": options.rate, "burstiness": options.burstiness if options.rate else None,
+        "max_concurrency": options.max_concurrency, "warmup": len(warmup),
+        "repeats": options.repeats, "workers": options.workers,
         # One sender's share of a sharded replay, and the start all shards share (merge).
-        "shard": {"index": args.shard_index, "count": args.shard_count},
-        "start_at": args.start_at, "slo": args.slo,
+        "shard": {"index": options.shard_index, "count": options.shard_count},
+        "start_at": options.start_at, "slo": options.slo,
         "input_tokens_requested": lengths_summary([r.n_in for r in requests]),
         "output_tokens_requested": lengths_summary([r.n_out for r in requests]),
         "prompt_text_calibration": None if calibration is None else {
@@ -346,7 +337,7 @@ async def _run(args: argparse.Namespace) -> int:
     if metrics_address is not None:
         counters = ReplayCounters()
         host, port = metrics_address
-        metrics = MetricsServer(counters, str(args.shard_index), host, port)
+        metrics = MetricsServer(counters, str(options.shard_index), host, port)
         try:
             print(f"metrics on {await metrics.start()}", file=sys.stderr, flush=True)
         except OSError as exc:
@@ -356,8 +347,11 @@ async def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot listen on {host}:{port} (--metrics-listen): "
                              f"{cause or exc}") from None
     try:
-        return await _replay(args, plan, mode, target, envelope, requests, engine_before,
-                             slo_policy, counters)
+        # The llm-d report's native arguments: the command line as parsed, and what was
+        # derived from it (as earlier reports have them).
+        native = {**vars(args), "max_lateness_ms": lateness_ms, "trace_origin": trace_origin}
+        return await _replay(options, plan, envelope, requests, engine_before, slo_policy,
+                             counters, lateness_ms, native)
     finally:
         if metrics is not None:
             try:
@@ -366,26 +360,28 @@ async def _run(args: argparse.Namespace) -> int:
                 await metrics.close()
 
 
-async def _replay(args: argparse.Namespace, plan: list[PlannedRequest], mode: str, target: str,
-                  envelope: dict[str, Any], requests: list[TraceRequest],
-                  engine_before: dict[str, Any] | None, slo_policy: SLOPolicy | None,
-                  counters: ReplayCounters | None) -> int:
-    warmup = plan[: args.warmup] if args.warmup else []
+async def _replay(options: ReplayOptions, plan: load.Plan, envelope: dict[str, Any],
+                  requests: list[TraceRequest], engine_before: dict[str, Any] | None,
+                  slo_policy: SLOPolicy | None, counters: ReplayCounters | None,
+                  lateness_ms: float | None, native_args: dict[str, Any]) -> int:
+    target, mode = options.target, plan.mode
+    warmup = plan.requests[: options.warmup] if options.warmup else []
     timeout = aiohttp.ClientTimeout(total=10)
     if warmup:
-        await execute(warmup, target, "closed", min(8, len(warmup)), 1, args, quiet=True)
+        await load.run(load.Plan(warmup, "closed"), options, concurrency=min(8, len(warmup)),
+                       workers=1, quiet=True)
     reports: list[dict[str, Any]] = []
     runs: list[list[SentRequest]] = []
     # The target's speculative-decoding / diffusion counters around each run, for the export
     # (vllm bench reads them around its run); only when one is asked for.
     server: list[tuple[dict[str, Any] | None, dict[str, Any] | None]] = []
-    for repeat in range(args.repeats):
+    for repeat in range(options.repeats):
         if counters is not None:
-            counters.start_run(repeat + 1, len(plan))
-        before = await server_counters(target) if args.export_vllm_bench else None
-        sent = await execute(plan, target, mode, args.max_concurrency, args.workers, args,
-                             label=f"run {repeat + 1}/{args.repeats}", counters=counters)
-        after = await server_counters(target) if args.export_vllm_bench else None
+            counters.start_run(repeat + 1, len(plan.requests))
+        before = await server_counters(target) if options.export_vllm_bench else None
+        sent = await load.run(plan, options, label=f"run {repeat + 1}/{options.repeats}",
+                              counters=counters)
+        after = await server_counters(target) if options.export_vllm_bench else None
         server.append((before, after))
         runs.append(sent)
         reports.append(run_report(sent, mode=mode, slo_policy=slo_policy))
@@ -399,21 +395,22 @@ async def _replay(args: argparse.Namespace, plan: list[PlannedRequest], mode: st
     result["envelope"] = envelope
     result["median_run"] = chosen
     result["runs"] = reports
-    mark_degraded(result, getattr(args, "max_lateness_ms", DEFAULT_MAX_LATENESS_MS))
+    mark_degraded(result, lateness_ms)
     chosen_records = [s.record for s in runs[chosen]]
-    if args.peer_definitions:
+    if options.peer_definitions:
         result["peer_definitions"] = peer_report(chosen_records)
-    if args.export_vllm_bench:
-        planned = {p.index: r.n_in for p, r in zip(plan, requests, strict=True)}
+    if options.export_vllm_bench:
+        planned = {p.index: r.n_in for p, r in zip(plan.requests, requests, strict=True)}
         exported = vllm_bench_json(result, runs[chosen], requested_input=planned,
                                    server=server[chosen])
-        Path(args.export_vllm_bench).write_text(json.dumps(exported, indent=2, default=str))
-    if args.export_llmd:
-        br = llmd_report(result, runs[chosen], requests, args, slo_policy)
-        Path(args.export_llmd).write_text(json.dumps(br, indent=2))
+        Path(options.export_vllm_bench).write_text(json.dumps(exported, indent=2, default=str))
+    if options.export_llmd:
+        br = llmd_report(result, runs[chosen], requests, options, slo_policy,
+                         native_args=native_args)
+        Path(options.export_llmd).write_text(json.dumps(br, indent=2))
     # Files first: a closed stdout (`| head`) must not cost the run's results.
-    if args.output_dir:
-        out = Path(args.output_dir)
+    if options.output_dir:
+        out = Path(options.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(result, indent=2, default=str))
         for i, sent in enumerate(runs):
@@ -423,8 +420,8 @@ async def _replay(args: argparse.Namespace, plan: list[PlannedRequest], mode: st
                             "actual_ns": s.actual_ns, "record": s.record.to_dict()}
                     handle.write(json.dumps(line) + "\n")
     print(console_table(result))
-    if args.output_dir:
-        print(f"report: {Path(args.output_dir) / 'report.json'}")
+    if options.output_dir:
+        print(f"report: {Path(options.output_dir) / 'report.json'}")
     if not any(s.record.ok for sent in runs for s in sent):
         causes = Counter(s.record.error_type or s.record.outcome.value
                          for sent in runs for s in sent)
@@ -439,18 +436,20 @@ MEASURED_ENVELOPE_KEYS = frozenset({"engine_before", "engine_after", "engine_del
 
 
 def llmd_report(result: dict[str, Any], sent: Sequence[SentRequest],
-                requests: Sequence[TraceRequest], args: argparse.Namespace,
-                slo_policy: SLOPolicy | None) -> dict[str, Any]:
-    """The reported (median) run as an llm-d benchmark report, schema v0.2."""
+                requests: Sequence[TraceRequest], options: ReplayOptions,
+                slo_policy: SLOPolicy | None, *,
+                native_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The reported (median) run as an llm-d benchmark report, schema v0.2. ``native_args``:
+    the arguments as the tool was given them [the options']."""
     envelope = result["envelope"]
     engine_before = envelope.get("engine_before") or {}
     workload = llmd.Workload(
         input_lengths=[r.n_in for r in requests], output_lengths=[r.n_out for r in requests],
-        sampled=uses_captured_bodies(requests, args),
-        rate_qps=args.rate if args.max_concurrency is None else None,
-        concurrency=args.max_concurrency,
+        sampled=uses_captured_bodies(requests, options),
+        rate_qps=options.rate if options.max_concurrency is None else None,
+        concurrency=options.max_concurrency,
         description=f"sidecar replay of {envelope['trace']} ({envelope['mode']} loop)",
-        args=llmd.native_args(vars(args)),
+        args=llmd.native_args(vars(options) if native_args is None else native_args),
         config={k: v for k, v in envelope.items() if k not in MEASURED_ENVELOPE_KEYS})
     target = llmd.component(
         "target", engine_before.get("flavour") or "unknown", envelope.get("engine_version"),
@@ -463,9 +462,10 @@ def llmd_report(result: dict[str, Any], sent: Sequence[SentRequest],
                                                "reported": result["median_run"]}})
 
 
-def uses_captured_bodies(requests: Sequence[TraceRequest], args: argparse.Namespace) -> bool:
+def uses_captured_bodies(requests: Sequence[TraceRequest],
+                         options: ReplayOptions | argparse.Namespace) -> bool:
     """Were request bodies sent as captured (sampled text) rather than generated?"""
-    return not getattr(args, "no_captured_bodies", False) and any(
+    return not getattr(options, "no_captured_bodies", False) and any(
         r.body is not None for r in requests)
 
 
@@ -502,38 +502,16 @@ def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     return out
 
 
+# `sidecar replay`'s own command line into the library (replay/load.py): kept for scripts that
+# call the command's functions with a parsed namespace (benchmarks/replay_pacing.py).
+
+
 def make_plan(requests: Sequence[TraceRequest], args: argparse.Namespace, model: str,
               calibration: TokenCalibration | None,
               token_ids: TokenIds = DEFAULT_TOKEN_IDS) -> tuple[list[PlannedRequest], str]:
-    ordered = sorted(requests, key=lambda r: r.t)
-    if args.max_concurrency is not None:
-        if args.max_concurrency < 1:
-            raise UsageError("--max-concurrency must be >= 1")
-        times = [0.0] * len(ordered)
-        mode = "closed"
-    elif args.rate is not None:
-        times = gamma_schedule(len(ordered), args.rate, args.burstiness, args.seed)
-        mode = "open"
-    else:
-        # Times stay relative to the trace's own t = 0 (not this shard's first request), so
-        # shards started at one instant interleave as in the trace.
-        origin = getattr(args, "trace_origin", None)
-        times = trace_schedule([r.t for r in ordered], args.time_scale)
-        if origin is not None and ordered:
-            offset = (ordered[0].t - origin) / args.time_scale
-            times = [t + offset for t in times]
-        mode = "open"
-    plan = []
-    for index, (at, request) in enumerate(zip(times, ordered, strict=True)):
-        path, body = build_body(request, index=index, model=model, run_seed=args.seed,
-                                calibration=calibration,
-                                use_captured_body=not args.no_captured_bodies,
-                                endpoint=args.endpoint, token_ids=token_ids)
-        if body.get("stream") is True:
-            # The replayer is the client: it asks for usage itself to count tokens exactly.
-            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        plan.append(PlannedRequest(index, at, path, body))
-    return plan, mode
+    planned = load.plan(requests, ReplayOptions.from_namespace(args), model, calibration,
+                        token_ids, trace_origin=getattr(args, "trace_origin", None))
+    return list(planned.requests), planned.mode
 
 
 async def execute(plan: Sequence[PlannedRequest], target: str, mode: str,
@@ -541,128 +519,10 @@ async def execute(plan: Sequence[PlannedRequest], target: str, mode: str,
                   label: str = "", quiet: bool = False,
                   request_id_prefix: str = "replay",
                   counters: ReplayCounters | None = None) -> list[SentRequest]:
-    """Send ``plan`` and measure it. Unless ``quiet`` (or ``--quiet``), a progress display on
-    stderr reads the sender's counters from a thread of its own while it runs."""
-    show = not (quiet or getattr(args, "quiet", False))
-    start_at = getattr(args, "start_at", None) if not quiet else None
-    waiting_for = "the start" if start_at is None else time.strftime(
-        "--start-at (%Y-%m-%d %H:%M:%S UTC)", time.gmtime(start_at))
-    if workers > 1 and mode == "open":
-        if show and counters is None:
-            counters = ReplayCounters()  # the workers' numbers, for the display
-        display = None
-        if show and counters is not None:
-            base = counters.totals()
-            shared = counters
-
-            def read_shared() -> Counts:
-                sent, finished, failed = shared.totals()
-                return Counts(sent - base[0], finished - base[1], failed - base[2])
-
-            starts_at = (time.monotonic() + start_at - time.time()
-                         if start_at is not None else None)
-            display = ProgressDisplay(label or "replay", len(plan), read_shared,
-                                      starts_at=starts_at, waiting_for=waiting_for)
-        with display or contextlib.nullcontext():
-            return await asyncio.to_thread(run_workers, plan, target, workers, args,
-                                           request_id_prefix, counters)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        sender = Sender(target, session, request_timeout_s=args.request_timeout,
-                        request_id_prefix=request_id_prefix, counters=counters)
-        start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
-        if start_at is not None:
-            # A wall-clock instant shared by every shard, as a monotonic instant here.
-            start = clock.monotonic_ns() + int((start_at - time.time()) * 1e9)
-            if start < clock.monotonic_ns():
-                raise UsageError(f"--start-at {start_at} is in the past")
-        display = None
-        if show:
-            def read() -> Counts:
-                return Counts(sender.done + sender.in_flight, sender.done, sender.failed)
-
-            starts_at = time.monotonic() + (start - clock.monotonic_ns()) / 1e9
-            display = ProgressDisplay(label or "replay", len(plan), read, starts_at=starts_at,
-                                      waiting_for=waiting_for)
-        with display or contextlib.nullcontext():
-            if mode == "closed":
-                return await closed_loop(sender, plan, concurrency or 1, start)
-            return await open_loop(sender, plan, start)
-
-
-# -- several sender processes ---------------------------------------------------------------
-
-
-def _worker_main(plan: list[PlannedRequest], target: str, timeout_s: float, out_path: str,
-                 ready: Any, go: Any, start_value: Any, request_id_prefix: str,
-                 shared_counters: Any | None) -> None:
-    async def main() -> list[SentRequest]:
-        connector = aiohttp.TCPConnector(limit=0)
-        counters = None if shared_counters is None else ReplayCounters(shared_counters)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            sender = Sender(target, session, request_timeout_s=timeout_s,
-                            request_id_prefix=request_id_prefix, counters=counters)
-            # Everything is imported and set up: report ready, then wait for the common start.
-            await asyncio.to_thread(ready.wait)
-            await asyncio.to_thread(go.wait)
-            return await open_loop(sender, plan, int(start_value.value))
-
-    try:
-        import uvloop
-
-        sent = uvloop.run(main())
-    except ImportError:  # pragma: no cover - Windows
-        sent = asyncio.run(main())
-    with open(out_path, "w") as handle:
-        for s in sent:
-            handle.write(json.dumps({"index": s.index, "scheduled_ns": s.scheduled_ns,
-                                     "actual_ns": s.actual_ns,
-                                     "record": s.record.to_dict()}) + "\n")
-
-
-def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
-                args: argparse.Namespace, request_id_prefix: str = "replay",
-                counters: ReplayCounters | None = None) -> list[SentRequest]:
-    """Split the schedule round-robin over ``workers`` processes. They start together: each
-    reports ready once set up, then the parent sets one start instant for all (perf_counter
-    is CLOCK_MONOTONIC, the same clock in every process of the host)."""
-    context = multiprocessing.get_context("spawn")
-    ready = context.Barrier(workers + 1)
-    go = context.Event()
-    start_value = context.Value("q", 0)
-    with tempfile.TemporaryDirectory(prefix="sidecar-replay-") as tmp:
-        processes = []
-        for w in range(workers):
-            share = [p for i, p in enumerate(plan) if i % workers == w]
-            path = os.path.join(tmp, f"worker{w}.jsonl")
-            proc = context.Process(target=_worker_main,
-                                   args=(share, target, args.request_timeout, path, ready, go,
-                                         start_value, request_id_prefix,
-                                         None if counters is None else counters.shared))
-            proc.start()
-            processes.append((proc, path))
-        try:
-            ready.wait(timeout=120)
-        except threading.BrokenBarrierError:
-            for proc, _ in processes:
-                proc.kill()
-            raise RuntimeError("replay workers did not get ready within 120 s") from None
-        start_value.value = clock.monotonic_ns() + 100_000_000
-        if args.start_at is not None:
-            start_value.value = clock.monotonic_ns() + int((args.start_at - time.time()) * 1e9)
-        go.set()
-        sent: list[SentRequest] = []
-        for proc, path in processes:
-            proc.join()
-            if proc.exitcode != 0:
-                raise RuntimeError(f"a replay worker failed (exit code {proc.exitcode})")
-            with open(path) as handle:
-                for line in handle:
-                    data = json.loads(line)
-                    sent.append(SentRequest(data["index"], data["scheduled_ns"],
-                                            data["actual_ns"],
-                                            RequestRecord.from_dict(data["record"])))
-    return sorted(sent, key=lambda s: s.index)
+    options = replace(ReplayOptions.from_namespace(args), target=target)
+    return await load.run(load.Plan(plan, mode), options, concurrency=concurrency or 1,
+                          workers=workers, label=label, quiet=quiet,
+                          request_id_prefix=request_id_prefix, counters=counters)
 
 
 # -- the target's side ------------------------------------------------------------------------
@@ -709,12 +569,6 @@ async def calibrate(session: aiohttp.ClientSession, target: str,
     per_word = plain["count"] / words
     return TokenCalibration(tokens_per_word=per_word,
                             chat_overhead=max(0, chat["count"] - plain["count"]))
-
-
-def needs_token_ids(requests: Sequence[TraceRequest], args: argparse.Namespace) -> bool:
-    """Whether some request will get a rebuilt token-id prompt (completions, no body used)."""
-    return any((args.endpoint or r.endpoint) != "chat"
-               and (r.body is None or args.no_captured_bodies) for r in requests)
 
 
 # Text for the target's tokenizer to turn into ids a rebuilt prompt may use: words, numbers,

@@ -16,7 +16,9 @@ import aiohttp
 
 from sidecar.config import ConfigError, parse_duration
 from sidecar.replay import llmd, plots, replay_cli
+from sidecar.replay import load as replay_load
 from sidecar.replay.admin import AdminError, SidecarAdmin
+from sidecar.replay.options import ReplayOptions, UsageError
 from sidecar.replay.payload import DEFAULT_TOKEN_IDS, TokenIds
 from sidecar.replay.report import DEFINITIONS, run_report
 from sidecar.replay.runner import SentRequest
@@ -212,33 +214,30 @@ class Runner:
             count = max(self.args.min_requests, int(round(load * self.step_duration)))
         else:
             count = max(self.args.min_requests, int(load) * 4)
-        parser = argparse.ArgumentParser()
-        replay_cli.add_arguments(parser)
-        argv = ["unused", "--target", self.args.target, "--seed", str(self.args.seed),
-                "--request-timeout", str(self.args.request_timeout)]
-        if self.args.quiet:
-            argv.append("--quiet")
-        if mode == "open":
-            argv += ["--rate", str(load), "--burstiness", str(self.args.burstiness)]
-        else:
-            argv += ["--max-concurrency", str(int(load))]
-        step_args = parser.parse_args(argv)
+        # A step is a replay of its own (no trace file: the requests are given).
+        options = ReplayOptions(
+            trace="", target=self.args.target, seed=self.args.seed,
+            request_timeout=float(self.args.request_timeout), quiet=bool(self.args.quiet),
+            rate=float(load) if mode == "open" else None,
+            burstiness=float(self.args.burstiness),
+            max_concurrency=int(load) if mode != "open" else None)
         stage = len(self.steps)
         requests = self.requests(count + self.args.warmup)
         if self.token_ids is None:
             self.token_ids = DEFAULT_TOKEN_IDS
-            if self.session is not None and replay_cli.needs_token_ids(requests, step_args):
+            if self.session is not None and replay_load.needs_token_ids(requests, options):
                 self.token_ids = await replay_cli.probe_token_ids(
                     self.session, self.args.target.rstrip("/"), self.model)
-        plan, plan_mode = replay_cli.make_plan(requests, step_args, self.model, None,
-                                               self.token_ids)
-        warmup, measured = plan[: self.args.warmup], plan[self.args.warmup:]
+        plan = replay_load.plan(requests, options, self.model, None, self.token_ids)
+        plan_mode = plan.mode
+        warmup = replay_load.Plan(plan.requests[: self.args.warmup], "closed")
+        measured = replay_load.Plan(plan.requests[self.args.warmup:], plan_mode)
         # Request ids "sweep-<id>-s<stage>-r<repeat>-<index>-<random>": the trailing "-" of a
         # run's selector keeps repeat 1 from also selecting repeat 10.
         id_prefix = f"sweep-{self.sweep_id[:8]}-s{stage}"
-        if warmup:
-            await replay_cli.execute(warmup, self.args.target, "closed", len(warmup), 1,
-                                     step_args, quiet=True, request_id_prefix=id_prefix + "-w")
+        if warmup.requests:
+            await replay_load.run(warmup, options, concurrency=len(warmup.requests), workers=1,
+                                  quiet=True, request_id_prefix=id_prefix + "-w")
         engine_before = await self.scrape_engines()
         runs: list[tuple[dict[str, Any], list[SentRequest], dict[str, Any] | None]] = []
         unit = "req/s" if mode == "open" else "concurrent"
@@ -247,10 +246,8 @@ class Runner:
             label = f"step {stage + 1}: {load:g} {unit}"
             if self.args.repeats > 1:
                 label += f", run {repeat + 1}/{self.args.repeats}"
-            sent = await replay_cli.execute(measured, self.args.target, plan_mode,
-                                            int(load) if mode == "closed" else None, 1,
-                                            step_args, label=label,
-                                            request_id_prefix=run_prefix)
+            sent = await replay_load.run(measured, options, workers=1, label=label,
+                                         request_id_prefix=run_prefix)
             # Read right after each run: the sidecar's window is time-based, and a later
             # repeat may be the reported one or not.
             view = await self.sidecar_view(run_prefix + "-", len(sent))
@@ -356,7 +353,7 @@ def engine_sources(target: str, replicas: Mapping[str, Any] | None) -> tuple[lis
 async def run(args: argparse.Namespace) -> int:
     try:
         return await _run(args)
-    except (ValueError, ConfigError, OSError, AdminError, replay_cli.UsageError) as exc:
+    except (ValueError, ConfigError, OSError, AdminError, UsageError) as exc:
         print(f"sidecar sweep: {exc}", file=sys.stderr)
         return 2
 
