@@ -53,7 +53,10 @@ Compared per request:
   t_arrive, the request's first byte at the proxy, to the first and last token events written
   to the client; TPOT = (E2E - TTFT) / (N_out - 1), N_out from usage);
 - server vantage - ground truth: TTFT (first token read from upstream - t_up_send, against the
-  simulator's first token write - its ``received_ns``) and E2E likewise;
+  simulator's first token write - its ``received_ns``, the request's last byte) and E2E
+  likewise; and TTFT like for like, the truth from the request's first byte (``first_byte_ns``):
+  the server vantage starts before the upload (t_up_send), so the last-byte truth leaves the
+  upload out of one side only (0.3-0.5 ms with Mooncake's bodies);
 - where tool - sidecar comes from, on one clock (CLOCK_MONOTONIC; the proxy's absolute t_arrive
   is recovered as in ``proxy_accuracy.py``): "send" = t_arrive - the tool's start (the tool's
   own work before its first byte reached the proxy: building and serialising the request,
@@ -323,8 +326,8 @@ def quantiles_ms(values: Sequence[float]) -> dict[str, float]:
             "abs_p90": float(np.percentile(np.abs(arr), 90))}
 
 
-DIFFS = ("ttft", "e2e", "tpot", "server_ttft", "server_e2e", "send", "first", "last",
-         "upload", "sidecar_ttft", "sidecar_e2e")
+DIFFS = ("ttft", "e2e", "tpot", "server_ttft", "server_ttft_upload", "server_e2e", "send",
+         "first", "last", "upload", "sidecar_ttft", "sidecar_e2e")
 
 
 def join(tool: Sequence[ToolRequest], records: dict[str, RequestRecord],
@@ -360,6 +363,10 @@ def join(tool: Sequence[ToolRequest], records: dict[str, RequestRecord],
         row: dict[str, Any] = {"id": req.id, "n_out": rec.n_out,
                                "ttft": req.ttft_ns - c_ttft, "e2e": req.e2e_ns - c_e2e,
                                "server_ttft": s_ttft - (tok[0] - gt["received_ns"]),
+                               # Like for like: the truth from the request's first byte, as
+                               # the server vantage starts before the upload (t_up_send).
+                               "server_ttft_upload": s_ttft - (
+                                   tok[0] - gt.get("first_byte_ns", gt["received_ns"])),
                                "server_e2e": s_e2e - (tok[-1] - gt["received_ns"]),
                                "upload": rec.request_read_ns or 0,
                                "sidecar_ttft": c_ttft, "sidecar_e2e": c_e2e}
@@ -667,12 +674,14 @@ def report(results: Sequence[dict[str, Any]],
                 ("e2e", "E2E: tool − sidecar client", TARGET_MS[(res["workload"], "e2e")]),
                 ("tpot", "TPOT: tool − sidecar client", TARGET_TPOT_MS),
                 ("server_ttft", "TTFT: server vantage − ground truth", TARGET_SERVER_MS),
+                ("server_ttft_upload", "TTFT: server vantage − ground truth from the "
+                 "request's first byte", TARGET_SERVER_MS),
                 ("server_e2e", "E2E: server vantage − ground truth", math.nan)):
             s = st[key]
             if not s.get("n"):
                 add(f"| {tool} | {workload} | 0 | {label} | – | – | – | – | n/a |")
                 continue
-            judged = abs(s["p50"]) if key == "server_ttft" else s["abs_p50"]
+            judged = abs(s["p50"]) if key.startswith("server_ttft") else s["abs_p50"]
             target = f"≤ {limit:g}" if math.isfinite(limit) else "–"
             add(f"| {tool} | {workload} | {s['n']} | {label} | {s['p50']:.3f} | "
                 f"{s['p90']:.3f} | {s['abs_p50']:.3f} | {target} | "

@@ -1717,6 +1717,52 @@ async def test_received_stamp_is_the_arrival_of_the_last_bytes_not_the_handlers_
     assert line["received_ns"] < line["headers_ns"]
 
 
+async def test_the_ground_truth_has_the_requests_first_byte_too(
+    start_sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``first_byte_ns`` is when the request's first bytes arrived, ``received_ns`` its last:
+    a request written in two parts has its second write between them, and the next request on
+    the same connection starts its own first byte (the stamp starts over once answered)."""
+    from aiohttp import web_protocol
+
+    truth = tmp_path / "truth.jsonl"
+    (replica,) = await start_sim(ground_truth_path=str(truth))
+    arrived = asyncio.Event()
+    original = web_protocol.RequestHandler.data_received
+
+    def data_received(self: Any, data: bytes) -> None:
+        if data:
+            arrived.set()
+        original(self, data)
+
+    monkeypatch.setattr(web_protocol.RequestHandler, "data_received", data_received)
+    payload = json.dumps({"prompt": "x", "max_tokens": 2, "ignore_eos": True}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n" % len(payload))
+    reader, writer = await asyncio.open_connection(replica.host, replica.port)
+    middles: list[int] = []
+    for _ in range(2):
+        arrived.clear()
+        writer.write(head + payload[:5])
+        await arrived.wait()  # the replica has the first part
+        middles.append(time.perf_counter_ns())
+        writer.write(payload[5:])
+        status = await reader.readline()
+        assert status.startswith(b"HTTP/1.1 200")
+        length = 0
+        while (line := await reader.readline()) != b"\r\n":
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        await reader.readexactly(length)
+    writer.close()
+    monkeypatch.undo()
+    await replica.close()
+    first, second = [json.loads(text) for text in truth.read_text().splitlines()]
+    for line, middle in ((first, middles[0]), (second, middles[1])):
+        assert line["first_byte_ns"] <= middle <= line["received_ns"]
+    assert first["received_ns"] < second["first_byte_ns"]
+
+
 async def test_a_large_prompt_is_tokenized_off_the_loop_in_slices(
     start_sim: Any, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

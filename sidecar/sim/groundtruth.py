@@ -12,6 +12,8 @@ Line format (``"v": 1``)::
      "n": int, "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int,
      "fault": str|null, "wall_time_ns": int,
      "received_ns": int,          # the request's last bytes reached the replica
+     "first_byte_ns": int,        # ... and its first bytes (its upload began); v1 lines
+                                  # written before this field existed lack it
      "headers_ns": int|null,      # response headers handed to the socket
      "done_ns": int,              # the handler finished (last write, or the error/reset)
      "chunk_ns": [int, ...],      # right after each write to the socket
@@ -24,7 +26,9 @@ truncated (body ended without ``[DONE]``), client_disconnect.
 
 ``received_ns`` is taken when the loop hands the request's last bytes to the replica, before
 they are parsed and before any handler runs (`ArrivalStamp`), so it is the request's arrival,
-not the end of its own or of another request's parsing.
+not the end of its own or of another request's parsing. ``first_byte_ns`` is taken the same
+way for the request's first bytes: from there to ``received_ns`` is the upload, which a
+measuring proxy's server vantage (from its first byte sent upstream) includes.
 
 Writing: stamps are appended to in-memory lists while the request runs; the finished line is
 written with one ``write(2)`` on an ``O_APPEND`` descriptor at request end. That costs one small
@@ -65,6 +69,7 @@ class GroundTruthRecord:
         "fault",
         "wall_time_ns",
         "received_ns",
+        "first_byte_ns",
         "headers_ns",
         "done_ns",
         "chunk_ns",
@@ -72,7 +77,8 @@ class GroundTruthRecord:
         "chunk_kinds",
     )
 
-    def __init__(self, *, replica: int, endpoint: str, received_ns: int, wall_time_ns: int) -> None:
+    def __init__(self, *, replica: int, endpoint: str, received_ns: int, wall_time_ns: int,
+                 first_byte_ns: int | None = None) -> None:
         self.request_id = ""
         self.replica = replica
         self.endpoint = endpoint
@@ -87,6 +93,7 @@ class GroundTruthRecord:
         self.fault: str | None = None
         self.wall_time_ns = wall_time_ns
         self.received_ns = received_ns
+        self.first_byte_ns = received_ns if first_byte_ns is None else first_byte_ns
         self.headers_ns: int | None = None
         self.done_ns = 0
         self.chunk_ns: list[int] = []
@@ -150,17 +157,21 @@ class ArrivalStamp(asyncio.Protocol):
     request on a connection before the answer, so no later request's bytes move it).
     """
 
-    __slots__ = ("_inner", "last_data_ns")
+    __slots__ = ("_inner", "last_data_ns", "first_data_ns")
 
     def __init__(self, inner: asyncio.Protocol) -> None:
         self._inner = inner
         self.last_data_ns = 0
+        self.first_data_ns = 0  # of the request being read; 0 once a handler took it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self.last_data_ns = time.perf_counter_ns()
+        now = time.perf_counter_ns()
+        if not self.first_data_ns:
+            self.first_data_ns = now
+        self.last_data_ns = now
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -182,3 +193,22 @@ def arrival_ns(request: web.Request) -> int:
     protocol = transport.get_protocol() if transport is not None else None
     stamp = protocol.last_data_ns if isinstance(protocol, ArrivalStamp) else 0
     return stamp or time.perf_counter_ns()
+
+
+def arrival_span_ns(request: web.Request) -> tuple[int, int]:
+    """When the request's first and last bytes reached the replica (now, for what is not
+    known), read once its body is complete. Taking it makes the connection's next bytes the
+    next request's first (an HTTP/1.1 client sends that one after this answer)."""
+    last = arrival_ns(request)
+    transport = request.transport
+    protocol = transport.get_protocol() if transport is not None else None
+    first = 0
+    if isinstance(protocol, ArrivalStamp):
+        first, protocol.first_data_ns = protocol.first_data_ns, 0
+    return (first or last), last
+
+
+async def request_read(request: web.Request, _response: web.StreamResponse) -> None:
+    """aiohttp's on_response_prepare hook: whatever the request was, it has been read, so the
+    connection's first-byte stamp starts over for the next one."""
+    arrival_span_ns(request)

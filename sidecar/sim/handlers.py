@@ -24,7 +24,12 @@ from sidecar.sim.answers import JSON_CONTENT_TYPE, AnswerWriter
 from sidecar.sim.config import SimConfig
 from sidecar.sim.driver import EngineDriver, RequestState
 from sidecar.sim.faults import FAULT_HEADER, FaultPlan, FaultSpec, request_fault, status_error
-from sidecar.sim.groundtruth import GroundTruthRecord, GroundTruthWriter, arrival_ns
+from sidecar.sim.groundtruth import (
+    GroundTruthRecord,
+    GroundTruthWriter,
+    arrival_span_ns,
+    request_read,
+)
 from sidecar.sim.metrics import METRICS_CONTENT_TYPE, ReplicaMetrics
 from sidecar.sim.planning import OFFLOAD_BODY_BYTES, Plan, Planner, RefusedInStream
 from sidecar.sim.requests import (
@@ -114,6 +119,9 @@ class Handlers:
         # Once per response, not per chunk: vLLM's uvicorn names itself, and its CORS
         # middleware adds Vary: Origin (checked against vLLM 0.32.0 itself).
         app.on_response_prepare.append(vllm_server_headers)
+        # Every answer starts after its request was read: the connection's next bytes are the
+        # next request's first (`arrival_span_ns` takes a generation request's own earlier).
+        app.on_response_prepare.append(request_read)
         routes: list[tuple[str, str, Handler]] = [
             ("POST", CHAT_PATH, functools.partial(self._handle_generate, chat=True)),
             ("POST", COMPLETIONS_PATH, functools.partial(self._handle_generate, chat=False)),
@@ -152,13 +160,14 @@ class Handlers:
 
     async def _handle_generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         raw = await request.read()
-        received_ns = arrival_ns(request)
+        first_byte_ns, received_ns = arrival_span_ns(request)
         record: GroundTruthRecord | None = None
         if self._ground_truth is not None:
             record = GroundTruthRecord(
                 replica=self.index,
                 endpoint=CHAT_PATH if chat else COMPLETIONS_PATH,
                 received_ns=received_ns,
+                first_byte_ns=first_byte_ns,
                 wall_time_ns=time.time_ns(),
             )
         self.in_flight += 1
