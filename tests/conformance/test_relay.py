@@ -62,6 +62,12 @@ def normalised(body: bytes) -> bytes:
     return CREATED.sub(b'"created":0', IDS.sub(rb'"id":"\1-X"', body))
 
 
+def comparable(case: Case, body: bytes) -> Any:
+    """What must be equal between the relayed answer and vLLM's own: the bytes, normalised;
+    a streamed n > 1 answer's events per choice (`by_choice`)."""
+    return by_choice(body) if case.n > 1 and case.streamed else normalised(body)
+
+
 def by_choice(stream: bytes) -> dict[bytes, list[bytes]]:
     """A streamed n > 1 answer's events grouped by choice, in order within each (events
     without a choice, such as the usage chunk and [DONE], under b""). vLLM runs the n
@@ -351,19 +357,24 @@ async def test_the_client_gets_what_vllm_sends_and_the_proxy_counts_what_vllm_co
             # fingerprint the replica sent last; a proxy that has seen no answer from it yet
             # has none to give (docs/real-vllm.md, known gaps). One answer teaches it.
             await send(session, proxy.url, CHAT_PATH, chat(max_tokens=1))
-        seen = len(records.records)
         await send(session, real_vllm.base_url, case.path, case.body)  # prime the prefix cache
-        direct = await send(session, real_vllm.base_url, case.path, case.body)
-        before = await vllm_counters(session, real_vllm)
-        proxied = await send(session, proxy.url, case.path, case.body)
-        record = (await records.wait_for(seen + 1, 30))[seen]
-        after = await vllm_counters(session, real_vllm)
+        # vLLM's own chunking of one request can differ between two runs when its API server
+        # falls behind the engine and merges deltas (with continuous usage the counts in the
+        # events differ then; seen once in CI on a tool-call stream). A relay that changed a
+        # byte differs every time: the pair is taken again, up to three times, until two
+        # runs were chunked alike.
+        for _attempt in range(3):
+            seen = len(records.records)
+            direct = await send(session, real_vllm.base_url, case.path, case.body)
+            before = await vllm_counters(session, real_vllm)
+            proxied = await send(session, proxy.url, case.path, case.body)
+            record = (await records.wait_for(seen + 1, 30))[seen]
+            after = await vllm_counters(session, real_vllm)
+            if comparable(case, proxied.body) == comparable(case, direct.body):
+                break
     assert direct.status == case.status, needs_tools(direct)
     assert (proxied.status, proxied.content_type) == (direct.status, direct.content_type)
-    if case.n > 1 and case.streamed:
-        assert by_choice(proxied.body) == by_choice(direct.body)
-    else:
-        assert normalised(proxied.body) == normalised(direct.body)
+    assert comparable(case, proxied.body) == comparable(case, direct.body)
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     generated = after["generation_tokens"] - before["generation_tokens"]
     assert record.outcome is Outcome.OK
