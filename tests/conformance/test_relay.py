@@ -433,12 +433,15 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
     events of an answer in one read, straight from vLLM as through the proxy), and the wire's
     span shrinks to nothing while the engine's stays ~25 ms. So the ITL sum is only bounded:
     at least 0, at most the engine's plus the same 50 ms per request of output-path delay. The
-    counts agree exactly: one TTFT and one E2E per request, one ITL per token after the first
-    (one event per token at this load)."""
+    counts: one TTFT and one E2E per request on both sides; vLLM counts one ITL per engine step
+    after the first (one token each here), which is N_out - 1 per request exactly, while the
+    wire has one gap per event: as many, unless the API server fell behind and merged two steps
+    into one event (seen in CI: 119 gaps for 120 steps), never more."""
     n = 8
     recorded, before, after = await sequential_streams(real_vllm, n, 16, "Story number")
     ours = {"ttft": 0.0, "e2e": 0.0, "itl": 0.0}
     itl_count = 0
+    steps_after_first = 0
     for record in recorded:
         server = record.server
         assert server is not None and record.outcome is Outcome.OK
@@ -447,12 +450,14 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
         ours["e2e"] += (offsets[-1] - server.start_ns) / 1e9
         ours["itl"] += (offsets[-1] - offsets[0]) / 1e9
         itl_count += len(offsets) - 1
+        steps_after_first += (record.n_out or 0) - 1
     theirs = {key: after[name][0] - before[name][0]
               for key, name in zip(("ttft", "e2e", "itl"), LATENCY_FAMILIES, strict=True)}
     counts = {key: after[name][1] - before[name][1]
               for key, name in zip(("ttft", "e2e", "itl"), LATENCY_FAMILIES, strict=True)}
     assert counts["ttft"] == counts["e2e"] == n
-    assert counts["itl"] == itl_count == n * 15
+    assert counts["itl"] == steps_after_first == n * 15
+    assert n * 14 <= itl_count <= counts["itl"]
     for key in ("ttft", "e2e"):
         added_ms = (ours[key] - theirs[key]) / n * 1e3
         assert 0.0 <= added_ms <= 50.0, (key, added_ms, [
