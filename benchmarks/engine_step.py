@@ -23,8 +23,7 @@ def steps_per_second(config: EngineConfig, batch: int = 256, steps: int = 400) -
     model = EngineModel(config)
     for i in range(batch):
         tokens = tuple(range(i * 1000 + 3, i * 1000 + 203))
-        model.add_request(EngineRequest(f"r{i}", tokens, max_tokens=100_000, ignore_eos=True),
-                          0.0)
+        model.add_request(EngineRequest(f"r{i}", tokens, max_tokens=100_000, ignore_eos=True), 0.0)
     now = 0.0
     while model.stats().num_waiting or now == 0.0:
         now += model.step(now).duration_s
@@ -45,8 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for label, config in (
         ("stream_interval=1", EngineConfig(seed=1, max_model_len=131072)),
         ("stream_interval=8", EngineConfig(seed=1, max_model_len=131072, stream_interval=8)),
-        ("speculative k=4", EngineConfig(seed=1, max_model_len=131072,
-                                         num_speculative_tokens=4)),
+        ("speculative k=4", EngineConfig(seed=1, max_model_len=131072, num_speculative_tokens=4)),
     ):
         rate = steps_per_second(config, steps=args.steps)
         rates[label] = rate

@@ -45,11 +45,33 @@ from sidecar.protocol.openai import ChunkKind, TokenCounter, classify_chunk
 from sidecar.protocol.rewrite import insert_member, strip_usage_member, without_usage
 from sidecar.protocol.sse import BOM, SSEError, SSEParser
 
-_TEXT_ALPHABET = ('abc xyz "\\{}[],:\n\r\t\u00e9\u4e2d\U0001f642' + "usage" * 3
-                  + "data: [DONE]")
-_NOISE = [b"\n", b"\r", b"\r\n", b"\n\n", b":", b" ", b"data:", b"data: ", b"id:", b"event:",
-          b"retry:", b"{", b"}", b'"', b"\\", b'"usage"', b',"usage":', b"null", b"\xff",
-          b"\x00", b"\xc3", BOM, b"[DONE]", b"\xf0\x9f\x99"]
+_TEXT_ALPHABET = 'abc xyz "\\{}[],:\n\r\t\u00e9\u4e2d\U0001f642' + "usage" * 3 + "data: [DONE]"
+_NOISE = [
+    b"\n",
+    b"\r",
+    b"\r\n",
+    b"\n\n",
+    b":",
+    b" ",
+    b"data:",
+    b"data: ",
+    b"id:",
+    b"event:",
+    b"retry:",
+    b"{",
+    b"}",
+    b'"',
+    b"\\",
+    b'"usage"',
+    b',"usage":',
+    b"null",
+    b"\xff",
+    b"\x00",
+    b"\xc3",
+    BOM,
+    b"[DONE]",
+    b"\xf0\x9f\x99",
+]
 MAX_EVENT_SIZES = (64, 512, 4096)
 
 
@@ -58,9 +80,11 @@ def _text(rng: random.Random) -> str:
 
 
 def _usage(rng: random.Random) -> dict[str, object]:
-    usage: dict[str, object] = {"prompt_tokens": rng.randrange(0, 900),
-                                "total_tokens": rng.randrange(0, 900),
-                                "completion_tokens": rng.randrange(0, 300)}
+    usage: dict[str, object] = {
+        "prompt_tokens": rng.randrange(0, 900),
+        "total_tokens": rng.randrange(0, 900),
+        "completion_tokens": rng.randrange(0, 300),
+    }
     if rng.random() < 0.3:
         usage["prompt_tokens_details"] = {"cached_tokens": rng.randrange(0, 50)}
     if rng.random() < 0.2:
@@ -77,11 +101,23 @@ def _event(rng: random.Random) -> bytes:
     if kind == 1:
         return b": keep-alive\n\n"
     if kind == 2:
-        obj: dict[str, object] = {"error": {"message": _text(rng), "type": "BadRequestError",
-                                            "param": None, "code": rng.choice([400, 500])}}
+        obj: dict[str, object] = {
+            "error": {
+                "message": _text(rng),
+                "type": "BadRequestError",
+                "param": None,
+                "code": rng.choice([400, 500]),
+            }
+        }
     elif kind == 3:
-        obj = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-               "model": "m", "choices": [], "usage": _usage(rng)}
+        obj = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [],
+            "usage": _usage(rng),
+        }
         if rng.random() < 0.5:
             obj["system_fingerprint"] = "vllm-x"
     else:
@@ -89,15 +125,32 @@ def _event(rng: random.Random) -> bytes:
         finish = rng.choice([None, None, "stop", "length"])
         if chat:
             delta: dict[str, object] = rng.choice(
-                [{"content": text}, {"role": "assistant", "content": ""},
-                 {"reasoning": text}, {"tool_calls": [{"index": 0, "function": {
-                     "arguments": json.dumps({"usage": text})}}]}])
-            choice: dict[str, object] = {"index": 0, "delta": delta, "logprobs": None,
-                                         "finish_reason": finish}
+                [
+                    {"content": text},
+                    {"role": "assistant", "content": ""},
+                    {"reasoning": text},
+                    {
+                        "tool_calls": [
+                            {"index": 0, "function": {"arguments": json.dumps({"usage": text})}}
+                        ]
+                    },
+                ]
+            )
+            choice: dict[str, object] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        obj = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
-               "created": 1, "model": "m", "choices": [choice]}
+        obj = {
+            "id": "x",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [choice],
+        }
         if rng.random() < 0.6:
             obj["usage"] = _usage(rng)
         if rng.random() < 0.5:
@@ -107,8 +160,11 @@ def _event(rng: random.Random) -> bytes:
             # take it for the top-level usage.
             obj["kv_transfer_params"] = {"a": 1, "usage": None}
     separators = (",", ":") if chat else (", ", ": ")
-    return b"data: " + json.dumps(obj, separators=separators,
-                                  ensure_ascii=rng.random() < 0.5).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps(obj, separators=separators, ensure_ascii=rng.random() < 0.5).encode()
+        + b"\n\n"
+    )
 
 
 def _mutate(rng: random.Random, data: bytes, max_event: int) -> bytes:
@@ -122,12 +178,12 @@ def _mutate(rng: random.Random, data: bytes, max_event: int) -> bytes:
         buf[at:at] = b"".join(rng.choice(_NOISE) for _ in range(rng.randrange(1, 5)))
     elif choice == 2 and buf:  # delete a slice
         a = rng.randrange(len(buf))
-        del buf[a:a + rng.randrange(1, 40)]
+        del buf[a : a + rng.randrange(1, 40)]
     elif choice == 3 and buf:  # duplicate a slice
         a = rng.randrange(len(buf))
-        buf[a:a] = buf[a:a + rng.randrange(1, 60)]
+        buf[a:a] = buf[a : a + rng.randrange(1, 60)]
     elif choice == 4 and buf:  # cut the stream
-        del buf[rng.randrange(len(buf)):]
+        del buf[rng.randrange(len(buf)) :]
     elif choice == 5:  # a huge line, sometimes a whole huge event
         at = rng.randrange(len(buf) + 1)
         huge = b"data: " + b"x" * rng.randrange(max_event // 2, max_event * 2)
@@ -208,8 +264,9 @@ def _check_event(raw: bytes, data: str, counter: TokenCounter) -> None:
     stripped = strip_usage_member(raw)
     if stripped is not None:
         edited, at = stripped
-        if not (len(edited) < len(raw) and raw.startswith(edited[:at])
-                and raw.endswith(edited[at:])):
+        if not (
+            len(edited) < len(raw) and raw.startswith(edited[:at]) and raw.endswith(edited[at:])
+        ):
             raise FuzzFailure("strip_usage_member did not cut exactly one slice")
     if cut is not None:
         if not (raw.startswith(out[:cut]) and raw.endswith(out[cut:])):
@@ -235,7 +292,7 @@ def _check_semantics(data: str, out: bytes) -> None:
     if len({key for key, _ in pairs}) != len(pairs):
         return
     expected = {k: v for k, v in original.items() if k != "usage"}
-    body = out[len(b"data: "):-2] if out.startswith(b"data: ") and out.endswith(b"\n\n") else b""
+    body = out[len(b"data: ") : -2] if out.startswith(b"data: ") and out.endswith(b"\n\n") else b""
     try:
         edited = json.loads(body.decode("utf-8", "replace"))
     except ValueError:
@@ -259,8 +316,10 @@ def run(inputs: int, seed: int, stop_after_failures: int = 10) -> Result:
         try:
             result.events += check(reads, max_event)
         except Exception as exc:  # noqa: BLE001 - every escape is a finding
-            result.failures.append(f"input {i}: {type(exc).__name__}: {exc} "
-                                   f"(reads={reads!r:.300}, max_event={max_event})")
+            result.failures.append(
+                f"input {i}: {type(exc).__name__}: {exc} "
+                f"(reads={reads!r:.300}, max_event={max_event})"
+            )
             if len(result.failures) >= stop_after_failures:
                 result.inputs = i + 1
                 return result
@@ -281,9 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     for failure in result.failures:
         print(failure)
-    print(f"fuzz_long: {result.inputs} inputs, {len(result.failures)} failures, seed "
-          f"{args.seed}, {result.events} events, {elapsed:.1f} s "
-          f"({result.inputs / elapsed:.0f} inputs/s)")
+    print(
+        f"fuzz_long: {result.inputs} inputs, {len(result.failures)} failures, seed "
+        f"{args.seed}, {result.events} events, {elapsed:.1f} s "
+        f"({result.inputs / elapsed:.0f} inputs/s)"
+    )
     return 1 if result.failures else 0
 
 

@@ -87,12 +87,82 @@ Floats = npt.NDArray[np.float64]
 E_SERIES = {
     "e6": (1.0, 1.5, 2.2, 3.3, 4.7, 6.8),
     "e12": (1.0, 1.2, 1.5, 1.8, 2.2, 2.7, 3.3, 3.9, 4.7, 5.6, 6.8, 8.2),
-    "e24": (1.0, 1.1, 1.2, 1.3, 1.5, 1.6, 1.8, 2.0, 2.2, 2.4, 2.7, 3.0, 3.3, 3.6, 3.9, 4.3,
-            4.7, 5.1, 5.6, 6.2, 6.8, 7.5, 8.2, 9.1),
-    "e48": (1.00, 1.05, 1.10, 1.15, 1.21, 1.27, 1.33, 1.40, 1.47, 1.54, 1.62, 1.69, 1.78,
-            1.87, 1.96, 2.05, 2.15, 2.26, 2.37, 2.49, 2.61, 2.74, 2.87, 3.01, 3.16, 3.32, 3.48,
-            3.65, 3.83, 4.02, 4.22, 4.42, 4.64, 4.87, 5.11, 5.36, 5.62, 5.90, 6.19, 6.49, 6.81,
-            7.15, 7.50, 7.87, 8.25, 8.66, 9.09, 9.53),
+    "e24": (
+        1.0,
+        1.1,
+        1.2,
+        1.3,
+        1.5,
+        1.6,
+        1.8,
+        2.0,
+        2.2,
+        2.4,
+        2.7,
+        3.0,
+        3.3,
+        3.6,
+        3.9,
+        4.3,
+        4.7,
+        5.1,
+        5.6,
+        6.2,
+        6.8,
+        7.5,
+        8.2,
+        9.1,
+    ),
+    "e48": (
+        1.00,
+        1.05,
+        1.10,
+        1.15,
+        1.21,
+        1.27,
+        1.33,
+        1.40,
+        1.47,
+        1.54,
+        1.62,
+        1.69,
+        1.78,
+        1.87,
+        1.96,
+        2.05,
+        2.15,
+        2.26,
+        2.37,
+        2.49,
+        2.61,
+        2.74,
+        2.87,
+        3.01,
+        3.16,
+        3.32,
+        3.48,
+        3.65,
+        3.83,
+        4.02,
+        4.22,
+        4.42,
+        4.64,
+        4.87,
+        5.11,
+        5.36,
+        5.62,
+        5.90,
+        6.19,
+        6.49,
+        6.81,
+        7.15,
+        7.50,
+        7.87,
+        8.25,
+        8.66,
+        9.09,
+        9.53,
+    ),
 }
 
 
@@ -130,16 +200,24 @@ def layouts() -> list[Layout]:
     for schema in (3, 4):
         bounds = np.array(latency_buckets(layout=f"schema{schema}"))
         found.append(Layout(f"schema{schema}", bounds, native=True))
-    found.append(Layout("schema3, exp. interp.", np.array(latency_buckets(layout="schema3")),
-                        exponential=True, native=True))
+    found.append(
+        Layout(
+            "schema3, exp. interp.",
+            np.array(latency_buckets(layout="schema3")),
+            exponential=True,
+            native=True,
+        )
+    )
     found.append(Layout("rank q*n", np.empty(0), exact=True))
     return found
 
 
 # --- Prometheus's histogram_quantile ---------------------------------------------------------
 
-def histogram_quantile(q: float, bounds: Floats, cumulative: Floats,
-                       exponential: bool = False) -> float:
+
+def histogram_quantile(
+    q: float, bounds: Floats, cumulative: Floats, exponential: bool = False
+) -> float:
     """Prometheus 2.42's bucketQuantile: ``cumulative[i]`` counts the samples <= ``bounds[i]``
     and ``cumulative[-1]`` (one longer than ``bounds``) is the +Inf bucket, the total."""
     total = float(cumulative[-1])
@@ -171,8 +249,9 @@ def estimate(layout: Layout, ordered: Floats, scale: float, q: float) -> float:
     return histogram_quantile(q, layout.bounds, cumulative, layout.exponential)
 
 
-def errors(samples: dict[str, Floats], shifts: int,
-           all_layouts: list[Layout]) -> dict[str, dict[str, dict[str, Any]]]:
+def errors(
+    samples: dict[str, Floats], shifts: int, all_layouts: list[Layout]
+) -> dict[str, dict[str, dict[str, Any]]]:
     """layout -> "metric/q" -> {max_abs, mean_abs, worst (signed), exact_p at scale 1}."""
     scales = [10.0 ** (j / shifts) for j in range(shifts)]
     out: dict[str, dict[str, dict[str, Any]]] = {layout.name: {} for layout in all_layouts}
@@ -181,27 +260,39 @@ def errors(samples: dict[str, Floats], shifts: int,
         for q in QUANTILES:
             exact = float(np.percentile(ordered, q * 100))
             for layout in all_layouts:
-                relative = [estimate(layout, ordered, scale, q) / (exact * scale) - 1
-                            for scale in scales]
+                relative = [
+                    estimate(layout, ordered, scale, q) / (exact * scale) - 1 for scale in scales
+                ]
                 worst = max(relative, key=abs)
                 out[layout.name][f"{metric}/p{q * 100:g}"] = {
-                    "max_abs": abs(worst), "worst": worst,
-                    "mean_abs": float(np.mean(np.abs(relative))), "exact": exact,
-                    "n": len(ordered)}
+                    "max_abs": abs(worst),
+                    "worst": worst,
+                    "mean_abs": float(np.mean(np.abs(relative))),
+                    "exact": exact,
+                    "n": len(ordered),
+                }
     return out
 
 
 # --- synthetic workloads ---------------------------------------------------------------------
 
+
 def trace_lengths() -> dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
-    rows = [json.loads(line) for line in
-            (TRACES / "mooncake_conversation_first100.jsonl").read_text().splitlines() if line]
-    mooncake = (np.array([r["input_length"] for r in rows]),
-                np.array([r["output_length"] for r in rows]))
+    rows = [
+        json.loads(line)
+        for line in (TRACES / "mooncake_conversation_first100.jsonl").read_text().splitlines()
+        if line
+    ]
+    mooncake = (
+        np.array([r["input_length"] for r in rows]),
+        np.array([r["output_length"] for r in rows]),
+    )
     with open(TRACES / "azure_code_2023_first200.csv", newline="") as handle:
         code_rows = list(csv.DictReader(handle))
-    azure = (np.array([int(r["ContextTokens"]) for r in code_rows]),
-             np.array([int(r["GeneratedTokens"]) for r in code_rows]))
+    azure = (
+        np.array([int(r["ContextTokens"]) for r in code_rows]),
+        np.array([int(r["GeneratedTokens"]) for r in code_rows]),
+    )
     return {"mooncake": mooncake, "azure_code": azure}
 
 
@@ -217,8 +308,12 @@ class Engine:
     queue_mean_s: float = 0.2
 
 
-def simulate(rng: np.random.Generator, n_in: npt.NDArray[np.int64],
-             n_out: npt.NDArray[np.int64], engine: Engine) -> dict[str, Floats]:
+def simulate(
+    rng: np.random.Generator,
+    n_in: npt.NDArray[np.int64],
+    n_out: npt.NDArray[np.int64],
+    engine: Engine,
+) -> dict[str, Floats]:
     """Per-request TTFT, TPOT, E2E and every ITL gap of a vLLM-like engine (one token per
     streamed event)."""
     n = len(n_in)
@@ -249,23 +344,29 @@ def synthetic_workloads(requests: int, seed: int) -> dict[str, dict[str, Floats]
         n_in, n_out = lengths[name]
         index = rng.integers(0, len(n_in), n)
         jitter = rng.lognormal(0.0, 0.2, (2, n))
-        return (np.maximum(1, n_in[index] * jitter[0]).astype(np.int64),
-                np.maximum(1, n_out[index] * jitter[1]).astype(np.int64))
+        return (
+            np.maximum(1, n_in[index] * jitter[0]).astype(np.int64),
+            np.maximum(1, n_out[index] * jitter[1]).astype(np.int64),
+        )
 
     gpu = Engine()
-    out = {"chat": simulate(rng, *draw("mooncake", requests), gpu),
-           "code": simulate(rng, *draw("azure_code", requests), gpu)}
+    out = {
+        "chat": simulate(rng, *draw("mooncake", requests), gpu),
+        "code": simulate(rng, *draw("azure_code", requests), gpu),
+    }
     fixed = Engine(level_sigma=0.03, stall_p=0.01, queue_p=0.0)
     out["fixed"] = simulate(rng, np.full(requests, 1024), np.full(requests, 256), fixed)
     short = int(requests * 0.7)
     code_in, code_out = draw("azure_code", short)
     long_in, long_out = draw("mooncake", requests - short)
-    out["mixed"] = simulate(rng, np.concatenate([code_in, long_in // 4]),
-                            np.concatenate([code_out, long_out * 2]), gpu)
+    out["mixed"] = simulate(
+        rng, np.concatenate([code_in, long_in // 4]), np.concatenate([code_out, long_out * 2]), gpu
+    )
     return out
 
 
 # --- the simulator behind the real proxy -----------------------------------------------------
+
 
 async def sim_workload(requests: int, rate: float, seed: int) -> dict[str, Floats]:
     import aiohttp
@@ -288,20 +389,28 @@ async def sim_workload(requests: int, rate: float, seed: int) -> dict[str, Float
     rng = random.Random(seed)
     lengths = trace_lengths()
     replicas = await start_replicas(SimConfig(model="m"), 1)
-    flags = {"upstreams": [replicas[0].url], "listen": "127.0.0.1:0",
-             "metrics_listen": "127.0.0.1:0", "health_interval": "0"}
+    flags = {
+        "upstreams": [replicas[0].url],
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "health_interval": "0",
+    }
     server, _window = build_proxy_server(build_config(flags, {}))
     keep = Keep()
     server.proxy.fanout.add(keep)
     await server.start()
     try:
-        async with aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
             async def one(n_in: int, n_out: int) -> None:
-                body = {"model": "m", "stream": True, "max_tokens": n_out, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": "w " * n_in}]}
-                async with session.post(server.url + "/v1/chat/completions",
-                                        json=body) as response:
+                body = {
+                    "model": "m",
+                    "stream": True,
+                    "max_tokens": n_out,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "w " * n_in}],
+                }
+                async with session.post(server.url + "/v1/chat/completions", json=body) as response:
                     await response.read()
 
             tasks = []
@@ -340,6 +449,7 @@ async def sim_workload(requests: int, rate: float, seed: int) -> dict[str, Float
 
 # --- what a scrape costs --------------------------------------------------------------------
 
+
 def scrape_cost(layout: str, repeats: int) -> dict[str, float]:
     """Series, bytes and `generate_latest` time of the latency histograms for one (model,
     replica) pair with every vantage (and the request read time of its model), as the sink
@@ -359,12 +469,25 @@ def scrape_cost(layout: str, repeats: int) -> dict[str, float]:
     ms = 1_000_000
     marks = tuple(ChunkMark(t * ms, 1) for t in (120, 150, 190, 230))
     record = RequestRecord(
-        request_id="r", wall_time_ns=0, outcome=Outcome.OK,
-        endpoint="chat", model="m", client=Timeline.from_marks(0, marks, 230 * ms, 4),
-        server=Timeline.from_marks(ms, marks, 230 * ms, 4), n_in=10, n_out=4,
-        token_source=TokenSource.USAGE, replica="vllm-0:8000", request_read_ns=ms,
-        engine=EngineTiming(time_to_first_token_ms=90.0, generation_time_ms=100.0,
-                            queue_time_ms=20.0, mean_itl_ms=33.0))
+        request_id="r",
+        wall_time_ns=0,
+        outcome=Outcome.OK,
+        endpoint="chat",
+        model="m",
+        client=Timeline.from_marks(0, marks, 230 * ms, 4),
+        server=Timeline.from_marks(ms, marks, 230 * ms, 4),
+        n_in=10,
+        n_out=4,
+        token_source=TokenSource.USAGE,
+        replica="vllm-0:8000",
+        request_read_ns=ms,
+        engine=EngineTiming(
+            time_to_first_token_ms=90.0,
+            generation_time_ms=100.0,
+            queue_time_ms=20.0,
+            mean_itl_ms=33.0,
+        ),
+    )
     registry = CollectorRegistry()
     sink = PrometheusSink(registry, histogram_buckets=layout)
     sink.on_record(record)
@@ -384,8 +507,10 @@ def scrape_cost(layout: str, repeats: int) -> dict[str, float]:
 
 # --- report ----------------------------------------------------------------------------------
 
-def summarise(results: dict[str, dict[str, dict[str, dict[str, Any]]]],
-              all_layouts: list[Layout]) -> list[dict[str, Any]]:
+
+def summarise(
+    results: dict[str, dict[str, dict[str, dict[str, Any]]]], all_layouts: list[Layout]
+) -> list[dict[str, Any]]:
     rows = []
     for layout in all_layouts:
         worst: tuple[float, str] = (0.0, "")
@@ -398,26 +523,37 @@ def summarise(results: dict[str, dict[str, dict[str, dict[str, Any]]]],
                 mean_all.append(cell["mean_abs"])
                 if cell["max_abs"] > worst[0]:
                     worst = (cell["max_abs"], f"{workload} {key} ({cell['worst']:+.1%})")
-        per_set = (4 * layout.series_per_histogram)
-        rows.append({
-            "layout": layout.name, "bounds": len(layout.bounds),
-            "max_ratio": layout.max_ratio,
-            "series_per_histogram": layout.series_per_histogram,
-            "series_per_model_replica_vantage": per_set,
-            "series_per_model_replica": HISTOGRAMS_PER_MODEL_REPLICA
-            * layout.series_per_histogram,
-            "max_abs_p50": by_q[0.5], "max_abs_p90": by_q[0.9], "max_abs_p99": by_q[0.99],
-            "mean_abs": float(np.mean(mean_all)), "worst": worst[1]})
+        per_set = 4 * layout.series_per_histogram
+        rows.append(
+            {
+                "layout": layout.name,
+                "bounds": len(layout.bounds),
+                "max_ratio": layout.max_ratio,
+                "series_per_histogram": layout.series_per_histogram,
+                "series_per_model_replica_vantage": per_set,
+                "series_per_model_replica": HISTOGRAMS_PER_MODEL_REPLICA
+                * layout.series_per_histogram,
+                "max_abs_p50": by_q[0.5],
+                "max_abs_p90": by_q[0.9],
+                "max_abs_p99": by_q[0.99],
+                "mean_abs": float(np.mean(mean_all)),
+                "worst": worst[1],
+            }
+        )
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], results: dict[str, Any], scrapes: dict[str, Any],
-             header: str) -> str:
-    lines = [header, "",
-             "| layout | bounds | max ratio | classic series / histogram | per (model, "
-             "replica, vantage) | per (model, replica) | max err p50 | max err p90 | "
-             "max err p99 | mean err | worst case |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+def markdown(
+    rows: list[dict[str, Any]], results: dict[str, Any], scrapes: dict[str, Any], header: str
+) -> str:
+    lines = [
+        header,
+        "",
+        "| layout | bounds | max ratio | classic series / histogram | per (model, "
+        "replica, vantage) | per (model, replica) | max err p50 | max err p90 | "
+        "max err p99 | mean err | worst case |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         exact = r["layout"] == "rank q*n"
         dash = "-"
@@ -428,18 +564,25 @@ def markdown(rows: list[dict[str, Any]], results: dict[str, Any], scrapes: dict[
             f"{dash if exact else r['series_per_model_replica_vantage']} | "
             f"{dash if exact else r['series_per_model_replica']} | "
             f"{r['max_abs_p50']:.1%} | {r['max_abs_p90']:.1%} | {r['max_abs_p99']:.1%} | "
-            f"{r['mean_abs']:.2%} | {r['worst']} |")
-    lines += ["", "The schema rows as native histograms instead (Prometheus >= 2.40 with "
-              "--enable-feature=native-histograms, protobuf scrapes only): 1 series per label "
-              "set, same accuracy (2.42 interpolates linearly in native buckets too).", ""]
+            f"{r['mean_abs']:.2%} | {r['worst']} |"
+        )
+    lines += [
+        "",
+        "The schema rows as native histograms instead (Prometheus >= 2.40 with "
+        "--enable-feature=native-histograms, protobuf scrapes only): 1 series per label "
+        "set, same accuracy (2.42 interpolates linearly in native buckets too).",
+        "",
+    ]
     if scrapes:
-        lines += ["The sink's latency histograms for one (model, replica) with every vantage, "
-                  "as `generate_latest` writes them (text format, uncompressed):", "",
-                  "| --histogram-buckets | series | bytes | generate_latest ms |",
-                  "|---|---:|---:|---:|"]
+        lines += [
+            "The sink's latency histograms for one (model, replica) with every vantage, "
+            "as `generate_latest` writes them (text format, uncompressed):",
+            "",
+            "| --histogram-buckets | series | bytes | generate_latest ms |",
+            "|---|---:|---:|---:|",
+        ]
         for name, cost in scrapes.items():
-            lines.append(f"| {name} | {cost['series']} | {cost['bytes']:,} | "
-                         f"{cost['ms']:.2f} |")
+            lines.append(f"| {name} | {cost['series']} | {cost['bytes']:,} | {cost['ms']:.2f} |")
         lines.append("")
     lines.append("Max |error| per workload and metric (all quantiles), per layout:")
     lines.append("")
@@ -447,8 +590,10 @@ def markdown(rows: list[dict[str, Any]], results: dict[str, Any], scrapes: dict[
     lines.append("| workload | metric | n | " + " | ".join(names) + " |")
     lines.append("|---|---|---:|" + "---:|" * len(names))
     for workload, per_layout in results.items():
-        metrics = sorted({key.rsplit("/p", 1)[0] for key in per_layout[names[0]]},
-                         key=lambda m: (METRICS.index(m.split()[0]), m))
+        metrics = sorted(
+            {key.rsplit("/p", 1)[0] for key in per_layout[names[0]]},
+            key=lambda m: (METRICS.index(m.split()[0]), m),
+        )
         for metric in metrics:
             cells = []
             n = 0
@@ -465,8 +610,16 @@ def markdown(rows: list[dict[str, Any]], results: dict[str, Any], scrapes: dict[
 
 def git_head() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=ROOT,
+                text=True,
+                capture_output=True,
+                timeout=10,
+            ).stdout.strip()
+            or "?"
+        )
     except OSError:
         return "?"
 
@@ -489,28 +642,43 @@ def main() -> int:
     all_layouts = layouts()
     workloads: dict[str, dict[str, Floats]] = synthetic_workloads(args.requests, args.seed)
     if not args.no_sim:
-        workloads["sim"] = asyncio.run(sim_workload(args.sim_requests, args.sim_rate,
-                                                    args.seed))
-    results = {name: errors(samples, args.shifts, all_layouts)
-               for name, samples in workloads.items()}
+        workloads["sim"] = asyncio.run(sim_workload(args.sim_requests, args.sim_rate, args.seed))
+    results = {
+        name: errors(samples, args.shifts, all_layouts) for name, samples in workloads.items()
+    }
     rows = summarise(results, all_layouts)
-    header = (f"# benchmarks/histogram_accuracy.py: {args.requests} requests per synthetic "
-              f"workload, {args.shifts} scales per decade"
-              + ("" if args.no_sim else f", sim {args.sim_requests} requests at "
-                                         f"{args.sim_rate:g}/s")
-              + f"; Python {platform.python_version()}, numpy {np.__version__}, "
-              f"checkout HEAD {git_head()}; {time.monotonic() - started:.0f} s")
-    scrapes = {name: scrape_cost(name, 3 if args.smoke else 30)
-               for name in ("e6", "schema3", "schema4")}
+    header = (
+        f"# benchmarks/histogram_accuracy.py: {args.requests} requests per synthetic "
+        f"workload, {args.shifts} scales per decade"
+        + ("" if args.no_sim else f", sim {args.sim_requests} requests at {args.sim_rate:g}/s")
+        + f"; Python {platform.python_version()}, numpy {np.__version__}, "
+        f"checkout HEAD {git_head()}; {time.monotonic() - started:.0f} s"
+    )
+    scrapes = {
+        name: scrape_cost(name, 3 if args.smoke else 30) for name in ("e6", "schema3", "schema4")
+    }
     text = markdown(rows, results, scrapes, header)
     print(text)
     if args.md_out:
         Path(args.md_out).write_text(text)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(
-            {"args": vars(args), "summary": rows, "results": results, "scrapes": scrapes,
-             "layouts": {layout.name: layout.bounds.tolist() for layout in all_layouts
-                         if not layout.exact}}, indent=1) + "\n")
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "summary": rows,
+                    "results": results,
+                    "scrapes": scrapes,
+                    "layouts": {
+                        layout.name: layout.bounds.tolist()
+                        for layout in all_layouts
+                        if not layout.exact
+                    },
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

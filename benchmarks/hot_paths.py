@@ -48,8 +48,10 @@ def chunk(i: int, usage: bool) -> str:
         f'" word{i}"}},"logprobs":null,"finish_reason":null,"token_ids":null}}]'
     )
     if usage:
-        body += (f',"usage":{{"prompt_tokens":512,"total_tokens":{513 + i},'
-                 f'"completion_tokens":{i + 1},"completion_tokens_details":null}}')
+        body += (
+            f',"usage":{{"prompt_tokens":512,"total_tokens":{513 + i},'
+            f'"completion_tokens":{i + 1},"completion_tokens_details":null}}'
+        )
     return body + ',"kv_transfer_params":null}'
 
 
@@ -70,20 +72,32 @@ def capture_writes(make_record: Callable[[], object]) -> Callable[[], int]:
     """Records through a real CaptureSink into a temporary directory: from the first
     `on_record` until `close` returns (everything written and flushed). 1 / this = records
     written per second by the capture thread."""
+
     def run() -> int:
         count = 2_000
-        record = replace(make_record(), shape=RequestShape(  # type: ignore[type-var]
-            max_tokens=TOKENS, ignore_eos=True, temperature=0.0, prefix_unit="chars",
-            prefix_size=256, prefix_hashes=tuple(range(40))))
+        record = replace(
+            make_record(),
+            shape=RequestShape(  # type: ignore[type-var]
+                max_tokens=TOKENS,
+                ignore_eos=True,
+                temperature=0.0,
+                prefix_unit="chars",
+                prefix_size=256,
+                prefix_hashes=tuple(range(40)),
+            ),
+        )
         with tempfile.TemporaryDirectory() as directory:
-            capture = CaptureSink(directory, TraceHeader(source="capture",
-                                                        start_wall_ns=time.time_ns()),
-                                  queue_size=count + 1)
+            capture = CaptureSink(
+                directory,
+                TraceHeader(source="capture", start_wall_ns=time.time_ns()),
+                queue_size=count + 1,
+            )
             for _ in range(count):
                 capture.on_record(record)  # type: ignore[arg-type]
             capture.close()
             assert capture.written == count, capture.written
         return count
+
     return run
 
 
@@ -160,11 +174,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             for _ in range(200):
                 s.on_record(record)  # type: ignore[attr-defined]
             return 200
+
         return run
 
     raws = [e.raw for e in events]
-    injected = UsagePlan(client_include_usage=False, client_continuous=False,
-                         add_include_usage=True, add_continuous=True)
+    injected = UsagePlan(
+        client_include_usage=False,
+        client_continuous=False,
+        add_include_usage=True,
+        add_continuous=True,
+    )
 
     def fast() -> int:
         for raw in raws:
@@ -178,20 +197,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         return len(raws)
 
     rows = [
-        ("per event", "StreamMeter.feed: the whole measuring core (parse, classify, count, "
-         "stamp, cut the injected usage), one event per read", best_of(meter)),
-        ("per event", "fast_token_chunk (the common chunk's classification + usage span)",
-         best_of(fast)),
+        (
+            "per event",
+            "StreamMeter.feed: the whole measuring core (parse, classify, count, "
+            "stamp, cut the injected usage), one event per read",
+            best_of(meter),
+        ),
+        (
+            "per event",
+            "fast_token_chunk (the common chunk's classification + usage span)",
+            best_of(fast),
+        ),
         ("per event", "SSE parse (one event per read)", best_of(parse)),
         ("per event", "classify_chunk (json.loads + shape)", best_of(classify)),
         ("per event", "TokenCounter.observe", best_of(count)),
         ("per event", "strip injected usage (text edit)", best_of(strip)),
-        ("per event", "RecordBuilder: client stamp (the server stamp is in StreamMeter.feed)",
-         best_of(build)),
+        (
+            "per event",
+            "RecordBuilder: client stamp (the server stamp is in StreamMeter.feed)",
+            best_of(build),
+        ),
         ("per request (256 tokens)", "build + freeze the record", best_of(freeze)),
         ("per request (256 tokens)", "PrometheusSink.on_record", best_of(sink(prometheus))),
         ("per request (256 tokens)", "WindowSink.on_record", best_of(sink(window))),
     ]
+
     # The fan-out as `build_proxy_server` wires it, on the event loop: the live window, the
     # Prometheus sink and the hand-off to a threaded sink (OpenTelemetry, capture); what the
     # thread then does is off the loop (its own rows).
@@ -203,11 +233,21 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     threaded = ThreadedSink(Discard(), queue_size=1_000_000)
     fanout = SinkFanout([WindowSink(60.0, 100_000), prometheus, threaded])
-    rows.append(("per request (256 tokens)", "SinkFanout.on_record (window + Prometheus + "
-                 "threaded hand-off)", best_of(sink(fanout))))
+    rows.append(
+        (
+            "per request (256 tokens)",
+            "SinkFanout.on_record (window + Prometheus + threaded hand-off)",
+            best_of(sink(fanout)),
+        )
+    )
     threaded.close()
-    rows.append(("capture", "CaptureSink: µs per record written (writer thread, JSONL, "
-                 "flushed)", best_of(capture_writes(record_of), 3)))
+    rows.append(
+        (
+            "capture",
+            "CaptureSink: µs per record written (writer thread, JSONL, flushed)",
+            best_of(capture_writes(record_of), 3),
+        )
+    )
     try:
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 

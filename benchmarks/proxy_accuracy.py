@@ -121,19 +121,40 @@ def summarize_us(values: Sequence[float]) -> dict[str, float]:
     if arr.size == 0:
         return {"n": 0}
     mag = np.abs(arr)
-    return {"n": int(arr.size), "p50": float(np.percentile(arr, 50)),
-            "p1": float(np.percentile(arr, 1)), "p99": float(np.percentile(arr, 99)),
-            "abs_p50": float(np.percentile(mag, 50)), "abs_p99": float(np.percentile(mag, 99)),
-            "abs_max": float(mag.max())}
+    return {
+        "n": int(arr.size),
+        "p50": float(np.percentile(arr, 50)),
+        "p1": float(np.percentile(arr, 1)),
+        "p99": float(np.percentile(arr, 99)),
+        "abs_p50": float(np.percentile(mag, 50)),
+        "abs_p99": float(np.percentile(mag, 99)),
+        "abs_max": float(mag.max()),
+    }
 
 
-def compare(records: dict[str, RequestRecord], truth: dict[str, dict[str, Any]],
-            client: dict[str, Any]) -> dict[str, Any]:
-    errs: dict[str, list[float]] = {k: [] for k in (
-        "server_ttft", "server_itl", "server_mark_lag", "up_send_lag", "client_ttft",
-        "client_itl", "client_mark_lag")}
-    problems: dict[str, int] = {"no_record": 0, "no_truth": 0, "not_ok": 0,
-                                "count_mismatch": 0, "token_mismatch": 0, "no_anchor": 0}
+def compare(
+    records: dict[str, RequestRecord], truth: dict[str, dict[str, Any]], client: dict[str, Any]
+) -> dict[str, Any]:
+    errs: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "server_ttft",
+            "server_itl",
+            "server_mark_lag",
+            "up_send_lag",
+            "client_ttft",
+            "client_itl",
+            "client_mark_lag",
+        )
+    }
+    problems: dict[str, int] = {
+        "no_record": 0,
+        "no_truth": 0,
+        "not_ok": 0,
+        "count_mismatch": 0,
+        "token_mismatch": 0,
+        "no_anchor": 0,
+    }
     wall_minus_mono: list[int] = []
     matched = 0
     for req in client["requests"]:
@@ -150,8 +171,9 @@ def compare(records: dict[str, RequestRecord], truth: dict[str, dict[str, Any]],
             problems["not_ok"] += 1
             continue
         g = [t for t, k in zip(gt["chunk_ns"], gt["chunk_kinds"], strict=True) if k == "token"]
-        g_tok = [n for n, k in zip(gt["chunk_tokens"], gt["chunk_kinds"], strict=True)
-                 if k == "token"]
+        g_tok = [
+            n for n, k in zip(gt["chunk_tokens"], gt["chunk_kinds"], strict=True) if k == "token"
+        ]
         server = rec.server
         m = [mark.offset_ns for mark in server.marks]
         if len(m) != len(g) or not m:
@@ -162,8 +184,7 @@ def compare(records: dict[str, RequestRecord], truth: dict[str, dict[str, Any]],
         matched += 1
         wall_minus_mono.append(gt["wall_time_ns"] - gt["received_ns"])
         errs["server_ttft"].append((m[0] - server.start_ns) - (g[0] - gt["received_ns"]))
-        errs["server_itl"].extend((m[i + 1] - m[i]) - (g[i + 1] - g[i])
-                                  for i in range(len(m) - 1))
+        errs["server_itl"].extend((m[i + 1] - m[i]) - (g[i + 1] - g[i]) for i in range(len(m) - 1))
         # The proxy reads its anchor at t_read (the request read whole) and dates the record
         # back to t_arrive (the first byte) by request_read_ns: undo that to find the anchor.
         read = rec.request_read_ns or 0
@@ -178,12 +199,17 @@ def compare(records: dict[str, RequestRecord], truth: dict[str, dict[str, Any]],
         k = req["tok"]
         if len(c) == len(k) and c:
             errs["client_ttft"].append(c[0] - (k[0] - req["t_send"]))
-            errs["client_itl"].extend((c[i + 1] - c[i]) - (k[i + 1] - k[i])
-                                      for i in range(len(c) - 1))
+            errs["client_itl"].extend(
+                (c[i + 1] - c[i]) - (k[i + 1] - k[i]) for i in range(len(c) - 1)
+            )
             errs["client_mark_lag"].extend(k[i] - (arrive + c[i]) for i in range(len(c)))
     spread = (max(wall_minus_mono) - min(wall_minus_mono)) if wall_minus_mono else 0
-    return {"matched": matched, "problems": problems, "wall_minus_mono_range_ns": spread,
-            "stats": {name: summarize_us(v) for name, v in errs.items()}}
+    return {
+        "matched": matched,
+        "problems": problems,
+        "wall_minus_mono_range_ns": spread,
+        "stats": {name: summarize_us(v) for name, v in errs.items()},
+    }
 
 
 async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) -> dict[str, Any]:
@@ -195,16 +221,27 @@ async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) 
     warmup_s = max(args.warmup_s, 1.5 * request_s)
     gt_path = workdir / f"truth-c{c}.jsonl"
     sim_port = po.free_port()
-    sim = po.start_sim(sim_port, step, workdir / f"sim-c{c}.log", po.SIM_CORE if pin else None,
-                       ground_truth=str(gt_path))
+    sim = po.start_sim(
+        sim_port,
+        step,
+        workdir / f"sim-c{c}.log",
+        po.SIM_CORE if pin else None,
+        ground_truth=str(gt_path),
+    )
     sink = KeepSink()
     watch = GCWatch()
     server = None
     client_proc: asyncio.subprocess.Process | None = None
     try:
-        config = build_config({"upstreams": [f"http://{po.HOST}:{sim_port}"],
-                               "listen": f"{po.HOST}:0", "metrics_listen": f"{po.HOST}:0",
-                               "health_interval": "0"}, environ={})
+        config = build_config(
+            {
+                "upstreams": [f"http://{po.HOST}:{sim_port}"],
+                "listen": f"{po.HOST}:0",
+                "metrics_listen": f"{po.HOST}:0",
+                "health_interval": "0",
+            },
+            environ={},
+        )
         server, _window = build_proxy_server(config)
         server.proxy.fanout.add(sink)
         sidecar_clock.anchor = _recording_anchor
@@ -215,13 +252,26 @@ async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) 
             print(f"  (background load before C={c}: {bg:.2f} cores)", flush=True)
         delta_before, spread_before = clock_offset_ns()
         out = workdir / f"client-c{c}.json"
-        argv = po.client_argv(server.url, c, args.max_tokens, warmup_s, args.measure_s,
-                              request_s, out, f"acc{c}", watch_pid=os.getpid(), sim_pid=sim.pid)
+        argv = po.client_argv(
+            server.url,
+            c,
+            args.max_tokens,
+            warmup_s,
+            args.measure_s,
+            request_s,
+            out,
+            f"acc{c}",
+            watch_pid=os.getpid(),
+            sim_pid=sim.pid,
+        )
         client_core = po.CLIENT_CORE if pin else None
         gc.callbacks.append(watch)
         client_proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=po.REPO_ROOT, stdin=asyncio.subprocess.DEVNULL,
-            preexec_fn=po._pinner(client_core))
+            *argv,
+            cwd=po.REPO_ROOT,
+            stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=po._pinner(client_core),
+        )
         loop = asyncio.get_running_loop()
         # GC pauses are counted over the measured window only (the client's warm-up excluded).
         loop.call_later(warmup_s, setattr, watch, "active", True)
@@ -254,16 +304,23 @@ async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) 
     pauses: dict[int, list[int]] = {}
     for gen, ns in watch.pauses:
         pauses.setdefault(gen, []).append(ns)
-    result.update({
-        "concurrency": c, "step_s": step, "measured": len(client["requests"]),
-        "clock_delta_drift_ns": delta_after - delta_before,
-        "gc_tracked_objects": tracked,
-        "background": run["background"], "proxy_us_event": run.get("proxy_us_event"),
-        "chunks_s": run["chunks_s"],
-        "clock_delta_spread_ns": max(spread_before, spread_after),
-        "gc": {gen: {"n": len(v), "total_ms": sum(v) / 1e6, "max_ms": max(v) / 1e6}
-               for gen, v in sorted(pauses.items())},
-    })
+    result.update(
+        {
+            "concurrency": c,
+            "step_s": step,
+            "measured": len(client["requests"]),
+            "clock_delta_drift_ns": delta_after - delta_before,
+            "gc_tracked_objects": tracked,
+            "background": run["background"],
+            "proxy_us_event": run.get("proxy_us_event"),
+            "chunks_s": run["chunks_s"],
+            "clock_delta_spread_ns": max(spread_before, spread_after),
+            "gc": {
+                gen: {"n": len(v), "total_ms": sum(v) / 1e6, "max_ms": max(v) / 1e6}
+                for gen, v in sorted(pauses.items())
+            },
+        }
+    )
     return result
 
 
@@ -281,8 +338,10 @@ LABELS = {
 def report(results: Sequence[dict[str, Any]]) -> str:
     lines: list[str] = []
     add = lines.append
-    add("Errors in µs. Signed p1/p50/p99, and p50/p99/max of the absolute value. "
-        "TTFT: sample = request; ITL and marks: sample = token event.")
+    add(
+        "Errors in µs. Signed p1/p50/p99, and p50/p99/max of the absolute value. "
+        "TTFT: sample = request; ITL and marks: sample = token event."
+    )
     add("")
     add("| C | step ms | quantity | n | p1 | p50 | p99 | abs p50 | abs p99 | abs max |")
     add("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -291,14 +350,22 @@ def report(results: Sequence[dict[str, Any]]) -> str:
             s = res["stats"][key]
             if not s.get("n"):
                 continue
-            add(f"| {res['concurrency']} | {res['step_s'] * 1e3:g} | {label} | {s['n']} | "
+            add(
+                f"| {res['concurrency']} | {res['step_s'] * 1e3:g} | {label} | {s['n']} | "
                 f"{s['p1']:.1f} | {s['p50']:.1f} | {s['p99']:.1f} | {s['abs_p50']:.1f} | "
-                f"{s['abs_p99']:.1f} | {s['abs_max']:.1f} |")
+                f"{s['abs_p99']:.1f} | {s['abs_max']:.1f} |"
+            )
     add("")
     for res in results:
-        gc_text = "; ".join(f"gen{gen}: {v['n']} pauses, total {v['total_ms']:.1f} ms, max "
-                            f"{v['max_ms']:.2f} ms" for gen, v in res["gc"].items()) or "none"
-        add(f"- C={res['concurrency']}: {res['chunks_s']:.0f} token chunks/s, proxy "
+        gc_text = (
+            "; ".join(
+                f"gen{gen}: {v['n']} pauses, total {v['total_ms']:.1f} ms, max {v['max_ms']:.2f} ms"
+                for gen, v in res["gc"].items()
+            )
+            or "none"
+        )
+        add(
+            f"- C={res['concurrency']}: {res['chunks_s']:.0f} token chunks/s, proxy "
             f"{res['proxy_us_event']:.1f} µs CPU/event; "
             f"{res['measured']} measured requests, {res['matched']} "
             f"compared, problems {res['problems']}; wall − monotonic offset: moved "
@@ -306,7 +373,8 @@ def report(results: Sequence[dict[str, Any]]) -> str:
             f"range {res['wall_minus_mono_range_ns'] / 1e6:.3f} ms across the simulator's "
             f"per-request readings; proxy GC pauses in the window: {gc_text}; "
             f"objects tracked by the GC at the end: {res['gc_tracked_objects']}; "
-            f"other processes' CPU in the window: {res['background']:.2f} cores")
+            f"other processes' CPU in the window: {res['background']:.2f} cores"
+        )
     return "\n".join(lines)
 
 
@@ -321,16 +389,22 @@ async def amain(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="proxy-accuracy-"))
     print(f"# {po.machine_line()}", flush=True)
     where = "simulator + client core 0, proxy (this process) core 1" if pin else "off"
-    print(f"# pinning: {where}; autogroup nice {args.nice}; ground truth and "
-          f"raw client output in {workdir}", flush=True)
+    print(
+        f"# pinning: {where}; autogroup nice {args.nice}; ground truth and "
+        f"raw client output in {workdir}",
+        flush=True,
+    )
     results = []
     for c in args.concurrency:
         res = await run_level(c, args, workdir, pin)
         results.append(res)
         s = res["stats"]
-        print(f"C={c}: server TTFT err |p99| {s['server_ttft'].get('abs_p99', float('nan')):.1f}"
-              f" µs, server ITL err |p99| {s['server_itl'].get('abs_p99', float('nan')):.1f} µs"
-              f", compared {res['matched']}/{res['measured']}", flush=True)
+        print(
+            f"C={c}: server TTFT err |p99| {s['server_ttft'].get('abs_p99', float('nan')):.1f}"
+            f" µs, server ITL err |p99| {s['server_itl'].get('abs_p99', float('nan')):.1f} µs"
+            f", compared {res['matched']}/{res['measured']}",
+            flush=True,
+        )
     print()
     print(report(results))
     if args.json_out:
@@ -339,30 +413,55 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 128], help="comma-separated load levels [1,128]")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 128],
+        help="comma-separated load levels [1,128]",
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per stream [32]")
     parser.add_argument("--measure-s", type=float, default=8.0, help="measured window [8]")
     parser.add_argument("--warmup-s", type=float, default=1.0, help="warm-up [1]")
-    parser.add_argument("--min-step-ms", type=float, default=2.0,
-                        help="smallest engine step of the simulator [2 ms]")
-    parser.add_argument("--target-rate", type=float, default=8000.0,
-                        help="aggregate token chunks/s the step is sized for [8000]")
-    parser.add_argument("--quiet-below", type=float, default=0.15,
-                        help="before each level, wait until other processes use less than "
-                        "this many cores (0: don't wait) [0.15]")
-    parser.add_argument("--quiet-wait-s", type=float, default=5.0,
-                        help="longest such wait per level [5 s]")
+    parser.add_argument(
+        "--min-step-ms",
+        type=float,
+        default=2.0,
+        help="smallest engine step of the simulator [2 ms]",
+    )
+    parser.add_argument(
+        "--target-rate",
+        type=float,
+        default=8000.0,
+        help="aggregate token chunks/s the step is sized for [8000]",
+    )
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.15,
+        help="before each level, wait until other processes use less than "
+        "this many cores (0: don't wait) [0.15]",
+    )
+    parser.add_argument(
+        "--quiet-wait-s", type=float, default=5.0, help="longest such wait per level [5 s]"
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
-    parser.add_argument("--nice", type=int, default=0,
-                        help="autogroup nice of every benchmark process, each in a session of "
-                        "its own (negative needs root) [0: leave scheduling alone]")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="autogroup nice of every benchmark process, each in a session of "
+        "its own (negative needs root) [0: leave scheduling alone]",
+    )
     parser.add_argument("--json-out", help="write the results as JSON here")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI smoke run: C=4, 8 tokens, 0.2 s warm-up, 0.5 s window, no "
-                        "quiet wait (the harness runs; no timing claims)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI smoke run: C=4, 8 tokens, 0.2 s warm-up, 0.5 s window, no "
+        "quiet wait (the harness runs; no timing claims)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.concurrency, args.max_tokens, args.warmup_s, args.measure_s = [4], 8, 0.2, 0.5

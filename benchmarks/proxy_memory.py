@@ -98,8 +98,14 @@ def sidecar_in_flight(admin_port: int | None) -> int | None:
     url = f"http://{po.HOST}:{admin_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - 127.0.0.1
         text = resp.read().decode()
-    return int(sum(float(m.group(1)) for m in re.finditer(
-        r"^sidecar_in_flight_requests(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.MULTILINE)))
+    return int(
+        sum(
+            float(m.group(1))
+            for m in re.finditer(
+                r"^sidecar_in_flight_requests(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.MULTILINE
+            )
+        )
+    )
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -112,12 +118,30 @@ def sim_argv(port: int, streams: int, step_s: float, prompt_kib: int = 0) -> lis
     # A prompt's tokens, over-estimated (the simulator's tokenizer takes a few characters per
     # token): room in the context and the KV cache for every stream's prompt at once.
     prompt_tokens = prompt_kib * 1024 // 2
-    return [sys.executable, "-m", "sidecar", "sim", "--host", po.HOST, "--port", str(port),
-            "--model", po.MODEL, "--step-floor-s", f"{step_s:g}", "--per-token-s", "0",
-            "--max-num-seqs", str(streams + 256),
-            "--max-num-batched-tokens", str(max(8192, 64 * (streams + 256), 2 * prompt_tokens)),
-            "--num-gpu-blocks", str(max(32768, (64 + prompt_tokens // 16) * (streams + 256))),
-            "--max-model-len", str(MAX_TOKENS + 1024 + prompt_tokens)]
+    return [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "sim",
+        "--host",
+        po.HOST,
+        "--port",
+        str(port),
+        "--model",
+        po.MODEL,
+        "--step-floor-s",
+        f"{step_s:g}",
+        "--per-token-s",
+        "0",
+        "--max-num-seqs",
+        str(streams + 256),
+        "--max-num-batched-tokens",
+        str(max(8192, 64 * (streams + 256), 2 * prompt_tokens)),
+        "--num-gpu-blocks",
+        str(max(32768, (64 + prompt_tokens // 16) * (streams + 256))),
+        "--max-model-len",
+        str(MAX_TOKENS + 1024 + prompt_tokens),
+    ]
 
 
 def prompt_text(kib: int) -> str:
@@ -137,13 +161,19 @@ class Streams:
 
         self.aiohttp = aiohttp
         self.url = url.rstrip("/") + "/v1/chat/completions"
-        self.body = json.dumps({
-            "model": po.MODEL, "stream": True, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "messages": [{"role": "user", "content": prompt_text(prompt_kib)}],
-        }).encode()
+        self.body = json.dumps(
+            {
+                "model": po.MODEL,
+                "stream": True,
+                "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": prompt_text(prompt_kib)}],
+            }
+        ).encode()
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True),
-            timeout=aiohttp.ClientTimeout(total=None, sock_read=None, sock_connect=30))
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=None, sock_connect=30),
+        )
         self.connecting = asyncio.Semaphore(parallel)
         self.tasks: list[asyncio.Task[None]] = []
         self.failures: Counter[str] = Counter()
@@ -219,8 +249,9 @@ async def wait_in_flight(admin_port: int | None, want: int, timeout_s: float) ->
         await asyncio.sleep(0.1)
 
 
-async def measure_point(pids: Sequence[int], admin_port: int | None, settle_s: float,
-                        streams: Streams) -> dict[str, Any]:
+async def measure_point(
+    pids: Sequence[int], admin_port: int | None, settle_s: float, streams: Streams
+) -> dict[str, Any]:
     """The relay's memory (median of 3 readings), fds and in-flight gauge, one engine step after
     the last stream opened (so that every held stream has had a chunk relayed since)."""
     await asyncio.sleep(settle_s)
@@ -232,33 +263,48 @@ async def measure_point(pids: Sequence[int], admin_port: int | None, settle_s: f
     rss = statistics.median(r["VmRSS"] for r in readings)
     anon = statistics.median(r["RssAnon"] for r in readings)
     in_flight = await asyncio.to_thread(sidecar_in_flight, admin_port) if admin_port else None
-    return {"held": held, "rss_kib": rss, "rss_anon_kib": anon,
-            "hwm_kib": max(r["VmHWM"] for r in readings), "fds": open_fds(pids),
-            "relay_in_flight": in_flight}
+    return {
+        "held": held,
+        "rss_kib": rss,
+        "rss_anon_kib": anon,
+        "hwm_kib": max(r["VmHWM"] for r in readings),
+        "fds": open_fds(pids),
+        "relay_in_flight": in_flight,
+    }
 
 
-async def run_level(mode: str, n: int, args: argparse.Namespace, workdir: Path,
-                    place: po.Placement) -> dict[str, Any]:
+async def run_level(
+    mode: str, n: int, args: argparse.Namespace, workdir: Path, place: po.Placement
+) -> dict[str, Any]:
     sim_port, port = po.free_port(), po.free_port()
     admin_port = po.free_port() if mode == "sidecar" else None
     procs: list[subprocess.Popen[bytes]] = []
     streams: Streams | None = None
     tag = f"{mode}-{n}"
     try:
-        sim = po.spawn(sim_argv(sim_port, n, args.step_s, args.prompt_kib),
-                       workdir / f"sim-{tag}.log", place.sim)
+        sim = po.spawn(
+            sim_argv(sim_port, n, args.step_s, args.prompt_kib),
+            workdir / f"sim-{tag}.log",
+            place.sim,
+        )
         procs.append(sim)
         po.wait_port(sim_port, sim)
         if mode == "sidecar":
             assert admin_port is not None
-            proxy = po.start_proxy(sim_port, port, admin_port, workdir / f"{tag}.log",
-                                   place.proxy, ["--max-concurrency", str(2 * n + 1024),
-                                                 *args.proxy_arg])
+            proxy = po.start_proxy(
+                sim_port,
+                port,
+                admin_port,
+                workdir / f"{tag}.log",
+                place.proxy,
+                ["--max-concurrency", str(2 * n + 1024), *args.proxy_arg],
+            )
             procs.append(proxy)
             pids = po.process_tree(proxy.pid)  # the collector and its worker
         else:
-            relay, pids = po.start_relay(mode, sim_port, port, workdir, tag, place.proxy,
-                                         max_conns=n + 1024)
+            relay, pids = po.start_relay(
+                mode, sim_port, port, workdir, tag, place.proxy, max_conns=n + 1024
+            )
             procs.append(relay)
         streams = Streams(f"http://{po.HOST}:{port}", args.connect_parallel, args.prompt_kib)
         open_timeout = args.open_timeout_s + 3 * args.step_s
@@ -281,33 +327,46 @@ async def run_level(mode: str, n: int, args: argparse.Namespace, workdir: Path,
     xs = [p["held"] for p in points]
     ys = [p["rss_kib"] for p in points]
     upper = (points[2]["rss_kib"] - points[1]["rss_kib"]) / max(1, xs[2] - xs[1])
-    result = {"mode": mode, "streams": n, "held": xs[2], "warmup_ok": warm,
-              "failures": dict(streams.failures), "points": points,
-              "kib_per_stream": slope(xs, ys), "kib_per_stream_upper_half": upper,
-              "anon_kib_per_stream": slope(xs, [p["rss_anon_kib"] for p in points]),
-              "fds_per_stream": slope(xs, [p["fds"] for p in points]),
-              "open_wall_s": open_s}
-    print(f"{mode:8} N={n:<6} held {xs[2]} (failures {dict(streams.failures) or 'none'}): RSS "
-          + " / ".join(f"{p['rss_kib'] / 1024:.1f}" for p in points)
-          + f" MiB at {'/'.join(str(x) for x in xs)} streams -> {result['kib_per_stream']:.1f} "
-          f"KiB/stream (upper half {upper:.1f}), fds/stream {result['fds_per_stream']:.2f}",
-          flush=True)
+    result = {
+        "mode": mode,
+        "streams": n,
+        "held": xs[2],
+        "warmup_ok": warm,
+        "failures": dict(streams.failures),
+        "points": points,
+        "kib_per_stream": slope(xs, ys),
+        "kib_per_stream_upper_half": upper,
+        "anon_kib_per_stream": slope(xs, [p["rss_anon_kib"] for p in points]),
+        "fds_per_stream": slope(xs, [p["fds"] for p in points]),
+        "open_wall_s": open_s,
+    }
+    print(
+        f"{mode:8} N={n:<6} held {xs[2]} (failures {dict(streams.failures) or 'none'}): RSS "
+        + " / ".join(f"{p['rss_kib'] / 1024:.1f}" for p in points)
+        + f" MiB at {'/'.join(str(x) for x in xs)} streams -> {result['kib_per_stream']:.1f} "
+        f"KiB/stream (upper half {upper:.1f}), fds/stream {result['fds_per_stream']:.2f}",
+        flush=True,
+    )
     return result
 
 
 def report(results: Sequence[dict[str, Any]], step_s: float) -> str:
-    lines = [f"Relay RSS with streams held open (engine step {step_s:g} s: one token chunk per "
-             "stream per step). RSS in MiB at 0 / N/2 / N streams in flight (held = streams "
-             "that received their first chunk and were open at the reading); KiB per stream = "
-             "least-squares slope over the three points; upper half = (RSS(N) − RSS(N/2)) / "
-             "(N/2). In flight = the sidecar's own sidecar_in_flight_requests gauge.", "",
-             "| relay | N | held | RSS 0 | RSS N/2 | RSS N | KiB/stream | KiB/stream (upper "
-             "half) | anon KiB/stream | fds/stream | in flight (sidecar gauge) | failures |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = [
+        f"Relay RSS with streams held open (engine step {step_s:g} s: one token chunk per "
+        "stream per step). RSS in MiB at 0 / N/2 / N streams in flight (held = streams "
+        "that received their first chunk and were open at the reading); KiB per stream = "
+        "least-squares slope over the three points; upper half = (RSS(N) − RSS(N/2)) / "
+        "(N/2). In flight = the sidecar's own sidecar_in_flight_requests gauge.",
+        "",
+        "| relay | N | held | RSS 0 | RSS N/2 | RSS N | KiB/stream | KiB/stream (upper "
+        "half) | anon KiB/stream | fds/stream | in flight (sidecar gauge) | failures |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
     for r in results:
         p = r["points"]
-        gauge = " / ".join("-" if x["relay_in_flight"] is None else str(x["relay_in_flight"])
-                           for x in p)
+        gauge = " / ".join(
+            "-" if x["relay_in_flight"] is None else str(x["relay_in_flight"]) for x in p
+        )
         failures = ", ".join(f"{k}: {v}" for k, v in r["failures"].items()) or "none"
         n = str(r["streams"])
         if r.get("requested_streams", r["streams"]) != r["streams"]:
@@ -317,7 +376,8 @@ def report(results: Sequence[dict[str, Any]], step_s: float) -> str:
             + " | ".join(f"{x['rss_kib'] / 1024:.1f}" for x in p)
             + f" | {r['kib_per_stream']:.1f} | {r['kib_per_stream_upper_half']:.1f} | "
             f"{r['anon_kib_per_stream']:.1f} | {r['fds_per_stream']:.2f} | {gauge} | "
-            f"{failures} |")
+            f"{failures} |"
+        )
     return "\n".join(lines)
 
 
@@ -330,18 +390,23 @@ async def amain(args: argparse.Namespace) -> int:
     modes, skipped = po.select_modes(args.modes)
     modes = modes[1:]
     print(f"# {po.machine_line()}", flush=True)
-    print(f"# pinning: {place.describe()}; open-files limit {have} (want {need}); logs in "
-          f"{workdir}", flush=True)
+    print(
+        f"# pinning: {place.describe()}; open-files limit {have} (want {need}); logs in {workdir}",
+        flush=True,
+    )
     for mode, reason in skipped.items():
         print(f"# mode {mode} skipped: {reason}", flush=True)
     results = []
     for requested in args.streams:
         n = streams_that_fit(requested, have)
         if n < requested:
-            print(f"# WARNING: N={requested} needs {2 * requested + FD_MARGIN} open files in a "
-                  f"relay, the limit here is {have} and cannot be raised (hard limit; raising "
-                  f"it needs root with CAP_SYS_RESOURCE, e.g. `ulimit -Hn {need}` before the "
-                  f"run): measuring N={n} instead", flush=True)
+            print(
+                f"# WARNING: N={requested} needs {2 * requested + FD_MARGIN} open files in a "
+                f"relay, the limit here is {have} and cannot be raised (hard limit; raising "
+                f"it needs root with CAP_SYS_RESOURCE, e.g. `ulimit -Hn {need}` before the "
+                f"run): measuring N={n} instead",
+                flush=True,
+            )
         for mode in modes:
             result = await run_level(mode, n, args, workdir, place)
             result["requested_streams"] = requested
@@ -349,37 +414,80 @@ async def amain(args: argparse.Namespace) -> int:
     print()
     print(report(results, args.step_s))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({
-            "machine": po.machine_line(), "step_s": args.step_s, "modes": modes,
-            "prompt_kib": args.prompt_kib,
-            "skipped": skipped, "nofile_limit": have, "results": results}, indent=1))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "machine": po.machine_line(),
+                    "step_s": args.step_s,
+                    "modes": modes,
+                    "prompt_kib": args.prompt_kib,
+                    "skipped": skipped,
+                    "nofile_limit": have,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1000, 10000], help="comma-separated N [1000,10000]")
-    parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m],
-                        default=["sidecar", "bare"],
-                        help=f"relays, from {', '.join(MODES)} [sidecar,bare]")
-    parser.add_argument("--step-s", type=float, default=2.0,
-                        help="the simulator's engine step: one chunk per stream per step [2 s]")
-    parser.add_argument("--warmup-streams", type=int, default=200,
-                        help="streams opened and closed before the 0-stream reading [200]")
-    parser.add_argument("--prompt-kib", type=int, default=0,
-                        help="each request's prompt, about this many KiB (0: one sentence)")
-    parser.add_argument("--connect-parallel", type=int, default=100,
-                        help="streams connecting at once while opening [100]")
-    parser.add_argument("--open-timeout-s", type=float, default=120.0,
-                        help="longest wait for a batch of streams to open [120 s]")
-    parser.add_argument("--proxy-arg", action="append", default=[],
-                        help="extra flag for `sidecar proxy` (repeatable)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--streams",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1000, 10000],
+        help="comma-separated N [1000,10000]",
+    )
+    parser.add_argument(
+        "--modes",
+        type=lambda s: [m for m in s.split(",") if m],
+        default=["sidecar", "bare"],
+        help=f"relays, from {', '.join(MODES)} [sidecar,bare]",
+    )
+    parser.add_argument(
+        "--step-s",
+        type=float,
+        default=2.0,
+        help="the simulator's engine step: one chunk per stream per step [2 s]",
+    )
+    parser.add_argument(
+        "--warmup-streams",
+        type=int,
+        default=200,
+        help="streams opened and closed before the 0-stream reading [200]",
+    )
+    parser.add_argument(
+        "--prompt-kib",
+        type=int,
+        default=0,
+        help="each request's prompt, about this many KiB (0: one sentence)",
+    )
+    parser.add_argument(
+        "--connect-parallel",
+        type=int,
+        default=100,
+        help="streams connecting at once while opening [100]",
+    )
+    parser.add_argument(
+        "--open-timeout-s",
+        type=float,
+        default=120.0,
+        help="longest wait for a batch of streams to open [120 s]",
+    )
+    parser.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="extra flag for `sidecar proxy` (repeatable)",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--json-out", help="write the results as JSON here")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI smoke run: N=100, 0.2 s steps, 20 warm-up streams")
+    parser.add_argument(
+        "--smoke", action="store_true", help="CI smoke run: N=100, 0.2 s steps, 20 warm-up streams"
+    )
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:

@@ -112,7 +112,7 @@ def proc_cpu_split_ns(pid: int) -> tuple[int, int]:
     resolution: 1/CLK_TCK s)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         raw = f.read()
-    fields = raw[raw.rindex(b")") + 2:].split()
+    fields = raw[raw.rindex(b")") + 2 :].split()
     # fields[0] is field 3 (state); utime is field 14, stime field 15.
     tick = 1_000_000_000 // CLK_TCK
     return int(fields[11]) * tick, int(fields[12]) * tick
@@ -178,6 +178,7 @@ def proc_mem_kib(pid: int) -> dict[str, int]:
 
 def exit_on_sigterm() -> None:
     """SIGTERM raises SystemExit, so that every `finally` stops the processes we started."""
+
     def handler(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
 
@@ -270,18 +271,29 @@ def sched_probe(seconds: float = 0.5) -> dict[str, float]:
         time.sleep(0.001)
         late.append((time.perf_counter_ns() - t - 1_000_000) / 1e3)
     arr = np.asarray(late)
-    return {"p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99)),
-            "max": float(arr.max())}
+    return {
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+        "max": float(arr.max()),
+    }
 
 
-def probe_cores(cores: Sequence[int | None], workdir: Path,
-                seconds: float = 0.5) -> dict[str, dict[str, float]]:
+def probe_cores(
+    cores: Sequence[int | None], workdir: Path, seconds: float = 0.5
+) -> dict[str, dict[str, float]]:
     """Run sched_probe at once on each core, each in a child placed like the measured ones."""
     procs = []
     for i, core in enumerate(cores):
         out = workdir / f"probe-{i}.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "probe", "--out", str(out),
-                "--seconds", str(seconds)]
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "probe",
+            "--out",
+            str(out),
+            "--seconds",
+            str(seconds),
+        ]
         procs.append((core, out, spawn(argv, workdir / "probe.log", core)))
     result = {}
     for core, out, proc in procs:
@@ -322,9 +334,14 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
 def spawn(argv: Sequence[str], log_path: Path, core: int | None) -> subprocess.Popen[bytes]:
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed right after spawn
     try:
-        return subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
-                                preexec_fn=_pinner(core))
+        return subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO_ROOT,
+            preexec_fn=_pinner(core),
+        )
     finally:
         log.close()
 
@@ -334,15 +351,30 @@ def step_s_for(concurrency: int, min_step_ms: float, target_rate: float) -> floa
 
 
 def sim_argv(port: int, step_s: float, ground_truth: str | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "sidecar", "sim", "--host", HOST, "--port", str(port),
-            "--model", MODEL, "--step-floor-s", f"{step_s:.6f}", "--max-num-seqs", "1024"]
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "sim",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+        "--step-floor-s",
+        f"{step_s:.6f}",
+        "--max-num-seqs",
+        "1024",
+    ]
     if ground_truth:
         argv += ["--ground-truth", ground_truth]
     return argv
 
 
-def start_sim(port: int, step_s: float, log_path: Path, core: int | None,
-              ground_truth: str | None = None) -> subprocess.Popen[bytes]:
+def start_sim(
+    port: int, step_s: float, log_path: Path, core: int | None, ground_truth: str | None = None
+) -> subprocess.Popen[bytes]:
     proc = spawn(sim_argv(port, step_s, ground_truth), log_path, core)
     try:
         wait_port(port, proc)
@@ -352,15 +384,33 @@ def start_sim(port: int, step_s: float, log_path: Path, core: int | None,
     return proc
 
 
-def start_proxy(upstream_port: int, port: int, admin_port: int, log_path: Path,
-                core: int | None, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+def start_proxy(
+    upstream_port: int,
+    port: int,
+    admin_port: int,
+    log_path: Path,
+    core: int | None,
+    extra: Sequence[str] = (),
+) -> subprocess.Popen[bytes]:
     """The sidecar as users start it: one worker process (unless ``extra`` says otherwise)
     beside its collector process; `process_tree` lists both for CPU and memory."""
     workers = [] if any(a.startswith("--workers") for a in extra) else ["--workers", "1"]
-    argv = [sys.executable, "-m", "sidecar", "proxy", "--upstream",
-            f"http://{HOST}:{upstream_port}", "--listen", f"{HOST}:{port}",
-            "--metrics-listen", f"{HOST}:{admin_port}", "--health-interval", "0", *workers,
-            *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "proxy",
+        "--upstream",
+        f"http://{HOST}:{upstream_port}",
+        "--listen",
+        f"{HOST}:{port}",
+        "--metrics-listen",
+        f"{HOST}:{admin_port}",
+        "--health-interval",
+        "0",
+        *workers,
+        *extra,
+    ]
     proc = spawn(argv, log_path, core)
     try:
         wait_port(port, proc)
@@ -370,16 +420,42 @@ def start_proxy(upstream_port: int, port: int, admin_port: int, log_path: Path,
     return proc
 
 
-def client_argv(url: str, concurrency: int, max_tokens: int, warmup_s: float, measure_s: float,
-                stagger_s: float, out: Path, id_prefix: str,
-                watch_pid: int | Sequence[int] | None = None,
-                sim_pid: int | None = None, other_pids: Sequence[int] = ()) -> list[str]:
+def client_argv(
+    url: str,
+    concurrency: int,
+    max_tokens: int,
+    warmup_s: float,
+    measure_s: float,
+    stagger_s: float,
+    out: Path,
+    id_prefix: str,
+    watch_pid: int | Sequence[int] | None = None,
+    sim_pid: int | None = None,
+    other_pids: Sequence[int] = (),
+) -> list[str]:
     """The load client's command line. ``watch_pid``: the relay's process, or all of them (nginx:
     master and workers), whose CPU and memory are summed."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "client", "--url", url,
-            "--concurrency", str(concurrency), "--max-tokens", str(max_tokens),
-            "--warmup-s", str(warmup_s), "--measure-s", str(measure_s),
-            "--stagger-s", f"{stagger_s:.4f}", "--out", str(out), "--id-prefix", id_prefix]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "client",
+        "--url",
+        url,
+        "--concurrency",
+        str(concurrency),
+        "--max-tokens",
+        str(max_tokens),
+        "--warmup-s",
+        str(warmup_s),
+        "--measure-s",
+        str(measure_s),
+        "--stagger-s",
+        f"{stagger_s:.4f}",
+        "--out",
+        str(out),
+        "--id-prefix",
+        id_prefix,
+    ]
     watched = [watch_pid] if isinstance(watch_pid, int) else list(watch_pid or ())
     if watched:
         argv += ["--watch-pid", ",".join(map(str, watched))]
@@ -402,25 +478,38 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
 
     TOKEN = ChunkKind.TOKEN
     perf = time.perf_counter_ns
-    body = json.dumps({
-        "model": MODEL, "stream": True, "max_tokens": args.max_tokens, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "Tell me a story about a lighthouse."}],
-    }).encode()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a story about a lighthouse."}],
+        }
+    ).encode()
     url = args.url.rstrip("/") + "/v1/chat/completions"
     c = args.concurrency
     t_start = perf()
     t0 = t_start + int(args.warmup_s * 1e9)
     t_end = t0 + int(args.measure_s * 1e9)
     measured: list[dict[str, Any]] = []
-    state = {"pending": 0, "window_events": 0, "window_tokens": 0, "unmeasured": 0,
-             "unmeasured_errors": 0}
+    state = {
+        "pending": 0,
+        "window_events": 0,
+        "window_tokens": 0,
+        "unmeasured": 0,
+        "unmeasured_errors": 0,
+    }
     all_done = asyncio.Event()
     window: dict[str, Any] = {}
 
     def snapshot() -> dict[str, Any]:
-        snap: dict[str, Any] = {"t": perf(), "client_cpu_ns": time.process_time_ns(),
-                                "host_busy_ns": host_busy_ns(),
-                                "others_cpu_ns": pids_cpu_ns(args.other_pids)}
+        snap: dict[str, Any] = {
+            "t": perf(),
+            "client_cpu_ns": time.process_time_ns(),
+            "host_busy_ns": host_busy_ns(),
+            "others_cpu_ns": pids_cpu_ns(args.other_pids),
+        }
         if args.watch_pid:
             # Every process of the relay (nginx: master + workers), summed.
             utime = stime = sched = 0
@@ -477,10 +566,23 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
                         state["window_events"] += len(evs)
                         state["window_tokens"] += n_tok
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return {"id": request_id, "t_send": t_send, "status": status, "ok": False,
-                    "error": type(exc).__name__, "events": events, "tok": stamps}
-        return {"id": request_id, "t_send": t_send, "status": status,
-                "ok": status == 200 and done, "events": events, "tok": stamps}
+            return {
+                "id": request_id,
+                "t_send": t_send,
+                "status": status,
+                "ok": False,
+                "error": type(exc).__name__,
+                "events": events,
+                "tok": stamps,
+            }
+        return {
+            "id": request_id,
+            "t_send": t_send,
+            "status": status,
+            "ok": status == 200 and done,
+            "events": events,
+            "tok": stamps,
+        }
 
     async def worker(w: int) -> None:
         await asyncio.sleep(args.stagger_s * w / c)
@@ -529,10 +631,17 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
         await win_task
         await session.close()
     return {
-        "concurrency": c, "max_tokens": args.max_tokens, "warmup_s": args.warmup_s,
-        "measure_s": args.measure_s, "t0": t0, "t_end": t_end, "window": window,
-        "window_events": state["window_events"], "window_tokens": state["window_tokens"],
-        "unmeasured": state["unmeasured"], "unmeasured_errors": state["unmeasured_errors"],
+        "concurrency": c,
+        "max_tokens": args.max_tokens,
+        "warmup_s": args.warmup_s,
+        "measure_s": args.measure_s,
+        "t0": t0,
+        "t_end": t_end,
+        "window": window,
+        "window_events": state["window_events"],
+        "window_tokens": state["window_tokens"],
+        "unmeasured": state["unmeasured"],
+        "unmeasured_errors": state["unmeasured_errors"],
         "requests": measured,
     }
 
@@ -548,13 +657,16 @@ def run_bare_relay(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None))
+            connector=aiohttp.TCPConnector(limit=0),
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
 
         async def handle(request: web.Request) -> web.StreamResponse:
             body = await request.read()
-            async with session.post(upstream + request.path_qs, data=body,
-                                    headers={"Content-Type": "application/json"}) as up:
+            async with session.post(
+                upstream + request.path_qs, data=body, headers={"Content-Type": "application/json"}
+            ) as up:
                 resp = web.StreamResponse(status=up.status)
                 resp.content_type = up.content_type
                 await resp.prepare(request)
@@ -621,7 +733,8 @@ def run_tcp_pipe(args: argparse.Namespace) -> int:
             loop = asyncio.get_running_loop()
             try:
                 _, self.upstream = await loop.create_connection(
-                    lambda: UpstreamSide(self), *upstream)
+                    lambda: UpstreamSide(self), *upstream
+                )
             except OSError:
                 assert self.transport is not None
                 self.transport.close()
@@ -652,10 +765,18 @@ def run_tcp_pipe(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_bare_relay(upstream_port: int, port: int, log_path: Path,
-                     core: int | None, command: str = "bare-relay") -> subprocess.Popen[bytes]:
-    argv = [sys.executable, str(Path(__file__).resolve()), command, "--upstream",
-            f"http://{HOST}:{upstream_port}", "--port", str(port)]
+def start_bare_relay(
+    upstream_port: int, port: int, log_path: Path, core: int | None, command: str = "bare-relay"
+) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        command,
+        "--upstream",
+        f"http://{HOST}:{upstream_port}",
+        "--port",
+        str(port),
+    ]
     proc = spawn(argv, log_path, core)
     try:
         wait_port(port, proc)
@@ -747,8 +868,14 @@ http {{
 """
 
 
-def start_nginx(upstream_port: int, port: int, workdir: Path, log_path: Path, core: int | None,
-                max_conns: int = 1024) -> tuple[subprocess.Popen[bytes], list[int]]:
+def start_nginx(
+    upstream_port: int,
+    port: int,
+    workdir: Path,
+    log_path: Path,
+    core: int | None,
+    max_conns: int = 1024,
+) -> tuple[subprocess.Popen[bytes], list[int]]:
     """nginx in the foreground (the Popen is the master); returns it and every nginx process id
     (master + worker), whose CPU is counted together."""
     nginx = find_nginx()
@@ -758,8 +885,11 @@ def start_nginx(upstream_port: int, port: int, workdir: Path, log_path: Path, co
     directory.mkdir(parents=True, exist_ok=True)
     conf = directory / "nginx.conf"
     conf.write_text(nginx_config(upstream_port, port, directory, max_conns))
-    proc = spawn([nginx, "-c", str(conf), "-p", str(directory), "-e",
-                  str(directory / "nginx-error.log")], log_path, core)
+    proc = spawn(
+        [nginx, "-c", str(conf), "-p", str(directory), "-e", str(directory / "nginx-error.log")],
+        log_path,
+        core,
+    )
     try:
         wait_port(port, proc)
         deadline = time.monotonic() + 10
@@ -784,7 +914,7 @@ def child_pids(pid: int) -> list[int]:
         with contextlib.suppress(OSError, ValueError, IndexError):
             with open(f"/proc/{entry}/stat", "rb") as f:
                 raw = f.read()
-            if int(raw[raw.rindex(b")") + 2:].split()[1]) == pid:
+            if int(raw[raw.rindex(b")") + 2 :].split()[1]) == pid:
                 children.append(int(entry))
     return sorted(children)
 
@@ -796,8 +926,10 @@ def envoy_config(upstream_port: int, port: int) -> str:
     idle timeout 0s, connection manager stream_idle_timeout 0s), and the circuit breakers are
     raised far above any load here (defaults: 1024 connections/requests)."""
     big = 1_000_000
-    hcm = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
-           "HttpConnectionManager")
+    hcm = (
+        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+        "HttpConnectionManager"
+    )
     return f"""
 static_resources:
   listeners:
@@ -840,8 +972,9 @@ static_resources:
 """
 
 
-def start_envoy(upstream_port: int, port: int, workdir: Path, log_path: Path,
-                core: int | None) -> subprocess.Popen[bytes]:
+def start_envoy(
+    upstream_port: int, port: int, workdir: Path, log_path: Path, core: int | None
+) -> subprocess.Popen[bytes]:
     """Envoy with one worker thread (--concurrency 1); its CPU is the whole process's (main,
     worker and helper threads)."""
     envoy = find_envoy()
@@ -849,8 +982,20 @@ def start_envoy(upstream_port: int, port: int, workdir: Path, log_path: Path,
         raise RuntimeError(f"envoy not found: {ENVOY_HINT}")
     conf = workdir / f"envoy-{port}.yaml"
     conf.write_text(envoy_config(upstream_port, port))
-    proc = spawn([envoy, "-c", str(conf), "--concurrency", "1", "--log-level", "warn",
-                  "--disable-hot-restart"], log_path, core)
+    proc = spawn(
+        [
+            envoy,
+            "-c",
+            str(conf),
+            "--concurrency",
+            "1",
+            "--log-level",
+            "warn",
+            "--disable-hot-restart",
+        ],
+        log_path,
+        core,
+    )
     try:
         wait_port(port, proc, timeout_s=60.0)
     except BaseException:
@@ -888,21 +1033,31 @@ def analyse_run(result: dict[str, Any]) -> dict[str, Any]:
     w = result["window"]
     span_s = (w["end"]["t"] - w["start"]["t"]) / 1e9
     out: dict[str, Any] = {
-        "n_req": len(reqs), "n_ok": len(ok), "n_err": len(reqs) - len(ok),
+        "n_req": len(reqs),
+        "n_ok": len(ok),
+        "n_err": len(reqs) - len(ok),
         "n_itl": len(itl),
         "merged": sum(1 for r in ok if len(r["tok"]) != result["max_tokens"]),
-        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "ttft_max": pct(ttft, 100),
-        "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "itl_max": pct(itl, 100),
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "ttft_max": pct(ttft, 100),
+        "itl_p50": pct(itl, 50),
+        "itl_p99": pct(itl, 99),
+        "itl_max": pct(itl, 100),
         "chunks_s": result["window_tokens"] / span_s,
         "events_s": result["window_events"] / span_s,
-        "core0_load": ((w["end"]["client_cpu_ns"] - w["start"]["client_cpu_ns"])
-                       + (w["end"].get("sim_cpu_ns", 0) - w["start"].get("sim_cpu_ns", 0)))
-                      / (span_s * 1e9),
-    }
-    ours = ((w["end"]["client_cpu_ns"] - w["start"]["client_cpu_ns"])
+        "core0_load": (
+            (w["end"]["client_cpu_ns"] - w["start"]["client_cpu_ns"])
             + (w["end"].get("sim_cpu_ns", 0) - w["start"].get("sim_cpu_ns", 0))
-            + (w["end"].get("proxy_cpu_ns", 0) - w["start"].get("proxy_cpu_ns", 0))
-            + (w["end"]["others_cpu_ns"] - w["start"]["others_cpu_ns"]))
+        )
+        / (span_s * 1e9),
+    }
+    ours = (
+        (w["end"]["client_cpu_ns"] - w["start"]["client_cpu_ns"])
+        + (w["end"].get("sim_cpu_ns", 0) - w["start"].get("sim_cpu_ns", 0))
+        + (w["end"].get("proxy_cpu_ns", 0) - w["start"].get("proxy_cpu_ns", 0))
+        + (w["end"]["others_cpu_ns"] - w["start"]["others_cpu_ns"])
+    )
     busy = w["end"]["host_busy_ns"] - w["start"]["host_busy_ns"]
     out["background"] = max(0.0, (busy - ours) / (span_s * 1e9))
     if "proxy_cpu_ns" in w["start"]:
@@ -910,15 +1065,17 @@ def analyse_run(result: dict[str, Any]) -> dict[str, Any]:
         stime = w["end"]["proxy_stime_ns"] - w["start"]["proxy_stime_ns"]
         sched = w["end"]["proxy_sched_ns"] - w["start"]["proxy_sched_ns"]
         events = max(1, result["window_events"])
-        out.update({
-            "proxy_us_event": cpu / 1e3 / events,
-            "proxy_us_event_sched": sched / 1e3 / events,
-            "proxy_us_token": cpu / 1e3 / max(1, result["window_tokens"]),
-            "proxy_sys_share": stime / cpu if cpu else float("nan"),
-            "proxy_load": cpu / (span_s * 1e9),
-            "proxy_rss_mib": w["end"]["proxy_mem_kib"]["VmRSS"] / 1024,
-            "proxy_hwm_mib": w["end"]["proxy_mem_kib"]["VmHWM"] / 1024,
-        })
+        out.update(
+            {
+                "proxy_us_event": cpu / 1e3 / events,
+                "proxy_us_event_sched": sched / 1e3 / events,
+                "proxy_us_token": cpu / 1e3 / max(1, result["window_tokens"]),
+                "proxy_sys_share": stime / cpu if cpu else float("nan"),
+                "proxy_load": cpu / (span_s * 1e9),
+                "proxy_rss_mib": w["end"]["proxy_mem_kib"]["VmRSS"] / 1024,
+                "proxy_hwm_mib": w["end"]["proxy_mem_kib"]["VmHWM"] / 1024,
+            }
+        )
     return out
 
 
@@ -931,10 +1088,14 @@ def med_spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
 
 
 RELAY_MODES = ("sidecar", "bare", "pipe", "nginx", "envoy")
-MODE_LABELS = {"direct": "direct", "sidecar": "sidecar", "bare": "bare relay (calibration)",
-               "pipe": "TCP pipe (CPython floor)",
-               "nginx": "nginx (1 worker, proxy_buffering off)",
-               "envoy": "Envoy (--concurrency 1)"}
+MODE_LABELS = {
+    "direct": "direct",
+    "sidecar": "sidecar",
+    "bare": "bare relay (calibration)",
+    "pipe": "TCP pipe (CPython floor)",
+    "nginx": "nginx (1 worker, proxy_buffering off)",
+    "envoy": "Envoy (--concurrency 1)",
+}
 DELTA_KEYS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 # Below this, an added latency is not told apart from run-to-run noise: the ratio to Envoy's is
 # computed against at least this much (see relative_to_envoy).
@@ -945,8 +1106,9 @@ def _finite(values: Sequence[float]) -> list[float]:
     return [v for v in values if v == v]
 
 
-def added_us(runs: dict[tuple[int, str], list[dict[str, Any]]], c: int, mode: str,
-             key: str) -> list[float]:
+def added_us(
+    runs: dict[tuple[int, str], list[dict[str, Any]]], c: int, mode: str, key: str
+) -> list[float]:
     """Per repeat: relay run's percentile - the same repeat's direct run's, in µs."""
     pairs = zip(runs[(c, "direct")], runs[(c, mode)], strict=True)
     return _finite([(s[key] - d[key]) * 1e3 for d, s in pairs])
@@ -957,8 +1119,11 @@ def median_or_nan(values: Sequence[float]) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
-def added_summary(runs: dict[tuple[int, str], list[dict[str, Any]]],
-                  concurrencies: Sequence[int], relays: Sequence[str]) -> list[dict[str, Any]]:
+def added_summary(
+    runs: dict[tuple[int, str], list[dict[str, Any]]],
+    concurrencies: Sequence[int],
+    relays: Sequence[str],
+) -> list[dict[str, Any]]:
     """Per C and relay: median over the repeats of the added TTFT/ITL p50/p99 (µs) and the
     relay's CPU per event (µs), for the JSON output."""
     out = []
@@ -968,15 +1133,17 @@ def added_summary(runs: dict[tuple[int, str], list[dict[str, Any]]],
             row: dict[str, Any] = {"concurrency": c, "mode": mode}
             for key in DELTA_KEYS:
                 row[f"added_{key}_us"] = median_or_nan(added_us(runs, c, mode, key))
-            row["cpu_us_per_event"] = median_or_nan([r.get("proxy_us_event", float("nan"))
-                                                     for r in rs])
+            row["cpu_us_per_event"] = median_or_nan(
+                [r.get("proxy_us_event", float("nan")) for r in rs]
+            )
             row["rss_mib"] = median_or_nan([r.get("proxy_rss_mib", float("nan")) for r in rs])
             out.append(row)
     return out
 
 
-def relative_to_envoy(runs: dict[tuple[int, str], list[dict[str, Any]]],
-                      concurrencies: Sequence[int]) -> list[dict[str, Any]]:
+def relative_to_envoy(
+    runs: dict[tuple[int, str], list[dict[str, Any]]], concurrencies: Sequence[int]
+) -> list[dict[str, Any]]:
     """The sidecar's added latency against Envoy's, per C (target: within 2x of Envoy). Ratio =
     sidecar's added µs / max(Envoy's added µs, ENVOY_FLOOR_US), medians over the repeats; the
     target holds when that ratio is <= 2."""
@@ -988,36 +1155,59 @@ def relative_to_envoy(runs: dict[tuple[int, str], list[dict[str, Any]]],
         for key in DELTA_KEYS:
             side = median_or_nan(added_us(runs, c, "sidecar", key))
             envoy = median_or_nan(added_us(runs, c, "envoy", key))
-            ratio = side / max(envoy, ENVOY_FLOOR_US) if side == side and envoy == envoy \
+            ratio = (
+                side / max(envoy, ENVOY_FLOOR_US)
+                if side == side and envoy == envoy
                 else float("nan")
-            row[key] = {"sidecar_us": side, "envoy_us": envoy, "ratio": ratio,
-                        "within_2x": bool(ratio <= 2.0) if ratio == ratio else None}
-        cpu_side = median_or_nan([r.get("proxy_us_event", float("nan"))
-                                  for r in runs[(c, "sidecar")]])
-        cpu_envoy = median_or_nan([r.get("proxy_us_event", float("nan"))
-                                   for r in runs[(c, "envoy")]])
-        row["cpu_us_per_event"] = {"sidecar": cpu_side, "envoy": cpu_envoy,
-                                   "ratio": cpu_side / cpu_envoy if cpu_envoy else float("nan")}
+            )
+            row[key] = {
+                "sidecar_us": side,
+                "envoy_us": envoy,
+                "ratio": ratio,
+                "within_2x": bool(ratio <= 2.0) if ratio == ratio else None,
+            }
+        cpu_side = median_or_nan(
+            [r.get("proxy_us_event", float("nan")) for r in runs[(c, "sidecar")]]
+        )
+        cpu_envoy = median_or_nan(
+            [r.get("proxy_us_event", float("nan")) for r in runs[(c, "envoy")]]
+        )
+        row["cpu_us_per_event"] = {
+            "sidecar": cpu_side,
+            "envoy": cpu_envoy,
+            "ratio": cpu_side / cpu_envoy if cpu_envoy else float("nan"),
+        }
         out.append(row)
     return out
 
 
-def report(runs: dict[tuple[int, str], list[dict[str, Any]]], steps: dict[int, float],
-           concurrencies: Sequence[int], modes: Sequence[str], repeats: int,
-           max_tokens: int, probes: dict[int, list[dict[str, dict[str, float]]]]) -> str:
+def report(
+    runs: dict[tuple[int, str], list[dict[str, Any]]],
+    steps: dict[int, float],
+    concurrencies: Sequence[int],
+    modes: Sequence[str],
+    repeats: int,
+    max_tokens: int,
+    probes: dict[int, list[dict[str, dict[str, float]]]],
+) -> str:
     lines: list[str] = []
     add = lines.append
     relays = [m for m in modes if m != "direct"]
-    add(f"Per mode. Each cell: median of the {repeats} runs [min – max]; durations in ms, CPU "
-        "in cores; TTFT sample = request, ITL sample = event (token chunk).")
+    add(
+        f"Per mode. Each cell: median of the {repeats} runs [min – max]; durations in ms, CPU "
+        "in cores; TTFT sample = request, ITL sample = event (token chunk)."
+    )
     add("")
-    add("| C | step ms | mode | requests/run | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | "
-        "ITL max | token chunks/s | sim+client CPU | other procs CPU |")
+    add(
+        "| C | step ms | mode | requests/run | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | "
+        "ITL max | token chunks/s | sim+client CPU | other procs CPU |"
+    )
     add("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in concurrencies:
         for mode in modes:
             rs = runs[(c, mode)]
-            add(f"| {c} | {steps[c] * 1e3:g} | {MODE_LABELS[mode]} | "
+            add(
+                f"| {c} | {steps[c] * 1e3:g} | {MODE_LABELS[mode]} | "
                 f"{med_spread([r['n_req'] for r in rs], '{:.0f}')} | "
                 f"{med_spread([r['ttft_p50'] for r in rs], '{:.2f}')} | "
                 f"{med_spread([r['ttft_p99'] for r in rs], '{:.2f}')} | "
@@ -1026,11 +1216,14 @@ def report(runs: dict[tuple[int, str], list[dict[str, Any]]], steps: dict[int, f
                 f"{med_spread([r['itl_max'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['chunks_s'] for r in rs], '{:.0f}')} | "
                 f"{med_spread([r['core0_load'] for r in rs], '{:.2f}')} | "
-                f"{med_spread([r['background'] for r in rs], '{:.2f}')} |")
+                f"{med_spread([r['background'] for r in rs], '{:.2f}')} |"
+            )
     add("")
-    add("Added latency: for each repeat, (relay run's percentile − the same repeat's direct "
+    add(
+        "Added latency: for each repeat, (relay run's percentile − the same repeat's direct "
         "run's percentile), i.e. *differences of percentiles*, not percentiles of per-request "
-        f"differences; median of the {repeats} repeats [min – max], in µs.")
+        f"differences; median of the {repeats} repeats [min – max], in µs."
+    )
     add("")
     add("| C | relay | Δ TTFT p50 | Δ TTFT p99 | Δ ITL p50 | Δ ITL p99 |")
     add("|---:|---|---:|---:|---:|---:|")
@@ -1039,67 +1232,91 @@ def report(runs: dict[tuple[int, str], list[dict[str, Any]]], steps: dict[int, f
             cells = [med_spread(added_us(runs, c, mode, k), "{:.0f}") for k in DELTA_KEYS]
             add(f"| {c} | {MODE_LABELS[mode]} | " + " | ".join(cells) + " |")
     add("")
-    add("Relay CPU over the measured window: utime+stime from /proc/<pid>/stat "
+    add(
+        "Relay CPU over the measured window: utime+stime from /proc/<pid>/stat "
         f"({1e3 / CLK_TCK:g} ms ticks) and, as a cross-check, the sum of "
         "/proc/<pid>/task/*/schedstat (ns), summed over the relay's processes (nginx: master + "
         "worker; Envoy: one process, all its threads). Per event = per SSE event written to the "
         f"client ({max_tokens} token chunks + 1 role chunk + [DONE] per request; the sidecar "
         "also reads and drops the usage chunk it asked for). Memory read at the window's end, "
-        "with C streams in flight (nginx: summed over its processes).")
+        "with C streams in flight (nginx: summed over its processes)."
+    )
     add("")
-    add("| C | relay | CPU load (cores) | µs/event | µs/event (schedstat) | µs/token chunk | "
-        "kernel share | VmRSS MiB | VmHWM MiB |")
+    add(
+        "| C | relay | CPU load (cores) | µs/event | µs/event (schedstat) | µs/token chunk | "
+        "kernel share | VmRSS MiB | VmHWM MiB |"
+    )
     add("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for c in concurrencies:
         for mode in relays:
             rs = runs[(c, mode)]
-            add(f"| {c} | {MODE_LABELS[mode]} | "
+            add(
+                f"| {c} | {MODE_LABELS[mode]} | "
                 f"{med_spread([r['proxy_load'] for r in rs], '{:.2f}')} | "
                 f"{med_spread([r['proxy_us_event'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_us_event_sched'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_us_token'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_sys_share'] for r in rs], '{:.2f}')} | "
                 f"{med_spread([r['proxy_rss_mib'] for r in rs], '{:.1f}')} | "
-                f"{med_spread([r['proxy_hwm_mib'] for r in rs], '{:.1f}')} |")
+                f"{med_spread([r['proxy_hwm_mib'] for r in rs], '{:.1f}')} |"
+            )
     relative = relative_to_envoy(runs, concurrencies)
     if relative:
         add("")
-        add("Sidecar relative to Envoy (target: within 2x). Each cell: sidecar's added µs / "
+        add(
+            "Sidecar relative to Envoy (target: within 2x). Each cell: sidecar's added µs / "
             "Envoy's added µs = ratio, medians over the repeats; the ratio divides by "
             f"max(Envoy's, {ENVOY_FLOOR_US:g} µs), since smaller differences are run-to-run "
-            "noise (shown as → 50). CPU: µs per event, sidecar / Envoy.")
+            "noise (shown as → 50). CPU: µs per event, sidecar / Envoy."
+        )
         add("")
-        add("| C | Δ TTFT p50 | Δ TTFT p99 | Δ ITL p50 | Δ ITL p99 | CPU µs/event | "
-            "within 2x (p99s) |")
+        add(
+            "| C | Δ TTFT p50 | Δ TTFT p99 | Δ ITL p50 | Δ ITL p99 | CPU µs/event | "
+            "within 2x (p99s) |"
+        )
         add("|---:|---:|---:|---:|---:|---:|---|")
         for row in relative:
-            cells = [f"{row[k]['sidecar_us']:.0f} / {row[k]['envoy_us']:.0f}"
-                     f"{' (→ 50)' if row[k]['envoy_us'] < ENVOY_FLOOR_US else ''} = "
-                     f"{row[k]['ratio']:.1f}x" for k in DELTA_KEYS]
+            cells = [
+                f"{row[k]['sidecar_us']:.0f} / {row[k]['envoy_us']:.0f}"
+                f"{' (→ 50)' if row[k]['envoy_us'] < ENVOY_FLOOR_US else ''} = "
+                f"{row[k]['ratio']:.1f}x"
+                for k in DELTA_KEYS
+            ]
             cpu = row["cpu_us_per_event"]
-            verdict = ", ".join(f"{k.replace('_', ' ')}: "
-                                f"{'yes' if row[k]['within_2x'] else 'no'}"
-                                for k in ("ttft_p99", "itl_p99"))
-            add(f"| {row['concurrency']} | " + " | ".join(cells) + f" | {cpu['sidecar']:.1f} / "
-                f"{cpu['envoy']:.1f} = {cpu['ratio']:.1f}x | {verdict} |")
+            verdict = ", ".join(
+                f"{k.replace('_', ' ')}: {'yes' if row[k]['within_2x'] else 'no'}"
+                for k in ("ttft_p99", "itl_p99")
+            )
+            add(
+                f"| {row['concurrency']} | " + " | ".join(cells) + f" | {cpu['sidecar']:.1f} / "
+                f"{cpu['envoy']:.1f} = {cpu['ratio']:.1f}x | {verdict} |"
+            )
     add("")
-    add("Host scheduling noise, measured before each repeat on the cores in use: lateness of "
-        "1 ms sleeps of a process placed like the measured ones (p50 / p99 / max, µs):")
+    add(
+        "Host scheduling noise, measured before each repeat on the cores in use: lateness of "
+        "1 ms sleeps of a process placed like the measured ones (p50 / p99 / max, µs):"
+    )
     add("")
     for c in concurrencies:
         cells = []
         for probe in probes.get(c, []):
-            cells.append(", ".join(f"{k} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}"
-                                   for k, v in probe.items()))
+            cells.append(
+                ", ".join(
+                    f"{k} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}" for k, v in probe.items()
+                )
+            )
         add(f"- C={c}: " + ("; ".join(cells) or "not probed"))
     add("")
-    add("Sanity, per run: measured requests / failed / streams whose token-chunk count was not "
-        f"{max_tokens} (the simulator merged deltas) / ITL samples.")
+    add(
+        "Sanity, per run: measured requests / failed / streams whose token-chunk count was not "
+        f"{max_tokens} (the simulator merged deltas) / ITL samples."
+    )
     add("")
     for c in concurrencies:
         for mode in modes:
-            cells = ", ".join(f"{r['n_req']}/{r['n_err']}/{r['merged']}/{r['n_itl']}"
-                              for r in runs[(c, mode)])
+            cells = ", ".join(
+                f"{r['n_req']}/{r['n_err']}/{r['merged']}/{r['n_itl']}" for r in runs[(c, mode)]
+            )
             add(f"- C={c} {MODE_LABELS[mode]}: {cells}")
     return "\n".join(lines)
 
@@ -1114,11 +1331,20 @@ def code_line() -> str:
         digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
     head = dirty = "?"
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "sidecar"],
-                                 cwd=REPO_ROOT, capture_output=True, text=True,
-                                 timeout=10).stdout.splitlines()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--", "sidecar"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.splitlines()
         dirty = f"{len(changed)} changed/untracked paths under sidecar/"
     return f"code: HEAD {head}, {dirty}, sha256(sidecar/**/*.py) {digest.hexdigest()[:12]}"
 
@@ -1132,9 +1358,12 @@ def machine_line() -> str:
                 break
     import aiohttp
     import uvloop
-    return (f"nproc {os.cpu_count()}, CPU {model}, Python {platform.python_version()}, "
-            f"aiohttp {aiohttp.__version__}, uvloop {uvloop.__version__}, "
-            f"numpy {np.__version__}, kernel {platform.release()}\n# {code_line()}")
+
+    return (
+        f"nproc {os.cpu_count()}, CPU {model}, Python {platform.python_version()}, "
+        f"aiohttp {aiohttp.__version__}, uvloop {uvloop.__version__}, "
+        f"numpy {np.__version__}, kernel {platform.release()}\n# {code_line()}"
+    )
 
 
 def process_tree(pid: int) -> list[int]:
@@ -1150,9 +1379,16 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def start_relay(mode: str, sim_port: int, port: int, workdir: Path, tag: str,
-                core: int | None, proxy_args: Sequence[str] = (),
-                max_conns: int = 1024) -> tuple[subprocess.Popen[bytes], list[int]]:
+def start_relay(
+    mode: str,
+    sim_port: int,
+    port: int,
+    workdir: Path,
+    tag: str,
+    core: int | None,
+    proxy_args: Sequence[str] = (),
+    max_conns: int = 1024,
+) -> tuple[subprocess.Popen[bytes], list[int]]:
     """Start one relay mode in front of the simulator: the Popen and every process id whose CPU
     and memory count as the relay's."""
     log = workdir / f"{mode}-{tag}.log"
@@ -1176,8 +1412,9 @@ def select_modes(requested: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """direct first, then the requested relays that can run here; the others with the reason."""
     unknown = [m for m in requested if m != "direct" and m not in RELAY_MODES]
     if unknown:
-        raise SystemExit(f"unknown mode(s) {', '.join(unknown)}: choose from direct, "
-                         f"{', '.join(RELAY_MODES)}")
+        raise SystemExit(
+            f"unknown mode(s) {', '.join(unknown)}: choose from direct, {', '.join(RELAY_MODES)}"
+        )
     modes, skipped = ["direct"], {}
     for mode in requested:
         if mode == "direct" or mode in modes:
@@ -1190,29 +1427,59 @@ def select_modes(requested: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return modes, skipped
 
 
-def run_one(args: argparse.Namespace, mode: str, c: int, port: int, relay_pids: Sequence[int],
-            sim_pid: int, other_pids: Sequence[int], warmup_s: float, request_s: float,
-            out: Path, tag: str, client_core: int | None) -> dict[str, Any]:
+def run_one(
+    args: argparse.Namespace,
+    mode: str,
+    c: int,
+    port: int,
+    relay_pids: Sequence[int],
+    sim_pid: int,
+    other_pids: Sequence[int],
+    warmup_s: float,
+    request_s: float,
+    out: Path,
+    tag: str,
+    client_core: int | None,
+) -> dict[str, Any]:
     """One measured run of the load client against ``port``; its summary (analyse_run)."""
-    argv = client_argv(f"http://{HOST}:{port}", c, args.max_tokens, warmup_s, args.measure_s,
-                       request_s, out, tag, watch_pid=relay_pids or None, sim_pid=sim_pid,
-                       other_pids=other_pids)
+    argv = client_argv(
+        f"http://{HOST}:{port}",
+        c,
+        args.max_tokens,
+        warmup_s,
+        args.measure_s,
+        request_s,
+        out,
+        tag,
+        watch_pid=relay_pids or None,
+        sim_pid=sim_pid,
+        other_pids=other_pids,
+    )
     budget = warmup_s + args.measure_s + 60
-    subprocess.run(argv, check=True, timeout=budget, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
-                   preexec_fn=_pinner(client_core))
+    subprocess.run(
+        argv,
+        check=True,
+        timeout=budget,
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=_pinner(client_core),
+    )
     return analyse_run(json.loads(out.read_text()))
 
 
 def run_line(c: int, mode: str, rep: int, summary: dict[str, Any]) -> str:
     extra = ""
     if "proxy_us_event" in summary:
-        extra = (f", relay {summary['proxy_us_event']:.1f} µs/event, "
-                 f"{summary['proxy_rss_mib']:.0f} MiB")
-    return (f"C={c:<4} {mode:8} rep {rep}: {summary['n_req']} req ({summary['n_err']} failed), "
-            f"TTFT p50/p99 {summary['ttft_p50']:.2f}/{summary['ttft_p99']:.2f} ms, ITL p50/p99 "
-            f"{summary['itl_p50']:.2f}/{summary['itl_p99']:.2f} ms, "
-            f"{summary['chunks_s']:.0f} chunks/s, sim+client CPU {summary['core0_load']:.2f}, "
-            f"others {summary['background']:.2f}{extra}")
+        extra = (
+            f", relay {summary['proxy_us_event']:.1f} µs/event, {summary['proxy_rss_mib']:.0f} MiB"
+        )
+    return (
+        f"C={c:<4} {mode:8} rep {rep}: {summary['n_req']} req ({summary['n_err']} failed), "
+        f"TTFT p50/p99 {summary['ttft_p50']:.2f}/{summary['ttft_p99']:.2f} ms, ITL p50/p99 "
+        f"{summary['itl_p50']:.2f}/{summary['itl_p99']:.2f} ms, "
+        f"{summary['chunks_s']:.0f} chunks/s, sim+client CPU {summary['core0_load']:.2f}, "
+        f"others {summary['background']:.2f}{extra}"
+    )
 
 
 class Placement:
@@ -1231,17 +1498,24 @@ class Placement:
         return "simulator + client on core 0, relays on core 1" if self.pin else "off"
 
 
-def probe_round(args: argparse.Namespace, place: Placement, ours: Sequence[int],
-                workdir: Path, rep: int) -> dict[str, dict[str, float]]:
+def probe_round(
+    args: argparse.Namespace, place: Placement, ours: Sequence[int], workdir: Path, rep: int
+) -> dict[str, dict[str, float]]:
     if args.quiet_below > 0:
         bg = wait_quiet(ours, args.quiet_below, args.quiet_wait_s)
         print(f"  (background load before repeat {rep}: {bg:.2f} cores)", flush=True)
     if args.probe_s <= 0:
         return {}
     probe = probe_cores(sorted({place.sim, place.proxy}, key=str), workdir, args.probe_s)
-    print("  (wake-up lateness of 1 ms sleeps, µs: " + "; ".join(
-        f"{k} p50 {v['p50']:.0f} p99 {v['p99']:.0f} max {v['max']:.0f}"
-        for k, v in probe.items()) + ")", flush=True)
+    print(
+        "  (wake-up lateness of 1 ms sleeps, µs: "
+        + "; ".join(
+            f"{k} p50 {v['p50']:.0f} p99 {v['p99']:.0f} max {v['max']:.0f}"
+            for k, v in probe.items()
+        )
+        + ")",
+        flush=True,
+    )
     return probe
 
 
@@ -1258,8 +1532,11 @@ def run_overhead(args: argparse.Namespace) -> int:
     probes: dict[int, list[dict[str, dict[str, float]]]] = {}
     started = time.monotonic()
     print(f"# {machine_line()}", flush=True)
-    print(f"# pinning: {place.describe()}; autogroup nice {args.nice}; logs and raw client "
-          f"output in {workdir}", flush=True)
+    print(
+        f"# pinning: {place.describe()}; autogroup nice {args.nice}; logs and raw client "
+        f"output in {workdir}",
+        flush=True,
+    )
     print(f"# modes, in alternation order: {', '.join(modes)}", flush=True)
     for mode, reason in skipped.items():
         print(f"# mode {mode} skipped: {reason}", flush=True)
@@ -1277,9 +1554,16 @@ def run_overhead(args: argparse.Namespace) -> int:
             pids["sim"] = [procs["sim"].pid]
             for mode in modes[1:]:
                 ports[mode] = free_port()
-                procs[mode], pids[mode] = start_relay(mode, sim_port, ports[mode], workdir,
-                                                      f"c{c}", place.proxy, args.proxy_arg,
-                                                      max_conns=max(1024, 2 * c))
+                procs[mode], pids[mode] = start_relay(
+                    mode,
+                    sim_port,
+                    ports[mode],
+                    workdir,
+                    f"c{c}",
+                    place.proxy,
+                    args.proxy_arg,
+                    max_conns=max(1024, 2 * c),
+                )
             ours = [pid for group in pids.values() for pid in group]
             for rep in range(args.repeats):
                 probes.setdefault(c, []).append(probe_round(args, place, ours, workdir, rep))
@@ -1287,14 +1571,34 @@ def run_overhead(args: argparse.Namespace) -> int:
                     relay_pids = pids.get(mode, []) if mode != "direct" else []
                     tag = f"{mode}{c}r{rep}"
                     summary = run_one(
-                        args, mode, c, ports[mode], relay_pids, procs["sim"].pid,
-                        [pid for k, group in pids.items() if k not in ("sim", mode)
-                         for pid in group],
-                        warmup_s, request_s, workdir / f"c{c}-{mode}-{rep}.json", tag,
-                        place.client)
+                        args,
+                        mode,
+                        c,
+                        ports[mode],
+                        relay_pids,
+                        procs["sim"].pid,
+                        [
+                            pid
+                            for k, group in pids.items()
+                            if k not in ("sim", mode)
+                            for pid in group
+                        ],
+                        warmup_s,
+                        request_s,
+                        workdir / f"c{c}-{mode}-{rep}.json",
+                        tag,
+                        place.client,
+                    )
                     runs.setdefault((c, mode), []).append(summary)
-                    raw.append({"concurrency": c, "mode": mode, "repeat": rep,
-                                "step_s": step, "summary": summary})
+                    raw.append(
+                        {
+                            "concurrency": c,
+                            "mode": mode,
+                            "repeat": rep,
+                            "step_s": step,
+                            "summary": summary,
+                        }
+                    )
                     print(run_line(c, mode, rep, summary), flush=True)
         finally:
             for proc in reversed(list(procs.values())):
@@ -1306,12 +1610,21 @@ def run_overhead(args: argparse.Namespace) -> int:
     print(f"\n(total wall time {elapsed:.0f} s)")
     if args.json_out:
         relays = modes[1:]
-        Path(args.json_out).write_text(json.dumps({
-            "machine": machine_line(), "modes": modes, "skipped": skipped,
-            "concurrency": args.concurrency, "repeats": args.repeats,
-            "added": added_summary(runs, args.concurrency, relays),
-            "relative_to_envoy": relative_to_envoy(runs, args.concurrency),
-            "runs": raw}, indent=1))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "machine": machine_line(),
+                    "modes": modes,
+                    "skipped": skipped,
+                    "concurrency": args.concurrency,
+                    "repeats": args.repeats,
+                    "added": added_summary(runs, args.concurrency, relays),
+                    "relative_to_envoy": relative_to_envoy(runs, args.concurrency),
+                    "runs": raw,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 
@@ -1319,8 +1632,13 @@ def run_overhead(args: argparse.Namespace) -> int:
 # The highest chunk rate one sidecar sustains (--find-max-rate)
 
 
-def judge_rate(direct: Sequence[dict[str, Any]], sidecar: Sequence[dict[str, Any]],
-               target: float, max_tokens: int, max_added_itl_ms: float) -> dict[str, Any]:
+def judge_rate(
+    direct: Sequence[dict[str, Any]],
+    sidecar: Sequence[dict[str, Any]],
+    target: float,
+    max_tokens: int,
+    max_added_itl_ms: float,
+) -> dict[str, Any]:
     """Pass: median over the pairs of (sidecar ITL p99 - direct ITL p99) <= the limit, no failed
     request, and the sidecar delivers >= 95% of the direct runs' chunk rate. A closed-loop
     stream of N tokens takes about N + 2 engine steps (prefill, N decodes, the next request's
@@ -1344,20 +1662,28 @@ def judge_rate(direct: Sequence[dict[str, Any]], sidecar: Sequence[dict[str, Any
         verdict = "pass"
     else:
         verdict = "fail"
-    return {"target_rate": target, "nominal_chunks_s": nominal, "direct_chunks_s": direct_rate,
-            "harness_load": harness_load,
-            "sidecar_chunks_s": sidecar_rate, "failed": failed,
-            "direct_itl_p99_ms": median_or_nan([d["itl_p99"] for d in direct]),
-            "sidecar_itl_p99_ms": median_or_nan([s["itl_p99"] for s in sidecar]),
-            "added_itl_p99_us": added, "added_itl_p99_us_runs": added_itl,
-            "added_ttft_p99_us": median_or_nan(added_ttft),
-            "sidecar_us_per_event": median_or_nan([s.get("proxy_us_event", float("nan"))
-                                                   for s in sidecar]),
-            "verdict": verdict}
+    return {
+        "target_rate": target,
+        "nominal_chunks_s": nominal,
+        "direct_chunks_s": direct_rate,
+        "harness_load": harness_load,
+        "sidecar_chunks_s": sidecar_rate,
+        "failed": failed,
+        "direct_itl_p99_ms": median_or_nan([d["itl_p99"] for d in direct]),
+        "sidecar_itl_p99_ms": median_or_nan([s["itl_p99"] for s in sidecar]),
+        "added_itl_p99_us": added,
+        "added_itl_p99_us_runs": added_itl,
+        "added_ttft_p99_us": median_or_nan(added_ttft),
+        "sidecar_us_per_event": median_or_nan(
+            [s.get("proxy_us_event", float("nan")) for s in sidecar]
+        ),
+        "verdict": verdict,
+    }
 
 
-def measure_rate(args: argparse.Namespace, place: Placement, c: int, rate: float,
-                 workdir: Path) -> dict[str, Any]:
+def measure_rate(
+    args: argparse.Namespace, place: Placement, c: int, rate: float, workdir: Path
+) -> dict[str, Any]:
     """direct/sidecar pairs at one aggregate chunk rate (engine step C / rate), with a fresh
     simulator and sidecar."""
     step = max(args.search_min_step_ms / 1e3, c / rate)
@@ -1371,17 +1697,30 @@ def measure_rate(args: argparse.Namespace, place: Placement, c: int, rate: float
     try:
         sim = start_sim(sim_port, step, workdir / f"sim-{tag}.log", place.sim)
         procs.append(sim)
-        proxy, proxy_pids = start_relay("sidecar", sim_port, proxy_port, workdir, tag,
-                                        place.proxy, args.proxy_arg)
+        proxy, proxy_pids = start_relay(
+            "sidecar", sim_port, proxy_port, workdir, tag, place.proxy, args.proxy_arg
+        )
         procs.append(proxy)
         for rep in range(args.repeats):
             probe_round(args, place, [sim.pid, proxy.pid], workdir, rep)
-            for mode, port, pids, into in (("direct", sim_port, [], direct),
-                                           ("sidecar", proxy_port, proxy_pids, sidecar)):
-                summary = run_one(args, mode, c, port, pids, sim.pid,
-                                  proxy_pids if mode == "direct" else [], warmup_s, request_s,
-                                  workdir / f"{tag}-{mode}-{rep}.json", f"{mode}{tag}r{rep}",
-                                  place.client)
+            for mode, port, pids, into in (
+                ("direct", sim_port, [], direct),
+                ("sidecar", proxy_port, proxy_pids, sidecar),
+            ):
+                summary = run_one(
+                    args,
+                    mode,
+                    c,
+                    port,
+                    pids,
+                    sim.pid,
+                    proxy_pids if mode == "direct" else [],
+                    warmup_s,
+                    request_s,
+                    workdir / f"{tag}-{mode}-{rep}.json",
+                    f"{mode}{tag}r{rep}",
+                    place.client,
+                )
                 into.append(summary)
                 print("  " + run_line(c, mode, rep, summary), flush=True)
     finally:
@@ -1390,15 +1729,18 @@ def measure_rate(args: argparse.Namespace, place: Placement, c: int, rate: float
     result = judge_rate(direct, sidecar, rate, args.max_tokens, args.max_added_itl_ms)
     result["step_s"] = step
     result["runs"] = {"direct": direct, "sidecar": sidecar}
-    print(f"rate {rate:.0f} chunks/s (step {step * 1e3:.3g} ms): direct "
-          f"{result['direct_chunks_s']:.0f}/s, sidecar {result['sidecar_chunks_s']:.0f}/s, "
-          f"added ITL p99 {result['added_itl_p99_us']:.0f} µs -> {result['verdict']}",
-          flush=True)
+    print(
+        f"rate {rate:.0f} chunks/s (step {step * 1e3:.3g} ms): direct "
+        f"{result['direct_chunks_s']:.0f}/s, sidecar {result['sidecar_chunks_s']:.0f}/s, "
+        f"added ITL p99 {result['added_itl_p99_us']:.0f} µs -> {result['verdict']}",
+        flush=True,
+    )
     return result
 
 
-def search_rates(measure: Any, start: float, lowest: float, highest: float, bracket_steps: int,
-                 bisect_steps: int) -> tuple[float | None, float | None, list[dict[str, Any]]]:
+def search_rates(
+    measure: Any, start: float, lowest: float, highest: float, bracket_steps: int, bisect_steps: int
+) -> tuple[float | None, float | None, list[dict[str, Any]]]:
     """Bracket (double after a pass, halve after a fail, at most ``bracket_steps`` rates,
     within [lowest, highest]), then bisect between the highest pass and the lowest fail
     (``bisect_steps`` more rates at most). ``measure(rate)`` returns a dict with "verdict".
@@ -1434,15 +1776,24 @@ def search_rates(measure: Any, start: float, lowest: float, highest: float, brac
     return passed, failed, tried
 
 
-def search_report(c: int, max_added_itl_ms: float, passed: float | None, failed: float | None,
-                  tried: Sequence[dict[str, Any]], lowest: float) -> str:
-    lines = [f"Highest aggregate chunk rate at C={c} whose added ITL p99 (sidecar − direct, "
-             f"median of the pairs) stays <= {max_added_itl_ms:g} ms. Engine step = C / rate; "
-             "durations in ms, rates in token chunks/s.", "",
-             "| target rate | step ms | nominal chunks/s | direct chunks/s | sidecar chunks/s | "
-             "sim+client CPU | direct ITL p99 | sidecar ITL p99 | Δ ITL p99 µs | Δ TTFT p99 µs | "
-             "sidecar µs/event | failed | verdict |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+def search_report(
+    c: int,
+    max_added_itl_ms: float,
+    passed: float | None,
+    failed: float | None,
+    tried: Sequence[dict[str, Any]],
+    lowest: float,
+) -> str:
+    lines = [
+        f"Highest aggregate chunk rate at C={c} whose added ITL p99 (sidecar − direct, "
+        f"median of the pairs) stays <= {max_added_itl_ms:g} ms. Engine step = C / rate; "
+        "durations in ms, rates in token chunks/s.",
+        "",
+        "| target rate | step ms | nominal chunks/s | direct chunks/s | sidecar chunks/s | "
+        "sim+client CPU | direct ITL p99 | sidecar ITL p99 | Δ ITL p99 µs | Δ TTFT p99 µs | "
+        "sidecar µs/event | failed | verdict |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in sorted(tried, key=lambda r: r["target_rate"]):
         lines.append(
             f"| {r['target_rate']:.0f} | {r['step_s'] * 1e3:.3g} | {r['nominal_chunks_s']:.0f} | "
@@ -1450,21 +1801,26 @@ def search_report(c: int, max_added_itl_ms: float, passed: float | None, failed:
             f"{r['harness_load']:.2f} | {r['direct_itl_p99_ms']:.2f} | "
             f"{r['sidecar_itl_p99_ms']:.2f} | {r['added_itl_p99_us']:.0f} | "
             f"{r['added_ttft_p99_us']:.0f} | {r['sidecar_us_per_event']:.1f} | {r['failed']} | "
-            f"{r['verdict']} |")
+            f"{r['verdict']} |"
+        )
     lines.append("")
     if passed is None:
-        lines.append(f"Result: no rate tried passed (lowest tried "
-                     f"{min(r['target_rate'] for r in tried):.0f} chunks/s; search floor "
-                     f"{lowest:.0f}).")
+        lines.append(
+            f"Result: no rate tried passed (lowest tried "
+            f"{min(r['target_rate'] for r in tried):.0f} chunks/s; search floor "
+            f"{lowest:.0f})."
+        )
     else:
         upper = "; no failing rate was reached"
         if failed is not None:
             verdict = next(r["verdict"] for r in tried if r["target_rate"] == failed)
             upper = f"; the lowest rate above it tried, {failed:.0f} chunks/s: {verdict}"
         best = next(r for r in tried if r["target_rate"] == passed)
-        lines.append(f"Result: target {passed:.0f} chunks/s (the sidecar delivered "
-                     f"{best['sidecar_chunks_s']:.0f} token chunks/s) sustained with added ITL "
-                     f"p99 <= {max_added_itl_ms:g} ms at C={c}{upper}.")
+        lines.append(
+            f"Result: target {passed:.0f} chunks/s (the sidecar delivered "
+            f"{best['sidecar_chunks_s']:.0f} token chunks/s) sustained with added ITL "
+            f"p99 <= {max_added_itl_ms:g} ms at C={c}{upper}."
+        )
     return "\n".join(lines)
 
 
@@ -1477,29 +1833,51 @@ def run_find_max_rate(args: argparse.Namespace) -> int:
     c = args.search_concurrency
     started = time.monotonic()
     print(f"# {machine_line()}", flush=True)
-    print(f"# pinning: {place.describe()}; autogroup nice {args.nice}; logs and raw client "
-          f"output in {workdir}", flush=True)
-    print(f"# max-rate search at C={c}: start {args.search_start_rate:g} chunks/s, range "
-          f"[{args.search_min_rate:g}, {args.search_max_rate:g}], {args.repeats} direct/sidecar "
-          f"pair(s) per rate, limit: added ITL p99 <= {args.max_added_itl_ms:g} ms", flush=True)
+    print(
+        f"# pinning: {place.describe()}; autogroup nice {args.nice}; logs and raw client "
+        f"output in {workdir}",
+        flush=True,
+    )
+    print(
+        f"# max-rate search at C={c}: start {args.search_start_rate:g} chunks/s, range "
+        f"[{args.search_min_rate:g}, {args.search_max_rate:g}], {args.repeats} direct/sidecar "
+        f"pair(s) per rate, limit: added ITL p99 <= {args.max_added_itl_ms:g} ms",
+        flush=True,
+    )
     passed, failed, tried = search_rates(
-        lambda rate: measure_rate(args, place, c, rate, workdir), args.search_start_rate,
-        args.search_min_rate, args.search_max_rate, args.search_bracket, args.search_bisect)
+        lambda rate: measure_rate(args, place, c, rate, workdir),
+        args.search_start_rate,
+        args.search_min_rate,
+        args.search_max_rate,
+        args.search_bracket,
+        args.search_bisect,
+    )
     elapsed = time.monotonic() - started
     print()
     print(search_report(c, args.max_added_itl_ms, passed, failed, tried, args.search_min_rate))
     print(f"\n(total wall time {elapsed:.0f} s)")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({
-            "machine": machine_line(), "concurrency": c, "repeats": args.repeats,
-            "max_added_itl_ms": args.max_added_itl_ms, "max_rate": passed,
-            "first_failing_rate": failed, "rates": tried}, indent=1))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "machine": machine_line(),
+                    "concurrency": c,
+                    "repeats": args.repeats,
+                    "max_added_itl_ms": args.max_added_itl_ms,
+                    "max_rate": passed,
+                    "first_failing_rate": failed,
+                    "rates": tried,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command")
     client = sub.add_parser("client", help="(internal) the load client, one run")
     client.add_argument("--url", required=True)
@@ -1511,84 +1889,161 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--max-tail-s", type=float, default=30.0)
     client.add_argument("--out", required=True)
     client.add_argument("--id-prefix", default="bench")
-    client.add_argument("--watch-pid", type=lambda s: [int(x) for x in s.split(",") if x],
-                        default=[], help="the relay's process ids, comma-separated (summed)")
+    client.add_argument(
+        "--watch-pid",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[],
+        help="the relay's process ids, comma-separated (summed)",
+    )
     client.add_argument("--sim-pid", type=int, default=None)
-    client.add_argument("--other-pids", type=lambda s: [int(x) for x in s.split(",") if x],
-                        default=[], help="our other processes (idle relays, an in-process "
-                        "proxy), counted as ours, not as background load")
+    client.add_argument(
+        "--other-pids",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[],
+        help="our other processes (idle relays, an in-process "
+        "proxy), counted as ours, not as background load",
+    )
     probe = sub.add_parser("probe", help="(internal) wake-up latency of 1 ms sleeps")
     probe.add_argument("--out", required=True)
     probe.add_argument("--seconds", type=float, default=0.5)
     bare = sub.add_parser("bare-relay", help="(internal) a minimal aiohttp relay, calibration")
     bare.add_argument("--upstream", required=True)
     bare.add_argument("--port", type=int, required=True)
-    pipe = sub.add_parser("tcp-pipe", help="(internal) a TCP pipe of uvloop Protocols: the "
-                          "floor of any CPython relay")
+    pipe = sub.add_parser(
+        "tcp-pipe", help="(internal) a TCP pipe of uvloop Protocols: the floor of any CPython relay"
+    )
     pipe.add_argument("--upstream", required=True)
     pipe.add_argument("--port", type=int, required=True)
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 16, 64, 256], help="comma-separated [1,16,64,256]")
+    parser.add_argument(
+        "--concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 16, 64, 256],
+        help="comma-separated [1,16,64,256]",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds of all modes [3]")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per stream [32]")
     parser.add_argument("--measure-s", type=float, default=4.0, help="measured window [4 s]")
-    parser.add_argument("--warmup-s", type=float, default=1.0,
-                        help="warm-up per run, at least 1.5 request durations [1]")
-    parser.add_argument("--min-step-ms", type=float, default=2.0,
-                        help="smallest engine step of the simulator [2 ms]")
-    parser.add_argument("--target-rate", type=float, default=8000.0,
-                        help="aggregate token chunks/s the step is sized for [8000]")
-    parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m],
-                        default=["direct", "sidecar", "bare", "nginx", "envoy"],
-                        help="direct plus relays to compare, in alternation order: sidecar, "
-                        "bare (a minimal aiohttp relay, for calibration), pipe (a TCP pipe of "
-                        "uvloop Protocols, the floor of any CPython relay; not in the default), "
-                        "nginx, envoy; a relay "
-                        "whose binary is missing is skipped with a message "
-                        "[direct,sidecar,bare,nginx,envoy]")
-    parser.add_argument("--proxy-arg", action="append", default=[],
-                        help="extra flag for `sidecar proxy` (repeatable)")
-    parser.add_argument("--quiet-below", type=float, default=0.15,
-                        help="before each repeat, wait until other processes use less than "
-                        "this many cores (0: don't wait) [0.15]")
-    parser.add_argument("--quiet-wait-s", type=float, default=3.0,
-                        help="longest such wait per repeat [3 s]")
-    parser.add_argument("--probe-s", type=float, default=0.5,
-                        help="wake-up probe per repeat and core (0: none) [0.5 s]")
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=1.0,
+        help="warm-up per run, at least 1.5 request durations [1]",
+    )
+    parser.add_argument(
+        "--min-step-ms",
+        type=float,
+        default=2.0,
+        help="smallest engine step of the simulator [2 ms]",
+    )
+    parser.add_argument(
+        "--target-rate",
+        type=float,
+        default=8000.0,
+        help="aggregate token chunks/s the step is sized for [8000]",
+    )
+    parser.add_argument(
+        "--modes",
+        type=lambda s: [m for m in s.split(",") if m],
+        default=["direct", "sidecar", "bare", "nginx", "envoy"],
+        help="direct plus relays to compare, in alternation order: sidecar, "
+        "bare (a minimal aiohttp relay, for calibration), pipe (a TCP pipe of "
+        "uvloop Protocols, the floor of any CPython relay; not in the default), "
+        "nginx, envoy; a relay "
+        "whose binary is missing is skipped with a message "
+        "[direct,sidecar,bare,nginx,envoy]",
+    )
+    parser.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="extra flag for `sidecar proxy` (repeatable)",
+    )
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.15,
+        help="before each repeat, wait until other processes use less than "
+        "this many cores (0: don't wait) [0.15]",
+    )
+    parser.add_argument(
+        "--quiet-wait-s", type=float, default=3.0, help="longest such wait per repeat [3 s]"
+    )
+    parser.add_argument(
+        "--probe-s",
+        type=float,
+        default=0.5,
+        help="wake-up probe per repeat and core (0: none) [0.5 s]",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
-    parser.add_argument("--nice", type=int, default=0,
-                        help="autogroup nice of every benchmark process, each in a session of "
-                        "its own (negative needs root). On a host shared with other jobs, "
-                        "e.g. -10 lets ours have the CPU first [0: leave scheduling alone]")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="autogroup nice of every benchmark process, each in a session of "
+        "its own (negative needs root). On a host shared with other jobs, "
+        "e.g. -10 lets ours have the CPU first [0: leave scheduling alone]",
+    )
     parser.add_argument("--json-out", help="write every run's summary as JSON here")
-    parser.add_argument("--quick", action="store_true",
-                        help="a quick look: C=1,16, 1 round, 2 s windows")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI smoke run (seconds; checks the harness, not the numbers): "
-                        "C=4, 1 round, 8 tokens, 0.5 s windows, no quiet wait or probe; with "
-                        "--find-max-rate: C=4, at most 2 rates")
+    parser.add_argument(
+        "--quick", action="store_true", help="a quick look: C=1,16, 1 round, 2 s windows"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI smoke run (seconds; checks the harness, not the numbers): "
+        "C=4, 1 round, 8 tokens, 0.5 s windows, no quiet wait or probe; with "
+        "--find-max-rate: C=4, at most 2 rates",
+    )
     search = parser.add_argument_group(
         "max-rate search (--find-max-rate): at fixed concurrency, raise the aggregate chunk "
         "rate (engine step = C / rate) and run direct/sidecar pairs per rate, until the "
-        "sidecar's added ITL p99 passes the limit; bracket by doubling/halving, then bisect")
-    search.add_argument("--find-max-rate", action="store_true",
-                        help="run the search instead of the mode comparison")
-    search.add_argument("--search-concurrency", type=int, default=16,
-                        help="streams held open during the search [16]")
-    search.add_argument("--search-start-rate", type=float, default=4000.0,
-                        help="first aggregate rate, token chunks/s [4000]")
-    search.add_argument("--search-min-rate", type=float, default=250.0,
-                        help="lowest rate the search goes down to [250]")
-    search.add_argument("--search-max-rate", type=float, default=64000.0,
-                        help="highest rate the search goes up to [64000]")
-    search.add_argument("--search-bracket", type=int, default=6,
-                        help="rates tried at most while doubling/halving [6]")
-    search.add_argument("--search-bisect", type=int, default=3,
-                        help="rates tried at most while bisecting [3]")
-    search.add_argument("--search-min-step-ms", type=float, default=0.25,
-                        help="smallest engine step in the search [0.25 ms]")
-    search.add_argument("--max-added-itl-ms", type=float, default=1.0,
-                        help="the limit on the added ITL p99 [1 ms]")
+        "sidecar's added ITL p99 passes the limit; bracket by doubling/halving, then bisect"
+    )
+    search.add_argument(
+        "--find-max-rate", action="store_true", help="run the search instead of the mode comparison"
+    )
+    search.add_argument(
+        "--search-concurrency",
+        type=int,
+        default=16,
+        help="streams held open during the search [16]",
+    )
+    search.add_argument(
+        "--search-start-rate",
+        type=float,
+        default=4000.0,
+        help="first aggregate rate, token chunks/s [4000]",
+    )
+    search.add_argument(
+        "--search-min-rate",
+        type=float,
+        default=250.0,
+        help="lowest rate the search goes down to [250]",
+    )
+    search.add_argument(
+        "--search-max-rate",
+        type=float,
+        default=64000.0,
+        help="highest rate the search goes up to [64000]",
+    )
+    search.add_argument(
+        "--search-bracket",
+        type=int,
+        default=6,
+        help="rates tried at most while doubling/halving [6]",
+    )
+    search.add_argument(
+        "--search-bisect", type=int, default=3, help="rates tried at most while bisecting [3]"
+    )
+    search.add_argument(
+        "--search-min-step-ms",
+        type=float,
+        default=0.25,
+        help="smallest engine step in the search [0.25 ms]",
+    )
+    search.add_argument(
+        "--max-added-itl-ms", type=float, default=1.0, help="the limit on the added ITL p99 [1 ms]"
+    )
     return parser
 
 

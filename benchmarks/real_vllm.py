@@ -49,51 +49,67 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import proxy_overhead as po  # noqa: E402  (free ports, waiting for a port)
 
-LATENCY = {"ttft": "vllm:time_to_first_token_seconds",
-           "itl": "vllm:inter_token_latency_seconds",
-           "e2e": "vllm:e2e_request_latency_seconds"}
+LATENCY = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+}
 
 
 async def vllm_snapshot(session: aiohttp.ClientSession, target: str) -> dict[str, float]:
     async with session.get(target + "/metrics") as response:
         text = await response.text()
     values, _ = parse_engine_metrics(text)
-    out = {"prompt_tokens": values.get("prompt_tokens", 0.0),
-           "generation_tokens": values.get("generation_tokens", 0.0)}
+    out = {
+        "prompt_tokens": values.get("prompt_tokens", 0.0),
+        "generation_tokens": values.get("generation_tokens", 0.0),
+    }
     totals = histogram_totals(text, LATENCY.values())
     for key, family_name in LATENCY.items():
         out[key + "_sum"], out[key + "_count"] = totals[family_name]
     return out
 
 
-async def sdk_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int,
-                     request_id: str, prompt: str) -> dict[str, Any]:
+async def sdk_stream(
+    client: openai.AsyncOpenAI, model: str, max_tokens: int, request_id: str, prompt: str
+) -> dict[str, Any]:
     started = time.perf_counter()
     stamps: list[float] = []
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        stream=True, extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": request_id})
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": request_id},
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             stamps.append(time.perf_counter())
     if not stamps:
         return {"ok": False}
-    return {"ok": True, "ttft": stamps[0] - started, "e2e": stamps[-1] - started,
-            "itl": list(np.diff(stamps))}
+    return {
+        "ok": True,
+        "ttft": stamps[0] - started,
+        "e2e": stamps[-1] - started,
+        "itl": list(np.diff(stamps)),
+    }
 
 
-async def run_clients(base_url: str, model: str, concurrency: int, requests: int,
-                      max_tokens: int, prefix: str) -> tuple[list[dict[str, Any]], float]:
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="not-used",
-                                max_retries=0, timeout=120)
+async def run_clients(
+    base_url: str, model: str, concurrency: int, requests: int, max_tokens: int, prefix: str
+) -> tuple[list[dict[str, Any]], float]:
+    client = openai.AsyncOpenAI(
+        base_url=base_url + "/v1", api_key="not-used", max_retries=0, timeout=120
+    )
     results: list[dict[str, Any]] = []
 
     async def slot(index: int) -> None:
         for i in range(requests):
             prompt = f"Tell story {index}-{i} about the river and the bridge, please."
-            results.append(await sdk_stream(client, model, max_tokens,
-                                            f"{prefix}{index}-{i}", prompt))
+            results.append(
+                await sdk_stream(client, model, max_tokens, f"{prefix}{index}-{i}", prompt)
+            )
 
     started = time.perf_counter()
     try:
@@ -107,16 +123,22 @@ def summary_ms(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "p50": None, "p99": None}
     data = np.asarray(values) * 1e3
-    return {"mean": float(data.mean()), "p50": float(np.percentile(data, 50)),
-            "p99": float(np.percentile(data, 99))}
+    return {
+        "mean": float(data.mean()),
+        "p50": float(np.percentile(data, 50)),
+        "p99": float(np.percentile(data, 99)),
+    }
 
 
 def sdk_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in results if r["ok"]]
-    return {"requests": len(results), "ok": len(ok),
-            "ttft": summary_ms([r["ttft"] for r in ok]),
-            "itl": summary_ms([g for r in ok for g in r["itl"]]),
-            "e2e": summary_ms([r["e2e"] for r in ok])}
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "ttft": summary_ms([r["ttft"] for r in ok]),
+        "itl": summary_ms([g for r in ok for g in r["itl"]]),
+        "e2e": summary_ms([r["e2e"] for r in ok]),
+    }
 
 
 def vllm_means(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
@@ -131,27 +153,45 @@ def vllm_means(before: dict[str, float], after: dict[str, float]) -> dict[str, A
 
 
 def start_sidecar(target: str, port: int, admin_port: int, log: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "sidecar", "proxy", "--upstream", target,
-            "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{admin_port}",
-            "--workers", "1", "--health-interval", "0", "--engine-scrape-interval", "0",
-            "--window", "3600s"]
-    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "proxy",
+        "--upstream",
+        target,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--metrics-listen",
+        f"127.0.0.1:{admin_port}",
+        "--workers",
+        "1",
+        "--health-interval",
+        "0",
+        "--engine-scrape-interval",
+        "0",
+        "--window",
+        "3600s",
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     po.wait_port(port, proc)
     po.wait_port(admin_port, proc)
     return proc
 
 
 async def sidecar_view(admin: str, prefix: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session, \
-            session.get(admin + f"/stats?request_id_prefix={prefix}") as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(admin + f"/stats?request_id_prefix={prefix}") as response,
+    ):
         view = await response.json()
     out: dict[str, Any] = {}
     for vantage, report in view.get("vantages", {}).items():
         entry: dict[str, Any] = {}
         # The engine vantage has no per-event ITL: vLLM's per-request mean ITL stands in.
-        keys = {"ttft": "ttft", "itl": "mean_itl" if vantage == "engine" else "itl",
-                "e2e": "e2e"}
+        keys = {"ttft": "ttft", "itl": "mean_itl" if vantage == "engine" else "itl", "e2e": "e2e"}
         for key, name in keys.items():
             summary = report.get(name)
             if isinstance(summary, dict) and summary.get("count"):
@@ -165,8 +205,7 @@ async def sidecar_view(admin: str, prefix: str) -> dict[str, Any]:
 
 
 async def sidecar_tokens(admin: str) -> dict[str, float]:
-    async with aiohttp.ClientSession() as session, \
-            session.get(admin + "/metrics") as response:
+    async with aiohttp.ClientSession() as session, session.get(admin + "/metrics") as response:
         text = await response.text()
     totals = {"prompt": 0.0, "generation": 0.0}
     for line in text.splitlines():
@@ -201,31 +240,50 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     prefix = f"bench-{mode}-c{c}-"
                     before = await vllm_snapshot(session, target)
                     tokens_before = await sidecar_tokens(admin)
-                    results, wall = await run_clients(url, model, c, args.requests,
-                                                      args.max_tokens, prefix)
+                    results, wall = await run_clients(
+                        url, model, c, args.requests, args.max_tokens, prefix
+                    )
                     after = await vllm_snapshot(session, target)
                     tokens_after = await sidecar_tokens(admin)
                     vllm = vllm_means(before, after)
-                    entry = {"sdk": sdk_summary(results), "vllm": vllm, "wall_s": wall,
-                             "output_tokens_per_s": vllm["generation_tokens"] / wall}
+                    entry = {
+                        "sdk": sdk_summary(results),
+                        "vllm": vllm,
+                        "wall_s": wall,
+                        "output_tokens_per_s": vllm["generation_tokens"] / wall,
+                    }
                     if mode == "proxied":
                         entry["sidecar"] = await sidecar_view(admin, prefix)
                         entry["sidecar_tokens"] = {
-                            key: tokens_after[key] - tokens_before[key] for key in tokens_after}
+                            key: tokens_after[key] - tokens_before[key] for key in tokens_after
+                        }
                     row[mode] = entry
                 direct_rate = row["direct"]["output_tokens_per_s"]
-                row["throughput_cost"] = 1.0 - row["proxied"]["output_tokens_per_s"] / \
-                    direct_rate if direct_rate else None
+                row["throughput_cost"] = (
+                    1.0 - row["proxied"]["output_tokens_per_s"] / direct_rate
+                    if direct_rate
+                    else None
+                )
                 runs.append(row)
-                print(f"  C={c}: direct {direct_rate:.0f} tok/s, proxied "
-                      f"{row['proxied']['output_tokens_per_s']:.0f} tok/s", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"  C={c}: direct {direct_rate:.0f} tok/s, proxied "
+                    f"{row['proxied']['output_tokens_per_s']:.0f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         os.killpg(proxy.pid, signal.SIGTERM)
         proxy.wait(timeout=20)
-    return {"target": target, "model": model, "vllm_version": version,
-            "max_tokens": args.max_tokens, "requests_per_slot": args.requests,
-            "code": po.code_line(), "runs": runs, "workdir": str(workdir)}
+    return {
+        "target": target,
+        "model": model,
+        "vllm_version": version,
+        "max_tokens": args.max_tokens,
+        "requests_per_slot": args.requests,
+        "code": po.code_line(),
+        "runs": runs,
+        "workdir": str(workdir),
+    }
 
 
 def fmt(value: Any, digits: int = 2) -> str:
@@ -233,15 +291,22 @@ def fmt(value: Any, digits: int = 2) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
-    lines = [f"# {result['code']}",
-             f"# target {result['target']} (vLLM {result['vllm_version']}, model "
-             f"{result['model']}), chat streams of {result['max_tokens']} tokens, "
-             f"{result['requests_per_slot']} requests per slot, closed loop", ""]
-    lines += ["Per concurrency C: mean / p50 / p99 in ms (vLLM: mean = histogram sum / count). "
-              "ITL sample = event, except the engine vantage's: vLLM's per-request mean ITL "
-              "(with --enable-per-request-metrics; engine TTFT and E2E run from queued in the "
-              "engine).",
-              "", "| C | seen by | TTFT | ITL | E2E |", "|---:|---|---|---|---|"]
+    lines = [
+        f"# {result['code']}",
+        f"# target {result['target']} (vLLM {result['vllm_version']}, model "
+        f"{result['model']}), chat streams of {result['max_tokens']} tokens, "
+        f"{result['requests_per_slot']} requests per slot, closed loop",
+        "",
+    ]
+    lines += [
+        "Per concurrency C: mean / p50 / p99 in ms (vLLM: mean = histogram sum / count). "
+        "ITL sample = event, except the engine vantage's: vLLM's per-request mean ITL "
+        "(with --enable-per-request-metrics; engine TTFT and E2E run from queued in the "
+        "engine).",
+        "",
+        "| C | seen by | TTFT | ITL | E2E |",
+        "|---:|---|---|---|---|",
+    ]
 
     def cells(entry: dict[str, Any] | None) -> list[str]:
         out = []
@@ -254,33 +319,53 @@ def report(result: dict[str, Any]) -> str:
         c = row["concurrency"]
         direct, proxied = row["direct"], row["proxied"]
         lines.append(f"| {c} | OpenAI SDK, direct | " + " | ".join(cells(direct["sdk"])) + " |")
-        lines.append(f"| {c} | vLLM histograms, direct run | "
-                     + " | ".join(fmt(direct["vllm"][k]["mean"]) for k in LATENCY) + " |")
-        lines.append(f"| {c} | OpenAI SDK, through the sidecar | "
-                     + " | ".join(cells(proxied["sdk"])) + " |")
+        lines.append(
+            f"| {c} | vLLM histograms, direct run | "
+            + " | ".join(fmt(direct["vllm"][k]["mean"]) for k in LATENCY)
+            + " |"
+        )
+        lines.append(
+            f"| {c} | OpenAI SDK, through the sidecar | " + " | ".join(cells(proxied["sdk"])) + " |"
+        )
         for vantage in ("client", "server", "engine"):
-            lines.append(f"| {c} | sidecar, {vantage} vantage | "
-                         + " | ".join(cells(proxied["sidecar"].get(vantage))) + " |")
-        lines.append(f"| {c} | vLLM histograms, proxied run | "
-                     + " | ".join(fmt(proxied["vllm"][k]["mean"]) for k in LATENCY) + " |")
-    lines += ["", "| C | output tok/s direct | through the sidecar | cost | sidecar prompt / "
-              "generation tokens | vLLM's counters |", "|---:|---:|---:|---:|---|---|"]
+            lines.append(
+                f"| {c} | sidecar, {vantage} vantage | "
+                + " | ".join(cells(proxied["sidecar"].get(vantage)))
+                + " |"
+            )
+        lines.append(
+            f"| {c} | vLLM histograms, proxied run | "
+            + " | ".join(fmt(proxied["vllm"][k]["mean"]) for k in LATENCY)
+            + " |"
+        )
+    lines += [
+        "",
+        "| C | output tok/s direct | through the sidecar | cost | sidecar prompt / "
+        "generation tokens | vLLM's counters |",
+        "|---:|---:|---:|---:|---|---|",
+    ]
     for row in result["runs"]:
         d, p = row["direct"], row["proxied"]
         lines.append(
             f"| {row['concurrency']} | {d['output_tokens_per_s']:.0f} | "
             f"{p['output_tokens_per_s']:.0f} | {fmt((row['throughput_cost'] or 0) * 100, 1)} % | "
             f"{p['sidecar_tokens']['prompt']:.0f} / {p['sidecar_tokens']['generation']:.0f} | "
-            f"{p['vllm']['prompt_tokens']:.0f} / {p['vllm']['generation_tokens']:.0f} |")
+            f"{p['vllm']['prompt_tokens']:.0f} / {p['vllm']['generation_tokens']:.0f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", required=True, help="base URL of a running vLLM")
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 8, 32], help="comma-separated [1,8,32]")
+    parser.add_argument(
+        "--concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 8, 32],
+        help="comma-separated [1,8,32]",
+    )
     parser.add_argument("--requests", type=int, default=6, help="requests per slot [6]")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per stream [64]")
     parser.add_argument("--json-out", help="write the raw result here")

@@ -97,45 +97,74 @@ def measure(target: str, rate: float, seconds: float, workers: int) -> dict[str,
     requests = [TraceRequest(t=0.0, n_in=8, n_out=1) for _ in range(n)]
     parser = argparse.ArgumentParser()
     replay_cli.add_arguments(parser)
-    args = parser.parse_args(["unused", "--target", target, "--rate", str(rate),
-                              "--workers", str(workers), "--no-progress", "--seed", "1"])
+    args = parser.parse_args(
+        [
+            "unused",
+            "--target",
+            target,
+            "--rate",
+            str(rate),
+            "--workers",
+            str(workers),
+            "--no-progress",
+            "--seed",
+            "1",
+        ]
+    )
     plan, mode = replay_cli.make_plan(requests, args, "m", None)
     sent: Sequence[SentRequest] = asyncio.run(
-        replay_cli.execute(plan, target, mode, None, workers, args, quiet=True))
+        replay_cli.execute(plan, target, mode, None, workers, args, quiet=True)
+    )
     lateness = np.array([s.lateness_ns for s in sent]) / 1e6
     actual = np.sort(np.array([s.actual_ns for s in sent])) / 1e9
     achieved = (len(actual) - 1) / (actual[-1] - actual[0]) if len(actual) > 1 else 0.0
     scheduled = np.sort(np.array([s.scheduled_ns for s in sent])) / 1e9
     requested = (len(scheduled) - 1) / (scheduled[-1] - scheduled[0])
     failed = sum(1 for s in sent if not s.record.ok)
-    return {"rate": rate, "workers": workers, "requests": len(sent), "failed": failed,
-            "requested_rate": requested, "achieved_rate": achieved,
-            "p50_ms": float(np.percentile(lateness, 50)),
-            "p99_ms": float(np.percentile(lateness, 99)), "max_ms": float(lateness.max())}
+    return {
+        "rate": rate,
+        "workers": workers,
+        "requests": len(sent),
+        "failed": failed,
+        "requested_rate": requested,
+        "achieved_rate": achieved,
+        "p50_ms": float(np.percentile(lateness, 50)),
+        "p99_ms": float(np.percentile(lateness, 99)),
+        "max_ms": float(lateness.max()),
+    }
 
 
 def sustains(row: dict[str, Any]) -> bool:
-    return (row["p99_ms"] <= 1.0 and row["achieved_rate"] >= 0.97 * row["requested_rate"]
-            and row["failed"] == 0)
+    return (
+        row["p99_ms"] <= 1.0
+        and row["achieved_rate"] >= 0.97 * row["requested_rate"]
+        and row["failed"] == 0
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cli = argparse.ArgumentParser(description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     cli.add_argument("--seconds", type=float, default=3.0, help="schedule length per rate")
     cli.add_argument("--rates", default="100,1000,5000")
     cli.add_argument("--search", default="250,500,1000,1500,2000,3000,4000,6000,8000")
     cli.add_argument("--workers", default="1,2", help="sender processes to try [1,2]")
     cli.add_argument("--json-out", help="write the rows and the search results as JSON here")
-    cli.add_argument("--smoke", action="store_true",
-                     help="CI smoke run: 1 worker, 100 and 200 req/s, 0.5 s schedules")
+    cli.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI smoke run: 1 worker, 100 and 200 req/s, 0.5 s schedules",
+    )
     options = cli.parse_args(argv)
     if options.smoke:
         options.seconds, options.rates, options.search, options.workers = 0.5, "100", "100,200", "1"
     worker_counts = [int(w) for w in options.workers.split(",")]
     if find_nginx() is None:
-        print("replay_pacing: nginx not found (the target): install Debian nginx-light",
-              file=sys.stderr)
+        print(
+            "replay_pacing: nginx not found (the target): install Debian nginx-light",
+            file=sys.stderr,
+        )
         return 2
     rows: list[dict[str, Any]] = []
     best_rates: dict[int, float] = {}
@@ -144,19 +173,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         nginx = start_nginx(Path(tmp), port)
         target = f"http://127.0.0.1:{port}"
         try:
-            print(f"# replay pacing: python {platform.python_version()}, {os.cpu_count()} "
-                  f"cores, target nginx on {target}")
-            print("| rate req/s | workers | requests | achieved req/s | lateness p50 ms | "
-                  "p99 ms | max ms | failed |")
+            print(
+                f"# replay pacing: python {platform.python_version()}, {os.cpu_count()} "
+                f"cores, target nginx on {target}"
+            )
+            print(
+                "| rate req/s | workers | requests | achieved req/s | lateness p50 ms | "
+                "p99 ms | max ms | failed |"
+            )
             print("|---:|---:|---:|---:|---:|---:|---:|---:|")
             for workers in worker_counts:
                 for rate in (float(r) for r in options.rates.split(",")):
                     row = measure(target, rate, options.seconds, workers)
                     rows.append(row)
-                    print(f"| {rate:g} | {workers} | {row['requests']} | "
-                          f"{row['achieved_rate']:.0f} | {row['p50_ms']:.3f} | "
-                          f"{row['p99_ms']:.3f} | {row['max_ms']:.3f} | {row['failed']} |",
-                          flush=True)
+                    print(
+                        f"| {rate:g} | {workers} | {row['requests']} | "
+                        f"{row['achieved_rate']:.0f} | {row['p50_ms']:.3f} | "
+                        f"{row['p99_ms']:.3f} | {row['max_ms']:.3f} | {row['failed']} |",
+                        flush=True,
+                    )
             print("\n| workers | highest rate with lateness p99 <= 1 ms and >= 97% achieved |")
             print("|---:|---:|")
             for workers in worker_counts:
@@ -172,9 +207,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             nginx.terminate()
             nginx.wait(timeout=10)
     if options.json_out:
-        Path(options.json_out).write_text(json.dumps(
-            {"rows": rows, "highest_sustained_rate": {str(k): v for k, v in best_rates.items()}},
-            indent=1))
+        Path(options.json_out).write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "highest_sustained_rate": {str(k): v for k, v in best_rates.items()},
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

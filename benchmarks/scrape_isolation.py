@@ -54,12 +54,14 @@ async def fill_window(url: str, admin: str, records: int) -> float:
     started = time.monotonic()
     connector = aiohttp.TCPConnector(limit=FILL_CONCURRENCY)
     async with aiohttp.ClientSession(connector=connector) as session:
+
         async def one_worker() -> None:
             nonlocal sent
             while sent < records:
                 sent += 1
-                async with session.post(url + "/v1/completions", json=body,
-                                        headers={"X-Request-Id": f"fill-{sent}"}) as response:
+                async with session.post(
+                    url + "/v1/completions", json=body, headers={"X-Request-Id": f"fill-{sent}"}
+                ) as response:
                     await response.read()
 
         await asyncio.gather(*(one_worker() for _ in range(FILL_CONCURRENCY)))
@@ -73,8 +75,9 @@ async def fill_window(url: str, admin: str, records: int) -> float:
     return time.monotonic() - started
 
 
-async def scrape_forever(admin: str, latencies: dict[str, list[float]],
-                         stop: asyncio.Event) -> None:
+async def scrape_forever(
+    admin: str, latencies: dict[str, list[float]], stop: asyncio.Event
+) -> None:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=60)
@@ -87,11 +90,13 @@ async def scrape_forever(admin: str, latencies: dict[str, list[float]],
                 latencies[path].append((time.perf_counter() - started) * 1e3)
 
 
-async def run_client(args: argparse.Namespace, url: str, prefix: str, workdir: Path,
-                     place: po.Placement) -> dict[str, Any]:
+async def run_client(
+    args: argparse.Namespace, url: str, prefix: str, workdir: Path, place: po.Placement
+) -> dict[str, Any]:
     out = workdir / f"{prefix}.json"
-    argv = po.client_argv(url, args.streams, args.max_tokens, args.warmup_s, args.measure_s,
-                          0.0, out, prefix)
+    argv = po.client_argv(
+        url, args.streams, args.max_tokens, args.warmup_s, args.measure_s, 0.0, out, prefix
+    )
     proc = po.spawn(argv, workdir / f"{prefix}.log", place.client)
     while proc.poll() is None:
         await asyncio.sleep(0.1)
@@ -103,8 +108,10 @@ async def run_client(args: argparse.Namespace, url: str, prefix: str, workdir: P
 async def server_view(admin: str, prefix: str) -> dict[str, Any]:
     import aiohttp
 
-    async with aiohttp.ClientSession() as session, \
-            session.get(admin + f"/stats?request_id_prefix={prefix}") as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(admin + f"/stats?request_id_prefix={prefix}") as response,
+    ):
         stats = await response.json()
     server = stats["vantages"]["server"]
     return {"requests": server.get("requests"), "itl": server.get("itl")}
@@ -114,16 +121,22 @@ def ms(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-async def run_setting(workers: int, args: argparse.Namespace, workdir: Path,
-                      place: po.Placement) -> dict[str, Any]:
+async def run_setting(
+    workers: int, args: argparse.Namespace, workdir: Path, place: po.Placement
+) -> dict[str, Any]:
     sim_port, port, admin_port = po.free_port(), po.free_port(), po.free_port()
     step_s = args.step_ms / 1e3
     sim = po.start_sim(sim_port, step_s, workdir / f"sim-w{workers}.log", place.sim)
     proxy = None
     try:
-        proxy = po.start_proxy(sim_port, port, admin_port, workdir / f"proxy-w{workers}.log",
-                               place.proxy, ["--workers", str(workers), "--window", "3600s",
-                                             "--window-max-bytes", str(4 << 30)])
+        proxy = po.start_proxy(
+            sim_port,
+            port,
+            admin_port,
+            workdir / f"proxy-w{workers}.log",
+            place.proxy,
+            ["--workers", str(workers), "--window", "3600s", "--window-max-bytes", str(4 << 30)],
+        )
         url, admin = f"http://{po.HOST}:{port}", f"http://{po.HOST}:{admin_port}"
         fill_s = await fill_window(url, admin, args.records)
         quiet = await run_client(args, url, f"quiet-w{workers}", workdir, place)
@@ -141,14 +154,19 @@ async def run_setting(workers: int, args: argparse.Namespace, workdir: Path,
         po.stop(proxy, 15)
         po.stop(sim)
     return {
-        "workers": workers, "records": args.records, "fill_s": fill_s,
-        "stats_ms_p50": ms(latencies["/stats"], 50), "stats_ms_max": ms(latencies["/stats"], 100),
+        "workers": workers,
+        "records": args.records,
+        "fill_s": fill_s,
+        "stats_ms_p50": ms(latencies["/stats"], 50),
+        "stats_ms_max": ms(latencies["/stats"], 100),
         "metrics_ms_p50": ms(latencies["/metrics"], 50),
         "metrics_ms_max": ms(latencies["/metrics"], 100),
         "scrapes": len(latencies["/stats"]) + len(latencies["/metrics"]),
-        "quiet": quiet, "scraped": scraped,
+        "quiet": quiet,
+        "scraped": scraped,
         "itl_p99_delta_ms": scraped["itl_p99"] - quiet["itl_p99"],
-        "server_quiet": server_quiet, "server_scraped": server_scraped,
+        "server_quiet": server_quiet,
+        "server_scraped": server_scraped,
     }
 
 
@@ -176,7 +194,8 @@ def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
             f"{r['metrics_ms_p50']:.1f} / {r['metrics_ms_max']:.1f} | {r['scrapes']} | "
             f"{q['itl_p99']:.2f} -> {s['itl_p99']:.2f} | {r['itl_p99_delta_ms']:+.2f} | "
             f"{q['itl_max']:.1f} -> {s['itl_max']:.1f} | {srv(sq)} -> {srv(ss)} | "
-            f"{q['n_err'] + s['n_err']} |")
+            f"{q['n_err'] + s['n_err']} |"
+        )
     return "\n".join(lines)
 
 
@@ -189,14 +208,19 @@ async def amain(args: argparse.Namespace) -> int:
     for workers in args.workers:
         result = await run_setting(workers, args, workdir, place)
         results.append(result)
-        print(f"workers={workers}: filled {result['records']} in {result['fill_s']:.0f} s; "
-              f"/stats p50 {result['stats_ms_p50']:.1f} ms; ITL p99 "
-              f"{result['quiet']['itl_p99']:.2f} -> {result['scraped']['itl_p99']:.2f} ms",
-              flush=True)
+        print(
+            f"workers={workers}: filled {result['records']} in {result['fill_s']:.0f} s; "
+            f"/stats p50 {result['stats_ms_p50']:.1f} ms; ITL p99 "
+            f"{result['quiet']['itl_p99']:.2f} -> {result['scraped']['itl_p99']:.2f} ms",
+            flush=True,
+        )
     print(report(results, args), flush=True)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(
-            {"machine": po.machine_line(), "args": vars(args), "results": results}, indent=1))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {"machine": po.machine_line(), "args": vars(args), "results": results}, indent=1
+            )
+        )
     return 0
 
 
@@ -208,8 +232,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--measure-s", type=float, default=10.0)
-    parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[0, 1], help="settings to compare [0,1]")
+    parser.add_argument(
+        "--workers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0, 1],
+        help="settings to compare [0,1]",
+    )
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--json-out")
     parser.add_argument("--smoke", action="store_true", help="CI: 2k records, 2 s phases")

@@ -68,12 +68,34 @@ def big_prompt(kb: int, seed: int) -> str:
     return " ".join(parts)[: kb * 1000]
 
 
-def start_sim(src: Path, replicas: int, truth: Path, step_ms: float, log: Path,
-              extra: list[str]) -> tuple[subprocess.Popen[bytes], list[str]]:
-    argv = [sys.executable, "-m", "sidecar", "sim", "--replicas", str(replicas), "--port", "0",
-            "--host", HOST, "--model", MODEL, "--ground-truth", str(truth),
-            "--step-floor-s", str(step_ms / 1000), "--per-token-s", "0",
-            "--max-model-len", "262144", "--max-num-batched-tokens", "16384", *extra]
+def start_sim(
+    src: Path, replicas: int, truth: Path, step_ms: float, log: Path, extra: list[str]
+) -> tuple[subprocess.Popen[bytes], list[str]]:
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "sim",
+        "--replicas",
+        str(replicas),
+        "--port",
+        "0",
+        "--host",
+        HOST,
+        "--model",
+        MODEL,
+        "--ground-truth",
+        str(truth),
+        "--step-floor-s",
+        str(step_ms / 1000),
+        "--per-token-s",
+        "0",
+        "--max-model-len",
+        "262144",
+        "--max-num-batched-tokens",
+        "16384",
+        *extra,
+    ]
     env = dict(os.environ, PYTHONPATH=str(src))
     with open(log, "wb") as err:
         proc = subprocess.Popen(argv, cwd=src, env=env, stdout=subprocess.PIPE, stderr=err)
@@ -109,9 +131,11 @@ async def send(url: str, path: str, body: dict[str, Any], request_id: str) -> di
     host, port = url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     payload = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nX-Request-Id: {request_id}\r\n"
-            "Connection: close\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nX-Request-Id: {request_id}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
     writer.write(head + payload)
     sent_ns = time.perf_counter_ns()
     await writer.drain()
@@ -129,13 +153,23 @@ async def send(url: str, path: str, body: dict[str, Any], request_id: str) -> di
             break
     done_ns = time.perf_counter_ns()
     writer.close()
-    return {"id": request_id, "sent_ns": sent_ns, "first_ns": first_ns, "done_ns": done_ns,
-            "ok": data.startswith(b"HTTP/1.1 200")}
+    return {
+        "id": request_id,
+        "sent_ns": sent_ns,
+        "first_ns": first_ns,
+        "done_ns": done_ns,
+        "ok": data.startswith(b"HTTP/1.1 200"),
+    }
 
 
 def victim_body(tokens: int) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": "a short prompt", "max_tokens": tokens, "stream": True,
-            "ignore_eos": True}
+    return {
+        "model": MODEL,
+        "prompt": "a short prompt",
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
 
 
 async def run_load(urls: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -147,13 +181,17 @@ async def run_load(urls: list[str], args: argparse.Namespace) -> list[dict[str, 
             tag = f"r{round_index}-kb{kb}"
             big: asyncio.Task[dict[str, Any]] | None = None
             # A stream already running on replica 1 when the large prompt arrives.
-            long_stream = asyncio.create_task(send(urls[1], "/v1/completions",
-                                                   victim_body(args.long_tokens),
-                                                   f"long-{tag}"))
+            long_stream = asyncio.create_task(
+                send(urls[1], "/v1/completions", victim_body(args.long_tokens), f"long-{tag}")
+            )
             await asyncio.sleep(3 * args.step_ms / 1000)
             if kb:
-                body = {"model": MODEL, "prompt": big_prompt(kb, round_index * 1000 + kb),
-                        "max_tokens": 1, "stream": False}
+                body = {
+                    "model": MODEL,
+                    "prompt": big_prompt(kb, round_index * 1000 + kb),
+                    "max_tokens": 1,
+                    "stream": False,
+                }
                 big = asyncio.create_task(send(urls[0], "/v1/completions", body, f"big-{tag}"))
             start = time.perf_counter()
             tasks = [long_stream]
@@ -161,9 +199,16 @@ async def run_load(urls: list[str], args: argparse.Namespace) -> list[dict[str, 
                 delay = start + offset / 1000 - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(send(urls[1], "/v1/completions",
-                                                      victim_body(args.victim_tokens),
-                                                      f"victim-{tag}-{i}")))
+                tasks.append(
+                    asyncio.create_task(
+                        send(
+                            urls[1],
+                            "/v1/completions",
+                            victim_body(args.victim_tokens),
+                            f"victim-{tag}-{i}",
+                        )
+                    )
+                )
             for result in await asyncio.gather(*tasks):
                 result["kb"] = kb
                 victims.append(result)
@@ -178,88 +223,129 @@ def summarize(values: list[float]) -> dict[str, float]:
         return {}
     ordered = sorted(values)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {"n": len(values), "p50": statistics.median(values), "p95": p95,
-            "min": ordered[0], "max": ordered[-1]}
+    return {
+        "n": len(values),
+        "p50": statistics.median(values),
+        "p95": p95,
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
 
 
-def analyse(victims: list[dict[str, Any]], truth: dict[str, dict[str, Any]],
-            step_ms: float) -> dict[str, dict[str, Any]]:
+def analyse(
+    victims: list[dict[str, Any]], truth: dict[str, dict[str, Any]], step_ms: float
+) -> dict[str, dict[str, Any]]:
     by_size: dict[int, dict[str, list[float]]] = {}
     for victim in victims:
         line = truth.get(victim["id"])
         if line is None or not victim["ok"] or line["outcome"] != "ok":
             continue
-        tokens = [t for t, k in zip(line["chunk_ns"], line["chunk_kinds"], strict=True)
-                  if k == "token"]
+        tokens = [
+            t for t, k in zip(line["chunk_ns"], line["chunk_kinds"], strict=True) if k == "token"
+        ]
         if not tokens or not victim["first_ns"]:
             continue
-        errs = by_size.setdefault(victim["kb"], {"received_lag_ms": [], "ttft_err_ms": [],
-                                                 "e2e_err_ms": [], "stall_ms": []})
+        errs = by_size.setdefault(
+            victim["kb"],
+            {"received_lag_ms": [], "ttft_err_ms": [], "e2e_err_ms": [], "stall_ms": []},
+        )
         if victim["id"].startswith("long-"):
             gaps = [b - a for a, b in zip(tokens, tokens[1:], strict=False)]
             errs["stall_ms"].append(max(gaps, default=0) / 1e6 - step_ms)
             continue
         received = line["received_ns"]
         errs["received_lag_ms"].append((received - victim["sent_ns"]) / 1e6)
-        errs["ttft_err_ms"].append(((tokens[0] - received)
-                                    - (victim["first_ns"] - victim["sent_ns"])) / 1e6)
-        errs["e2e_err_ms"].append(((line["done_ns"] - received)
-                                   - (victim["done_ns"] - victim["sent_ns"])) / 1e6)
-    return {str(kb): {name: summarize(v) for name, v in errs.items()}
-            for kb, errs in sorted(by_size.items())}
+        errs["ttft_err_ms"].append(
+            ((tokens[0] - received) - (victim["first_ns"] - victim["sent_ns"])) / 1e6
+        )
+        errs["e2e_err_ms"].append(
+            ((line["done_ns"] - received) - (victim["done_ns"] - victim["sent_ns"])) / 1e6
+        )
+    return {
+        str(kb): {name: summarize(v) for name, v in errs.items()}
+        for kb, errs in sorted(by_size.items())
+    }
 
 
 async def cold_start(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     firsts: list[float] = []
     rests: list[float] = []
     for run in range(args.cold_runs):
-        proc, urls = start_sim(Path(args.src), 1, workdir / f"cold-{run}.jsonl", 2.0,
-                               workdir / f"cold-{run}.log", args.sim_args)
+        proc, urls = start_sim(
+            Path(args.src),
+            1,
+            workdir / f"cold-{run}.jsonl",
+            2.0,
+            workdir / f"cold-{run}.log",
+            args.sim_args,
+        )
         try:
             for i in range(args.cold_requests):
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}],
-                        "max_tokens": 8, "stream": True, "ignore_eos": True}
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hi there"}],
+                    "max_tokens": 8,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
                 result = await send(urls[0], "/v1/chat/completions", body, f"cold-{run}-{i}")
                 e2e = (result["done_ns"] - result["sent_ns"]) / 1e6
                 (firsts if i == 0 else rests).append(e2e)
         finally:
             stop_sim(proc)
-    return {"first_e2e_ms": summarize(firsts), "later_e2e_ms": summarize(rests),
-            "engine_ms": 8 * 2.0}
+    return {
+        "first_e2e_ms": summarize(firsts),
+        "later_e2e_ms": summarize(rests),
+        "engine_ms": 8 * 2.0,
+    }
 
 
 def describe(src: Path) -> str:
     try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=False).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
     except OSError:
         head = "?"
-    return (f"# nproc {os.cpu_count()}, Python {platform.python_version()}, src {src}, "
-            f"checkout HEAD {head}")
+    return (
+        f"# nproc {os.cpu_count()}, Python {platform.python_version()}, src {src}, "
+        f"checkout HEAD {head}"
+    )
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print("| prompt KB | victims | received lag ms p50 / p95 / max | TTFT err ms p50 / min "
-          "| E2E err ms p50 / min | stall ms p50 / max |")
+    print(
+        "| prompt KB | victims | received lag ms p50 / p95 / max | TTFT err ms p50 / min "
+        "| E2E err ms p50 / min | stall ms p50 / max |"
+    )
     print("|---:|---:|---|---|---|---|")
     for kb, stats in result["isolation"].items():
-        lag, ttft, e2e, stall = (stats[k] for k in ("received_lag_ms", "ttft_err_ms",
-                                                    "e2e_err_ms", "stall_ms"))
-        print(f"| {kb} | {lag['n']} | {lag['p50']:.2f} / {lag['p95']:.2f} / {lag['max']:.2f} "
-              f"| {ttft['p50']:+.2f} / {ttft['min']:+.2f} | {e2e['p50']:+.2f} / {e2e['min']:+.2f} "
-              f"| {stall['p50']:.2f} / {stall['max']:.2f} |")
+        lag, ttft, e2e, stall = (
+            stats[k] for k in ("received_lag_ms", "ttft_err_ms", "e2e_err_ms", "stall_ms")
+        )
+        print(
+            f"| {kb} | {lag['n']} | {lag['p50']:.2f} / {lag['p95']:.2f} / {lag['max']:.2f} "
+            f"| {ttft['p50']:+.2f} / {ttft['min']:+.2f} | {e2e['p50']:+.2f} / {e2e['min']:+.2f} "
+            f"| {stall['p50']:.2f} / {stall['max']:.2f} |"
+        )
     cold = result.get("cold")
     if cold:
-        print(f"cold start: first request E2E {cold['first_e2e_ms']['p50']:.1f} ms "
-              f"(max {cold['first_e2e_ms']['max']:.1f}) vs later "
-              f"{cold['later_e2e_ms']['p50']:.1f} ms; engine time {cold['engine_ms']:.0f} ms")
+        print(
+            f"cold start: first request E2E {cold['first_e2e_ms']['p50']:.1f} ms "
+            f"(max {cold['first_e2e_ms']['max']:.1f}) vs later "
+            f"{cold['later_e2e_ms']['p50']:.1f} ms; engine time {cold['engine_ms']:.0f} ms"
+        )
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="sim-isolation-"))
     truth_path = workdir / "truth.jsonl"
-    proc, urls = start_sim(Path(args.src), 2, truth_path, args.step_ms, workdir / "sim.log",
-                           args.sim_args)
+    proc, urls = start_sim(
+        Path(args.src), 2, truth_path, args.step_ms, workdir / "sim.log", args.sim_args
+    )
     try:
         # Warm both replicas and this client (not measured).
         for url in urls:
@@ -288,8 +374,11 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=30)
     parser.add_argument("--cold-runs", type=int, default=3)
     parser.add_argument("--cold-requests", type=int, default=6)
-    parser.add_argument("--one-process", action="store_true",
-                        help="serve both replicas from one process (sidecar sim --one-process)")
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="serve both replicas from one process (sidecar sim --one-process)",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()

@@ -151,8 +151,11 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--step-floor-s", type=float, default=0.001)
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI smoke run: 8 streams, 20 tokens, 0.2 s warm-up, 0.5 s measured")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI smoke run: 8 streams, 20 tokens, 0.2 s warm-up, 0.5 s measured",
+    )
     parser.add_argument(
         "sim_args", nargs="*", help="extra `sidecar sim` flags (after --), e.g. -- --ground-truth f"
     )

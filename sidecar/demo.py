@@ -59,8 +59,23 @@ examples:
       against a vLLM already running (its first served model, unless --model)
 """
 
-WORDS = ("the", "model", "serves", "tokens", "under", "load", "while", "a", "sidecar",
-         "measures", "every", "chunk", "on", "both", "sides")
+WORDS = (
+    "the",
+    "model",
+    "serves",
+    "tokens",
+    "under",
+    "load",
+    "while",
+    "a",
+    "sidecar",
+    "measures",
+    "every",
+    "chunk",
+    "on",
+    "both",
+    "sides",
+)
 
 
 class RecordList:
@@ -77,23 +92,39 @@ class RecordList:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="simulated replicas [2]")
-    parser.add_argument("--rate", type=float, default=8.0,
-                        help="offered load, requests/s, Poisson arrivals [8]")
+    parser.add_argument(
+        "--rate", type=float, default=8.0, help="offered load, requests/s, Poisson arrivals [8]"
+    )
     parser.add_argument("--duration", default="20s", help="how long to send load [20s]")
-    parser.add_argument("--max-requests", type=int, default=100_000,
-                        help="stop sending after this many requests [100000]")
-    parser.add_argument("--slo", default="ttft=500ms,tpot=50ms,e2e=20s",
-                        help="SLOs for goodput [ttft=500ms,tpot=50ms,e2e=20s]")
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=100_000,
+        help="stop sending after this many requests [100000]",
+    )
+    parser.add_argument(
+        "--slo",
+        default="ttft=500ms,tpot=50ms,e2e=20s",
+        help="SLOs for goodput [ttft=500ms,tpot=50ms,e2e=20s]",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the load [0]")
-    parser.add_argument("--model", default=None,
-                        help="served model name [demo-model; with --real-vllm, the server's]")
-    parser.add_argument("--real-vllm", metavar="start|URL",
-                        help="measure a real vLLM instead of simulated replicas: 'start' brings "
-                        "one up on this CPU and stops it after; a URL uses one already running")
-    parser.add_argument("--capture", metavar="DIR",
-                        help="keep the capture here [a temporary directory]")
-    parser.add_argument("--no-replay", action="store_true",
-                        help="skip replaying the capture after the load")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="served model name [demo-model; with --real-vllm, the server's]",
+    )
+    parser.add_argument(
+        "--real-vllm",
+        metavar="start|URL",
+        help="measure a real vLLM instead of simulated replicas: 'start' brings "
+        "one up on this CPU and stops it after; a URL uses one already running",
+    )
+    parser.add_argument(
+        "--capture", metavar="DIR", help="keep the capture here [a temporary directory]"
+    )
+    parser.add_argument(
+        "--no-replay", action="store_true", help="skip replaying the capture after the load"
+    )
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -116,8 +147,7 @@ async def run(args: argparse.Namespace) -> int:
             return 2
         with tempfile.TemporaryDirectory(prefix="sidecar-demo-") as tmp:
             capture_dir = args.capture or tmp
-            original, interrupted = await measured_load(urls, args, duration, slo,
-                                                        capture_dir, out)
+            original, interrupted = await measured_load(urls, args, duration, slo, capture_dir, out)
             print_summary(original, slo, out)
             if not interrupted and not args.no_replay:
                 replayed = await replay_capture(urls, args, capture_dir, out)
@@ -126,19 +156,25 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _upstreams(args: argparse.Namespace, stack: contextlib.AsyncExitStack,
-                     out: TextIO) -> list[str]:
+async def _upstreams(
+    args: argparse.Namespace, stack: contextlib.AsyncExitStack, out: TextIO
+) -> list[str]:
     """The replicas' base URLs: simulated ones (the default), or a real vLLM (started here, or
     given). Whatever is started is stopped when ``stack`` closes. Sets ``args.model``."""
     if not args.real_vllm:
         args.model = args.model or "demo-model"
-        replicas = await start_replicas(SimConfig(model=args.model, engine=EngineConfig()),
-                                        args.replicas)
+        replicas = await start_replicas(
+            SimConfig(model=args.model, engine=EngineConfig()), args.replicas
+        )
         stack.push_async_callback(close_replicas, replicas)
         return [r.url for r in replicas]
     if args.real_vllm == "start":
-        print("starting a real vLLM on this CPU (docs/real-vllm.md): about a minute, and a "
-              "few more the first time, to install it ...", file=out, flush=True)
+        print(
+            "starting a real vLLM on this CPU (docs/real-vllm.md): about a minute, and a "
+            "few more the first time, to install it ...",
+            file=out,
+            flush=True,
+        )
         handle = await asyncio.to_thread(start_server, free_port())
         stack.callback(handle.stop)
         url = handle.url
@@ -159,19 +195,29 @@ async def _upstreams(args: argparse.Namespace, stack: contextlib.AsyncExitStack,
     return [url]
 
 
-def _proxy_config(upstreams: list[str], args: argparse.Namespace,
-                  capture_dir: str | None) -> ProxyConfig:
-    flags: dict[str, Any] = {"upstreams": upstreams, "listen": "127.0.0.1:0",
-                             "metrics_listen": "127.0.0.1:0", "window_s": "10s",
-                             "slo": args.slo}
+def _proxy_config(
+    upstreams: list[str], args: argparse.Namespace, capture_dir: str | None
+) -> ProxyConfig:
+    flags: dict[str, Any] = {
+        "upstreams": upstreams,
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "window_s": "10s",
+        "slo": args.slo,
+    }
     if capture_dir is not None:
         flags["capture_dir"] = capture_dir
     return build_config(flags, {})
 
 
-async def measured_load(upstreams: list[str], args: argparse.Namespace,
-                        duration: float, slo: stats.SLO, capture_dir: str,
-                        out: TextIO) -> tuple[list[RequestRecord], bool]:
+async def measured_load(
+    upstreams: list[str],
+    args: argparse.Namespace,
+    duration: float,
+    slo: stats.SLO,
+    capture_dir: str,
+    out: TextIO,
+) -> tuple[list[RequestRecord], bool]:
     """The built-in load through a capturing proxy, with the live table. Returns the records
     and whether the user interrupted it."""
     server, window = build_proxy_server(_proxy_config(upstreams, args, capture_dir))
@@ -179,11 +225,18 @@ async def measured_load(upstreams: list[str], args: argparse.Namespace,
     server.proxy.fanout.add(everything)
     await server.start()
     print(f"replicas: {', '.join(upstreams)}", file=out)
-    print(f"proxy:    {server.url}   live stats: {server.admin_url}/stats   "
-          f"Prometheus: {server.admin_url}/metrics", file=out)
+    print(
+        f"proxy:    {server.url}   live stats: {server.admin_url}/stats   "
+        f"Prometheus: {server.admin_url}/metrics",
+        file=out,
+    )
     print(f"capture:  {capture_dir}", file=out)
-    print(f"load:     open loop, Poisson, {args.rate:g} req/s for {duration:g} s; "
-          f"SLO {slo.describe()}\n", file=out, flush=True)
+    print(
+        f"load:     open loop, Poisson, {args.rate:g} req/s for {duration:g} s; "
+        f"SLO {slo.describe()}\n",
+        file=out,
+        flush=True,
+    )
     started = time.monotonic()
     load = asyncio.create_task(send_load(server.url, args, duration))
     stop = asyncio.create_task(wait_for_shutdown_signal())
@@ -200,8 +253,9 @@ async def measured_load(upstreams: list[str], args: argparse.Namespace,
     return everything.records, interrupted
 
 
-async def replay_capture(upstreams: list[str], args: argparse.Namespace,
-                         capture_dir: str, out: TextIO) -> list[RequestRecord] | None:
+async def replay_capture(
+    upstreams: list[str], args: argparse.Namespace, capture_dir: str, out: TextIO
+) -> list[RequestRecord] | None:
     """Replay the capture, open loop on its own arrival times, through a fresh proxy in front
     of the same replicas, so both runs are measured at the same place."""
     files = sorted(Path(capture_dir).glob("capture-*.jsonl*"))
@@ -213,11 +267,16 @@ async def replay_capture(upstreams: list[str], args: argparse.Namespace,
     server.proxy.fanout.add(everything)
     await server.start()
     try:
-        options = ReplayOptions(trace=str(files[0]), target=server.url, repeats=1, quiet=True,
-                                seed=args.seed)
+        options = ReplayOptions(
+            trace=str(files[0]), target=server.url, repeats=1, quiet=True, seed=args.seed
+        )
         requests = TraceReader(files[0]).requests()
-        print(f"\nreplaying {len(requests)} captured requests from {files[0]} "
-              "(open loop, their own arrival times) ...", file=out, flush=True)
+        print(
+            f"\nreplaying {len(requests)} captured requests from {files[0]} "
+            "(open loop, their own arrival times) ...",
+            file=out,
+            flush=True,
+        )
         async with aiohttp.ClientSession() as session:
             # Chat prompts are rebuilt as text: calibrate words to tokens on the target.
             calibration = await replay_cli.calibrate(session, server.url, args.model)
@@ -229,17 +288,16 @@ async def replay_capture(upstreams: list[str], args: argparse.Namespace,
     return everything.records
 
 
-def print_comparison(original: list[RequestRecord], replayed: list[RequestRecord],
-                     out: TextIO) -> None:
-    print("\ncaptured run vs its replay (both measured by the proxy, client vantage; ms)",
-          file=out)
+def print_comparison(
+    original: list[RequestRecord], replayed: list[RequestRecord], out: TextIO
+) -> None:
+    print("\ncaptured run vs its replay (both measured by the proxy, client vantage; ms)", file=out)
     print(f"{'':16}{'original':>22}{'replay':>22}", file=out)
     print(f"{'':16}{'p50':>11}{'p99':>11}{'p50':>11}{'p99':>11}", file=out)
     # Only the measured traffic: the replay's /tokenize calibration passes the proxy too.
     original = [r for r in original if r.endpoint in ("chat", "completions")]
     replayed = [r for r in replayed if r.endpoint in ("chat", "completions")]
-    reports = [stats.vantage_report(records, Vantage.CLIENT) for records in (original,
-                                                                            replayed)]
+    reports = [stats.vantage_report(records, Vantage.CLIENT) for records in (original, replayed)]
     for name in ("ttft", "itl", "tpot", "e2e"):
         cells = []
         for report in reports:
@@ -249,7 +307,8 @@ def print_comparison(original: list[RequestRecord], replayed: list[RequestRecord
     totals: list[tuple[str, Callable[[list[RequestRecord]], int]]] = [
         ("requests ok", lambda rs: sum(r.ok for r in rs)),
         ("input tokens", lambda rs: sum(r.n_in or 0 for r in rs if r.ok)),
-        ("output tokens", lambda rs: sum(r.n_out or 0 for r in rs if r.ok))]
+        ("output tokens", lambda rs: sum(r.n_out or 0 for r in rs if r.ok)),
+    ]
     for label, pick in totals:
         print(f"{label:16}{pick(original):>22}{pick(replayed):>22}", file=out)
     out.flush()
@@ -281,11 +340,17 @@ async def send_load(url: str, args: argparse.Namespace, duration: float) -> None
                 task.cancel()
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, model: str,
-                      rng: random.Random) -> None:
+async def one_request(
+    session: aiohttp.ClientSession, url: str, model: str, rng: random.Random
+) -> None:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 400)))
-    body = {"model": model, "stream": True, "max_tokens": rng.randint(16, 256),
-            "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": rng.randint(16, 256),
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": prompt}],
+    }
     with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
         async with session.post(url + "/v1/chat/completions", json=body) as response:
             async for _ in response.content.iter_any():
@@ -297,8 +362,10 @@ def _ms(value: float | None) -> str:
 
 
 async def live_table(window: Any, out: TextIO, started: float) -> None:
-    header = (f"{'t':>4} {'vantage':7} | {'TTFT p50':>8} {'p99':>6} | {'ITL p50':>7} {'p99':>6} |"
-              f" {'TPOT p50':>8} {'p99':>6} | {'E2E p50':>7} {'p99':>7} | outcomes (last 10 s)")
+    header = (
+        f"{'t':>4} {'vantage':7} | {'TTFT p50':>8} {'p99':>6} | {'ITL p50':>7} {'p99':>6} |"
+        f" {'TPOT p50':>8} {'p99':>6} | {'E2E p50':>7} {'p99':>7} | outcomes (last 10 s)"
+    )
     print("t: seconds since the load began; TTFT, ITL, TPOT, E2E: milliseconds", file=out)
     print(header, file=out)
     print("-" * len(header), file=out, flush=True)
@@ -309,39 +376,62 @@ async def live_table(window: Any, out: TextIO, started: float) -> None:
         elapsed = time.monotonic() - started
         for vantage in ("client", "server"):
             v = snap["vantages"][vantage]
-            print(f"{elapsed:4.0f} {vantage:7} | {_ms(v['ttft']['p50']):>8} "
-                  f"{_ms(v['ttft']['p99'])} | {_ms(v['itl']['p50']):>7} {_ms(v['itl']['p99'])} |"
-                  f" {_ms(v['tpot']['p50']):>8} {_ms(v['tpot']['p99'])} |"
-                  f" {_ms(v['e2e']['p50']):>7} {_ms(v['e2e']['p99']):>7} |"
-                  f" {outcomes if vantage == 'client' else ''}", file=out)
+            print(
+                f"{elapsed:4.0f} {vantage:7} | {_ms(v['ttft']['p50']):>8} "
+                f"{_ms(v['ttft']['p99'])} | {_ms(v['itl']['p50']):>7} {_ms(v['itl']['p99'])} |"
+                f" {_ms(v['tpot']['p50']):>8} {_ms(v['tpot']['p99'])} |"
+                f" {_ms(v['e2e']['p50']):>7} {_ms(v['e2e']['p99']):>7} |"
+                f" {outcomes if vantage == 'client' else ''}",
+                file=out,
+            )
         out.flush()
 
 
 def print_summary(records: list[RequestRecord], slo: stats.SLO, out: TextIO) -> None:
     generation = [r for r in records if r.endpoint in ("chat", "completions")]
     interval = stats.measured_interval_s(generation)
-    print("\nsummary (all requests; times in ms; ITL sample = event, TTFT/TPOT/E2E sample = "
-          "request; percentiles by linear interpolation)", file=out)
+    print(
+        "\nsummary (all requests; times in ms; ITL sample = event, TTFT/TPOT/E2E sample = "
+        "request; percentiles by linear interpolation)",
+        file=out,
+    )
     counts = stats.outcome_counts(generation)
     print("outcomes: " + ", ".join(f"{o.value}={n}" for o, n in counts.items()), file=out)
     for vantage in (Vantage.CLIENT, Vantage.SERVER):
         report = stats.vantage_report(generation, vantage)
-        print(f"\n[{vantage.value}] {report.requests} successful requests, "
-              f"{report.tpot_excluded} without TPOT (N_out <= 1)", file=out)
-        for name, summary in (("TTFT", report.ttft), ("ITL", report.itl),
-                              ("TPOT", report.tpot), ("E2E", report.e2e)):
+        print(
+            f"\n[{vantage.value}] {report.requests} successful requests, "
+            f"{report.tpot_excluded} without TPOT (N_out <= 1)",
+            file=out,
+        )
+        for name, summary in (
+            ("TTFT", report.ttft),
+            ("ITL", report.itl),
+            ("TPOT", report.tpot),
+            ("E2E", report.e2e),
+        ):
             if summary.count == 0:
                 print(f"  {name:5} no samples", file=out)
                 continue
-            print(f"  {name:5} n={summary.count:<6} mean={_ms(summary.mean)} "
-                  + " ".join(f"{stats.percentile_name(q)}={_ms(v)}"
-                             for q, v in summary.percentiles.items()), file=out)
+            print(
+                f"  {name:5} n={summary.count:<6} mean={_ms(summary.mean)} "
+                + " ".join(
+                    f"{stats.percentile_name(q)}={_ms(v)}" for q, v in summary.percentiles.items()
+                ),
+                file=out,
+            )
     t = stats.throughput(generation, interval)
     g = stats.goodput(generation, slo, interval)
-    print(f"\nthroughput over {interval:.1f} s: {t.requests_per_s:.2f} req/s, output "
-          f"{t.output_tokens_per_s:.0f} tok/s, input {t.input_tokens_per_s:.0f} tok/s", file=out)
+    print(
+        f"\nthroughput over {interval:.1f} s: {t.requests_per_s:.2f} req/s, output "
+        f"{t.output_tokens_per_s:.0f} tok/s, input {t.input_tokens_per_s:.0f} tok/s",
+        file=out,
+    )
     attainment = "n/a" if g.attainment is None else f"{g.attainment:.1%}"
-    print(f"goodput under SLO ({slo.describe()}, client vantage): {g.good_requests_per_s:.2f} "
-          f"req/s; attainment {attainment} = {g.good_requests} good / {g.total_requests} "
-          "requests (failures included)", file=out)
+    print(
+        f"goodput under SLO ({slo.describe()}, client vantage): {g.good_requests_per_s:.2f} "
+        f"req/s; attainment {attainment} = {g.good_requests} good / {g.total_requests} "
+        "requests (failures included)",
+        file=out,
+    )
     out.flush()

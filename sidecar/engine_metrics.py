@@ -22,8 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 GAUGES: dict[str, tuple[str, ...]] = {
     "running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
     "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
-    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
-                       "sglang:token_usage"),
+    "kv_cache_usage": (
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:token_usage",
+    ),
     "sglang_cache_hit_rate": ("sglang:cache_hit_rate",),
 }
 COUNTERS: dict[str, tuple[str, ...]] = {

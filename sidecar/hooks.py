@@ -45,8 +45,9 @@ DROPPED = "dropped_"  # + reason: records lost, e.g. ``dropped_queue_full``
 
 def dropped_by_reason(counters: Mapping[str, int]) -> dict[str, int]:
     """``{reason: records}`` from a sink's counters (the ``dropped_<reason>`` ones)."""
-    return {name[len(DROPPED):]: count for name, count in counters.items()
-            if name.startswith(DROPPED)}
+    return {
+        name[len(DROPPED) :]: count for name, count in counters.items() if name.startswith(DROPPED)
+    }
 
 
 class LogThrottle:
@@ -126,8 +127,9 @@ class SinkFanout:
     capture, added last) drain while the window and Prometheus, registered first, still hold
     what they were given. A sink that fails to close is logged and the others still close."""
 
-    def __init__(self, sinks: Iterable[RecordSink] = (),
-                 lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self, sinks: Iterable[RecordSink] = (), lock: threading.Lock | None = None
+    ) -> None:
         self._sinks: list[RecordSink] = []
         self._lifecycles: list[Sink] = []  # the same sinks, as `Sink`s (`_RecordOnly`)
         self.lock = lock
@@ -220,8 +222,12 @@ class SinkFanout:
                 failed.append(sink.name)
                 log.exception("sink %r failed to close; closing the others", sink.name)
         if failed:
-            log.error("%d of %d sinks failed to close: %s", len(failed), len(self._lifecycles),
-                      ", ".join(failed))
+            log.error(
+                "%d of %d sinks failed to close: %s",
+                len(failed),
+                len(self._lifecycles),
+                ", ".join(failed),
+            )
         self.close_failures = failed
         return list(failed)
 
@@ -252,9 +258,16 @@ class QueuedSink:
 
     name: str
 
-    def __init__(self, name: str, *, queue_size: int = 10_000, queue_bytes: int | None = None,
-                 batch_max: int = 1000, idle_s: float | None = None,
-                 thread_name: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        queue_size: int = 10_000,
+        queue_bytes: int | None = None,
+        batch_max: int = 1000,
+        idle_s: float | None = None,
+        thread_name: str | None = None,
+    ) -> None:
         self.name = name
         self.queue_bytes = queue_bytes
         self.batch_max = batch_max
@@ -327,8 +340,11 @@ class QueuedSink:
             # Not expected (the thread catches everything), but a dead thread would let the
             # queue fill and every later record drop unseen: start another, say so.
             self.writer_restarts += 1
-            log.error("sink %r: its thread had stopped; restarted (%d so far)", self.name,
-                      self.writer_restarts)
+            log.error(
+                "sink %r: its thread had stopped; restarted (%d so far)",
+                self.name,
+                self.writer_restarts,
+            )
             self._thread = self._start_thread()
         size = 0
         if self.queue_bytes is not None:
@@ -353,11 +369,15 @@ class QueuedSink:
         return self._queue.qsize()
 
     def counters(self) -> dict[str, int]:
-        counters = {TAKEN: self.taken, SKIPPED: self.skipped, WRITTEN: self.written,
-                    "dropped_queue_full": self.dropped_queue_full,
-                    "dropped_closed": self.dropped_closed,
-                    "dropped_write_error": self.dropped_write_errors,
-                    "writer_restarts": self.writer_restarts}
+        counters = {
+            TAKEN: self.taken,
+            SKIPPED: self.skipped,
+            WRITTEN: self.written,
+            "dropped_queue_full": self.dropped_queue_full,
+            "dropped_closed": self.dropped_closed,
+            "dropped_write_error": self.dropped_write_errors,
+            "writer_restarts": self.writer_restarts,
+        }
         counters.update(self._extra_counters())
         return counters
 
@@ -368,7 +388,8 @@ class QueuedSink:
         target = self._enqueued
         with self._progress:
             drained = self._progress.wait_for(
-                lambda: self._done >= target or not self._thread.is_alive(), timeout_s)
+                lambda: self._done >= target or not self._thread.is_alive(), timeout_s
+            )
             drained = drained and self._done >= target
         return self._flush_output(_remaining(deadline)) and drained
 
@@ -384,12 +405,19 @@ class QueuedSink:
             try:
                 self._queue.put(_STOP, timeout=timeout_s)
             except queue.Full:
-                log.error("sink %r: its queue stayed full for %g s; closing without it",
-                          self.name, timeout_s)
+                log.error(
+                    "sink %r: its queue stayed full for %g s; closing without it",
+                    self.name,
+                    timeout_s,
+                )
             self._thread.join(_remaining(deadline))
         if self._thread.is_alive():
-            log.error("sink %r: its thread did not finish within %g s; %d records left "
-                      "undelivered", self.name, timeout_s, self.queued)
+            log.error(
+                "sink %r: its thread did not finish within %g s; %d records left undelivered",
+                self.name,
+                timeout_s,
+                self.queued,
+            )
         else:
             # A record enqueued after the stop (a race with the loop) is lost: counted.
             while True:
@@ -433,8 +461,11 @@ class QueuedSink:
                     self._write_batch(batch)
                 except Exception:  # noqa: BLE001 - the thread must outlive any batch
                     self.dropped_write_errors += len(batch)
-                    log.exception("sink %r: a batch of %d records could not be written; "
-                                  "it goes on", self.name, len(batch))
+                    log.exception(
+                        "sink %r: a batch of %d records could not be written; it goes on",
+                        self.name,
+                        len(batch),
+                    )
                 with self._progress:
                     self._done += len(batch)
                     self._progress.notify_all()
@@ -478,8 +509,9 @@ class ThreadedSink(QueuedSink):
             except Exception:
                 self.failed += 1
                 if self.failed == 1 or self.failed % 1000 == 0:
-                    log.exception("sink %r failed on its worker thread (%d failures)",
-                                  self.name, self.failed)
+                    log.exception(
+                        "sink %r failed on its worker thread (%d failures)", self.name, self.failed
+                    )
             else:
                 self.written += 1
 
@@ -492,8 +524,11 @@ class ThreadedSink(QueuedSink):
     def _extra_counters(self) -> dict[str, int]:
         # The inner sink's own counts too (the OTel sink's ``skipped``), where they do not
         # say something else under the same name.
-        extra = {name: count for name, count in self._inner.counters().items()
-                 if name not in (TAKEN, WRITTEN) and not name.startswith(DROPPED)}
+        extra = {
+            name: count
+            for name, count in self._inner.counters().items()
+            if name not in (TAKEN, WRITTEN) and not name.startswith(DROPPED)
+        }
         extra["dropped_error"] = self.failed
         return extra
 
@@ -520,9 +555,11 @@ class ScrapeRunner:
 
     def __init__(self, threaded: bool = False) -> None:
         self.lock: threading.Lock | None = threading.Lock() if threaded else None
-        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="scrape",
-                                             initializer=_lower_priority)
-                          if threaded else None)
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="scrape", initializer=_lower_priority)
+            if threaded
+            else None
+        )
 
     async def run(self, work: Callable[[], T]) -> T:
         if self._executor is None or self.lock is None:

@@ -56,24 +56,34 @@ class StreamFailure(NamedTuple):
 
 def stream_cut(mid_event: bool) -> StreamFailure:
     where = "mid_event" if mid_event else "without_done"
-    return StreamFailure(Outcome.UPSTREAM_ERROR, f"stream_cut_{where}", 502,
-                         "The upstream stream ended before [DONE].")
+    return StreamFailure(
+        Outcome.UPSTREAM_ERROR,
+        f"stream_cut_{where}",
+        502,
+        "The upstream stream ended before [DONE].",
+    )
 
 
-MALFORMED_CHUNK = StreamFailure(Outcome.UPSTREAM_ERROR, "malformed_chunk", 502,
-                                "The upstream sent a malformed chunk.")
+MALFORMED_CHUNK = StreamFailure(
+    Outcome.UPSTREAM_ERROR, "malformed_chunk", 502, "The upstream sent a malformed chunk."
+)
 
 
 # Usage whose counts cannot be believed (see ChunkInfo.usage_malformed). The stream goes on and
 # the client's bytes are what they would have been (injected usage is still cut out), but no
 # count in it is trusted and the record says why.
-MALFORMED_USAGE = StreamFailure(Outcome.UPSTREAM_ERROR, "malformed_usage", 502,
-                                "The upstream sent a malformed usage object.")
+MALFORMED_USAGE = StreamFailure(
+    Outcome.UPSTREAM_ERROR, "malformed_usage", 502, "The upstream sent a malformed usage object."
+)
 
 
 def too_many_events(limit: int) -> StreamFailure:
-    return StreamFailure(Outcome.UPSTREAM_ERROR, "too_many_events", 502,
-                         f"The upstream stream exceeded the sidecar's limit of {limit} events.")
+    return StreamFailure(
+        Outcome.UPSTREAM_ERROR,
+        "too_many_events",
+        502,
+        f"The upstream stream exceeded the sidecar's limit of {limit} events.",
+    )
 
 
 # The default of --max-stream-events (config.py says why).
@@ -81,8 +91,12 @@ DEFAULT_MAX_STREAM_EVENTS = 1_000_000
 
 
 def oversized_event(exc: SSEError) -> StreamFailure:
-    return StreamFailure(Outcome.UPSTREAM_ERROR, "oversized_event", 502,
-                         f"The upstream sent an unparseable stream: {exc}")
+    return StreamFailure(
+        Outcome.UPSTREAM_ERROR,
+        "oversized_event",
+        502,
+        f"The upstream sent an unparseable stream: {exc}",
+    )
 
 
 def error_event_failure(info: ChunkInfo) -> StreamFailure:
@@ -90,10 +104,10 @@ def error_event_failure(info: ChunkInfo) -> StreamFailure:
     error = info.error
     status = error.code if error is not None and type(error.code) is int else 500
     message = error.message if error is not None else ""
-    err_type = (error.type if error is not None and error.type else None) or \
-        "InternalServerError"
-    return StreamFailure(Outcome.HTTP_ERROR, safe_error_type(error, status), status, message,
-                         err_type)
+    err_type = (error.type if error is not None and error.type else None) or "InternalServerError"
+    return StreamFailure(
+        Outcome.HTTP_ERROR, safe_error_type(error, status), status, message, err_type
+    )
 
 
 class ChunkConsumer(Protocol):
@@ -112,17 +126,50 @@ class StreamMeter:
     """
 
     __slots__ = (
-        "origin_ns", "offsets", "tokens", "events", "_parser", "_counter", "_forward",
-        "_strip", "_drop_usage_chunk", "_held", "_held_cut", "_held_tokens", "usage",
-        "saw_done", "finish_reason", "engine", "failure", "fatal", "rewritten", "text_parts",
-        "assembler", "_closed", "_lane", "fingerprint", "usage_malformed", "_max_events",
-        "after_done", "response_model", "response_id", "choices",
+        "origin_ns",
+        "offsets",
+        "tokens",
+        "events",
+        "_parser",
+        "_counter",
+        "_forward",
+        "_strip",
+        "_drop_usage_chunk",
+        "_held",
+        "_held_cut",
+        "_held_tokens",
+        "usage",
+        "saw_done",
+        "finish_reason",
+        "engine",
+        "failure",
+        "fatal",
+        "rewritten",
+        "text_parts",
+        "assembler",
+        "_closed",
+        "_lane",
+        "fingerprint",
+        "usage_malformed",
+        "_max_events",
+        "after_done",
+        "response_model",
+        "response_id",
+        "choices",
     )
 
-    def __init__(self, origin_ns: int, plan: UsagePlan = NO_CHANGE, *, forward: bool = True,
-                 max_event_bytes: int = DEFAULT_MAX_EVENT_SIZE,
-                 max_events: int = DEFAULT_MAX_STREAM_EVENTS, keep_text: bool = False,
-                 assembler: ChunkConsumer | None = None, fingerprint: str | None = None) -> None:
+    def __init__(
+        self,
+        origin_ns: int,
+        plan: UsagePlan = NO_CHANGE,
+        *,
+        forward: bool = True,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_SIZE,
+        max_events: int = DEFAULT_MAX_STREAM_EVENTS,
+        keep_text: bool = False,
+        assembler: ChunkConsumer | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
         self.origin_ns = origin_ns
         self.offsets = array("q")  # token-carrying events: arrival offsets from origin_ns
         self.tokens = array("q")  # ... and the output tokens each carried
@@ -286,8 +333,11 @@ class StreamMeter:
                 continue
             raw = event.raw
             cut: int | None = None
-            if ((info.usage is not None or info.usage_malformed) and self._strip
-                    and kind is not ChunkKind.USAGE):
+            if (
+                (info.usage is not None or info.usage_malformed)
+                and self._strip
+                and kind is not ChunkKind.USAGE
+            ):
                 if usage_at >= 0:  # the fast path found the member: cut it as text
                     raw, cut = raw[:usage_at] + raw[usage_end:], usage_at
                 else:
@@ -334,7 +384,8 @@ class StreamMeter:
         last = self._parser.close()
         if last and self.fatal is None:
             out, n_events, n_tokens = self._consume(
-                last, self.origin_ns if now_ns is None else now_ns)
+                last, self.origin_ns if now_ns is None else now_ns
+            )
         if not self.saw_done and self.fatal is None:
             self.fatal = stream_cut(self._parser.truncated)
             self.failure = self.failure or self.fatal

@@ -168,22 +168,35 @@ class Timeline:
         if type(self.tokens) is not Int64s:
             object.__setattr__(self, "tokens", Int64s(self.tokens))
         if len(self.offsets_ns) != len(self.tokens):
-            raise ValueError(f"a timeline needs one token count per event: "
-                             f"{len(self.offsets_ns)} offsets, {len(self.tokens)} counts")
+            raise ValueError(
+                f"a timeline needs one token count per event: "
+                f"{len(self.offsets_ns)} offsets, {len(self.tokens)} counts"
+            )
         if self.choices is not None:
             if type(self.choices) is not Int64s:
                 object.__setattr__(self, "choices", Int64s(self.choices))
             if len(self.choices) != len(self.offsets_ns):
-                raise ValueError(f"a timeline needs one choice index per event: "
-                                 f"{len(self.offsets_ns)} offsets, {len(self.choices)} choices")
+                raise ValueError(
+                    f"a timeline needs one choice index per event: "
+                    f"{len(self.offsets_ns)} offsets, {len(self.choices)} choices"
+                )
 
     @classmethod
-    def from_marks(cls, start_ns: int, marks: Iterable[tuple[int, int]] = (),
-                   end_ns: int | None = None, events_total: int = 0) -> Timeline:
+    def from_marks(
+        cls,
+        start_ns: int,
+        marks: Iterable[tuple[int, int]] = (),
+        end_ns: int | None = None,
+        events_total: int = 0,
+    ) -> Timeline:
         pairs = tuple(marks)
-        return cls(start_ns=start_ns, offsets_ns=Int64s(int(p[0]) for p in pairs),
-                   tokens=Int64s(int(p[1]) for p in pairs), end_ns=end_ns,
-                   events_total=events_total)
+        return cls(
+            start_ns=start_ns,
+            offsets_ns=Int64s(int(p[0]) for p in pairs),
+            tokens=Int64s(int(p[1]) for p in pairs),
+            end_ns=end_ns,
+            events_total=events_total,
+        )
 
     @property
     def marks(self) -> tuple[ChunkMark, ...]:
@@ -375,8 +388,7 @@ class RequestRecord:
         404 for a model it does not serve). Only such names take a metric label slot, so that
         junk names cannot crowd the real ones out."""
         status = self.http_status
-        return (status is not None and 200 <= status < 300
-                and self.outcome is not Outcome.REJECTED)
+        return status is not None and 200 <= status < 300 and self.outcome is not Outcome.REJECTED
 
     def timeline(self, vantage: Vantage) -> Timeline | None:
         if vantage is Vantage.CLIENT:

@@ -79,8 +79,10 @@ def capture_key_notes(key_id: str | None, shared: bool) -> dict[str, str]:
     captures with the same id can be merged (`sidecar trace merge`)."""
     if key_id is None:
         return {}
-    return {"capture_key_id": key_id,
-            "capture_key": "shared (--capture-key-file)" if shared else "this process only"}
+    return {
+        "capture_key_id": key_id,
+        "capture_key": "shared (--capture-key-file)" if shared else "this process only",
+    }
 
 
 def slo_policy_of(config: ProxyConfig) -> SLOPolicy | None:
@@ -110,8 +112,11 @@ async def upstream_models(upstreams: Sequence[str]) -> tuple[str, ...]:
 
 def otel_enabled(config: ProxyConfig) -> bool:
     """OpenTelemetry export is on with --otel-endpoint or the standard OTLP variables."""
-    return bool(config.otel_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"))
+    return bool(
+        config.otel_endpoint
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    )
 
 
 class _Host(Protocol):
@@ -137,20 +142,27 @@ def _core_sinks(config: ProxyConfig) -> _Sinks:
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     GCCollector(registry=registry)
-    prometheus = PrometheusSink(registry, slo_policy, label_cap=config.label_cap,
-                                histogram_buckets=config.histogram_buckets)
+    prometheus = PrometheusSink(
+        registry, slo_policy, label_cap=config.label_cap, histogram_buckets=config.histogram_buckets
+    )
     return _Sinks(slo_policy, window, registry, SinkFanout([window, prometheus]))
 
 
-def build_proxy_server(config: ProxyConfig,
-                       models: Sequence[str] = ()) -> tuple[ProxyServer, WindowSink]:
+def build_proxy_server(
+    config: ProxyConfig, models: Sequence[str] = ()
+) -> tuple[ProxyServer, WindowSink]:
     """The proxy in one process with its sinks wired: the one place that knows both."""
     sinks = _core_sinks(config)
     server = ProxyServer(config, sinks.fanout)
     router = server.proxy.router
-    _wire_sinks(config, sinks, server, models, server.proxy.capture_key_id,
-                lambda: [ReplicaState(r.label, r.outstanding, r.healthy)
-                         for r in router.replicas])
+    _wire_sinks(
+        config,
+        sinks,
+        server,
+        models,
+        server.proxy.capture_key_id,
+        lambda: [ReplicaState(r.label, r.outstanding, r.healthy) for r in router.replicas],
+    )
     fanout = sinks.fanout
 
     async def close_sinks() -> None:
@@ -163,29 +175,48 @@ def build_proxy_server(config: ProxyConfig,
     return server, sinks.window
 
 
-def build_collector(config: ProxyConfig, workers: int,
-                    models: Sequence[str] = ()) -> tuple[Collector, WindowSink]:
+def build_collector(
+    config: ProxyConfig, workers: int, models: Sequence[str] = ()
+) -> tuple[Collector, WindowSink]:
     """The proxy as ``workers`` worker processes and this process as their collector, which
     holds the same sinks as `build_proxy_server` (fed by every worker's records) and closes
     them when it closes (Collector.close)."""
     sinks = _core_sinks(config)
     collector = Collector(config, sinks.fanout, workers)
-    sinks.registry.register(WorkerCollector(
-        lambda: [WorkerState(**state) for state in collector.worker_states()]))
+    sinks.registry.register(
+        WorkerCollector(lambda: [WorkerState(**state) for state in collector.worker_states()])
+    )
     # Scrapes on a thread of lower CPU priority: the workers share the cores (hooks.py).
-    _wire_sinks(config, sinks, collector, models, collector.capture_key_id,
-                lambda: [ReplicaState(label, outstanding, healthy)
-                         for label, outstanding, healthy in collector.replica_states()],
-                ScrapeRunner(threaded=True))
+    _wire_sinks(
+        config,
+        sinks,
+        collector,
+        models,
+        collector.capture_key_id,
+        lambda: [
+            ReplicaState(label, outstanding, healthy)
+            for label, outstanding, healthy in collector.replica_states()
+        ],
+        ScrapeRunner(threaded=True),
+    )
     return collector, sinks.window
 
 
-def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequence[str],
-                capture_key_id: str | None,
-                replicas: Callable[[], Sequence[ReplicaState]],
-                scrape: ScrapeRunner | None = None) -> None:
-    slo_policy, window, registry, fanout = (sinks.slo_policy, sinks.window, sinks.registry,
-                                            sinks.fanout)
+def _wire_sinks(
+    config: ProxyConfig,
+    sinks: _Sinks,
+    host: _Host,
+    models: Sequence[str],
+    capture_key_id: str | None,
+    replicas: Callable[[], Sequence[ReplicaState]],
+    scrape: ScrapeRunner | None = None,
+) -> None:
+    slo_policy, window, registry, fanout = (
+        sinks.slo_policy,
+        sinks.window,
+        sinks.registry,
+        sinks.fanout,
+    )
     registry.register(LiveCollector(window, fanout, slo_policy, replicas))
     runner = scrape or ScrapeRunner()
     fanout.lock = runner.lock
@@ -195,8 +226,7 @@ def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequenc
             selection = Selection.from_query(request.query)  # e.g. ?request_id_prefix=
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        return web.json_response(await runner.run(lambda: window.snapshot(slo_policy,
-                                                                          selection)))
+        return web.json_response(await runner.run(lambda: window.snapshot(slo_policy, selection)))
 
     async def close_scrape() -> None:
         await asyncio.to_thread(runner.close)
@@ -204,31 +234,41 @@ def _wire_sinks(config: ProxyConfig, sinks: _Sinks, host: _Host, models: Sequenc
     # Registered before the host closes the sinks: no scrape reads a sink being closed.
     host.on_close(close_scrape)
 
-    host.add_admin_routes([web.get("/stats", stats_handler),
-                           metrics_route(registry, runner)])
+    host.add_admin_routes([web.get("/stats", stats_handler), metrics_route(registry, runner)])
     if otel_enabled(config):
         from sidecar.sinks.otel import build_otel_sink
 
         otel = build_otel_sink(
-            endpoint=config.otel_endpoint, slo_policy=slo_policy,
+            endpoint=config.otel_endpoint,
+            slo_policy=slo_policy,
             provider_name=config.otel_provider_name,
             exponential_histograms=config.otel_exponential_histograms,
-            export_interval_s=config.otel_export_interval, traces=config.otel_traces,
-            max_models=config.label_cap, server_chunks=config.otel_server_chunks)
+            export_interval_s=config.otel_export_interval,
+            traces=config.otel_traces,
+            max_models=config.label_cap,
+            server_chunks=config.otel_server_chunks,
+        )
         # The SDK costs microseconds per measurement (one per chunk): off the event loop.
         # Closing it drains its queue, then shuts the SDK down (the last export).
         fanout.add(ThreadedSink(otel, queue_size=config.capture_queue))
     if config.capture_dir:
         capture = CaptureSink(
             config.capture_dir,
-            TraceHeader(source="capture", start_wall_ns=time.time_ns(),
-                        sidecar_version=sidecar.__version__, models=tuple(models),
-                        route_policy=config.route_policy.value, slos=config.slo_thresholds(),
-                        text_included=config.capture_text,
-                        notes=capture_key_notes(capture_key_id,
-                                                config.capture_key_file is not None)),
-            compress=config.capture_compress, rotate_bytes=config.capture_rotate_bytes,
-            rotate_s=config.capture_rotate_s, queue_size=config.capture_queue)
+            TraceHeader(
+                source="capture",
+                start_wall_ns=time.time_ns(),
+                sidecar_version=sidecar.__version__,
+                models=tuple(models),
+                route_policy=config.route_policy.value,
+                slos=config.slo_thresholds(),
+                text_included=config.capture_text,
+                notes=capture_key_notes(capture_key_id, config.capture_key_file is not None),
+            ),
+            compress=config.capture_compress,
+            rotate_bytes=config.capture_rotate_bytes,
+            rotate_s=config.capture_rotate_s,
+            queue_size=config.capture_queue,
+        )
         fanout.add(capture)
         registry.register(CaptureCollector(capture))
 

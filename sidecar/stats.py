@@ -63,8 +63,9 @@ def sequences(timeline: Timeline) -> list[tuple[list[int], list[int]]]:
     if timeline.choices is None:
         return [(timeline.offsets_ns.tolist(), timeline.tokens.tolist())]
     by_choice: dict[int, tuple[list[int], list[int]]] = {}
-    for offset, tokens, choice in zip(timeline.offsets_ns, timeline.tokens, timeline.choices,
-                                      strict=True):
+    for offset, tokens, choice in zip(
+        timeline.offsets_ns, timeline.tokens, timeline.choices, strict=True
+    ):
         offsets_of, tokens_of = by_choice.setdefault(choice, ([], []))
         offsets_of.append(offset)
         tokens_of.append(tokens)
@@ -76,8 +77,11 @@ def itl_ns(timeline: Timeline) -> list[int]:
     if timeline.choices is None:
         offsets = timeline.offsets_ns
         return [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
-    return [b - a for offsets, _ in sequences(timeline)
-            for a, b in zip(offsets, offsets[1:], strict=False)]
+    return [
+        b - a
+        for offsets, _ in sequences(timeline)
+        for a, b in zip(offsets, offsets[1:], strict=False)
+    ]
 
 
 def _itl_tokens(timeline: Timeline) -> tuple[int, ...]:
@@ -145,8 +149,7 @@ def timeline_latency(timeline: Timeline, n_out: int) -> RequestLatency:
     """TTFT, TPOT (with n > 1 per sequence) and E2E of one timeline, in seconds."""
     first = ttft_ns(timeline)
     last = e2e_ns(timeline)
-    tpot = (tpot_ns(first, last, n_out) if timeline.choices is None
-            else sequence_tpot_ns(timeline))
+    tpot = tpot_ns(first, last, n_out) if timeline.choices is None else sequence_tpot_ns(timeline)
     return RequestLatency(
         ttft_s=None if first is None else first / NS_PER_S,
         tpot_s=None if tpot is None else tpot / NS_PER_S,
@@ -245,8 +248,9 @@ def percentile_name(q: float) -> str:
     return f"p{q:g}"
 
 
-def summarize(values: Iterable[float] | npt.NDArray[np.float64],
-              percentiles: Sequence[float] = PERCENTILES) -> Summary:
+def summarize(
+    values: Iterable[float] | npt.NDArray[np.float64], percentiles: Sequence[float] = PERCENTILES
+) -> Summary:
     data = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.float64)
     finite = np.isfinite(data)
     if not finite.all():
@@ -310,9 +314,18 @@ class Columns(NamedTuple):
             return self  # the common case (every request kept): no copy of the event columns
         events = np.repeat(mask, self.counts)
         multi_events = np.repeat(mask[self.multi], self.counts[self.multi])
-        return Columns(self.present[mask], self.counts[mask], self.origin[mask], self.end[mask],
-                       self.has_end[mask], self.declared[mask], self.offsets[events],
-                       self.tokens[events], self.multi[mask], self.choices[multi_events])
+        return Columns(
+            self.present[mask],
+            self.counts[mask],
+            self.origin[mask],
+            self.end[mask],
+            self.has_end[mask],
+            self.declared[mask],
+            self.offsets[events],
+            self.tokens[events],
+            self.multi[mask],
+            self.choices[multi_events],
+        )
 
 
 def columns_of(records: Sequence[RequestRecord], vantage: Vantage) -> Columns:
@@ -330,20 +343,25 @@ def columns_of(records: Sequence[RequestRecord], vantage: Vantage) -> Columns:
     return Columns(
         present=present,
         counts=counts,
-        origin=np.fromiter((0 if t is None else t.start_ns for t in timelines), dtype=np.int64,
-                           count=n),
+        origin=np.fromiter(
+            (0 if t is None else t.start_ns for t in timelines), dtype=np.int64, count=n
+        ),
         end=np.fromiter((0 if e is None else e for e in ends), dtype=np.int64, count=n),
         has_end=np.fromiter((e is not None for e in ends), dtype=np.bool_, count=n),
-        declared=np.fromiter((-1 if r.n_out is None else r.n_out for r in records),
-                             dtype=np.int64, count=n),
+        declared=np.fromiter(
+            (-1 if r.n_out is None else r.n_out for r in records), dtype=np.int64, count=n
+        ),
         offsets=np.frombuffer(b"".join(offset_data), dtype=np.int64),
-        tokens=np.frombuffer(b"".join(b"" if t is None else t.tokens.data for t in timelines),
-                             dtype=np.int64),
-        multi=np.fromiter((t is not None and t.choices is not None for t in timelines),
-                          dtype=np.bool_, count=n),
-        choices=np.frombuffer(b"".join(t.choices.data for t in timelines
-                                       if t is not None and t.choices is not None),
-                              dtype=np.int64),
+        tokens=np.frombuffer(
+            b"".join(b"" if t is None else t.tokens.data for t in timelines), dtype=np.int64
+        ),
+        multi=np.fromiter(
+            (t is not None and t.choices is not None for t in timelines), dtype=np.bool_, count=n
+        ),
+        choices=np.frombuffer(
+            b"".join(t.choices.data for t in timelines if t is not None and t.choices is not None),
+            dtype=np.int64,
+        ),
     )
 
 
@@ -378,8 +396,9 @@ def _derive(c: Columns) -> _Derived:
     return _Derived(starts, has_events, ttft, c.has_end | has_events, e2e, n_out)
 
 
-def _multi_sequences(c: Columns) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64],
-                                          npt.NDArray[np.bool_]]:
+def _multi_sequences(
+    c: Columns,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
     """The events of the n > 1 requests ordered by (request, choice, arrival): their indices
     in the event columns, the request of each, and where each choice's sequence begins."""
     multi_events = np.repeat(c.multi, c.counts)
@@ -399,8 +418,9 @@ def _tpot_ns(c: Columns, d: _Derived) -> tuple[npt.NDArray[np.float64], npt.NDAr
     tpot = np.full(d.n_out.shape, np.nan)
     if c.multi.any():
         defined &= ~c.multi
-    tpot[defined] = ((d.e2e_ns[defined] - d.ttft_ns[defined]).astype(np.float64)
-                     / (d.n_out[defined] - 1).astype(np.float64))
+    tpot[defined] = (d.e2e_ns[defined] - d.ttft_ns[defined]).astype(np.float64) / (
+        d.n_out[defined] - 1
+    ).astype(np.float64)
     if c.multi.any():
         index, request, begins = _multi_sequences(c)
         first = np.flatnonzero(begins)
@@ -412,8 +432,9 @@ def _tpot_ns(c: Columns, d: _Derived) -> tuple[npt.NDArray[np.float64], npt.NDAr
         # integer sums, then the same one division.
         spans = (c.offsets[index[last]] - c.offsets[index[first]])[decoding]
         decode = np.bincount(owner, weights=spans.astype(np.float64), minlength=d.n_out.size)
-        steps = np.bincount(owner, weights=(n_seq[decoding] - 1).astype(np.float64),
-                            minlength=d.n_out.size)
+        steps = np.bincount(
+            owner, weights=(n_seq[decoding] - 1).astype(np.float64), minlength=d.n_out.size
+        )
         multi_defined = c.multi & (steps > 0)
         tpot[multi_defined] = decode[multi_defined] / steps[multi_defined]
         defined |= multi_defined
@@ -458,8 +479,9 @@ def request_samples(records: Iterable[RequestRecord], vantage: Vantage) -> Sampl
     return samples_of(columns.select(columns.present))
 
 
-def _undefined_nan(values_ns: npt.NDArray[Any], known: npt.NDArray[np.bool_]
-                   ) -> npt.NDArray[np.float64]:
+def _undefined_nan(
+    values_ns: npt.NDArray[Any], known: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.float64]:
     out = np.full(known.size, np.nan)
     out[known] = values_ns[known] / NS_PER_S
     return out
@@ -482,8 +504,9 @@ def samples_of(c: Columns) -> Samples:
         # exact only in one order).
         owner = np.repeat(np.arange(c.counts.size), c.counts)[1:][within]
         order = np.argsort(np.concatenate((owner, request[1:][same])), kind="stable")
-        itl_ns_ = np.concatenate((np.diff(c.offsets)[within],
-                                  np.diff(c.offsets[index])[same]))[order]
+        itl_ns_ = np.concatenate((np.diff(c.offsets)[within], np.diff(c.offsets[index])[same]))[
+            order
+        ]
         itl_tokens = np.concatenate((c.tokens[1:][within], c.tokens[index][1:][same]))[order]
         itl_s = itl_ns_ / NS_PER_S
     else:
@@ -517,8 +540,17 @@ def summary_of(samples: Samples, vantage: Vantage) -> VantageReport:
     """The `VantageReport` of some requests' `Samples`."""
     if not samples.requests:
         empty = Summary(count=0)
-        return VantageReport(vantage=vantage, requests=0, ttft=empty, tpot=empty, e2e=empty,
-                             itl=empty, itl_per_token=empty, tpot_excluded=0, no_first_token=0)
+        return VantageReport(
+            vantage=vantage,
+            requests=0,
+            ttft=empty,
+            tpot=empty,
+            e2e=empty,
+            itl=empty,
+            itl_per_token=empty,
+            tpot_excluded=0,
+            no_first_token=0,
+        )
     itl_s, itl_tokens = samples.itl_s, samples.itl_tokens
     carried = itl_tokens > 0
     per_token = np.repeat(itl_s[carried] / itl_tokens[carried], itl_tokens[carried])
@@ -648,21 +680,26 @@ class SLO:
             if value is not None and (not math.isfinite(value) or value <= 0):
                 raise ValueError(f"SLO {name} must be a positive number of seconds, got {value!r}")
         if not (0 < self.objective < 1):
-            raise ValueError(f"SLO objective must be between 0 and 1 (exclusive), got "
-                             f"{self.objective!r}")
+            raise ValueError(
+                f"SLO objective must be between 0 and 1 (exclusive), got {self.objective!r}"
+            )
         unknown = set(self.exclude) - set(SLO_EXCLUSIONS)
         if unknown:
-            raise ValueError(f"unknown SLO exclusion {sorted(unknown)}: known are "
-                             f"{', '.join(SLO_EXCLUSIONS)}")
+            raise ValueError(
+                f"unknown SLO exclusion {sorted(unknown)}: known are {', '.join(SLO_EXCLUSIONS)}"
+            )
 
     def describe_denominator(self) -> str:
         """The declared denominator, in words, for every report and export."""
         if not self.exclude:
             return "every request, failures included"
-        left_out = {"client_error": "client errors (4xx but 408 and 429)",
-                    "client_cancelled": "requests the client cancelled before its first token"}
-        return ("every request, failures included, but "
-                + " and ".join(left_out[name] for name in SLO_EXCLUSIONS if name in self.exclude))
+        left_out = {
+            "client_error": "client errors (4xx but 408 and 429)",
+            "client_cancelled": "requests the client cancelled before its first token",
+        }
+        return "every request, failures included, but " + " and ".join(
+            left_out[name] for name in SLO_EXCLUSIONS if name in self.exclude
+        )
 
     def describe(self) -> str:
         parts = [
@@ -682,8 +719,6 @@ class _Latencies(Protocol):
     def e2e_s(self) -> float | None: ...
 
 
-
-
 def slo_exclusion(record: RequestRecord) -> str | None:
     """The reason this request is not the service's failure, or None: ``client_error`` for a
     4xx answer (from the upstream or the proxy) other than 408 (the server timed the request
@@ -691,8 +726,12 @@ def slo_exclusion(record: RequestRecord) -> str | None:
     before its first token. Whether a class leaves it out is `SLO.exclude`'s to say."""
     outcome = record.outcome
     status = record.http_status
-    if (outcome is Outcome.HTTP_ERROR or outcome is Outcome.REJECTED) and status is not None \
-            and 400 <= status < 500 and status not in (408, 429):
+    if (
+        (outcome is Outcome.HTTP_ERROR or outcome is Outcome.REJECTED)
+        and status is not None
+        and 400 <= status < 500
+        and status not in (408, 429)
+    ):
         return "client_error"
     if outcome is Outcome.CLIENT_CANCELLED:
         client = record.client
@@ -736,36 +775,48 @@ class Goodput:
     excluded: Mapping[str, int] = field(default_factory=dict)  # reason -> requests left out
 
 
-def goodput(records: Iterable[RequestRecord], slo: SLO, interval_s: float,
-            vantage: Vantage = Vantage.CLIENT) -> Goodput:
+def goodput(
+    records: Iterable[RequestRecord], slo: SLO, interval_s: float, vantage: Vantage = Vantage.CLIENT
+) -> Goodput:
     """Good requests (succeeded, every declared threshold met: `slo_verdict`) over all that
     arrived, in bulk with the same values as the per-request definitions."""
     members = list(records)
-    ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_,
-                     count=len(members))
-    reasons = np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8,
-                          count=len(members))
+    ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_, count=len(members))
+    reasons = np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8, count=len(members))
     return goodput_of(columns_of(members, vantage), ok, slo, interval_s, vantage, reasons)
 
 
-def goodput_by_class(records: Iterable[RequestRecord], policy: SLOPolicy, interval_s: float,
-                     vantage: Vantage = Vantage.CLIENT, *,
-                     exclusions: bool = True) -> dict[str, Goodput]:
+def goodput_by_class(
+    records: Iterable[RequestRecord],
+    policy: SLOPolicy,
+    interval_s: float,
+    vantage: Vantage = Vantage.CLIENT,
+    *,
+    exclusions: bool = True,
+) -> dict[str, Goodput]:
     """Per declared class of ``policy``, `goodput` of the records of that class
     (`SLOPolicy.class_of`). ``exclusions=False``: every request counts in its class's
     denominator whatever `SLO.exclude` says (replay reports: docs/metrics.md section 8)."""
     members = list(records)
     columns = columns_of(members, vantage)
-    ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_,
-                     count=len(members))
-    reasons = np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8,
-                          count=len(members)) if exclusions else None
+    ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_, count=len(members))
+    reasons = (
+        np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8, count=len(members))
+        if exclusions
+        else None
+    )
     names = [policy.class_of(r) for r in members]
     out: dict[str, Goodput] = {}
     for name, slo in policy.classes.items():
         mask = np.fromiter((n == name for n in names), dtype=np.bool_, count=len(names))
-        out[name] = goodput_of(columns.select(mask), ok[mask], slo, interval_s, vantage,
-                               None if reasons is None else reasons[mask])
+        out[name] = goodput_of(
+            columns.select(mask),
+            ok[mask],
+            slo,
+            interval_s,
+            vantage,
+            None if reasons is None else reasons[mask],
+        )
     return out
 
 
@@ -775,9 +826,14 @@ def exclusion_code(record: RequestRecord) -> int:
     return 0 if reason is None else _EXCLUSION_CODE[reason]
 
 
-def goodput_of(columns: Columns, ok: npt.NDArray[np.bool_], slo: SLO, interval_s: float,
-               vantage: Vantage = Vantage.CLIENT,
-               reasons: npt.NDArray[np.uint8] | None = None) -> Goodput:
+def goodput_of(
+    columns: Columns,
+    ok: npt.NDArray[np.bool_],
+    slo: SLO,
+    interval_s: float,
+    vantage: Vantage = Vantage.CLIENT,
+    reasons: npt.NDArray[np.uint8] | None = None,
+) -> Goodput:
     """`goodput` of the requests in ``columns`` (``ok``: which succeeded; ``reasons``: their
     `exclusion_code`, None: none excluded)."""
     counted = np.ones(columns.counts.size, dtype=np.bool_)
@@ -793,8 +849,11 @@ def goodput_of(columns: Columns, ok: npt.NDArray[np.bool_], slo: SLO, interval_s
     good_mask &= counted  # an excluded request is never good either: it is not counted
     good = int(np.count_nonzero(good_mask))
     good_tokens = int(n_out[good_mask].sum()) if good else 0
-    judged_without = {name: int(np.count_nonzero(mask & good_mask))
-                      for name, mask in unjudged.items() if np.any(mask & good_mask)}
+    judged_without = {
+        name: int(np.count_nonzero(mask & good_mask))
+        for name, mask in unjudged.items()
+        if np.any(mask & good_mask)
+    }
     rate = (1.0 / interval_s) if interval_s > 0 else 0.0
     return Goodput(
         slo=slo,
@@ -811,9 +870,9 @@ def goodput_of(columns: Columns, ok: npt.NDArray[np.bool_], slo: SLO, interval_s
     )
 
 
-def judge_columns(c: Columns, ok: npt.NDArray[np.bool_], slo: SLO
-                  ) -> tuple[npt.NDArray[np.bool_], dict[str, npt.NDArray[np.bool_]],
-                             npt.NDArray[np.int64]]:
+def judge_columns(
+    c: Columns, ok: npt.NDArray[np.bool_], slo: SLO
+) -> tuple[npt.NDArray[np.bool_], dict[str, npt.NDArray[np.bool_]], npt.NDArray[np.int64]]:
     """Per request: good? (as `slo_verdict` on `request_latency`: a failure, or a request
     without this vantage, is never good), per declared threshold whether it could not be
     judged, and N_out."""
@@ -904,8 +963,19 @@ _OUTCOME_CODE = {outcome: code for code, outcome in enumerate(_OUTCOMES)}
 class _TimelineTable:
     """One vantage's `Columns`, appended record by record (C-level array appends)."""
 
-    __slots__ = ("present", "counts", "origin", "end", "has_end", "offsets", "tokens",
-                 "event_head", "multi", "choices", "choice_head")
+    __slots__ = (
+        "present",
+        "counts",
+        "origin",
+        "end",
+        "has_end",
+        "offsets",
+        "tokens",
+        "event_head",
+        "multi",
+        "choices",
+        "choice_head",
+    )
 
     def __init__(self) -> None:
         self.present = array("B")
@@ -946,9 +1016,9 @@ class _TimelineTable:
         """Move the event heads past the events of records ``head .. head + count``. (The
         numpy views made here must be gone before a compaction resizes the arrays: they
         live in this frame only.)"""
-        counts = np.frombuffer(self.counts, dtype=np.int64)[head:head + count]
+        counts = np.frombuffer(self.counts, dtype=np.int64)[head : head + count]
         self.event_head += int(counts.sum())
-        multi = np.frombuffer(self.multi, dtype=np.bool_)[head:head + count]
+        multi = np.frombuffer(self.multi, dtype=np.bool_)[head : head + count]
         self.choice_head += int(counts[multi].sum())
 
 
@@ -1012,29 +1082,43 @@ class RecordTable:
     def _compact(self) -> None:
         head = self._head
         columns: list[array[Any]] = [
-            self._wall, self._end_wall, self._outcome, self._exclusion, self._generation,
+            self._wall,
+            self._end_wall,
+            self._outcome,
+            self._exclusion,
+            self._generation,
             self._declared,
-            self._n_in, self._n_out_total, self._exact, self._has_engine,
-            *self._engine.values()]
+            self._n_in,
+            self._n_out_total,
+            self._exact,
+            self._has_engine,
+            *self._engine.values(),
+        ]
         for column in columns:
             del column[:head]
         del self.request_ids[:head]
         del self.slo_attribute[:head]
         for table in self._timelines.values():
-            for column in (table.present, table.counts, table.origin, table.end, table.has_end,
-                           table.multi):
+            for column in (
+                table.present,
+                table.counts,
+                table.origin,
+                table.end,
+                table.has_end,
+                table.multi,
+            ):
                 del column[:head]
-            del table.offsets[:table.event_head]
-            del table.tokens[:table.event_head]
+            del table.offsets[: table.event_head]
+            del table.tokens[: table.event_head]
             table.event_head = 0
-            del table.choices[:table.choice_head]
+            del table.choices[: table.choice_head]
             table.choice_head = 0
         self._head = 0
 
     # -- numpy views of the live records (no copies) --------------------------------------
 
     def _view(self, column: array[Any], dtype: type) -> npt.NDArray[Any]:
-        return np.frombuffer(column, dtype=dtype)[self._head:]
+        return np.frombuffer(column, dtype=dtype)[self._head :]
 
     @property
     def end_wall_ns(self) -> npt.NDArray[np.int64]:
@@ -1054,10 +1138,10 @@ class RecordTable:
         return ok
 
     def ids(self) -> list[str]:
-        return self.request_ids[self._head:]
+        return self.request_ids[self._head :]
 
     def slo_attributes(self) -> list[str | None]:
-        return self.slo_attribute[self._head:]
+        return self.slo_attribute[self._head :]
 
     def columns(self, vantage: Vantage, mask: npt.NDArray[np.bool_]) -> Columns:
         """The `Columns` of the live records where ``mask`` is true, from the client or the
@@ -1071,17 +1155,16 @@ class RecordTable:
             end=np.frombuffer(t.end, dtype=np.int64)[head:],
             has_end=np.frombuffer(t.has_end, dtype=np.bool_)[head:],
             declared=self._view(self._declared, np.int64),
-            offsets=np.frombuffer(t.offsets, dtype=np.int64)[t.event_head:],
-            tokens=np.frombuffer(t.tokens, dtype=np.int64)[t.event_head:],
+            offsets=np.frombuffer(t.offsets, dtype=np.int64)[t.event_head :],
+            tokens=np.frombuffer(t.tokens, dtype=np.int64)[t.event_head :],
             multi=np.frombuffer(t.multi, dtype=np.bool_)[head:],
-            choices=np.frombuffer(t.choices, dtype=np.int64)[t.choice_head:],
+            choices=np.frombuffer(t.choices, dtype=np.int64)[t.choice_head :],
         ).select(mask)
 
     # -- the aggregates, over the live records where ``mask`` is true -----------------------
 
     def outcome_counts(self, mask: npt.NDArray[np.bool_]) -> dict[Outcome, int]:
-        codes = np.bincount(self._view(self._outcome, np.uint8)[mask],
-                            minlength=len(_OUTCOMES))
+        codes = np.bincount(self._view(self._outcome, np.uint8)[mask], minlength=len(_OUTCOMES))
         return {outcome: int(codes[i]) for i, outcome in enumerate(_OUTCOMES)}
 
     def measured_interval_s(self, mask: npt.NDArray[np.bool_]) -> float:
@@ -1100,16 +1183,21 @@ class RecordTable:
         n_out = int(self._view(self._n_out_total, np.int64)[done].sum())
         estimated = bool(np.any(~self._view(self._exact, np.bool_)[done]))
         rate = (1.0 / interval_s) if interval_s > 0 else 0.0
-        return Throughput(interval_s=interval_s, completed_requests=completed,
-                          requests_per_s=completed * rate, input_tokens_per_s=n_in * rate,
-                          output_tokens_per_s=n_out * rate,
-                          total_tokens_per_s=(n_in + n_out) * rate,
-                          output_tokens_estimated=estimated)
+        return Throughput(
+            interval_s=interval_s,
+            completed_requests=completed,
+            requests_per_s=completed * rate,
+            input_tokens_per_s=n_in * rate,
+            output_tokens_per_s=n_out * rate,
+            total_tokens_per_s=(n_in + n_out) * rate,
+            output_tokens_estimated=estimated,
+        )
 
     def engine_report(self, mask: npt.NDArray[np.bool_]) -> EngineReport:
         done = mask & self.ok
-        values = {name: self._view(column, np.float64)[done]
-                  for name, column in self._engine.items()}
+        values = {
+            name: self._view(column, np.float64)[done] for name, column in self._engine.items()
+        }
         # NaN (a field vLLM left out) propagates, and summarize drops it: a request missing
         # one part of an interval has no value for it (as EngineTiming.ttft_ms says).
         # (Summed in ms, then scaled, as EngineTiming does: the same floats as record by record.)
@@ -1129,8 +1217,13 @@ class RecordTable:
         default = policy.default_class
         return [a if a is not None and a in known else default for a in self.slo_attributes()]
 
-    def goodput(self, mask: npt.NDArray[np.bool_], policy: SLOPolicy, interval_s: float,
-                vantage: Vantage = Vantage.CLIENT) -> dict[str, Goodput]:
+    def goodput(
+        self,
+        mask: npt.NDArray[np.bool_],
+        policy: SLOPolicy,
+        interval_s: float,
+        vantage: Vantage = Vantage.CLIENT,
+    ) -> dict[str, Goodput]:
         """Per declared class, `goodput` over the class's live records where ``mask``."""
         names = np.asarray(self.classes(policy), dtype=object)
         out: dict[str, Goodput] = {}
@@ -1138,13 +1231,18 @@ class RecordTable:
         reasons = self._view(self._exclusion, np.uint8)
         for name, slo in policy.classes.items():
             members = mask & (names == name) if names.size else mask
-            out[name] = goodput_of(self.columns(vantage, members), ok[members], slo,
-                                   interval_s, vantage, reasons[members])
+            out[name] = goodput_of(
+                self.columns(vantage, members),
+                ok[members],
+                slo,
+                interval_s,
+                vantage,
+                reasons[members],
+            )
         return out
 
 
-_ENGINE_FIELDS = ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms",
-                  "generation_time_ms")
+_ENGINE_FIELDS = ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms", "generation_time_ms")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1170,8 +1268,9 @@ class SLOPolicy:
         name = record.attributes.get("slo_class")
         return name if name is not None and name in self.classes else self.default_class
 
-    def verdict(self, record: RequestRecord,
-                vantage: Vantage = Vantage.CLIENT) -> tuple[str, bool, str | None]:
+    def verdict(
+        self, record: RequestRecord, vantage: Vantage = Vantage.CLIENT
+    ) -> tuple[str, bool, str | None]:
         """(class name, good?, why it is left out of the class's denominator or None). A
         request left out is never good."""
         name = self.class_of(record)
@@ -1180,8 +1279,7 @@ class SLOPolicy:
             return name, False, reason
         return (*self.judge(record, vantage), None)
 
-    def judge(self, record: RequestRecord,
-              vantage: Vantage = Vantage.CLIENT) -> tuple[str, bool]:
+    def judge(self, record: RequestRecord, vantage: Vantage = Vantage.CLIENT) -> tuple[str, bool]:
         """(class name, good?) for one request: good = succeeded and met every declared
         threshold of its class, from ``vantage`` (whether it counts at all: `verdict`)."""
         name = self.class_of(record)

@@ -92,8 +92,10 @@ class TraceHeader:
             sidecar_version=str(data.get("sidecar_version", "")),
             models=tuple(str(m) for m in data.get("models", ())),
             route_policy=data.get("route_policy"),
-            slos={str(k): {str(m): float(v) for m, v in t.items()}
-                  for k, t in (data.get("slos") or {}).items()},
+            slos={
+                str(k): {str(m): float(v) for m, v in t.items()}
+                for k, t in (data.get("slos") or {}).items()
+            },
             text_included=bool(data.get("text_included", False)),
             notes=dict(data.get("notes") or {}),
             version=int(data["version"]),
@@ -226,14 +228,16 @@ class TraceReader:
         except json.JSONDecodeError:
             raise TraceFormatError(
                 f"{self.path}: the first line is not a JSON trace header; to read a public "
-                "trace, convert it first: sidecar trace import --format ...") from None
+                "trace, convert it first: sidecar trace import --format ..."
+            ) from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise TraceFormatError(f"{self.path}: not a {FORMAT_NAME} file (no header line)")
         version = int(data.get("version", 0))
         if version > FORMAT_VERSION:
             raise TraceFormatError(
                 f"{self.path}: format version {version} is newer than this sidecar reads "
-                f"({FORMAT_VERSION}); upgrade the sidecar")
+                f"({FORMAT_VERSION}); upgrade the sidecar"
+            )
         self._version = version
         self.header = TraceHeader.from_dict(data)
 
@@ -299,27 +303,37 @@ class TraceReader:
             elif not line.partial:
                 raise TraceFormatError(f"{self.path}:{line.line}: {line.error}")
             elif line.error == COMPRESSED_CUT:
-                log.warning("%s: compressed stream ends early after line %d; reading stops "
-                            "there", self.path, line.line)
+                log.warning(
+                    "%s: compressed stream ends early after line %d; reading stops there",
+                    self.path,
+                    line.line,
+                )
                 self.skipped_partial = True
             else:
-                log.warning("%s: last line (%d) is incomplete (a crash mid-write?); skipped",
-                            self.path, line.line)
+                log.warning(
+                    "%s: last line (%d) is incomplete (a crash mid-write?); skipped",
+                    self.path,
+                    line.line,
+                )
                 self.skipped_partial = True
 
     def requests(self) -> list[TraceRequest]:
         return list(self)
 
 
-def write_trace(path: str | os.PathLike[str], header: TraceHeader,
-                requests: Sequence[TraceRequest] | Iterator[TraceRequest]) -> int:
+def write_trace(
+    path: str | os.PathLike[str],
+    header: TraceHeader,
+    requests: Sequence[TraceRequest] | Iterator[TraceRequest],
+) -> int:
     """Write a whole trace (importers, tests). Returns the number of request lines."""
     count = 0
     with open_text(Path(path), "w") as handle:
         handle.write(json.dumps(header.to_dict(), separators=(",", ":")) + "\n")
         for request in requests:
-            handle.write(json.dumps(request.to_dict(), separators=(",", ":"),
-                                    ensure_ascii=False) + "\n")
+            handle.write(
+                json.dumps(request.to_dict(), separators=(",", ":"), ensure_ascii=False) + "\n"
+            )
             count += 1
     return count
 

@@ -41,15 +41,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     # pytest accepts only options of the conftests it reads before collecting: this way
     # `pytest --real-vllm=...` works from the repository root as well as on tests/conformance.
     parser.addoption(
-        "--real-vllm", metavar="start|URL", default=None,
+        "--real-vllm",
+        metavar="start|URL",
+        default=None,
         help="run tests/conformance against a real vLLM: 'start' brings one up with `sidecar "
         "vllm` (cached in $SIDECAR_VLLM_HOME) and stops it at the end; a base URL uses a "
-        "server already running (`sidecar vllm up`)")
+        "server already running (`sidecar vllm up`)",
+    )
     parser.addoption(
-        "--real-vllm-otlp-port", metavar="PORT", type=int, default=None,
+        "--real-vllm-otlp-port",
+        metavar="PORT",
+        type=int,
+        default=None,
         help="with --real-vllm=URL: the port on 127.0.0.1 that server exports its spans to "
         "(`sidecar vllm up --otlp-traces-endpoint http://127.0.0.1:PORT/v1/traces`); the "
-        "tracing test listens there. --real-vllm=start arranges it itself")
+        "tracing test listens there. --real-vllm=start arranges it itself",
+    )
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
@@ -77,9 +84,18 @@ blockbuster.blockbuster.BlockingError = _RecordedBlockingError  # type: ignore[m
 # simulator (the stand-in for vLLM, not what is measured) and the commands (replay, sweep,
 # trace tools, plots, the real-vLLM manager), which read their inputs and write their reports
 # before and after the traffic, in a loop that has nothing else to do then.
-SCANNED = ["sidecar.proxy", "sidecar.meter", "sidecar.protocol", "sidecar.hooks",
-           "sidecar.sinks", "sidecar.stats", "sidecar.record", "sidecar.engine_metrics",
-           "sidecar.replay.runner", "sidecar.replay.live"]
+SCANNED = [
+    "sidecar.proxy",
+    "sidecar.meter",
+    "sidecar.protocol",
+    "sidecar.hooks",
+    "sidecar.sinks",
+    "sidecar.stats",
+    "sidecar.record",
+    "sidecar.engine_metrics",
+    "sidecar.replay.runner",
+    "sidecar.replay.live",
+]
 # The proxy worker is a process of its own: no test loop runs there.
 _BLOCKBUSTER = BlockBuster(SCANNED, excluded_modules=["sidecar.proxy.worker"])
 
@@ -122,8 +138,7 @@ def _in_procfs(target: Any = None, *_: Any, **__: Any) -> bool:
     return isinstance(name, (str, bytes)) and str(name).startswith("/proc/")
 
 
-for _function_name in ("io.BufferedReader.read", "io.TextIOWrapper.read", "os.listdir",
-                       "os.stat"):
+for _function_name in ("io.BufferedReader.read", "io.TextIOWrapper.read", "os.listdir", "os.stat"):
     _except(_function_name, _in_procfs)
 # time.sleep(0) gives up the GIL to the loop's thread and returns: it never waits.
 _except("time.sleep", lambda seconds=None, *_, **__: seconds == 0)
@@ -202,7 +217,6 @@ def make_sim_config() -> Callable[..., SimConfig]:
     return fast_sim_config
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
-                            config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """The real parts this machine lacks and how to install them (tests/real_parts.py)."""
     report_missing_parts(terminalreporter)

@@ -78,8 +78,9 @@ class OTLPReceiver:
         async with self._changed:
             self.metrics.append(message)
             self._changed.notify_all()
-        return web.Response(body=ExportMetricsServiceResponse().SerializeToString(),
-                            content_type=PROTOBUF)
+        return web.Response(
+            body=ExportMetricsServiceResponse().SerializeToString(), content_type=PROTOBUF
+        )
 
     async def _traces(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -90,12 +91,15 @@ class OTLPReceiver:
         async with self._changed:
             self.traces.append(message)
             self._changed.notify_all()
-        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
-                            content_type=PROTOBUF)
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(), content_type=PROTOBUF
+        )
 
-    async def wait_for(self, predicate: Callable[[OTLPReceiver], bool],
-                       timeout: float = 10.0) -> None:
+    async def wait_for(
+        self, predicate: Callable[[OTLPReceiver], bool], timeout: float = 10.0
+    ) -> None:
         """Wait (without blocking the loop) until ``predicate(self)`` holds."""
+
         async def wait() -> None:
             async with self._changed:
                 await self._changed.wait_for(lambda: predicate(self))

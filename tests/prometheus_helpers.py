@@ -65,8 +65,7 @@ class Prometheus:
         """Instant query; raises (with Prometheus's message) when the expression is invalid."""
         query = urllib.parse.urlencode({"query": expr})
         try:
-            with urllib.request.urlopen(f"{self.url}/api/v1/query?{query}",
-                                        timeout=10) as response:
+            with urllib.request.urlopen(f"{self.url}/api/v1/query?{query}", timeout=10) as response:
                 body = json.load(response)
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"{expr}\n-> {exc.read().decode(errors='replace')}") from None
@@ -92,8 +91,15 @@ def running_prometheus(config_text: str, directory: Path) -> Iterator[Prometheus
     log_path = directory / "prometheus.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={directory / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={directory / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
@@ -105,8 +111,9 @@ def running_prometheus(config_text: str, directory: Path) -> Iterator[Prometheus
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("prometheus did not become ready: "
-                                     + log_path.read_text()[-2000:])
+                raise AssertionError(
+                    "prometheus did not become ready: " + log_path.read_text()[-2000:]
+                )
             time.sleep(0.1)
         yield Prometheus(url)
     finally:

@@ -40,8 +40,13 @@ class Collect:
 
 
 class Stack:
-    def __init__(self, replicas: list[RunningReplica], server: ProxyServer, window: WindowSink,
-                 records: Collect) -> None:
+    def __init__(
+        self,
+        replicas: list[RunningReplica],
+        server: ProxyServer,
+        window: WindowSink,
+        records: Collect,
+    ) -> None:
         self.replicas = replicas
         self.server = server
         self.window = window
@@ -61,14 +66,20 @@ class Stack:
 
 
 @asynccontextmanager
-async def stack(n_replicas: int = 1, sim: SimConfig | None = None,
-                **settings: Any) -> AsyncIterator[Stack]:
+async def stack(
+    n_replicas: int = 1, sim: SimConfig | None = None, **settings: Any
+) -> AsyncIterator[Stack]:
     sim_config = sim or SimConfig(model="m", engine=FAST_ENGINE)
     replicas = await start_replicas(sim_config, n_replicas)
     # Started on its own so that it is "replica 0" too, with replica 0's seed.
     (spare,) = await start_replicas(sim_config, 1)
-    flags = {"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
-             "metrics_listen": "127.0.0.1:0", "health_interval": "0", **settings}
+    flags = {
+        "upstreams": [r.url for r in replicas],
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "health_interval": "0",
+        **settings,
+    }
     server, window = build_proxy_server(build_config(flags, {}))
     records = Collect()
     server.proxy.fanout.add(records)

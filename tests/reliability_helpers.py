@@ -36,8 +36,9 @@ COMPLETIONS_PATH = "/v1/completions"
 PATHS = {"chat": CHAT_PATH, "completions": COMPLETIONS_PATH}
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 10.0,
-                what: str = "condition") -> None:
+async def until(
+    predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
+) -> None:
     """Poll ``predicate`` every 10 ms until it holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -46,21 +47,36 @@ async def until(predicate: Callable[[], bool], timeout: float = 10.0,
         await asyncio.sleep(0.01)
 
 
-async def settle(server: ProxyServer, records: Collect, expected: int,
-                 sims: Sequence[RunningReplica] = (), timeout: float = 10.0
-                 ) -> list[RequestRecord]:
+async def settle(
+    server: ProxyServer,
+    records: Collect,
+    expected: int,
+    sims: Sequence[RunningReplica] = (),
+    timeout: float = 10.0,
+) -> list[RequestRecord]:
     """The accounting invariant: ``expected`` requests in, exactly as many records out, and
     nothing left in flight anywhere. Returns the records."""
     proxy = server.proxy
 
     def state() -> tuple[Any, ...]:
-        return (proxy.requests_total, proxy.records_total, len(records.records), proxy.in_flight,
-                [r.outstanding for r in proxy.router.replicas],
-                [s.replica.in_flight for s in sims])
+        return (
+            proxy.requests_total,
+            proxy.records_total,
+            len(records.records),
+            proxy.in_flight,
+            [r.outstanding for r in proxy.router.replicas],
+            [s.replica.in_flight for s in sims],
+        )
 
     def settled() -> bool:
-        return state() == (expected, expected, expected, 0, [0] * len(proxy.router.replicas),
-                           [0] * len(sims))
+        return state() == (
+            expected,
+            expected,
+            expected,
+            0,
+            [0] * len(proxy.router.replicas),
+            [0] * len(sims),
+        )
 
     try:
         await until(settled, timeout, "settled accounting")
@@ -82,7 +98,7 @@ def sse_payloads(body: bytes) -> list[str]:
     out = []
     for block in body.split(b"\n\n"):
         if block.startswith(b"data: "):
-            out.append(block[len(b"data: "):].decode("utf-8", "replace"))
+            out.append(block[len(b"data: ") :].decode("utf-8", "replace"))
     return out
 
 
@@ -104,8 +120,9 @@ def assert_json_error(status: int, body: bytes, expected_status: int) -> dict[st
     return assert_vllm_error(json.loads(body), expected_status)
 
 
-def assert_stream_error(status: int, body: bytes,
-                        expected_code: int | None = None) -> dict[str, Any]:
+def assert_stream_error(
+    status: int, body: bytes, expected_code: int | None = None
+) -> dict[str, Any]:
     """A stream that failed after it began: 200, an error event in vLLM's shape, then [DONE]
     as the very last event."""
     assert status == 200, (status, body[:300])
@@ -119,19 +136,35 @@ def assert_stream_error(status: int, body: bytes,
 # -- a scripted, vLLM-shaped upstream --------------------------------------------------------
 
 
-def chunk_bytes(endpoint: str, text: str | None, finish: str | None = None,
-                role: bool = False) -> bytes:
+def chunk_bytes(
+    endpoint: str, text: str | None, finish: str | None = None, role: bool = False
+) -> bytes:
     """One streamed event shaped like vLLM's (compact chat, spaced completions)."""
     if endpoint == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {
-            "content": text}
-        obj = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 0,
-               "model": "m", "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                          "finish_reason": finish}]}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
+        obj = {
+            "id": "chatcmpl-s",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-    obj = {"id": "cmpl-s", "object": "text_completion", "created": 0, "model": "m",
-           "choices": [{"index": 0, "text": text or "", "logprobs": None,
-                        "finish_reason": finish, "stop_reason": None}]}
+    obj = {
+        "id": "cmpl-s",
+        "object": "text_completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+        ],
+    }
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
@@ -139,13 +172,29 @@ def whole_body(endpoint: str, text: str, n_out: int) -> bytes:
     usage = {"prompt_tokens": 3, "total_tokens": 3 + n_out, "completion_tokens": n_out}
     if endpoint == "chat":
         obj: dict[str, Any] = {
-            "id": "chatcmpl-s", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": "length"}], "usage": usage}
+            "id": "chatcmpl-s",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": usage,
+        }
     else:
-        obj = {"id": "cmpl-s", "object": "text_completion", "created": 0, "model": "m",
-               "choices": [{"index": 0, "text": text, "logprobs": None,
-                            "finish_reason": "length"}], "usage": usage}
+        obj = {
+            "id": "cmpl-s",
+            "object": "text_completion",
+            "created": 0,
+            "model": "m",
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+            "usage": usage,
+        }
     return json.dumps(obj).encode()
 
 
@@ -210,8 +259,9 @@ class ScriptedUpstream:
         app.router.add_post(CHAT_PATH, self._generate)
         app.router.add_post(COMPLETIONS_PATH, self._generate)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=0.5)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -236,8 +286,7 @@ class ScriptedUpstream:
             return await self._stream(request, endpoint, script)
         return await self._whole(request, endpoint, script)
 
-    async def _whole(self, request: web.Request, endpoint: str,
-                     script: str) -> web.StreamResponse:
+    async def _whole(self, request: web.Request, endpoint: str, script: str) -> web.StreamResponse:
         text = " tok" * self.tokens
         if script == "huge_event":
             text = "x" * self.huge_bytes
@@ -249,7 +298,7 @@ class ScriptedUpstream:
             # The body in three writes, apart in time: a reader that takes one read for the
             # whole body gets a third of it.
             third = len(data) // 3
-            for piece in (data[:third], data[third:2 * third], data[2 * third:]):
+            for piece in (data[:third], data[third : 2 * third], data[2 * third :]):
                 await response.write(piece)
                 await asyncio.sleep(0.03)
         else:
@@ -257,8 +306,7 @@ class ScriptedUpstream:
         await response.write_eof()
         return response
 
-    async def _stream(self, request: web.Request, endpoint: str,
-                      script: str) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, endpoint: str, script: str) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         head = chunk_bytes(endpoint, None, role=True) if endpoint == "chat" else b""
@@ -272,12 +320,14 @@ class ScriptedUpstream:
             await asyncio.sleep(0.01)
             await response.write(b"".join(tokens[2:]) + tail)
         elif script == "junk_sse":
-            junk = (b"garbage line without a colon\n\n"
-                    b"event: weird\nid: 7\nretry: soon\n\n"
-                    b"data: \xff\xfe\xfd not utf-8\n\n"
-                    b'data: {"choices": [\n\n'
-                    b"data: [1, 2, 3]\n\n"
-                    b": a comment\r\n\r\n")
+            junk = (
+                b"garbage line without a colon\n\n"
+                b"event: weird\nid: 7\nretry: soon\n\n"
+                b"data: \xff\xfe\xfd not utf-8\n\n"
+                b'data: {"choices": [\n\n'
+                b"data: [1, 2, 3]\n\n"
+                b": a comment\r\n\r\n"
+            )
             await response.write(head + tokens[0] + junk + b"".join(tokens[1:]) + tail)
         elif script == "split_events":
             # Every event cut in two, written apart in time.
@@ -315,8 +365,13 @@ class Proxied:
 @asynccontextmanager
 async def proxy_to(upstreams: Sequence[str], **settings: Any) -> AsyncIterator[Proxied]:
     """`sidecar proxy`'s wiring (build_proxy_server) on ephemeral ports, plus a collector."""
-    flags = {"upstreams": list(upstreams), "listen": "127.0.0.1:0",
-             "metrics_listen": "127.0.0.1:0", "health_interval": "0", **settings}
+    flags = {
+        "upstreams": list(upstreams),
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "health_interval": "0",
+        **settings,
+    }
     server, window = build_proxy_server(build_config(flags, {}))
     records = Collect()
     server.proxy.fanout.add(records)

@@ -36,9 +36,14 @@ pytestmark = pytest.mark.slow
 def run_harness(script: str, *args: str, timeout_s: float = 120.0) -> str:
     """Run ``benchmarks/<script> args`` as CI would; its stdout. On a timeout the harness gets
     SIGTERM first, so that it stops the processes it started."""
-    proc = subprocess.Popen([sys.executable, str(BENCH / script), *args], cwd=REPO,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -64,8 +69,14 @@ def finite(value: Any) -> bool:
 @pytest.fixture(scope="module")
 def overhead(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("overhead") / "overhead.json"
-    stdout = run_harness("proxy_overhead.py", "--smoke", "--modes",
-                         "direct,sidecar,bare,nginx,envoy", "--json-out", str(out))
+    stdout = run_harness(
+        "proxy_overhead.py",
+        "--smoke",
+        "--modes",
+        "direct,sidecar,bare,nginx,envoy",
+        "--json-out",
+        str(out),
+    )
     return json.loads(out.read_text()), stdout
 
 
@@ -75,13 +86,28 @@ def check_relay(result: dict[str, Any], mode: str) -> None:
     assert len(runs) == result["repeats"] == 1
     summary = runs[0]["summary"]
     assert summary["n_ok"] > 0 and summary["n_err"] == 0 and summary["merged"] == 0
-    for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "chunks_s", "proxy_us_event",
-                "proxy_us_event_sched", "proxy_load", "proxy_rss_mib"):
+    for key in (
+        "ttft_p50",
+        "ttft_p99",
+        "itl_p50",
+        "itl_p99",
+        "chunks_s",
+        "proxy_us_event",
+        "proxy_us_event_sched",
+        "proxy_load",
+        "proxy_rss_mib",
+    ):
         assert finite(summary[key]), (mode, key, summary[key])
     added = [row for row in result["added"] if row["mode"] == mode]
     assert [row["concurrency"] for row in added] == result["concurrency"] == [4]
-    for key in ("added_ttft_p50_us", "added_ttft_p99_us", "added_itl_p50_us",
-                "added_itl_p99_us", "cpu_us_per_event", "rss_mib"):
+    for key in (
+        "added_ttft_p50_us",
+        "added_ttft_p99_us",
+        "added_itl_p50_us",
+        "added_itl_p99_us",
+        "cpu_us_per_event",
+        "rss_mib",
+    ):
         assert finite(added[0][key]), (mode, key)
 
 
@@ -92,9 +118,11 @@ def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> N
     assert len(direct) == 1 and direct[0]["n_ok"] > 0 and direct[0]["n_err"] == 0
     for mode in ("sidecar", "bare"):
         check_relay(result, mode)
-    for heading in ("| C | step ms | mode | requests/run | TTFT p50 |",
-                    "| C | relay | Δ TTFT p50 | Δ TTFT p99 | Δ ITL p50 | Δ ITL p99 |",
-                    "| C | relay | CPU load (cores) | µs/event |"):
+    for heading in (
+        "| C | step ms | mode | requests/run | TTFT p50 |",
+        "| C | relay | Δ TTFT p50 | Δ TTFT p99 | Δ ITL p50 | Δ ITL p99 |",
+        "| C | relay | CPU load (cores) | µs/event |",
+    ):
         assert heading in stdout
     assert "| 4 | sidecar |" in stdout
 
@@ -126,21 +154,34 @@ def test_a_missing_binary_skips_its_mode(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(po, "find_envoy", lambda: None)
     modes, skipped = po.select_modes(["direct", "sidecar", "nginx", "envoy", "bare"])
     assert modes == ["direct", "sidecar", "bare"]
-    assert skipped == {"nginx": f"nginx not found: {po.NGINX_HINT}",
-                       "envoy": f"envoy not found: {po.ENVOY_HINT}"}
+    assert skipped == {
+        "nginx": f"nginx not found: {po.NGINX_HINT}",
+        "envoy": f"envoy not found: {po.ENVOY_HINT}",
+    }
     with pytest.raises(SystemExit, match="unknown mode"):
         po.select_modes(["direct", "haproxy"])
 
 
 def test_reference_proxy_configs_stream_without_timeouts(tmp_path: Path) -> None:
     nginx = po.nginx_config(1111, 2222, tmp_path, max_conns=10_000)
-    for line in ("proxy_buffering off;", "proxy_http_version 1.1;",
-                 'proxy_set_header Connection "";', "keepalive 10000;",
-                 "worker_processes 1;", "proxy_read_timeout 3600s;"):
+    for line in (
+        "proxy_buffering off;",
+        "proxy_http_version 1.1;",
+        'proxy_set_header Connection "";',
+        "keepalive 10000;",
+        "worker_processes 1;",
+        "proxy_read_timeout 3600s;",
+    ):
         assert line in nginx
     envoy = po.envoy_config(1111, 2222)
-    for text in ("timeout: 0s, idle_timeout: 0s", "stream_idle_timeout: 0s", "type: STATIC",
-                 "max_connections: 1000000", "port_value: 1111", "port_value: 2222"):
+    for text in (
+        "timeout: 0s, idle_timeout: 0s",
+        "stream_idle_timeout: 0s",
+        "type: STATIC",
+        "max_connections: 1000000",
+        "port_value: 1111",
+        "port_value: 2222",
+    ):
         assert text in envoy
 
 
@@ -151,8 +192,12 @@ def test_envoy_accepts_its_config(tmp_path: Path) -> None:
     conf.write_text(po.envoy_config(po.free_port(), po.free_port()))
     envoy = po.find_envoy()
     assert envoy is not None
-    done = subprocess.run([envoy, "--mode", "validate", "-c", str(conf), "--log-level", "error"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [envoy, "--mode", "validate", "-c", str(conf), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -162,17 +207,23 @@ def test_envoy_accepts_its_config(tmp_path: Path) -> None:
 
 def test_find_max_rate_smoke(tmp_path: Path) -> None:
     out = tmp_path / "rate.json"
-    stdout = run_harness("proxy_overhead.py", "--smoke", "--find-max-rate", "--json-out",
-                         str(out))
+    stdout = run_harness("proxy_overhead.py", "--smoke", "--find-max-rate", "--json-out", str(out))
     result = json.loads(out.read_text())
     assert result["concurrency"] == 4 and result["max_added_itl_ms"] == 1.0
     assert 1 <= len(result["rates"]) <= 2  # --smoke: at most 2 rates
     verdicts = {"pass", "fail", "fail (rate)", "harness-limited"}
     for rate in result["rates"]:
         assert rate["verdict"] in verdicts
-        for key in ("target_rate", "step_s", "nominal_chunks_s", "direct_chunks_s",
-                    "sidecar_chunks_s", "added_itl_p99_us", "added_ttft_p99_us",
-                    "sidecar_us_per_event"):
+        for key in (
+            "target_rate",
+            "step_s",
+            "nominal_chunks_s",
+            "direct_chunks_s",
+            "sidecar_chunks_s",
+            "added_itl_p99_us",
+            "added_ttft_p99_us",
+            "sidecar_us_per_event",
+        ):
             assert finite(rate[key]), key
         assert rate["failed"] == 0
         assert len(rate["runs"]["direct"]) == len(rate["runs"]["sidecar"]) == 1
@@ -207,8 +258,9 @@ def test_rate_search_brackets_then_bisects() -> None:
 
 def test_proxy_memory_smoke(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
-    stdout = run_harness("proxy_memory.py", "--smoke", "--modes", "sidecar,bare", "--json-out",
-                         str(out))
+    stdout = run_harness(
+        "proxy_memory.py", "--smoke", "--modes", "sidecar,bare", "--json-out", str(out)
+    )
     result = json.loads(out.read_text())
     assert result["modes"] == ["sidecar", "bare"] and result["nofile_limit"] >= 100
     by_mode = {r["mode"]: r for r in result["results"]}
@@ -216,8 +268,12 @@ def test_proxy_memory_smoke(tmp_path: Path) -> None:
     for mode, r in by_mode.items():
         assert r["streams"] == 100 and r["held"] == 100 and r["failures"] == {}, (mode, r)
         assert [p["held"] for p in r["points"]] == [0, 50, 100]
-        for key in ("kib_per_stream", "kib_per_stream_upper_half", "anon_kib_per_stream",
-                    "fds_per_stream"):
+        for key in (
+            "kib_per_stream",
+            "kib_per_stream_upper_half",
+            "anon_kib_per_stream",
+            "fds_per_stream",
+        ):
             assert finite(r[key]), (mode, key)
         for point in r["points"]:
             assert point["rss_kib"] > 0 and point["fds"] > 0
@@ -241,8 +297,15 @@ def test_proxy_accuracy_smoke(tmp_path: Path) -> None:
     assert level["concurrency"] == 4
     assert level["measured"] > 0 and level["matched"] == level["measured"]
     assert set(level["problems"].values()) == {0}
-    for key in ("server_ttft", "server_itl", "server_mark_lag", "up_send_lag", "client_ttft",
-                "client_itl", "client_mark_lag"):
+    for key in (
+        "server_ttft",
+        "server_itl",
+        "server_mark_lag",
+        "up_send_lag",
+        "client_ttft",
+        "client_itl",
+        "client_mark_lag",
+    ):
         assert level["stats"][key]["n"] > 0, key
         assert {"p1", "p50", "p99", "abs_p50", "abs_p99", "abs_max"} <= set(level["stats"][key])
     assert "| C | step ms | quantity | n | p1 | p50 | p99 |" in stdout
@@ -252,15 +315,20 @@ def test_hot_paths_smoke() -> None:
     stdout = run_harness("hot_paths.py", "--smoke")
     assert "| scope | operation | µs |" in stdout
     figures = json.loads(stdout.strip().splitlines()[-1])
-    for name in ("SSE parse (one event per read)", "classify_chunk (json.loads + shape)",
-                 "TokenCounter.observe", "strip injected usage (text edit)",
-                 "RecordBuilder: client stamp (the server stamp is in StreamMeter.feed)",
-                 "fast_token_chunk (the common chunk's classification + usage span)",
-                 "build + freeze the record",
-                 "PrometheusSink.on_record", "WindowSink.on_record",
-                 "SinkFanout.on_record (window + Prometheus + threaded hand-off)",
-                 "CaptureSink: µs per record written (writer thread, JSONL, flushed)",
-                 "summarize 1M samples (numpy)"):
+    for name in (
+        "SSE parse (one event per read)",
+        "classify_chunk (json.loads + shape)",
+        "TokenCounter.observe",
+        "strip injected usage (text edit)",
+        "RecordBuilder: client stamp (the server stamp is in StreamMeter.feed)",
+        "fast_token_chunk (the common chunk's classification + usage span)",
+        "build + freeze the record",
+        "PrometheusSink.on_record",
+        "WindowSink.on_record",
+        "SinkFanout.on_record (window + Prometheus + threaded hand-off)",
+        "CaptureSink: µs per record written (writer thread, JSONL, flushed)",
+        "summarize 1M samples (numpy)",
+    ):
         assert figures[name] > 0, name
 
 
@@ -301,8 +369,13 @@ def test_soak_smoke(tmp_path: Path) -> None:
     assert summary == json.loads(stdout)
     assert summary["ok"] is True and summary["requests"] == 400
     assert summary["records_lost"] == 0 and summary["proxy_exit_code"] == 0
-    for key in ("outcomes_in_metrics", "outcomes_expected", "rss_kb_at_warm",
-                "fds_quiet_range_after_warm", "rss_slope_kb_per_100k_requests"):
+    for key in (
+        "outcomes_in_metrics",
+        "outcomes_expected",
+        "rss_kb_at_warm",
+        "fds_quiet_range_after_warm",
+        "rss_slope_kb_per_100k_requests",
+    ):
         assert key in summary, key
     header = (tmp_path / "soak.csv").read_text().splitlines()[0].split(",")
     assert {"phase", "t_s", "rss_kb", "fds", "requests_sent"} <= set(header)
@@ -363,8 +436,13 @@ def test_agreement_reads_vllm_bench_and_mooncake() -> None:
     import agreement
 
     # vllm bench's detailed result: output i is request prefix + i; TPOT as vllm bench has it.
-    detailed = {"ttfts": [0.010, 0.0], "latencies": [0.050, 0.0], "start_times": [100.0, 100.5],
-                "output_lens": [5, 0], "errors": ["", "Bad Request"]}
+    detailed = {
+        "ttfts": [0.010, 0.0],
+        "latencies": [0.050, 0.0],
+        "start_times": [100.0, 100.5],
+        "output_lens": [5, 0],
+        "errors": ["", "Bad Request"],
+    }
     ok, failed = agreement.from_vllm_bench(detailed, "p-")
     assert (ok.id, ok.ok, ok.ttft_ns, ok.e2e_ns, ok.n_out) == ("p-0", True, 10**7, 5 * 10**7, 5)
     assert ok.tpot_ns is not None and abs(ok.tpot_ns - 10**7) < 1
@@ -380,7 +458,9 @@ def test_agreement_reads_vllm_bench_and_mooncake() -> None:
     assert lines[0]["hash_ids"][1] != lines[1]["hash_ids"][1]
     block = agreement.MOONCAKE_BLOCK
     first0, first1 = rows[0]["prompt"].split(" "), rows[1]["prompt"].split(" ")
-    assert first0[:block] == first1[:block] and first0[block:2 * block] != first1[block:2 * block]
+    assert (
+        first0[:block] == first1[:block] and first0[block : 2 * block] != first1[block : 2 * block]
+    )
 
 
 def test_histogram_accuracy_smoke() -> None:

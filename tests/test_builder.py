@@ -18,8 +18,11 @@ def builder() -> RecordBuilder:
     return RecordBuilder("r", wall_time_ns=7, arrive_ns=ARRIVE, endpoint="chat")
 
 
-def meter_with(marks: tuple[tuple[int, int], ...], choices: tuple[int, ...] | None = None,
-               events: int | None = None) -> StreamMeter:
+def meter_with(
+    marks: tuple[tuple[int, int], ...],
+    choices: tuple[int, ...] | None = None,
+    events: int | None = None,
+) -> StreamMeter:
     """The upstream's token events as the measuring core hands them over: (offset from the
     builder's t_arrive, tokens) per event, and every event block it read."""
     meter = StreamMeter(ARRIVE)
@@ -44,10 +47,20 @@ def test_both_sides_are_offsets_from_t_arrive() -> None:
     record = b.freeze()
     assert record.wall_time_ns == 7 and record.outcome is Outcome.OK
     assert record.server is not None
-    assert (record.server.start_ns, record.server.offsets_ns, record.server.tokens,
-            record.server.end_ns, record.server.events_total) == (20, (100, 200), (1, 2), 210, 3)
-    assert (record.client.start_ns, record.client.offsets_ns, record.client.tokens,
-            record.client.end_ns, record.client.events_total) == (0, (130, 230), (1, 2), 240, 2)
+    assert (
+        record.server.start_ns,
+        record.server.offsets_ns,
+        record.server.tokens,
+        record.server.end_ns,
+        record.server.events_total,
+    ) == (20, (100, 200), (1, 2), 210, 3)
+    assert (
+        record.client.start_ns,
+        record.client.offsets_ns,
+        record.client.tokens,
+        record.client.end_ns,
+        record.client.events_total,
+    ) == (0, (130, 230), (1, 2), 240, 2)
 
 
 def test_one_write_of_several_events_stamps_each_at_its_instant() -> None:
@@ -65,7 +78,10 @@ def test_a_request_never_sent_upstream_has_no_server_side() -> None:
     record = b.freeze()
     assert record.server is None and record.client.offsets_ns == ()
     assert (record.outcome, record.error_type, record.http_status) == (
-        Outcome.REJECTED, "max_concurrency", 429)
+        Outcome.REJECTED,
+        "max_concurrency",
+        429,
+    )
 
 
 def test_a_frozen_record_shares_one_token_column_between_its_sides() -> None:
@@ -76,7 +92,10 @@ def test_a_frozen_record_shares_one_token_column_between_its_sides() -> None:
     record = b.freeze()
     assert record.server is not None and record.client.tokens is record.server.tokens
     assert record.client.offsets_ns == (350, 350, 350) and record.server.offsets_ns == (
-        100, 200, 300)
+        100,
+        200,
+        300,
+    )
     # A client gone after two writes: its column is the first two counts.
     b = builder()
     b.up_send_ns = 5
@@ -107,7 +126,10 @@ def test_the_first_failure_is_the_cause() -> None:
     b.outcome, b.http_status = Outcome.OK, 200
     b.fail(Outcome.UPSTREAM_ERROR, "stream_cut_without_done")
     assert (b.outcome, b.error_type, b.http_status) == (
-        Outcome.UPSTREAM_ERROR, "stream_cut_without_done", 200)
+        Outcome.UPSTREAM_ERROR,
+        "stream_cut_without_done",
+        200,
+    )
 
 
 def test_the_stream_brings_its_counts_and_its_failure() -> None:
@@ -121,7 +143,10 @@ def test_the_stream_brings_its_counts_and_its_failure() -> None:
     assert (b.n_in, b.n_out, b.n_cached, b.token_source) == (12, 1, 4, TokenSource.USAGE)
     assert b.finish_reason == "length"
     assert (b.outcome, b.error_type, b.http_status) == (
-        Outcome.UPSTREAM_ERROR, "malformed_chunk", 502)
+        Outcome.UPSTREAM_ERROR,
+        "malformed_chunk",
+        502,
+    )
 
 
 def test_a_stream_without_counts_keeps_what_the_builder_had() -> None:

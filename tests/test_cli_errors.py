@@ -23,8 +23,13 @@ DATA = Path(__file__).resolve().parent / "data" / "traces"
 
 
 def sidecar(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sidecar", *argv], capture_output=True,
-                          text=True, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def one_line(stderr: str) -> str:
@@ -51,48 +56,78 @@ def test_a_port_in_use_is_one_line_naming_the_listener(workers: str) -> None:
     """Both listeners, in one process (--workers 0) and with worker processes."""
     upstream = ("--upstream", "http://127.0.0.1:9", "--workers", workers)
     with port_in_use() as port:
-        done = sidecar("proxy", *upstream, "--listen", f"127.0.0.1:{port}",
-                       "--metrics-listen", "127.0.0.1:0")
+        done = sidecar(
+            "proxy", *upstream, "--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0"
+        )
         assert done.returncode == 2
-        assert one_line(done.stderr) == (f"sidecar proxy: cannot listen on 127.0.0.1:{port} "
-                                         "(traffic, --listen): Address already in use")
-        done = sidecar("proxy", *upstream, "--listen", "127.0.0.1:0",
-                       "--metrics-listen", f"127.0.0.1:{port}")
+        assert one_line(done.stderr) == (
+            f"sidecar proxy: cannot listen on 127.0.0.1:{port} "
+            "(traffic, --listen): Address already in use"
+        )
+        done = sidecar(
+            "proxy", *upstream, "--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"
+        )
         assert done.returncode == 2
-        assert one_line(done.stderr) == (f"sidecar proxy: cannot listen on 127.0.0.1:{port} "
-                                         "(admin, --metrics-listen): Address already in use")
+        assert one_line(done.stderr) == (
+            f"sidecar proxy: cannot listen on 127.0.0.1:{port} "
+            "(admin, --metrics-listen): Address already in use"
+        )
 
 
 def test_a_simulator_port_in_use_is_one_line() -> None:
     with port_in_use() as port:
         done = sidecar("sim", "--port", str(port))
         assert done.returncode == 2
-        assert one_line(done.stderr) == (f"sidecar sim: error: cannot listen on "
-                                         f"127.0.0.1:{port}: Address already in use")
+        assert one_line(done.stderr) == (
+            f"sidecar sim: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+        )
 
 
 def test_a_replay_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     write_trace(trace, TraceHeader(source="test"), [TraceRequest(t=0, n_in=5, n_out=2)])
     with port_in_use() as port:
-        done = sidecar("replay", str(trace), "--target", "http://127.0.0.1:9", "--model", "m",
-                       "--no-progress", "--metrics-listen", f"127.0.0.1:{port}")
+        done = sidecar(
+            "replay",
+            str(trace),
+            "--target",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--no-progress",
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+        )
         assert done.returncode == 2
-        assert one_line(done.stderr) == (f"sidecar replay: cannot listen on 127.0.0.1:{port} "
-                                         "(--metrics-listen): Address already in use")
+        assert one_line(done.stderr) == (
+            f"sidecar replay: cannot listen on 127.0.0.1:{port} "
+            "(--metrics-listen): Address already in use"
+        )
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])
-def test_a_capture_path_that_cannot_be_a_directory_is_one_line(tmp_path: Path,
-                                                               workers: str) -> None:
+def test_a_capture_path_that_cannot_be_a_directory_is_one_line(
+    tmp_path: Path, workers: str
+) -> None:
     a_file = tmp_path / "capture"
     a_file.write_text("a file, not a directory")
-    done = sidecar("proxy", "--upstream", "http://127.0.0.1:9", "--workers", workers,
-                   "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                   "--capture", str(a_file))
+    done = sidecar(
+        "proxy",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--workers",
+        workers,
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--capture",
+        str(a_file),
+    )
     assert done.returncode == 2
-    assert one_line(done.stderr) == (f"sidecar proxy: --capture {a_file}: not a directory "
-                                     "(a file is there)")
+    assert one_line(done.stderr) == (
+        f"sidecar proxy: --capture {a_file}: not a directory (a file is there)"
+    )
 
 
 @pytest.mark.slow
@@ -100,28 +135,47 @@ def test_trace_import_into_a_folder_that_cannot_be_is_one_line(tmp_path: Path) -
     a_file = tmp_path / "results"
     a_file.write_text("a file, not a folder")
     output = a_file / "sub" / "out.jsonl"
-    done = sidecar("trace", "import", "--format", "azure",
-                   str(DATA / "azure_2023_sample.csv"), "-o", str(output))
+    done = sidecar(
+        "trace",
+        "import",
+        "--format",
+        "azure",
+        str(DATA / "azure_2023_sample.csv"),
+        "-o",
+        str(output),
+    )
     assert done.returncode == 2
-    assert one_line(done.stderr) == (f"sidecar trace import: error: cannot write {output}: "
-                                     f"{a_file} is a file, not a folder")
-    done = sidecar("trace", "import", "--format", "azure",
-                   str(DATA / "azure_2023_sample.csv"), "-o", str(tmp_path), "--force")
+    assert one_line(done.stderr) == (
+        f"sidecar trace import: error: cannot write {output}: {a_file} is a file, not a folder"
+    )
+    done = sidecar(
+        "trace",
+        "import",
+        "--format",
+        "azure",
+        str(DATA / "azure_2023_sample.csv"),
+        "-o",
+        str(tmp_path),
+        "--force",
+    )
     assert done.returncode == 2
-    assert one_line(done.stderr) == (f"sidecar trace import: error: -o {tmp_path} is a "
-                                     "directory: give the file to write")
+    assert one_line(done.stderr) == (
+        f"sidecar trace import: error: -o {tmp_path} is a directory: give the file to write"
+    )
     # A folder that is missing is made (as before), by import and merge alike.
     made = tmp_path / "new" / "out.jsonl"
-    done = sidecar("trace", "import", "--format", "azure",
-                   str(DATA / "azure_2023_sample.csv"), "-o", str(made))
+    done = sidecar(
+        "trace", "import", "--format", "azure", str(DATA / "azure_2023_sample.csv"), "-o", str(made)
+    )
     assert done.returncode == 0 and made.is_file(), done.stderr
     merged = tmp_path / "newer" / "merged.jsonl"
     done = sidecar("trace", "merge", str(made), "-o", str(merged))
     assert done.returncode == 0 and merged.is_file(), done.stderr
     done = sidecar("trace", "merge", str(made), "-o", str(output))
     assert done.returncode == 2
-    assert one_line(done.stderr) == (f"sidecar trace merge: error: cannot write {output}: "
-                                     f"{a_file} is a file, not a folder")
+    assert one_line(done.stderr) == (
+        f"sidecar trace merge: error: cannot write {output}: {a_file} is a file, not a folder"
+    )
 
 
 # -- item 11: wording and consistency ----------------------------------------------------------
@@ -131,9 +185,25 @@ def test_trace_import_into_a_folder_that_cannot_be_is_one_line(tmp_path: Path) -
 def proxy_with(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
     """`sidecar proxy` on ephemeral ports, its upstream from ``env`` alone."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "proxy", "--listen", "127.0.0.1:0",
-         "--metrics-listen", "127.0.0.1:0", "--workers", "0", "--health-interval", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--workers",
+            "0",
+            "--health-interval",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         yield proc
     finally:
@@ -153,28 +223,45 @@ def test_sidecar_upstream_in_the_singular_is_accepted() -> None:
     # Both spellings, set differently: refused rather than one chosen in silence.
     done = sidecar("proxy", env={**env, "SIDECAR_UPSTREAMS": "http://127.0.0.1:8"})
     assert done.returncode == 2
-    assert one_line(done.stderr) == ("sidecar proxy: SIDECAR_UPSTREAMS and SIDECAR_UPSTREAM "
-                                     "are the same setting, set differently: keep one")
+    assert one_line(done.stderr) == (
+        "sidecar proxy: SIDECAR_UPSTREAMS and SIDECAR_UPSTREAM "
+        "are the same setting, set differently: keep one"
+    )
     # A misspelt variable is named in a warning (and ignored).
     with proxy_with({**env, "SIDECAR_TTFT_TIMOUT": "30s"}) as proxy:
         read_url(proxy, r"proxy listening on (\S+)")
         proxy.send_signal(signal.SIGTERM)
         _, err = proxy.communicate(timeout=15)
-    assert ("sidecar proxy: warning: SIDECAR_TTFT_TIMOUT is not a setting (did you mean "
-            "SIDECAR_TTFT_TIMEOUT?): ignored") in err
+    assert (
+        "sidecar proxy: warning: SIDECAR_TTFT_TIMOUT is not a setting (did you mean "
+        "SIDECAR_TTFT_TIMEOUT?): ignored"
+    ) in err
 
 
-@pytest.mark.parametrize(("argv", "usage", "message"), [
-    (("proxy", "--upstrem", "http://127.0.0.1:9"), "usage: sidecar proxy ",
-     "sidecar proxy: error: unrecognized arguments: --upstrem http://127.0.0.1:9 (did you mean "
-     "--upstream?)"),
-    (("trace", "stats", "t.jsonl", "--jsn"), "usage: sidecar trace stats ",
-     "sidecar trace stats: error: unrecognized arguments: --jsn (did you mean --json?)"),
-    (("replay", "t.jsonl", "--target", "http://127.0.0.1:9", "--ratee", "2"),
-     "usage: sidecar replay ", "(did you mean --rate?)"),
-])
-def test_a_mistyped_flag_shows_its_commands_usage(argv: tuple[str, ...], usage: str,
-                                                  message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "usage", "message"),
+    [
+        (
+            ("proxy", "--upstrem", "http://127.0.0.1:9"),
+            "usage: sidecar proxy ",
+            "sidecar proxy: error: unrecognized arguments: --upstrem http://127.0.0.1:9 "
+            "(did you mean --upstream?)",
+        ),
+        (
+            ("trace", "stats", "t.jsonl", "--jsn"),
+            "usage: sidecar trace stats ",
+            "sidecar trace stats: error: unrecognized arguments: --jsn (did you mean --json?)",
+        ),
+        (
+            ("replay", "t.jsonl", "--target", "http://127.0.0.1:9", "--ratee", "2"),
+            "usage: sidecar replay ",
+            "(did you mean --rate?)",
+        ),
+    ],
+)
+def test_a_mistyped_flag_shows_its_commands_usage(
+    argv: tuple[str, ...], usage: str, message: str
+) -> None:
     done = sidecar(*argv)
     assert done.returncode == 2
     assert done.stderr.startswith(usage), done.stderr
@@ -182,45 +269,75 @@ def test_a_mistyped_flag_shows_its_commands_usage(argv: tuple[str, ...], usage: 
 
 
 def test_sweep_rates_that_are_not_numbers_say_what_is_expected() -> None:
-    done = sidecar("sweep", "--target", "http://127.0.0.1:9", "--dataset",
-                   "synthetic:in=8,out=4", "--slo", "ttft=1s", "--rates", "fast")
+    done = sidecar(
+        "sweep",
+        "--target",
+        "http://127.0.0.1:9",
+        "--dataset",
+        "synthetic:in=8,out=4",
+        "--slo",
+        "ttft=1s",
+        "--rates",
+        "fast",
+    )
     assert done.returncode == 2
     assert "could not convert" not in done.stderr
-    assert ("sidecar sweep: error: argument --rates: 'fast': give loads as numbers separated "
-            "by commas, e.g. 1,2,4,8 (req/s; concurrent requests with --mode closed)"
-            ) in done.stderr
+    assert (
+        "sidecar sweep: error: argument --rates: 'fast': give loads as numbers separated "
+        "by commas, e.g. 1,2,4,8 (req/s; concurrent requests with --mode closed)"
+    ) in done.stderr
 
 
 def test_trace_import_of_a_directory_says_it_is_one(tmp_path: Path) -> None:
-    done = sidecar("trace", "import", "--format", "mooncake", str(DATA), "-o",
-                   str(tmp_path / "out.jsonl"))
+    done = sidecar(
+        "trace", "import", "--format", "mooncake", str(DATA), "-o", str(tmp_path / "out.jsonl")
+    )
     assert done.returncode == 2
-    assert one_line(done.stderr) == (f"sidecar trace import: error: {DATA} is a directory: "
-                                     "give the trace file in it")
+    assert one_line(done.stderr) == (
+        f"sidecar trace import: error: {DATA} is a directory: give the trace file in it"
+    )
 
 
 @pytest.mark.slow
-def test_every_command_exits_2_on_input_errors_and_1_when_it_ran_but_failed(
-        tmp_path: Path) -> None:
+def test_every_command_exits_2_on_input_errors_and_1_when_it_ran_but_failed(tmp_path: Path) -> None:
     """The convention of `sidecar --help` (trace used to exit 1 on unreadable input)."""
     missing = str(tmp_path / "absent.jsonl")
-    for argv in (("trace", "lint", missing), ("trace", "stats", missing),
-                 ("trace", "import", "--format", "mooncake", missing, "-o",
-                  str(tmp_path / "o.jsonl")),
-                 ("trace", "merge", missing, "-o", str(tmp_path / "m.jsonl")),
-                 ("replay", missing, "--target", "http://127.0.0.1:9")):
+    for argv in (
+        ("trace", "lint", missing),
+        ("trace", "stats", missing),
+        ("trace", "import", "--format", "mooncake", missing, "-o", str(tmp_path / "o.jsonl")),
+        ("trace", "merge", missing, "-o", str(tmp_path / "m.jsonl")),
+        ("replay", missing, "--target", "http://127.0.0.1:9"),
+    ):
         done = sidecar(*argv)
         assert done.returncode == 2, (argv, done.stderr)
         assert "absent.jsonl" in one_line(done.stderr)
     exists = tmp_path / "exists.jsonl"
     exists.write_text("")
-    done = sidecar("trace", "import", "--format", "mooncake", str(DATA / "mooncake_sample.jsonl"),
-                   "-o", str(exists))
+    done = sidecar(
+        "trace",
+        "import",
+        "--format",
+        "mooncake",
+        str(DATA / "mooncake_sample.jsonl"),
+        "-o",
+        str(exists),
+    )
     assert done.returncode == 2 and "exists (use --force to overwrite)" in done.stderr
     # Ran, and found errors: 1 (the Mooncake sample's hash lists are too short for n_in).
     imported = tmp_path / "mooncake.jsonl"
-    assert sidecar("trace", "import", "--format", "mooncake",
-                   str(DATA / "mooncake_sample.jsonl"), "-o", str(imported)).returncode == 0
+    assert (
+        sidecar(
+            "trace",
+            "import",
+            "--format",
+            "mooncake",
+            str(DATA / "mooncake_sample.jsonl"),
+            "-o",
+            str(imported),
+        ).returncode
+        == 0
+    )
     done = sidecar("trace", "lint", str(imported))
     assert done.returncode == 1 and "error: prefix-size-mismatch" in done.stdout
     help_text = sidecar("--help").stdout
@@ -230,8 +347,18 @@ def test_every_command_exits_2_on_input_errors_and_1_when_it_ran_but_failed(
 
 def test_trace_stats_explains_its_histogram(tmp_path: Path) -> None:
     imported = tmp_path / "azure.jsonl"
-    assert sidecar("trace", "import", "--format", "azure", str(DATA / "azure_2023_sample.csv"),
-                   "-o", str(imported)).returncode == 0
+    assert (
+        sidecar(
+            "trace",
+            "import",
+            "--format",
+            "azure",
+            str(DATA / "azure_2023_sample.csv"),
+            "-o",
+            str(imported),
+        ).returncode
+        == 0
+    )
     done = sidecar("trace", "stats", str(imported))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

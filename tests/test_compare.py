@@ -30,20 +30,28 @@ def report(envelope: dict[str, Any], runs: list[dict[str, float]]) -> dict[str, 
     return {**median, "envelope": envelope, "runs": runs}
 
 
-BASE = {"model": "m", "target": "http://a:8000", "mode": "open", "rate": 4.0,
-        "engine_delta": {"prefix_cache_hits": 10}}
+BASE = {
+    "model": "m",
+    "target": "http://a:8000",
+    "mode": "open",
+    "rate": 4.0,
+    "engine_delta": {"prefix_cache_hits": 10},
+}
 
 
 def runs(ttft: list[float], throughput: list[float]) -> list[dict[str, float]]:
-    return [{"median_ttft_ms": t, "request_throughput": q, "median_e2el_ms": 100.0 + i}
-            for i, (t, q) in enumerate(zip(ttft, throughput, strict=True))]
+    return [
+        {"median_ttft_ms": t, "request_throughput": q, "median_e2el_ms": 100.0 + i}
+        for i, (t, q) in enumerate(zip(ttft, throughput, strict=True))
+    ]
 
 
 def test_envelope_differences_ignore_measurements_and_declared_variables() -> None:
     other = {**BASE, "target": "http://b:8000", "engine_delta": {"prefix_cache_hits": 99}}
     assert envelope_differences(BASE, other, {"target"}) == []
-    assert envelope_differences(BASE, other, set()) == [("target", "http://a:8000",
-                                                         "http://b:8000")]
+    assert envelope_differences(BASE, other, set()) == [
+        ("target", "http://a:8000", "http://b:8000")
+    ]
     assert envelope_differences(BASE, {**other, "rate": 8.0}, {"target"}) == [("rate", 4.0, 8.0)]
 
 
@@ -54,22 +62,31 @@ def test_a_change_is_real_only_beyond_run_to_run_noise() -> None:
     rows = {r["metric"]: r for r in compare(a, faster)}
     assert rows["median_ttft_ms"]["verdict"] == "real: better"
     assert rows["request_throughput"]["verdict"] == "within run-to-run noise"
-    assert {r["metric"]: r for r in compare(a, noisy)}["median_ttft_ms"]["verdict"] == \
-        "within run-to-run noise"
+    assert {r["metric"]: r for r in compare(a, noisy)}["median_ttft_ms"][
+        "verdict"
+    ] == "within run-to-run noise"
     single = report(BASE, runs([60], [4.0]))
-    assert {r["metric"]: r for r in compare(a, single)}["median_ttft_ms"]["verdict"] == \
-        "no repeats: noise unknown"
+    assert {r["metric"]: r for r in compare(a, single)}["median_ttft_ms"][
+        "verdict"
+    ] == "no repeats: noise unknown"
 
 
 def test_the_cli_refuses_different_experiments_unless_forced(tmp_path: Path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(report(BASE, runs([100, 110, 105], [4, 4, 4]))))
-    b.write_text(json.dumps(report({**BASE, "target": "http://b:8000", "rate": 8.0},
-                                   runs([60, 65, 62], [4, 4, 4]))))
+    b.write_text(
+        json.dumps(
+            report({**BASE, "target": "http://b:8000", "rate": 8.0}, runs([60, 65, 62], [4, 4, 4]))
+        )
+    )
 
     def sidecar(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "sidecar", "compare", str(a), str(b),
-                               *args], capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "sidecar", "compare", str(a), str(b), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     refused = sidecar("--variable", "target")
     assert refused.returncode == 3 and "rate: 4.0 vs 8.0" in refused.stderr
@@ -78,17 +95,25 @@ def test_the_cli_refuses_different_experiments_unless_forced(tmp_path: Path) -> 
     assert "WARNING: different experiments" in forced.stdout
     assert "real: better" in forced.stdout
     assert sidecar("--variable", "target", "--variable", "rate").returncode == 0
-    missing = subprocess.run([sys.executable, "-m", "sidecar", "compare", str(a),
-                              str(tmp_path / "nope.json")], capture_output=True, text=True,
-                             timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-m", "sidecar", "compare", str(a), str(tmp_path / "nope.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "not a readable report" in missing.stderr
 
 
 # -- sweeps -----------------------------------------------------------------------------------
 
-SWEEP_ENVELOPE = {"target": "http://a:8000", "model": "m", "mode": "open", "repeats": 3,
-                  "engine_delta": {"prefix_cache_hits": 5}, "engine_prefix_cache_hit_rate": 0.1}
-
+SWEEP_ENVELOPE = {
+    "target": "http://a:8000",
+    "model": "m",
+    "mode": "open",
+    "repeats": 3,
+    "engine_delta": {"prefix_cache_hits": 5},
+    "engine_prefix_cache_hit_rate": 0.1,
+}
 
 
 def degraded(result: dict[str, Any], reason: str) -> dict[str, Any]:
@@ -106,14 +131,19 @@ def test_a_degraded_run_is_not_called_better_or_worse_without_force(tmp_path: Pa
     b.write_text(json.dumps(degraded(report(BASE, runs([60, 65, 62], [4, 4, 4])), late)))
 
     def sidecar(x: Path, y: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "sidecar", "compare", str(x), str(y),
-                               *args], capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "sidecar", "compare", str(x), str(y), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     refused = sidecar(a, b)
     assert refused.returncode == 3 and refused.stdout == ""
     assert refused.stderr.splitlines() == [
         f"sidecar compare: refused: B ({b}) is degraded: {late}; a run that did not offer its "
-        "load is not called better or worse (--force compares anyway)"]
+        "load is not called better or worse (--force compares anyway)"
+    ]
     both = sidecar(b, b)
     assert both.returncode == 3
     assert f"refused: A ({b}) is degraded: {late}; B ({b}) is degraded: {late};" in both.stderr
@@ -127,33 +157,54 @@ def test_a_degraded_run_is_not_called_better_or_worse_without_force(tmp_path: Pa
     c = tmp_path / "c.json"
     c.write_text(json.dumps(degraded(report({**BASE, "rate": 8.0}, runs([60], [4])), late)))
     two = sidecar(a, c)
-    assert two.returncode == 3 and "is degraded" in two.stderr and "rate: 4.0 vs 8.0" in \
-        two.stderr
+    assert two.returncode == 3 and "is degraded" in two.stderr and "rate: 4.0 vs 8.0" in two.stderr
     assert sidecar(a, a).returncode == 0  # no flag at all: compared
+
 
 def step(load: float, passed: bool, ttft: list[float], goodput: list[float]) -> dict[str, Any]:
     """A sweep step whose reported run is the median by TTFT (enough for these tests)."""
-    return {"load": load, "passed": passed, "reasons": [] if passed else ["slow"],
-            "report": {"p50_ttft_ms": sorted(ttft)[1], "request_goodput": sorted(goodput)[1]},
-            "repeat_spread": {"p50_ttft_ms": ttft, "request_goodput": goodput}}
+    return {
+        "load": load,
+        "passed": passed,
+        "reasons": [] if passed else ["slow"],
+        "report": {"p50_ttft_ms": sorted(ttft)[1], "request_goodput": sorted(goodput)[1]},
+        "repeat_spread": {"p50_ttft_ms": ttft, "request_goodput": goodput},
+    }
 
 
-def sweep(steps: list[dict[str, Any]], capacity: float | None, knee: float | None,
-          envelope: dict[str, Any] = SWEEP_ENVELOPE,
-          criteria: str = "p90 ttft <= 500 ms") -> dict[str, Any]:
-    return {"capacity": capacity, "unit": "req/s", "knee": knee, "criteria": criteria,
-            "mode": "open", "steps": steps, "envelope": envelope}
+def sweep(
+    steps: list[dict[str, Any]],
+    capacity: float | None,
+    knee: float | None,
+    envelope: dict[str, Any] = SWEEP_ENVELOPE,
+    criteria: str = "p90 ttft <= 500 ms",
+) -> dict[str, Any]:
+    return {
+        "capacity": capacity,
+        "unit": "req/s",
+        "knee": knee,
+        "criteria": criteria,
+        "mode": "open",
+        "steps": steps,
+        "envelope": envelope,
+    }
 
 
 def test_capacity_brackets_decide_whether_capacities_really_differ() -> None:
     # Passed 4 and 8, failed 16 and 12: the capacity lies in [8, 12).
-    a = sweep([step(4, True, [1, 2, 3], [4, 4, 4]), step(8, True, [1, 2, 3], [8, 8, 8]),
-               step(16, False, [1, 2, 3], [9, 9, 9]), step(12, False, [1, 2, 3], [9, 9, 9])],
-              capacity=8, knee=8)
+    a = sweep(
+        [
+            step(4, True, [1, 2, 3], [4, 4, 4]),
+            step(8, True, [1, 2, 3], [8, 8, 8]),
+            step(16, False, [1, 2, 3], [9, 9, 9]),
+            step(12, False, [1, 2, 3], [9, 9, 9]),
+        ],
+        capacity=8,
+        knee=8,
+    )
     assert capacity_bracket(a) == (8.0, 12.0)
     assert capacity_bracket(sweep([step(4, True, [1, 2, 3], [4, 4, 4])], 4, 4)) == (4.0, None)
-    assert capacity_bracket(sweep([step(4, False, [1, 2, 3], [4, 4, 4])], None, None)) == \
-        (0.0, 4.0)
+    assert capacity_bracket(sweep([step(4, False, [1, 2, 3], [4, 4, 4])], None, None)) == (0.0, 4.0)
     assert capacity_verdict((8.0, 12.0), (12.0, 14.0)) == "real: better"  # B's is >= 12
     assert capacity_verdict((12.0, 14.0), (8.0, 12.0)) == "real: worse"
     assert capacity_verdict((8.0, 12.0), (10.0, 16.0)) == "within the searches' resolution"
@@ -162,13 +213,25 @@ def test_capacity_brackets_decide_whether_capacities_really_differ() -> None:
 
 
 def test_sweeps_are_compared_step_by_step_at_the_loads_both_ran() -> None:
-    a = sweep([step(4, True, [10, 11, 12], [4.0, 4.0, 4.0]),
-               step(8, True, [20, 22, 24], [7.5, 7.8, 8.0]),
-               step(16, False, [90, 95, 99], [6.0, 6.5, 7.0])], capacity=8, knee=8)
-    b = sweep([step(4, True, [5, 6, 7], [4.0, 4.0, 4.0]),
-               step(8.0000001, True, [19, 23, 25], [7.9, 8.0, 8.1]),
-               step(12, True, [30, 31, 33], [11.0, 11.5, 12.0]),
-               step(24, False, [80, 85, 90], [10.0, 10.5, 11.0])], capacity=12, knee=12)
+    a = sweep(
+        [
+            step(4, True, [10, 11, 12], [4.0, 4.0, 4.0]),
+            step(8, True, [20, 22, 24], [7.5, 7.8, 8.0]),
+            step(16, False, [90, 95, 99], [6.0, 6.5, 7.0]),
+        ],
+        capacity=8,
+        knee=8,
+    )
+    b = sweep(
+        [
+            step(4, True, [5, 6, 7], [4.0, 4.0, 4.0]),
+            step(8.0000001, True, [19, 23, 25], [7.9, 8.0, 8.1]),
+            step(12, True, [30, 31, 33], [11.0, 11.5, 12.0]),
+            step(24, False, [80, 85, 90], [10.0, 10.5, 11.0]),
+        ],
+        capacity=12,
+        knee=12,
+    )
     result = compare_sweeps(a, b)
     assert [s["load"] for s in result["steps"]] == [4.0, 8.0]  # 8.0000001 is load 8
     assert result["only_a"] == [{"load": 16.0, "passed": False}]
@@ -185,9 +248,19 @@ def test_sweeps_are_compared_step_by_step_at_the_loads_both_ran() -> None:
     assert (result["knee"]["a"], result["knee"]["b"]) == (8, 12)
     assert (peak["a"], peak["b"], peak["verdict"]) == (7.8, 11.5, "real: better")
     # A sweep without repeats has no noise estimate, and says so.
-    single = sweep([{"load": 4, "passed": True, "reasons": [],
-                     "report": {"p50_ttft_ms": 6.0}, "repeat_spread": {"p50_ttft_ms": [6.0]}}],
-                   capacity=4, knee=None)
+    single = sweep(
+        [
+            {
+                "load": 4,
+                "passed": True,
+                "reasons": [],
+                "report": {"p50_ttft_ms": 6.0},
+                "repeat_spread": {"p50_ttft_ms": [6.0]},
+            }
+        ],
+        capacity=4,
+        knee=None,
+    )
     (only,) = compare_sweeps(a, single)["steps"][0]["rows"]
     assert only["verdict"] == "no repeats: noise unknown"
 
@@ -199,20 +272,26 @@ def test_the_cli_compares_sweeps_and_refuses_a_replay_against_a_sweep(tmp_path: 
     steps_a = [step(4, True, [10, 11, 12], [4, 4, 4]), step(8, False, [50, 51, 52], [5, 5, 5])]
     steps_b = [step(4, True, [5, 6, 7], [4, 4, 4]), step(6, True, [8, 9, 9], [6, 6, 6])]
     (a_dir / "sweep.json").write_text(json.dumps(sweep(steps_a, 4, 4)))
-    (b_dir / "sweep.json").write_text(json.dumps(
-        sweep(steps_b, 6, 6, envelope={**SWEEP_ENVELOPE, "target": "http://b:8000"})))
+    (b_dir / "sweep.json").write_text(
+        json.dumps(sweep(steps_b, 6, 6, envelope={**SWEEP_ENVELOPE, "target": "http://b:8000"}))
+    )
     replay = tmp_path / "report.json"
     replay.write_text(json.dumps(report(BASE, runs([100, 110, 105], [4, 4, 4]))))
 
     def sidecar(a: Path, b: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "sidecar", "compare", str(a), str(b),
-                               *args], capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "sidecar", "compare", str(a), str(b), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     mixed = sidecar(replay, a_dir / "sweep.json")
     assert mixed.returncode == 2 and "A is a replay and B a sweep" in mixed.stderr
     refused = sidecar(a_dir, b_dir)
-    assert refused.returncode == 3 and "target: 'http://a:8000' vs 'http://b:8000'" in \
-        refused.stderr
+    assert (
+        refused.returncode == 3 and "target: 'http://a:8000' vs 'http://b:8000'" in refused.stderr
+    )
     shown = sidecar(a_dir, b_dir, "--variable", "target")
     assert shown.returncode == 0, shown.stderr
     assert "capacity (req/s): A 4 [4, 8)  B 6 [6, open)" in shown.stdout
@@ -221,8 +300,9 @@ def test_the_cli_compares_sweeps_and_refuses_a_replay_against_a_sweep(tmp_path: 
     assert "load 4 req/s: A pass, B pass" in shown.stdout
     assert "real: better" in shown.stdout
     # Another SLO is another experiment, even on the same loads.
-    (b_dir / "sweep.json").write_text(json.dumps(sweep(steps_b, 6, 6,
-                                                       criteria="p90 ttft <= 200 ms")))
+    (b_dir / "sweep.json").write_text(
+        json.dumps(sweep(steps_b, 6, 6, criteria="p90 ttft <= 200 ms"))
+    )
     other_slo = sidecar(a_dir, b_dir)
     assert other_slo.returncode == 3 and "criteria" in other_slo.stderr
     forced = sidecar(a_dir, b_dir, "--force", "--json")
@@ -237,22 +317,39 @@ async def test_two_real_sweeps_compare_a_slow_engine_with_a_fast_one(tmp_path: P
     ran, the slower one's TTFT is worse beyond the spread of two repeats."""
     outs = {}
     for name, step_s, rates in (("fast", 0.002, "10,20"), ("slow", 0.02, "10,40")):
-        replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
-            step_floor_s=step_s, per_token_s=0.0)), 1)
+        replicas = await start_replicas(
+            SimConfig(model="m", engine=EngineConfig(step_floor_s=step_s, per_token_s=0.0)), 1
+        )
         parser = argparse.ArgumentParser()
         sweep_cli.add_arguments(parser)
         outs[name] = tmp_path / name
-        args = parser.parse_args([
-            "--target", replicas[0].url, "--dataset", "synthetic:in=16,out=4",
-            "--slo", "ttft=500ms", "--rates", rates, "--step-duration", "0.5s",
-            "--min-requests", "8", "--warmup", "1", "--repeats", "2",
-            "--output-dir", str(outs[name])])
+        args = parser.parse_args(
+            [
+                "--target",
+                replicas[0].url,
+                "--dataset",
+                "synthetic:in=16,out=4",
+                "--slo",
+                "ttft=500ms",
+                "--rates",
+                rates,
+                "--step-duration",
+                "0.5s",
+                "--min-requests",
+                "8",
+                "--warmup",
+                "1",
+                "--repeats",
+                "2",
+                "--output-dir",
+                str(outs[name]),
+            ]
+        )
         try:
             assert await sweep_cli.run(args) == 0
         finally:
             await close_replicas(replicas)
-    (kind_a, fast), (kind_b, slow) = load_result(str(outs["fast"])), load_result(
-        str(outs["slow"]))
+    (kind_a, fast), (kind_b, slow) = load_result(str(outs["fast"])), load_result(str(outs["slow"]))
     assert kind_a == kind_b == "sweep"
     assert envelope_differences(design(kind_a, fast), design(kind_b, slow), {"target"}) == []
     result = compare_sweeps(fast, slow)

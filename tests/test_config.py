@@ -18,10 +18,22 @@ from sidecar.config import (
 )
 
 
-@pytest.mark.parametrize(("text", "seconds"), [
-    ("500ms", 0.5), ("2s", 2.0), ("1m", 60.0), ("250us", 0.00025), ("1.5s", 1.5), ("0", 0.0),
-    (0, 0.0), ("1h", 3600.0), ("2d", 172800.0), ("15min", 900.0), ("1E3ms", 1.0),
-])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("500ms", 0.5),
+        ("2s", 2.0),
+        ("1m", 60.0),
+        ("250us", 0.00025),
+        ("1.5s", 1.5),
+        ("0", 0.0),
+        (0, 0.0),
+        ("1h", 3600.0),
+        ("2d", 172800.0),
+        ("15min", 900.0),
+        ("1E3ms", 1.0),
+    ],
+)
 def test_durations(text: str | int, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
@@ -50,14 +62,31 @@ def test_every_front_door_refuses_a_bare_slo(tmp_path: Path) -> None:
         (["proxy", "--upstream", "http://127.0.0.1:9", "--slo", "ttft=500"], {}),
         (["proxy", "--upstream", "http://127.0.0.1:9"], {"SIDECAR_SLO": "ttft=500"}),
         (["proxy", "--config", str(config)], {}),
-        (["sweep", "--target", "http://127.0.0.1:9", "--slo", "ttft=500", "--dataset",
-          "random:in=8,out=4", "--rates", "1"], {}),
+        (
+            [
+                "sweep",
+                "--target",
+                "http://127.0.0.1:9",
+                "--slo",
+                "ttft=500",
+                "--dataset",
+                "random:in=8,out=4",
+                "--rates",
+                "1",
+            ],
+            {},
+        ),
         (["demo", "--slo", "ttft=500"], {}),
         (["proxy", "--upstream", "http://127.0.0.1:9", "--idle-timeout", "30"], {}),
     ]
     for argv, env in runs:
-        done = subprocess.run([sys.executable, "-m", "sidecar", *argv], capture_output=True,
-                              text=True, timeout=60, env={**os.environ, **env})
+        done = subprocess.run(
+            [sys.executable, "-m", "sidecar", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+        )
         assert done.returncode == 2, (argv, env, done.stderr)
         assert "needs a unit" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
@@ -88,11 +117,18 @@ def test_hostport() -> None:
 
 def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
     file = tmp_path / "sidecar.json"
-    file.write_text(json.dumps({"upstreams": ["http://file:1"], "ttft_timeout": "10s",
-                                "idle_timeout": "7s", "route_policy": "round_robin"}))
+    file.write_text(
+        json.dumps(
+            {
+                "upstreams": ["http://file:1"],
+                "ttft_timeout": "10s",
+                "idle_timeout": "7s",
+                "route_policy": "round_robin",
+            }
+        )
+    )
     env = {"SIDECAR_TTFT_TIMEOUT": "20s", "SIDECAR_IDLE_TIMEOUT": "8s"}
-    config = build_config({"idle_timeout": "9s", "upstreams": None}, env,
-                          load_config_file(file))
+    config = build_config({"idle_timeout": "9s", "upstreams": None}, env, load_config_file(file))
     assert config.upstreams == ("http://file:1",)
     assert config.ttft_timeout == 20.0  # env beats file
     assert config.idle_timeout == 9.0  # flag beats env
@@ -114,31 +150,48 @@ def test_a_flags_name_works_where_its_setting_is_named_otherwise() -> None:
     assert config.upstreams == ("http://b:1",) and config.window_s == 10.0
     same = build_config({}, {"SIDECAR_UPSTREAM": "http://a:1", "SIDECAR_UPSTREAMS": "http://a:1"})
     assert same.upstreams == ("http://a:1",)
-    with pytest.raises(ConfigError, match="SIDECAR_UPSTREAMS and SIDECAR_UPSTREAM are the same "
-                       "setting, set differently"):
+    with pytest.raises(
+        ConfigError,
+        match="SIDECAR_UPSTREAMS and SIDECAR_UPSTREAM are the same setting, set differently",
+    ):
         build_config({}, {"SIDECAR_UPSTREAM": "http://a:1", "SIDECAR_UPSTREAMS": "http://b:1"})
     with pytest.raises(ConfigError, match="'upstreams' and 'upstream' are the same setting"):
         build_config({}, {}, {"upstreams": ["http://a:1"], "upstream": ["http://b:1"]})
-    assert environment_warnings({"SIDECAR_UPSTRAEMS": "x", "SIDECAR_VLLM_HOME": "x",
-                                 "SIDECAR_UPSTREAM": "x", "SIDECAR_DRAIN_S": "5"}) == [
-        "SIDECAR_UPSTRAEMS is not a setting (did you mean SIDECAR_UPSTREAMS?): ignored"]
+    assert environment_warnings(
+        {
+            "SIDECAR_UPSTRAEMS": "x",
+            "SIDECAR_VLLM_HOME": "x",
+            "SIDECAR_UPSTREAM": "x",
+            "SIDECAR_DRAIN_S": "5",
+        }
+    ) == ["SIDECAR_UPSTRAEMS is not a setting (did you mean SIDECAR_UPSTREAMS?): ignored"]
 
 
 def test_listen_shorthand() -> None:
-    config = build_config({"upstreams": ["http://a:1"], "listen": "0.0.0.0:81",
-                           "metrics_listen": "127.0.0.1:82"}, {})
+    config = build_config(
+        {"upstreams": ["http://a:1"], "listen": "0.0.0.0:81", "metrics_listen": "127.0.0.1:82"}, {}
+    )
     assert (config.listen_host, config.listen_port) == ("0.0.0.0", 81)
     assert (config.metrics_host, config.metrics_port) == ("127.0.0.1", 82)
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    ({}, "at least one upstream"),
-    ({"upstreams": ["ftp://x"]}, "http\\(s\\) URL"),
-    ({"upstreams": ["http://a:1"], "route_policy": "random"}, "route_policy must be one of"),
-    ({"upstreams": ["http://a:1"], "max_concurrency": "0"}, "max_concurrency must be > 0"),
-    ({"upstreams": ["http://a:1"], "listen": "127.0.0.1:9000",
-      "metrics_listen": "127.0.0.1:9000"}, "metrics port must differ"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({}, "at least one upstream"),
+        ({"upstreams": ["ftp://x"]}, "http\\(s\\) URL"),
+        ({"upstreams": ["http://a:1"], "route_policy": "random"}, "route_policy must be one of"),
+        ({"upstreams": ["http://a:1"], "max_concurrency": "0"}, "max_concurrency must be > 0"),
+        (
+            {
+                "upstreams": ["http://a:1"],
+                "listen": "127.0.0.1:9000",
+                "metrics_listen": "127.0.0.1:9000",
+            },
+            "metrics port must differ",
+        ),
+    ],
+)
 def test_bad_settings_are_refused_with_a_reason(flags: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_config(flags, {})
@@ -160,8 +213,12 @@ def test_toml_file(tmp_path: Path) -> None:
 
 def test_slo_declarations() -> None:
     assert parse_slo("ttft=500ms,tpot=50ms,e2e=20s") == {"ttft": 0.5, "tpot": 0.05, "e2e": 20.0}
-    for bad, message in (("ttft=0", "must be > 0"), ("itl=5ms", "bad SLO term"),
-                         ("ttft=1s,ttft=2s", "declared twice"), ("", "empty SLO")):
+    for bad, message in (
+        ("ttft=0", "must be > 0"),
+        ("itl=5ms", "bad SLO term"),
+        ("ttft=1s,ttft=2s", "declared twice"),
+        ("", "empty SLO"),
+    ):
         with pytest.raises(ConfigError, match=message):
             parse_slo(bad)
 
@@ -184,8 +241,9 @@ def test_the_otel_endpoint_is_checked_at_start() -> None:
     for bad in ("localhost:4318", "otel-collector", "grpc://collector:4317"):
         with pytest.raises(ConfigError, match="must be an http"):
             build_config({"upstreams": ["http://127.0.0.1:9"], "otel_endpoint": bad}, {})
-    config = build_config({"upstreams": ["http://127.0.0.1:9"],
-                           "otel_endpoint": "http://collector:4318/"}, {})
+    config = build_config(
+        {"upstreams": ["http://127.0.0.1:9"], "otel_endpoint": "http://collector:4318/"}, {}
+    )
     assert config.otel_endpoint == "http://collector:4318"
 
 
@@ -197,21 +255,28 @@ def test_an_slo_declares_its_objective_and_what_its_denominator_leaves_out() -> 
     spec = parse_slo_spec("ttft=500ms,objective=99.5%,exclude=client_error")
     slo = stats.SLO(**spec.slo_arguments())
     assert (slo.ttft_s, slo.tpot_s, slo.objective, slo.exclude) == (
-        0.5, None, pytest.approx(0.995), frozenset({"client_error"}))
+        0.5,
+        None,
+        pytest.approx(0.995),
+        frozenset({"client_error"}),
+    )
     default = stats.SLO(**parse_slo_spec("tpot=50ms").slo_arguments())
     assert (default.objective, default.exclude) == (0.99, frozenset(stats.SLO_EXCLUSIONS))
     assert parse_slo_spec("e2e=1s,exclude=none,objective=0.9").exclude == frozenset()
     assert parse_slo_spec("e2e=1s,objective=0.9").objective == pytest.approx(0.9)
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("ttft=1s,objective=99", "did you mean objective=99%"),
-    ("ttft=1s,objective=100%", "between 0 and 100"),
-    ("ttft=1s,objective=high", "a percentage"),
-    ("ttft=1s,exclude=timeouts", "bad SLO exclusion"),
-    ("objective=99%", "no threshold"),
-    ("ttft=1s,objective=99%,objective=98%", "declared twice"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("ttft=1s,objective=99", "did you mean objective=99%"),
+        ("ttft=1s,objective=100%", "between 0 and 100"),
+        ("ttft=1s,objective=high", "a percentage"),
+        ("ttft=1s,exclude=timeouts", "bad SLO exclusion"),
+        ("objective=99%", "no threshold"),
+        ("ttft=1s,objective=99%,objective=98%", "declared twice"),
+    ],
+)
 def test_bad_objective_and_exclusion_terms_say_what_is_wrong(spec: str, message: str) -> None:
     from sidecar.config import parse_slo_spec
 
@@ -224,9 +289,12 @@ def test_histogram_layouts_are_the_sinks_and_a_bad_name_is_refused() -> None:
     from sidecar.sinks.prometheus import DEFAULT_LATENCY_LAYOUT, LATENCY_LAYOUTS
 
     assert set(HISTOGRAM_LAYOUTS) == set(LATENCY_LAYOUTS)
-    assert build_config({"upstreams": ["http://a:1"]}, {}).histogram_buckets == \
-        DEFAULT_LATENCY_LAYOUT
-    assert build_config({"upstreams": ["http://a:1"], "histogram_buckets": "E6"},
-                        {}).histogram_buckets == "e6"
+    assert (
+        build_config({"upstreams": ["http://a:1"]}, {}).histogram_buckets == DEFAULT_LATENCY_LAYOUT
+    )
+    assert (
+        build_config({"upstreams": ["http://a:1"], "histogram_buckets": "E6"}, {}).histogram_buckets
+        == "e6"
+    )
     with pytest.raises(ConfigError, match="histogram_buckets must be one of"):
         build_config({"upstreams": ["http://a:1"], "histogram_buckets": "e12"}, {})

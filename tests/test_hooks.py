@@ -51,8 +51,9 @@ def test_a_failing_sink_is_counted_and_the_others_still_get_the_record(
     assert fanout.errors == {"first": 0, "broken": 2, "last": 0}
     assert fanout.records_delivered == 2
     # Logged once, not once per record.
-    assert sum("disk on fire" in r.getMessage() or r.exc_text is not None
-               for r in caplog.records) == 1
+    assert (
+        sum("disk on fire" in r.getMessage() or r.exc_text is not None for r in caplog.records) == 1
+    )
 
 
 def test_sink_names_are_unique_and_protocol_is_structural() -> None:
@@ -74,8 +75,10 @@ def test_threaded_sink_delivers_everything_in_order_and_drops_when_full() -> Non
 
     inner = Slow("slow")
     threaded = ThreadedSink(inner, queue_size=2)
-    records = [RequestRecord(request_id=str(i), wall_time_ns=i, outcome=Outcome.OK,
-                             endpoint="chat") for i in range(10)]
+    records = [
+        RequestRecord(request_id=str(i), wall_time_ns=i, outcome=Outcome.OK, endpoint="chat")
+        for i in range(10)
+    ]
     for r in records:
         threaded.on_record(r)  # never blocks: the worker is stuck on the first one
     assert threaded.dropped >= 7
@@ -86,8 +89,12 @@ def test_threaded_sink_delivers_everything_in_order_and_drops_when_full() -> Non
     assert delivered == sorted(delivered, key=int) and delivered[0] == "0"
     counters = threaded.counters()
     assert counters["taken"] == 10 and counters["written"] == len(delivered)
-    assert dropped_by_reason(counters) == {"queue_full": threaded.dropped, "closed": 0,
-                                           "write_error": 0, "error": 0}
+    assert dropped_by_reason(counters) == {
+        "queue_full": threaded.dropped,
+        "closed": 0,
+        "write_error": 0,
+        "error": 0,
+    }
 
 
 async def test_a_threaded_scrape_runner_runs_below_the_traffic_and_holds_the_sinks_lock() -> None:
@@ -156,26 +163,33 @@ class FailsToClose(Lifecycle):
 
 
 def test_the_fanout_closes_each_sink_once_last_registered_first(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     journal: list[str] = []
-    first, broken, last = (Lifecycle("first", journal), FailsToClose("broken", journal),
-                           Lifecycle("last", journal))
+    first, broken, last = (
+        Lifecycle("first", journal),
+        FailsToClose("broken", journal),
+        Lifecycle("last", journal),
+    )
     bare = Collecting("bare")  # only name and on_record: nothing to close, no counters
     fanout = SinkFanout([first, broken, bare])
     fanout.add(last)
     assert all(isinstance(sink, Sink) for sink in (first, broken, last))
     assert not isinstance(bare, Sink)
     fanout.on_record(record())
-    assert fanout.counters() == {"first": {"taken": 1}, "broken": {"taken": 1}, "bare": {},
-                                 "last": {"taken": 1}}
+    assert fanout.counters() == {
+        "first": {"taken": 1},
+        "broken": {"taken": 1},
+        "bare": {},
+        "last": {"taken": 1},
+    }
     with caplog.at_level(logging.ERROR):
         failed = fanout.close(timeout_s=5)
     # Reverse order; the failure is logged and said, and the sink before it still closes.
     assert journal == ["last", "broken", "first"]
     assert failed == ["broken"] == fanout.close_failures
     assert any("'broken' failed to close" in r.getMessage() for r in caplog.records)
-    assert any("1 of 4 sinks failed to close: broken" in r.getMessage()
-               for r in caplog.records)
+    assert any("1 of 4 sinks failed to close: broken" in r.getMessage() for r in caplog.records)
     # Once: a second close closes nothing again and reports nothing.
     assert fanout.close() == [] and journal == ["last", "broken", "first"]
     assert (first.closes, broken.closes, last.closes) == (1, 1, 1)
@@ -267,7 +281,8 @@ def test_a_threaded_sink_closes_its_inner_sink_after_its_queue() -> None:
 
 
 def test_a_threaded_sink_counts_what_its_inner_sink_fails_on(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     threaded = ThreadedSink(Failing())
     with caplog.at_level(logging.ERROR):
         threaded.on_record(record())

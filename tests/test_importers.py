@@ -33,8 +33,9 @@ from sidecar.tracefile import PrefixBlocks, TraceReader, TraceRequest, request_l
 DATA = Path(__file__).resolve().parent / "data" / "traces"
 
 
-def run_import(tmp_path: Path, fmt: str, sample: str | Path, name: str = "out.jsonl",
-               **options: object) -> tuple[ImportResult, list[TraceRequest]]:
+def run_import(
+    tmp_path: Path, fmt: str, sample: str | Path, name: str = "out.jsonl", **options: object
+) -> tuple[ImportResult, list[TraceRequest]]:
     source = sample if isinstance(sample, Path) else DATA / sample
     result = import_trace(fmt, source, tmp_path / name, ImportOptions(**options))  # type: ignore[arg-type]
     return result, TraceReader(tmp_path / name).requests()
@@ -73,7 +74,9 @@ def test_mooncake_sample(tmp_path: Path) -> None:
     remarks = notes["remarks"]
     # 2000 tokens need ceil(2000/512) = 4 blocks; the row has 3: imported, and said so.
     assert remarks["hash_ids length != ceil(input_length/512)"] == {
-        "count": 1, "examples": ["line 6: 3 ids for 2000 tokens (expected 4)"]}
+        "count": 1,
+        "examples": ["line 6: 3 ids for 2000 tokens (expected 4)"],
+    }
     assert remarks["n_out = 0 (max_tokens set to 1: vLLM refuses 0)"]["examples"] == ["line 3"]
 
 
@@ -82,46 +85,52 @@ def test_mooncake_plus_sessions_delay_and_order(tmp_path: Path) -> None:
     # Source clock (ms): a@1000, a@1000+2500, b@2000 (its delay ignored), a@3500+500.
     # Sorted and rebased on the earliest (1000 ms):
     assert [(r.t, r.session_id, r.n_in) for r in requests] == [
-        (0.0, "a", 100), (1.0, "b", 50), (2.5, "a", 300), (3.0, "a", 400)]
+        (0.0, "a", 100),
+        (1.0, "b", 50),
+        (2.5, "a", 300),
+        (3.0, "a", 400),
+    ]
     assert requests[3].prefix == PrefixBlocks("tokens", 512, (9,))
     assert result.out_of_order == 1
     notes = TraceReader(tmp_path / "out.jsonl").header.notes
     remarks = notes["remarks"]
     assert remarks["t from the session's previous arrival + delay (lower bound)"] == {
-        "count": 2, "examples": ["line 2", "line 4"]}
+        "count": 2,
+        "examples": ["line 2", "line 4"],
+    }
     assert remarks["delay ignored (the row has a timestamp)"]["count"] == 1
-    assert remarks["text/messages/payload not imported (lengths only)"]["examples"] == [
-        "line 3"]
+    assert remarks["text/messages/payload not imported (lengths only)"]["examples"] == ["line 3"]
     assert "1 rows earlier than a row before them (worst 1.5 s back); sorted" in notes["order"]
     assert notes["t0_source"] == "timestamp 1000 ms"
 
 
 def test_mooncake_options_time_scale_limit_window(tmp_path: Path) -> None:
-    _, scaled = run_import(tmp_path, "mooncake", "mooncake_sample.jsonl", "a.jsonl",
-                           time_scale=0.5)
+    _, scaled = run_import(tmp_path, "mooncake", "mooncake_sample.jsonl", "a.jsonl", time_scale=0.5)
     assert [r.t for r in scaled] == [0.0, 0.0, 0.75, 1.125, 5.0]
     assert TraceReader(tmp_path / "a.jsonl").header.notes["time_scale"] == 0.5
 
-    result, limited = run_import(tmp_path, "mooncake", "mooncake_sample.jsonl", "b.jsonl",
-                                 limit=2)
+    result, limited = run_import(tmp_path, "mooncake", "mooncake_sample.jsonl", "b.jsonl", limit=2)
     assert len(limited) == 2 and result.rows_read == 2
 
-    result, late = run_import(tmp_path, "mooncake", "mooncake_sample.jsonl", "c.jsonl",
-                              start_at="2")
+    result, late = run_import(
+        tmp_path, "mooncake", "mooncake_sample.jsonl", "c.jsonl", start_at="2"
+    )
     assert [(r.t, r.n_in) for r in late] == [(0.0, 100), (7.75, 2000)]
     assert result.skipped == {"before --start-at": 3}
 
     # Window [1 s, 3 s) on the source clock: the rows at 1.5 s and 2.25 s.
-    result, window = run_import(tmp_path, "mooncake", "mooncake_sample.jsonl", "d.jsonl",
-                                start_at="1s", duration_s=2.0)
+    result, window = run_import(
+        tmp_path, "mooncake", "mooncake_sample.jsonl", "d.jsonl", start_at="1s", duration_s=2.0
+    )
     assert [(r.t, r.n_in) for r in window] == [(0.0, 1536), (0.75, 100)]
     assert result.skipped == {"before --start-at": 2, "after --start-at + --duration": 1}
     header = TraceReader(tmp_path / "d.jsonl").header
     assert header.notes["window"] == {"start_at": "1s", "duration_s": 2.0}
     assert header.notes["t0_source"] == "timestamp 1500 ms"
 
-    _, chat = run_import(tmp_path, "mooncake", "mooncake_sample.jsonl", "e.jsonl",
-                         endpoint="chat", model="my-model")
+    _, chat = run_import(
+        tmp_path, "mooncake", "mooncake_sample.jsonl", "e.jsonl", endpoint="chat", model="my-model"
+    )
     assert {(r.endpoint, r.model) for r in chat} == {("chat", "my-model")}
     assert TraceReader(tmp_path / "e.jsonl").header.models == ("my-model",)
 
@@ -177,8 +186,10 @@ def test_parse_calendar_ns() -> None:
     assert parse_calendar_ns("2023-11-16T18:15:46Z") == (base, True)
     midnight = utc_ns(2024, 5, 12, 0, 0, 0)
     assert parse_calendar_ns("2024-05-12 00:00:00+00:00") == (midnight, True)  # no fraction
-    assert parse_calendar_ns("2024-05-10 00:00:00.009930+00:00")[0] == \
-        utc_ns(2024, 5, 10, 0, 0, 0) + 9_930_000
+    assert (
+        parse_calendar_ns("2024-05-10 00:00:00.009930+00:00")[0]
+        == utc_ns(2024, 5, 10, 0, 0, 0) + 9_930_000
+    )
     # A +02:00 local time is two hours earlier in UTC.
     assert parse_calendar_ns("2024-05-12 02:00:00+02:00")[0] == midnight
     assert parse_calendar_ns("2024-05-11 22:30:00-01:30")[0] == midnight
@@ -193,7 +204,11 @@ def test_azure_2023_seven_digits_unsorted(tmp_path: Path) -> None:
     # Rows at 46.6805900, 50.9951690, 45.9 (earlier than the first row), 51.0 s past 18:15.
     # Rebased on the earliest (45.9) and sorted:
     assert [(r.t, r.n_in, r.n_out) for r in requests] == [
-        (0.0, 100, 7), (0.78059, 374, 44), (5.095169, 396, 109), (5.1, 1020, 129)]
+        (0.0, 100, 7),
+        (0.78059, 374, 44),
+        (5.095169, 396, 109),
+        (5.1, 1020, 129),
+    ]
     assert all(r.prefix is None and r.session_id is None for r in requests)
     assert result.out_of_order == 1
     header = TraceReader(tmp_path / "out.jsonl").header
@@ -203,13 +218,19 @@ def test_azure_2023_seven_digits_unsorted(tmp_path: Path) -> None:
     assert header.notes["timestamps_without_zone_read_as_utc"] == 4
     assert "sorted by t" in header.notes["order"]
     assert header.notes["remarks"]["row earlier than a row before it"]["examples"] == [
-        "line 4: 5.09517 s back"]
+        "line 4: 5.09517 s back"
+    ]
 
 
 def test_azure_2024_zone_with_and_without_fraction(tmp_path: Path) -> None:
     _, requests = run_import(tmp_path, "azure", "azure_2024_sample.csv")
     assert [(r.t, r.n_in) for r in requests] == [
-        (0.0, 2048), (0.00993, 512), (0.5, 300), (1.0, 100), (172800.0, 50)]
+        (0.0, 2048),
+        (0.00993, 512),
+        (0.5, 300),
+        (1.0, 100),
+        (172800.0, 50),
+    ]
     header = TraceReader(tmp_path / "out.jsonl").header
     assert header.source == "azure-2024"
     assert header.start_wall_ns == utc_ns(2024, 5, 10, 0, 0, 0)
@@ -218,11 +239,17 @@ def test_azure_2024_zone_with_and_without_fraction(tmp_path: Path) -> None:
 
 
 def test_azure_start_at_timestamp_and_no_sort(tmp_path: Path) -> None:
-    _, window = run_import(tmp_path, "azure", "azure_2024_sample.csv", "a.jsonl",
-                           start_at="2024-05-10 00:00:00.5+00:00")
+    _, window = run_import(
+        tmp_path,
+        "azure",
+        "azure_2024_sample.csv",
+        "a.jsonl",
+        start_at="2024-05-10 00:00:00.5+00:00",
+    )
     assert [(r.t, r.n_in) for r in window] == [(0.0, 300), (0.5, 100), (172799.5, 50)]
-    _, day = run_import(tmp_path, "azure", "azure_2024_sample.csv", "b.jsonl",
-                        start_at="2024-05-11")
+    _, day = run_import(
+        tmp_path, "azure", "azure_2024_sample.csv", "b.jsonl", start_at="2024-05-11"
+    )
     assert [(r.t, r.n_in) for r in day] == [(0.0, 50)]
     _, unsorted = run_import(tmp_path, "azure", "azure_2024_sample.csv", "c.jsonl", sort=False)
     assert [r.t for r in unsorted] == [0.0, 0.00993, 1.0, 0.5, 172800.0]
@@ -230,8 +257,11 @@ def test_azure_start_at_timestamp_and_no_sort(tmp_path: Path) -> None:
 
 
 def test_external_sort_matches_in_memory_sort(tmp_path: Path) -> None:
-    for fmt, sample in (("azure", "azure_2024_sample.csv"), ("azure", "azure_2023_sample.csv"),
-                        ("mooncake", "mooncake_plus_sample.jsonl")):
+    for fmt, sample in (
+        ("azure", "azure_2024_sample.csv"),
+        ("azure", "azure_2023_sample.csv"),
+        ("mooncake", "mooncake_plus_sample.jsonl"),
+    ):
         import_trace(fmt, DATA / sample, tmp_path / "one.jsonl")
         import_trace(fmt, DATA / sample, tmp_path / "runs.jsonl", run_lines=1)
         assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "runs.jsonl").read_text()
@@ -246,23 +276,27 @@ def test_azure_errors(tmp_path: Path) -> None:
     assert "'TIMESTAMP', 'ContextTokens'" in str(missing.value)
 
     bad_time = tmp_path / "bad_time.csv"
-    bad_time.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                        "2023-11-16 18:15:46.6805900,3,4\n"
-                        "2023-11-16 18:15:4x.1,5,6\n"
-                        "2023-11-16 18:15:47.0,7,8\n")
-    with pytest.raises(TraceImportError, match=r"bad_time.csv:3: TIMESTAMP "
-                                               r"'2023-11-16 18:15:4x.1' does not parse"):
+    bad_time.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,3,4\n"
+        "2023-11-16 18:15:4x.1,5,6\n"
+        "2023-11-16 18:15:47.0,7,8\n"
+    )
+    with pytest.raises(
+        TraceImportError,
+        match=r"bad_time.csv:3: TIMESTAMP "
+        r"'2023-11-16 18:15:4x.1' does not parse",
+    ):
         import_trace("azure", bad_time, tmp_path / "o.jsonl")
     result, requests = run_import(tmp_path, "azure", bad_time, skip_bad_rows=True)
     assert [(r.t, r.n_in) for r in requests] == [(0.0, 3), (pytest.approx(0.31941), 7)]
     skipped = TraceReader(tmp_path / "out.jsonl").header.notes["rows_skipped"]
-    (reason, detail), = skipped.items()
+    ((reason, detail),) = skipped.items()
     assert detail["count"] == 1 and detail["examples"][0].startswith("line 3: TIMESTAMP")
     assert result.rows_read == 3
 
     bad_count = tmp_path / "bad_count.csv"
-    bad_count.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                         "2023-11-16 18:15:46,3.5,4\n")
+    bad_count.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3.5,4\n")
     with pytest.raises(TraceImportError, match=r":2: ContextTokens '3.5' is not a whole"):
         import_trace("azure", bad_count, tmp_path / "o.jsonl")
 
@@ -271,8 +305,9 @@ def test_extra_columns_are_named_in_the_notes(tmp_path: Path) -> None:
     # Columns are found by name, so extra ones (Azure's 2025 multimodal trace adds NumImages)
     # and another order do not shift anything; the unmapped ones are listed.
     path = tmp_path / "lmm.csv"
-    path.write_text("TIMESTAMP,NumImages,GeneratedTokens,ContextTokens\n"
-                    "2025-01-01 00:00:00.5,2,30,1000\n")
+    path.write_text(
+        "TIMESTAMP,NumImages,GeneratedTokens,ContextTokens\n2025-01-01 00:00:00.5,2,30,1000\n"
+    )
     _, requests = run_import(tmp_path, "azure", path)
     assert [(r.t, r.n_in, r.n_out) for r in requests] == [(0.0, 1000, 30)]
     header = TraceReader(tmp_path / "out.jsonl").header
@@ -294,16 +329,22 @@ def test_header_only_and_nothing_in_window(tmp_path: Path) -> None:
     with pytest.raises(TraceImportError, match=r"no requests to import \(0 rows read\)"):
         import_trace("azure", header_only, tmp_path / "o.jsonl")
     with pytest.raises(TraceImportError, match="5 before --start-at"):
-        import_trace("mooncake", DATA / "mooncake_sample.jsonl", tmp_path / "o.jsonl",
-                     ImportOptions(start_at="1h"))
+        import_trace(
+            "mooncake",
+            DATA / "mooncake_sample.jsonl",
+            tmp_path / "o.jsonl",
+            ImportOptions(start_at="1h"),
+        )
 
 
 def test_bad_options(tmp_path: Path) -> None:
     sample = DATA / "mooncake_sample.jsonl"
-    for options, message in ((ImportOptions(time_scale=0), "--time-scale"),
-                             (ImportOptions(limit=0), "--limit"),
-                             (ImportOptions(endpoint="responses"), "--endpoint"),
-                             (ImportOptions(start_at="soon"), "--start-at")):
+    for options, message in (
+        (ImportOptions(time_scale=0), "--time-scale"),
+        (ImportOptions(limit=0), "--limit"),
+        (ImportOptions(endpoint="responses"), "--endpoint"),
+        (ImportOptions(start_at="soon"), "--start-at"),
+    ):
         with pytest.raises(TraceImportError, match=message):
             import_trace("mooncake", sample, tmp_path / "o.jsonl", options)
     with pytest.raises(TraceImportError, match="unknown format"):
@@ -327,8 +368,7 @@ def test_burstgpt_v1_failed_rows_are_marked(tmp_path: Path) -> None:
     assert [r.model for r in requests] == ["ChatGPT", "ChatGPT", "GPT-4", "ChatGPT", "GPT-4"]
     assert [r.n_in for r in requests] == [472, 1087, 417, 1360, 2000]
     assert [r.n_out for r in requests] == [18, 0, 276, 0, 500]
-    assert [r.outcome for r in requests] == [None, FAILED_IN_SOURCE, None, FAILED_IN_SOURCE,
-                                             None]
+    assert [r.outcome for r in requests] == [None, FAILED_IN_SOURCE, None, FAILED_IN_SOURCE, None]
     assert [r.max_tokens for r in requests] == [18, 1, 276, 1, 500]
     assert all(r.session_id is None and r.e2e_s is None for r in requests)
     header = TraceReader(tmp_path / "out.jsonl").header
@@ -338,14 +378,15 @@ def test_burstgpt_v1_failed_rows_are_marked(tmp_path: Path) -> None:
     assert notes["log_types"] == {"API log": 3, "Conversation log": 2}
     assert notes["t0_source"] == "Timestamp 5 s"
     assert notes["remarks"]["Total tokens != Request tokens + Response tokens"] == {
-        "count": 1, "examples": ["line 6: 2400 != 2000 + 500"]}
+        "count": 1,
+        "examples": ["line 6: 2400 != 2000 + 500"],
+    }
     failed = "failed in the source (kept: outcome failed_in_source, max_tokens 1)"
     assert notes["remarks"][failed]["examples"] == ["line 3", "line 5"]
 
 
 def test_burstgpt_drop_failed(tmp_path: Path) -> None:
-    result, requests = run_import(tmp_path, "burstgpt", "burstgpt_v1_sample.csv",
-                                  drop_failed=True)
+    result, requests = run_import(tmp_path, "burstgpt", "burstgpt_v1_sample.csv", drop_failed=True)
     assert [(r.t, r.n_in) for r in requests] == [(0.0, 472), (113.0, 417), (116.5, 2000)]
     assert result.skipped == {"failed in the source (--drop-failed)": 2}
     skipped = TraceReader(tmp_path / "out.jsonl").header.notes["rows_skipped"]
@@ -362,7 +403,8 @@ def test_burstgpt_v2_columns_by_name(tmp_path: Path) -> None:
     assert requests[1].outcome == FAILED_IN_SOURCE
     notes = TraceReader(tmp_path / "out.jsonl").header.notes
     assert notes["columns"] == "v2" and notes["remarks"].keys() == {
-        "failed in the source (kept: outcome failed_in_source, max_tokens 1)"}
+        "failed in the source (kept: outcome failed_in_source, max_tokens 1)"
+    }
 
 
 def test_burstgpt_missing_column(tmp_path: Path) -> None:
@@ -434,7 +476,8 @@ def test_real_azure_2023_first_rows(tmp_path: Path) -> None:
     first_ns, _ = parse_calendar_ns(rows[0][0])
     # t of every row = its own timestamp minus the first row's, exact to the 100 ns digit.
     assert [r.t for r in requests] == [
-        (parse_calendar_ns(row[0])[0] - first_ns) / 1e9 for row in rows]
+        (parse_calendar_ns(row[0])[0] - first_ns) / 1e9 for row in rows
+    ]
     header = TraceReader(tmp_path / "azure.jsonl.gz").header
     assert header.source == "azure-2023"
     assert header.start_wall_ns == utc_ns(2023, 11, 16, 18, 17, 3, fraction_ns=979_960_000)

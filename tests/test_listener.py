@@ -16,14 +16,16 @@ from reliability_helpers import settle, until
 from sidecar.record import Outcome
 
 CHAT = "/v1/chat/completions"
-BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                   "stream": True, "max_tokens": 3}).encode()
+BODY = json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3}
+).encode()
 
 
 def request_bytes(request_id: str, body: bytes = BODY, extra: str = "") -> bytes:
-    return (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
-            ).encode() + body
+    return (
+        f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -121,10 +123,13 @@ async def test_connections_beyond_the_cap_get_503_and_a_record() -> None:
     assert status_of(ok) == 200
 
 
-@pytest.mark.parametrize(("extra", "limit"), [
-    ("".join(f"X-H{i}: v\r\n" for i in range(30)), {"max_header_count": "20"}),
-    ("X-Big: " + "a" * 5000 + "\r\n", {"max_header_bytes": "4096"}),
-])
+@pytest.mark.parametrize(
+    ("extra", "limit"),
+    [
+        ("".join(f"X-H{i}: v\r\n" for i in range(30)), {"max_header_count": "20"}),
+        ("X-Big: " + "a" * 5000 + "\r\n", {"max_header_bytes": "4096"}),
+    ],
+)
 async def test_too_many_or_too_large_headers_get_431(extra: str, limit: dict[str, str]) -> None:
     async with stack(**limit) as s:
         reader, writer = await connect(s.url)
@@ -158,7 +163,8 @@ SMUGGLING = [
 
 @pytest.mark.parametrize("raw", SMUGGLING, ids=range(len(SMUGGLING)))
 async def test_malformed_and_smuggling_framings_are_refused_recorded_and_logged_tersely(
-        raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    raw: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger="sidecar.proxy")
     async with stack() as s:
         reader, writer = await connect(s.url)
@@ -178,8 +184,12 @@ async def test_malformed_and_smuggling_framings_are_refused_recorded_and_logged_
 async def test_expect_continue_with_an_oversized_length_gets_413_at_once() -> None:
     async with stack(max_body_bytes="1000") as s:
         reader, writer = await connect(s.url)
-        writer.write((f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nX-Request-Id: big\r\n"
-                      "Content-Length: 5000\r\nExpect: 100-continue\r\n\r\n").encode())
+        writer.write(
+            (
+                f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nX-Request-Id: big\r\n"
+                "Content-Length: 5000\r\nExpect: 100-continue\r\n\r\n"
+            ).encode()
+        )
         answer = await read_all(reader)  # without sending a byte of the body
         await close(writer)
         (record,) = await settle(s.server, s.records, 1, s.replicas)
@@ -192,7 +202,7 @@ async def test_expect_continue_gets_100_then_the_answer() -> None:
     async with stack() as s:
         reader, writer = await connect(s.url)
         head = request_bytes("cont", extra="Expect: 100-continue\r\n")
-        writer.write(head[:-len(BODY)])
+        writer.write(head[: -len(BODY)])
         interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
         writer.write(BODY)
@@ -205,13 +215,19 @@ async def test_expect_continue_gets_100_then_the_answer() -> None:
 async def test_pipelined_requests_are_answered_in_order() -> None:
     async with stack() as s:
         reader, writer = await connect(s.url)
-        writer.write(request_bytes("one") + request_bytes("two") + request_bytes(
-            "three", extra="Connection: close\r\n"))
+        writer.write(
+            request_bytes("one")
+            + request_bytes("two")
+            + request_bytes("three", extra="Connection: close\r\n")
+        )
         answer = await read_all(reader)
         await close(writer)
         records = await settle(s.server, s.records, 3, s.replicas)
-    ids = [line.split(b": ")[1].strip() for line in answer.split(b"\r\n")
-           if line.lower().startswith(b"x-request-id")]
+    ids = [
+        line.split(b": ")[1].strip()
+        for line in answer.split(b"\r\n")
+        if line.lower().startswith(b"x-request-id")
+    ]
     assert ids == [b"one", b"two", b"three"]
     assert answer.count(b"data: [DONE]") == 3
     assert all(r.outcome is Outcome.OK for r in records)
@@ -231,9 +247,13 @@ async def test_an_upstream_speaking_broken_http_is_a_502() -> None:
 
         async with proxy_to([f"http://127.0.0.1:{port}"]) as p:
             reader, writer = await connect(p.url)
-            writer.write(request_bytes("broken", body=BODY.replace(b'"stream": true',
-                                                                   b'"stream": false'),
-                                       extra="Connection: close\r\n"))
+            writer.write(
+                request_bytes(
+                    "broken",
+                    body=BODY.replace(b'"stream": true', b'"stream": false'),
+                    extra="Connection: close\r\n",
+                )
+            )
             answer = await read_all(reader)
             await close(writer)
             (record,) = await settle(p.server, p.records, 1)
@@ -261,17 +281,19 @@ async def test_open_files_limit_is_raised_to_the_hard_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@pytest.mark.parametrize(("target", "status"), [
-    ("http://evil.example:8080/v1/models?x=1", 200),  # absolute form: served as its path
-    ("*", 400),
-    ("evil.example:443", 400),  # authority form (CONNECT)
-])
+@pytest.mark.parametrize(
+    ("target", "status"),
+    [
+        ("http://evil.example:8080/v1/models?x=1", 200),  # absolute form: served as its path
+        ("*", 400),
+        ("evil.example:443", 400),  # authority form (CONNECT)
+    ],
+)
 async def test_request_targets_are_paths_for_our_upstream_only(target: str, status: int) -> None:
     async with stack() as s:
         reader, writer = await connect(s.url)
         method = "CONNECT" if ":" in target and "/" not in target else "GET"
-        writer.write(f"{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-                     .encode())
+        writer.write(f"{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
         answer = await read_all(reader)
         await close(writer)
         (record,) = await settle(s.server, s.records, 1, s.replicas)
@@ -285,7 +307,8 @@ async def test_request_targets_are_paths_for_our_upstream_only(target: str, stat
 
 
 async def test_a_failure_inside_request_parsing_still_answers_and_records(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from sidecar.proxy.listener import ClientConnection
 
     def broken(self: ClientConnection, name: bytes, value: bytes) -> None:

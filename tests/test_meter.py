@@ -32,8 +32,12 @@ KEEPALIVE = b": keep-alive\n\n"
 def with_usage(payload: str, completion: int, prompt: int = 12) -> str:
     """A chunk as vLLM sends it with continuous usage: `usage` after `choices`."""
     obj = json.loads(payload)
-    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-             "completion_tokens": completion, "completion_tokens_details": None}
+    usage = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "completion_tokens_details": None,
+    }
     out: dict[str, object] = {}
     for key, value in obj.items():
         if key == "system_fingerprint":
@@ -58,8 +62,9 @@ INJECTED = [
     DONE,
 ]
 INJECTED_BYTES = b"".join(INJECTED)
-ADDED_BOTH = UsagePlan(client_include_usage=False, client_continuous=False,
-                       add_include_usage=True, add_continuous=True)
+ADDED_BOTH = UsagePlan(
+    client_include_usage=False, client_continuous=False, add_include_usage=True, add_continuous=True
+)
 
 
 def ends(events: list[bytes]) -> list[int]:
@@ -97,8 +102,7 @@ def check_plain_split(k: int) -> None:
     assert forwarded == PLAIN_BYTES  # relayed byte for byte
     # Token events: "Hello" (event 1) and "!" (event 2), each stamped by the read completing it.
     hello_end, bang_end = ends(PLAIN)[1], ends(PLAIN)[2]
-    assert list(meter.offsets) == [100 if hello_end <= k else 200,
-                                   100 if bang_end <= k else 200]
+    assert list(meter.offsets) == [100 if hello_end <= k else 200, 100 if bang_end <= k else 200]
     assert list(meter.tokens) == [1, 1]  # no usage: one per token event, an estimate
     assert sum(written) == 2
     assert meter.token_totals == (None, 2, None, TokenSource.CHUNK_COUNT)
@@ -120,8 +124,7 @@ def check_injected_split(k: int) -> None:
     assert forwarded == PLAIN_BYTES
     assert list(meter.tokens) == [2, 1]  # from the cumulative counts 0 -> 2 -> 3
     hello_end, bang_end = ends(INJECTED)[1], ends(INJECTED)[2]
-    assert list(meter.offsets) == [100 if hello_end <= k else 200,
-                                   100 if bang_end <= k else 200]
+    assert list(meter.offsets) == [100 if hello_end <= k else 200, 100 if bang_end <= k else 200]
     assert meter.token_totals == (12, 3, None, TokenSource.USAGE)
     # The finish chunk carries a token: whichever write releases it counts it.
     assert sum(written) == 2
@@ -132,7 +135,7 @@ def test_byte_at_a_time() -> None:
     meter = StreamMeter(ORIGIN, ADDED_BOTH)
     forwarded = b""
     for i in range(len(INJECTED_BYTES)):
-        forwarded += meter.feed(INJECTED_BYTES[i:i + 1], ORIGIN + i)[0]
+        forwarded += meter.feed(INJECTED_BYTES[i : i + 1], ORIGIN + i)[0]
     forwarded += meter.close()[0]
     assert forwarded == PLAIN_BYTES
     # Stamped at the read that held each event's last byte.
@@ -164,9 +167,18 @@ def test_keepalive_releases_the_held_finish_chunk_first() -> None:
     meter = StreamMeter(ORIGIN, ADDED_BOTH)
     data = INJECTED[0] + INJECTED[1] + INJECTED[2] + KEEPALIVE + INJECTED[3] + DONE
     out, n_events, n_tokens = meter.feed(data, ORIGIN + 1)
-    assert out == PLAIN[0] + PLAIN[1] + event(with_usage(CHAT_BANG, 3)).replace(
-        b',"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3,'
-        b'"completion_tokens_details":null}', b"") + KEEPALIVE + DONE
+    assert (
+        out
+        == PLAIN[0]
+        + PLAIN[1]
+        + event(with_usage(CHAT_BANG, 3)).replace(
+            b',"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3,'
+            b'"completion_tokens_details":null}',
+            b"",
+        )
+        + KEEPALIVE
+        + DONE
+    )
     assert (n_events, n_tokens) == (5, 2)
     assert meter.events == 6
 
@@ -180,21 +192,28 @@ def test_error_event_is_the_outcome_but_the_stream_goes_on() -> None:
     assert meter.fatal is None
     assert meter.failure is not None
     assert (meter.failure.outcome, meter.failure.error_type, meter.failure.status) == (
-        Outcome.HTTP_ERROR, "InternalServerError", 500)
+        Outcome.HTTP_ERROR,
+        "InternalServerError",
+        500,
+    )
     assert meter.failure.message == "Internal server error"
 
 
-@pytest.mark.parametrize(("tail", "cause"), [
-    (b"", "stream_cut_without_done"),
-    (b'data: {"id":"chatcmpl-abc123","obj', "stream_cut_mid_event"),
-])
+@pytest.mark.parametrize(
+    ("tail", "cause"),
+    [
+        (b"", "stream_cut_without_done"),
+        (b'data: {"id":"chatcmpl-abc123","obj', "stream_cut_mid_event"),
+    ],
+)
 def test_stream_cut_before_done(tail: bytes, cause: str) -> None:
     meter = StreamMeter(ORIGIN, ADDED_BOTH)
     data = INJECTED[0] + INJECTED[1] + INJECTED[2] + tail
     out, _, _ = meter.feed(data, ORIGIN + 3)
     held, n_events, n_tokens = meter.close()
     assert out + held == PLAIN[0] + PLAIN[1] + PLAIN[2].replace(
-        b',"system_fingerprint":"' + FINGERPRINT.encode() + b'"', b"")
+        b',"system_fingerprint":"' + FINGERPRINT.encode() + b'"', b""
+    )
     assert (n_events, n_tokens) == (1, 1)  # the held finish chunk goes out without a fingerprint
     assert meter.fatal is not None and meter.fatal.error_type == cause
     assert meter.failure == meter.fatal
@@ -239,9 +258,13 @@ def _with_bad_usage(payload: str, bad: object) -> str:
     # NaN is not JSON; vLLM's encoder never writes it, a hostile one might.
     obj = json.loads(with_usage(payload, 2))
     obj["usage"]["completion_tokens"] = bad
-    return json.dumps(obj, separators=(",", ":")) if bad == bad else \
-        json.dumps(obj, separators=(",", ":")).replace('"completion_tokens":null', \
-                                                       '"completion_tokens":NaN')
+    return (
+        json.dumps(obj, separators=(",", ":"))
+        if bad == bad
+        else json.dumps(obj, separators=(",", ":")).replace(
+            '"completion_tokens":null', '"completion_tokens":NaN'
+        )
+    )
 
 
 @pytest.mark.parametrize("bad", [*BAD_USAGE_VALUES, float("nan")])
@@ -250,8 +273,13 @@ def test_usage_that_cannot_be_believed_is_cut_counted_and_never_trusted(bad: obj
     out of range, negative, fractional, a string or NaN is malformed usage: the chunk's text is
     still measured and relayed, the injected member still cut out, and no count is trusted."""
     hello = _with_bad_usage(CHAT_HELLO, bad)
-    stream = [event(with_usage(CHAT_ROLE, 0)), event(hello), event(with_usage(CHAT_BANG, 3)),
-              event(CHAT_USAGE), DONE]
+    stream = [
+        event(with_usage(CHAT_ROLE, 0)),
+        event(hello),
+        event(with_usage(CHAT_BANG, 3)),
+        event(CHAT_USAGE),
+        DONE,
+    ]
     meter = StreamMeter(ORIGIN, ADDED_BOTH)
     out, _, n_tokens = meter.feed(b"".join(stream), ORIGIN + 5)
     tail, _, tail_tokens = meter.close()
@@ -295,8 +323,11 @@ def test_assembler_gets_every_chunk_and_nothing_is_forwarded() -> None:
 def test_assembled_body_follows_the_upstreams_version(version: str) -> None:
     """0.33 puts `weight_versions` on every choice, streamed and whole; 0.32 nowhere. The
     assembled body has it exactly when the stream did."""
-    stream = INJECTED_BYTES if version == "0.33" else INJECTED_BYTES.replace(
-        b',"weight_versions":null', b"")
+    stream = (
+        INJECTED_BYTES
+        if version == "0.33"
+        else INJECTED_BYTES.replace(b',"weight_versions":null', b"")
+    )
     assembler = StreamAssembler("chat")
     meter = StreamMeter(ORIGIN, forward=False, assembler=assembler)
     meter.feed(stream, ORIGIN)
@@ -312,8 +343,12 @@ def test_assembled_metrics_have_the_whole_answers_fields(version: str) -> None:
     """The usage chunk carries vLLM's per-request metrics without its None fields (0.32 dumps
     it with exclude_none); the whole answer has every field, null when unknown, and in 0.32
     also speculative_decoding (0.33 dropped it)."""
-    metrics = {"time_to_first_token_ms": 9.5, "generation_time_ms": 4.5, "queue_time_ms": 0.03,
-               "tokens_per_second": 217.0}  # mean_itl_ms None: left out of the chunk
+    metrics = {
+        "time_to_first_token_ms": 9.5,
+        "generation_time_ms": 4.5,
+        "queue_time_ms": 0.03,
+        "tokens_per_second": 217.0,
+    }  # mean_itl_ms None: left out of the chunk
     usage_chunk = json.loads(CHAT_USAGE)
     usage_chunk["metrics"] = metrics
     stream = INJECTED_BYTES.replace(event(CHAT_USAGE), event(json.dumps(usage_chunk)))
@@ -322,8 +357,13 @@ def test_assembled_metrics_have_the_whole_answers_fields(version: str) -> None:
     assembler = StreamAssembler("chat")
     StreamMeter(ORIGIN, forward=False, assembler=assembler).feed(stream, ORIGIN)
     whole = json.loads(assembler.body())["metrics"]
-    expected = {"time_to_first_token_ms": 9.5, "generation_time_ms": 4.5, "queue_time_ms": 0.03,
-                "mean_itl_ms": None, "tokens_per_second": 217.0}
+    expected = {
+        "time_to_first_token_ms": 9.5,
+        "generation_time_ms": 4.5,
+        "queue_time_ms": 0.03,
+        "mean_itl_ms": None,
+        "tokens_per_second": 217.0,
+    }
     if version == "0.32":
         expected["speculative_decoding"] = None
     assert whole == expected and list(whole) == list(expected)
@@ -340,14 +380,21 @@ def test_text_is_kept_only_when_asked() -> None:
 
 def test_per_request_metrics_become_engine_timing() -> None:
     usage_with_metrics = json.loads(CHAT_USAGE)
-    usage_with_metrics["metrics"] = {"time_to_first_token_ms": 12.5, "generation_time_ms": 40.0,
-                                     "queue_time_ms": 1.5, "mean_itl_ms": 8.0,
-                                     "tokens_per_second": 75.0}
+    usage_with_metrics["metrics"] = {
+        "time_to_first_token_ms": 12.5,
+        "generation_time_ms": 40.0,
+        "queue_time_ms": 1.5,
+        "mean_itl_ms": 8.0,
+        "tokens_per_second": 75.0,
+    }
     meter = StreamMeter(ORIGIN, NO_CHANGE)
     meter.feed(event(CHAT_HELLO) + event(json.dumps(usage_with_metrics)) + DONE, ORIGIN)
     assert meter.engine is not None
-    assert (meter.engine.time_to_first_token_ms, meter.engine.queue_time_ms,
-            meter.engine.mean_itl_ms) == (12.5, 1.5, 8.0)
+    assert (
+        meter.engine.time_to_first_token_ms,
+        meter.engine.queue_time_ms,
+        meter.engine.mean_itl_ms,
+    ) == (12.5, 1.5, 8.0)
     # The usage chunk's total is authoritative over the per-event estimate (1 token for Hello).
     assert meter.token_totals == (12, 3, None, TokenSource.USAGE_TOTAL)
 
@@ -378,10 +425,12 @@ def long_stream(usage: bool) -> list[bytes]:
     return [*events, DONE]
 
 
-@pytest.mark.parametrize(("usage", "plan"), [(False, NO_CHANGE), (True, ADDED_BOTH),
-                                             (True, NO_CHANGE)])
+@pytest.mark.parametrize(
+    ("usage", "plan"), [(False, NO_CHANGE), (True, ADDED_BOTH), (True, NO_CHANGE)]
+)
 def test_one_token_event_per_read_skips_the_parser_and_changes_nothing(
-        usage: bool, plan: UsagePlan) -> None:
+    usage: bool, plan: UsagePlan
+) -> None:
     """The common read (one whole token event) is taken without the SSE parser: what comes out
     equals the general loop's (a text-keeping meter never takes that lane), stamp for stamp."""
     stream = long_stream(usage)
@@ -436,19 +485,36 @@ def test_n2_finish_chunk_that_must_leave_early_gets_the_fingerprint_known() -> N
     usage chunk (choice 1's events follow it), so it leaves with the fingerprint the replica
     sent before; choice 1's gets the one of the usage chunk. Without one known, it leaves as
     vLLM sent it (no fingerprint): the first such request a replica serves."""
-    plain = [event(choice(CHAT_HELLO, 0)), event(choice(CHAT_BANG, 0)),
-             event(choice(CHAT_HELLO, 1)), event(choice(CHAT_BANG, 1)), DONE]
-    injected = [event(with_usage(choice(CHAT_HELLO, 0), 1)),
-                event(with_usage(choice(CHAT_BANG, 0), 2)),
-                event(with_usage(choice(CHAT_HELLO, 1), 1)),
-                event(with_usage(choice(CHAT_BANG, 1), 2)),
-                event(CHAT_USAGE.replace('"completion_tokens":3', '"completion_tokens":4')
-                      .replace('"total_tokens":15', '"total_tokens":16')), DONE]
-    for hint, first_finish in ((FINGERPRINT, plain[1]),
-                               (None, event(with_usage(choice(CHAT_BANG, 0), 2)).replace(
-                                   b',"usage":{"prompt_tokens":12,"total_tokens":14,'
-                                   b'"completion_tokens":2,"completion_tokens_details":null}',
-                                   b""))):
+    plain = [
+        event(choice(CHAT_HELLO, 0)),
+        event(choice(CHAT_BANG, 0)),
+        event(choice(CHAT_HELLO, 1)),
+        event(choice(CHAT_BANG, 1)),
+        DONE,
+    ]
+    injected = [
+        event(with_usage(choice(CHAT_HELLO, 0), 1)),
+        event(with_usage(choice(CHAT_BANG, 0), 2)),
+        event(with_usage(choice(CHAT_HELLO, 1), 1)),
+        event(with_usage(choice(CHAT_BANG, 1), 2)),
+        event(
+            CHAT_USAGE.replace('"completion_tokens":3', '"completion_tokens":4').replace(
+                '"total_tokens":15', '"total_tokens":16'
+            )
+        ),
+        DONE,
+    ]
+    for hint, first_finish in (
+        (FINGERPRINT, plain[1]),
+        (
+            None,
+            event(with_usage(choice(CHAT_BANG, 0), 2)).replace(
+                b',"usage":{"prompt_tokens":12,"total_tokens":14,'
+                b'"completion_tokens":2,"completion_tokens_details":null}',
+                b"",
+            ),
+        ),
+    ):
         meter = StreamMeter(ORIGIN, ADDED_BOTH, fingerprint=hint)
         forwarded = b"".join(meter.feed(raw, ORIGIN + i)[0] for i, raw in enumerate(injected))
         forwarded += meter.close()[0]

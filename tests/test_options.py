@@ -87,8 +87,9 @@ def _value(config: ProxyConfig, name: str) -> Any:
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_every_setting_works_from_the_environment_and_the_config_file(name: str,
-                                                                      tmp_path: Any) -> None:
+def test_every_setting_works_from_the_environment_and_the_config_file(
+    name: str, tmp_path: Any
+) -> None:
     text, value, needs = _sample(name, tmp_path)
     base = {} if name == "upstreams" else {"upstreams": UPSTREAM}
     environ = {f"SIDECAR_{key.upper()}": raw for key, raw in {**base, **needs, name: text}.items()}
@@ -106,8 +107,10 @@ def test_every_setting_with_help_has_its_flag(name: str, tmp_path: Any) -> None:
     flag = "--" + (declared.flag or name).replace("_", "-")
     argv = [] if name == "upstreams" else ["--upstream", UPSTREAM]
     for other, raw in needs.items():
-        argv += ["--" + next((a for a, n in ALIASES.items() if n == other), other)
-                 .replace("_", "-"), raw]
+        argv += [
+            "--" + next((a for a, n in ALIASES.items() if n == other), other).replace("_", "-"),
+            raw,
+        ]
     if declared.port is not None:
         argv += [flag, f"{text}:9999"]
     elif declared.kind is BOOL:
@@ -121,11 +124,17 @@ def test_every_setting_with_help_has_its_flag(name: str, tmp_path: Any) -> None:
 
 
 def test_the_names_users_know_are_derived_unchanged() -> None:
-    assert ALIASES == {"upstream": "upstreams", "slo_class": "slo_classes",
-                       "slo_model_class": "slo_model_classes", "window": "window_s",
-                       "capture": "capture_dir"}
-    assert HOSTPORTS == {"listen": ("listen_host", "listen_port"),
-                         "metrics_listen": ("metrics_host", "metrics_port")}
+    assert ALIASES == {
+        "upstream": "upstreams",
+        "slo_class": "slo_classes",
+        "slo_model_class": "slo_model_classes",
+        "window": "window_s",
+        "capture": "capture_dir",
+    }
+    assert HOSTPORTS == {
+        "listen": ("listen_host", "listen_port"),
+        "metrics_listen": ("metrics_host", "metrics_port"),
+    }
     assert set(SETTING_NAMES) == {f.name for f in fields(ProxyConfig)} | set(HOSTPORTS)
 
 
@@ -166,8 +175,7 @@ def test_a_field_not_declared_as_a_setting_is_refused() -> None:
 
 def test_conversion_errors_name_the_setting() -> None:
     with pytest.raises(ConfigError, match="max_concurrency: not an integer: 'many'"):
-        build_config({}, environ={"SIDECAR_UPSTREAMS": UPSTREAM,
-                                  "SIDECAR_MAX_CONCURRENCY": "many"})
+        build_config({}, environ={"SIDECAR_UPSTREAMS": UPSTREAM, "SIDECAR_MAX_CONCURRENCY": "many"})
 
 
 # -- replay: the command line and scripts build the same options --------------------------

@@ -84,18 +84,34 @@ def test_single_token_replies_split_the_tools() -> None:
 
 async def test_replay_reports_peer_definitions_and_exports_vllm_json(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
-    write_trace(trace, TraceHeader(source="test"),
-                [TraceRequest(t=i * 0.01, n_in=8, n_out=4) for i in range(5)])
-    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
-        step_floor_s=0.002, per_token_s=0.0)), 1)
+    write_trace(
+        trace,
+        TraceHeader(source="test"),
+        [TraceRequest(t=i * 0.01, n_in=8, n_out=4) for i in range(5)],
+    )
+    replicas = await start_replicas(
+        SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0)), 1
+    )
     out, vllm_json = tmp_path / "out", tmp_path / "vllm.json"
     import argparse
 
     parser = argparse.ArgumentParser()
     replay_cli.add_arguments(parser)
-    args = parser.parse_args([str(trace), "--target", replicas[0].url, "--repeats", "1",
-                              "--no-progress", "--output-dir", str(out), "--peer-definitions",
-                              "--export-vllm-bench", str(vllm_json)])
+    args = parser.parse_args(
+        [
+            str(trace),
+            "--target",
+            replicas[0].url,
+            "--repeats",
+            "1",
+            "--no-progress",
+            "--output-dir",
+            str(out),
+            "--peer-definitions",
+            "--export-vllm-bench",
+            str(vllm_json),
+        ]
+    )
     try:
         assert await replay_cli.run(args) == 0
     finally:
@@ -124,20 +140,42 @@ async def test_replay_reports_peer_definitions_and_exports_vllm_json(tmp_path: P
 NONE = type(None)
 FLOATS, INTS, STRS = "list[float]", "list[int]", "list[str]"
 VLLM_BENCH_KEYS: dict[str, Any] = {
-    "date": str, "endpoint_type": str, "backend": str, "label": (str, NONE),
-    "model_id": str, "tokenizer_id": (str, NONE), "num_prompts": int,
+    "date": str,
+    "endpoint_type": str,
+    "backend": str,
+    "label": (str, NONE),
+    "model_id": str,
+    "tokenizer_id": (str, NONE),
+    "num_prompts": int,
     "request_rate": (float, str),  # a float, or the string "inf"
-    "burstiness": float, "max_concurrency": (int, NONE),
-    "duration": float, "completed": int, "failed": int, "total_input_tokens": int,
-    "total_output_tokens": int, "request_throughput": float,
+    "burstiness": float,
+    "max_concurrency": (int, NONE),
+    "duration": float,
+    "completed": int,
+    "failed": int,
+    "total_input_tokens": int,
+    "total_output_tokens": int,
+    "request_throughput": float,
     "request_goodput": (float, NONE),  # None without --goodput
-    "output_throughput": float, "total_token_throughput": float,
-    "input_lens": INTS, "output_lens": INTS, "ttfts": FLOATS, "itls": "list[list[float]]",
-    "latencies": FLOATS, "start_times": FLOATS, "queue_times": FLOATS,
-    "generated_texts": STRS, "errors": STRS,
-    "max_output_tokens_per_s": float, "max_concurrent_requests": int, "rtfx": float,
-    **{f"{stat}_{metric}_ms": float for metric in ("ttft", "tpot", "itl")
-       for stat in ("mean", "median", "std", "p99")},
+    "output_throughput": float,
+    "total_token_throughput": float,
+    "input_lens": INTS,
+    "output_lens": INTS,
+    "ttfts": FLOATS,
+    "itls": "list[list[float]]",
+    "latencies": FLOATS,
+    "start_times": FLOATS,
+    "queue_times": FLOATS,
+    "generated_texts": STRS,
+    "errors": STRS,
+    "max_output_tokens_per_s": float,
+    "max_concurrent_requests": int,
+    "rtfx": float,
+    **{
+        f"{stat}_{metric}_ms": float
+        for metric in ("ttft", "tpot", "itl")
+        for stat in ("mean", "median", "std", "p99")
+    },
 }
 
 
@@ -153,12 +191,20 @@ def has_type(value: Any, expected: Any) -> bool:
     return type(value) in (expected if isinstance(expected, tuple) else (expected,))
 
 
-def vllm_bench_buckets(start_times: list[float], latencies: list[float], ttfts: list[float],
-                       itls: list[list[float]], ok: list[bool]) -> tuple[float, int]:
+def vllm_bench_buckets(
+    start_times: list[float],
+    latencies: list[float],
+    ttfts: list[float],
+    itls: list[list[float]],
+    ok: list[bool],
+) -> tuple[float, int]:
     """vLLM 0.32.0's `calculate_metrics` peak computation, transcribed from its source, run on
     an export's per-request lists."""
-    outputs = [(s, lat, t, i) for s, lat, t, i, good in
-               zip(start_times, latencies, ttfts, itls, ok, strict=True) if good]
+    outputs = [
+        (s, lat, t, i)
+        for s, lat, t, i, good in zip(start_times, latencies, ttfts, itls, ok, strict=True)
+        if good
+    ]
     min_start_time = min(s for s, *_ in outputs)
     max_end_time = max(s + lat for s, lat, *_ in outputs)
     duration_seconds = int(np.ceil(max_end_time - min_start_time)) + 1
@@ -181,8 +227,7 @@ def vllm_bench_buckets(start_times: list[float], latencies: list[float], ttfts: 
     return float(np.max(tokens_per_second)), int(np.max(concurrent_requests_per_second))
 
 
-def sent_request(index: int, send_s: float, chunks_s: list[float], ok: bool = True
-                 ) -> SentRequest:
+def sent_request(index: int, send_s: float, chunks_s: list[float], ok: bool = True) -> SentRequest:
     end_ms = (chunks_s[-1] if chunks_s else 0.01) * 1000
     rec = record([(c * 1000, 1) for c in chunks_s], len(chunks_s), end_ms)
     if not ok:
@@ -194,22 +239,31 @@ def test_vllm_bench_peaks_are_per_second_buckets_and_the_exact_peak_is_kept() ->
     """Two requests that never overlap, in one second: vllm bench's per-second count says 2,
     the exact peak 1. A failed request counts in neither of vllm bench's figures (it does in
     the exact one); each chunk counts one "token" in its second."""
-    sent = [sent_request(0, 0.1, [0.05, 0.1, 0.2]), sent_request(1, 0.5, [0.1, 0.3]),
-            sent_request(2, 1.2, [0.1]), sent_request(3, 0.15, [0.05], ok=False)]
+    sent = [
+        sent_request(0, 0.1, [0.05, 0.1, 0.2]),
+        sent_request(1, 0.5, [0.1, 0.3]),
+        sent_request(2, 1.2, [0.1]),
+        sent_request(3, 0.15, [0.05], ok=False),
+    ]
     assert vllm_bench_peaks(sent) == (5.0, 2)
     report = run_report(sent, mode="open")
     assert report["max_concurrent_requests"] == 2
     assert report["max_in_flight_requests"] == 2  # 0.15-0.2: requests 0 and 3 (failed)
     assert run_report(sent[:3], mode="open")["max_in_flight_requests"] == 1
     lists = vllm_bench_json({"envelope": {"mode": "open"}}, sent)
-    assert vllm_bench_buckets(lists["start_times"], lists["latencies"], lists["ttfts"],
-                              lists["itls"], [e == "" for e in lists["errors"]]) == (5.0, 2)
-
+    assert vllm_bench_buckets(
+        lists["start_times"],
+        lists["latencies"],
+        lists["ttfts"],
+        lists["itls"],
+        [e == "" for e in lists["errors"]],
+    ) == (5.0, 2)
 
 
 def test_a_traces_arrivals_are_stated_as_vllm_bench_states_a_load() -> None:
     """A replay on the trace's own times: request_rate is their mean rate, (n - 1) / span, and
     burstiness the moment estimate of the Gamma shape of the gaps (mean^2 / variance)."""
+
     def scheduled(*times_s: float) -> list[SentRequest]:
         return [sent_request(i, t, [0.01]) for i, t in enumerate(times_s)]
 
@@ -220,30 +274,40 @@ def test_a_traces_arrivals_are_stated_as_vllm_bench_states_a_load() -> None:
     assert how.startswith("the trace's own arrival times")
     assert offered_arrivals({"mode": "open"}, scheduled(0.5, 0.5))[:2] == ("inf", 1.0)
     assert offered_arrivals({"mode": "open"}, scheduled(0.0, 0.1, 0.2))[1] == float("inf")
-    assert offered_arrivals({"mode": "open", "rate": 8, "burstiness": 0.25},
-                            scheduled(0.0))[:2] == (8.0, 0.25)
+    assert offered_arrivals({"mode": "open", "rate": 8, "burstiness": 0.25}, scheduled(0.0))[
+        :2
+    ] == (8.0, 0.25)
     assert offered_arrivals({"mode": "closed"}, scheduled(0.0))[:2] == ("inf", 1.0)
+
 
 def test_vllm_bench_reads_speculative_decoding_counters_as_vllm_bench_does() -> None:
     def exposition(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> str:
-        lines = ["# HELP vllm:spec_decode_num_drafts_total drafts",
-                 f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}.0',
-                 f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {draft_tokens}.0',
-                 f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}.0',
-                 'vllm:spec_decode_num_drafts_created 1.7e9']
-        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
-                  f'position="{i}"}} {n}.0' for i, n in enumerate(per_pos)]
+        lines = [
+            "# HELP vllm:spec_decode_num_drafts_total drafts",
+            f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}.0',
+            f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {draft_tokens}.0',
+            f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}.0',
+            "vllm:spec_decode_num_drafts_created 1.7e9",
+        ]
+        lines += [
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
+            f'position="{i}"}} {n}.0'
+            for i, n in enumerate(per_pos)
+        ]
         return "\n".join(lines) + "\n"
 
     before = vllm_bench_counters(exposition(10, 30, 12, [6, 4, 2]))
     after = vllm_bench_counters(exposition(30, 90, 42, [22, 14, 6]))
     assert vllm_bench_counters("vllm:num_requests_running 3\n") == {
-        "spec_decode": None, "diffusion": None}
+        "spec_decode": None,
+        "diffusion": None,
+    }
     keys = vllm_bench_server_keys(before, after, 2.0)
     assert keys == {
         "spec_decode_acceptance_rate": pytest.approx(30 / 60 * 100),
         "spec_decode_acceptance_length": pytest.approx(1 + 30 / 20),
-        "spec_decode_num_drafts": 20, "spec_decode_draft_tokens": 60,
+        "spec_decode_num_drafts": 20,
+        "spec_decode_draft_tokens": 60,
         "spec_decode_accepted_tokens": 30,
         "spec_decode_per_position_acceptance_rates": pytest.approx([16 / 20, 10 / 20, 4 / 20]),
     }
@@ -257,23 +321,54 @@ def vllm_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     arrival process on /v1/completions with an SLO, and closed loop on /v1/chat/completions."""
     tmp = tmp_path_factory.mktemp("vllm-bench")
     trace = tmp / "t.jsonl"
-    write_trace(trace, TraceHeader(source="test"),
-                [TraceRequest(t=i * 0.02, n_in=8 + i, n_out=2 + i % 3) for i in range(8)])
-    sim = subprocess.Popen([sys.executable, "-m", "sidecar", "sim", "--one-process",
-                            "--port", "0", "--step-floor-s", "0.002"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    write_trace(
+        trace,
+        TraceHeader(source="test"),
+        [TraceRequest(t=i * 0.02, n_in=8 + i, n_out=2 + i % 3) for i in range(8)],
+    )
+    sim = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "sim",
+            "--one-process",
+            "--port",
+            "0",
+            "--step-floor-s",
+            "0.002",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     exports = {"completions": tmp / "completions.json", "chat": tmp / "chat.json"}
     try:
         assert sim.stdout is not None
         match = re.search(r"listening on (http://\S+)", sim.stdout.readline())
         assert match is not None
-        common = [sys.executable, "-m", "sidecar", "replay", str(trace), "--target",
-                  match.group(1), "--repeats", "1", "--no-progress"]
-        for name, extra in (("completions", ["--rate", "40", "--burstiness", "0.5",
-                                             "--slo", "ttft=5s"]),
-                            ("chat", ["--endpoint", "chat", "--max-concurrency", "2"])):
-            done = subprocess.run([*common, *extra, "--export-vllm-bench", str(exports[name])],
-                                  capture_output=True, text=True, timeout=120)
+        common = [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "replay",
+            str(trace),
+            "--target",
+            match.group(1),
+            "--repeats",
+            "1",
+            "--no-progress",
+        ]
+        for name, extra in (
+            ("completions", ["--rate", "40", "--burstiness", "0.5", "--slo", "ttft=5s"]),
+            ("chat", ["--endpoint", "chat", "--max-concurrency", "2"]),
+        ):
+            done = subprocess.run(
+                [*common, *extra, "--export-vllm-bench", str(exports[name])],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 0, done.stderr
     finally:
         sim.terminate()
@@ -285,22 +380,37 @@ def vllm_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_the_export_has_every_key_vllm_bench_writes_with_its_type(
-        vllm_exports: dict[str, Path]) -> None:
+    vllm_exports: dict[str, Path],
+) -> None:
     for name, path in vllm_exports.items():
         with path.open("rb") as handle:  # as vllm's sweep reads a result (sweep/serve.py)
             exported = json.load(handle)
         missing = sorted(set(VLLM_BENCH_KEYS) - set(exported))
         assert missing == [], (name, missing)
-        wrong = {key: repr(exported[key])[:60] for key, expected in VLLM_BENCH_KEYS.items()
-                 if not has_type(exported[key], expected)}
+        wrong = {
+            key: repr(exported[key])[:60]
+            for key, expected in VLLM_BENCH_KEYS.items()
+            if not has_type(exported[key], expected)
+        }
         assert wrong == {}, (name, wrong)
         # vllm bench's own key order for what it writes first.
         assert list(exported)[:10] == list(VLLM_BENCH_KEYS)[:10]
         assert exported["request_rate"] == "inf" or isinstance(exported["request_rate"], float)
         n = exported["num_prompts"]
-        assert n == 8 and all(len(exported[key]) == n for key in (
-            "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
-            "queue_times", "generated_texts", "errors"))
+        assert n == 8 and all(
+            len(exported[key]) == n
+            for key in (
+                "input_lens",
+                "output_lens",
+                "ttfts",
+                "itls",
+                "latencies",
+                "start_times",
+                "queue_times",
+                "generated_texts",
+                "errors",
+            )
+        )
 
 
 def test_the_export_means_what_vllm_bench_means(vllm_exports: dict[str, Path]) -> None:
@@ -312,8 +422,11 @@ def test_the_export_means_what_vllm_bench_means(vllm_exports: dict[str, Path]) -
     assert completions["model_id"] == chat["model_id"] == "sim-model"
     # The load as vllm bench states it: a rate and a Gamma shape, or everything released at
     # once with a concurrency limit.
-    assert (completions["request_rate"], completions["burstiness"],
-            completions["max_concurrency"]) == (40.0, 0.5, None)
+    assert (
+        completions["request_rate"],
+        completions["burstiness"],
+        completions["max_concurrency"],
+    ) == (40.0, 0.5, None)
     assert (chat["request_rate"], chat["burstiness"], chat["max_concurrency"]) == ("inf", 1.0, 2)
     assert completions["request_goodput"] is not None and chat["request_goodput"] is None
     for exported in (completions, chat):
@@ -323,17 +436,20 @@ def test_the_export_means_what_vllm_bench_means(vllm_exports: dict[str, Path]) -
         assert exported["total_input_tokens"] == sum(exported["input_lens"])
         # A success's latency is its last chunk: vllm bench's timeline rebuilds it as
         # ttft + sum(itls) (serve.py, --plot-timeline).
-        for latency, ttft, itl in zip(exported["latencies"], exported["ttfts"],
-                                      exported["itls"], strict=True):
+        for latency, ttft, itl in zip(
+            exported["latencies"], exported["ttfts"], exported["itls"], strict=True
+        ):
             assert latency == pytest.approx(ttft + sum(itl), abs=1e-6)
         # The peaks, recomputed from the export's own lists by vllm bench's code.
         ok = [error == "" for error in exported["errors"]]
-        assert vllm_bench_buckets(exported["start_times"], exported["latencies"],
-                                  exported["ttfts"], exported["itls"], ok) == (
-            exported["max_output_tokens_per_s"], exported["max_concurrent_requests"])
+        assert vllm_bench_buckets(
+            exported["start_times"], exported["latencies"], exported["ttfts"], exported["itls"], ok
+        ) == (exported["max_output_tokens_per_s"], exported["max_concurrent_requests"])
         assert 1 <= exported["sidecar_max_in_flight_requests"] <= 8
-        assert exported["generated_texts"] == [""] * 8 and "generated_texts" in \
-            exported["sidecar_not_measured"]
+        assert (
+            exported["generated_texts"] == [""] * 8
+            and "generated_texts" in exported["sidecar_not_measured"]
+        )
         assert exported["rtfx"] == 0.0 and exported["tokenizer_id"] is None
     assert chat["sidecar_max_in_flight_requests"] <= 2
     assert completions["input_lens"] == [8 + i for i in range(8)]  # completions: exact
@@ -343,7 +459,7 @@ def test_the_export_means_what_vllm_bench_means(vllm_exports: dict[str, Path]) -
     assert sorted(chat["queue_times"])[2] > 0  # the third request waited for a slot
 
 
-VLLM_READERS = r'''
+VLLM_READERS = r"""
 import json, sys
 from pathlib import Path
 
@@ -385,12 +501,11 @@ for name, export in zip(sys.argv[2::2], sys.argv[3::2]):
                  "tokens_per_user": prepared[0]["tokens_per_user"],
                  "segments": len(timeline)}
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 @pytest.mark.slow
-def test_vllms_own_readers_load_the_export(vllm_exports: dict[str, Path],
-                                           tmp_path: Path) -> None:
+def test_vllms_own_readers_load_the_export(vllm_exports: dict[str, Path], tmp_path: Path) -> None:
     """vLLM's result readers, run from its wheel on the exports: the sweep's reading and
     annotating of a result, its plot and Pareto plot over summary.json (dry runs: the venv has
     no pandas), and --plot-timeline's per-request table."""
@@ -408,8 +523,10 @@ def test_vllms_own_readers_load_the_export(vllm_exports: dict[str, Path],
     chat = json.loads(vllm_exports["chat"].read_text())
     # Pareto's users per run: its request_rate ("inf" read as infinity).
     assert result["completions"] == {
-        "skipped": 0, "user_count": 40.0,
+        "skipped": 0,
+        "user_count": 40.0,
         "tokens_per_user": pytest.approx(completions["output_throughput"] / 40.0),
-        "segments": 8 + sum(len(itl) for itl in completions["itls"])}
+        "segments": 8 + sum(len(itl) for itl in completions["itls"]),
+    }
     assert result["chat"]["user_count"] == float("inf")  # as for vllm bench's own closed loop
     assert result["chat"]["segments"] == 8 + sum(len(itl) for itl in chat["itls"])

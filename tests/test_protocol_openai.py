@@ -329,34 +329,54 @@ def test_malformed_inputs(data: str) -> None:
     "data,kind",
     [
         ('{"choices": [], "usage": 5}', ChunkKind.USAGE),
-        ('{"choices": [], "usage": {"prompt_tokens": "12", "completion_tokens": 3}}',
-         ChunkKind.USAGE),
+        (
+            '{"choices": [], "usage": {"prompt_tokens": "12", "completion_tokens": 3}}',
+            ChunkKind.USAGE,
+        ),
         ('{"usage": {"prompt_tokens": -1, "completion_tokens": 3}}', ChunkKind.USAGE),
         ('{"choices": [{"text": "a"}], "usage": {"completion_tokens": 3}}', ChunkKind.TOKEN),
-        ('{"choices": [{"text": "a"}], "usage": {"prompt_tokens": 1, "completion_tokens": '
-         + str(2**63) + "}}", ChunkKind.TOKEN),
-        ('{"choices": [{"text": "a"}], "usage": {"prompt_tokens": 1, "completion_tokens": '
-         + str(2**53) + "}}", ChunkKind.TOKEN),
-        ('{"choices": [{"text": "a"}], "usage": {"prompt_tokens": 1.0, "completion_tokens": 1}}',
-         ChunkKind.TOKEN),
-        ('{"choices": [{"text": "a"}], "usage": {"prompt_tokens": NaN, "completion_tokens": 1}}',
-         ChunkKind.TOKEN),
+        (
+            '{"choices": [{"text": "a"}], "usage": {"prompt_tokens": 1, "completion_tokens": '
+            + str(2**63)
+            + "}}",
+            ChunkKind.TOKEN,
+        ),
+        (
+            '{"choices": [{"text": "a"}], "usage": {"prompt_tokens": 1, "completion_tokens": '
+            + str(2**53)
+            + "}}",
+            ChunkKind.TOKEN,
+        ),
+        (
+            '{"choices": [{"text": "a"}], "usage": {"prompt_tokens": 1.0, "completion_tokens": 1}}',
+            ChunkKind.TOKEN,
+        ),
+        (
+            '{"choices": [{"text": "a"}], "usage": {"prompt_tokens": NaN, "completion_tokens": 1}}',
+            ChunkKind.TOKEN,
+        ),
     ],
 )
 def test_usage_that_cannot_be_believed_leaves_the_rest_of_the_chunk(
-        data: str, kind: ChunkKind) -> None:
+    data: str, kind: ChunkKind
+) -> None:
     info = classify_chunk(data)
     assert (info.kind, info.usage, info.usage_malformed) == (kind, None, True)
 
 
 def test_the_largest_believed_count_is_2_pow_53_minus_1() -> None:
     top = 2**53 - 1
-    info = classify_chunk(f'{{"choices": [], "usage": {{"prompt_tokens": {top}, '
-                          f'"completion_tokens": {top}, "total_tokens": {2**60}}}}}')
+    info = classify_chunk(
+        f'{{"choices": [], "usage": {{"prompt_tokens": {top}, '
+        f'"completion_tokens": {top}, "total_tokens": {2**60}}}}}'
+    )
     assert info.usage is not None and not info.usage_malformed
     # An out-of-range total is read as absent: the sum, as for a missing one.
-    assert (info.usage.prompt_tokens, info.usage.completion_tokens,
-            info.usage.total_tokens) == (top, top, 2 * top)
+    assert (info.usage.prompt_tokens, info.usage.completion_tokens, info.usage.total_tokens) == (
+        top,
+        top,
+        2 * top,
+    )
 
 
 def test_surrounding_json_whitespace_is_accepted_trailing_text_is_not() -> None:

@@ -28,14 +28,23 @@ def normalised(body: bytes) -> bytes:
     return CREATED.sub(b'"created":0', body)
 
 
-async def post(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
-               headers: dict[str, str] | None = None) -> tuple[int, bytes, Any]:
+async def post(
+    session: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes, Any]:
     async with session.post(url + path, json=body, headers=headers) as response:
         return response.status, await response.read(), response.headers
 
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}],
-        "max_tokens": 6, "ignore_eos": True}
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Tell me a story"}],
+    "max_tokens": 6,
+    "ignore_eos": True,
+}
 COMPLETION = {"model": "m", "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True}
 USAGE_OPTIONS: list[dict[str, Any] | None] = [
     None,
@@ -45,11 +54,13 @@ USAGE_OPTIONS: list[dict[str, Any] | None] = [
 ]
 
 
-@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT),
-                                       ("/v1/completions", COMPLETION)])
+@pytest.mark.parametrize(
+    "path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
+)
 @pytest.mark.parametrize("options", USAGE_OPTIONS)
-async def test_streams_reach_the_client_byte_for_byte(path: str, base: dict[str, Any],
-                                                      options: dict[str, Any] | None) -> None:
+async def test_streams_reach_the_client_byte_for_byte(
+    path: str, base: dict[str, Any], options: dict[str, Any] | None
+) -> None:
     """Whatever usage options the client chose, it gets the bytes it would get directly,
     while the proxy counts tokens exactly from the usage it added."""
     body = {**base, "stream": True}
@@ -71,8 +82,9 @@ async def test_streams_reach_the_client_byte_for_byte(path: str, base: dict[str,
     assert record.finish_reason == "length"
 
 
-@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT),
-                                       ("/v1/completions", COMPLETION)])
+@pytest.mark.parametrize(
+    "path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
+)
 async def test_non_streaming_bodies_are_unchanged(path: str, base: dict[str, Any]) -> None:
     async with stack() as s, aiohttp.ClientSession() as session:
         rid = {"X-Request-Id": "same-id-2"}
@@ -92,13 +104,21 @@ async def test_openai_client_gets_identical_results_through_the_proxy() -> None:
             client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-secret-key")
             try:
                 stream = await client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                    stream=True, extra_body={"ignore_eos": True},
-                    extra_headers={"X-Request-Id": "oa-1"})
+                    model="m",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=5,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                    extra_headers={"X-Request-Id": "oa-1"},
+                )
                 chunks = [c.model_dump(exclude={"created"}) async for c in stream]
                 completion = await client.completions.create(
-                    model="m", prompt="hello", max_tokens=4, extra_body={"ignore_eos": True},
-                    extra_headers={"X-Request-Id": "oa-2"})
+                    model="m",
+                    prompt="hello",
+                    max_tokens=4,
+                    extra_body={"ignore_eos": True},
+                    extra_headers={"X-Request-Id": "oa-2"},
+                )
                 results.append((chunks, completion.model_dump(exclude={"created"})))
             finally:
                 await client.close()
@@ -109,11 +129,13 @@ async def test_openai_client_gets_identical_results_through_the_proxy() -> None:
 
 
 async def test_multi_token_chunks_are_counted_exactly() -> None:
-    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0,
-                                                   stream_interval=3))
+    sim = SimConfig(
+        model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0, stream_interval=3)
+    )
     async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
-        status, body, _ = await post(session, s.url, "/v1/chat/completions",
-                                     {**CHAT, "max_tokens": 8, "stream": True})
+        status, body, _ = await post(
+            session, s.url, "/v1/chat/completions", {**CHAT, "max_tokens": 8, "stream": True}
+        )
         assert status == 200 and b'"usage"' not in body
         (record,) = await s.records.wait_for(1)
     # First token alone, then every 3 tokens, the rest at the end: 1 + 3 + 3 + 1.
@@ -122,8 +144,9 @@ async def test_multi_token_chunks_are_counted_exactly() -> None:
 
 
 async def test_without_usage_injection_counts_are_labelled_estimates() -> None:
-    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0,
-                                                   stream_interval=2))
+    sim = SimConfig(
+        model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0, stream_interval=2)
+    )
     async with stack(sim=sim, inject_usage=False) as s, aiohttp.ClientSession() as session:
         await post(session, s.url, "/v1/completions", {**COMPLETION, "stream": True})
         (record,) = await s.records.wait_for(1)
@@ -133,21 +156,33 @@ async def test_without_usage_injection_counts_are_labelled_estimates() -> None:
 
 async def test_server_side_stamps_match_the_simulators_ground_truth(tmp_path: Path) -> None:
     truth_file = tmp_path / "truth.jsonl"
-    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.02, per_token_s=0.0),
-                    ground_truth_path=str(truth_file))
+    sim = SimConfig(
+        model="m",
+        engine=EngineConfig(step_floor_s=0.02, per_token_s=0.0),
+        ground_truth_path=str(truth_file),
+    )
     async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
-        await post(session, s.url, "/v1/chat/completions",
-                   {**CHAT, "max_tokens": 10, "stream": True}, {"X-Request-Id": "gt-1"})
+        await post(
+            session,
+            s.url,
+            "/v1/chat/completions",
+            {**CHAT, "max_tokens": 10, "stream": True},
+            {"X-Request-Id": "gt-1"},
+        )
         (record,) = await s.records.wait_for(1)
     truth = [json.loads(line) for line in truth_file.read_text().splitlines()]
     (line,) = [t for t in truth if t["request_id"] == "gt-1"]
-    token_stamps = [ns for ns, kind in zip(line["chunk_ns"], line["chunk_kinds"], strict=True)
-                    if kind == "token"]
+    token_stamps = [
+        ns
+        for ns, kind in zip(line["chunk_ns"], line["chunk_kinds"], strict=True)
+        if kind == "token"
+    ]
     assert record.server is not None
     marks = record.server.marks
     assert len(marks) == len(token_stamps) == 10
-    assert [m.n_tokens for m in marks] == [n for n, k in zip(
-        line["chunk_tokens"], line["chunk_kinds"], strict=True) if k == "token"]
+    assert [m.n_tokens for m in marks] == [
+        n for n, k in zip(line["chunk_tokens"], line["chunk_kinds"], strict=True) if k == "token"
+    ]
     # ITL: every gap the proxy saw against the gap the simulator wrote. The engine steps every
     # 20 ms, so a mark paired with the wrong chunk would be off by >= 20 ms; the tolerance
     # (5 ms) is far above the proxy's real error (see benchmarks/RESULTS.md) and far below that.
@@ -186,15 +221,24 @@ FAULTS: list[tuple[str, Outcome, str]] = [
 
 @pytest.mark.parametrize("fault,outcome,error_type", FAULTS)
 async def test_every_fault_ends_in_one_record_while_other_streams_go_on(
-        fault: str, outcome: Outcome, error_type: str) -> None:
-    async with stack(idle_timeout="500ms", ttft_timeout="700ms") as s, \
-            aiohttp.ClientSession() as session:
+    fault: str, outcome: Outcome, error_type: str
+) -> None:
+    async with (
+        stack(idle_timeout="500ms", ttft_timeout="700ms") as s,
+        aiohttp.ClientSession() as session,
+    ):
         healthy_body = {**CHAT, "max_tokens": 20, "stream": True}
-        healthy = [asyncio.create_task(post(session, s.url, "/v1/chat/completions",
-                                            healthy_body)) for _ in range(3)]
-        status, body, _ = await post(session, s.url, "/v1/chat/completions",
-                                     {**CHAT, "max_tokens": 8, "stream": True},
-                                     {"X-Sim-Fault": fault, "X-Request-Id": "faulty"})
+        healthy = [
+            asyncio.create_task(post(session, s.url, "/v1/chat/completions", healthy_body))
+            for _ in range(3)
+        ]
+        status, body, _ = await post(
+            session,
+            s.url,
+            "/v1/chat/completions",
+            {**CHAT, "max_tokens": 8, "stream": True},
+            {"X-Sim-Fault": fault, "X-Request-Id": "faulty"},
+        )
         others = await asyncio.gather(*healthy)
         records = await s.records.wait_for(4)
         proxy = s.server.proxy
@@ -224,8 +268,9 @@ async def test_every_fault_ends_in_one_record_while_other_streams_go_on(
 async def test_client_disconnect_closes_the_upstream_and_the_engine_aborts() -> None:
     sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.05, per_token_s=0.0))
     async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
-        async with session.post(s.url + "/v1/chat/completions",
-                                json={**CHAT, "max_tokens": 200, "stream": True}) as response:
+        async with session.post(
+            s.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True}
+        ) as response:
             await response.content.readline()  # the stream has started
         (record,) = await s.records.wait_for(1)
         assert record.outcome is Outcome.CLIENT_CANCELLED
@@ -233,8 +278,11 @@ async def test_client_disconnect_closes_the_upstream_and_the_engine_aborts() -> 
         async def aborted() -> float:
             async with session.get(s.replicas[0].url + "/metrics") as metrics:
                 text = await metrics.text()
-            match = re.search(r'vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} '
-                              r'([0-9.]+)', text)
+            match = re.search(
+                r'vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} '
+                r"([0-9.]+)",
+                text,
+            )
             return float(match.group(1)) if match else 0.0
 
         for _ in range(100):
@@ -245,13 +293,19 @@ async def test_client_disconnect_closes_the_upstream_and_the_engine_aborts() -> 
 
 
 async def test_limits_reject_with_a_record() -> None:
-    async with stack(max_body_bytes="1000", max_concurrency="1") as s, \
-            aiohttp.ClientSession() as session:
-        status, body, _ = await post(session, s.url, "/v1/completions",
-                                     {**COMPLETION, "prompt": "x" * 2000})
+    async with (
+        stack(max_body_bytes="1000", max_concurrency="1") as s,
+        aiohttp.ClientSession() as session,
+    ):
+        status, body, _ = await post(
+            session, s.url, "/v1/completions", {**COMPLETION, "prompt": "x" * 2000}
+        )
         assert status == 413 and json.loads(body)["error"]["code"] == 413
-        slow = asyncio.create_task(post(session, s.url, "/v1/completions",
-                                        {**COMPLETION, "max_tokens": 50, "stream": True}))
+        slow = asyncio.create_task(
+            post(
+                session, s.url, "/v1/completions", {**COMPLETION, "max_tokens": 50, "stream": True}
+            )
+        )
         # The next request is sent once the slow one holds the only slot.
         await until(lambda: s.server.proxy.in_flight == 1, what="the slow stream in flight")
         status, body, _ = await post(session, s.url, "/v1/completions", COMPLETION)
@@ -279,9 +333,12 @@ async def test_upstream_errors_are_relayed_unchanged() -> None:
 
 async def test_other_paths_pass_through() -> None:
     async with stack() as s, aiohttp.ClientSession() as session:
-        for method, path, body in (("GET", "/v1/models", None), ("GET", "/health", None),
-                                   ("GET", "/version", None),
-                                   ("POST", "/tokenize", {"model": "m", "prompt": "hi there"})):
+        for method, path, body in (
+            ("GET", "/v1/models", None),
+            ("GET", "/health", None),
+            ("GET", "/version", None),
+            ("POST", "/tokenize", {"model": "m", "prompt": "hi there"}),
+        ):
             got = []
             for base in (s.direct, s.url):
                 async with session.request(method, base + path, json=body) as response:
@@ -301,16 +358,19 @@ async def test_authorization_is_forwarded_and_never_kept() -> None:
     sim = SimConfig(model="m", engine=FAST_ENGINE, api_key="sk-top-secret")
     async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
         denied = await post(session, s.url, "/v1/completions", COMPLETION)
-        allowed = await post(session, s.url, "/v1/completions", COMPLETION,
-                             {"Authorization": "Bearer sk-top-secret"})
+        allowed = await post(
+            session, s.url, "/v1/completions", COMPLETION, {"Authorization": "Bearer sk-top-secret"}
+        )
         records = await s.records.wait_for(2)
     assert denied[0] == 401 and allowed[0] == 200
     assert "sk-top-secret" not in json.dumps([r.to_dict() for r in records])
 
 
 async def test_round_robin_spreads_and_connect_failures_retry_elsewhere() -> None:
-    async with stack(n_replicas=2, route_policy="round_robin") as s, \
-            aiohttp.ClientSession() as session:
+    async with (
+        stack(n_replicas=2, route_policy="round_robin") as s,
+        aiohttp.ClientSession() as session,
+    ):
         for _ in range(4):
             await post(session, s.url, "/v1/completions", COMPLETION)
         records = await s.records.wait_for(4)
@@ -365,11 +425,13 @@ async def test_admin_token_guards_the_admin_listener_but_not_healthz() -> None:
         for path in ("/stats", "/metrics", "/replicas"):
             async with session.get(admin + path) as response:
                 assert response.status == 401
-            async with session.get(admin + path,
-                                   headers={"Authorization": "Bearer wrong"}) as response:
+            async with session.get(
+                admin + path, headers={"Authorization": "Bearer wrong"}
+            ) as response:
                 assert response.status == 401
-            async with session.get(admin + path,
-                                   headers={"Authorization": "Bearer s3cret-admin"}) as response:
+            async with session.get(
+                admin + path, headers={"Authorization": "Bearer s3cret-admin"}
+            ) as response:
                 assert response.status == 200
         async with session.get(admin + "/healthz") as response:
             assert response.status == 200
@@ -380,11 +442,14 @@ async def test_admin_token_guards_the_admin_listener_but_not_healthz() -> None:
 
 def chat_chunk(content: str | None, finish: str | None = None, tokens: int = 0) -> bytes:
     delta = {"role": "assistant", "content": ""} if content is None else {"content": content}
-    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-            "model": "m", "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                       "finish_reason": finish}],
-            "usage": {"prompt_tokens": 3, "total_tokens": 3 + tokens,
-                      "completion_tokens": tokens}}
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 3, "total_tokens": 3 + tokens, "completion_tokens": tokens},
+    }
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -420,9 +485,17 @@ async def test_events_of_one_read_leave_in_one_write_with_one_stamp() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server, _window = build_proxy_server(build_config(
-        {"upstreams": [f"http://127.0.0.1:{port}"], "listen": "127.0.0.1:0",
-         "metrics_listen": "127.0.0.1:0", "health_interval": "0"}, {}))
+    server, _window = build_proxy_server(
+        build_config(
+            {
+                "upstreams": [f"http://127.0.0.1:{port}"],
+                "listen": "127.0.0.1:0",
+                "metrics_listen": "127.0.0.1:0",
+                "health_interval": "0",
+            },
+            {},
+        )
+    )
     records: list[Any] = []
 
     class Keep:
@@ -435,11 +508,13 @@ async def test_events_of_one_read_leave_in_one_write_with_one_stamp() -> None:
     await server.start()
     try:
         async with aiohttp.ClientSession() as session:
-            body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                    "stream": True, "stream_options": {"include_usage": True,
-                                                       "continuous_usage_stats": True}}
-            status, got, _headers = await post(session, server.url, "/v1/chat/completions",
-                                               body)
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            }
+            status, got, _headers = await post(session, server.url, "/v1/chat/completions", body)
     finally:
         await server.close()
         await runner.cleanup()
@@ -456,7 +531,8 @@ async def test_events_of_one_read_leave_in_one_write_with_one_stamp() -> None:
 @pytest.mark.parametrize("settings", [{}, {"assemble_nonstream": "true"}])
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_refused_request_gets_the_answer_to_its_own_body(
-        settings: dict[str, str], stream: bool) -> None:
+    settings: dict[str, str], stream: bool
+) -> None:
     """The proxy rewrote the body (usage injected, or streaming for an assembled answer) and the
     replica refused it; a refusal can describe the body it got (vLLM counts its members, the
     simulator echoes it), so the client's own body is sent again and that answer relayed."""
@@ -480,26 +556,42 @@ async def test_the_client_vantage_starts_at_the_requests_first_byte(tmp_path: Pa
     The server vantage is unchanged."""
     async with stack(capture_dir=str(tmp_path / "cap")) as s:
         host, port = s.url.split("://")[1].rsplit(":", 1)
-        body = json.dumps({"model": "m", "stream": True, "max_tokens": 2,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        body = json.dumps(
+            {
+                "model": "m",
+                "stream": True,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        ).encode()
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                      f"Content-Type: application/json\r\nConnection: close\r\n"
-                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body[:10])
+        writer.write(
+            (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                f"Content-Type: application/json\r\nConnection: close\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            + body[:10]
+        )
         await writer.drain()
         await asyncio.sleep(0.3)
         writer.write(body[10:])
         answer = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         (record,) = await s.records.wait_for(1)
-        async with aiohttp.ClientSession() as session, \
-                session.get(s.server.admin_url + "/metrics") as response:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(s.server.admin_url + "/metrics") as response,
+        ):
             exposition = await response.text()
     assert answer.startswith(b"HTTP/1.1 200") and record.outcome is Outcome.OK
     assert 'sidecar_request_read_seconds_count{model="m"} 1.0' in exposition
     assert 'sidecar_request_read_seconds_bucket{le="0.25",model="m"} 0.0' in exposition
-    (line,) = [json.loads(x) for f in (tmp_path / "cap").glob("capture-*.jsonl")
-               for x in f.read_text().splitlines()[1:]]
+    (line,) = [
+        json.loads(x)
+        for f in (tmp_path / "cap").glob("capture-*.jsonl")
+        for x in f.read_text().splitlines()[1:]
+    ]
     # The client paused 300 ms mid-upload; the proxy's stamps are taken where its loop reads
     # the bytes, so allow for a loop that woke a little late or early (no timing claim here).
     assert line["request_read_s"] == record.request_read_ns / 1e9 and line["ttft_s"] >= 0.25
@@ -514,8 +606,15 @@ async def test_n2_through_the_proxy_keeps_each_choice_a_sequence() -> None:
     """A streamed n = 2 answer from the simulator: every token event keeps its choice on both
     sides, and TPOT is per choice (the engine's step), not the step halved."""
     async with stack() as s, aiohttp.ClientSession() as session:
-        body = {"model": "m", "prompt": "hi", "max_tokens": 8, "ignore_eos": True, "n": 2,
-                "temperature": 0.7, "stream": True}
+        body = {
+            "model": "m",
+            "prompt": "hi",
+            "max_tokens": 8,
+            "ignore_eos": True,
+            "n": 2,
+            "temperature": 0.7,
+            "stream": True,
+        }
         async with session.post(s.url + "/v1/completions", json=body) as response:
             await response.read()
         (record,) = await s.records.wait_for(1)
@@ -523,8 +622,14 @@ async def test_n2_through_the_proxy_keeps_each_choice_a_sequence() -> None:
     assert record.server is not None and record.server.choices is not None
     assert record.client.choices is not None
     assert sorted(set(record.client.choices)) == [0, 1]
-    per_choice = [sum(t for t, c in zip(record.client.tokens, record.client.choices,
-                                        strict=True) if c == choice) for choice in (0, 1)]
+    per_choice = [
+        sum(
+            t
+            for t, c in zip(record.client.tokens, record.client.choices, strict=True)
+            if c == choice
+        )
+        for choice in (0, 1)
+    ]
     assert per_choice == [8, 8]
     latency = stats.request_latency(record, Vantage.CLIENT)
     assert latency is not None and latency.tpot_s is not None

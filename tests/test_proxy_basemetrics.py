@@ -24,23 +24,29 @@ vllm:e2e_request_latency_seconds_sum{model_name="m",replica="r"} 0.9
 
 
 def test_merge_labels_every_sample_and_keeps_one_family_head() -> None:
-    merged = merge_expositions([("a:1", EXPOSITION), ("b:2", EXPOSITION.replace(" 2.0", " 7.0"))],
-                               [("c:3", "HTTP 500")]).decode()
+    merged = merge_expositions(
+        [("a:1", EXPOSITION), ("b:2", EXPOSITION.replace(" 2.0", " 7.0"))], [("c:3", "HTTP 500")]
+    ).decode()
     lines = merged.splitlines()
     assert lines[0] == "# replica c:3 not included: HTTP 500"
     assert merged.count("# TYPE vllm:num_requests_running gauge") == 1
     assert 'vllm:num_requests_running{engine="0",model_name="m",replica="a:1"} 2.0' in lines
     assert 'vllm:num_requests_running{engine="0",model_name="m",replica="b:2"} 7.0' in lines
     # An upstream's own `replica` label is kept, renamed as Prometheus renames target labels.
-    assert ('vllm:e2e_request_latency_seconds_count{exported_replica="r",model_name="m",'
-            'replica="b:2"} 7.0') in lines
+    assert (
+        'vllm:e2e_request_latency_seconds_count{exported_replica="r",model_name="m",'
+        'replica="b:2"} 7.0'
+    ) in lines
 
 
 def test_merge_refuses_one_name_of_two_types() -> None:
     with pytest.raises(ValueError, match="gauge on one replica"):
-        merge_expositions([("a:1", EXPOSITION),
-                           ("b:2", EXPOSITION.replace("requests_running gauge",
-                                                      "requests_running counter"))])
+        merge_expositions(
+            [
+                ("a:1", EXPOSITION),
+                ("b:2", EXPOSITION.replace("requests_running gauge", "requests_running counter")),
+            ]
+        )
 
 
 async def test_base_url_metrics_in_front_of_several_replicas_label_each_replica() -> None:
@@ -58,8 +64,7 @@ async def test_base_url_metrics_in_front_of_several_replicas_label_each_replica(
         records = await s.records.wait_for(2)
     for label in labels:
         assert f'replica="{label}"' in text
-    running = [line for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running{")]
+    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{")]
     assert len(running) == 2  # one per replica, never one replica's alone
     assert text.count("# TYPE vllm:num_requests_running gauge") == 1
     assert all(r.outcome is Outcome.OK and r.endpoint == "/metrics" for r in records)

@@ -70,8 +70,10 @@ def test_legacy_vllm_names_and_hit_rates() -> None:
 @pytest.mark.parametrize("legacy", [False, True])
 async def test_the_proxy_scrapes_each_replica(legacy: bool) -> None:
     sim = SimConfig(model="m", engine=FAST_ENGINE, legacy_metric_names=legacy)
-    async with stack(n_replicas=2, sim=sim, engine_scrape_interval="0") as s, \
-            aiohttp.ClientSession() as session:
+    async with (
+        stack(n_replicas=2, sim=sim, engine_scrape_interval="0") as s,
+        aiohttp.ClientSession() as session,
+    ):
         prompt = "the same long shared prefix " * 20
         for _ in range(3):
             body = {"model": "m", "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
@@ -101,7 +103,10 @@ def test_histogram_totals_sum_over_label_sets() -> None:
         'vllm:time_to_first_token_seconds_sum{engine="1"} 0.25\n'
         'vllm:time_to_first_token_seconds_count{engine="1"} 1.0\n'
     )
-    totals = histogram_totals(text, ["vllm:time_to_first_token_seconds",
-                                     "vllm:e2e_request_latency_seconds"])
-    assert totals == {"vllm:time_to_first_token_seconds": (0.75, 4.0),
-                      "vllm:e2e_request_latency_seconds": (0.0, 0.0)}
+    totals = histogram_totals(
+        text, ["vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"]
+    )
+    assert totals == {
+        "vllm:time_to_first_token_seconds": (0.75, 4.0),
+        "vllm:e2e_request_latency_seconds": (0.0, 0.0),
+    }

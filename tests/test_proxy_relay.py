@@ -19,16 +19,27 @@ from sidecar.proxy.shape import chat_text
 
 
 def test_hop_by_hop_headers_are_dropped_and_the_rest_forwarded() -> None:
-    headers = CIMultiDict([
-        ("Connection", "keep-alive, X-Private-Hop"), ("Keep-Alive", "timeout=5"),
-        ("Transfer-Encoding", "chunked"), ("Host", "client.example"), ("Content-Length", "10"),
-        ("X-Private-Hop", "drop me"), ("Upgrade", "h2c"), ("TE", "trailers"),
-        ("Authorization", "Bearer sk-x"), ("traceparent", "00-abc-def-01"),
-        ("tracestate", "k=v"), ("X-Session-ID", "s1"), ("Accept", "text/event-stream"),
-    ])
+    headers = CIMultiDict(
+        [
+            ("Connection", "keep-alive, X-Private-Hop"),
+            ("Keep-Alive", "timeout=5"),
+            ("Transfer-Encoding", "chunked"),
+            ("Host", "client.example"),
+            ("Content-Length", "10"),
+            ("X-Private-Hop", "drop me"),
+            ("Upgrade", "h2c"),
+            ("TE", "trailers"),
+            ("Authorization", "Bearer sk-x"),
+            ("traceparent", "00-abc-def-01"),
+            ("tracestate", "k=v"),
+            ("X-Session-ID", "s1"),
+            ("Accept", "text/event-stream"),
+        ]
+    )
     out = filtered_headers(headers)
     assert sorted(out.keys()) == sorted(
-        ["Authorization", "traceparent", "tracestate", "X-Session-ID", "Accept"])
+        ["Authorization", "traceparent", "tracestate", "X-Session-ID", "Accept"]
+    )
     assert out["traceparent"] == "00-abc-def-01"
 
 
@@ -45,30 +56,38 @@ def test_prefix_keys() -> None:
     assert prompt_prefix_key({"prompt": "abcdef"}, chars=3, tokens=2) == b"abc"
     assert prompt_prefix_key({"prompt": [[5, 6, 7]]}, chars=3, tokens=2) == b"5,6"
     assert prompt_prefix_key({"prompt": [5, 6, 7]}, chars=3, tokens=2) == b"5,6"
-    chat = {"messages": [{"role": "system", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
-    assert prompt_prefix_key(chat, chars=100, tokens=2) == (
-        b"system\x1fbe brief\x1euser\x1fhi\x1e")
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ]
+    }
+    assert prompt_prefix_key(chat, chars=100, tokens=2) == (b"system\x1fbe brief\x1euser\x1fhi\x1e")
     # The first block only; the canonical text stops at the message that completes it.
     assert prompt_prefix_key(chat, chars=9, tokens=2) == b"system\x1fbe"
     assert chat_text(chat["messages"], limit=9) == "system\x1fbe brief\x1e"
     assert chat_text(chat["messages"]) == "system\x1fbe brief\x1euser\x1fhi\x1e"
-    assert prompt_prefix_key({"messages": [{"role": "user", "content": None}]}, chars=10,
-                             tokens=2) == b"user\x1f\x1e"
+    assert (
+        prompt_prefix_key({"messages": [{"role": "user", "content": None}]}, chars=10, tokens=2)
+        == b"user\x1f\x1e"
+    )
     assert prompt_prefix_key({"messages": "junk"}, chars=10, tokens=2) is None
 
 
-@pytest.mark.parametrize(("path", "refused"), [
-    ("/v1/chat/completions", False),
-    ("/v1/a.b/c", False),  # a dot inside a segment is a name, not a step
-    ("/v1/..a", False),
-    ("/v1/../admin", True),
-    ("/.", True),
-    ("/v1/%2e%2e/admin", True),  # decoded before it is judged: what the upstream would see
-    ("/v1/.%2E/x", True),
-    ("/v1/a\\b", True),  # a backslash some servers read as a separator
-    ("/v1/%5cb", True),
-])
+@pytest.mark.parametrize(
+    ("path", "refused"),
+    [
+        ("/v1/chat/completions", False),
+        ("/v1/a.b/c", False),  # a dot inside a segment is a name, not a step
+        ("/v1/..a", False),
+        ("/v1/../admin", True),
+        ("/.", True),
+        ("/v1/%2e%2e/admin", True),  # decoded before it is judged: what the upstream would see
+        ("/v1/.%2E/x", True),
+        ("/v1/a\\b", True),  # a backslash some servers read as a separator
+        ("/v1/%5cb", True),
+    ],
+)
 def test_dot_segments_are_found_after_percent_decoding(path: str, refused: bool) -> None:
     assert has_dot_segment(path) is refused
 
@@ -76,7 +95,9 @@ def test_dot_segments_are_found_after_percent_decoding(path: str, refused: bool)
 def test_the_error_event_is_written_the_way_vllm_writes_it() -> None:
     # vLLM's chat stream writes compact JSON; its completions stream json.dumps' default spacing.
     assert error_event("chat", "boom", "BadGateway", 502) == (
-        b'data: {"error":{"message":"boom","type":"BadGateway","param":null,"code":502}}\n\n')
+        b'data: {"error":{"message":"boom","type":"BadGateway","param":null,"code":502}}\n\n'
+    )
     assert error_event("completions", "boom", "BadGateway", 502) == (
         b'data: {"error": {"message": "boom", "type": "BadGateway", "param": null, '
-        b'"code": 502}}\n\n')
+        b'"code": 502}}\n\n'
+    )

@@ -32,16 +32,31 @@ CHAT_WITHOUT_USAGE = (
     [
         ({"stream": True}, False, False, True, True),
         ({"stream": True, "stream_options": {"include_usage": True}}, True, False, False, True),
-        ({"stream": True, "stream_options": {"include_usage": True,
-                                             "continuous_usage_stats": True}},
-         True, True, False, False),
+        (
+            {
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            True,
+            True,
+            False,
+            False,
+        ),
         # continuous without include_usage means nothing to vLLM: treated as neither.
-        ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
-         False, False, True, True),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            False,
+            False,
+            True,
+            True,
+        ),
     ],
 )
 def test_plan_adds_only_what_the_client_did_not_ask(
-    body: dict[str, object], include: bool, continuous: bool, add_include: bool,
+    body: dict[str, object],
+    include: bool,
+    continuous: bool,
+    add_include: bool,
     add_continuous: bool,
 ) -> None:
     original = json.loads(json.dumps(body))
@@ -60,33 +75,44 @@ def test_usage_options_are_appended_to_the_clients_own_bytes() -> None:
     body = json.loads(raw)
     plan = plan_usage(body, inject=True)
     sent = request_with_usage(raw, body, plan)
-    assert sent == (b'{ "model": "m", "stream": true, "prompt": "caf\\u00e9 \xc3\xa9", '
-                    b'"top_p": 1.0e0 ,"stream_options":{"include_usage":true,'
-                    b'"continuous_usage_stats":true}}\n')
-    assert json.loads(sent) == {**body, "stream_options": {"include_usage": True,
-                                                          "continuous_usage_stats": True}}
+    assert sent == (
+        b'{ "model": "m", "stream": true, "prompt": "caf\\u00e9 \xc3\xa9", '
+        b'"top_p": 1.0e0 ,"stream_options":{"include_usage":true,'
+        b'"continuous_usage_stats":true}}\n'
+    )
+    assert json.loads(sent) == {
+        **body,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
 
 
-@pytest.mark.parametrize("raw", [
-    # stream_options to edit: re-encoded from the parsed body.
-    b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}',
-    b'{"model":"m","stream":true,"stream_options":null}',
-    # Not plain UTF-8 (json.loads reads UTF-16 and a byte-order mark): re-encoded too.
-    '{"model":"m","stream":true}'.encode("utf-16-le"),
-    b'\xef\xbb\xbf{"model":"m","stream":true}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # stream_options to edit: re-encoded from the parsed body.
+        b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}',
+        b'{"model":"m","stream":true,"stream_options":null}',
+        # Not plain UTF-8 (json.loads reads UTF-16 and a byte-order mark): re-encoded too.
+        '{"model":"m","stream":true}'.encode("utf-16-le"),
+        b'\xef\xbb\xbf{"model":"m","stream":true}',
+    ],
+)
 def test_usage_options_are_re_encoded_when_the_bytes_cannot_be_extended(raw: bytes) -> None:
     body = json.loads(raw)
     plan = plan_usage(body, inject=True)
     sent = request_with_usage(raw, body, plan)
     assert json.loads(sent) == apply_usage_plan(body, plan)
-    assert json.loads(sent)["stream_options"] == {"include_usage": True,
-                                                  "continuous_usage_stats": True}
+    assert json.loads(sent)["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
 
 
 def test_a_body_that_needs_nothing_is_sent_as_is() -> None:
-    raw = (b'{"model":"m","stream":true,"stream_options":{"include_usage":true,'
-           b'"continuous_usage_stats":true}}')
+    raw = (
+        b'{"model":"m","stream":true,"stream_options":{"include_usage":true,'
+        b'"continuous_usage_stats":true}}'
+    )
     body = json.loads(raw)
     assert request_with_usage(raw, body, plan_usage(body, inject=True)) is raw
 
@@ -110,33 +136,42 @@ def test_strip_usage_restores_the_exact_bytes() -> None:
 
 
 def test_strip_ignores_usage_words_inside_text() -> None:
-    tricky = CHAT_WITH_USAGE.replace('"content":"Hello"',
-                                     '"content":"say \\",\\"usage\\":{} to me"')
+    tricky = CHAT_WITH_USAGE.replace(
+        '"content":"Hello"', '"content":"say \\",\\"usage\\":{} to me"'
+    )
     stripped = strip_usage_member(event(tricky))
     assert stripped is not None
-    obj = json.loads(stripped[0][len(b"data: "):])
+    obj = json.loads(stripped[0][len(b"data: ") :])
     assert obj["choices"][0]["delta"]["content"] == 'say ","usage":{} to me'
     assert "usage" not in obj
 
 
 def test_spaced_json_and_nested_details() -> None:
-    spaced = ('{"id": "cmpl-1", "choices": [{"text": "x"}], "usage": {"prompt_tokens": 1, '
-              '"prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens": 1}, "z": 1}')
+    spaced = (
+        '{"id": "cmpl-1", "choices": [{"text": "x"}], "usage": {"prompt_tokens": 1, '
+        '"prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens": 1}, "z": 1}'
+    )
     stripped = strip_usage_member(event(spaced))
     assert stripped is not None
-    assert json.loads(stripped[0][len(b"data: "):]) == {
-        "id": "cmpl-1", "choices": [{"text": "x"}], "z": 1}
+    assert json.loads(stripped[0][len(b"data: ") :]) == {
+        "id": "cmpl-1",
+        "choices": [{"text": "x"}],
+        "z": 1,
+    }
 
 
-@pytest.mark.parametrize("payload", [
-    '{"usage":{"prompt_tokens":1}}',  # first member: no comma before it
-    '{"a":1,"usage":{"x":{"y":{"z":1}}}}',  # nested deeper than vLLM's usage ever is
-    '{"a":1,"usage":[1,2]}',  # not an object
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        '{"usage":{"prompt_tokens":1}}',  # first member: no comma before it
+        '{"a":1,"usage":{"x":{"y":{"z":1}}}}',  # nested deeper than vLLM's usage ever is
+        '{"a":1,"usage":[1,2]}',  # not an object
+    ],
+)
 def test_shapes_that_cannot_be_edited_as_text_are_left_to_the_fallback(payload: str) -> None:
     assert strip_usage_member(event(payload)) is None
     out, _, reencoded = without_usage(event(payload), payload)
-    assert reencoded and "usage" not in json.loads(out[len(b"data: "):])
+    assert reencoded and "usage" not in json.loads(out[len(b"data: ") :])
 
 
 def test_without_usage_on_a_raw_event_and_the_fallback() -> None:
@@ -145,8 +180,10 @@ def test_without_usage_on_a_raw_event_and_the_fallback() -> None:
     assert out == f"data: {CHAT_WITHOUT_USAGE}\n\n".encode() and cut is not None
     assert not reencoded
     # An event split over two data lines cannot be edited as text: re-encoded compactly.
-    multi = (b'data: {"choices":[],\ndata: "usage":{"prompt_tokens":1,"completion_tokens":2,'
-             b'"total_tokens":3}}\n\n')
+    multi = (
+        b'data: {"choices":[],\ndata: "usage":{"prompt_tokens":1,"completion_tokens":2,'
+        b'"total_tokens":3}}\n\n'
+    )
     data = '{"choices":[],\n"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'
     out, cut, reencoded = without_usage(multi, data)
     assert out == b'data: {"choices":[]}\n\n' and reencoded and cut is None
@@ -160,16 +197,20 @@ def test_insert_fingerprint_where_usage_was() -> None:
     restored = insert_member(out, cut, "system_fingerprint", "vllm-0.33.0-1a2b3c4d")
     payload = event_payload(restored)
     assert payload is not None
-    assert payload.endswith('}],"system_fingerprint":"vllm-0.33.0-1a2b3c4d",'
-                            '"kv_transfer_params":null}')
+    assert payload.endswith(
+        '}],"system_fingerprint":"vllm-0.33.0-1a2b3c4d","kv_transfer_params":null}'
+    )
     # Without a cut position: before kv_transfer_params, else before the closing brace.
     assert insert_member(b'data: {"a":1}\n\n', None, "k", "v") == b'data: {"a":1,"k":"v"}\n\n'
 
 
-@pytest.mark.parametrize("payload", [
-    # Found by the fuzzer: a nested "usage" whose object is followed by a brace in a string.
-    '{"choices": {"choices": null, "usage": {"a": 1}}, "id": "{"}',
-    '{"a": [{"x": 1, "usage": {"prompt_tokens": 1}}], "b": "]}"}',
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        # Found by the fuzzer: a nested "usage" whose object is followed by a brace in a string.
+        '{"choices": {"choices": null, "usage": {"a": 1}}, "id": "{"}',
+        '{"a": [{"x": 1, "usage": {"prompt_tokens": 1}}], "b": "]}"}',
+    ],
+)
 def test_a_nested_usage_is_never_taken_for_the_top_level_one(payload: str) -> None:
     assert strip_usage_member(event(payload)) is None

@@ -45,8 +45,9 @@ def test_session_affinity_is_sticky_and_moves_only_the_lost_replicas_sessions() 
 def test_prefix_affinity_groups_shared_prefixes() -> None:
     router = Router(replicas(3), RoutePolicy.PREFIX)
     a = router.choose(prefix_key=b"system: you are a helpful assistant")
-    assert all(router.choose(prefix_key=b"system: you are a helpful assistant") is a
-               for _ in range(5))
+    assert all(
+        router.choose(prefix_key=b"system: you are a helpful assistant") is a for _ in range(5)
+    )
 
 
 def test_unhealthy_replicas_are_skipped_unless_all_are_down() -> None:
@@ -68,4 +69,3 @@ def test_ejection_after_consecutive_failures_and_recovery() -> None:
     assert not replica.record_failure(eject_after=2)  # already out: not ejected twice
     replica.record_success()
     assert replica.healthy and replica.consecutive_failures == 0
-

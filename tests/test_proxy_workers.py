@@ -60,14 +60,19 @@ class Proc:
 
 
 @contextmanager
-def process(tmp_path: Path, name: str, *args: str,
-            env: dict[str, str] | None = None) -> Iterator[Proc]:
+def process(
+    tmp_path: Path, name: str, *args: str, env: dict[str, str] | None = None
+) -> Iterator[Proc]:
     # stderr to a file: the workers share it, and a pipe nobody reads could fill and block them.
     err = tmp_path / f"{name}.stderr"
     with open(err, "w") as handle:
-        popen = subprocess.Popen([sys.executable, "-m", "sidecar", *args],
-                                 stdout=subprocess.PIPE, stderr=handle, text=True,
-                                 env={**os.environ, **(env or {})})
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", *args],
+            stdout=subprocess.PIPE,
+            stderr=handle,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
     try:
         yield Proc(popen, err)
     finally:
@@ -87,12 +92,24 @@ def simulator(tmp_path: Path) -> Iterator[str]:
 
 
 @contextmanager
-def proxy(tmp_path: Path, upstreams: list[str], *args: str,
-          env: dict[str, str] | None = None) -> Iterator[tuple[Proc, str, str]]:
+def proxy(
+    tmp_path: Path, upstreams: list[str], *args: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[Proc, str, str]]:
     flags = [flag for url in upstreams for flag in ("--upstream", url)]
-    with process(tmp_path, "proxy", "proxy", *flags, "--listen", "127.0.0.1:0",
-                 "--metrics-listen", "127.0.0.1:0", "--health-interval", "0", *args,
-                 env=env) as proc:
+    with process(
+        tmp_path,
+        "proxy",
+        "proxy",
+        *flags,
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--health-interval",
+        "0",
+        *args,
+        env=env,
+    ) as proc:
         url = proc.line(r"proxy listening on (http://\S+)")
         admin = proc.line(r"admin on (http://\S+)")
         yield proc, url, admin
@@ -100,24 +117,31 @@ def proxy(tmp_path: Path, upstreams: list[str], *args: str,
 
 def get(url: str, token: str | None = None) -> Any:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                timeout=10) as response:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=headers), timeout=10
+    ) as response:
         body = response.read()
     return json.loads(body) if body.startswith((b"{", b"[")) else body.decode()
 
 
-def send(url: str, i: int, prompt: str = "the same prompt for every request",
-         max_tokens: int = 4) -> bytes:
+def send(
+    url: str, i: int, prompt: str = "the same prompt for every request", max_tokens: int = 4
+) -> bytes:
     """One request on a connection of its own (urllib does not keep connections), so that the
     kernel spreads them over the workers."""
     stream = i % 2 == 0
     chat = i % 3 == 0
-    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})
-                  if chat else ("/v1/completions", {"prompt": prompt}))
-    payload = json.dumps({"model": "sim-model", "max_tokens": max_tokens, "stream": stream,
-                          **body}).encode()
-    request = urllib.request.Request(url + path, data=payload,
-                                     headers={"Content-Type": "application/json"})
+    path, body = (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})
+        if chat
+        else ("/v1/completions", {"prompt": prompt})
+    )
+    payload = json.dumps(
+        {"model": "sim-model", "max_tokens": max_tokens, "stream": stream, **body}
+    ).encode()
+    request = urllib.request.Request(
+        url + path, data=payload, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
         data: bytes = response.read()
@@ -125,8 +149,7 @@ def send(url: str, i: int, prompt: str = "the same prompt for every request",
     return data
 
 
-def until(read: Callable[[], Any], done: Callable[[Any], bool],
-          deadline_s: float = 20.0) -> Any:
+def until(read: Callable[[], Any], done: Callable[[Any], bool], deadline_s: float = 20.0) -> Any:
     """What ``read`` returns once ``done`` holds for it (or at the deadline, for the caller's
     assertion to show)."""
     deadline = time.monotonic() + deadline_s
@@ -137,8 +160,12 @@ def until(read: Callable[[], Any], done: Callable[[Any], bool],
         time.sleep(0.05)
 
 
-def settle(admin: str, done: Callable[[dict[str, Any]], bool], token: str | None = None,
-           deadline_s: float = 20.0) -> dict[str, Any]:
+def settle(
+    admin: str,
+    done: Callable[[dict[str, Any]], bool],
+    token: str | None = None,
+    deadline_s: float = 20.0,
+) -> dict[str, Any]:
     """/workers once ``done`` holds (statuses arrive every 0.25 s)."""
     view: dict[str, Any] = until(lambda: get(admin + "/workers", token), done, deadline_s)
     return view
@@ -167,9 +194,10 @@ def metric(exposition: str, name: str, **labels: str) -> float:
 
 def accounted(view: dict[str, Any], requests: int) -> bool:
     """Every request a worker counted ended in a record the collector has, or a counted drop."""
-    return (total(view, "requests_total") == requests and all(
+    return total(view, "requests_total") == requests and all(
         w["requests_total"] == w["records_received"] + sum(w["dropped"].values()) + w["lost"]
-        for w in view["workers"]))
+        for w in view["workers"]
+    )
 
 
 def gone(pid: int) -> bool:
@@ -183,9 +211,18 @@ def gone(pid: int) -> bool:
 
 def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
     capture = tmp_path / "capture"
-    with simulator(tmp_path) as upstream, proxy(
-            tmp_path, [upstream], "--workers", "2", "--capture", str(capture),
-            env={"SIDECAR_ADMIN_TOKEN": TOKEN}) as (proc, url, admin):
+    with (
+        simulator(tmp_path) as upstream,
+        proxy(
+            tmp_path,
+            [upstream],
+            "--workers",
+            "2",
+            "--capture",
+            str(capture),
+            env={"SIDECAR_ADMIN_TOKEN": TOKEN},
+        ) as (proc, url, admin),
+    ):
         requests = 40
         for i in range(requests):
             send(url, i)
@@ -207,8 +244,10 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
         assert metric(exposition, "sidecar_sink_records_taken_total", sink="capture") == requests
         assert metric(exposition, "sidecar_sink_records_dropped_total") == 0
         # ... and /metrics speaks OpenMetrics to whoever asks for it (Prometheus does).
-        scrape = urllib.request.Request(admin + "/metrics", headers={
-            "Authorization": f"Bearer {TOKEN}", "Accept": "application/openmetrics-text"})
+        scrape = urllib.request.Request(
+            admin + "/metrics",
+            headers={"Authorization": f"Bearer {TOKEN}", "Accept": "application/openmetrics-text"},
+        )
         with urllib.request.urlopen(scrape, timeout=10) as response:
             assert response.headers["Content-Type"].startswith("application/openmetrics-text")
             openmetrics = response.read().decode()
@@ -217,9 +256,13 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
         # Per-replica figures come with each worker's status (every 0.25 s): wait for them. A
         # status sent between a request's start (counted) and its end (outstanding back to 0)
         # is a moment, not the settled view: wait for both.
-        replicas = until(lambda: get(admin + "/replicas", TOKEN),
-                         lambda r: r["replicas"][0]["requests_total"] == requests
-                         and r["replicas"][0]["outstanding"] == 0)
+        replicas = until(
+            lambda: get(admin + "/replicas", TOKEN),
+            lambda r: (
+                r["replicas"][0]["requests_total"] == requests
+                and r["replicas"][0]["outstanding"] == 0
+            ),
+        )
         assert replicas["requests_total"] == requests == replicas["records_received"]
         assert replicas["replicas"][0]["requests_total"] == requests
         assert replicas["replicas"][0]["outstanding"] == 0
@@ -228,16 +271,23 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
             get(admin + "/workers")
         assert refused.value.code == 401
         refused.value.close()
-        assert get(admin + "/healthz") == {"status": "ok", "in_flight": 0, "workers_alive": 2,
-                                           "workers": 2}
+        assert get(admin + "/healthz") == {
+            "status": "ok",
+            "in_flight": 0,
+            "workers_alive": 2,
+            "workers": 2,
+        }
         snapshot = get(admin + "/stats", TOKEN)
         assert snapshot["outcomes"]["ok"] == requests
 
         # A stream still going when SIGTERM comes is finished, and its record kept.
         request = urllib.request.Request(
-            url + "/v1/completions", headers={"Content-Type": "application/json"},
-            data=json.dumps({"model": "sim-model", "prompt": "long", "max_tokens": 300,
-                             "stream": True}).encode())
+            url + "/v1/completions",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps(
+                {"model": "sim-model", "prompt": "long", "max_tokens": 300, "stream": True}
+            ).encode(),
+        )
         with urllib.request.urlopen(request, timeout=20) as response:
             assert response.readline().startswith(b"data: ")
             proc.popen.send_signal(signal.SIGTERM)
@@ -251,14 +301,19 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
     lines = [line for path in files for line in TraceReader(path)]
     assert len(lines) == requests + 1 and all(line.outcome == "ok" for line in lines)
     # ... with one key for both: the same prompt has the same prefix hashes whichever served.
-    hashes = {(line.endpoint, line.prefix.hashes if line.prefix else None) for line in lines
-              if line.max_tokens == 4}
+    hashes = {
+        (line.endpoint, line.prefix.hashes if line.prefix else None)
+        for line in lines
+        if line.max_tokens == 4
+    }
     assert len(hashes) == 2 and all(h for _endpoint, h in hashes)  # chat, completions
     assert TraceReader(files[0]).header.notes["capture_key_id"]
     # /stats percentiles are over all records: the same numbers from the captured requests.
     captured = [line for line in lines if line.max_tokens == 4]
-    for metric_name, values in (("ttft", [x.ttft_s for x in captured if x.ttft_s is not None]),
-                                ("e2e", [x.e2e_s for x in captured if x.e2e_s is not None])):
+    for metric_name, values in (
+        ("ttft", [x.ttft_s for x in captured if x.ttft_s is not None]),
+        ("e2e", [x.e2e_s for x in captured if x.e2e_s is not None]),
+    ):
         expected = stats.summarize(values).to_dict()
         shown = snapshot["vantages"]["client"][metric_name]
         assert shown["count"] == expected["count"] > 0
@@ -268,8 +323,10 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_traffic_goes_on(tmp_path: Path) -> None:
-    with simulator(tmp_path) as upstream, proxy(tmp_path, [upstream], "--workers", "2") as (
-            proc, url, admin):
+    with (
+        simulator(tmp_path) as upstream,
+        proxy(tmp_path, [upstream], "--workers", "2") as (proc, url, admin),
+    ):
         for i in range(10):
             send(url, i)
         before = settle(admin, lambda v: accounted(v, 10))
@@ -304,23 +361,29 @@ def healthz(admin: str, path: str = "/healthz") -> tuple[int, dict[str, Any]]:
 
 
 def test_healthz_is_503_while_no_worker_serves(tmp_path: Path) -> None:
-    with simulator(tmp_path) as upstream, proxy(tmp_path, [upstream], "--workers", "1") as (
-            proc, _url, admin):
+    with (
+        simulator(tmp_path) as upstream,
+        proxy(tmp_path, [upstream], "--workers", "1") as (proc, _url, admin),
+    ):
         assert healthz(admin)[0] == 200
         (worker,) = get(admin + "/workers")["workers"]
         os.kill(worker["pid"], signal.SIGKILL)
         # Until it is started again (after a 0.5 s backoff at least), nothing serves.
         seen = []
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (not seen or seen[-1][0] != 200 or
-                                               all(code == 200 for code, _ in seen)):
+        while time.monotonic() < deadline and (
+            not seen or seen[-1][0] != 200 or all(code == 200 for code, _ in seen)
+        ):
             seen.append(healthz(admin))
             time.sleep(0.02)
         down = [body for code, body in seen if code == 503]
-        assert down and down[0] == {"status": "no_workers", "in_flight": 0,
-                                    "workers_alive": 0, "workers": 1}
-        assert seen[-1] == (200, {"status": "ok", "in_flight": 0, "workers_alive": 1,
-                                  "workers": 1})
+        assert down and down[0] == {
+            "status": "no_workers",
+            "in_flight": 0,
+            "workers_alive": 0,
+            "workers": 1,
+        }
+        assert seen[-1] == (200, {"status": "ok", "in_flight": 0, "workers_alive": 1, "workers": 1})
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(timeout=30) == 0
 
@@ -328,9 +391,14 @@ def test_healthz_is_503_while_no_worker_serves(tmp_path: Path) -> None:
 def test_a_full_channel_drops_and_counts_and_never_blocks_traffic(tmp_path: Path) -> None:
     """The collector stops reading (SIGSTOP); the worker goes on relaying, and what does not
     fit its (tiny) channel bound is dropped and counted, never waited for."""
-    with simulator(tmp_path) as upstream, proxy(
-            tmp_path, [upstream], "--workers", "1", "--channel-buffer-bytes", "1") as (
-            proc, url, admin):
+    with (
+        simulator(tmp_path) as upstream,
+        proxy(tmp_path, [upstream], "--workers", "1", "--channel-buffer-bytes", "1") as (
+            proc,
+            url,
+            admin,
+        ),
+    ):
         os.kill(proc.pid, signal.SIGSTOP)
         try:
             requests = 60
@@ -344,8 +412,10 @@ def test_a_full_channel_drops_and_counts_and_never_blocks_traffic(tmp_path: Path
         full = worker["dropped"]["channel_full"]
         assert full > 0 and worker["records_received"] == requests - full
         exposition = get(admin + "/metrics")
-        assert metric(exposition, "sidecar_channel_dropped_records_total",
-                      reason="channel_full") == full
+        assert (
+            metric(exposition, "sidecar_channel_dropped_records_total", reason="channel_full")
+            == full
+        )
         # The request counters count what arrived; with the drops, they add up to the traffic.
         assert metric(exposition, "sidecar_requests_total") == requests - full
         assert get(admin + "/stats")["records"] == requests - full
@@ -354,8 +424,10 @@ def test_a_full_channel_drops_and_counts_and_never_blocks_traffic(tmp_path: Path
 
 
 def test_workers_exit_when_the_collector_dies(tmp_path: Path) -> None:
-    with simulator(tmp_path) as upstream, proxy(tmp_path, [upstream], "--workers", "2") as (
-            proc, _url, admin):
+    with (
+        simulator(tmp_path) as upstream,
+        proxy(tmp_path, [upstream], "--workers", "2") as (proc, _url, admin),
+    ):
         pids = [w["pid"] for w in get(admin + "/workers")["workers"]]
         proc.popen.kill()
         proc.popen.wait(timeout=10)
@@ -372,10 +444,26 @@ def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path, workers: str) -> N
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "sidecar", "proxy", "--upstream", "http://127.0.0.1:9",
-             "--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0",
-             "--health-interval", "0", "--workers", workers],
-            capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "proxy",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--health-interval",
+                "0",
+                "--workers",
+                workers,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "in use" in lines[0] and str(port) in lines[0], done.stderr
@@ -388,16 +476,27 @@ def test_an_ejection_by_one_worker_reaches_every_worker(tmp_path: Path) -> None:
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))  # bound, never listening: connecting is refused
         dead = f"http://127.0.0.1:{hole.getsockname()[1]}"
-        with simulator(tmp_path) as upstream, proxy(
-                tmp_path, [upstream, dead], "--workers", "2", "--eject-after", "1",
-                "--retry-connect", "1") as (proc, url, admin):
+        with (
+            simulator(tmp_path) as upstream,
+            proxy(
+                tmp_path,
+                [upstream, dead],
+                "--workers",
+                "2",
+                "--eject-after",
+                "1",
+                "--retry-connect",
+                "1",
+            ) as (proc, url, admin),
+        ):
             # least_outstanding's first pick is the second replica: the dead one. The retry
             # on the live one answers.
             send(url, 1)
 
             def everywhere(view: dict[str, Any]) -> bool:
-                return all(w["replicas"] and not w["replicas"][1]["healthy"]
-                           for w in view["workers"])
+                return all(
+                    w["replicas"] and not w["replicas"][1]["healthy"] for w in view["workers"]
+                )
 
             view = settle(admin, everywhere)
             assert everywhere(view), view
@@ -408,12 +507,13 @@ def test_an_ejection_by_one_worker_reaches_every_worker(tmp_path: Path) -> None:
             assert len(idle) == 1 and idle[0]["replicas"][1]["ejections"] == 0
             replicas = get(admin + "/replicas")
             assert [r["healthy"] for r in replicas["replicas"]] == [True, False]
-            assert healthz(admin, "/readyz") == (200, {"status": "ready", "healthy_replicas": 1,
-                                                       "replicas": 2})
+            assert healthz(admin, "/readyz") == (
+                200,
+                {"status": "ready", "healthy_replicas": 1, "replicas": 2},
+            )
             assert replicas["replicas"][1]["ejections"] == 1
             exposition = get(admin + "/metrics")
-            assert metric(exposition, "sidecar_replica_healthy",
-                          replica=dead.split("://")[1]) == 0
+            assert metric(exposition, "sidecar_replica_healthy", replica=dead.split("://")[1]) == 0
             proc.popen.send_signal(signal.SIGTERM)
             assert proc.popen.wait(timeout=30) == 0
 
@@ -422,11 +522,14 @@ def test_readyz_is_503_while_no_replica_is_healthy(tmp_path: Path) -> None:
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))  # bound, never listening: health checks fail
         dead = f"http://127.0.0.1:{hole.getsockname()[1]}"
-        with proxy(tmp_path, [dead], "--workers", "1", "--eject-after", "1",
-                   "--health-interval", "50ms") as (proc, _url, admin):
+        with proxy(
+            tmp_path, [dead], "--workers", "1", "--eject-after", "1", "--health-interval", "50ms"
+        ) as (proc, _url, admin):
             status = until(lambda: healthz(admin, "/readyz"), lambda got: got[0] == 503)
-            assert status == (503, {"status": "no_healthy_replica", "healthy_replicas": 0,
-                                    "replicas": 1})
+            assert status == (
+                503,
+                {"status": "no_healthy_replica", "healthy_replicas": 0, "replicas": 1},
+            )
             assert healthz(admin)[0] == 200  # alive: a liveness probe must not restart it
             proc.popen.send_signal(signal.SIGTERM)
             assert proc.popen.wait(timeout=30) == 0
@@ -456,13 +559,22 @@ def test_health_checks_and_engine_scrapes_run_once_not_per_worker(tmp_path: Path
     thread.start()
     upstream = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        with proxy(tmp_path, [upstream], "--workers", "3", "--health-interval", "50ms",
-                   "--engine-scrape-interval", "50ms") as (proc, _url, admin):
+        with proxy(
+            tmp_path,
+            [upstream],
+            "--workers",
+            "3",
+            "--health-interval",
+            "50ms",
+            "--engine-scrape-interval",
+            "50ms",
+        ) as (proc, _url, admin):
 
             def counts() -> tuple[int, int]:
                 (replica,) = get(admin + "/replicas")["replicas"]
-                return replica["health_checks"], replica["engine"]["scrapes"] + \
-                    replica["engine"]["failures"]
+                return replica["health_checks"], replica["engine"]["scrapes"] + replica["engine"][
+                    "failures"
+                ]
 
             deadline = time.monotonic() + 20
             while min(counts()) < 5 and time.monotonic() < deadline:
@@ -490,8 +602,10 @@ def test_the_workers_setting_flag_env_file_and_default(tmp_path: Path) -> None:
     assert build_config(base, {}).workers is None  # `sidecar proxy` decides: default_workers()
     assert build_config({**base, "workers": 3}, {}).workers == 3
     assert build_config(base, {"SIDECAR_WORKERS": "0"}).workers == 0
-    assert build_config(base, {}, file_settings={"workers": 2,
-                                                 "channel_buffer_bytes": 4096}).workers == 2
+    assert (
+        build_config(base, {}, file_settings={"workers": 2, "channel_buffer_bytes": 4096}).workers
+        == 2
+    )
     with pytest.raises(ConfigError, match="workers must be >= 0"):
         build_config({**base, "workers": -1}, {})
     with pytest.raises(ConfigError, match="channel_buffer_bytes must be > 0"):
@@ -499,14 +613,32 @@ def test_the_workers_setting_flag_env_file_and_default(tmp_path: Path) -> None:
     assert 1 <= default_workers() <= (os.cpu_count() or 1)
     # The settings travel to a worker exactly (durations, mappings, enums, secrets stripped
     # elsewhere).
-    config = build_config({**base, "slo": "ttft=250ms", "slo_classes": ["x:ttft=1s"],
-                           "route_policy": "prefix", "ttft_timeout": "1.25s"}, {})
+    config = build_config(
+        {
+            **base,
+            "slo": "ttft=250ms",
+            "slo_classes": ["x:ttft=1s"],
+            "route_policy": "prefix",
+            "ttft_timeout": "1.25s",
+        },
+        {},
+    )
     assert config_from_wire(json.loads(json.dumps(config_to_wire(config)))) == config
 
 
 def test_a_cgroup_cpu_limit_bounds_the_default(tmp_path: Path) -> None:
-    own = next((line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
-                if line.startswith("0::")), "/") if Path("/proc/self/cgroup").exists() else "/"
+    own = (
+        next(
+            (
+                line[3:]
+                for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if line.startswith("0::")
+            ),
+            "/",
+        )
+        if Path("/proc/self/cgroup").exists()
+        else "/"
+    )
     directory = tmp_path / own.lstrip("/")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "cpu.max").write_text("150000 100000\n")
@@ -539,9 +671,11 @@ async def test_the_channel_sink_lifecycle_on_a_real_socket() -> None:
             arrived.set()
 
     _, sender = await loop.create_unix_connection(
-        lambda: FrameProtocol(lambda _kind, _payload: None, lambda: None), sock=ours)
+        lambda: FrameProtocol(lambda _kind, _payload: None, lambda: None), sock=ours
+    )
     reader_transport, _reader = await loop.create_unix_connection(
-        lambda: FrameProtocol(on_frame, lambda: None), sock=theirs)
+        lambda: FrameProtocol(on_frame, lambda: None), sock=theirs
+    )
     try:
         sink = ChannelSink(sender, bound=1 << 20)
         assert isinstance(sink, Sink)
@@ -558,12 +692,20 @@ async def test_the_channel_sink_lifecycle_on_a_real_socket() -> None:
             arrived.clear()
             await asyncio.wait_for(arrived.wait(), 5)
         assert received == ["c0", "c1", "c2"]
-        assert sink.counters() == {"taken": 4, "written": 3, "dropped_channel_full": 0,
-                                   "dropped_channel_closed": 1, "dropped_encode_error": 0}
+        assert sink.counters() == {
+            "taken": 4,
+            "written": 3,
+            "dropped_channel_full": 0,
+            "dropped_channel_closed": 1,
+            "dropped_encode_error": 0,
+        }
         full = ChannelSink(sender, bound=-1)  # any byte waiting is over this bound
         full.on_record(channel_record(4))
-        assert dropped_by_reason(full.counters()) == {"channel_full": 1, "channel_closed": 0,
-                                                      "encode_error": 0}
+        assert dropped_by_reason(full.counters()) == {
+            "channel_full": 1,
+            "channel_closed": 0,
+            "encode_error": 0,
+        }
     finally:
         assert sender.transport is not None
         sender.transport.close()

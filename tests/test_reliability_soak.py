@@ -56,12 +56,14 @@ TASK_BOUND = SOCKET_BOUND + 32
 # connection closed before its handler started): no request, so no record. Tolerated for this
 # kind only, at most twice per run; every request the proxy counted has its record.
 GONE_EARLY = "client_gone_early-"
-SIM = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.0005, per_token_s=0.0,
-                                               num_gpu_blocks=1024))
+SIM = SimConfig(
+    model="m", engine=EngineConfig(step_floor_s=0.0005, per_token_s=0.0, num_gpu_blocks=1024)
+)
 
 
-async def _run_batch(session: aiohttp.ClientSession, url: str,
-                     planned: list[tuple[int, soak.Kind]]) -> list[str]:
+async def _run_batch(
+    session: aiohttp.ClientSession, url: str, planned: list[tuple[int, soak.Kind]]
+) -> list[str]:
     """Send ``planned`` with CONCURRENCY clients; the requests whose client saw the wrong thing."""
     queue = list(planned)
     unexpected: list[str] = []
@@ -79,8 +81,12 @@ async def _run_batch(session: aiohttp.ClientSession, url: str,
 @pytest.mark.slow
 async def test_soak_is_flat_and_loses_nothing(tmp_path: Path) -> None:
     sims = await start_replicas(SIM, 2)
-    settings = {**soak.PROXY_SETTINGS, "capture_dir": str(tmp_path / "capture"),
-                "window_s": "100ms", "health_interval": "200ms"}
+    settings = {
+        **soak.PROXY_SETTINGS,
+        "capture_dir": str(tmp_path / "capture"),
+        "window_s": "100ms",
+        "health_interval": "200ms",
+    }
     rng = random.Random(7)
     samples: list[dict[str, Any]] = []
     sent = never_arrived = 0
@@ -92,10 +98,13 @@ async def test_soak_is_flat_and_loses_nothing(tmp_path: Path) -> None:
 
             def quiet(planned_ids: set[str]) -> bool:
                 missing = planned_ids - {r.request_id for r in p.records.records}
-                return (all(m.startswith(GONE_EARLY) for m in missing)
-                        and proxy.in_flight == 0 and capture.queued == 0
-                        and proxy.records_total == proxy.requests_total
-                        and all(s.replica.in_flight == 0 for s in sims))
+                return (
+                    all(m.startswith(GONE_EARLY) for m in missing)
+                    and proxy.in_flight == 0
+                    and capture.queued == 0
+                    and proxy.records_total == proxy.requests_total
+                    and all(s.replica.in_flight == 0 for s in sims)
+                )
 
             for _ in range(BATCHES):
                 planned = [(sent + i, soak.pick(rng)) for i in range(BATCH)]
@@ -103,7 +112,8 @@ async def test_soak_is_flat_and_loses_nothing(tmp_path: Path) -> None:
                 # A client pool per batch, closed before the checkpoint: only the proxy's own
                 # connections (to the replicas, pooled) remain at the quiet point.
                 async with aiohttp.ClientSession(
-                        connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as session:
+                    connector=aiohttp.TCPConnector(limit=CONCURRENCY)
+                ) as session:
                     unexpected = await _run_batch(session, p.url, planned)
                     for path in ("/metrics", "/stats"):
                         async with session.get(p.admin + path) as response:
@@ -126,14 +136,20 @@ async def test_soak_is_flat_and_loses_nothing(tmp_path: Path) -> None:
                 window_peak = len(p.window._records)
                 await until(lambda: not p.window.records(), 5, "an empty live window")
                 gc.collect()
-                samples.append({**soak.process_state(), "tasks": len(asyncio.all_tasks()),
-                                "objects": len(gc.get_objects()),
-                                "capture_queue": capture.queued,
-                                "window": window_peak,
-                                "outstanding": sum(r.outstanding
-                                                   for r in proxy.router.replicas)})
-            written, dropped = capture.written, (capture.dropped_queue_full
-                                                 + capture.dropped_write_errors)
+                samples.append(
+                    {
+                        **soak.process_state(),
+                        "tasks": len(asyncio.all_tasks()),
+                        "objects": len(gc.get_objects()),
+                        "capture_queue": capture.queued,
+                        "window": window_peak,
+                        "outstanding": sum(r.outstanding for r in proxy.router.replicas),
+                    }
+                )
+            written, dropped = (
+                capture.written,
+                (capture.dropped_queue_full + capture.dropped_write_errors),
+            )
     finally:
         await close_replicas(sims)
     # Every kind of the mix happened, and nothing was lost on the way to the capture.

@@ -63,17 +63,31 @@ def test_counters_by_hand() -> None:
 @pytest.mark.slow
 async def test_a_replay_with_workers_serves_its_numbers_while_it_runs(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
-    write_trace(trace, TraceHeader(source="test"),
-                [TraceRequest(t=i * 0.03, n_in=8, n_out=3) for i in range(16)])
-    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
-        step_floor_s=0.002, per_token_s=0.0)), 1)
+    write_trace(
+        trace,
+        TraceHeader(source="test"),
+        [TraceRequest(t=i * 0.03, n_in=8, n_out=3) for i in range(16)],
+    )
+    replicas = await start_replicas(
+        SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0)), 1
+    )
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     out = tmp_path / "out"
     try:
-        replay = asyncio.create_task(replay_cli.run(args_for(
-            trace, replicas[0].url, repeats=1, workers=2, output_dir=out,
-            metrics_listen=f"127.0.0.1:{port}", metrics_linger="3s")))
+        replay = asyncio.create_task(
+            replay_cli.run(
+                args_for(
+                    trace,
+                    replicas[0].url,
+                    repeats=1,
+                    workers=2,
+                    output_dir=out,
+                    metrics_listen=f"127.0.0.1:{port}",
+                    metrics_linger="3s",
+                )
+            )
+        )
         samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         async with aiohttp.ClientSession() as session:
             for _ in range(400):  # until the run is over (the listener lingers 3 s for this)
@@ -84,11 +98,16 @@ async def test_a_replay_with_workers_serves_its_numbers_while_it_runs(tmp_path: 
                 except aiohttp.ClientConnectionError:
                     assert not replay.done(), await replay
                     continue
-                samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                           for family in text_string_to_metric_families(text)
-                           for s in family.samples}
-                done = sum(v for (name, _), v in samples.items()
-                           if name == "sidecar_replay_requests_completed_total")
+                samples = {
+                    (s.name, tuple(sorted(s.labels.items()))): s.value
+                    for family in text_string_to_metric_families(text)
+                    for s in family.samples
+                }
+                done = sum(
+                    v
+                    for (name, _), v in samples.items()
+                    if name == "sidecar_replay_requests_completed_total"
+                )
                 if done == 16:
                     break
         assert await replay == 0
@@ -99,8 +118,11 @@ async def test_a_replay_with_workers_serves_its_numbers_while_it_runs(tmp_path: 
     # What both sender processes did, added up in the parent's numbers.
     assert samples[("sidecar_replay_requests_planned_total", shard)] == 16
     assert samples[("sidecar_replay_requests_sent_total", shard)] == 16
-    assert samples[("sidecar_replay_requests_completed_total",
-                    (("outcome", "ok"), ("shard", "0")))] == report["completed"] == 16
+    assert (
+        samples[("sidecar_replay_requests_completed_total", (("outcome", "ok"), ("shard", "0")))]
+        == report["completed"]
+        == 16
+    )
     assert samples[("sidecar_replay_in_flight_requests", shard)] == 0
     assert samples[("sidecar_replay_send_lateness_seconds_count", shard)] == 16
     assert samples[("sidecar_replay_run", shard)] == 1
@@ -114,14 +136,18 @@ async def test_a_replay_with_workers_shows_their_progress(tmp_path: Path) -> Non
     from test_replay import sidecar_async
 
     trace = tmp_path / "t.jsonl"
-    write_trace(trace, TraceHeader(source="test"),
-                [TraceRequest(t=i * 0.02, n_in=8, n_out=3) for i in range(12)])
-    replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
-        step_floor_s=0.002, per_token_s=0.0)), 1)
+    write_trace(
+        trace,
+        TraceHeader(source="test"),
+        [TraceRequest(t=i * 0.02, n_in=8, n_out=3) for i in range(12)],
+    )
+    replicas = await start_replicas(
+        SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0)), 1
+    )
     try:
-        code, out, err = await sidecar_async("replay", str(trace), "--target",
-                                             replicas[0].url, "--workers", "2",
-                                             "--repeats", "2")
+        code, out, err = await sidecar_async(
+            "replay", str(trace), "--target", replicas[0].url, "--workers", "2", "--repeats", "2"
+        )
     finally:
         await close_replicas(replicas)
     assert code == 0, err

@@ -28,20 +28,37 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     (its engine step grows with the batch, so shards' requests really share the engine)."""
     tmp = tmp_path_factory.mktemp("sharded")
     trace = tmp / "t.jsonl"
-    write_trace(trace, TraceHeader(source="test"),
-                [TraceRequest(t=i * 0.015, n_in=8 + i, n_out=2 + i % 4) for i in range(12)])
+    write_trace(
+        trace,
+        TraceHeader(source="test"),
+        [TraceRequest(t=i * 0.015, n_in=8 + i, n_out=2 + i % 4) for i in range(12)],
+    )
 
     async def replay() -> list[int]:
-        replicas = await start_replicas(SimConfig(model="m", engine=EngineConfig(
-            step_floor_s=0.002, per_token_s=0.0005)), 1)
+        replicas = await start_replicas(
+            SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0005)), 1
+        )
         start_at = time.time() + 1.0
         try:
-            return list(await asyncio.gather(*(
-                replay_cli.run(args_for(trace, replicas[0].url, repeats=1,
-                                        output_dir=tmp / f"shard-{i}", shard_index=i,
-                                        shard_count=SHARDS, start_at=start_at,
-                                        slo="ttft=1s,tpot=200ms"))
-                for i in range(SHARDS))))
+            return list(
+                await asyncio.gather(
+                    *(
+                        replay_cli.run(
+                            args_for(
+                                trace,
+                                replicas[0].url,
+                                repeats=1,
+                                output_dir=tmp / f"shard-{i}",
+                                shard_index=i,
+                                shard_count=SHARDS,
+                                start_at=start_at,
+                                slo="ttft=1s,tpot=200ms",
+                            )
+                        )
+                        for i in range(SHARDS)
+                    )
+                )
+            )
         finally:
             await close_replicas(replicas)
 
@@ -60,8 +77,9 @@ def records_of(directory: Path) -> list[RequestRecord]:
     return [RequestRecord.from_dict(json.loads(line)["record"]) for line in lines]
 
 
-def test_the_merged_report_is_recomputed_over_the_union(sharded: list[Path],
-                                                        tmp_path: Path) -> None:
+def test_the_merged_report_is_recomputed_over_the_union(
+    sharded: list[Path], tmp_path: Path
+) -> None:
     out = tmp_path / "merged"
     assert asyncio.run(merge.run(merge_args(sharded, out))) == 0
     report = json.loads((out / "report.json").read_text())
@@ -70,10 +88,16 @@ def test_the_merged_report_is_recomputed_over_the_union(sharded: list[Path],
     assert len(union) == 12 and report["completed"] == 12 and report["failed"] == 0
     # Totals add up; percentiles are those of the union (numpy's linear interpolation, as
     # every report states), not anything made of the shards' percentiles.
-    assert report["total_output_tokens"] == sum(2 + i % 4 for i in range(12)) == sum(
-        s["total_output_tokens"] for s in shard_reports)
-    ttft_ms = [m.ttft_s * 1000 for r in union
-               if (m := stats.request_metrics(r, Vantage.CLIENT)) and m.ttft_s is not None]
+    assert (
+        report["total_output_tokens"]
+        == sum(2 + i % 4 for i in range(12))
+        == sum(s["total_output_tokens"] for s in shard_reports)
+    )
+    ttft_ms = [
+        m.ttft_s * 1000
+        for r in union
+        if (m := stats.request_metrics(r, Vantage.CLIENT)) and m.ttft_s is not None
+    ]
     assert len(ttft_ms) == 12
     assert report["median_ttft_ms"] == pytest.approx(float(np.percentile(ttft_ms, 50)))
     assert report["p99_ttft_ms"] == pytest.approx(float(np.percentile(ttft_ms, 99)))
@@ -83,21 +107,24 @@ def test_the_merged_report_is_recomputed_over_the_union(sharded: list[Path],
     # The exact peak of the union is at least each shard's (vllm bench's per-second count
     # is not: the union's buckets start at another instant).
     assert report["max_in_flight_requests"] >= max(
-        s["max_in_flight_requests"] for s in shard_reports)
+        s["max_in_flight_requests"] for s in shard_reports
+    )
     envelope = report["envelope"]
     assert envelope["requests"] == 12
     assert envelope["shard"] == {"count": 3, "merged": [0, 1, 2]}
     assert [m["requests"] for m in report["merged_from"]] == [4, 4, 4]
-    merged_lines = [json.loads(line)
-                    for line in (out / "records-run0.jsonl").read_text().splitlines()]
+    merged_lines = [
+        json.loads(line) for line in (out / "records-run0.jsonl").read_text().splitlines()
+    ]
     assert sorted(line["shard"] for line in merged_lines) == [0] * 4 + [1] * 4 + [2] * 4
     # The merged directory is a report `sidecar compare` reads like any replay's.
     kind, loaded = compare.load_result(str(out))
     assert kind == "replay" and loaded["completed"] == 12
 
 
-def test_what_is_not_one_experiment_is_refused(sharded: list[Path], tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_what_is_not_one_experiment_is_refused(
+    sharded: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # A shard missing.
     assert asyncio.run(merge.run(merge_args(sharded[:2], tmp_path / "a"))) == 3
     assert "shard(s) [2] of 3 missing" in capsys.readouterr().err
@@ -128,7 +155,8 @@ def test_what_is_not_one_experiment_is_refused(sharded: list[Path], tmp_path: Pa
 
 
 def test_the_merged_report_is_judged_by_the_shards_lateness_threshold(
-        sharded: list[Path], tmp_path: Path) -> None:
+    sharded: list[Path], tmp_path: Path
+) -> None:
     """The union's sender lateness, judged by the --max-lateness the shards were run with:
     0 ms marks it degraded (every send is some nanoseconds late), off never does."""
     for threshold, expected in ((0.0, True), (None, False)):
@@ -147,5 +175,6 @@ def test_the_merged_report_is_judged_by_the_shards_lateness_threshold(
         merged = json.loads((out / "report.json").read_text())
         assert merged["degraded"] is expected and merged["max_lateness_ms"] == threshold
         assert (merged["degraded_reason"] or "").startswith(
-            "sender lateness p99 " if expected else "")
+            "sender lateness p99 " if expected else ""
+        )
         assert merged["runs"][0]["degraded"] is expected

@@ -30,8 +30,12 @@ A = build_record([(100, 1), (130, 1), (250, 2)], n_in=10, n_out=4, end_ms=260)
 B = build_record([(50, 1), (90, 1)], n_in=20, n_out=2, end_ms=100)
 C = build_record([], outcome=Outcome.HTTP_ERROR, http_status=500, end_ms=5)
 D = build_record([(40, 1)], n_in=5, n_out=1, end_ms=45)
-RUN = [build_sent(0, 0, A), build_sent(1, 100, B, scheduled_ms=98), build_sent(2, 210, C),
-       build_sent(3, 300, D)]
+RUN = [
+    build_sent(0, 0, A),
+    build_sent(1, 100, B, scheduled_ms=98),
+    build_sent(2, 210, C),
+    build_sent(3, 300, D),
+]
 DURATION = 0.345  # the run's start to D's end
 
 
@@ -125,7 +129,8 @@ def test_degraded_names_the_late_runs() -> None:
     mark_degraded(single, 50.0)
     assert single["degraded"] is True and single["max_lateness_ms"] == 50.0
     assert single["degraded_reason"].startswith(
-        "sender lateness p99 60.0 ms > --max-lateness 50 ms: the sender fell behind")
+        "sender lateness p99 60.0 ms > --max-lateness 50 ms: the sender fell behind"
+    )
     result: dict[str, Any] = {"runs": [lateness(1.0), lateness(0.5), lateness(70.0)]}
     mark_degraded(result, 50.0)
     assert [run["degraded"] for run in result["runs"]] == [False, False, True]
@@ -141,11 +146,14 @@ def test_the_median_run_by_median_e2e() -> None:
     runs = [{"median_e2el_ms": 30.0}, {"median_e2el_ms": 10.0}, {"median_e2el_ms": 20.0}]
     assert median_run(runs) == 2
     # Even count: the lower middle; a run without the figure sorts last.
-    assert median_run([{"median_e2el_ms": 5.0}, {}, {"median_e2el_ms": 1.0},
-                       {"median_e2el_ms": 3.0}]) == 3
+    assert (
+        median_run([{"median_e2el_ms": 5.0}, {}, {"median_e2el_ms": 1.0}, {"median_e2el_ms": 3.0}])
+        == 3
+    )
 
 
 def test_slo_text() -> None:
     assert slo_text({"default": "ttft<=500ms"}) == "ttft<=500ms"
     assert slo_text({"gold": "ttft<=100ms", "bronze": "e2e<=5000ms"}) == (
-        "gold: ttft<=100ms; bronze: e2e<=5000ms")
+        "gold: ttft<=100ms; bronze: e2e<=5000ms"
+    )

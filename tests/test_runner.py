@@ -40,8 +40,9 @@ class HeldSender(Sender):
         self.all_sent = asyncio.Event()
         self.expected = 0
 
-    async def send(self, planned: PlannedRequest, run_start_ns: int,
-                   scheduled_ns: int | None) -> SentRequest:
+    async def send(
+        self, planned: PlannedRequest, run_start_ns: int, scheduled_ns: int | None
+    ) -> SentRequest:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         self.sent += 1
@@ -50,8 +51,12 @@ class HeldSender(Sender):
         await self.release.wait()
         self.in_flight -= 1
         at = clock.monotonic_ns() - run_start_ns
-        return SentRequest(planned.index, at if scheduled_ns is None else scheduled_ns, at,
-                           build_record([(1, 1)], request_id=str(planned.index)))
+        return SentRequest(
+            planned.index,
+            at if scheduled_ns is None else scheduled_ns,
+            at,
+            build_record([(1, 1)], request_id=str(planned.index)),
+        )
 
 
 async def test_open_loop_sends_everything_before_any_answer() -> None:
@@ -105,10 +110,21 @@ SLOW = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.05, per_token_s=0
 async def test_open_loop_keeps_its_schedule_against_a_slow_upstream() -> None:
     replicas = await start_replicas(SLOW, 1)
     try:
-        plan = [PlannedRequest(i, i * 0.02, "/v1/completions",
-                               {"model": "m", "prompt": [5, 6, 7], "max_tokens": 20,
-                                "ignore_eos": True, "stream": True})
-                for i in range(20)]
+        plan = [
+            PlannedRequest(
+                i,
+                i * 0.02,
+                "/v1/completions",
+                {
+                    "model": "m",
+                    "prompt": [5, 6, 7],
+                    "max_tokens": 20,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
+            for i in range(20)
+        ]
         async with aiohttp.ClientSession() as session:
             sender = Sender(replicas[0].url, session)
             start = clock.monotonic_ns() + 20_000_000

@@ -60,37 +60,55 @@ def _completion_text(body: bytes, endpoint: str, streamed: bool) -> str:
 
 async def _secret_traffic(url: str, session: aiohttp.ClientSession) -> list[str]:
     """Requests of every kind carrying the secrets; returns the completions received."""
-    headers = {"Authorization": f"Bearer {SECRET_KEY}", "api-key": SECRET_API_KEY,
-               "X-Api-Key": SECRET_API_KEY}
+    headers = {
+        "Authorization": f"Bearer {SECRET_KEY}",
+        "api-key": SECRET_API_KEY,
+        "X-Api-Key": SECRET_API_KEY,
+    }
     completions = []
     for endpoint, path in (("chat", "/v1/chat/completions"), ("completions", "/v1/completions")):
         for streamed in (True, False):
-            body: dict[str, Any] = {"model": "m", "max_tokens": 30, "ignore_eos": True,
-                                    "stream": streamed}
+            body: dict[str, Any] = {
+                "model": "m",
+                "max_tokens": 30,
+                "ignore_eos": True,
+                "stream": streamed,
+            }
             if endpoint == "chat":
-                body["messages"] = [{"role": "system", "content": SECRET_PROMPT},
-                                    {"role": "user", "content": SECRET_PROMPT}]
+                body["messages"] = [
+                    {"role": "system", "content": SECRET_PROMPT},
+                    {"role": "user", "content": SECRET_PROMPT},
+                ]
             else:
                 body["prompt"] = SECRET_PROMPT
-            async with session.post(f"{url}{path}?api_key={SECRET_QUERY_KEY}", json=body,
-                                    headers=headers) as response:
+            async with session.post(
+                f"{url}{path}?api_key={SECRET_QUERY_KEY}", json=body, headers=headers
+            ) as response:
                 data = await response.read()
                 assert response.status == 200, data[:200]
             completions.append(_completion_text(data, endpoint, streamed))
     # Failures carry the secrets too: a wrong key (401), an unknown model (404), a client that
     # leaves mid-stream, and a pass-through path.
     bad = {"model": "m", "messages": [{"role": "user", "content": SECRET_PROMPT}]}
-    async with session.post(url + "/v1/chat/completions", json=bad,
-                            headers={"Authorization": "Bearer sk-wrong-" + SECRET_API_KEY}) as r:
+    async with session.post(
+        url + "/v1/chat/completions",
+        json=bad,
+        headers={"Authorization": "Bearer sk-wrong-" + SECRET_API_KEY},
+    ) as r:
         assert r.status == 401
-    async with session.post(url + "/v1/chat/completions", json={**bad, "model": "nope"},
-                            headers=headers) as r:
+    async with session.post(
+        url + "/v1/chat/completions", json={**bad, "model": "nope"}, headers=headers
+    ) as r:
         assert r.status == 404
-    async with session.post(url + "/v1/chat/completions",
-                            json={**bad, "stream": True, "max_tokens": 300}, headers=headers) as r:
+    async with session.post(
+        url + "/v1/chat/completions",
+        json={**bad, "stream": True, "max_tokens": 300},
+        headers=headers,
+    ) as r:
         await r.content.readline()
-    async with session.post(url + "/tokenize", json={"model": "m", "prompt": SECRET_PROMPT},
-                            headers=headers) as r:
+    async with session.post(
+        url + "/tokenize", json={"model": "m", "prompt": SECRET_PROMPT}, headers=headers
+    ) as r:
         assert r.status == 200
     assert all(len(c) > 60 for c in completions)
     return completions
@@ -105,15 +123,20 @@ def _leaks(text: str, secrets: tuple[str, ...]) -> list[str]:
 
 @pytest.mark.parametrize("capture_text", [False, True])
 async def test_no_secret_in_anything_the_sidecar_produces(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, capture_text: bool) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capture_text: bool
+) -> None:
     caplog.set_level(logging.DEBUG)
     capture = tmp_path / "capture"
     sims = await start_replicas(SimConfig(model="m", engine=FAST_ENGINE, api_key=SECRET_KEY), 1)
     reader = InMemoryMetricReader()
     spans = InMemorySpanExporter()
     otel = build_otel_sink(readers=[reader], traces=True, span_exporter=spans, slo_policy=None)
-    settings: dict[str, Any] = {"capture_dir": str(capture), "log_requests": "true",
-                                "admin_token": ADMIN_TOKEN, "slo": "ttft=1s,tpot=100ms"}
+    settings: dict[str, Any] = {
+        "capture_dir": str(capture),
+        "log_requests": "true",
+        "admin_token": ADMIN_TOKEN,
+        "slo": "ttft=1s,tpot=100ms",
+    }
     if capture_text:
         settings["capture_text"] = "true"
     try:
@@ -130,8 +153,11 @@ async def test_no_secret_in_anything_the_sidecar_produces(
     finally:
         otel.shutdown()
         await close_replicas(sims)
-    assert {r.outcome for r in records} == {Outcome.OK, Outcome.HTTP_ERROR,
-                                            Outcome.CLIENT_CANCELLED}
+    assert {r.outcome for r in records} == {
+        Outcome.OK,
+        Outcome.HTTP_ERROR,
+        Outcome.CLIENT_CANCELLED,
+    }
     completion_marks = tuple(completions)
     everything_secret = (SECRET_PROMPT, *CREDENTIALS, *completion_marks)
 
@@ -153,7 +179,8 @@ async def test_no_secret_in_anything_the_sidecar_produces(
     assert len(spans.get_finished_spans()) == REQUESTS_SENT - 1  # none for /tokenize
     assert _leaks(otel_text, everything_secret) == []
     log_text = caplog.text + "".join(
-        json.dumps([str(a) for a in (r.args or ())]) + r.getMessage() for r in caplog.records)
+        json.dumps([str(a) for a in (r.args or ())]) + r.getMessage() for r in caplog.records
+    )
     assert sum("outcome=" in r.getMessage() for r in caplog.records) == REQUESTS_SENT
     assert _leaks(log_text, everything_secret) == []
 
@@ -195,17 +222,47 @@ async def test_a_real_proxy_process_logs_no_secret() -> None:
     """`sidecar proxy --log-requests` as run in production: its whole stderr and stdout,
     after secret traffic and a SIGTERM, hold neither text nor credentials."""
     env = {**os.environ, "SIDECAR_ADMIN_TOKEN": ADMIN_TOKEN}
-    sim = subprocess.Popen([sys.executable, "-m", "sidecar", "sim", "--port", "0", "--model", "m",
-                            "--api-key", SECRET_KEY], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    sim = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "sim",
+            "--port",
+            "0",
+            "--model",
+            "m",
+            "--api-key",
+            SECRET_KEY,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proxy = None
     try:
         upstream = _first_url(sim, r"listening on (http://\S+)")
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "proxy", "--upstream", upstream, "--listen",
-             "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--health-interval", "0",
-             "--log-requests"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env)
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "proxy",
+                "--upstream",
+                upstream,
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--health-interval",
+                "0",
+                "--log-requests",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         url = _first_url(proxy, r"proxy listening on (http://\S+)")
         async with aiohttp.ClientSession() as session:
             completions = await _secret_traffic(url, session)
@@ -233,8 +290,10 @@ async def test_label_cardinality_is_capped_against_10k_model_names() -> None:
     reader = InMemoryMetricReader()
     otel = build_otel_sink(readers=[reader], slo_policy=None, max_models=16)
     try:
-        async with stack(label_cap="16") as s, aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=16)) as session:
+        async with (
+            stack(label_cap="16") as s,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as session,
+        ):
             s.server.proxy.fanout.add(otel)
 
             async def one(i: int) -> int:
@@ -262,7 +321,8 @@ async def test_label_cardinality_is_capped_against_10k_model_names() -> None:
 
 
 async def test_huge_or_control_character_model_names_never_become_labels(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Within the cap, a label value is still client text: a 100 kB model name must not end up
     in every series of /metrics, and one with a line break must not forge a log line. Such
     names are not kept on the record at all."""
@@ -279,8 +339,7 @@ async def test_huge_or_control_character_model_names_never_become_labels(
     assert all(r.model is None and r.outcome is Outcome.HTTP_ERROR for r in records)
     assert "m" * 300 not in exposition and len(exposition) < 200_000
     assert "FORGED" not in exposition and "FORGED" not in caplog.text
-    assert all("\n" not in r.getMessage() and "\x1b" not in r.getMessage()
-               for r in caplog.records)
+    assert all("\n" not in r.getMessage() and "\x1b" not in r.getMessage() for r in caplog.records)
 
 
 # -- the admin side --------------------------------------------------------------------------
@@ -298,14 +357,16 @@ async def test_admin_pages_are_not_on_the_traffic_port_and_the_token_never_shows
         async with session.get(s.url + "/metrics") as response:
             text = await response.text()
             assert "vllm:" in text and "sidecar_" not in text
-        async with session.get(s.server.admin_url + "/metrics",
-                               headers={"Authorization": f"Bearer {ADMIN_TOKEN}x"}) as response:
+        async with session.get(
+            s.server.admin_url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}x"}
+        ) as response:
             assert response.status == 401
             assert ADMIN_TOKEN not in await response.text()
         pages = []
         for path in ("/metrics", "/stats", "/replicas", "/healthz"):
-            async with session.get(s.server.admin_url + path,
-                                   headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as response:
+            async with session.get(
+                s.server.admin_url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            ) as response:
                 assert response.status == 200
                 pages.append(await response.text())
         await settle(s.server, s.records, 3, s.replicas)
@@ -330,10 +391,16 @@ async def test_the_concurrency_limit_rejects_exactly_the_excess() -> None:
         watcher = asyncio.create_task(watch())
 
         async def one(i: int) -> tuple[int, bytes]:
-            body = {"model": "m", "prompt": "hi", "max_tokens": 20, "ignore_eos": True,
-                    "stream": True}
-            async with session.post(s.url + "/v1/completions", json=body,
-                                    headers={"X-Request-Id": f"r{i}"}) as response:
+            body = {
+                "model": "m",
+                "prompt": "hi",
+                "max_tokens": 20,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with session.post(
+                s.url + "/v1/completions", json=body, headers={"X-Request-Id": f"r{i}"}
+            ) as response:
                 return response.status, await response.read()
 
         results = await asyncio.gather(*(one(i) for i in range(12)))
@@ -354,8 +421,7 @@ async def test_the_concurrency_limit_rejects_exactly_the_excess() -> None:
 # -- insecure combinations: refused, with the reason -----------------------------------------
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.1.2.3", "::1", "localhost",
-                                  "::ffff:127.0.0.1"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.1.2.3", "::1", "localhost", "::ffff:127.0.0.1"])
 def test_loopback_admin_needs_no_token(host: str) -> None:
     assert is_loopback_host(host)
     config = ProxyConfig(upstreams=("http://u:1",), metrics_host=host)
@@ -387,25 +453,59 @@ def clean_env() -> Iterator[dict[str, str]]:
     yield {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
 
 
-@pytest.mark.parametrize(("args", "reason"), [
-    (("--metrics-listen", "0.0.0.0:0"), "without a bearer token"),
-    (("--capture-text",), "capture_text stores prompts and completions: it needs --capture"),
-])
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (("--metrics-listen", "0.0.0.0:0"), "without a bearer token"),
+        (("--capture-text",), "capture_text stores prompts and completions: it needs --capture"),
+    ],
+)
 def test_the_proxy_refuses_to_start_insecure_and_says_why(
-        args: tuple[str, ...], reason: str, clean_env: dict[str, str]) -> None:
-    done = subprocess.run([sys.executable, "-m", "sidecar", "proxy", "--upstream",
-                           "http://127.0.0.1:1", "--listen", "127.0.0.1:0", *args],
-                          capture_output=True, text=True, timeout=30, env=clean_env)
+    args: tuple[str, ...], reason: str, clean_env: dict[str, str]
+) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "proxy",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--listen",
+            "127.0.0.1:0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env,
+    )
     assert done.returncode == 2, done.stderr
     assert reason in done.stderr
 
 
 def test_the_open_admin_flag_lets_it_start(clean_env: dict[str, str]) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "proxy", "--upstream", "http://127.0.0.1:1",
-         "--listen", "127.0.0.1:0", "--metrics-listen", "0.0.0.0:0", "--allow-open-admin",
-         "--health-interval", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=clean_env)
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "proxy",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "0.0.0.0:0",
+            "--allow-open-admin",
+            "--health-interval",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env,
+    )
     try:
         admin = _first_url(proc, r"admin on (http://\S+)")
         # Answered once the loop runs, i.e. once SIGTERM is handled (a SIGTERM between the

@@ -620,8 +620,9 @@ def test_seeded_length_is_stable_bounded_and_plausible() -> None:
 def test_a_stop_finish_ends_with_eos_and_the_other_ids_do_not_move() -> None:
     # The model "emits" EOS as its last token (no text, one completion token), as a real one
     # does; a length finish has none. Every other id is what ignore_eos would have drawn.
-    stop = drive(EngineModel(EngineConfig()),
-                 [(0.0, req("x", 10, 50, ignore_eos=False, natural_length=6))])
+    stop = drive(
+        EngineModel(EngineConfig()), [(0.0, req("x", 10, 50, ignore_eos=False, natural_length=6))]
+    )
     length = drive(EngineModel(EngineConfig()), [(0.0, req("x", 10, 6))])
     assert stop.of("x")[-1][1].finish_reason == "stop"
     assert length.of("x")[-1][1].finish_reason == "length"

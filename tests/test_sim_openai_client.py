@@ -244,8 +244,10 @@ async def test_the_sdk_reads_the_empty_final_chunk_of_a_stream_ending_at_eos(
             model="M", prompt="The queue", stream=True, stream_options={"include_usage": True}
         )
         *content, usage = [chunk async for chunk in stream]
-    assert [(chunk.choices[0].text != "", chunk.choices[0].finish_reason)
-            for chunk in content] == [(True, None), (False, "stop")]
+    assert [(chunk.choices[0].text != "", chunk.choices[0].finish_reason) for chunk in content] == [
+        (True, None),
+        (False, "stop"),
+    ]
     assert usage.usage is not None and usage.usage.completion_tokens == 2
 
 
@@ -253,8 +255,17 @@ async def _sim_cli(*args: str) -> tuple[asyncio.subprocess.Process, list[str]]:
     """``sidecar sim --port 0 ARGS`` started; its replica URLs, once it printed them all."""
     replicas = int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sidecar", "sim", "--port", "0", "--step-floor-s", "0.001", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "sidecar",
+        "sim",
+        "--port",
+        "0",
+        "--step-floor-s",
+        "0.001",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     assert process.stdout is not None
     lines = [await _read_line(process.stdout) for _ in range(replicas)]
@@ -291,9 +302,11 @@ async def test_cli_replicas_share_one_ground_truth_file_and_go_with_their_parent
         async with aiohttp.ClientSession() as session:
             for round_ in range(2):
                 for url in urls:
-                    async with session.post(url + "/v1/completions", json={
-                        "prompt": "x", "max_tokens": 2, "stream": True,
-                        "ignore_eos": True}, headers={"X-Request-Id": f"{url}-{round_}"}) as r:
+                    async with session.post(
+                        url + "/v1/completions",
+                        json={"prompt": "x", "max_tokens": 2, "stream": True, "ignore_eos": True},
+                        headers={"X-Request-Id": f"{url}-{round_}"},
+                    ) as r:
                         assert r.status == 200
                         await r.read()
         process.kill()
@@ -307,7 +320,8 @@ async def test_cli_replicas_share_one_ground_truth_file_and_go_with_their_parent
         # Read once they are gone: a line is written just after its answer's last byte.
         lines = [json.loads(line) for line in truth.read_text().splitlines()]
         assert sorted((line["replica"], line["request_id"]) for line in lines) == sorted(
-            (index, f"{url}-{round_}") for index, url in enumerate(urls) for round_ in range(2))
+            (index, f"{url}-{round_}") for index, url in enumerate(urls) for round_ in range(2)
+        )
     finally:
         await _ended(process)
 
@@ -333,14 +347,22 @@ async def test_cli_reports_a_port_in_use_among_replicas_in_one_line() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sidecar", "sim", "--replicas", "2", "--port", str(port - 1),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "sidecar",
+            "sim",
+            "--replicas",
+            "2",
+            "--port",
+            str(port - 1),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         stdout, stderr = await asyncio.wait_for(process.communicate(), 20)
     assert process.returncode == 2 and stdout == b""
     assert stderr.decode().strip() == (
-        f"sidecar sim: error: cannot listen on 127.0.0.1:{port - 1}-{port}: "
-        "Address already in use")
+        f"sidecar sim: error: cannot listen on 127.0.0.1:{port - 1}-{port}: Address already in use"
+    )
 
 
 async def test_cli_rejects_a_bad_fault_spec() -> None:

@@ -722,8 +722,12 @@ async def test_body_validation_errors_are_bad_request(
             "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             "max_tokens",
         ),
-        (CHAT, {"messages": HELLO, "n": 0}, "n must be at least 1, got 0. (parameter=n, value=0)",
-         "n"),
+        (
+            CHAT,
+            {"messages": HELLO, "n": 0},
+            "n must be at least 1, got 0. (parameter=n, value=0)",
+            "n",
+        ),
         (
             CHAT,
             {"messages": HELLO, "stream": True, "use_beam_search": True},
@@ -1022,13 +1026,20 @@ async def test_metrics_vllm_0_32_engine_families(
         "external_kv_transfer": 0,
     }
     assert values("vllm:prompt_tokens_cached_by_source", "source") == {
-        "device": hits, "host": 0, "p2p": 0, "disk": 0, "external_unspecified": 0,
+        "device": hits,
+        "host": 0,
+        "p2p": 0,
+        "disk": 0,
+        "external_unspecified": 0,
     }
     assert values("vllm:num_requests_waiting_by_reason", "reason") == {
-        "capacity": 0, "deferred": 0,
+        "capacity": 0,
+        "deferred": 0,
     }
     assert values("vllm:engine_sleep_state", "sleep_state") == {
-        "awake": 1, "weights_offloaded": 0, "discard_all": 0,
+        "awake": 1,
+        "weights_offloaded": 0,
+        "discard_all": 0,
     }
     for name in (
         "vllm:external_prefix_cache_queries",
@@ -1549,9 +1560,9 @@ def _without_volatile(payload: str) -> str:
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-async def test_vllm_version_032_speaks_032s_shapes(start_sim: Any,
-                                                   session: aiohttp.ClientSession,
-                                                   path: str) -> None:
+async def test_vllm_version_032_speaks_032s_shapes(
+    start_sim: Any, session: aiohttp.ClientSession, path: str
+) -> None:
     """--vllm-version 0.32.0: token chunks as vLLM 0.32.0 itself sent them (copied from the
     real server: no kv_transfer_params, no weight_versions); whole answers' choices without
     weight_versions and their metrics with speculative_decoding. 0.33 (the default) keeps both."""
@@ -1564,7 +1575,7 @@ async def test_vllm_version_032_speaks_032s_shapes(start_sim: Any,
         (replica,) = await start_sim(vllm_version=version, enable_per_request_metrics=True)
         status, raw, _ = await post(session, replica.url + path, body)
         assert status == 200
-        payloads = [e[len("data: "):] for e in raw.decode().split("\n\n") if e]
+        payloads = [e[len("data: ") :] for e in raw.decode().split("\n\n") if e]
         token = _without_volatile(payloads[1 if path == CHAT else 0])
         if version == "0.32.0":
             assert token == _without_volatile(real)
@@ -1577,27 +1588,36 @@ async def test_vllm_version_032_speaks_032s_shapes(start_sim: Any,
 
 
 async def test_vllms_refusals_that_the_simulator_gives_alike(
-        sim_url: str, session: aiohttp.ClientSession) -> None:
+    sim_url: str, session: aiohttp.ClientSession
+) -> None:
     """As vLLM 0.32.0 answered them (tests/conformance holds the shapes to the real server)."""
-    status, raw, _ = await post(session, sim_url + CHAT, {"model": "M", "messages": HELLO,
-                                                          "n": 2, "temperature": 0})
+    status, raw, _ = await post(
+        session, sim_url + CHAT, {"model": "M", "messages": HELLO, "n": 2, "temperature": 0}
+    )
     assert status == 400 and error_of(raw) == {
-        "message": "n must be 1 when using greedy sampling, got 2.", "type": "BadRequestError",
-        "param": None, "code": 400}
-    status, raw, _ = await post(session, sim_url + CHAT, {"model": "M", "messages": HELLO,
-                                                          "temperature": "hot"})
+        "message": "n must be 1 when using greedy sampling, got 2.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    status, raw, _ = await post(
+        session, sim_url + CHAT, {"model": "M", "messages": HELLO, "temperature": "hot"}
+    )
     error = error_of(raw)
     assert status == 400 and error["param"] == "body.temperature"
     assert "'type': 'float_parsing', 'loc': 'body.temperature'" in error["message"]
-    status, raw, _ = await post(session, sim_url + COMPLETIONS,
-                                {"model": "M", "prompt": [1, 2, 99_999_999]})
+    status, raw, _ = await post(
+        session, sim_url + COMPLETIONS, {"model": "M", "prompt": [1, 2, 99_999_999]}
+    )
     assert status == 400 and error_of(raw)["param"] is None
     # Streamed, vLLM finds the bad id after its head went out: 200, an error event, [DONE].
-    status, raw, _ = await post(session, sim_url + COMPLETIONS,
-                                {"model": "M", "prompt": [1, 2, 99_999_999], "stream": True})
+    status, raw, _ = await post(
+        session, sim_url + COMPLETIONS, {"model": "M", "prompt": [1, 2, 99_999_999], "stream": True}
+    )
     assert status == 200 and raw == (
         b'data: {"error": {"message": "Token id 99999999 is out of vocabulary", "type": '
-        b'"BadRequestError", "param": null, "code": 400}}\n\ndata: [DONE]\n\n')
+        b'"BadRequestError", "param": null, "code": 400}}\n\ndata: [DONE]\n\n'
+    )
 
 
 # ---------------------------------------------------------------- end of a stream (EOS)
@@ -1610,7 +1630,8 @@ async def test_a_stream_ending_at_eos_sends_an_empty_final_chunk(
     # stop token), the finish reason, and the token counted in usage.
     truth = tmp_path / "truth.jsonl"
     (replica,) = await start_sim(
-        engine_natural_length_median=3.0, engine_natural_length_sigma=0.0,
+        engine_natural_length_median=3.0,
+        engine_natural_length_sigma=0.0,
         ground_truth_path=str(truth),
     )
     options = {"include_usage": True}
@@ -1622,8 +1643,10 @@ async def test_a_stream_ending_at_eos_sends_an_empty_final_chunk(
         usage, content = payloads[-2], [p for p in payloads[:-2] if p["choices"]]
         if path == CHAT:
             content = content[1:]  # the role chunk
-        texts = [p["choices"][0]["delta"]["content"] if field == "delta"
-                 else p["choices"][0]["text"] for p in content]
+        texts = [
+            p["choices"][0]["delta"]["content"] if field == "delta" else p["choices"][0]["text"]
+            for p in content
+        ]
         reasons = [p["choices"][0]["finish_reason"] for p in content]
         assert all(texts[:2]) and texts[2:] == [""]
         assert reasons == [None, None, "stop"]
@@ -1631,8 +1654,11 @@ async def test_a_stream_ending_at_eos_sends_an_empty_final_chunk(
         assert usage["usage"]["completion_tokens"] == 3
     lines = [json.loads(line) for line in truth.read_text().splitlines()]
     for line in lines:
-        tokens = [n for n, kind in zip(line["chunk_tokens"], line["chunk_kinds"], strict=True)
-                  if kind == "token"]
+        tokens = [
+            n
+            for n, kind in zip(line["chunk_tokens"], line["chunk_kinds"], strict=True)
+            if kind == "token"
+        ]
         assert tokens == [1, 1, 1] and line["finish_reasons"] == ["stop"]
     # A whole answer: two words of text, three completion tokens.
     _, raw, _ = await post(session, replica.url + COMPLETIONS, {"prompt": "Hi"})
@@ -1647,8 +1673,11 @@ async def test_a_stream_ending_at_its_length_has_no_empty_chunk(
 ) -> None:
     (replica,) = await start_sim(engine_natural_length_median=50.0, engine_natural_length_sigma=0.0)
     for extra in ({"ignore_eos": True}, {}):  # ignore_eos, and an EOS the length cap pre-empts
-        _, raw, _ = await post(session, replica.url + COMPLETIONS,
-                               {"prompt": "Hi", "max_tokens": 3, "stream": True, **extra})
+        _, raw, _ = await post(
+            session,
+            replica.url + COMPLETIONS,
+            {"prompt": "Hi", "max_tokens": 3, "stream": True, **extra},
+        )
         choices = [p["choices"][0] for p in data_payloads(raw)[:-1]]
         assert all(choice["text"] for choice in choices) and len(choices) == 3
         assert [choice["finish_reason"] for choice in choices] == [None, None, "length"]
@@ -1660,8 +1689,9 @@ async def test_eos_merges_into_the_last_delta_when_tokens_are_held_back(
     # stream_interval 2: the first token at once, then the second with EOS in one delta, as
     # vLLM's output processor groups them: the finish then rides on a chunk with text.
     (replica,) = await start_sim(engine_natural_length_median=3.0, engine_natural_length_sigma=0.0)
-    _, raw, _ = await post(session, replica.url + COMPLETIONS,
-                           {"prompt": "Hi", "stream": True, "stream_interval": 2})
+    _, raw, _ = await post(
+        session, replica.url + COMPLETIONS, {"prompt": "Hi", "stream": True, "stream_interval": 2}
+    )
     choices = [p["choices"][0] for p in data_payloads(raw)[:-1]]
     assert [bool(choice["text"]) for choice in choices] == [True, True]
     assert [choice["finish_reason"] for choice in choices] == [None, "stop"]
@@ -1737,8 +1767,10 @@ async def test_the_ground_truth_has_the_requests_first_byte_too(
 
     monkeypatch.setattr(web_protocol.RequestHandler, "data_received", data_received)
     payload = json.dumps({"prompt": "x", "max_tokens": 2, "ignore_eos": True}).encode()
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json"
-            b"\r\nContent-Length: %d\r\n\r\n" % len(payload))
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n" % len(payload)
+    )
     reader, writer = await asyncio.open_connection(replica.host, replica.port)
     middles: list[int] = []
     for _ in range(2):
@@ -1768,8 +1800,9 @@ async def test_a_large_prompt_is_tokenized_off_the_loop_in_slices(
 ) -> None:
     from sidecar.sim import planning
 
-    (replica,) = await start_sim(engine_max_model_len=200_000,
-                                 engine_max_num_batched_tokens=200_000)
+    (replica,) = await start_sim(
+        engine_max_model_len=200_000, engine_max_num_batched_tokens=200_000
+    )
     calls: list[tuple[str, int]] = []
     encode = tokenizer.encode
 
@@ -1783,8 +1816,9 @@ async def test_a_large_prompt_is_tokenized_off_the_loop_in_slices(
     small = "a small prompt"
     large = " ".join(f"w{i % 977}x" for i in range(planning.OFFLOAD_BODY_BYTES // 3))
     for prompt in (small, large):
-        _, raw, _ = await post(session, replica.url + COMPLETIONS,
-                               {"prompt": prompt, "max_tokens": 1})
+        _, raw, _ = await post(
+            session, replica.url + COMPLETIONS, {"prompt": prompt, "max_tokens": 1}
+        )
         assert json.loads(raw)["usage"]["prompt_tokens"] == len(encode(prompt))
     (small_thread, small_slices), (large_thread, large_slices) = calls
     assert small_thread == "MainThread" and small_slices == 0
@@ -1801,8 +1835,9 @@ def test_tokenizing_in_slices_gives_the_same_ids() -> None:
         whole = tokenizer.encode(text)
         for slice_chars in (1, 2, 5, 33):
             assert tokenizer.encode(text, slice_chars=slice_chars) == whole
-        assert whole == [tokenizer.BOS_ID] + [tokenizer.piece_id(piece)
-                                              for piece in tokenizer.split_pieces(text)]
+        assert whole == [tokenizer.BOS_ID] + [
+            tokenizer.piece_id(piece) for piece in tokenizer.split_pieces(text)
+        ]
 
 
 async def test_a_replica_is_warm_at_start_and_the_warm_up_leaves_no_trace(

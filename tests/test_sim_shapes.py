@@ -38,13 +38,25 @@ async def sim() -> AsyncIterator[RunningReplica]:
 
 
 def completion(**extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True,
-            "temperature": 0, **extra}
+    return {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
 
 
 def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story."}],
-            "max_tokens": 3, "ignore_eos": True, "temperature": 0, **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------- the pieces
@@ -131,25 +143,42 @@ async def test_chat_logprobs_whole_and_streamed_agree(sim: RunningReplica) -> No
     assert streamed[0] is None  # the role chunk
     assert [entry for lp in streamed[1:] for entry in lp["content"]] == content
     status, raw = await post(sim.url + CHAT, chat(logprobs=True, stream=True))
-    assert all(entry["top_logprobs"] == []
-               for c in events(raw)[1:-1] for entry in c["choices"][0]["logprobs"]["content"])
+    assert all(
+        entry["top_logprobs"] == []
+        for c in events(raw)[1:-1]
+        for entry in c["choices"][0]["logprobs"]["content"]
+    )
 
 
-@pytest.mark.parametrize("body,message,param", [
-    (chat(top_logprobs=2), "when using `top_logprobs`, `logprobs` must be set to true. "
-     "(parameter=top_logprobs)", "top_logprobs"),
-    (completion(logprobs=50), "Requested sample logprobs of 50, which is greater than max "
-     "allowed: 20 (parameter=logprobs, value=50)", "logprobs"),
-    (completion(prompt_logprobs=1, stream=True),
-     "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)",
-     "prompt_logprobs"),
-])
-async def test_logprobs_refusals_are_vllms(sim: RunningReplica, body: dict[str, Any],
-                                           message: str, param: str) -> None:
+@pytest.mark.parametrize(
+    "body,message,param",
+    [
+        (
+            chat(top_logprobs=2),
+            "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
+            "top_logprobs",
+        ),
+        (
+            completion(logprobs=50),
+            "Requested sample logprobs of 50, which is greater than max "
+            "allowed: 20 (parameter=logprobs, value=50)",
+            "logprobs",
+        ),
+        (
+            completion(prompt_logprobs=1, stream=True),
+            "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)",
+            "prompt_logprobs",
+        ),
+    ],
+)
+async def test_logprobs_refusals_are_vllms(
+    sim: RunningReplica, body: dict[str, Any], message: str, param: str
+) -> None:
     status, raw = await post(sim.url + (CHAT if "messages" in body else COMPLETIONS), body)
     assert status == 400
-    assert json.loads(raw) == {"error": {"message": message, "type": "BadRequestError",
-                                         "param": param, "code": 400}}
+    assert json.loads(raw) == {
+        "error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    }
 
 
 # ---------------------------------------------------------------- echo
@@ -205,35 +234,53 @@ async def test_a_stop_string_ends_the_text_before_it(sim: RunningReplica) -> Non
     body = json.loads(raw)
     choice = body["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
-        " " + " ".join(words[:2]), "stop", stop)
+        " " + " ".join(words[:2]),
+        "stop",
+        stop,
+    )
     assert body["usage"]["completion_tokens"] == 3  # the token that held it counts
-    _, raw = await post(sim.url + COMPLETIONS, completion(
-        max_tokens=8, stop=[stop], include_stop_str_in_output=True))
+    _, raw = await post(
+        sim.url + COMPLETIONS,
+        completion(max_tokens=8, stop=[stop], include_stop_str_in_output=True),
+    )
     assert json.loads(raw)["choices"][0]["text"] == " " + " ".join(words[:3])
     # Streamed: one chunk per token, each holding back the last len(stop) - 1 characters (a
     # stop string may be under way), so the first is empty (vLLM's detokenizer: a delta of
     # "" still goes out, its token counted); the stop string's chunk carries the rest.
-    _, raw = await post(sim.url + COMPLETIONS, completion(
-        max_tokens=8, stop=[stop], stream=True, stream_options={"include_usage": True}))
+    _, raw = await post(
+        sim.url + COMPLETIONS,
+        completion(max_tokens=8, stop=[stop], stream=True, stream_options={"include_usage": True}),
+    )
     chunks = events(raw)
     texts = [c["choices"][0]["text"] for c in chunks[:3]]
     assert texts[0] == "" and "".join(texts) == " " + " ".join(words[:2])
-    assert (chunks[2]["choices"][0]["finish_reason"], chunks[2]["choices"][0]["stop_reason"]) \
-        == ("stop", stop)
+    assert (chunks[2]["choices"][0]["finish_reason"], chunks[2]["choices"][0]["stop_reason"]) == (
+        "stop",
+        stop,
+    )
     assert chunks[3]["usage"]["completion_tokens"] == 3
 
 
 async def test_a_stop_string_in_the_first_token_streams_vllms_single_chunk(
-        sim: RunningReplica) -> None:
+    sim: RunningReplica,
+) -> None:
     """vLLM 0.32 with stop ["e", "a"] on "Once upon a time": one chunk, text "mpl",
     finish_reason "stop", stop_reason "a", the fingerprint, then [DONE]. Every simulator word
     begins with a space."""
     _, raw = await post(sim.url + COMPLETIONS, completion(stop=[" "], stream=True))
     (chunk, done) = events(raw)
     assert done == "[DONE]"
-    assert chunk["choices"] == [{
-        "index": 0, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": " ",
-        "prompt_token_ids": None, "token_ids": None}]
+    assert chunk["choices"] == [
+        {
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": "stop",
+            "stop_reason": " ",
+            "prompt_token_ids": None,
+            "token_ids": None,
+        }
+    ]
     assert chunk["system_fingerprint"].startswith("vllm-0.32.0-")
     assert sim.replica.engine.stats().request_success_total["stop"] == 1
 
@@ -241,21 +288,37 @@ async def test_a_stop_string_in_the_first_token_streams_vllms_single_chunk(
 # ---------------------------------------------------------------- tools
 
 
-@pytest.mark.parametrize("extra,message", [
-    ({}, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-     "set"),
-    ({"tool_choice": "required"}, 'tool_choice="required" requires --tool-call-parser to be set'),
-    ({"tool_choice": {"type": "function", "function": {"name": "weather"}}, "stream": True},
-     'tool_choice=function "weather" requires --tool-call-parser to be set'),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            {},
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+            "set",
+        ),
+        (
+            {"tool_choice": "required"},
+            'tool_choice="required" requires --tool-call-parser to be set',
+        ),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "weather"}}, "stream": True},
+            'tool_choice=function "weather" requires --tool-call-parser to be set',
+        ),
+    ],
+)
 async def test_tool_use_is_refused_as_by_vllm_without_a_tool_parser(
-        sim: RunningReplica, extra: dict[str, Any], message: str) -> None:
+    sim: RunningReplica, extra: dict[str, Any], message: str
+) -> None:
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
     status, raw = await post(sim.url + CHAT, chat(tools=tools, **extra))
     assert status == 400
-    assert raw == json.dumps({"error": {"message": message, "type": "BadRequestError",
-                                        "param": None, "code": 400}},
-                             separators=(",", ":")).encode()
+    assert (
+        raw
+        == json.dumps(
+            {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}},
+            separators=(",", ":"),
+        ).encode()
+    )
     status, raw = await post(sim.url + CHAT, chat(tools=tools, tool_choice="none"))
     assert status == 200
 
@@ -268,10 +331,14 @@ async def test_the_proxy_counts_every_token_when_the_simulator_merges_them() -> 
     delta of many tokens, as vLLM's RequestOutputCollector merges for a slow consumer. The
     proxy's record still counts each token, from the usage it asked for."""
     async with stack() as proxied:
-        async with aiohttp.ClientSession() as session, session.post(
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
                 proxied.url + COMPLETIONS,
                 json={"prompt": "x", "stream": True, "max_tokens": 40, "ignore_eos": True},
-                headers={FAULT_HEADER: "stall_ms=100@after=2"}) as response:
+                headers={FAULT_HEADER: "stall_ms=100@after=2"},
+            ) as response,
+        ):
             raw = await response.read()
         (record,) = await proxied.records.wait_for(1)
     chunks = [c for c in events(raw) if c != "[DONE]"]

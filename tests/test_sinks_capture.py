@@ -36,15 +36,25 @@ def read_all(directory: Path) -> list:
 
 async def test_capture_through_the_proxy_keeps_shapes_not_text(tmp_path: Path) -> None:
     capture = tmp_path / "cap"
-    async with stack(capture_dir=str(capture), capture_block_chars="64") as s, \
-            aiohttp.ClientSession() as session:
+    async with (
+        stack(capture_dir=str(capture), capture_block_chars="64") as s,
+        aiohttp.ClientSession() as session,
+    ):
         for suffix in ("first question", "second question"):
-            body = {"model": "m", "stream": True, "max_tokens": 7, "ignore_eos": True,
-                    "temperature": 0.5, "messages": [
-                        {"role": "system", "content": SECRET_PROMPT},
-                        {"role": "user", "content": suffix}]}
-            async with session.post(s.url + "/v1/chat/completions", json=body,
-                                    headers={"X-Session-ID": "sess-1"}) as response:
+            body = {
+                "model": "m",
+                "stream": True,
+                "max_tokens": 7,
+                "ignore_eos": True,
+                "temperature": 0.5,
+                "messages": [
+                    {"role": "system", "content": SECRET_PROMPT},
+                    {"role": "user", "content": suffix},
+                ],
+            }
+            async with session.post(
+                s.url + "/v1/chat/completions", json=body, headers={"X-Session-ID": "sess-1"}
+            ) as response:
                 await response.read()
         body = {"model": "m", "prompt": list(range(3, 200)), "max_tokens": 3}
         async with session.post(s.url + "/v1/completions", json=body) as response:
@@ -78,12 +88,20 @@ async def test_capture_through_the_proxy_keeps_shapes_not_text(tmp_path: Path) -
 
 async def test_text_is_stored_only_on_opt_in(tmp_path: Path) -> None:
     capture = tmp_path / "cap"
-    async with stack(capture_dir=str(capture), capture_text="true") as s, \
-            aiohttp.ClientSession() as session:
-        body = {"model": "m", "stream": True, "max_tokens": 4, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "hello there"}]}
-        async with session.post(s.url + "/v1/chat/completions", json=body,
-                                headers={"X-Session-ID": "sess-2"}) as response:
+    async with (
+        stack(capture_dir=str(capture), capture_text="true") as s,
+        aiohttp.ClientSession() as session,
+    ):
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hello there"}],
+        }
+        async with session.post(
+            s.url + "/v1/chat/completions", json=body, headers={"X-Session-ID": "sess-2"}
+        ) as response:
             streamed = await response.read()
         await s.records.wait_for(1)
     (line,) = read_all(capture)
@@ -93,17 +111,25 @@ async def test_text_is_stored_only_on_opt_in(tmp_path: Path) -> None:
     assert line.completion_text
     # The captured completion is exactly the text the client received.
     received = "".join(
-        json.loads(ev[len("data: "):])["choices"][0]["delta"].get("content", "")
+        json.loads(ev[len("data: ") :])["choices"][0]["delta"].get("content", "")
         for ev in streamed.decode().split("\n\n")
-        if ev.startswith("data: {") and '"choices":[{' in ev)
+        if ev.startswith("data: {") and '"choices":[{' in ev
+    )
     assert line.completion_text == received
 
 
 def make_record(i: int) -> RequestRecord:
     return RequestRecord(
-        request_id=f"r{i}", wall_time_ns=1_000_000_000 + i, outcome=Outcome.OK, endpoint="chat",
-        model="m", client=Timeline.from_marks(0, (ChunkMark(1000, 1),), 2000, 1), n_in=5, n_out=1,
-        shape=RequestShape(max_tokens=1))
+        request_id=f"r{i}",
+        wall_time_ns=1_000_000_000 + i,
+        outcome=Outcome.OK,
+        endpoint="chat",
+        model="m",
+        client=Timeline.from_marks(0, (ChunkMark(1000, 1),), 2000, 1),
+        n_in=5,
+        n_out=1,
+        shape=RequestShape(max_tokens=1),
+    )
 
 
 class HeldCapture(CaptureSink):
@@ -136,8 +162,9 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
 
 
 def test_rotation_by_size_keeps_a_header_per_file(tmp_path: Path) -> None:
-    sink = CaptureSink(tmp_path, TraceHeader(source="capture"), rotate_bytes=600,
-                       flush_interval_s=0.01)
+    sink = CaptureSink(
+        tmp_path, TraceHeader(source="capture"), rotate_bytes=600, flush_interval_s=0.01
+    )
     for i in range(20):
         sink.on_record(make_record(i))
         time.sleep(0.003)
@@ -148,8 +175,9 @@ def test_rotation_by_size_keeps_a_header_per_file(tmp_path: Path) -> None:
     assert [TraceReader(f).header.notes["part"] for f in files] == list(range(len(files)))
 
 
-def test_a_full_disk_drops_and_counts_then_recovers(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_disk_drops_and_counts_then_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
     sink_dir = tmp_path / "cap"
@@ -191,14 +219,22 @@ def test_the_capture_lifecycle_flush_close_and_counters(tmp_path: Path) -> None:
     counters = sink.counters()
     assert counters["taken"] == 4 and counters["skipped"] == 1
     assert counters["written"] == 3 and counters["files"] == 1
-    assert dropped_by_reason(counters) == {"queue_full": 0, "closed": 1, "write_error": 0,
-                                           "unwritable": 0}
+    assert dropped_by_reason(counters) == {
+        "queue_full": 0,
+        "closed": 1,
+        "write_error": 0,
+        "unwritable": 0,
+    }
     assert sink.queued == 0 and len(read_all(tmp_path)) == 3
 
 
 def _start(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "sidecar", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sidecar", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _url(proc: subprocess.Popen[str], prefix: str) -> str:
@@ -217,15 +253,34 @@ def test_a_signal_loses_no_completed_record(tmp_path: Path, sig: signal.Signals)
     proxy = None
     try:
         upstream = _url(sim, "replica")
-        proxy = _start(["proxy", "--upstream", upstream, "--listen", "127.0.0.1:0",
-                        "--metrics-listen", "127.0.0.1:0", "--health-interval", "0",
-                        "--capture", str(capture)])
+        proxy = _start(
+            [
+                "proxy",
+                "--upstream",
+                upstream,
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--health-interval",
+                "0",
+                "--capture",
+                str(capture),
+            ]
+        )
         url = _url(proxy, "proxy")
         for i in range(25):
-            body = json.dumps({"model": "sim-model", "prompt": f"request {i}", "max_tokens": 2,
-                               "stream": i % 2 == 0}).encode()
-            request = urllib.request.Request(url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
+            body = json.dumps(
+                {
+                    "model": "sim-model",
+                    "prompt": f"request {i}",
+                    "max_tokens": 2,
+                    "stream": i % 2 == 0,
+                }
+            ).encode()
+            request = urllib.request.Request(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(request, timeout=10) as response:
                 response.read()
         if sig is signal.SIGKILL:
@@ -250,11 +305,19 @@ def test_a_signal_loses_no_completed_record(tmp_path: Path, sig: signal.Signals)
 
 # -- what a hostile client or a careless operator once broke (issue 16) ----------------------
 
+
 def text_record(i: int, body: str) -> RequestRecord:
     return RequestRecord(
-        request_id=f"t{i}", wall_time_ns=1_000_000_000 + i, outcome=Outcome.OK, endpoint="chat",
-        model="m", client=Timeline.from_marks(0, (ChunkMark(1000, 1),), 2000, 1), n_in=5, n_out=1,
-        shape=RequestShape(max_tokens=1, body=body, completion_text="ok \ud800"))
+        request_id=f"t{i}",
+        wall_time_ns=1_000_000_000 + i,
+        outcome=Outcome.OK,
+        endpoint="chat",
+        model="m",
+        client=Timeline.from_marks(0, (ChunkMark(1000, 1),), 2000, 1),
+        n_in=5,
+        n_out=1,
+        shape=RequestShape(max_tokens=1, body=body, completion_text="ok \ud800"),
+    )
 
 
 def test_a_lone_surrogate_is_written_escaped_and_the_writer_goes_on(tmp_path: Path) -> None:
@@ -361,19 +424,28 @@ async def test_non_json_numbers_from_a_client_never_reach_a_trace(tmp_path: Path
     capture = tmp_path / "cap"
     huge = "9" * 4000
     async with stack(capture_dir=str(capture)) as s, aiohttp.ClientSession() as session:
-        for extra in ('"temperature": NaN', '"temperature": -Infinity',
-                      f'"max_tokens": {huge}', '"temperature": 1e999'):
+        for extra in (
+            '"temperature": NaN',
+            '"temperature": -Infinity',
+            f'"max_tokens": {huge}',
+            '"temperature": 1e999',
+        ):
             data = ('{"model": "m", "prompt": "hi", "stream": true, ' + extra + "}").encode()
-            async with session.post(s.url + "/v1/completions", data=data,
-                                    headers={"Content-Type": "application/json"}) as response:
+            async with session.post(
+                s.url + "/v1/completions", data=data, headers={"Content-Type": "application/json"}
+            ) as response:
                 await response.read()
         await s.records.wait_for(4)
     (path,) = capture.glob("capture-*.jsonl")
     for line in path.read_text().splitlines():
         json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in the trace"))
         assert huge not in line
-    lint = subprocess.run([sys.executable, "-m", "sidecar", "trace", "lint", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    lint = subprocess.run(
+        [sys.executable, "-m", "sidecar", "trace", "lint", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "not-json" not in lint.stdout + lint.stderr
     requests = TraceReader(path).requests()
     assert len(requests) == 4

@@ -81,13 +81,56 @@ CONVENTION_HISTOGRAMS = {
 
 def test_bucket_boundaries_are_the_conventions() -> None:
     # Written out again on purpose: a typo in the module must not also be in the test.
-    assert DURATION_BUCKETS == (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
-                                10.24, 20.48, 40.96, 81.92)
+    assert DURATION_BUCKETS == (
+        0.01,
+        0.02,
+        0.04,
+        0.08,
+        0.16,
+        0.32,
+        0.64,
+        1.28,
+        2.56,
+        5.12,
+        10.24,
+        20.48,
+        40.96,
+        81.92,
+    )
     assert TOKEN_BUCKETS == tuple(4**i for i in range(14))
-    assert SERVER_TTFT_BUCKETS == (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                                   0.75, 1, 2.5, 5, 7.5, 10)
-    assert SERVER_TPOT_BUCKETS == (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                                   0.75, 1, 2.5)
+    assert SERVER_TTFT_BUCKETS == (
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1,
+        2.5,
+        5,
+        7.5,
+        10,
+    )
+    assert SERVER_TPOT_BUCKETS == (
+        0.01,
+        0.025,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1,
+        2.5,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,10 +153,12 @@ def spec_example(**overrides: Any) -> RequestRecord:
         outcome=Outcome.OK,
         endpoint="chat",
         model="M",
-        client=Timeline.from_marks(start_ns=0, marks=marks_ms(120, 150, 190, 230),
-                                   end_ns=235 * MS, events_total=6),
-        server=Timeline.from_marks(start_ns=2 * MS, marks=marks_ms(119, 149, 189, 229),
-                                   end_ns=233 * MS, events_total=6),
+        client=Timeline.from_marks(
+            start_ns=0, marks=marks_ms(120, 150, 190, 230), end_ns=235 * MS, events_total=6
+        ),
+        server=Timeline.from_marks(
+            start_ns=2 * MS, marks=marks_ms(119, 149, 189, 229), end_ns=233 * MS, events_total=6
+        ),
         n_in=10,
         n_out=4,
         n_cached=8,
@@ -203,8 +248,9 @@ def test_sink_is_a_record_sink(make_sink: Any) -> None:
     assert sink.name == "otel"
 
 
-def test_spec_example_gives_the_convention_points(make_sink: Any,
-                                                  reader: InMemoryMetricReader) -> None:
+def test_spec_example_gives_the_convention_points(
+    make_sink: Any, reader: InMemoryMetricReader
+) -> None:
     sink = make_sink()
     sink.on_record(spec_example())
     got = Collected(reader)
@@ -270,20 +316,29 @@ def test_server_chunk_gaps_are_opt_in(make_sink: Any, reader: InMemoryMetricRead
 
 
 def test_failed_request_carries_error_type_and_no_latency_points(
-        make_sink: Any, reader: InMemoryMetricReader) -> None:
+    make_sink: Any, reader: InMemoryMetricReader
+) -> None:
     sink = make_sink()
     # Two tokens reached the client, then the upstream reset the stream at 400 ms.
     failed = spec_example(
-        outcome=Outcome.UPSTREAM_ERROR, error_type="ClientPayloadError", http_status=200,
+        outcome=Outcome.UPSTREAM_ERROR,
+        error_type="ClientPayloadError",
+        http_status=200,
         client=Timeline.from_marks(start_ns=0, marks=marks_ms(120, 150), end_ns=400 * MS),
         server=Timeline.from_marks(start_ns=2 * MS, marks=marks_ms(119, 149), end_ns=399 * MS),
-        n_in=None, n_out=None, token_source=TokenSource.CHUNK_COUNT, finish_reason=None,
+        n_in=None,
+        n_out=None,
+        token_source=TokenSource.CHUNK_COUNT,
+        finish_reason=None,
     )
     sink.on_record(failed)
     got = Collected(reader)
 
-    assert got.names() == {"gen_ai.client.operation.duration", "gen_ai.server.request.duration",
-                           "sidecar.requests"}
+    assert got.names() == {
+        "gen_ai.client.operation.duration",
+        "gen_ai.server.request.duration",
+        "sidecar.requests",
+    }
     # error.type as the conventions define it: the failure's type (no HTTP error status here),
     # never the sidecar's outcome name.
     failed_attrs = {**COMMON, "error.type": "ClientPayloadError"}
@@ -296,33 +351,50 @@ def test_failed_request_carries_error_type_and_no_latency_points(
     assert dict(server.attributes) == failed_attrs
     assert server.sum == pytest.approx(0.397)
     assert dict(got.one("sidecar.requests").attributes) == {
-        **COUNTER_COMMON, "sidecar.outcome": "upstream_error"}
+        **COUNTER_COMMON,
+        "sidecar.outcome": "upstream_error",
+    }
 
 
-def test_rejected_request_has_no_server_side(make_sink: Any,
-                                             reader: InMemoryMetricReader) -> None:
+def test_rejected_request_has_no_server_side(make_sink: Any, reader: InMemoryMetricReader) -> None:
     sink = make_sink()
-    sink.on_record(spec_example(outcome=Outcome.REJECTED, error_type="max_concurrency",
-                                http_status=429, replica=None, server=None, n_in=None,
-                                n_out=None, token_source=TokenSource.NONE,
-                                client=Timeline(start_ns=0, end_ns=1 * MS)))
+    sink.on_record(
+        spec_example(
+            outcome=Outcome.REJECTED,
+            error_type="max_concurrency",
+            http_status=429,
+            replica=None,
+            server=None,
+            n_in=None,
+            n_out=None,
+            token_source=TokenSource.NONE,
+            client=Timeline(start_ns=0, end_ns=1 * MS),
+        )
+    )
     got = Collected(reader)
     assert got.names() == {"gen_ai.client.operation.duration", "sidecar.requests"}
     point = got.one("gen_ai.client.operation.duration")
     # The upstream never confirmed "M" (the request was refused before it): no label slot.
     assert dict(point.attributes) == {
-        "gen_ai.operation.name": "chat", "gen_ai.provider.name": "vllm",
-        "gen_ai.request.model": "other", "error.type": "429"}
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "vllm",
+        "gen_ai.request.model": "other",
+        "error.type": "429",
+    }
     assert point.sum == pytest.approx(0.001)
 
 
 def test_non_streaming_client_has_no_time_to_first_chunk(
-        make_sink: Any, reader: InMemoryMetricReader) -> None:
+    make_sink: Any, reader: InMemoryMetricReader
+) -> None:
     sink = make_sink()
     # The proxy streamed from the upstream and assembled the answer: server-side TTFT exists,
     # the client saw one body at 240 ms.
-    sink.on_record(spec_example(client_stream=False,
-                                client=Timeline(start_ns=0, end_ns=240 * MS, events_total=0)))
+    sink.on_record(
+        spec_example(
+            client_stream=False, client=Timeline(start_ns=0, end_ns=240 * MS, events_total=0)
+        )
+    )
     got = Collected(reader)
     assert "gen_ai.client.operation.time_to_first_chunk" not in got.names()
     assert "gen_ai.client.operation.time_per_output_chunk" not in got.names()
@@ -330,14 +402,17 @@ def test_non_streaming_client_has_no_time_to_first_chunk(
     assert got.one("gen_ai.server.time_to_first_token").sum == pytest.approx(0.117)
 
 
-def test_single_output_token_has_no_server_tpot(make_sink: Any,
-                                                reader: InMemoryMetricReader) -> None:
+def test_single_output_token_has_no_server_tpot(
+    make_sink: Any, reader: InMemoryMetricReader
+) -> None:
     sink = make_sink()
-    sink.on_record(spec_example(
-        n_out=1,
-        client=Timeline.from_marks(start_ns=0, marks=marks_ms(120), end_ns=125 * MS),
-        server=Timeline.from_marks(start_ns=2 * MS, marks=marks_ms(119), end_ns=124 * MS),
-    ))
+    sink.on_record(
+        spec_example(
+            n_out=1,
+            client=Timeline.from_marks(start_ns=0, marks=marks_ms(120), end_ns=125 * MS),
+            server=Timeline.from_marks(start_ns=2 * MS, marks=marks_ms(119), end_ns=124 * MS),
+        )
+    )
     got = Collected(reader)
     assert "gen_ai.server.time_per_output_token" not in got.names()
     assert "gen_ai.client.operation.time_per_output_chunk" not in got.names()
@@ -345,8 +420,9 @@ def test_single_output_token_has_no_server_tpot(make_sink: Any,
     assert got.one("gen_ai.client.operation.duration").sum == pytest.approx(0.120)
 
 
-def test_token_usage_only_when_the_counts_are_known(make_sink: Any,
-                                                    reader: InMemoryMetricReader) -> None:
+def test_token_usage_only_when_the_counts_are_known(
+    make_sink: Any, reader: InMemoryMetricReader
+) -> None:
     sink = make_sink()
     # No usage from the upstream: N_out is a chunk count (an estimate), N_in unknown.
     sink.on_record(spec_example(n_in=None, token_source=TokenSource.CHUNK_COUNT))
@@ -358,7 +434,8 @@ def test_token_usage_only_when_the_counts_are_known(make_sink: Any,
 
 
 def test_completions_is_text_completion_and_pass_through_is_skipped(
-        make_sink: Any, reader: InMemoryMetricReader) -> None:
+    make_sink: Any, reader: InMemoryMetricReader
+) -> None:
     sink = make_sink(provider_name="my-vllm")
     sink.on_record(spec_example(endpoint="completions"))
     sink.on_record(spec_example(endpoint="/v1/models", model=None))
@@ -370,23 +447,26 @@ def test_completions_is_text_completion_and_pass_through_is_skipped(
     assert sink.skipped == 1
 
 
-def test_model_and_replica_values_are_capped(make_sink: Any,
-                                             reader: InMemoryMetricReader) -> None:
+def test_model_and_replica_values_are_capped(make_sink: Any, reader: InMemoryMetricReader) -> None:
     sink = make_sink(max_models=2, max_replicas=1)
     for model, replica in (("a", "h1:1"), ("b", "h2:2"), ("c", "h1:1"), ("a", "h1:1")):
         sink.on_record(spec_example(model=model, replica=replica))
     got = Collected(reader)
     counts = {
-        (p.attributes["gen_ai.request.model"], p.attributes["server.address"],
-         p.attributes.get("server.port")): p.count
+        (
+            p.attributes["gen_ai.request.model"],
+            p.attributes["server.address"],
+            p.attributes.get("server.port"),
+        ): p.count
         for p in got.points["gen_ai.client.operation.duration"]
     }
     assert counts == {("a", "h1", 1): 2, ("b", OTHER, None): 1, (OTHER, "h1", 1): 1}
     assert sink.models.overflowed == 1 and sink.replicas.overflowed == 1
 
 
-def test_model_absent_leaves_the_attribute_out(make_sink: Any,
-                                               reader: InMemoryMetricReader) -> None:
+def test_model_absent_leaves_the_attribute_out(
+    make_sink: Any, reader: InMemoryMetricReader
+) -> None:
     sink = make_sink()
     sink.on_record(spec_example(model=None))
     point = Collected(reader).one("gen_ai.client.operation.duration")
@@ -413,9 +493,12 @@ def goodput_records() -> list[RequestRecord]:
         # interactive, TTFT 120 ms > 100 ms: not good
         spec_example(attributes=interactive),
         # interactive, TTFT 50 ms, TPOT (110 - 50) / 3 = 20 ms: good, 4 tokens
-        spec_example(attributes=interactive,
-                     client=Timeline.from_marks(start_ns=0, marks=marks_ms(50, 70, 90, 110),
-                                     end_ns=112 * MS)),
+        spec_example(
+            attributes=interactive,
+            client=Timeline.from_marks(
+                start_ns=0, marks=marks_ms(50, 70, 90, 110), end_ns=112 * MS
+            ),
+        ),
         # batch (default class, unknown class name falls back to it): good, 4 tokens
         spec_example(attributes={"slo_class": "nope"}),
         # batch, failed: in the denominator, never good
@@ -446,22 +529,30 @@ def test_goodput_counters_per_class(make_sink: Any, reader: InMemoryMetricReader
     assert {name: p.value for name, p in good.items()} == {"interactive": 1, "batch": 1}
     assert dict(good["interactive"].attributes) == interactive
     assert dict(good["batch"].attributes) == batch
-    tokens = {p.attributes["sidecar.slo.class"]: p.value
-              for p in got.points["sidecar.good_output_tokens"]}
+    tokens = {
+        p.attributes["sidecar.slo.class"]: p.value for p in got.points["sidecar.good_output_tokens"]
+    }
     assert tokens == {"interactive": 4, "batch": 4}
     assert got.units["sidecar.good_requests"] == "{request}"
     assert got.units["sidecar.good_output_tokens"] == "{token}"
 
     # The same verdicts as SLOPolicy.judge, the one definition of a good request.
     judged = [POLICY.judge(record) for record in records]
-    assert judged == [("interactive", False), ("interactive", True), ("batch", True),
-                      ("batch", False)]
+    assert judged == [
+        ("interactive", False),
+        ("interactive", True),
+        ("batch", True),
+        ("batch", False),
+    ]
 
     # The thresholds themselves, exported beside the counters at every collection and
     # joined to them on the class.
     thresholds = {
-        (p.attributes["sidecar.slo.class"], p.attributes["sidecar.slo.metric"]):
-            (p.value, p.attributes["sidecar.slo.thresholds"], p.attributes["sidecar.slo.vantage"])
+        (p.attributes["sidecar.slo.class"], p.attributes["sidecar.slo.metric"]): (
+            p.value,
+            p.attributes["sidecar.slo.thresholds"],
+            p.attributes["sidecar.slo.vantage"],
+        )
         for p in got.points["sidecar.slo.threshold"]
     }
     assert thresholds == {
@@ -474,16 +565,16 @@ def test_goodput_counters_per_class(make_sink: Any, reader: InMemoryMetricReader
 
 def test_goodput_from_the_server_vantage(make_sink: Any, reader: InMemoryMetricReader) -> None:
     # Client TTFT 120 ms fails a 118 ms SLO; the replica's 117 ms meets it.
-    sink = make_sink(slo_policy=SLOPolicy({"default": SLO(ttft_s=0.118)}),
-                     slo_vantage=Vantage.SERVER)
+    sink = make_sink(
+        slo_policy=SLOPolicy({"default": SLO(ttft_s=0.118)}), slo_vantage=Vantage.SERVER
+    )
     sink.on_record(spec_example())
     got = Collected(reader)
     assert got.one("sidecar.good_requests").value == 1
     assert got.one("sidecar.slo.threshold").attributes["sidecar.slo.vantage"] == "server"
 
 
-def test_exponential_histograms_in_memory(make_sink: Any,
-                                          reader: InMemoryMetricReader) -> None:
+def test_exponential_histograms_in_memory(make_sink: Any, reader: InMemoryMetricReader) -> None:
     sink = make_sink(exponential_histograms=True)
     sink.on_record(spec_example())
     got = Collected(reader)
@@ -496,8 +587,10 @@ def test_exponential_histograms_in_memory(make_sink: Any,
 
 
 @settings(max_examples=40, deadline=None)
-@given(gaps_ms=st.lists(st.integers(min_value=0, max_value=5_000), max_size=40),
-       ttft_ms=st.integers(min_value=0, max_value=60_000))
+@given(
+    gaps_ms=st.lists(st.integers(min_value=0, max_value=5_000), max_size=40),
+    ttft_ms=st.integers(min_value=0, max_value=60_000),
+)
 def test_one_chunk_observation_per_gap(gaps_ms: list[int], ttft_ms: int) -> None:
     reader = InMemoryMetricReader()
     sink = build_otel_sink(readers=[reader], slo_policy=None)
@@ -505,10 +598,14 @@ def test_one_chunk_observation_per_gap(gaps_ms: list[int], ttft_ms: int) -> None
         offsets = [ttft_ms]
         for gap in gaps_ms:
             offsets.append(offsets[-1] + gap)
-        sink.on_record(spec_example(
-            client=Timeline.from_marks(start_ns=0, marks=marks_ms(*offsets),
-                                       end_ns=offsets[-1] * MS),
-            n_out=len(offsets)))
+        sink.on_record(
+            spec_example(
+                client=Timeline.from_marks(
+                    start_ns=0, marks=marks_ms(*offsets), end_ns=offsets[-1] * MS
+                ),
+                n_out=len(offsets),
+            )
+        )
         got = Collected(reader)
         if gaps_ms:
             chunks = got.one("gen_ai.client.operation.time_per_output_chunk")
@@ -517,8 +614,7 @@ def test_one_chunk_observation_per_gap(gaps_ms: list[int], ttft_ms: int) -> None
             assert sum(chunks.bucket_counts) == len(gaps_ms)
         else:
             assert "gen_ai.client.operation.time_per_output_chunk" not in got.names()
-        assert got.one("gen_ai.client.operation.duration").sum == pytest.approx(
-            offsets[-1] / 1000)
+        assert got.one("gen_ai.client.operation.duration").sum == pytest.approx(offsets[-1] / 1000)
     finally:
         sink.shutdown()
 
@@ -537,8 +633,7 @@ def test_never_the_global_providers(make_sink: Any) -> None:
     assert trace_api.get_tracer_provider() is not sink.tracer_provider
 
 
-def test_shutdown_is_idempotent_and_later_records_are_dropped(
-        reader: InMemoryMetricReader) -> None:
+def test_shutdown_is_idempotent_and_later_records_are_dropped(reader: InMemoryMetricReader) -> None:
     sink = build_otel_sink(readers=[reader], slo_policy=None)
     sink.on_record(spec_example())
     sink.shutdown()
@@ -571,12 +666,14 @@ def test_the_sink_lifecycle_in_seconds_closing_once(reader: InMemoryMetricReader
 
 
 async def test_the_fanout_drains_the_threaded_sink_then_the_last_export(
-        receiver: OTLPReceiver) -> None:
+    receiver: OTLPReceiver,
+) -> None:
     """As `sidecar proxy` wires it: the OTel sink behind a ThreadedSink, closed through the
     fan-out only. The queue drains into the SDK first, then its shutdown exports."""
     # Built off the loop: the SDK's resource detection waits on threads of its own.
-    sink = await asyncio.to_thread(lambda: build_otel_sink(
-        endpoint=receiver.url, slo_policy=None, export_interval_s=3600))
+    sink = await asyncio.to_thread(
+        lambda: build_otel_sink(endpoint=receiver.url, slo_policy=None, export_interval_s=3600)
+    )
     fanout = SinkFanout([ThreadedSink(sink)])
     for _ in range(3):
         fanout.on_record(spec_example())
@@ -584,8 +681,7 @@ async def test_the_fanout_drains_the_threaded_sink_then_the_last_export(
     # In a thread: the final export goes to a receiver served by this loop.
     assert await asyncio.to_thread(fanout.close, 10) == []
     got = received_metrics(receiver)
-    assert sum(p.count for p in
-               got["gen_ai.client.operation.duration"].histogram.data_points) == 3
+    assert sum(p.count for p in got["gen_ai.client.operation.duration"].histogram.data_points) == 3
     counters = fanout.counters()["otel"]
     # The thread handed on all four; the SDK measured three and skipped the pass-through.
     assert counters["taken"] == counters["written"] == 4 and counters["skipped"] == 1
@@ -637,8 +733,9 @@ def received_metrics(receiver: OTLPReceiver) -> dict[str, Any]:
 
 
 async def test_real_otlp_export_carries_every_convention(receiver: OTLPReceiver) -> None:
-    sink = build_otel_sink(endpoint=receiver.url + "/", slo_policy=POLICY,
-                           export_interval_s=3600, traces=True)
+    sink = build_otel_sink(
+        endpoint=receiver.url + "/", slo_policy=POLICY, export_interval_s=3600, traces=True
+    )
     try:
         for record in goodput_records():
             sink.on_record(record)
@@ -666,33 +763,45 @@ async def test_real_otlp_export_carries_every_convention(receiver: OTLPReceiver)
             attrs.pop("error.type", None)
             assert attrs == COMMON, name
 
-    durations = {kv(p.attributes).get("error.type"): p.count
-                 for p in got["gen_ai.client.operation.duration"].histogram.data_points}
+    durations = {
+        kv(p.attributes).get("error.type"): p.count
+        for p in got["gen_ai.client.operation.duration"].histogram.data_points
+    }
     assert durations == {None: 3, "upstream_timeout": 1}
     chunks = got["gen_ai.client.operation.time_per_output_chunk"].histogram.data_points
     assert [p.count for p in chunks] == [9]  # three successful requests, 3 gaps each
-    usage = {kv(p.attributes)["gen_ai.token.type"]: (p.count, p.sum)
-             for p in got["gen_ai.client.token.usage"].histogram.data_points}
+    usage = {
+        kv(p.attributes)["gen_ai.token.type"]: (p.count, p.sum)
+        for p in got["gen_ai.client.token.usage"].histogram.data_points
+    }
     assert usage == {"input": (4, 40), "output": (4, 16)}
 
     assert got["sidecar.requests"].WhichOneof("data") == "sum"
     assert got["sidecar.requests"].sum.is_monotonic
-    good = {kv(p.attributes)["sidecar.slo.class"]: p.as_int
-            for p in got["sidecar.good_requests"].sum.data_points}
+    good = {
+        kv(p.attributes)["sidecar.slo.class"]: p.as_int
+        for p in got["sidecar.good_requests"].sum.data_points
+    }
     assert good == {"interactive": 1, "batch": 1}
     total = sum(p.as_int for p in got["sidecar.requests"].sum.data_points)
     assert total == 4
     assert got["sidecar.slo.threshold"].WhichOneof("data") == "gauge"
 
-    spans = [span for request in receiver.traces for rs in request.resource_spans
-             for ss in rs.scope_spans for span in ss.spans]
+    spans = [
+        span
+        for request in receiver.traces
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+    ]
     assert len(spans) == 4
     assert {span.name for span in spans} == {"chat M"}
 
 
 async def test_real_otlp_exponential_histograms(receiver: OTLPReceiver) -> None:
-    sink = build_otel_sink(endpoint=receiver.url, slo_policy=None, export_interval_s=3600,
-                           exponential_histograms=True)
+    sink = build_otel_sink(
+        endpoint=receiver.url, slo_policy=None, export_interval_s=3600, exponential_histograms=True
+    )
     try:
         sink.on_record(spec_example())
         assert await asyncio.to_thread(sink.force_flush)
@@ -702,21 +811,25 @@ async def test_real_otlp_exponential_histograms(receiver: OTLPReceiver) -> None:
     for name in CONVENTION_HISTOGRAMS:
         assert got[name].WhichOneof("data") == "exponential_histogram", name
         assert got[name].unit == CONVENTION_HISTOGRAMS[name][0]
-    (chunks,) = got["gen_ai.client.operation.time_per_output_chunk"] \
-        .exponential_histogram.data_points
+    (chunks,) = got[
+        "gen_ai.client.operation.time_per_output_chunk"
+    ].exponential_histogram.data_points
     assert chunks.count == 3
     assert chunks.sum == pytest.approx(0.110)
     assert sum(chunks.positive.bucket_counts) == 3
     assert kv(chunks.attributes) == COMMON
 
 
-@pytest.mark.parametrize("variable, suffix", [
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
-    ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "/v1/metrics"),
-])
-async def test_endpoint_from_the_environment(receiver: OTLPReceiver,
-                                             monkeypatch: pytest.MonkeyPatch,
-                                             variable: str, suffix: str) -> None:
+@pytest.mark.parametrize(
+    "variable, suffix",
+    [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+        ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "/v1/metrics"),
+    ],
+)
+async def test_endpoint_from_the_environment(
+    receiver: OTLPReceiver, monkeypatch: pytest.MonkeyPatch, variable: str, suffix: str
+) -> None:
     monkeypatch.setenv(variable, receiver.url + suffix)
     sink = build_otel_sink(endpoint=None, slo_policy=None, export_interval_s=3600)
     sink.on_record(spec_example())
@@ -729,8 +842,7 @@ async def test_periodic_export_needs_no_flush(receiver: OTLPReceiver) -> None:
     sink = build_otel_sink(endpoint=receiver.url, slo_policy=None, export_interval_s=0.05)
     try:
         sink.on_record(spec_example())
-        await receiver.wait_for(
-            lambda r: "gen_ai.client.operation.duration" in received_metrics(r))
+        await receiver.wait_for(lambda r: "gen_ai.client.operation.duration" in received_metrics(r))
     finally:
         await sink.aclose()
 
@@ -752,6 +864,7 @@ def spans() -> InMemorySpanExporter:
 def make_traced(make_sink: Any, spans: InMemorySpanExporter) -> Any:
     def make(**kwargs: Any) -> OTelSink:
         return make_sink(traces=True, span_exporter=spans, **kwargs)
+
     return make
 
 
@@ -764,8 +877,12 @@ def test_span_from_the_record(make_traced: Any, spans: InMemorySpanExporter) -> 
     sink = make_traced(slo_policy=POLICY)
     record = spec_example(
         attributes={"traceparent": TRACEPARENT, "tracestate": "vendor=x"},
-        engine=EngineTiming(queue_time_ms=5.0, time_to_first_token_ms=100.0,
-                            generation_time_ms=200.0, mean_itl_ms=36.0),
+        engine=EngineTiming(
+            queue_time_ms=5.0,
+            time_to_first_token_ms=100.0,
+            generation_time_ms=200.0,
+            mean_itl_ms=36.0,
+        ),
     )
     sink.on_record(record)
     (span,) = finished(sink, spans)
@@ -825,8 +942,7 @@ def test_span_from_the_record(make_traced: Any, spans: InMemorySpanExporter) -> 
     ]
 
 
-def test_span_without_traceparent_is_a_root(make_traced: Any,
-                                            spans: InMemorySpanExporter) -> None:
+def test_span_without_traceparent_is_a_root(make_traced: Any, spans: InMemorySpanExporter) -> None:
     sink = make_traced()
     sink.on_record(spec_example(attributes={"traceparent": "garbage"}))
     sink.on_record(spec_example(endpoint="completions", model=None))
@@ -836,9 +952,9 @@ def test_span_without_traceparent_is_a_root(make_traced: Any,
     assert second.name == "text_completion"
 
 
-def test_span_keeps_raw_values_past_the_metric_caps(make_traced: Any,
-                                                    spans: InMemorySpanExporter,
-                                                    reader: InMemoryMetricReader) -> None:
+def test_span_keeps_raw_values_past_the_metric_caps(
+    make_traced: Any, spans: InMemorySpanExporter, reader: InMemoryMetricReader
+) -> None:
     sink = make_traced(max_models=1, max_replicas=1)
     sink.on_record(spec_example())
     sink.on_record(spec_example(model="N", replica="[::1]:9000"))
@@ -846,19 +962,32 @@ def test_span_keeps_raw_values_past_the_metric_caps(make_traced: Any,
     assert second.name == "chat N"
     attrs = dict(second.attributes or {})
     assert (attrs["gen_ai.request.model"], attrs["server.address"], attrs["server.port"]) == (
-        "N", "::1", 9000)
-    models = {p.attributes["gen_ai.request.model"]
-              for p in Collected(reader).points["gen_ai.client.operation.duration"]}
+        "N",
+        "::1",
+        9000,
+    )
+    models = {
+        p.attributes["gen_ai.request.model"]
+        for p in Collected(reader).points["gen_ai.client.operation.duration"]
+    }
     assert models == {"M", OTHER}
 
 
 def test_failed_request_span(make_traced: Any, spans: InMemorySpanExporter) -> None:
     sink = make_traced()
-    sink.on_record(spec_example(
-        outcome=Outcome.HTTP_ERROR, error_type="http_503", http_status=503,
-        client=Timeline(start_ns=0, end_ns=30 * MS), server=Timeline(start_ns=2 * MS,
-                                                                      end_ns=29 * MS),
-        n_in=None, n_out=None, token_source=TokenSource.NONE, finish_reason=None))
+    sink.on_record(
+        spec_example(
+            outcome=Outcome.HTTP_ERROR,
+            error_type="http_503",
+            http_status=503,
+            client=Timeline(start_ns=0, end_ns=30 * MS),
+            server=Timeline(start_ns=2 * MS, end_ns=29 * MS),
+            n_in=None,
+            n_out=None,
+            token_source=TokenSource.NONE,
+            finish_reason=None,
+        )
+    )
     (span,) = finished(sink, spans)
     assert span.status.status_code is StatusCode.ERROR
     assert span.status.description == "http_503"
@@ -872,11 +1001,11 @@ def test_failed_request_span(make_traced: Any, spans: InMemorySpanExporter) -> N
     assert span.end_time == WALL + 30 * MS
 
 
-def test_assembled_answer_uses_the_upstream_chunks(make_traced: Any,
-                                                   spans: InMemorySpanExporter) -> None:
+def test_assembled_answer_uses_the_upstream_chunks(
+    make_traced: Any, spans: InMemorySpanExporter
+) -> None:
     sink = make_traced()
-    sink.on_record(spec_example(client_stream=False,
-                                client=Timeline(start_ns=0, end_ns=240 * MS)))
+    sink.on_record(spec_example(client_stream=False, client=Timeline(start_ns=0, end_ns=240 * MS)))
     (span,) = finished(sink, spans)
     attrs = dict(span.attributes or {})
     assert attrs["gen_ai.request.stream"] is False
@@ -885,8 +1014,7 @@ def test_assembled_answer_uses_the_upstream_chunks(make_traced: Any,
     assert {(e.attributes or {}).get("sidecar.vantage") for e in span.events} == {"server"}
 
 
-def test_unsampled_parent_exports_nothing(make_traced: Any,
-                                          spans: InMemorySpanExporter) -> None:
+def test_unsampled_parent_exports_nothing(make_traced: Any, spans: InMemorySpanExporter) -> None:
     sink = make_traced()
     sink.on_record(spec_example(attributes={"traceparent": TRACEPARENT[:-2] + "00"}))
     assert finished(sink, spans) == ()
@@ -895,10 +1023,16 @@ def test_unsampled_parent_exports_nothing(make_traced: Any,
 class RecordOnly(Sampler):
     """Records every span but samples none (what a tail-sampling setup may do)."""
 
-    def should_sample(self, parent_context: Context | None, trace_id: int, name: str,
-                      kind: SpanKind | None = None, attributes: Attributes = None,
-                      links: Sequence[Link] | None = None,
-                      trace_state: TraceState | None = None) -> SamplingResult:
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
         return SamplingResult(Decision.RECORD_ONLY, attributes)
 
     def get_description(self) -> str:
@@ -918,8 +1052,7 @@ class Capture(SpanProcessor):
         self.ended.append(span)
 
 
-def test_chunk_events_only_on_sampled_spans(make_traced: Any,
-                                            spans: InMemorySpanExporter) -> None:
+def test_chunk_events_only_on_sampled_spans(make_traced: Any, spans: InMemorySpanExporter) -> None:
     sink = make_traced(sampler=RecordOnly())
     capture = Capture()
     assert sink.tracer_provider is not None
@@ -931,9 +1064,9 @@ def test_chunk_events_only_on_sampled_spans(make_traced: Any,
     assert span.events == ()
 
 
-def test_chunk_events_respect_the_span_event_limit(make_sink: Any,
-                                                   spans: InMemorySpanExporter,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunk_events_respect_the_span_event_limit(
+    make_sink: Any, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "2")
     sink = make_sink(traces=True, span_exporter=spans)
     sink.on_record(spec_example())
@@ -951,26 +1084,48 @@ async def test_the_proxy_exports_to_a_real_otlp_receiver_through_its_wiring() ->
     receiver = OTLPReceiver()
     url = await receiver.start()
     try:
-        async with stack(otel_endpoint=url, otel_traces="true", slo="ttft=5s",
-                         otel_export_interval="100ms") as s, aiohttp.ClientSession() as session:
-            body = {"model": "m", "stream": True, "max_tokens": 4, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": "hi"}]}
+        async with (
+            stack(
+                otel_endpoint=url, otel_traces="true", slo="ttft=5s", otel_export_interval="100ms"
+            ) as s,
+            aiohttp.ClientSession() as session,
+        ):
+            body = {
+                "model": "m",
+                "stream": True,
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
             headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
-            async with session.post(s.url + "/v1/chat/completions", json=body,
-                                    headers=headers) as response:
+            async with session.post(
+                s.url + "/v1/chat/completions", json=body, headers=headers
+            ) as response:
                 await response.read()
             await s.records.wait_for(1)
         # Closing the proxy drained the sink's queue and shut the SDK down (final export).
-        names = {metric.name
-                 for request in receiver.metrics
-                 for resource in request.resource_metrics
-                 for scope in resource.scope_metrics
-                 for metric in scope.metrics}
-        assert {"gen_ai.client.operation.duration", "gen_ai.client.operation.time_to_first_chunk",
-                "gen_ai.client.operation.time_per_output_chunk", "gen_ai.server.request.duration",
-                "gen_ai.server.time_to_first_token", "sidecar.good_requests"} <= names
-        spans = [span for request in receiver.traces for resource in request.resource_spans
-                 for scope in resource.scope_spans for span in scope.spans]
+        names = {
+            metric.name
+            for request in receiver.metrics
+            for resource in request.resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+        }
+        assert {
+            "gen_ai.client.operation.duration",
+            "gen_ai.client.operation.time_to_first_chunk",
+            "gen_ai.client.operation.time_per_output_chunk",
+            "gen_ai.server.request.duration",
+            "gen_ai.server.time_to_first_token",
+            "sidecar.good_requests",
+        } <= names
+        spans = [
+            span
+            for request in receiver.traces
+            for resource in request.resource_spans
+            for scope in resource.scope_spans
+            for span in scope.spans
+        ]
         assert len(spans) == 1
         assert spans[0].trace_id.hex() == "0af7651916cd43dd8448eb211c80319c"
         assert spans[0].parent_span_id.hex() == "b7ad6b7169203331"
@@ -979,13 +1134,20 @@ async def test_the_proxy_exports_to_a_real_otlp_receiver_through_its_wiring() ->
 
 
 def test_the_answers_model_and_id_and_the_requested_max_tokens(
-        make_traced: Any, spans: InMemorySpanExporter, reader: InMemoryMetricReader) -> None:
+    make_traced: Any, spans: InMemorySpanExporter, reader: InMemoryMetricReader
+) -> None:
     """gen_ai.response.model (the name vLLM answered with: an alias resolves to the served
     name) on metrics and spans; gen_ai.response.id and gen_ai.request.max_tokens on spans."""
     sink = make_traced()
-    sink.on_record(spec_example(attributes={
-        "response_model": "meta-llama/Llama-3.1-8B", "response_id": "chatcmpl-abc123",
-        "request_max_tokens": "64"}))
+    sink.on_record(
+        spec_example(
+            attributes={
+                "response_model": "meta-llama/Llama-3.1-8B",
+                "response_id": "chatcmpl-abc123",
+                "request_max_tokens": "64",
+            }
+        )
+    )
     (span,) = finished(sink, spans)
     attrs = dict(span.attributes or {})
     assert attrs["gen_ai.response.model"] == "meta-llama/Llama-3.1-8B"
@@ -1010,29 +1172,45 @@ async def test_the_upstream_is_told_the_sidecars_span_as_its_parent() -> None:
     async def answer(_c: int, _n: int, head: bytes, writer: asyncio.StreamWriter) -> bool:
         heads.append(head)
         body = b'{"id":"cmpl-1","object":"text_completion","model":"m","choices":[]}'
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         return False
 
     receiver = OTLPReceiver()
     url = await receiver.start()
     client_trace = "0af7651916cd43dd8448eb211c80319c"
     try:
-        async with RawUpstream(answer) as upstream, \
-                proxy_to([upstream], otel_endpoint=url, otel_traces="true",
-                         engine_scrape_interval="0") as p, aiohttp.ClientSession() as session:
+        async with (
+            RawUpstream(answer) as upstream,
+            proxy_to(
+                [upstream], otel_endpoint=url, otel_traces="true", engine_scrape_interval="0"
+            ) as p,
+            aiohttp.ClientSession() as session,
+        ):
             body = {"model": "m", "prompt": "hi", "max_tokens": 2}
             for headers in ({"traceparent": f"00-{client_trace}-b7ad6b7169203331-01"}, {}):
-                async with session.post(p.url + "/v1/completions", json=body,
-                                        headers=headers) as response:
+                async with session.post(
+                    p.url + "/v1/completions", json=body, headers=headers
+                ) as response:
                     await response.read()
             await p.records.wait_for(2)
     finally:
         await receiver.close()
-    sent = [line.split(b": ", 1)[1].decode() for head in heads for line in head.split(b"\r\n")
-            if line.lower().startswith(b"traceparent:")]
-    spans = [span for request in receiver.traces for resource in request.resource_spans
-             for scope in resource.scope_spans for span in scope.spans]
+    sent = [
+        line.split(b": ", 1)[1].decode()
+        for head in heads
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"traceparent:")
+    ]
+    spans = [
+        span
+        for request in receiver.traces
+        for resource in request.resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+    ]
     by_id = {span.span_id.hex(): span for span in spans}
     assert len(sent) == 2 and len(spans) == 2
     for traceparent in sent:

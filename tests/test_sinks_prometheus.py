@@ -42,20 +42,37 @@ from sidecar.sinks.window import WindowSink
 MS = 1_000_000
 
 
-def record(marks_ms: list[tuple[float, int]], *, n_out: int | None = None,
-           outcome: Outcome = Outcome.OK, model: str = "m", slo_class: str | None = None,
-           server_shift_ms: float = 1.0, engine: EngineTiming | None = None,
-           http_status: int = 200) -> RequestRecord:
+def record(
+    marks_ms: list[tuple[float, int]],
+    *,
+    n_out: int | None = None,
+    outcome: Outcome = Outcome.OK,
+    model: str = "m",
+    slo_class: str | None = None,
+    server_shift_ms: float = 1.0,
+    engine: EngineTiming | None = None,
+    http_status: int = 200,
+) -> RequestRecord:
     marks = tuple(ChunkMark(int(t * MS), n) for t, n in marks_ms)
-    server_marks = tuple(ChunkMark(m.offset_ns - int(server_shift_ms * MS), m.n_tokens)
-                         for m in marks)
+    server_marks = tuple(
+        ChunkMark(m.offset_ns - int(server_shift_ms * MS), m.n_tokens) for m in marks
+    )
     end = marks[-1].offset_ns if marks else 5 * MS
     return RequestRecord(
-        request_id="r", wall_time_ns=0, outcome=outcome, endpoint="chat", model=model,
+        request_id="r",
+        wall_time_ns=0,
+        outcome=outcome,
+        endpoint="chat",
+        model=model,
         client=Timeline.from_marks(0, marks, end, len(marks)),
         server=Timeline.from_marks(int(1 * MS), server_marks, end, len(marks)),
-        n_in=10, n_out=n_out, n_cached=4, token_source=TokenSource.USAGE,
-        replica="127.0.0.1:8000", engine=engine, http_status=http_status,
+        n_in=10,
+        n_out=n_out,
+        n_cached=4,
+        token_source=TokenSource.USAGE,
+        replica="127.0.0.1:8000",
+        engine=engine,
+        http_status=http_status,
         attributes={"slo_class": slo_class} if slo_class else {},
     )
 
@@ -73,52 +90,77 @@ def test_spec_example_lands_in_the_histograms_and_counters() -> None:
     client = {"model": "m", "replica": "127.0.0.1:8000", "vantage": "client"}
     server = {**client, "vantage": "server"}
     assert value(registry, "sidecar_time_to_first_token_seconds_count", **client) == 1
-    assert value(registry, "sidecar_time_to_first_token_seconds_sum", **client) == \
-        pytest.approx(0.120)
+    assert value(registry, "sidecar_time_to_first_token_seconds_sum", **client) == pytest.approx(
+        0.120
+    )
     # Server side: sent upstream at 1 ms, events seen 1 ms earlier than the client's writes.
-    assert value(registry, "sidecar_time_to_first_token_seconds_sum", **server) == \
-        pytest.approx(0.118)
+    assert value(registry, "sidecar_time_to_first_token_seconds_sum", **server) == pytest.approx(
+        0.118
+    )
     assert value(registry, "sidecar_inter_token_latency_seconds_count", **client) == 3
-    assert value(registry, "sidecar_inter_token_latency_seconds_sum", **client) == \
-        pytest.approx(0.110)
+    assert value(registry, "sidecar_inter_token_latency_seconds_sum", **client) == pytest.approx(
+        0.110
+    )
     # Gaps of 30, 40 and 40 ms; schema-3 bounds 2**(i/8) around them: 0.02866, 0.03125,
     # 0.03716, 0.04053.
     for le, below in (("0.02866", 0), ("0.03125", 1), ("0.03716", 1), ("0.04053", 3)):
-        assert value(registry, "sidecar_inter_token_latency_seconds_bucket", le=le,
-                     **client) == below
-    assert value(registry, "sidecar_time_per_output_token_seconds_sum", **client) == \
-        pytest.approx(0.110 / 3)
-    assert value(registry, "sidecar_e2e_request_latency_seconds_sum", **client) == \
-        pytest.approx(0.230)
+        assert (
+            value(registry, "sidecar_inter_token_latency_seconds_bucket", le=le, **client) == below
+        )
+    assert value(registry, "sidecar_time_per_output_token_seconds_sum", **client) == pytest.approx(
+        0.110 / 3
+    )
+    assert value(registry, "sidecar_e2e_request_latency_seconds_sum", **client) == pytest.approx(
+        0.230
+    )
     engine_labels = {**client, "vantage": "engine"}
     # TTFT means the same interval at every vantage: from the start (queued in the engine,
     # 20 ms of queue) to the first token (90 ms after scheduling): 110 ms, not vLLM's 90.
-    assert value(registry, "sidecar_time_to_first_token_seconds_sum", **engine_labels) == \
-        pytest.approx(0.110)
-    assert value(registry, "sidecar_time_per_output_token_seconds_sum", **engine_labels) == \
-        pytest.approx(0.033)
+    assert value(
+        registry, "sidecar_time_to_first_token_seconds_sum", **engine_labels
+    ) == pytest.approx(0.110)
+    assert value(
+        registry, "sidecar_time_per_output_token_seconds_sum", **engine_labels
+    ) == pytest.approx(0.033)
     # No generation_time: no engine E2E (a missing part leaves the interval unknown).
-    assert value(registry, "sidecar_e2e_request_latency_seconds_count", **engine_labels) in \
-        (None, 0)
-    assert value(registry, "sidecar_engine_queue_time_seconds_sum", model="m",
-                 replica="127.0.0.1:8000") == pytest.approx(0.020)
-    assert value(registry, "sidecar_requests_total", model="m", replica="127.0.0.1:8000",
-                 endpoint="chat", outcome="ok") == 1
-    assert value(registry, "sidecar_generation_tokens_total", model="m",
-                 replica="127.0.0.1:8000") == 4
-    assert value(registry, "sidecar_cached_prompt_tokens_total", model="m",
-                 replica="127.0.0.1:8000") == 4
+    assert value(registry, "sidecar_e2e_request_latency_seconds_count", **engine_labels) in (
+        None,
+        0,
+    )
+    assert value(
+        registry, "sidecar_engine_queue_time_seconds_sum", model="m", replica="127.0.0.1:8000"
+    ) == pytest.approx(0.020)
+    assert (
+        value(
+            registry,
+            "sidecar_requests_total",
+            model="m",
+            replica="127.0.0.1:8000",
+            endpoint="chat",
+            outcome="ok",
+        )
+        == 1
+    )
+    assert (
+        value(registry, "sidecar_generation_tokens_total", model="m", replica="127.0.0.1:8000") == 4
+    )
+    assert (
+        value(registry, "sidecar_cached_prompt_tokens_total", model="m", replica="127.0.0.1:8000")
+        == 4
+    )
     assert value(registry, "sidecar_slo_good_requests_total", slo_class="default") == 1
-    assert value(registry, "sidecar_slo_threshold_seconds", slo_class="default",
-                 metric="ttft") == 0.5
+    assert (
+        value(registry, "sidecar_slo_threshold_seconds", slo_class="default", metric="ttft") == 0.5
+    )
     # The SLO thresholds are bucket boundaries, so `le="0.05"` counts TPOTs under 50 ms exactly.
     assert 0.05 in sink.latency_buckets and 0.5 in sink.latency_buckets
 
 
 def test_goodput_counters_and_denominator_per_class() -> None:
     registry = CollectorRegistry()
-    policy = stats.SLOPolicy({"default": stats.SLO(ttft_s=0.5),
-                              "interactive": stats.SLO(ttft_s=0.1)})
+    policy = stats.SLOPolicy(
+        {"default": stats.SLO(ttft_s=0.5), "interactive": stats.SLO(ttft_s=0.1)}
+    )
     sink = PrometheusSink(registry, policy)
     sink.on_record(record([(80, 1), (90, 2)], n_out=3, slo_class="interactive"))  # good
     sink.on_record(record([(300, 1), (310, 1)], n_out=2, slo_class="interactive"))  # too slow
@@ -126,13 +168,21 @@ def test_goodput_counters_and_denominator_per_class() -> None:
     sink.on_record(record([], outcome=Outcome.TIMEOUT))  # default: counted, not good
     assert value(registry, "sidecar_slo_requests_total", slo_class="interactive") == 2
     assert value(registry, "sidecar_slo_good_requests_total", slo_class="interactive") == 1
-    assert value(registry, "sidecar_slo_good_generation_tokens_total",
-                 slo_class="interactive") == 3
+    assert value(registry, "sidecar_slo_good_generation_tokens_total", slo_class="interactive") == 3
     assert value(registry, "sidecar_slo_requests_total", slo_class="default") == 2
     assert value(registry, "sidecar_slo_good_requests_total", slo_class="default") == 1
     assert value(registry, "sidecar_requests_without_tpot_total", model="m") == 1
-    assert value(registry, "sidecar_requests_total", model="m", replica="127.0.0.1:8000",
-                 endpoint="chat", outcome="timeout") == 1
+    assert (
+        value(
+            registry,
+            "sidecar_requests_total",
+            model="m",
+            replica="127.0.0.1:8000",
+            endpoint="chat",
+            outcome="timeout",
+        )
+        == 1
+    )
 
 
 def test_labels_are_capped() -> None:
@@ -143,8 +193,17 @@ def test_labels_are_capped() -> None:
     text = generate_latest(registry).decode()
     assert 'model="a"' in text and 'model="b"' in text and 'model="other"' in text
     assert 'model="c"' not in text
-    assert value(registry, "sidecar_requests_total", model="other", replica="127.0.0.1:8000",
-                 endpoint="chat", outcome="ok") == 2
+    assert (
+        value(
+            registry,
+            "sidecar_requests_total",
+            model="other",
+            replica="127.0.0.1:8000",
+            endpoint="chat",
+            outcome="ok",
+        )
+        == 2
+    )
 
 
 def test_junk_model_names_cannot_take_the_label_slots() -> None:
@@ -161,12 +220,39 @@ def test_junk_model_names_cannot_take_the_label_slots() -> None:
     sink.on_record(record([], outcome=Outcome.REJECTED, model="junk", http_status=429))
     text = generate_latest(registry).decode()
     assert 'model="junk' not in text
-    assert value(registry, "sidecar_requests_total", model="other", replica="127.0.0.1:8000",
-                 endpoint="chat", outcome="http_error") == 64
-    assert value(registry, "sidecar_requests_total", model="real", replica="127.0.0.1:8000",
-                 endpoint="chat", outcome="ok") == 1
-    assert value(registry, "sidecar_requests_total", model="real", replica="127.0.0.1:8000",
-                 endpoint="chat", outcome="http_error") == 1
+    assert (
+        value(
+            registry,
+            "sidecar_requests_total",
+            model="other",
+            replica="127.0.0.1:8000",
+            endpoint="chat",
+            outcome="http_error",
+        )
+        == 64
+    )
+    assert (
+        value(
+            registry,
+            "sidecar_requests_total",
+            model="real",
+            replica="127.0.0.1:8000",
+            endpoint="chat",
+            outcome="ok",
+        )
+        == 1
+    )
+    assert (
+        value(
+            registry,
+            "sidecar_requests_total",
+            model="real",
+            replica="127.0.0.1:8000",
+            endpoint="chat",
+            outcome="http_error",
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize("repeat", [1, 40])  # 4 and 121 instants: bisect and numpy paths
@@ -190,13 +276,17 @@ def test_itl_gaps_are_binned_by_hand(repeat: int) -> None:
     assert value(registry, "gaps_sum", v="x") == pytest.approx(0.2605 * repeat)
 
 
-@pytest.mark.parametrize(("layout", "count", "low", "high", "ratio"), [
-    ("schema3", 188, 9.413e-05, 1024.0, 1.0912),  # the default
-    ("schema4", 374, 9.83e-05, 1024.0, 1.0451),
-    ("e6", 43, 0.0001, 1000.0, 1.5),
-])
-def test_buckets_span_sub_millisecond_to_minutes(layout: str, count: int, low: float,
-                                                 high: float, ratio: float) -> None:
+@pytest.mark.parametrize(
+    ("layout", "count", "low", "high", "ratio"),
+    [
+        ("schema3", 188, 9.413e-05, 1024.0, 1.0912),  # the default
+        ("schema4", 374, 9.83e-05, 1024.0, 1.0451),
+        ("e6", 43, 0.0001, 1000.0, 1.5),
+    ],
+)
+def test_buckets_span_sub_millisecond_to_minutes(
+    layout: str, count: int, low: float, high: float, ratio: float
+) -> None:
     """Neighbouring bounds at most ``ratio`` apart, 100 µs .. 1000 s covered: the quantile's
     error bound (tests/test_sinks_prometheus.py's real-Prometheus test, histogram_accuracy.py)."""
     buckets = latency_buckets(layout=layout)
@@ -222,13 +312,17 @@ def test_the_layouts_by_name() -> None:
         PrometheusSink(CollectorRegistry(), histogram_buckets="e12")
 
 
-@pytest.mark.parametrize(("buckets", "named"), [
-    ([0.001, 0.1, 0.01, 1.0], "0.01 after 0.1"),
-    ([0.5, 0.5, 1.0], "0.5 after 0.5"),  # a repeated bound would be a repeated le series
-    ([2.0, 1.0, 0.5], "1 after 2, 0.5 after 1"),
-])
-def test_unsorted_buckets_are_refused_and_named_never_sorted(buckets: list[float],
-                                                             named: str) -> None:
+@pytest.mark.parametrize(
+    ("buckets", "named"),
+    [
+        ([0.001, 0.1, 0.01, 1.0], "0.01 after 0.1"),
+        ([0.5, 0.5, 1.0], "0.5 after 0.5"),  # a repeated bound would be a repeated le series
+        ([2.0, 1.0, 0.5], "1 after 2, 0.5 after 1"),
+    ],
+)
+def test_unsorted_buckets_are_refused_and_named_never_sorted(
+    buckets: list[float], named: str
+) -> None:
     with pytest.raises(ValueError, match=f"strictly increasing: {named}$"):
         BulkHistogram("h", "doc", ("v",), buckets, CollectorRegistry())
     with pytest.raises(ValueError, match="finite"):
@@ -248,8 +342,17 @@ def test_the_prometheus_sink_lifecycle() -> None:
     assert fanout.close() == []
     sink.close()  # idempotent
     # The series stay readable after close (a last scrape while the process stops).
-    assert value(registry, "sidecar_requests_total", model="m", replica="127.0.0.1:8000",
-                 endpoint="chat", outcome="ok") == 1
+    assert (
+        value(
+            registry,
+            "sidecar_requests_total",
+            model="m",
+            replica="127.0.0.1:8000",
+            endpoint="chat",
+            outcome="ok",
+        )
+        == 1
+    )
 
 
 def test_sink_health_comes_from_each_sinks_counters() -> None:
@@ -290,10 +393,10 @@ def test_sink_health_comes_from_each_sinks_counters() -> None:
         fanout.on_record(record([(120, 1)], n_out=1))
     assert value(registry, "sidecar_sink_records_taken_total", sink="window") == 4
     assert value(registry, "sidecar_sink_records_taken_total", sink="slow") == 4
-    assert value(registry, "sidecar_sink_records_dropped_total", sink="slow",
-                 reason="queue_full") == 2
-    assert value(registry, "sidecar_sink_records_dropped_total", sink="slow",
-                 reason="error") == 0
+    assert (
+        value(registry, "sidecar_sink_records_dropped_total", sink="slow", reason="queue_full") == 2
+    )
+    assert value(registry, "sidecar_sink_records_dropped_total", sink="slow", reason="error") == 0
     assert value(registry, "sidecar_sink_errors_total", sink="broken") == 4
     assert value(registry, "sidecar_sink_errors_total", sink="window") == 0
     gate.set()
@@ -308,8 +411,12 @@ def test_promtool_accepts_the_exposition() -> None:
     registry = CollectorRegistry()
     sink = PrometheusSink(registry, stats.SLOPolicy({"default": stats.SLO(ttft_s=0.5)}))
     sink.on_record(record([(120, 1), (150, 1)], n_out=2))
-    done = subprocess.run([promtool, "check", "metrics"], input=generate_latest(registry),
-                          capture_output=True, timeout=30)
+    done = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=generate_latest(registry),
+        capture_output=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == b"" and done.stderr.strip() == b""
 
@@ -318,10 +425,13 @@ def test_promtool_accepts_the_exposition() -> None:
 def prometheus_for(tmp_path: Path) -> Iterator[Any]:
     """``start(target)``: a real Prometheus scraping ``target`` every second."""
     with ExitStack() as stack_:
+
         def start(target: str) -> Prometheus:
-            config = ("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                      "scrape_configs:\n  - job_name: sidecar\n    metrics_path: /metrics\n"
-                      f"    static_configs:\n      - targets: ['{target}']\n")
+            config = (
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                "scrape_configs:\n  - job_name: sidecar\n    metrics_path: /metrics\n"
+                f"    static_configs:\n      - targets: ['{target}']\n"
+            )
             return stack_.enter_context(running_prometheus(config, tmp_path))
 
         yield start
@@ -336,19 +446,28 @@ def bucket_bounds(estimate: float, bounds: tuple[float, ...]) -> tuple[float, fl
 @pytest.mark.slow
 @pytest.mark.realparts
 async def test_real_prometheus_quantiles_and_goodput_agree_with_the_records(
-        prometheus_for: Any) -> None:
+    prometheus_for: Any,
+) -> None:
     # Prompt lengths vary widely, so prefill (and TTFT) does too: the SLO splits the requests.
-    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, saturation_tokens=64,
-                                                   per_token_s=0.00002))
+    sim = SimConfig(
+        model="m",
+        engine=EngineConfig(step_floor_s=0.002, saturation_tokens=64, per_token_s=0.00002),
+    )
     async with stack(sim=sim, slo="ttft=25ms,tpot=5ms") as s:
         host_port = s.server.admin_url.split("://")[1]
         prom = await asyncio.to_thread(prometheus_for, host_port)
         rng = random.Random(7)
         async with aiohttp.ClientSession() as session:
+
             async def one(i: int) -> None:
                 words = " ".join("w" for _ in range(rng.randint(5, 2500)))
-                body = {"model": "m", "stream": True, "max_tokens": rng.randint(1, 40),
-                        "ignore_eos": True, "messages": [{"role": "user", "content": words}]}
+                body = {
+                    "model": "m",
+                    "stream": True,
+                    "max_tokens": rng.randint(1, 40),
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": words}],
+                }
                 async with session.post(s.url + "/v1/chat/completions", json=body) as response:
                     await response.read()
 
@@ -359,7 +478,8 @@ async def test_real_prometheus_quantiles_and_goodput_agree_with_the_records(
         async def scraped_all() -> None:
             for _ in range(200):
                 total = await asyncio.to_thread(
-                    prom.scalar, 'sum(sidecar_slo_requests_total{slo_class="default"})')
+                    prom.scalar, 'sum(sidecar_slo_requests_total{slo_class="default"})'
+                )
                 if total == 60:
                     return
                 await asyncio.sleep(0.1)
@@ -385,8 +505,10 @@ async def test_real_prometheus_quantiles_and_goodput_agree_with_the_records(
                         samples.append(value_)
             for q in (0.5, 0.9, 0.99):
                 estimate = await asyncio.to_thread(
-                    prom.scalar, f'histogram_quantile({q}, sum by (le) '
-                                 f'({metric}_bucket{{vantage="{vantage}"}}))')
+                    prom.scalar,
+                    f"histogram_quantile({q}, sum by (le) "
+                    f'({metric}_bucket{{vantage="{vantage}"}}))',
+                )
                 assert estimate is not None
                 exact = float(np.percentile(samples, q * 100))
                 lower, upper = bucket_bounds(estimate, bounds)
@@ -400,7 +522,13 @@ async def test_real_prometheus_quantiles_and_goodput_agree_with_the_records(
                 low_sample = ordered[int(np.floor(rank))]
                 high_sample = ordered[int(np.ceil(rank))]
                 assert low_sample <= upper * 1.000001 and high_sample >= lower * 0.999999, (
-                    metric, q, estimate, exact, (lower, upper), (low_sample, high_sample))
+                    metric,
+                    q,
+                    estimate,
+                    exact,
+                    (lower, upper),
+                    (low_sample, high_sample),
+                )
                 assert min(lower, low_sample) <= exact <= max(upper, high_sample)
 
         # Goodput: a hand count from the records (TTFT <= 25 ms and, with N_out > 1,
@@ -414,10 +542,13 @@ async def test_real_prometheus_quantiles_and_goodput_agree_with_the_records(
             good += r.outcome is Outcome.OK and first <= 25 * MS and tpot_ok
         assert 0 < good < 60  # the SLO really splits this load
         scraped_good = await asyncio.to_thread(
-            prom.scalar, 'sum(sidecar_slo_good_requests_total{slo_class="default"})')
+            prom.scalar, 'sum(sidecar_slo_good_requests_total{slo_class="default"})'
+        )
         assert scraped_good == good
-        assert await asyncio.to_thread(
-            prom.scalar, 'sidecar_slo_threshold_seconds{metric="ttft"}') == 0.025
+        assert (
+            await asyncio.to_thread(prom.scalar, 'sidecar_slo_threshold_seconds{metric="ttft"}')
+            == 0.025
+        )
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -429,12 +560,14 @@ def dashboard_percentiles() -> dict[tuple[str, str, str], str]:
     board = json.loads(LATENCY_DASHBOARD.read_text())
     found = {}
     for panel in board["panels"] + [p for row in board["panels"] for p in row.get("panels", [])]:
-        match = re.fullmatch(r"(TTFT|ITL|TPOT|E2E) (client|server) side: p50, p90, p99",
-                             panel["title"])
+        match = re.fullmatch(
+            r"(TTFT|ITL|TPOT|E2E) (client|server) side: p50, p90, p99", panel["title"]
+        )
         for target in panel.get("targets", []) if match else []:
             if target["legendFormat"] in ("p50", "p90", "p99"):
-                found[(match.group(1).lower(), match.group(2), target["legendFormat"])] = (
-                    target["expr"])
+                found[(match.group(1).lower(), match.group(2), target["legendFormat"])] = target[
+                    "expr"
+                ]
     assert len(found) == 4 * 2 * 3, sorted(found)
     return found
 
@@ -442,7 +575,8 @@ def dashboard_percentiles() -> dict[tuple[str, str, str], str]:
 def emulated_histogram_quantile() -> Any:
     """benchmarks/histogram_accuracy.py's model of Prometheus's histogram_quantile."""
     spec = importlib.util.spec_from_file_location(
-        "histogram_accuracy", ROOT / "benchmarks" / "histogram_accuracy.py")
+        "histogram_accuracy", ROOT / "benchmarks" / "histogram_accuracy.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
@@ -452,14 +586,18 @@ def emulated_histogram_quantile() -> Any:
 
 def scraped(prometheus: Prometheus, selector: str) -> list[tuple[float, float]]:
     """Every (timestamp, value) Prometheus holds for one series over the last 5 minutes."""
-    return [(float(t), float(v)) for series in prometheus.query(f"{selector}[5m]")
-            for t, v in series["values"]]
+    return [
+        (float(t), float(v))
+        for series in prometheus.query(f"{selector}[5m]")
+        for t, v in series["values"]
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.realparts
 async def test_dashboard_percentiles_are_within_10_percent_of_the_exact_ones(
-        prometheus_for: Any) -> None:
+    prometheus_for: Any,
+) -> None:
     """Issue #15 item 3, end to end: the Latency dashboard's own p50/p90/p99 queries (TTFT, ITL,
     TPOT, E2E, client and server side), evaluated by a real Prometheus scraping the proxy,
     against the exact percentiles (numpy, `sidecar.stats`) of the requests' records.
@@ -472,19 +610,29 @@ async def test_dashboard_percentiles_are_within_10_percent_of_the_exact_ones(
     the load's counts over a constant, as over any window of a steady long-running series;
     the estimates also equal benchmarks/histogram_accuracy.py's model of histogram_quantile
     for the sink's bounds. With the default layout (2**(1/8) apart) the bound is 9.2 %."""
-    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.003, saturation_tokens=64,
-                                                   per_token_s=0.00002))
+    sim = SimConfig(
+        model="m",
+        engine=EngineConfig(step_floor_s=0.003, saturation_tokens=64, per_token_s=0.00002),
+    )
     warm, requests, concurrency = 2, 400, 16
     async with stack(sim=sim) as s:
         prom = await asyncio.to_thread(prometheus_for, s.server.admin_url.split("://")[1])
         rng = random.Random(15)
         gate = asyncio.Semaphore(concurrency)
         async with aiohttp.ClientSession() as session:
+
             async def one(n_in: int, n_out: int) -> None:
-                body = {"model": "m", "stream": True, "max_tokens": n_out, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": "w " * n_in}]}
-                async with gate, session.post(s.url + "/v1/chat/completions",
-                                              json=body) as response:
+                body = {
+                    "model": "m",
+                    "stream": True,
+                    "max_tokens": n_out,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "w " * n_in}],
+                }
+                async with (
+                    gate,
+                    session.post(s.url + "/v1/chat/completions", json=body) as response,
+                ):
                     assert response.status == 200
                     await response.read()
 
@@ -502,10 +650,15 @@ async def test_dashboard_percentiles_are_within_10_percent_of_the_exact_ones(
                 raise AssertionError(f"Prometheus never saw {total} requests: {seen}")
 
             start = await first_scrape_with(warm)
-            await asyncio.gather(*(
-                one(min(4000, max(1, int(rng.lognormvariate(5.5, 1.0)))),
-                    min(120, max(2, int(rng.lognormvariate(3.0, 0.7)))))
-                for _ in range(requests)))
+            await asyncio.gather(
+                *(
+                    one(
+                        min(4000, max(1, int(rng.lognormvariate(5.5, 1.0)))),
+                        min(120, max(2, int(rng.lognormvariate(3.0, 0.7)))),
+                    )
+                    for _ in range(requests)
+                )
+            )
         records = (await s.records.wait_for(warm + requests, 60))[warm:]
         end = await first_scrape_with(warm + requests)
         assert all(r.outcome is Outcome.OK for r in records)
@@ -525,17 +678,19 @@ async def test_dashboard_percentiles_are_within_10_percent_of_the_exact_ones(
                 values.append(one_value)
         q = float(label[1:]) / 100
         exact = float(np.percentile(values, q * 100))
-        query = re.sub(r"\$\{?(\w+)\}?",
-                       lambda match: window if match.group(1) == "__rate_interval" else ".*",
-                       expr)
-        result = await asyncio.to_thread(prom.get, "/api/v1/query", query=query,
-                                         time=f"{end:.3f}")
+        query = re.sub(
+            r"\$\{?(\w+)\}?",
+            lambda match: window if match.group(1) == "__rate_interval" else ".*",
+            expr,
+        )
+        result = await asyncio.to_thread(prom.get, "/api/v1/query", query=query, time=f"{end:.3f}")
         (sample,) = result["result"]
         estimate = float(sample["value"][1])
         ordered = np.sort(values)
         cumulative = np.append(np.searchsorted(ordered, bounds, side="right"), len(ordered))
-        assert estimate == pytest.approx(histogram_quantile(q, np.array(bounds), cumulative),
-                                         rel=1e-9), (metric, vantage, label)
+        assert estimate == pytest.approx(
+            histogram_quantile(q, np.array(bounds), cumulative), rel=1e-9
+        ), (metric, vantage, label)
         errors[(metric, vantage, label)] = estimate / exact - 1
     worst = max(errors.items(), key=lambda item: abs(item[1]))
     assert abs(worst[1]) < 0.10, (worst, errors)
@@ -545,40 +700,61 @@ async def test_dashboard_percentiles_are_within_10_percent_of_the_exact_ones(
 async def test_promtool_accepts_the_whole_admin_exposition(tmp_path: Path) -> None:
     """Everything /metrics serves (sinks, live gauges, capture, process), after real traffic."""
     promtool = require_binary("promtool")
-    async with stack(slo="ttft=1s", capture_dir=str(tmp_path / "cap")) as s, \
-            aiohttp.ClientSession() as session:
-        body = {"model": "m", "stream": True, "max_tokens": 3, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "hi"}]}
+    async with (
+        stack(slo="ttft=1s", capture_dir=str(tmp_path / "cap")) as s,
+        aiohttp.ClientSession() as session,
+    ):
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 3,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         for _ in range(3):
             async with session.post(s.url + "/v1/chat/completions", json=body) as response:
                 await response.read()
         await s.records.wait_for(3)
         async with session.get(s.server.admin_url + "/metrics") as response:
             exposition = await response.read()
-    for name in (b"sidecar_window_latency_seconds", b"sidecar_in_flight_requests",
-                 b"sidecar_capture_records_written_total", b"process_resident_memory_bytes"):
+    for name in (
+        b"sidecar_window_latency_seconds",
+        b"sidecar_in_flight_requests",
+        b"sidecar_capture_records_written_total",
+        b"process_resident_memory_bytes",
+    ):
         assert name in exposition
     # Window values are gauges: a summary's _count/_sum slid with the window, and rate() read
     # every record leaving it as a counter reset.
     assert b"# TYPE sidecar_window_latency_seconds gauge" in exposition
     assert b"sidecar_window_latency_seconds_count" not in exposition
     assert b'sidecar_window_latency_samples{metric="ttft",vantage="client"} 3.0' in exposition
-    done = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True,
-                          timeout=30)
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=exposition, capture_output=True, timeout=30
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == b"" and done.stderr.strip() == b""
 
 
 # What Prometheus 2.x sends (scrape.go's acceptHeader): OpenMetrics first, then the classic text.
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
-                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 
 async def test_metrics_negotiates_openmetrics_or_the_classic_text() -> None:
     """/metrics is prometheus_client's own exposition in the format asked for, on the real
     admin socket; closing the server closes every sink through the fan-out."""
-    config = build_config({"upstreams": ["http://127.0.0.1:9"], "listen": "127.0.0.1:0",
-                           "metrics_listen": "127.0.0.1:0", "health_interval": "0"}, {})
+    config = build_config(
+        {
+            "upstreams": ["http://127.0.0.1:9"],
+            "listen": "127.0.0.1:0",
+            "metrics_listen": "127.0.0.1:0",
+            "health_interval": "0",
+        },
+        {},
+    )
     server, _window = build_proxy_server(config)
 
     class Keep:
@@ -593,10 +769,10 @@ async def test_metrics_negotiates_openmetrics_or_the_classic_text() -> None:
     await server.start()
     try:
         async with aiohttp.ClientSession() as session:
+
             async def scrape(accept: str | None) -> tuple[str, bytes]:
                 headers = {"Accept": accept} if accept is not None else {}
-                async with session.get(server.admin_url + "/metrics",
-                                       headers=headers) as response:
+                async with session.get(server.admin_url + "/metrics", headers=headers) as response:
                     assert response.status == 200
                     return response.headers["Content-Type"], await response.read()
 

@@ -17,24 +17,35 @@ MS = 1_000_000
 
 def record(request_id: str, ttft_ms: float) -> RequestRecord:
     return RequestRecord(
-        request_id=request_id, wall_time_ns=1_000 * MS, outcome=Outcome.OK,
+        request_id=request_id,
+        wall_time_ns=1_000 * MS,
+        outcome=Outcome.OK,
         endpoint="completions",
-        client=Timeline.from_marks(0, [(int(ttft_ms * MS), 1), (int(ttft_ms * MS) + MS, 1)],
-                                   int(ttft_ms * MS) + 2 * MS, 2),
-        n_in=4, n_out=2, token_source=TokenSource.USAGE)
+        client=Timeline.from_marks(
+            0, [(int(ttft_ms * MS), 1), (int(ttft_ms * MS) + MS, 1)], int(ttft_ms * MS) + 2 * MS, 2
+        ),
+        n_in=4,
+        n_out=2,
+        token_source=TokenSource.USAGE,
+    )
 
 
 def test_a_selection_summarises_only_the_named_requests() -> None:
     window = WindowSink(window_s=60.0, wall_ns=lambda: 1_001 * MS)
-    for request_id, ttft in (("step-1-r0-0-a", 10), ("step-1-r0-1-b", 30),
-                             ("step-1-r10-0-c", 500), ("other", 900)):
+    for request_id, ttft in (
+        ("step-1-r0-0-a", 10),
+        ("step-1-r0-1-b", 30),
+        ("step-1-r10-0-c", 500),
+        ("other", 900),
+    ):
         window.on_record(record(request_id, ttft))
     everything = window.snapshot()
     assert everything["generation_requests"] == 4
     assert everything["selection"] == {"request_id_prefix": None}
     mine = window.snapshot(selection=Selection("step-1-r0-"))
-    assert mine["generation_requests"] == 2 and mine["selection"]["request_id_prefix"] == \
-        "step-1-r0-"
+    assert (
+        mine["generation_requests"] == 2 and mine["selection"]["request_id_prefix"] == "step-1-r0-"
+    )
     # The trailing separator keeps repeat 0 from selecting repeat 10.
     assert mine["vantages"]["client"]["ttft"]["max"] == pytest.approx(0.030)
     assert mine["vantages"]["client"]["ttft"]["mean"] == pytest.approx(0.020)
@@ -60,9 +71,13 @@ def test_the_window_ages_records_by_their_end() -> None:
     arrived: a 50 s stream that ended 20 s ago is still in a 60 s window."""
     now = [200 * 1_000 * MS]
     window = WindowSink(window_s=60.0, wall_ns=lambda: now[0])
-    long = RequestRecord(request_id="long", wall_time_ns=130 * 1_000 * MS, outcome=Outcome.OK,
-                         endpoint="completions",
-                         client=Timeline.from_marks(0, [(MS, 1)], 50 * 1_000 * MS, 1))
+    long = RequestRecord(
+        request_id="long",
+        wall_time_ns=130 * 1_000 * MS,
+        outcome=Outcome.OK,
+        endpoint="completions",
+        client=Timeline.from_marks(0, [(MS, 1)], 50 * 1_000 * MS, 1),
+    )
     window.on_record(long)
     assert [r.request_id for r in window.records()] == ["long"]
     now[0] = 241 * 1_000 * MS  # 61 s after its end
@@ -82,8 +97,9 @@ async def test_the_admin_stats_endpoint_selects_by_request_id() -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
     async with stack() as s, aiohttp.ClientSession() as session:
         for request_id in ("mine-1", "mine-2", "theirs-1"):
-            async with session.post(s.url + "/v1/completions", json=body,
-                                    headers={"X-Request-Id": request_id}) as response:
+            async with session.post(
+                s.url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}
+            ) as response:
                 assert response.status == 200
                 await response.read()
         await s.records.wait_for(3)
@@ -102,22 +118,28 @@ async def test_the_admin_stats_endpoint_selects_by_request_id() -> None:
 # -- the columnar window equals the summaries of its records, computed record by record -------
 
 
-def _reference_snapshot(window: WindowSink, policy: stats.SLOPolicy,
-                        selection: Selection) -> dict[str, object]:
+def _reference_snapshot(
+    window: WindowSink, policy: stats.SLOPolicy, selection: Selection
+) -> dict[str, object]:
     """What /stats reports, from `window.records()` with the list-based stats functions."""
     records = [r for r in window.records() if selection.matches(r)]
     generation = [r for r in records if r.endpoint in ("chat", "completions")]
-    interval = (min(window.window_s, stats.measured_interval_s(generation))
-                if generation else 0.0)
+    interval = min(window.window_s, stats.measured_interval_s(generation)) if generation else 0.0
     vantages = {v: stats.vantage_report(generation, v) for v in (Vantage.CLIENT, Vantage.SERVER)}
     goodput = {}
     for name, slo in policy.classes.items():
         members = [r for r in generation if policy.class_of(r) == name]
         goodput[name] = stats.goodput(members, slo, interval)
-    return {"records": len(records), "generation": len(generation), "interval": interval,
-            "outcomes": stats.outcome_counts(generation), "vantages": vantages,
-            "engine": stats.engine_report(generation),
-            "throughput": stats.throughput(generation, interval), "goodput": goodput}
+    return {
+        "records": len(records),
+        "generation": len(generation),
+        "interval": interval,
+        "outcomes": stats.outcome_counts(generation),
+        "vantages": vantages,
+        "engine": stats.engine_report(generation),
+        "throughput": stats.throughput(generation, interval),
+        "goodput": goodput,
+    }
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -125,8 +147,9 @@ def test_the_columnar_window_equals_record_by_record_summaries(seed: int) -> Non
     now = [10**18 + 2_000 * 1_000_000]
     # A 1.5 s window over 2,000 records 1 ms apart, at most 1,200 kept: both bounds evict.
     window = WindowSink(1.5, max_records=1200, wall_ns=lambda: now[0])
-    policy = stats.SLOPolicy({"a": stats.SLO(ttft_s=0.5, tpot_s=0.02),
-                              "default": stats.SLO(e2e_s=0.9)})
+    policy = stats.SLOPolicy(
+        {"a": stats.SLO(ttft_s=0.5, tpot_s=0.02), "default": stats.SLO(e2e_s=0.9)}
+    )
     # The last seed runs long enough for the columns to be compacted (4,096+ dropped).
     n = 9000 if seed == 5 else 2000
     now[0] = 10**18 + n * 1_000_000

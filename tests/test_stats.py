@@ -46,8 +46,9 @@ def test_multi_token_chunks() -> None:
 
 
 def test_n_out_falls_back_to_event_tokens_without_usage() -> None:
-    record = make_record([(100, 1), (130, 3), (170, 2)], n_out=None,
-                         token_source=TokenSource.CHUNK_COUNT)
+    record = make_record(
+        [(100, 1), (130, 3), (170, 2)], n_out=None, token_source=TokenSource.CHUNK_COUNT
+    )
     m = stats.request_metrics(record, Vantage.CLIENT)
     assert m is not None and m.n_out == 6
     assert m.tpot_s == pytest.approx(0.014)
@@ -57,10 +58,15 @@ def test_single_token_reply_has_no_tpot_and_is_counted() -> None:
     single = make_record([(80, 1)], n_out=1)
     m = stats.request_metrics(single, Vantage.CLIENT)
     assert m is not None
-    assert (m.ttft_s, m.itl_s, m.tpot_s, m.e2e_s) == (pytest.approx(0.08), (), None,
-                                                     pytest.approx(0.08))
-    report = stats.vantage_report([single, make_record([(100, 1), (140, 1)], n_out=2)],
-                                  Vantage.CLIENT)
+    assert (m.ttft_s, m.itl_s, m.tpot_s, m.e2e_s) == (
+        pytest.approx(0.08),
+        (),
+        None,
+        pytest.approx(0.08),
+    )
+    report = stats.vantage_report(
+        [single, make_record([(100, 1), (140, 1)], n_out=2)], Vantage.CLIENT
+    )
     assert report.requests == 2
     assert report.tpot_excluded == 1
     assert report.tpot.count == 1 and report.tpot.mean == pytest.approx(0.040)
@@ -194,8 +200,7 @@ def test_what_the_client_got_wrong_is_out_of_the_denominator() -> None:
     slo = stats.SLO(ttft_s=0.5)
 
     def failed(outcome: Outcome, status: int | None, *tokens: tuple[float, int]) -> RequestRecord:
-        return replace(make_record([*tokens], outcome=outcome, end_ms=50),
-                       http_status=status)
+        return replace(make_record([*tokens], outcome=outcome, end_ms=50), http_status=status)
 
     records = [
         make_record([(100, 1), (130, 1)], n_out=2),
@@ -209,14 +214,24 @@ def test_what_the_client_got_wrong_is_out_of_the_denominator() -> None:
         failed(Outcome.CLIENT_CANCELLED, 200, (100, 1)),
     ]
     assert [stats.slo_exclusion(r) for r in records] == [
-        None, None, None, None, None, None, "client_error", "client_cancelled", None]
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        "client_error",
+        "client_cancelled",
+        None,
+    ]
     g = stats.goodput(records, slo, interval_s=1.0)
     assert (g.good_requests, g.total_requests) == (2, 7)
     assert g.attainment == pytest.approx(2 / 7)
     assert g.excluded == {"client_error": 1, "client_cancelled": 1}
     assert slo.describe_denominator() == (
         "every request, failures included, but client errors (4xx but 408 and 429) and "
-        "requests the client cancelled before its first token")
+        "requests the client cancelled before its first token"
+    )
     # A class that counts everything: the 9 requests, the same 2 good.
     strict = stats.SLO(ttft_s=0.5, exclude=frozenset())
     g = stats.goodput(records, strict, interval_s=1.0)
@@ -254,8 +269,10 @@ def test_a_request_ends_at_its_client_end_else_its_last_token() -> None:
     """`end_offset_ns`, the one "when did it end" (docs/metrics.md section 1): the client
     side's end; without one (a record cut short) its last token event; with neither, 0."""
     assert stats.end_offset_ns(make_record([(100, 1), (130, 1)], end_ms=150)) == 150 * MS
-    no_end = replace(make_record([(100, 1), (130, 1)]),
-                     client=Timeline.from_marks(start_ns=0, marks=marks((100, 1), (130, 1))))
+    no_end = replace(
+        make_record([(100, 1), (130, 1)]),
+        client=Timeline.from_marks(start_ns=0, marks=marks((100, 1), (130, 1))),
+    )
     assert stats.end_offset_ns(no_end) == 130 * MS
     nothing = replace(no_end, client=Timeline.from_marks(start_ns=0, marks=()))
     assert stats.end_offset_ns(nothing) == 0
@@ -265,10 +282,12 @@ def test_request_samples_hand_worked() -> None:
     """The one per-request computation every aggregate reads. Three successful requests and
     a failure: TTFT 100 / 200 ms / none (no token, ended at 50 ms); TPOT (170 - 100) / 5 = 14
     ms / none (N_out 1) / none; E2E 170 / 200 / 50 ms; ITL 30, 40 ms (3 and 2 tokens)."""
-    records = [make_record([(100, 1), (130, 3), (170, 2)], n_out=6),
-               make_record([(200, 1)], n_out=1),
-               make_record((), n_out=0, end_ms=50),
-               make_record([(90, 1)], outcome=Outcome.TIMEOUT, end_ms=95)]
+    records = [
+        make_record([(100, 1), (130, 3), (170, 2)], n_out=6),
+        make_record([(200, 1)], n_out=1),
+        make_record((), n_out=0, end_ms=50),
+        make_record([(90, 1)], outcome=Outcome.TIMEOUT, end_ms=95),
+    ]
     samples = stats.request_samples(records, Vantage.CLIENT)
     assert samples.requests == 3
     assert samples.ttft_s[:2] == pytest.approx([0.100, 0.200]) and math.isnan(samples.ttft_s[2])
@@ -280,8 +299,11 @@ def test_request_samples_hand_worked() -> None:
     for index, record in enumerate(records[:3]):  # equal to the per-request definition
         m = stats.request_metrics(record, Vantage.CLIENT)
         assert m is not None
-        for value, sample in ((m.ttft_s, samples.ttft_s), (m.tpot_s, samples.tpot_s),
-                              (m.e2e_s, samples.e2e_s)):
+        for value, sample in (
+            (m.ttft_s, samples.ttft_s),
+            (m.tpot_s, samples.tpot_s),
+            (m.e2e_s, samples.e2e_s),
+        ):
             assert (value is None and math.isnan(sample[index])) or value == sample[index]
 
 
@@ -289,13 +311,18 @@ def test_goodput_by_class_with_and_without_exclusions() -> None:
     """Two classes over T = 2 s. default (ttft <= 150 ms): a fast request (good), a slow one,
     a 404 (a client error). interactive (ttft <= 50 ms): one request at 40 ms (good). With
     exclusions the 404 leaves default's denominator: 1 good of 2; without, 1 of 3."""
-    policy = stats.SLOPolicy({"default": stats.SLO(ttft_s=0.150),
-                              "interactive": stats.SLO(ttft_s=0.050)})
-    records = [make_record([(100, 1), (120, 1)], n_out=2),
-               make_record([(300, 1), (320, 1)], n_out=2),
-               replace(make_record((), end_ms=5), outcome=Outcome.HTTP_ERROR, http_status=404),
-               replace(make_record([(40, 1), (60, 1), (80, 1)], n_out=3),
-                       attributes={"slo_class": "interactive"})]
+    policy = stats.SLOPolicy(
+        {"default": stats.SLO(ttft_s=0.150), "interactive": stats.SLO(ttft_s=0.050)}
+    )
+    records = [
+        make_record([(100, 1), (120, 1)], n_out=2),
+        make_record([(300, 1), (320, 1)], n_out=2),
+        replace(make_record((), end_ms=5), outcome=Outcome.HTTP_ERROR, http_status=404),
+        replace(
+            make_record([(40, 1), (60, 1), (80, 1)], n_out=3),
+            attributes={"slo_class": "interactive"},
+        ),
+    ]
     counted = stats.goodput_by_class(records, policy, 2.0)
     assert (counted["default"].good_requests, counted["default"].total_requests) == (1, 2)
     assert counted["default"].excluded == {"client_error": 1}
@@ -312,9 +339,15 @@ def test_engine_report_keeps_vllm_semantics_apart() -> None:
     from sidecar.record import EngineTiming
 
     base = make_record([(100, 1), (130, 1)], n_out=2)
-    with_engine = replace(base, engine=EngineTiming(time_to_first_token_ms=40.0,
-                                                    queue_time_ms=55.0, mean_itl_ms=30.0,
-                                                    generation_time_ms=70.0))
+    with_engine = replace(
+        base,
+        engine=EngineTiming(
+            time_to_first_token_ms=40.0,
+            queue_time_ms=55.0,
+            mean_itl_ms=30.0,
+            generation_time_ms=70.0,
+        ),
+    )
     report = stats.engine_report([with_engine, base])
     assert report.requests == 1
     assert report.queue_time.mean == pytest.approx(0.055)
@@ -328,8 +361,9 @@ def test_engine_report_keeps_vllm_semantics_apart() -> None:
 def test_slo_policy_judges_each_request_by_its_class() -> None:
     from dataclasses import replace
 
-    policy = stats.SLOPolicy({"default": stats.SLO(ttft_s=0.5),
-                              "interactive": stats.SLO(ttft_s=0.1)})
+    policy = stats.SLOPolicy(
+        {"default": stats.SLO(ttft_s=0.5), "interactive": stats.SLO(ttft_s=0.1)}
+    )
     fast = make_record([(80, 1), (100, 1)], n_out=2)
     medium = make_record([(300, 1), (320, 1)], n_out=2)
     assert policy.judge(fast) == ("default", True)
@@ -365,11 +399,15 @@ def test_the_live_window_keeps_to_its_memory_bound() -> None:
 
     now = [10_000 * MS]
     window = WindowSink(window_s=60.0, max_bytes=5000, wall_ns=lambda: now[0])
-    records = [make_record([(10, 1), (20, 1), (30, 1)], n_out=3, wall_ms=9_000 + i)
-               for i in range(5)]
+    records = [
+        make_record([(10, 1), (20, 1), (30, 1)], n_out=3, wall_ms=9_000 + i) for i in range(5)
+    ]
     assert approx_record_bytes(records[0]) == 2096
-    both = make_record([(10, 1), (20, 1), (30, 1)], n_out=3,
-                       server=Timeline.from_marks(2 * MS, marks((9, 1), (19, 1), (29, 1))))
+    both = make_record(
+        [(10, 1), (20, 1), (30, 1)],
+        n_out=3,
+        server=Timeline.from_marks(2 * MS, marks((9, 1), (19, 1), (29, 1))),
+    )
     assert approx_record_bytes(both) == 2120
     for record in records:
         window.on_record(record)
@@ -388,8 +426,9 @@ def test_the_live_window_keeps_to_its_memory_bound() -> None:
 # -- the bulk aggregates equal the per-request definitions, exactly ---------------------------
 
 
-def _reference_vantage_report(records: list[RequestRecord],
-                              vantage: Vantage) -> stats.VantageReport:
+def _reference_vantage_report(
+    records: list[RequestRecord], vantage: Vantage
+) -> stats.VantageReport:
     """The aggregate written request by request from `request_metrics` (the definition)."""
     ttfts: list[float] = []
     tpots: list[float] = []
@@ -419,26 +458,35 @@ def _reference_vantage_report(records: list[RequestRecord],
         itls.extend(m.itl_s)
         itl_tokens.extend(m.itl_tokens)
     return stats.VantageReport(
-        vantage=vantage, requests=requests, ttft=stats.summarize(ttfts),
-        tpot=stats.summarize(tpots), e2e=stats.summarize(e2es), itl=stats.summarize(itls),
+        vantage=vantage,
+        requests=requests,
+        ttft=stats.summarize(ttfts),
+        tpot=stats.summarize(tpots),
+        e2e=stats.summarize(e2es),
+        itl=stats.summarize(itls),
         itl_per_token=stats.summarize(stats.token_normalised_itl(itls, itl_tokens)),
-        tpot_excluded=excluded, no_first_token=no_first)
+        tpot_excluded=excluded,
+        no_first_token=no_first,
+    )
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_bulk_vantage_report_equals_the_per_request_definition(seed: int) -> None:
     records = random_records(seed, 300)
     for vantage in (Vantage.CLIENT, Vantage.SERVER, Vantage.ENGINE):
-        assert stats.vantage_report(records, vantage) == _reference_vantage_report(
-            records, vantage)
+        assert stats.vantage_report(records, vantage) == _reference_vantage_report(records, vantage)
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_bulk_goodput_equals_the_per_request_verdicts(seed: int) -> None:
     records = random_records(seed, 300)
-    policy = stats.SLOPolicy({"a": stats.SLO(ttft_s=0.5, tpot_s=0.02),
-                              "b": stats.SLO(e2e_s=1.0),
-                              "default": stats.SLO(ttft_s=0.3, tpot_s=0.01, e2e_s=0.9)})
+    policy = stats.SLOPolicy(
+        {
+            "a": stats.SLO(ttft_s=0.5, tpot_s=0.02),
+            "b": stats.SLO(e2e_s=1.0),
+            "default": stats.SLO(ttft_s=0.3, tpot_s=0.01, e2e_s=0.9),
+        }
+    )
     for vantage in (Vantage.CLIENT, Vantage.SERVER):
         for name, slo in policy.classes.items():
             members = [r for r in records if policy.class_of(r) == name]
@@ -458,7 +506,10 @@ def test_bulk_goodput_equals_the_per_request_verdicts(seed: int) -> None:
                         without[threshold] = without.get(threshold, 0) + 1
             counted = [r for r in members if stats.slo_exclusion(r) not in slo.exclude]
             assert (got.total_requests, got.good_requests, got.good_output_tokens) == (
-                len(counted), good, tokens)
+                len(counted),
+                good,
+                tokens,
+            )
             assert dict(got.judged_without) == without
 
 
@@ -470,11 +521,22 @@ def test_n2_choices_are_sequences_of_their_own() -> None:
     tpot SLO twice as lenient."""
     offsets = [100, 101, 110, 111, 120, 121, 131]
     choices = [0, 1, 0, 1, 0, 1, 1]
-    timeline = Timeline(start_ns=0, offsets_ns=[o * MS for o in offsets], tokens=[1] * 7,
-                        end_ns=132 * MS, choices=choices)
-    record = RequestRecord(request_id="n2", wall_time_ns=0, outcome=Outcome.OK,
-                           endpoint="completions", client=timeline, n_out=7,
-                           token_source=TokenSource.USAGE)
+    timeline = Timeline(
+        start_ns=0,
+        offsets_ns=[o * MS for o in offsets],
+        tokens=[1] * 7,
+        end_ns=132 * MS,
+        choices=choices,
+    )
+    record = RequestRecord(
+        request_id="n2",
+        wall_time_ns=0,
+        outcome=Outcome.OK,
+        endpoint="completions",
+        client=timeline,
+        n_out=7,
+        token_source=TokenSource.USAGE,
+    )
     m = stats.request_metrics(record, Vantage.CLIENT)
     assert m is not None
     assert m.ttft_s == pytest.approx(0.100) and m.e2e_s == pytest.approx(0.131)

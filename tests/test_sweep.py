@@ -64,8 +64,11 @@ def test_judge_step_names_every_reason() -> None:
     report = {"completed": 98, "failed": 2, "p90_ttft_ms": 650.0, "p90_tpot_ms": 20.0}
     verdict = judge_step(report, offered=10.0, mode="open", criteria=criteria, achieved=8.0)
     assert not verdict.passed
-    assert verdict.reasons == ("error rate 2.0% > 1.0%", "p90 ttft 650.0 ms > 500 ms",
-                               "achieved 8.00 req/s < 90% of offered 10.00 req/s")
+    assert verdict.reasons == (
+        "error rate 2.0% > 1.0%",
+        "p90 ttft 650.0 ms > 500 ms",
+        "achieved 8.00 req/s < 90% of offered 10.00 req/s",
+    )
     good = {"completed": 100, "failed": 0, "p90_ttft_ms": 400.0, "p90_tpot_ms": 50.0}
     assert judge_step(good, 10.0, "open", criteria, 9.5).passed
     assert judge_step(good, 10.0, "closed", criteria, None).passed  # no keep-up when closed
@@ -86,14 +89,21 @@ def test_criteria_and_datasets_parse() -> None:
     criteria = parse_criteria("ttft=500ms,e2e=2s,itl=30ms", 99.0)
     assert criteria.thresholds == {"ttft": 0.5, "e2e": 2.0, "itl": 0.03}
     assert criteria.percentile == 99.0 and parse_criteria("e2el=2s").thresholds == {"e2e": 2.0}
-    assert criteria_detail(criteria)["thresholds_ms"] == {"ttft": 500.0, "e2el": 2000.0,
-                                                          "itl": 30.0}
-    assert criteria_of({"slo_criteria": criteria_detail(criteria)}).thresholds == \
-        pytest.approx(criteria.thresholds)
+    assert criteria_detail(criteria)["thresholds_ms"] == {
+        "ttft": 500.0,
+        "e2el": 2000.0,
+        "itl": 30.0,
+    }
+    assert criteria_of({"slo_criteria": criteria_detail(criteria)}).thresholds == pytest.approx(
+        criteria.thresholds
+    )
     assert criteria.slo().ttft_s == 0.5 and criteria.slo().e2e_s == 2.0
     assert criteria.describe().startswith("p99 ttft <= 500 ms, p99 e2e <= 2000 ms, p99 itl")
-    for bad, message in (("speed=1s", "bad SLO term"), ("ttft=500", "needs a unit"),
-                         ("ttft=1s,objective=99%", "do not apply")):
+    for bad, message in (
+        ("speed=1s", "bad SLO term"),
+        ("ttft=500", "needs a unit"),
+        ("ttft=1s,objective=99%", "do not apply"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_criteria(bad)
     requests = sweep_cli.synthetic_requests("synthetic:in=64,out=8,shared=32", 3)
@@ -115,17 +125,37 @@ BOUND = SERVERS / (OUT * STEP_S)
 @pytest.mark.slow
 @pytest.mark.realparts
 async def test_sweep_finds_the_capacity_the_simulator_predicts(tmp_path: Path) -> None:
-    sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=STEP_S, per_token_s=0.0,
-                                                   saturation_tokens=100_000,
-                                                   max_num_seqs=SERVERS))
+    sim = SimConfig(
+        model="m",
+        engine=EngineConfig(
+            step_floor_s=STEP_S, per_token_s=0.0, saturation_tokens=100_000, max_num_seqs=SERVERS
+        ),
+    )
     replicas = await start_replicas(sim, 1)
     out = tmp_path / "sweep"
     parser = argparse.ArgumentParser()
     sweep_cli.add_arguments(parser)
-    args = parser.parse_args([
-        "--target", replicas[0].url, "--dataset", f"synthetic:in=16,out={OUT}",
-        "--slo", "ttft=60ms", "--auto", "--start", "4", "--step-duration", "2s",
-        "--min-requests", "20", "--warmup", "2", "--output-dir", str(out)])
+    args = parser.parse_args(
+        [
+            "--target",
+            replicas[0].url,
+            "--dataset",
+            f"synthetic:in=16,out={OUT}",
+            "--slo",
+            "ttft=60ms",
+            "--auto",
+            "--start",
+            "4",
+            "--step-duration",
+            "2s",
+            "--min-requests",
+            "20",
+            "--warmup",
+            "2",
+            "--output-dir",
+            str(out),
+        ]
+    )
     try:
         assert await sweep_cli.run(args) == 0
     finally:
@@ -154,11 +184,26 @@ async def test_sweep_finds_the_capacity_the_simulator_predicts(tmp_path: Path) -
             pytest.fail("chromium is not installed: .ci/run installs Debian's chromium")
         pytest.skip("chromium not installed")
     done = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr",
-         "--v=0", "--dump-dom", (out / "sweep.html").as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--dump-dom",
+            (out / "sweep.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'id="capacity"' in done.stdout and done.stdout.count("data:image/png;base64,") == 3
     # The page has no script and loads nothing external: no console message, no failed load.
@@ -172,11 +217,30 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
     parser = argparse.ArgumentParser()
     sweep_cli.add_arguments(parser)
     async with stack(2, sim=sim, route_policy="round_robin") as s:
-        args = parser.parse_args([
-            "--target", s.url, "--sidecar-admin", s.server.admin_url,
-            "--dataset", "synthetic:in=32,out=6,shared=16", "--slo", "ttft=500ms",
-            "--rates", "10,20", "--step-duration", "1s", "--min-requests", "10",
-            "--warmup", "2", "--repeats", "2", "--output-dir", str(out)])
+        args = parser.parse_args(
+            [
+                "--target",
+                s.url,
+                "--sidecar-admin",
+                s.server.admin_url,
+                "--dataset",
+                "synthetic:in=32,out=6,shared=16",
+                "--slo",
+                "ttft=500ms",
+                "--rates",
+                "10,20",
+                "--step-duration",
+                "1s",
+                "--min-requests",
+                "10",
+                "--warmup",
+                "2",
+                "--repeats",
+                "2",
+                "--output-dir",
+                str(out),
+            ]
+        )
         assert await sweep_cli.run(args) == 0
         proxied = [r for r in s.records.records if r.endpoint in ("chat", "completions")]
     result = json.loads((out / "sweep.json").read_text())
@@ -212,7 +276,8 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
     assert 0 < envelope["engine_prefix_cache_hit_rate"] <= 0.5
     assert envelope["engine_prefix_cache_hit_rate"] == pytest.approx(
         envelope["engine_delta"]["prefix_cache_hits"]
-        / envelope["engine_delta"]["prefix_cache_queries"])
+        / envelope["engine_delta"]["prefix_cache_queries"]
+    )
     page = (out / "sweep.html").read_text()
     assert "server TTFT p50" in page and f"{steps[0]['requests']}/{steps[0]['requests']}" in page
     # One llm-d benchmark report per step, for the same run as the step's report.
@@ -220,8 +285,9 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
     for step in steps:
         br = json.loads((out / "br" / f"step-{step['load']:g}.json").read_text())
         assert errors(br) == []
-        assert br["run"]["eid"] == json.loads(
-            (out / "br" / "step-10.json").read_text())["run"]["eid"]
+        assert (
+            br["run"]["eid"] == json.loads((out / "br" / "step-10.json").read_text())["run"]["eid"]
+        )
         load = br["scenario"]["load"]["standardized"]
         assert (load["stage"], load["rate_qps"]) == (step["stage"], step["load"])
         assert load["input_seq_len"] == {"distribution": "fixed", "value": 32}
@@ -235,14 +301,15 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
         assert ours["sweep"]["passed"] == step["passed"]
         assert ours["sidecar"] == step["sidecar"]
         assert ours["goodput"]["request_goodput"]["value"] == pytest.approx(
-            step["report"]["request_goodput"])
-        assert [c["metadata"]["label"] for c in br["scenario"]["stack"]] == ["target",
-                                                                              "sidecar"]
+            step["report"]["request_goodput"]
+        )
+        assert [c["metadata"]["label"] for c in br["scenario"]["stack"]] == ["target", "sidecar"]
         assert "--admin-token" not in br["scenario"]["load"]["native"]["args"]
 
 
 def test_a_sweep_over_a_capture_skips_what_replay_skips(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A capture with a failed request of unknown prompt size (a 404 for a mistyped model)
     once stopped a sweep with "a trace line needs n_in > 0"; it skips that line, as replay and
     `trace lint` do, and says so."""
@@ -250,15 +317,37 @@ def test_a_sweep_over_a_capture_skips_what_replay_skips(
     from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
 
     trace = tmp_path / "capture.jsonl"
-    write_trace(trace, TraceHeader(source="capture"), [
-        TraceRequest(t=0.0, endpoint="chat", model="m", n_in=20, n_out=5),
-        TraceRequest(t=0.1, endpoint="chat", model="typo", n_in=None, n_out=None,
-                     outcome="http_error", http_status=404),
-        TraceRequest(t=0.2, endpoint="chat", model="m", n_in=30, n_out=6)])
+    write_trace(
+        trace,
+        TraceHeader(source="capture"),
+        [
+            TraceRequest(t=0.0, endpoint="chat", model="m", n_in=20, n_out=5),
+            TraceRequest(
+                t=0.1,
+                endpoint="chat",
+                model="typo",
+                n_in=None,
+                n_out=None,
+                outcome="http_error",
+                http_status=404,
+            ),
+            TraceRequest(t=0.2, endpoint="chat", model="m", n_in=30, n_out=6),
+        ],
+    )
     parser = argparse.ArgumentParser()
     sweep_cli.add_arguments(parser)
-    args = parser.parse_args(["--target", "http://127.0.0.1:9", "--trace", str(trace),
-                              "--slo", "ttft=1s", "--rates", "1"])
+    args = parser.parse_args(
+        [
+            "--target",
+            "http://127.0.0.1:9",
+            "--trace",
+            str(trace),
+            "--slo",
+            "ttft=1s",
+            "--rates",
+            "1",
+        ]
+    )
     runner = sweep_cli.Runner(args, "m", Criteria(thresholds={"ttft": 1.0}))
     assert runner.trace is not None and [r.n_in for r in runner.trace] == [20, 30]
     err = capsys.readouterr().err
@@ -269,23 +358,46 @@ def test_a_sweep_over_a_capture_skips_what_replay_skips(
 
 
 def a_step(load: float, passed: bool, goodput: float, **extra: Any) -> dict[str, Any]:
-    report = {"completed": 20, "failed": 0, "request_throughput": goodput,
-              "request_goodput": goodput, "slo_attainment": 1.0, "max_concurrent_requests": 3,
-              "p90_ttft_ms": 40.0, "p50_ttft_ms": 30.0, "p99_ttft_ms": 55.0,
-              "lateness_ms": {"p99": 0.25}}
-    return {"load": load, "offered": load * 0.85, "achieved_rate": load * 0.8,
-            "passed": passed, "reasons": [] if passed else ["p90 ttft 650.0 ms > 60 ms"],
-            "report": report, **extra}
+    report = {
+        "completed": 20,
+        "failed": 0,
+        "request_throughput": goodput,
+        "request_goodput": goodput,
+        "slo_attainment": 1.0,
+        "max_concurrent_requests": 3,
+        "p90_ttft_ms": 40.0,
+        "p50_ttft_ms": 30.0,
+        "p99_ttft_ms": 55.0,
+        "lateness_ms": {"p99": 0.25},
+    }
+    return {
+        "load": load,
+        "offered": load * 0.85,
+        "achieved_rate": load * 0.8,
+        "passed": passed,
+        "reasons": [] if passed else ["p90 ttft 650.0 ms > 60 ms"],
+        "report": report,
+        **extra,
+    }
 
 
-def a_result(steps: list[dict[str, Any]], capacity: float | None,
-             knee_load: float | None) -> dict[str, Any]:
-    return {"capacity": capacity, "knee": knee_load, "unit": "req/s", "mode": "open",
-            "criteria": "p90 ttft <= 60 ms; errors <= 1.0%; achieved >= 90% of offered "
-                        "(open loop)",
-            "slo_criteria": {"thresholds_ms": {"ttft": 60.0}, "percentile": 90.0,
-                             "max_error_rate": 0.01, "keep_up": 0.9},
-            "steps": steps}
+def a_result(
+    steps: list[dict[str, Any]], capacity: float | None, knee_load: float | None
+) -> dict[str, Any]:
+    return {
+        "capacity": capacity,
+        "knee": knee_load,
+        "unit": "req/s",
+        "mode": "open",
+        "criteria": "p90 ttft <= 60 ms; errors <= 1.0%; achieved >= 90% of offered (open loop)",
+        "slo_criteria": {
+            "thresholds_ms": {"ttft": 60.0},
+            "percentile": 90.0,
+            "max_error_rate": 0.01,
+            "keep_up": 0.9,
+        },
+        "steps": steps,
+    }
 
 
 def test_capacity_and_knee_say_what_they_are() -> None:
@@ -295,9 +407,11 @@ def test_capacity_and_knee_say_what_they_are() -> None:
 
     never_broke = a_result([a_step(2, True, 1.7), a_step(4, True, 3.4)], 4, 4)
     assert capacity_text(never_broke) == (
-        "capacity: >= 4 req/s, no step failed (a lower bound: the highest load tried passed)")
-    assert knee_text(never_broke) == ("knee: 4 req/s (the load of the highest goodput, 3.40 "
-                                      "req/s; the same load as the capacity)")
+        "capacity: >= 4 req/s, no step failed (a lower bound: the highest load tried passed)"
+    )
+    assert knee_text(never_broke) == (
+        "knee: 4 req/s (the load of the highest goodput, 3.40 req/s; the same load as the capacity)"
+    )
     broke = a_result([a_step(2, True, 1.7), a_step(4, True, 3.4), a_step(8, False, 3.0)], 4, 4)
     assert capacity_text(broke) == "capacity: 4 req/s (the highest passing load; 8 req/s failed)"
     nothing = a_result([a_step(2, False, 0.5)], None, 2)
@@ -305,14 +419,15 @@ def test_capacity_and_knee_say_what_they_are() -> None:
 
 
 def test_the_step_line_shows_the_numbers_the_verdict_was_judged_on() -> None:
-    """"achieved 1.70/s ... pass" beside a 90%-of-offered criterion read as a contradiction at
+    """ "achieved 1.70/s ... pass" beside a 90%-of-offered criterion read as a contradiction at
     a nominal 2 req/s: the line names the offered rate it was judged against, and the ratio."""
     from sidecar.replay.sweep import step_line
 
     step = a_step(2, True, 1.6, offered=1.85, achieved_rate=1.70)
     assert step_line(a_result([step], 2, 2), step) == (
         "load 2 req/s: offered 1.85 req/s, achieved 1.70 req/s (91.9% of offered, >= 90% "
-        "passes), TTFT p90 40.0 ms (<= 60), failed 0/20: pass")
+        "passes), TTFT p90 40.0 ms (<= 60), failed 0/20: pass"
+    )
 
 
 class Tables(HTMLParser):
@@ -354,7 +469,7 @@ def console_tables(text: str) -> list[dict[str, list[list[str]]]]:
     for i, line in enumerate(lines):
         if line.startswith("Steps: "):
             rows = []
-            for row in lines[i + 4:]:
+            for row in lines[i + 4 :]:
                 if not row.strip():
                     break
                 rows.append(row.split())
@@ -376,28 +491,49 @@ async def test_a_sweep_as_a_user_runs_it_says_what_it_does(tmp_path: Path) -> No
     sim = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0))
     replicas = await start_replicas(sim, 1)
     out_dir = tmp_path / "sweep"
-    common = ["--target", replicas[0].url, "--dataset", "synthetic:in=16,out=4",
-              "--rates", "4,8", "--step-duration", "1s", "--min-requests", "8",
-              "--warmup", "1"]
+    common = [
+        "--target",
+        replicas[0].url,
+        "--dataset",
+        "synthetic:in=16,out=4",
+        "--rates",
+        "4,8",
+        "--step-duration",
+        "1s",
+        "--min-requests",
+        "8",
+        "--warmup",
+        "1",
+    ]
     try:
-        code, out, err = await sidecar_async("sweep", *common, "--slo", "ttft=5s",
-                                             "--output-dir", str(out_dir))
+        code, out, err = await sidecar_async(
+            "sweep", *common, "--slo", "ttft=5s", "--output-dir", str(out_dir)
+        )
         assert code == 0, err
         quiet_code, quiet_out, quiet_err = await sidecar_async(
-            "sweep", *common, "--slo", "ttft=0.001ms", "--quiet")
+            "sweep", *common, "--slo", "ttft=0.001ms", "--quiet"
+        )
     finally:
         await close_replicas(replicas)
     # stderr: progress of each step, then the step's verdict on the numbers it was judged on.
     assert "step 1: 4 req/s: 8/8 finished, 8 sent, 0 failed, " in err
     assert "step 2: 8 req/s: 8/8 finished, 8 sent, 0 failed, " in err
-    assert re.search(r"^load 4 req/s: offered \S+ req/s, achieved \S+ req/s \(\S+% of "
-                     r"offered, >= 90% passes\), TTFT p90 \S+ ms \(<= 5000\), failed 0/8: "
-                     r"pass$", err, re.M), err
+    assert re.search(
+        r"^load 4 req/s: offered \S+ req/s, achieved \S+ req/s \(\S+% of "
+        r"offered, >= 90% passes\), TTFT p90 \S+ ms \(<= 5000\), failed 0/8: "
+        r"pass$",
+        err,
+        re.M,
+    ), err
     # stdout: the report alone.
     assert "finished" not in out
     assert "capacity: >= 8 req/s, no step failed (a lower bound" in out
-    assert re.search(r"^knee: 8 req/s \(the load of the highest goodput, \S+ req/s; the "
-                     r"same load as the capacity\)$", out, re.M), out
+    assert re.search(
+        r"^knee: 8 req/s \(the load of the highest goodput, \S+ req/s; the "
+        r"same load as the capacity\)$",
+        out,
+        re.M,
+    ), out
     assert "throughput: completed requests / duration" in out
     assert "(docs/metrics.md §8 SLOs and goodput)" in out
     result = json.loads((out_dir / "sweep.json").read_text())
@@ -414,8 +550,13 @@ async def test_a_sweep_as_a_user_runs_it_says_what_it_does(tmp_path: Path) -> No
         page_units = [cell.split("|")[1] for cell in table["head"][0]]
         assert page_names == names
         assert [unit for unit in page_units if unit] == units  # the verdict has none
-    assert page.tables[0]["head"][0][:5] == ["load|req/s", "offered|req/s", "achieved|req/s",
-                                             "keep-up|%", "throughput|req/s"]
+    assert page.tables[0]["head"][0][:5] == [
+        "load|req/s",
+        "offered|req/s",
+        "achieved|req/s",
+        "keep-up|%",
+        "throughput|req/s",
+    ]
     assert page.tables[1]["head"][0][1] == "TTFT p90|ms <= 5000"
     rows = shown[0]["body"]
     assert [row[0] for row in rows] == ["4", "8"] and rows[0][-1] == "pass"

@@ -17,14 +17,31 @@ from sidecar.replay.tracemerge import MergeRefused, merge_traces
 from sidecar.tracefile import PrefixBlocks, TraceHeader, TraceReader, TraceRequest, write_trace
 
 
-def capture(path: Path, start_s: float, key: str | None, requests: list[tuple[float, str]],
-            model: str = "m") -> Path:
+def capture(
+    path: Path, start_s: float, key: str | None, requests: list[tuple[float, str]], model: str = "m"
+) -> Path:
     notes = {"capture_key_id": key} if key else {}
-    write_trace(path, TraceHeader(source="capture", start_wall_ns=int(start_s * S),
-                                  models=(model,), route_policy="round_robin", notes=notes),
-                [TraceRequest(t=t, n_in=10, n_out=2, request_id=name, model=model,
-                              prefix=PrefixBlocks("chars", 256, (1, 2)))
-                 for t, name in requests])
+    write_trace(
+        path,
+        TraceHeader(
+            source="capture",
+            start_wall_ns=int(start_s * S),
+            models=(model,),
+            route_policy="round_robin",
+            notes=notes,
+        ),
+        [
+            TraceRequest(
+                t=t,
+                n_in=10,
+                n_out=2,
+                request_id=name,
+                model=model,
+                prefix=PrefixBlocks("chars", 256, (1, 2)),
+            )
+            for t, name in requests
+        ],
+    )
     return path
 
 
@@ -60,7 +77,9 @@ def test_what_would_mislead_a_replay_is_refused(tmp_path: Path) -> None:
         merge_traces([a, c], tmp_path / "out2.jsonl")
     forced = merge_traces([a, c], tmp_path / "out2.jsonl", force=True)
     assert [(r.request_id, r.t) for r in TraceReader(forced.output).requests()] == [
-        ("x", pytest.approx(0.1)), ("z", pytest.approx(0.3))]
+        ("x", pytest.approx(0.1)),
+        ("z", pytest.approx(0.3)),
+    ]
 
 
 def test_the_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,9 +101,11 @@ def test_the_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_a_capture_key_is_checked_when_the_proxy_starts(tmp_path: Path) -> None:
     short = tmp_path / "short.key"
     short.write_bytes(b"0123456789\n")
-    flags: dict[str, Any] = {"upstreams": ["http://127.0.0.1:1"],
-                             "capture_dir": str(tmp_path / "cap"),
-                             "capture_key_file": str(short)}
+    flags: dict[str, Any] = {
+        "upstreams": ["http://127.0.0.1:1"],
+        "capture_dir": str(tmp_path / "cap"),
+        "capture_key_file": str(short),
+    }
     with pytest.raises(ConfigError, match="10 bytes; it needs at least 16"):
         build_config(flags, {})
     with pytest.raises(ConfigError, match="No such file"):
@@ -93,20 +114,25 @@ def test_a_capture_key_is_checked_when_the_proxy_starts(tmp_path: Path) -> None:
         build_config({"upstreams": ["http://127.0.0.1:1"], "capture_key_file": str(short)}, {})
 
 
-async def test_sidecars_sharing_a_key_hash_alike_and_their_captures_merge(
-        tmp_path: Path) -> None:
+async def test_sidecars_sharing_a_key_hash_alike_and_their_captures_merge(tmp_path: Path) -> None:
     key = tmp_path / "fleet.key"
     key.write_bytes(b"a-fleet-wide-capture-key-of-32-b\n")
-    body = {"model": "m", "stream": True, "max_tokens": 3, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "the same long question " * 40}]}
+    body = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "the same long question " * 40}],
+    }
 
     async def one_sidecar(name: str, key_file: Path | None) -> Path:
         settings: dict[str, str] = {"capture_dir": str(tmp_path / name)}
         if key_file is not None:
             settings["capture_key_file"] = str(key_file)
         async with stack(**settings) as s, aiohttp.ClientSession() as session:
-            async with session.post(s.url + "/v1/chat/completions", json=body,
-                                    headers={"X-Session-ID": "user-7"}) as response:
+            async with session.post(
+                s.url + "/v1/chat/completions", json=body, headers={"X-Session-ID": "user-7"}
+            ) as response:
                 await response.read()
             await s.records.wait_for(1)
         (path,) = sorted((tmp_path / name).glob("capture-*.jsonl"))

@@ -32,8 +32,7 @@ def write_lines(path: Path, lines: list[dict[str, Any] | str]) -> Path:
 
 
 def req(t: float, **fields: Any) -> dict[str, Any]:
-    return {"t": t, "endpoint": "completions", "stream": True, "n_in": 100, "n_out": 10,
-            **fields}
+    return {"t": t, "endpoint": "completions", "stream": True, "n_in": 100, "n_out": 10, **fields}
 
 
 def blocks(size: int, *hashes: int, unit: str = "tokens") -> dict[str, Any]:
@@ -66,48 +65,97 @@ def test_lint_is_silent_on_a_clean_trace(tmp_path: Path) -> None:
 BAD_TRACES: list[tuple[str, list[dict[str, Any] | str], int, str]] = [
     ("unreadable-line", [req(0.0), "{not json", req(1.0)], 1, "line 3: not valid JSON"),
     ("unreadable-line", [req(0.0), {"n_in": 5}], 1, "line 3: a request line needs `t`"),
-    ("unreadable-line", [req(0.0, prefix=blocks(16, 1, unit="bytes"))], 1,
-     "line 2: prefix unit must be 'tokens' or 'chars'"),
+    (
+        "unreadable-line",
+        [req(0.0, prefix=blocks(16, 1, unit="bytes"))],
+        1,
+        "line 2: prefix unit must be 'tokens' or 'chars'",
+    ),
     ("partial-last-line", [req(0.0), req(1.0), '{"t": 2.0, "n_i'], 1, "line 4: not valid"),
-    ("t-not-finite", [req(0.0), '{"t": NaN, "n_in": 100, "n_out": 10}', req(1.0)], 1,
-     "line 3: t=nan"),
+    (
+        "t-not-finite",
+        [req(0.0), '{"t": NaN, "n_in": 100, "n_out": 10}', req(1.0)],
+        1,
+        "line 3: t=nan",
+    ),
     ("t-negative", [req(-1.0), req(0.0), req(1.0)], 1, "line 2: t=-1"),
-    ("t-absurd", [req(0.0), req(0.5), req(1.5), req(2.5), req(4e7 + 0.5)], 1,
-     "line 6: t=4e+07 s (463 days)"),
-    ("t-non-monotonic", [req(0.0), req(5.0), req(2.0), req(3.0), req(6.0)], 2,
-     "line 4: t=2 after t=5 (line 3), 3 s back"),
+    (
+        "t-absurd",
+        [req(0.0), req(0.5), req(1.5), req(2.5), req(4e7 + 0.5)],
+        1,
+        "line 6: t=4e+07 s (463 days)",
+    ),
+    (
+        "t-non-monotonic",
+        [req(0.0), req(5.0), req(2.0), req(3.0), req(6.0)],
+        2,
+        "line 4: t=2 after t=5 (line 3), 3 s back",
+    ),
     ("t-large-start", [req(200000.5), req(200001.5)], 1, "first request at t=200000 s"),
-    ("t-looks-like-ms", [req(0.0), req(1500.0), req(3000.0), req(4500.0)], 1,
-     "median inter-arrival 1500 s over 4 requests"),
-    ("t-looks-like-ms", [req(0.0), req(1e6), req(1e6 + 1), req(1e6 + 2)], 1,
-     "every t is a whole number and the largest is 1e+06"),
+    (
+        "t-looks-like-ms",
+        [req(0.0), req(1500.0), req(3000.0), req(4500.0)],
+        1,
+        "median inter-arrival 1500 s over 4 requests",
+    ),
+    (
+        "t-looks-like-ms",
+        [req(0.0), req(1e6), req(1e6 + 1), req(1e6 + 2)],
+        1,
+        "every t is a whole number and the largest is 1e+06",
+    ),
     # A line replay can still send (max_tokens bounds its output), but not reproduce exactly.
     ("length-missing", [req(0.0), {"t": 1.0, "n_in": 5, "max_tokens": 8}], 1, "line 3: no n_out"),
     # Lines replay skips, with replay's own reasons (tracefile.unreplayable_reason).
-    ("cannot-replay", [req(0.0), {"t": 1.0, "n_in": 5}], 1,
-     "line 3: n_out and max_tokens missing: output length unknown"),
-    ("cannot-replay", [req(0.0), req(1.0, n_in=None, http_status=404, outcome="http_error")],
-     1, "line 3: n_in missing: prompt size unknown"),
+    (
+        "cannot-replay",
+        [req(0.0), {"t": 1.0, "n_in": 5}],
+        1,
+        "line 3: n_out and max_tokens missing: output length unknown",
+    ),
+    (
+        "cannot-replay",
+        [req(0.0), req(1.0, n_in=None, http_status=404, outcome="http_error")],
+        1,
+        "line 3: n_in missing: prompt size unknown",
+    ),
     ("cannot-replay", [req(0.0), req(1.0, n_in=0)], 1, "line 3: n_in=0: prompt size unknown"),
     ("length-negative", [req(0.0, n_out=-3)], 1, "line 2: n_out=-3"),
     ("length-absurd", [req(0.0, n_in=20_000_000)], 1, "line 2: n_in=20000000"),
-    ("n-cached-over-n-in", [req(0.0, n_in=10, n_cached=20)], 1,
-     "line 2: n_cached=20 > n_in=10"),
-    ("lengths-look-like-chars", [req(t, n_in=40000, n_out=5000) for t in (0.0, 1.0, 2.0)], 1,
-     "median n_in 40000, median n_out 5000"),
+    ("n-cached-over-n-in", [req(0.0, n_in=10, n_cached=20)], 1, "line 2: n_cached=20 > n_in=10"),
+    (
+        "lengths-look-like-chars",
+        [req(t, n_in=40000, n_out=5000) for t in (0.0, 1.0, 2.0)],
+        1,
+        "median n_in 40000, median n_out 5000",
+    ),
     # vLLM's footgun: Mooncake's 512-token hash_ids read as 16-token blocks.
-    ("prefix-size-mismatch", [req(0.0, n_in=6758, prefix=blocks(16, *range(14)))], 1,
-     "line 2: 14 hashes of size 16 for n_in=6758 (expected 423; n_in / len(hashes) = 483"),
+    (
+        "prefix-size-mismatch",
+        [req(0.0, n_in=6758, prefix=blocks(16, *range(14)))],
+        1,
+        "line 2: 14 hashes of size 16 for n_in=6758 (expected 423; n_in / len(hashes) = 483",
+    ),
     # Line 2's two choices of 90 tokens each fit; line 3's max_tokens does not.
-    ("over-max-model-len", [req(0.0, n_in=4000, n_out=180, n=2),
-                            req(1.0, n_in=4000, n_out=100, max_tokens=200)], 1,
-     "line 3: 4000 + 200 = 4200 > 4096"),
-    ("max-tokens-below-n-out", [req(0.0, n_out=10, max_tokens=5)], 1,
-     "line 2: max_tokens=5 < n_out=10"),
+    (
+        "over-max-model-len",
+        [req(0.0, n_in=4000, n_out=180, n=2), req(1.0, n_in=4000, n_out=100, max_tokens=200)],
+        1,
+        "line 3: 4000 + 200 = 4200 > 4096",
+    ),
+    (
+        "max-tokens-below-n-out",
+        [req(0.0, n_out=10, max_tokens=5)],
+        1,
+        "line 2: max_tokens=5 < n_out=10",
+    ),
     # n_out counts every choice's tokens: n=2 x max_tokens=10 reach 20 but not 21.
-    ("max-tokens-below-n-out", [req(0.0, n=2, n_out=20, max_tokens=10),
-                                req(1.0, n=2, n_out=21, max_tokens=10)], 1,
-     "line 3: max_tokens=10 x n=2 < n_out=21"),
+    (
+        "max-tokens-below-n-out",
+        [req(0.0, n=2, n_out=20, max_tokens=10), req(1.0, n=2, n_out=21, max_tokens=10)],
+        1,
+        "line 3: max_tokens=10 x n=2 < n_out=21",
+    ),
     ("empty-prompt", [req(0.0, n_in=0, body={"prompt": ""})], 1, "line 2"),
     ("zero-output", [req(0.0, n_out=0)], 1, "line 2"),
     ("duplicate", [req(0.0), req(1.0), req(1.0), req(2.0)], 1, "line 4 = line 3"),
@@ -115,10 +163,14 @@ BAD_TRACES: list[tuple[str, list[dict[str, Any] | str], int, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("code", "lines", "count", "example"), BAD_TRACES,
-                         ids=[f"{case[0]}-{i}" for i, case in enumerate(BAD_TRACES)])
-def test_lint_finds_each_problem(tmp_path: Path, code: str, lines: list[dict[str, Any] | str],
-                                 count: int, example: str) -> None:
+@pytest.mark.parametrize(
+    ("code", "lines", "count", "example"),
+    BAD_TRACES,
+    ids=[f"{case[0]}-{i}" for i, case in enumerate(BAD_TRACES)],
+)
+def test_lint_finds_each_problem(
+    tmp_path: Path, code: str, lines: list[dict[str, Any] | str], count: int, example: str
+) -> None:
     max_model_len = 4096 if code == "over-max-model-len" else None
     report = lint_trace(write_lines(tmp_path / "bad.jsonl", lines), max_model_len=max_model_len)
     assert report.codes() == {code}
@@ -158,8 +210,11 @@ def test_lint_refuses_a_file_that_is_not_a_trace(tmp_path: Path) -> None:
 
 def test_lint_warns_on_a_compressed_trace_cut_short(tmp_path: Path) -> None:
     whole = tmp_path / "whole.jsonl.gz"
-    write_trace(whole, TraceHeader(source="test"),
-                [TraceRequest(t=i * 0.5, n_in=100 + i, n_out=10) for i in range(2000)])
+    write_trace(
+        whole,
+        TraceHeader(source="test"),
+        [TraceRequest(t=i * 0.5, n_in=100 + i, n_out=10) for i in range(2000)],
+    )
     data = whole.read_bytes()
     cut = tmp_path / "cut.jsonl.gz"
     cut.write_bytes(data[: len(data) // 2])
@@ -197,8 +252,15 @@ TINY = [
     req(1.0, n_in=10, n_out=4, model="m", session_id="a", prefix=blocks(4, 1, 2, 3)),
     req(2.0, n_in=4, n_out=6, model="m", session_id="b", prefix=blocks(4, 1)),
     req(4.0, n_in=8, n_out=8, model="m", prefix=blocks(4, 7, 2)),
-    req(10.0, n_in=12, n_out=10, model="other", prefix=blocks(4, 1, 2, 3),
-        endpoint="chat", outcome="failed_in_source"),
+    req(
+        10.0,
+        n_in=12,
+        n_out=10,
+        model="other",
+        prefix=blocks(4, 1, 2, 3),
+        endpoint="chat",
+        outcome="failed_in_source",
+    ),
 ]
 
 
@@ -296,18 +358,53 @@ def test_cli_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
     # The Mooncake sample has a hash list too short for its n_in: lint exits 1.
     mooncake = tmp_path / "mooncake.jsonl"
-    assert trace_cli.main(["import", "--format", "mooncake",
-                           str(DATA / "mooncake_sample.jsonl"), "-o", str(mooncake)]) == 0
+    assert (
+        trace_cli.main(
+            [
+                "import",
+                "--format",
+                "mooncake",
+                str(DATA / "mooncake_sample.jsonl"),
+                "-o",
+                str(mooncake),
+            ]
+        )
+        == 0
+    )
     assert "remark: 1 x hash_ids length" in capsys.readouterr().out
     assert trace_cli.main(["lint", str(mooncake), "--json"]) == 1
     codes = {f["code"] for f in json.loads(capsys.readouterr().out)["findings"]}
     assert codes == {"prefix-size-mismatch", "zero-output"}
 
-    assert trace_cli.main(["import", "--format", "azure", str(DATA / "mooncake_sample.jsonl"),
-                           "-o", str(tmp_path / "x.jsonl")]) == 2
+    assert (
+        trace_cli.main(
+            [
+                "import",
+                "--format",
+                "azure",
+                str(DATA / "mooncake_sample.jsonl"),
+                "-o",
+                str(tmp_path / "x.jsonl"),
+            ]
+        )
+        == 2
+    )
     assert "missing column(s) 'TIMESTAMP'" in capsys.readouterr().err
-    assert trace_cli.main(["import", "--format", "mooncake", str(DATA / "mooncake_sample.jsonl"),
-                           "-o", str(tmp_path / "y.jsonl"), "--duration", "soon"]) == 2
+    assert (
+        trace_cli.main(
+            [
+                "import",
+                "--format",
+                "mooncake",
+                str(DATA / "mooncake_sample.jsonl"),
+                "-o",
+                str(tmp_path / "y.jsonl"),
+                "--duration",
+                "soon",
+            ]
+        )
+        == 2
+    )
     assert "--duration" in capsys.readouterr().err
     assert trace_cli.main(["stats", str(tmp_path / "absent.jsonl")]) == 2
     assert trace_cli.main([]) == 2
@@ -327,14 +424,27 @@ def test_cli_follows_the_command_pattern() -> None:
 
 
 def run_module(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_cli_as_a_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "azure.jsonl.gz"
-    done = run_module("sidecar.replay.trace_cli", "import", "--format", "azure",
-                      str(DATA / "azure_2024_sample.csv"), "-o", str(out))
+    done = run_module(
+        "sidecar.replay.trace_cli",
+        "import",
+        "--format",
+        "azure",
+        str(DATA / "azure_2024_sample.csv"),
+        "-o",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     assert "imported 5 requests" in done.stdout and "sorted by t" in done.stdout
     done = run_module("sidecar.replay.trace_cli", "lint", str(out))
@@ -345,8 +455,16 @@ def test_cli_as_a_subprocess(tmp_path: Path) -> None:
 
 def test_sidecar_trace_subcommand(tmp_path: Path) -> None:
     out = tmp_path / "mooncake.jsonl"
-    done = run_module("sidecar", "trace", "import", "--format", "mooncake",
-                      str(DATA / "mooncake_plus_sample.jsonl"), "-o", str(out))
+    done = run_module(
+        "sidecar",
+        "trace",
+        "import",
+        "--format",
+        "mooncake",
+        str(DATA / "mooncake_plus_sample.jsonl"),
+        "-o",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     done = run_module("sidecar", "trace", "stats", str(out))
     assert done.returncode == 0 and "requests    4" in done.stdout

@@ -17,15 +17,38 @@ from sidecar.tracefile import (
     write_trace,
 )
 
-HEADER = TraceHeader(source="capture", start_wall_ns=1_700_000_000_000_000_000,
-                     sidecar_version="0.1.0", models=("m",), route_policy="least_outstanding",
-                     slos={"default": {"ttft": 0.5}})
+HEADER = TraceHeader(
+    source="capture",
+    start_wall_ns=1_700_000_000_000_000_000,
+    sidecar_version="0.1.0",
+    models=("m",),
+    route_policy="least_outstanding",
+    slos={"default": {"ttft": 0.5}},
+)
 REQUESTS = [
-    TraceRequest(t=0.0, endpoint="chat", model="m", n_in=812, n_out=64, max_tokens=64,
-                 ignore_eos=True, prefix=PrefixBlocks("chars", 512, (11, 22)), outcome="ok",
-                 ttft_s=0.12),
-    TraceRequest(t=0.25, endpoint="completions", model="m", stream=False, n_in=5, n_out=3,
-                 n=2, temperature=0.7, session_id="s1"),
+    TraceRequest(
+        t=0.0,
+        endpoint="chat",
+        model="m",
+        n_in=812,
+        n_out=64,
+        max_tokens=64,
+        ignore_eos=True,
+        prefix=PrefixBlocks("chars", 512, (11, 22)),
+        outcome="ok",
+        ttft_s=0.12,
+    ),
+    TraceRequest(
+        t=0.25,
+        endpoint="completions",
+        model="m",
+        stream=False,
+        n_in=5,
+        n_out=3,
+        n=2,
+        temperature=0.7,
+        session_id="s1",
+    ),
 ]
 
 
@@ -46,8 +69,9 @@ def test_lines_stay_short_and_absent_means_unknown(tmp_path: Path) -> None:
     assert line == {"t": 1.5, "endpoint": "completions", "stream": True}
 
 
-def test_a_partial_last_line_is_skipped_with_a_warning(tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_a_partial_last_line_is_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "t.jsonl"
     write_trace(path, HEADER, REQUESTS)
     with path.open("a") as handle:
@@ -89,7 +113,9 @@ def test_a_bad_request_line_is_an_error_naming_its_line(tmp_path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
     entries = list(TraceReader(path).lines())
     assert [(e.line, e.error) for e in entries[:2]] == [
-        (2, "a request line needs `t` (arrival, seconds)"), (3, "not a JSON object")]
+        (2, "a request line needs `t` (arrival, seconds)"),
+        (3, "not a JSON object"),
+    ]
     assert all(e.request is not None for e in entries[2:])
     with pytest.raises(TraceFormatError, match=":2: a request line needs `t`"):
         TraceReader(path).requests()

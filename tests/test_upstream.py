@@ -15,25 +15,39 @@ from reliability_helpers import RawUpstream, proxy_to, settle
 from sidecar.record import Outcome
 
 CHAT = "/v1/chat/completions"
-BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                   "stream": True, "max_tokens": 1}).encode()
-SSE = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
-       b'[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":"stop"}],'
-       b'"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}\n\n'
-       b'data: [DONE]\n\n')
+BODY = json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 1}
+).encode()
+SSE = (
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+    b'[{"index":0,"delta":{"content":"hi"},"logprobs":null,"finish_reason":"stop"}],'
+    b'"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
 
 def sse_response(keep_alive: bool = True) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            + (b"" if keep_alive else b"Connection: close\r\n")
-            + b"Content-Length: " + str(len(SSE)).encode() + b"\r\n\r\n" + SSE)
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        + (b"" if keep_alive else b"Connection: close\r\n")
+        + b"Content-Length: "
+        + str(len(SSE)).encode()
+        + b"\r\n\r\n"
+        + SSE
+    )
 
 
 async def post_stream(url: str, request_id: str) -> tuple[int, bytes]:
     host, port = url.split("://")[1].rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write((f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"X-Request-Id: {request_id}\r\nConnection: close\r\n"
-                  f"Content-Length: {len(BODY)}\r\n\r\n").encode() + BODY)
+    writer.write(
+        (
+            f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {request_id}\r\nConnection: close\r\n"
+            f"Content-Length: {len(BODY)}\r\n\r\n"
+        ).encode()
+        + BODY
+    )
     answer = await asyncio.wait_for(reader.read(), 10)
     writer.close()
     return int(answer.split(b" ", 2)[1]), answer
@@ -72,8 +86,10 @@ async def test_a_pooled_connection_reset_unread_is_replaced_once() -> None:
     """The keep-alive race: the replica closed an idle connection just as a request was sent
     on it, and its kernel reset the connection since nothing read the request. That request
     is sent again on a new connection to the same replica, once."""
-    async def answer(_c: int, on_connection: int, _head: bytes,
-                     writer: asyncio.StreamWriter) -> bool:
+
+    async def answer(
+        _c: int, on_connection: int, _head: bytes, writer: asyncio.StreamWriter
+    ) -> bool:
         if on_connection == 2:
             reset(writer)  # the second request on a connection: reset, not answered
             return False
@@ -102,8 +118,8 @@ async def test_a_request_the_replica_took_and_dropped_is_never_sent_twice(pooled
     """A replica that read the request and closed the connection without answering may be
     generating: the request is not retried on another replica (nor on this one), and the
     client's 502 says what happened. Counting what each replica received proves it."""
-    async def drop(_c: int, on_connection: int, _head: bytes,
-                   writer: asyncio.StreamWriter) -> bool:
+
+    async def drop(_c: int, on_connection: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
         if pooled and on_connection == 1:
             writer.write(sse_response())
             return True
@@ -114,9 +130,11 @@ async def test_a_request_the_replica_took_and_dropped_is_never_sent_twice(pooled
         return True
 
     dropping, healthy = RawUpstream(drop), RawUpstream(answer)
-    async with dropping as first, healthy as second, \
-            proxy_to([second, first], engine_scrape_interval="0",
-                     route_policy="round_robin") as p:
+    async with (
+        dropping as first,
+        healthy as second,
+        proxy_to([second, first], engine_scrape_interval="0", route_policy="round_robin") as p,
+    ):
         # Round robin's first turn is the second replica listed: `first`, the dropping one.
         if pooled:
             assert (await post_stream(p.url, "warm"))[0] == 200  # to `first`
@@ -161,12 +179,13 @@ async def test_a_body_ended_by_the_connection_close_is_complete() -> None:
 async def test_head_requests_pass_through_without_waiting_for_a_body() -> None:
     async def answer(_c: int, _n: int, head: bytes, writer: asyncio.StreamWriter) -> bool:
         assert head.startswith(b"HEAD /v1/models ")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1234\r\n"
-                     b"\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1234\r\n\r\n")
         return True
 
-    async with RawUpstream(answer) as url, proxy_to([url], idle_timeout="2s",
-                                                      engine_scrape_interval="0") as p:
+    async with (
+        RawUpstream(answer) as url,
+        proxy_to([url], idle_timeout="2s", engine_scrape_interval="0") as p,
+    ):
         host, port = p.url.split("://")[1].rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
         # Two on one connection: the first answer declares the GET's length and carries no

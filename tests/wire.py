@@ -19,6 +19,6 @@ def events(raw: bytes) -> list[Any]:
     out: list[Any] = []
     for block in raw.split(b"\n\n"):
         if block.startswith(b"data: "):
-            payload = block[len(b"data: "):]
+            payload = block[len(b"data: ") :]
             out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
     return out

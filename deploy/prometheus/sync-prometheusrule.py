@@ -33,7 +33,7 @@ def main() -> None:
     yaml.add_representer(Block, represent_block)
     groups = yaml.safe_load(RULES.read_text())["groups"]
     text = RESOURCE.read_text()
-    head = text[:text.index("spec:\n")]
+    head = text[: text.index("spec:\n")]
     body = yaml.dump({"groups": blocks(groups)}, sort_keys=False, width=1000)
     body = "\n".join("  " + line if line else line for line in body.splitlines())
     RESOURCE.write_text(head + "spec:\n" + body + "\n")

@@ -187,20 +187,23 @@ class StreamAssembler:
         if calls and all(call is not None for call in calls):
             # vLLM's ChatMessage leaves the key out when there is none.
             message["tool_calls"] = calls
-        message["reasoning"] = ("".join(choice.reasoning_parts) if choice.reasoning_parts
-                                else None)
-        return _versioned(choice, {
-            "index": choice.index,
-            "message": message,
-            "logprobs": choice.logprobs,
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-            "token_ids": choice.token_ids,
-            "routed_experts": None,
-        })
+        message["reasoning"] = "".join(choice.reasoning_parts) if choice.reasoning_parts else None
+        return _versioned(
+            choice,
+            {
+                "index": choice.index,
+                "message": message,
+                "logprobs": choice.logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+                "token_ids": choice.token_ids,
+                "routed_experts": None,
+            },
+        )
 
-    def _tool_call(self, call_id: Any, call_type: Any, name: Any,
-                   pieces: list[str]) -> dict[str, Any] | None:
+    def _tool_call(
+        self, call_id: Any, call_type: Any, name: Any, pieces: list[str]
+    ) -> dict[str, Any] | None:
         """One call of the whole answer; None for a "required" call whose arguments are not
         JSON (cut short by max_tokens): vLLM then parses no call at all from the answer."""
         arguments = "".join(pieces)
@@ -209,26 +212,37 @@ class StreamAssembler:
                 arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
             except ValueError:
                 return None
-        return {"id": call_id, "type": call_type or "function",
-                "function": {"name": name, "arguments": arguments}}
+        return {
+            "id": call_id,
+            "type": call_type or "function",
+            "function": {"name": name, "arguments": arguments},
+        }
 
     @staticmethod
     def _completion_choice(choice: _Choice) -> dict[str, Any]:
-        return _versioned(choice, {
-            "index": choice.index,
-            "text": "".join(choice.text_parts),
-            "logprobs": choice.logprobs,
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-            "token_ids": choice.token_ids,
-            "prompt_logprobs": None,
-            "prompt_token_ids": None,
-            "routed_experts": None,
-        })
+        return _versioned(
+            choice,
+            {
+                "index": choice.index,
+                "text": "".join(choice.text_parts),
+                "logprobs": choice.logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+                "token_ids": choice.token_ids,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
+            },
+        )
 
 
-_TIMING_FIELDS = ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
-                  "tokens_per_second")
+_TIMING_FIELDS = (
+    "time_to_first_token_ms",
+    "generation_time_ms",
+    "queue_time_ms",
+    "mean_itl_ms",
+    "tokens_per_second",
+)
 
 
 def _feed_tool_calls(choice: _Choice, calls: list[Any]) -> None:

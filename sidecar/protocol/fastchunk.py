@@ -25,29 +25,49 @@ _new_tuple: Final = tuple.__new__
 # bytes are their value.
 # Written as an "unrolled loop" (runs of plain bytes between escapes, non-empty by the lookahead):
 # linear in the text's length and ~20% faster than one alternation per byte.
-_TEXT = (rb'(?=[^"])[^"\\\x00-\x1f]*'
-         rb'(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*')
+_TEXT = (
+    rb'(?=[^"])[^"\\\x00-\x1f]*'
+    rb'(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*'
+)
 _NAME = rb'[^"\\\x00-\x1f]*'
-_INT = rb'(?:0|[1-9][0-9]{0,17})'  # fits an int64; longer numbers take the general path
+_INT = rb"(?:0|[1-9][0-9]{0,17})"  # fits an int64; longer numbers take the general path
 # Token counts of at most 15 digits are below MAX_TOKEN_COUNT (2**53 - 1, 16 digits): longer
 # ones take the general path, which judges them.
-_COUNT = rb'(?:0|[1-9][0-9]{0,14})'
-_USAGE = (rb'(?P<usage>,"usage":\{"prompt_tokens":(?P<prompt>' + _COUNT
-          + rb'),"total_tokens":(?P<total>' + _COUNT + rb'),"completion_tokens":(?P<completion>'
-          + _COUNT + rb')(?:,"completion_tokens_details":null)?\})?')
-_HEAD = (rb'data: \{"id":"(?P<id>' + _NAME + rb')","object":"(?:chat\.completion\.chunk|'
-         rb'text_completion)","created":' + _INT + rb',"model":"(?P<model>' + _NAME
-         + rb')","choices":\[\{"index":(?P<index>' + _INT + rb'),')
+_COUNT = rb"(?:0|[1-9][0-9]{0,14})"
+_USAGE = (
+    rb'(?P<usage>,"usage":\{"prompt_tokens":(?P<prompt>'
+    + _COUNT
+    + rb'),"total_tokens":(?P<total>'
+    + _COUNT
+    + rb'),"completion_tokens":(?P<completion>'
+    + _COUNT
+    + rb')(?:,"completion_tokens_details":null)?\})?'
+)
+_HEAD = (
+    rb'data: \{"id":"(?P<id>' + _NAME + rb')","object":"(?:chat\.completion\.chunk|'
+    rb'text_completion)","created":'
+    + _INT
+    + rb',"model":"(?P<model>'
+    + _NAME
+    + rb')","choices":\[\{"index":(?P<index>'
+    + _INT
+    + rb"),"
+)
 # vLLM 0.32 / 0.33 (spec/vllm-protocol.md A1): a chat content delta, and a completions text.
-_CHAT_CHOICE = (rb'"delta":\{"content":"' + _TEXT + rb'"\},"logprobs":null,"finish_reason":null,'
-                rb'"token_ids":null\}\]')
-_TEXT_CHOICE = (rb'"text":"' + _TEXT + rb'","logprobs":null,"finish_reason":null,'
-                rb'"stop_reason":null,"prompt_token_ids":null,"token_ids":null'
-                rb'(?:,"weight_versions":null)?\}\]')
+_CHAT_CHOICE = (
+    rb'"delta":\{"content":"' + _TEXT + rb'"\},"logprobs":null,"finish_reason":null,'
+    rb'"token_ids":null\}\]'
+)
+_TEXT_CHOICE = (
+    rb'"text":"' + _TEXT + rb'","logprobs":null,"finish_reason":null,'
+    rb'"stop_reason":null,"prompt_token_ids":null,"token_ids":null'
+    rb'(?:,"weight_versions":null)?\}\]'
+)
 # 0.33 ends a token chunk with kv_transfer_params; 0.32 does not (seen from the real server).
 _TAIL = rb'(?:,"kv_transfer_params":null)?\}\n\n'
-_TOKEN_CHUNK: Final = re.compile(_HEAD + rb'(?:' + _CHAT_CHOICE + rb'|' + _TEXT_CHOICE + rb')'
-                                 + _USAGE + _TAIL)
+_TOKEN_CHUNK: Final = re.compile(
+    _HEAD + rb"(?:" + _CHAT_CHOICE + rb"|" + _TEXT_CHOICE + rb")" + _USAGE + _TAIL
+)
 
 
 def fast_token_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
@@ -58,14 +78,27 @@ def fast_token_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
     if match is None:
         return None
     index, model, request_id, prompt, completion, total = match.group(
-        "index", "model", "id", "prompt", "completion", "total")  # one call, not six
+        "index", "model", "id", "prompt", "completion", "total"
+    )  # one call, not six
     if prompt is not None:
         usage = _new_tuple(Usage, (int(prompt), int(completion), int(total), None))
         start, end = match.span("usage")
     else:
         usage = None
         start = end = -1
-    info = _new_tuple(ChunkInfo, (
-        ChunkKind.TOKEN, usage, None, int(index), None, None,
-        model.decode("utf-8", "replace"), request_id.decode("utf-8", "replace"), None, False))
+    info = _new_tuple(
+        ChunkInfo,
+        (
+            ChunkKind.TOKEN,
+            usage,
+            None,
+            int(index),
+            None,
+            None,
+            model.decode("utf-8", "replace"),
+            request_id.decode("utf-8", "replace"),
+            None,
+            False,
+        ),
+    )
     return info, start, end

@@ -237,13 +237,24 @@ def _classify_object(obj: dict[str, Any]) -> ChunkInfo:
     if type(choices) is not list:
         if choices is None and has_usage:
             # A usage chunk without the (empty) choices list: not vLLM, but unambiguous.
-            return ChunkInfo(ChunkKind.USAGE, usage, None, None, metrics, None, model, chunk_id,
-                             fingerprint, usage_malformed)
+            return ChunkInfo(
+                ChunkKind.USAGE,
+                usage,
+                None,
+                None,
+                metrics,
+                None,
+                model,
+                chunk_id,
+                fingerprint,
+                usage_malformed,
+            )
         return _MALFORMED_INFO
     if not choices:
         kind = ChunkKind.USAGE if has_usage else ChunkKind.EMPTY
-        return ChunkInfo(kind, usage, None, None, metrics, None, model, chunk_id, fingerprint,
-                         usage_malformed)
+        return ChunkInfo(
+            kind, usage, None, None, metrics, None, model, chunk_id, fingerprint, usage_malformed
+        )
 
     kind = ChunkKind.EMPTY
     finish_reason: str | None = None
@@ -278,8 +289,18 @@ def _classify_object(obj: dict[str, Any]) -> ChunkInfo:
             kind = choice_kind
     return _new_tuple(
         ChunkInfo,
-        (kind, usage, finish_reason, choice_index, metrics, None, model, chunk_id, fingerprint,
-         usage_malformed),
+        (
+            kind,
+            usage,
+            finish_reason,
+            choice_index,
+            metrics,
+            None,
+            model,
+            chunk_id,
+            fingerprint,
+            usage_malformed,
+        ),
     )
 
 

@@ -90,10 +90,11 @@ def request_with_usage(raw: bytes, body: dict[str, Any], plan: UsagePlan) -> byt
         end = len(raw.rstrip(_JSON_SPACE_BYTES))
         # An object in an ASCII-compatible encoding (UTF-8): '{' first, '}' last. Anything
         # else json.loads accepted (UTF-16/32, a byte-order mark) takes the re-encoding path.
-        if raw[start:start + 1] == b"{" and raw[end - 1:end] == b"}":
-            return raw[:end - 1] + b"," + _USAGE_OPTIONS_MEMBER + raw[end - 1:]
-    return json.dumps(apply_usage_plan(body, plan), ensure_ascii=False,
-                      separators=(",", ":")).encode("utf-8")
+        if raw[start : start + 1] == b"{" and raw[end - 1 : end] == b"}":
+            return raw[: end - 1] + b"," + _USAGE_OPTIONS_MEMBER + raw[end - 1 :]
+    return json.dumps(
+        apply_usage_plan(body, plan), ensure_ascii=False, separators=(",", ":")
+    ).encode("utf-8")
 
 
 # A usage object holds keys, numbers, null and at most one level of nested objects
@@ -103,7 +104,8 @@ def request_with_usage(raw: bytes, body: dict[str, Any], plan: UsagePlan) -> byt
 # inside the repeats): as fast as matching braces alone, ~0.6-0.8 µs on a vLLM usage object.
 _NO_BRACE = rb'[^{}"\\]*(?:"[^"\\{}]*"[^{}"\\]*)*'
 _USAGE_VALUE = re.compile(
-    rb'\s*:\s*(\{' + _NO_BRACE + rb'(?:\{' + _NO_BRACE + rb'\}' + _NO_BRACE + rb')*\}|null)')
+    rb"\s*:\s*(\{" + _NO_BRACE + rb"(?:\{" + _NO_BRACE + rb"\}" + _NO_BRACE + rb")*\}|null)"
+)
 _USAGE_KEY = b'"usage"'
 
 
@@ -129,7 +131,7 @@ def strip_usage_member(raw: bytes) -> tuple[bytes, int] | None:
     if match is None:
         return None
     end = match.end()
-    follower = raw[end:end + 1]
+    follower = raw[end : end + 1]
     if follower not in (b",", b"}", b" "):
         return None
     if not _closes_top_level(raw, end):
@@ -142,8 +144,11 @@ def _closes_top_level(raw: bytes, end: int) -> bool:
     member just matched belongs to the top-level object. Fast path: vLLM's tail
     (``,"kv_transfer_params":null}``) has exactly one brace, the last, and no bracket."""
     stop = len(raw) - len(_EVENT_END)
-    if raw.count(b"}", end, stop) == 1 and raw.find(b"{", end, stop) < 0 and raw.find(
-            b"]", end, stop) < 0:
+    if (
+        raw.count(b"}", end, stop) == 1
+        and raw.find(b"{", end, stop) < 0
+        and raw.find(b"]", end, stop) < 0
+    ):
         return True
     # Anything else: walk the tail, ignoring braces and brackets inside strings.
     depth = 0
@@ -179,8 +184,12 @@ def event_payload(raw: bytes) -> str | None:
 
 def _editable(raw: bytes) -> bool:
     # One `data:` line and nothing else: the first line break is the one ending the line.
-    return (raw.startswith(_DATA_PREFIX) and raw.endswith(_EVENT_END)
-            and raw.find(b"\n") == len(raw) - 2 and b"\r" not in raw)
+    return (
+        raw.startswith(_DATA_PREFIX)
+        and raw.endswith(_EVENT_END)
+        and raw.find(b"\n") == len(raw) - 2
+        and b"\r" not in raw
+    )
 
 
 def encode_event(payload: str) -> bytes:
@@ -220,8 +229,9 @@ def insert_member(raw: bytes, position: int | None, key: str, value: Any) -> byt
     member was cut), or before ``,"kv_transfer_params"``, or before the closing brace."""
     if not _editable(raw):
         return raw
-    member = (f',"{key}":' + json.dumps(value, ensure_ascii=False,
-                                        separators=(",", ":"))).encode("utf-8")
+    member = (f',"{key}":' + json.dumps(value, ensure_ascii=False, separators=(",", ":"))).encode(
+        "utf-8"
+    )
     if position is None:
         kv = raw.rfind(b',"kv_transfer_params"')
         position = kv if kv >= 0 else raw.rfind(b"}")

@@ -32,10 +32,14 @@ def build_traffic_server(proxy: Proxy) -> TrafficServer:
     # Each client connection may hold an upstream connection too; keep room for the rest.
     max_connections = config.max_connections or max(64, (open_files - 64) // 2)
     limits = ListenerLimits(
-        max_body_bytes=config.max_body_bytes, max_header_count=config.max_header_count,
-        max_header_bytes=config.max_header_bytes, header_timeout_s=config.header_timeout,
-        body_timeout_s=config.body_timeout, keepalive_timeout_s=config.keepalive_timeout,
-        max_connections=max_connections)
+        max_body_bytes=config.max_body_bytes,
+        max_header_count=config.max_header_count,
+        max_header_bytes=config.max_header_bytes,
+        header_timeout_s=config.header_timeout,
+        body_timeout_s=config.body_timeout,
+        keepalive_timeout_s=config.keepalive_timeout,
+        max_connections=max_connections,
+    )
     return TrafficServer(proxy.handle, proxy.reject, limits)
 
 
@@ -45,8 +49,10 @@ def readiness(healthy: Sequence[bool], *, workers_alive: bool = True) -> web.Res
     is ejected can only answer 502. /healthz stays the liveness probe (the process serves)."""
     ready = workers_alive and any(healthy)
     status = "ready" if ready else ("no_workers" if not workers_alive else "no_healthy_replica")
-    return web.json_response({"status": status, "healthy_replicas": sum(healthy),
-                              "replicas": len(healthy)}, status=200 if ready else 503)
+    return web.json_response(
+        {"status": status, "healthy_replicas": sum(healthy), "replicas": len(healthy)},
+        status=200 if ready else 503,
+    )
 
 
 def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> web.Application:
@@ -57,21 +63,28 @@ def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> 
         return readiness([r.healthy for r in proxy.router.replicas])
 
     async def replicas(_request: web.Request) -> web.Response:
-        return web.json_response({
-            "route_policy": proxy.config.route_policy.value,
-            "replicas": [
-                {"url": r.url, "healthy": r.healthy, "outstanding": r.outstanding,
-                 "requests_total": r.requests_total, "ejections": r.ejections,
-                 "consecutive_failures": r.consecutive_failures,
-                 "engine": r.engine.to_dict()}
-                for r in proxy.router.replicas
-            ],
-            "engine_totals": merge_views(r.engine for r in proxy.router.replicas),
-            "requests_total": proxy.requests_total,
-            "records_total": proxy.records_total,
-            "sink_errors": proxy.fanout.errors,
-            "rewritten_events": proxy.rewritten_events,
-        })
+        return web.json_response(
+            {
+                "route_policy": proxy.config.route_policy.value,
+                "replicas": [
+                    {
+                        "url": r.url,
+                        "healthy": r.healthy,
+                        "outstanding": r.outstanding,
+                        "requests_total": r.requests_total,
+                        "ejections": r.ejections,
+                        "consecutive_failures": r.consecutive_failures,
+                        "engine": r.engine.to_dict(),
+                    }
+                    for r in proxy.router.replicas
+                ],
+                "engine_totals": merge_views(r.engine for r in proxy.router.replicas),
+                "requests_total": proxy.requests_total,
+                "records_total": proxy.records_total,
+                "sink_errors": proxy.fanout.errors,
+                "rewritten_events": proxy.rewritten_events,
+            }
+        )
 
     app = web.Application(middlewares=[admin_auth(proxy.config.admin_token)])
     app.on_response_prepare.append(plain_server_header)
@@ -118,7 +131,9 @@ def admin_auth(token: str | None) -> Any:
             if not (scheme.lower() == "bearer" and matches):
                 return web.json_response(
                     {"error": "the sidecar's admin endpoints need a bearer token"},
-                    status=401, headers={"WWW-Authenticate": "Bearer"})
+                    status=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         response: web.StreamResponse = await handler(request)
         return response
 
@@ -133,8 +148,12 @@ async def plain_server_header(_request: web.Request, response: web.StreamRespons
 class ProxyServer:
     """Both listeners of one proxy. ``port`` 0 in the config means an ephemeral port."""
 
-    def __init__(self, config: ProxyConfig, fanout: SinkFanout | None = None,
-                 admin_routes: Sequence[web.RouteDef] = ()) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        fanout: SinkFanout | None = None,
+        admin_routes: Sequence[web.RouteDef] = (),
+    ) -> None:
         self.config = config
         self.proxy = Proxy(config, fanout)
         self._admin_routes: list[web.RouteDef] = list(admin_routes)
@@ -164,15 +183,16 @@ class ProxyServer:
             try:
                 host, port = await self.traffic.start(config.listen_host, config.listen_port)
             except OSError as exc:
-                raise ListenError("traffic, --listen", config.listen_host, config.listen_port,
-                                  exc) from None
+                raise ListenError(
+                    "traffic, --listen", config.listen_host, config.listen_port, exc
+                ) from None
             self.url = _url_of(host, port)
             try:
-                self.admin_url = await self._serve(admin, config.metrics_host,
-                                                   config.metrics_port)
+                self.admin_url = await self._serve(admin, config.metrics_host, config.metrics_port)
             except OSError as exc:
-                raise ListenError("admin, --metrics-listen", config.metrics_host,
-                                  config.metrics_port, exc) from None
+                raise ListenError(
+                    "admin, --metrics-listen", config.metrics_host, config.metrics_port, exc
+                ) from None
         except BaseException:
             await self.close()
             raise
@@ -205,8 +225,11 @@ class ListenError(OSError):
 
     def __init__(self, listener: str, host: str, port: int, cause: OSError) -> None:
         # A resolver error (socket.gaierror) has a negative errno: its own text says it.
-        reason = os.strerror(cause.errno) if cause.errno and cause.errno > 0 else \
-            (cause.strerror or str(cause))
+        reason = (
+            os.strerror(cause.errno)
+            if cause.errno and cause.errno > 0
+            else (cause.strerror or str(cause))
+        )
         shown = f"[{host}]" if ":" in host else host
         super().__init__(cause.errno, f"cannot listen on {shown}:{port} ({listener}): {reason}")
 

@@ -33,8 +33,9 @@ class _Merged(Collector):
         yield from self.families.values()
 
 
-def merge_expositions(expositions: Sequence[tuple[str, str]],
-                      failed: Sequence[tuple[str, str]] = ()) -> bytes:
+def merge_expositions(
+    expositions: Sequence[tuple[str, str]], failed: Sequence[tuple[str, str]] = ()
+) -> bytes:
     """One exposition of ``(replica label, text)`` pairs: every sample gets the replica label
     (an existing ``replica`` label is kept and the upstream's renamed ``exported_replica``, as
     Prometheus does with target labels). ``failed``: (replica, why) pairs, listed in a comment.
@@ -47,15 +48,18 @@ def merge_expositions(expositions: Sequence[tuple[str, str]],
                 merged = Metric(family.name, family.documentation, family.type, family.unit)
                 families[family.name] = merged
             elif merged.type != family.type:
-                raise ValueError(f"metric {family.name} is a {merged.type} on one replica and a "
-                                 f"{family.type} on {replica}")
+                raise ValueError(
+                    f"metric {family.name} is a {merged.type} on one replica and a "
+                    f"{family.type} on {replica}"
+                )
             for sample in family.samples:
                 labels = dict(sample.labels)
                 if REPLICA_LABEL in labels:
                     labels["exported_" + REPLICA_LABEL] = labels.pop(REPLICA_LABEL)
                 labels[REPLICA_LABEL] = replica
-                merged.add_sample(sample.name, labels, sample.value, sample.timestamp,
-                                  sample.exemplar)
+                merged.add_sample(
+                    sample.name, labels, sample.value, sample.timestamp, sample.exemplar
+                )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Merged(families))
     body = generate_latest(registry)

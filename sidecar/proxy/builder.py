@@ -25,12 +25,39 @@ from sidecar.record import (
 
 class RecordBuilder:
     __slots__ = (
-        "request_id", "wall_time_ns", "arrive_ns", "endpoint", "model", "client_stream",
-        "upstream_stream", "up_send_ns", "up_headers_ns", "up_end_ns", "down_end_ns",
-        "_up_offsets", "_down_offsets", "_tokens", "up_events", "down_events", "n_in", "n_out",
-        "n_cached", "token_source", "finish_reason", "http_status", "error_type", "outcome",
-        "replica", "route_policy", "engine", "attributes", "frozen", "shape", "text_parts",
-        "request_read_ns", "_choices",
+        "request_id",
+        "wall_time_ns",
+        "arrive_ns",
+        "endpoint",
+        "model",
+        "client_stream",
+        "upstream_stream",
+        "up_send_ns",
+        "up_headers_ns",
+        "up_end_ns",
+        "down_end_ns",
+        "_up_offsets",
+        "_down_offsets",
+        "_tokens",
+        "up_events",
+        "down_events",
+        "n_in",
+        "n_out",
+        "n_cached",
+        "token_source",
+        "finish_reason",
+        "http_status",
+        "error_type",
+        "outcome",
+        "replica",
+        "route_policy",
+        "engine",
+        "attributes",
+        "frozen",
+        "shape",
+        "text_parts",
+        "request_read_ns",
+        "_choices",
     )
 
     def __init__(self, request_id: str, wall_time_ns: int, arrive_ns: int, endpoint: str) -> None:
@@ -89,8 +116,12 @@ class RecordBuilder:
         self.up_events = meter.events
         n_in, n_out, n_cached, source = meter.token_totals
         if source is not TokenSource.NONE:
-            self.n_in, self.n_out, self.n_cached, self.token_source = (n_in, n_out, n_cached,
-                                                                       source)
+            self.n_in, self.n_out, self.n_cached, self.token_source = (
+                n_in,
+                n_out,
+                n_cached,
+                source,
+            )
         if meter.finish_reason is not None:
             self.finish_reason = meter.finish_reason
         if meter.response_model is not None:
@@ -142,8 +173,13 @@ class RecordBuilder:
             tokens=tokens if written == len(tokens) else tokens[:written],
             end_ns=self.down_end_ns,
             events_total=self.down_events,
-            choices=(None if choices is None or not written else
-                     choices if written == len(choices) else choices[:written]),
+            choices=(
+                None
+                if choices is None or not written
+                else choices
+                if written == len(choices)
+                else choices[:written]
+            ),
         )
         attributes = self.attributes
         if extra_attributes:

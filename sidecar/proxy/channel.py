@@ -61,8 +61,7 @@ class FrameProtocol(asyncio.Protocol):
     """Splits the byte stream into frames; ``on_frame(kind, payload)`` runs for each, in order,
     synchronously. ``on_lost`` runs once when the other end closed or the stream broke."""
 
-    def __init__(self, on_frame: Callable[[int, bytes], None],
-                 on_lost: Callable[[], None]) -> None:
+    def __init__(self, on_frame: Callable[[int, bytes], None], on_lost: Callable[[], None]) -> None:
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._buffer = bytearray()
@@ -85,8 +84,7 @@ class FrameProtocol(asyncio.Protocol):
         while size - pos >= HEADER.size:
             length, kind = HEADER.unpack_from(buffer, pos)
             if length > MAX_FRAME_BYTES:
-                log.error("channel: a frame of %d bytes: the stream is corrupt; closing it",
-                          length)
+                log.error("channel: a frame of %d bytes: the stream is corrupt; closing it", length)
                 self._buffer = bytearray()
                 if self.transport is not None:
                     self.transport.close()
@@ -94,7 +92,7 @@ class FrameProtocol(asyncio.Protocol):
             end = pos + HEADER.size + length
             if end > size:
                 break
-            payload = bytes(buffer[pos + HEADER.size:end])
+            payload = bytes(buffer[pos + HEADER.size : end])
             pos = end
             try:
                 self._on_frame(kind, payload)
@@ -103,8 +101,9 @@ class FrameProtocol(asyncio.Protocol):
                 # escaping data_received): count it, say it once in a while, go on.
                 self.handler_errors += 1
                 if self.handler_errors == 1 or self.handler_errors % 1000 == 0:
-                    log.exception("channel: a frame of kind %d failed (%d so far)", kind,
-                                  self.handler_errors)
+                    log.exception(
+                        "channel: a frame of kind %d failed (%d so far)", kind, self.handler_errors
+                    )
         if pos:
             del buffer[:pos]
 
@@ -132,8 +131,7 @@ class FrameProtocol(asyncio.Protocol):
         self._pending.append(data)
         self._pending_bytes += len(data)
         if self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_DELAY_S,
-                                                                       self.flush)
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_DELAY_S, self.flush)
         return True
 
     def flush(self) -> None:

@@ -60,8 +60,15 @@ RESTART_BACKOFF_MAX_S = 10.0
 STABLE_AFTER_S = 30.0  # a worker that lived this long resets the restart backoff
 
 # Counters a worker's status carries, summed over its incarnations.
-_STATUS_COUNTERS = ("requests_total", "records_total", "sent", "dropped_full",
-                    "dropped_closed", "encode_errors", "rewritten_events")
+_STATUS_COUNTERS = (
+    "requests_total",
+    "records_total",
+    "sent",
+    "dropped_full",
+    "dropped_closed",
+    "encode_errors",
+    "rewritten_events",
+)
 
 
 class StartError(RuntimeError):
@@ -71,8 +78,13 @@ class StartError(RuntimeError):
 class WorkerProcess:
     """One incarnation of a worker: its process, its channel and what it last reported."""
 
-    def __init__(self, index: int, proc: subprocess.Popen[bytes],
-                 on_frame: Callable[[WorkerProcess, int, bytes], None], n_replicas: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        proc: subprocess.Popen[bytes],
+        on_frame: Callable[[WorkerProcess, int, bytes], None],
+        n_replicas: int,
+    ) -> None:
         loop = asyncio.get_running_loop()
         self.index = index
         self.proc = proc
@@ -83,21 +95,27 @@ class WorkerProcess:
         self.received = 0  # records decoded and given to the sinks
         self.decode_errors = 0
         self.ejections_seen = [0] * n_replicas
-        self.protocol = FrameProtocol(lambda kind, payload: on_frame(self, kind, payload),
-                                      self._lost)
+        self.protocol = FrameProtocol(
+            lambda kind, payload: on_frame(self, kind, payload), self._lost
+        )
 
     def _lost(self) -> None:
         if not self.ready.done():
-            self.ready.set_exception(StartError(
-                f"worker {self.index} (pid {self.pid}) exited before it was listening"))
+            self.ready.set_exception(
+                StartError(f"worker {self.index} (pid {self.pid}) exited before it was listening")
+            )
         # Nobody may be waiting on `ready` (a worker that dies later): mark it retrieved.
         if self.ready.done() and not self.ready.cancelled():
             self.ready.exception()
 
     @property
     def alive(self) -> bool:
-        return self.ready.done() and not self.ready.cancelled() and \
-            self.ready.exception() is None and not self.protocol.closed.done()
+        return (
+            self.ready.done()
+            and not self.ready.cancelled()
+            and self.ready.exception() is None
+            and not self.protocol.closed.done()
+        )
 
     @property
     def final(self) -> bool:
@@ -105,8 +123,9 @@ class WorkerProcess:
 
     def counters(self) -> Counter[str]:
         status = self.status
-        counts: Counter[str] = Counter({name: int(status.get(name, 0))
-                                        for name in _STATUS_COUNTERS})
+        counts: Counter[str] = Counter(
+            {name: int(status.get(name, 0)) for name in _STATUS_COUNTERS}
+        )
         counts["received"] = self.received
         counts["decode_errors"] = self.decode_errors
         for i, row in enumerate(status.get("replicas", [])):
@@ -142,8 +161,13 @@ class WorkerSlot:
 
 def _accounted(counts: Counter[str]) -> int:
     """Records that reached the collector or were counted dropped on the way."""
-    return (counts["received"] + counts["dropped_full"] + counts["dropped_closed"]
-            + counts["encode_errors"] + counts["decode_errors"])
+    return (
+        counts["received"]
+        + counts["dropped_full"]
+        + counts["dropped_closed"]
+        + counts["encode_errors"]
+        + counts["decode_errors"]
+    )
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -168,9 +192,14 @@ class Collector:
     """`sidecar proxy` in worker mode; the same surface as `ProxyServer` for its wiring
     (``url``, ``admin_url``, ``add_admin_routes``, ``on_close``, ``start``, ``close``)."""
 
-    def __init__(self, config: ProxyConfig, fanout: SinkFanout, workers: int,
-                 admin_routes: Sequence[web.RouteDef] = (),
-                 status_interval_s: float = STATUS_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        fanout: SinkFanout,
+        workers: int,
+        admin_routes: Sequence[web.RouteDef] = (),
+        status_interval_s: float = STATUS_INTERVAL_S,
+    ) -> None:
         if workers < 1:
             raise ValueError("a collector needs at least one worker (0 workers: ProxyServer)")
         self.config = config
@@ -185,11 +214,14 @@ class Collector:
         self._capture_salt: bytes | None = None
         self.capture_key_id: str | None = None
         if config.capture_dir:
-            self._capture_salt = (read_capture_key(config.capture_key_file)
-                                  if config.capture_key_file else secrets.token_bytes(16))
-            self.capture_key_id = PrefixHasher(config.capture_block_chars,
-                                               config.capture_block_tokens,
-                                               salt=self._capture_salt).key_id
+            self._capture_salt = (
+                read_capture_key(config.capture_key_file)
+                if config.capture_key_file
+                else secrets.token_bytes(16)
+            )
+            self.capture_key_id = PrefixHasher(
+                config.capture_block_chars, config.capture_block_tokens, salt=self._capture_salt
+            ).key_id
         self.slots = [WorkerSlot(i) for i in range(workers)]
         self._admin_routes: list[web.RouteDef] = list(admin_routes)
         self._close_hooks: list[Callable[[], Awaitable[None]]] = []
@@ -221,35 +253,38 @@ class Collector:
         once every one of them listens. Raises StartError (one line) when it cannot."""
         config = self.config
         try:
-            self._reserved, self._addresses = reserve_traffic_port(config.listen_host,
-                                                                   config.listen_port)
+            self._reserved, self._addresses = reserve_traffic_port(
+                config.listen_host, config.listen_port
+            )
         except OSError as exc:
-            raise ListenError("traffic, --listen", config.listen_host, config.listen_port,
-                              exc) from None
+            raise ListenError(
+                "traffic, --listen", config.listen_host, config.listen_port, exc
+            ) from None
         _family, host, port = self._addresses[0]
         self.url = _url(host, port)
         try:
             await self._serve_admin()
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-            started = await asyncio.gather(*(self._spawn(slot) for slot in self.slots),
-                                           return_exceptions=True)
+            started = await asyncio.gather(
+                *(self._spawn(slot) for slot in self.slots), return_exceptions=True
+            )
             failures = [r for r in started if isinstance(r, BaseException)]
             if failures:
                 raise failures[0]
         except BaseException:
             await self.close()
             raise
-        self._supervisors = [asyncio.create_task(self._supervise(slot),
-                                                 name=f"worker-{slot.index}")
-                             for slot in self.slots]
+        self._supervisors = [
+            asyncio.create_task(self._supervise(slot), name=f"worker-{slot.index}")
+            for slot in self.slots
+        ]
         if config.health_interval > 0:
             self._tasks.append(asyncio.create_task(self._health_loop(), name="health-checks"))
         if config.engine_scrape_interval > 0:
             self._tasks.append(asyncio.create_task(self._engine_loop(), name="engine-scrapes"))
 
     async def _serve_admin(self) -> None:
-        runner = web.AppRunner(build_collector_admin_app(self, self._admin_routes),
-                               access_log=None)
+        runner = web.AppRunner(build_collector_admin_app(self, self._admin_routes), access_log=None)
         await runner.setup()
         self._admin_runner = runner
         host, port = self.config.metrics_host, self.config.metrics_port
@@ -273,8 +308,12 @@ class Collector:
             for slot in self.slots:
                 worker = slot.current
                 if pending and worker is not None and worker.proc.poll() is None:
-                    log.warning("worker %d (pid %d) did not stop in %.0f s: killed", slot.index,
-                                worker.pid, STOP_TIMEOUT_S)
+                    log.warning(
+                        "worker %d (pid %d) did not stop in %.0f s: killed",
+                        slot.index,
+                        worker.pid,
+                        STOP_TIMEOUT_S,
+                    )
                     worker.proc.kill()
             await asyncio.gather(*self._supervisors, return_exceptions=True)
             self._supervisors = []
@@ -311,9 +350,15 @@ class Collector:
             t = slot.totals()
             accounted = _accounted(t)
             if t["requests_total"] != accounted + t["lost"]:
-                log.warning("worker %d: %d requests, %d records received, %d counted dropped, "
-                            "%d lost with a worker that died", slot.index, t["requests_total"],
-                            t["received"], accounted - t["received"], t["lost"])
+                log.warning(
+                    "worker %d: %d requests, %d records received, %d counted dropped, "
+                    "%d lost with a worker that died",
+                    slot.index,
+                    t["requests_total"],
+                    t["received"],
+                    accounted - t["received"],
+                    t["lost"],
+                )
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -325,13 +370,16 @@ class Collector:
             with contextlib.suppress(OSError):
                 # The kernel's share of the channel follows the bound too (capped at
                 # net.core.wmem_max): what waits for the collector stays near 2 x bound.
-                child.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
-                                 self.config.channel_buffer_bytes)
+                child.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.channel_buffer_bytes
+                )
             # A fresh interpreter (fork+exec in C): never a fork of this running loop.
             proc = subprocess.Popen(
-                [sys.executable, "-m", "sidecar.proxy.worker", "--channel-fd",
-                 str(child.fileno())],
-                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                [sys.executable, "-m", "sidecar.proxy.worker", "--channel-fd", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
         except BaseException:
             parent.close()
             raise
@@ -360,8 +408,10 @@ class Collector:
             await asyncio.wait_for(asyncio.shield(worker.ready), START_TIMEOUT_S)
         except asyncio.TimeoutError:
             worker.proc.kill()  # its channel closes with it: whoever reaps it does not hang
-            raise StartError(f"worker {slot.index} (pid {worker.pid}) was not listening after "
-                             f"{START_TIMEOUT_S:.0f} s") from None
+            raise StartError(
+                f"worker {slot.index} (pid {worker.pid}) was not listening after "
+                f"{START_TIMEOUT_S:.0f} s"
+            ) from None
         return worker
 
     async def _supervise(self, slot: WorkerSlot) -> None:
@@ -376,8 +426,13 @@ class Collector:
                     return
                 if time.monotonic() - worker.started >= STABLE_AFTER_S:
                     backoff = RESTART_BACKOFF_MIN_S
-                log.warning("worker %d (pid %d) %s; starting it again in %.1f s", slot.index,
-                            worker.pid, slot.last_exit, backoff)
+                log.warning(
+                    "worker %d (pid %d) %s; starting it again in %.1f s",
+                    slot.index,
+                    worker.pid,
+                    slot.last_exit,
+                    backoff,
+                )
             if self._stopping.is_set():
                 return
             with contextlib.suppress(asyncio.TimeoutError):
@@ -391,8 +446,11 @@ class Collector:
             except (StartError, OSError) as exc:  # OSError: no process (fds, memory)
                 log.error("worker %d: %s", slot.index, exc)
             else:
-                log.info("worker %d started again (pid %d)", slot.index,
-                         slot.current.pid if slot.current else -1)
+                log.info(
+                    "worker %d started again (pid %d)",
+                    slot.index,
+                    slot.current.pid if slot.current else -1,
+                )
 
     async def _reap(self, worker: WorkerProcess, timeout_s: float | None = None) -> None:
         """Until the worker's process is gone: its channel closes first (a process that exits
@@ -401,8 +459,12 @@ class Collector:
         try:
             await asyncio.wait_for(asyncio.shield(worker.protocol.closed), timeout_s)
         except asyncio.TimeoutError:
-            log.warning("worker %d (pid %d) did not stop in %.0f s: killed", worker.index,
-                        worker.pid, timeout_s)
+            log.warning(
+                "worker %d (pid %d) did not stop in %.0f s: killed",
+                worker.index,
+                worker.pid,
+                timeout_s,
+            )
             worker.proc.kill()
             await asyncio.shield(worker.protocol.closed)
         deadline = time.monotonic() + REAP_TIMEOUT_S
@@ -418,8 +480,7 @@ class Collector:
         # What its last status counted and never reached us nor was counted dropped: requests
         # in flight when it died (a worker that stopped cleanly sent its final status after
         # its last record, so this is 0 for it). Requests after its last status are unknown.
-        counts["lost"] = max(0, int(worker.status.get("requests_total", 0))
-                             - _accounted(counts))
+        counts["lost"] = max(0, int(worker.status.get("requests_total", 0)) - _accounted(counts))
         slot.retired.update(counts)
         slot.last_exit = describe_exit(worker.proc.returncode)
         slot.current = None
@@ -433,8 +494,11 @@ class Collector:
             except WireError:
                 worker.decode_errors += 1
                 if self._decode_log.ready():
-                    log.exception("worker %d sent a record this build cannot read (%d so far)",
-                                  worker.index, worker.decode_errors)
+                    log.exception(
+                        "worker %d sent a record this build cannot read (%d so far)",
+                        worker.index,
+                        worker.decode_errors,
+                    )
                 return
             worker.received += 1
             self.fanout.on_record(record)
@@ -452,15 +516,18 @@ class Collector:
         """A replica a worker ejected (connect failures) leaves every worker's rotation, until
         it passes a health check here: as one process shares one view of its replicas."""
         ejected = False
-        for i, row in enumerate(worker.status.get("replicas", [])[:len(self.replicas)]):
+        for i, row in enumerate(worker.status.get("replicas", [])[: len(self.replicas)]):
             count = int(row[2])
             if count > worker.ejections_seen[i]:
                 worker.ejections_seen[i] = count
                 replica = self.replicas[i]
                 if replica.healthy:
-                    log.warning("replica %s ejected by worker %d after connect failures: out "
-                                "of rotation until it passes a health check", replica.label,
-                                worker.index)
+                    log.warning(
+                        "replica %s ejected by worker %d after connect failures: out "
+                        "of rotation until it passes a health check",
+                        replica.label,
+                        worker.index,
+                    )
                 replica.healthy = False
                 ejected = True
         if ejected:
@@ -512,8 +579,11 @@ class Collector:
 
     @property
     def in_flight(self) -> int:
-        return sum(int(slot.current.status.get("in_flight", 0)) for slot in self.slots
-                   if slot.current is not None)
+        return sum(
+            int(slot.current.status.get("in_flight", 0))
+            for slot in self.slots
+            if slot.current is not None
+        )
 
     def _replica_rows(self) -> list[list[Any]]:
         """Per replica: outstanding (alive workers now) and requests / ejections (all time)."""
@@ -531,8 +601,10 @@ class Collector:
 
     def replica_states(self) -> list[tuple[str, int, bool]]:
         """(label, requests in flight over all workers, healthy) per replica."""
-        return [(r.label, row[0], r.healthy)
-                for r, row in zip(self.replicas, self._replica_rows(), strict=True)]
+        return [
+            (r.label, row[0], r.healthy)
+            for r, row in zip(self.replicas, self._replica_rows(), strict=True)
+        ]
 
     def totals(self) -> Counter[str]:
         totals: Counter[str] = Counter()
@@ -550,10 +622,16 @@ class Collector:
         return {
             "route_policy": self.config.route_policy.value,
             "replicas": [
-                {"url": r.url, "healthy": r.healthy, "outstanding": row[0],
-                 "requests_total": row[1], "ejections": r.ejections + row[2],
-                 "consecutive_failures": r.consecutive_failures,
-                 "health_checks": self.health_checks[r.index], "engine": r.engine.to_dict()}
+                {
+                    "url": r.url,
+                    "healthy": r.healthy,
+                    "outstanding": row[0],
+                    "requests_total": row[1],
+                    "ejections": r.ejections + row[2],
+                    "consecutive_failures": r.consecutive_failures,
+                    "health_checks": self.health_checks[r.index],
+                    "engine": r.engine.to_dict(),
+                }
                 for r, row in zip(self.replicas, self._replica_rows(), strict=True)
             ],
             "engine_totals": merge_views(r.engine for r in self.replicas),
@@ -580,19 +658,26 @@ class Collector:
             "requests_total": t["requests_total"],
             "records_total": t["records_total"],
             "records_received": t["received"],
-            "dropped": {"channel_full": t["dropped_full"],
-                        "channel_closed": t["dropped_closed"],
-                        "encode_error": t["encode_errors"],
-                        "decode_error": t["decode_errors"]},
+            "dropped": {
+                "channel_full": t["dropped_full"],
+                "channel_closed": t["dropped_closed"],
+                "encode_error": t["encode_errors"],
+                "decode_error": t["decode_errors"],
+            },
             # Requests an incarnation of this worker counted that ended in no record and no
             # counted drop: in flight when it died.
             "lost": t["lost"],
             "buffered_bytes": int(status.get("buffered_bytes", 0)),
             "rewritten_events": t["rewritten_events"],
             "replicas": [
-                {"url": r.url, "outstanding": int(row[0]), "requests_total": int(row[1]),
-                 "ejections": int(row[2]), "consecutive_failures": int(row[3]),
-                 "healthy": bool(row[4])}
+                {
+                    "url": r.url,
+                    "outstanding": int(row[0]),
+                    "requests_total": int(row[1]),
+                    "ejections": int(row[2]),
+                    "consecutive_failures": int(row[3]),
+                    "healthy": bool(row[4]),
+                }
                 for r, row in zip(self.replicas, status.get("replicas", []), strict=False)
             ],
         }
@@ -602,14 +687,19 @@ class Collector:
         states = []
         for slot in self.slots:
             t = slot.totals()
-            states.append({
-                "worker": str(slot.index),
-                "alive": slot.current is not None and slot.current.alive,
-                "restarts": slot.restarts, "records_received": t["received"],
-                "dropped_channel_full": t["dropped_full"],
-                "dropped_channel_closed": t["dropped_closed"],
-                "encode_errors": t["encode_errors"], "decode_errors": t["decode_errors"],
-                "lost": t["lost"]})
+            states.append(
+                {
+                    "worker": str(slot.index),
+                    "alive": slot.current is not None and slot.current.alive,
+                    "restarts": slot.restarts,
+                    "records_received": t["received"],
+                    "dropped_channel_full": t["dropped_full"],
+                    "dropped_channel_closed": t["dropped_closed"],
+                    "encode_errors": t["encode_errors"],
+                    "decode_errors": t["decode_errors"],
+                    "lost": t["lost"],
+                }
+            )
         return states
 
     def workers_view(self) -> dict[str, Any]:
@@ -624,21 +714,28 @@ class Collector:
         }
 
 
-def build_collector_admin_app(collector: Collector,
-                              extra_routes: Sequence[web.RouteDef] = ()) -> web.Application:
+def build_collector_admin_app(
+    collector: Collector, extra_routes: Sequence[web.RouteDef] = ()
+) -> web.Application:
     """The admin listener of worker mode: /healthz, /replicas, /workers, plus what the wiring
     adds (/stats, /metrics), behind the same bearer-token check as in one process."""
 
     async def healthz(_request: web.Request) -> web.Response:
         alive = collector.workers_alive
         return web.json_response(
-            {"status": "ok" if alive else "no_workers", "in_flight": collector.in_flight,
-             "workers_alive": alive, "workers": len(collector.slots)},
-            status=200 if alive else 503)
+            {
+                "status": "ok" if alive else "no_workers",
+                "in_flight": collector.in_flight,
+                "workers_alive": alive,
+                "workers": len(collector.slots),
+            },
+            status=200 if alive else 503,
+        )
 
     async def readyz(_request: web.Request) -> web.Response:
-        return readiness([r.healthy for r in collector.replicas],
-                         workers_alive=bool(collector.workers_alive))
+        return readiness(
+            [r.healthy for r in collector.replicas], workers_alive=bool(collector.workers_alive)
+        )
 
     async def replicas(_request: web.Request) -> web.Response:
         return web.json_response(collector.replicas_view())

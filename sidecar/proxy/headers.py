@@ -12,13 +12,26 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 # RFC 9110 section 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself, and
 # Expect (the listener answered any 100-continue; the upstream gets the whole body at once).
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-    "expect",
-})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "expect",
+    }
+)
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_LEN = 128
+
 
 def filtered_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     connection_tokens = {

@@ -124,8 +124,15 @@ class ClientExchange:
     """The response side of one request: head, body writes, end. Writes are synchronous (the
     transport buffers); `drain` waits while the client's buffer is above the high-water mark."""
 
-    __slots__ = ("connection", "request", "prepared", "finished", "_chunked", "_remaining",
-                 "_close_after")
+    __slots__ = (
+        "connection",
+        "request",
+        "prepared",
+        "finished",
+        "_chunked",
+        "_remaining",
+        "_close_after",
+    )
 
     def __init__(self, connection: ClientConnection, request: IncomingRequest) -> None:
         self.connection = connection
@@ -146,8 +153,14 @@ class ClientExchange:
         transport = self.connection.transport
         return transport is None or transport.is_closing()
 
-    def start(self, status: int, reason: str | None, headers: list[tuple[str, str]],
-              content_length: int | None, body: bytes = b"") -> None:
+    def start(
+        self,
+        status: int,
+        reason: str | None,
+        headers: list[tuple[str, str]],
+        content_length: int | None,
+        body: bytes = b"",
+    ) -> None:
         """Send the head (and ``body``, when it is the whole of a sized response). Without a
         length, an HTTP/1.1 client gets chunked framing; an HTTP/1.0 one a body ended by the
         connection's close."""
@@ -212,8 +225,9 @@ class ClientExchange:
                 raise ConnectionResetError("the client is gone")
             return
         if self._chunked:
-            transport.write(b"%x\r\n%b\r\n%b" % (len(data), data, _LAST_CHUNK) if data
-                            else _LAST_CHUNK)
+            transport.write(
+                b"%x\r\n%b\r\n%b" % (len(data), data, _LAST_CHUNK) if data else _LAST_CHUNK
+            )
         elif data:
             if self._remaining is not None:
                 self._remaining -= len(data)
@@ -274,10 +288,16 @@ class ClientConnection(asyncio.Protocol):
         server = self.server
         server.connections.add(self)
         if len(server.connections) > self.limits.max_connections:
-            self._reject(Rejection(503, "max_connections",
-                                   f"The sidecar is at its limit of "
-                                   f"{self.limits.max_connections} client connections; retry "
-                                   "later.", "ServiceUnavailable"))
+            self._reject(
+                Rejection(
+                    503,
+                    "max_connections",
+                    f"The sidecar is at its limit of "
+                    f"{self.limits.max_connections} client connections; retry "
+                    "later.",
+                    "ServiceUnavailable",
+                )
+            )
             return
         # The first request's head must come within the header timeout.
         self._arm(self.limits.header_timeout_s, self._head_timed_out)
@@ -292,23 +312,48 @@ class ClientConnection(asyncio.Protocol):
         except httptools.HttpParserCallbackError as exc:
             if not isinstance(exc.__context__, _Refused):
                 # A bug in a callback here: the request still ends in an answer and a record.
-                log.error("reading a request from %s failed inside the sidecar: %s",
-                          self._peer(), type(exc.__context__).__name__)
-                self._reject(Rejection(500, "proxy_error:request_parsing",
-                                       "The sidecar failed while reading this request.",
-                                       "InternalServerError", self._method,
-                                       self._path_or_none(), self._request_headers))
+                log.error(
+                    "reading a request from %s failed inside the sidecar: %s",
+                    self._peer(),
+                    type(exc.__context__).__name__,
+                )
+                self._reject(
+                    Rejection(
+                        500,
+                        "proxy_error:request_parsing",
+                        "The sidecar failed while reading this request.",
+                        "InternalServerError",
+                        self._method,
+                        self._path_or_none(),
+                        self._request_headers,
+                    )
+                )
         except httptools.HttpParserUpgrade:
-            self._reject(Rejection(400, "upgrade_not_supported",
-                                   "The sidecar does not relay protocol upgrades.",
-                                   "BadRequest", self._method, self._path_or_none(),
-                                   self._request_headers))
+            self._reject(
+                Rejection(
+                    400,
+                    "upgrade_not_supported",
+                    "The sidecar does not relay protocol upgrades.",
+                    "BadRequest",
+                    self._method,
+                    self._path_or_none(),
+                    self._request_headers,
+                )
+            )
         except httptools.HttpParserError as exc:
             cause = str(exc).split(":")[0][:80] or type(exc).__name__
             log.warning("malformed request from %s refused (400): %s", self._peer(), cause)
-            self._reject(Rejection(400, "malformed_http",
-                                   "The request is not valid HTTP/1.1.", "BadRequest",
-                                   self._method, self._path_or_none(), self._request_headers))
+            self._reject(
+                Rejection(
+                    400,
+                    "malformed_http",
+                    "The request is not valid HTTP/1.1.",
+                    "BadRequest",
+                    self._method,
+                    self._path_or_none(),
+                    self._request_headers,
+                )
+            )
         if self._queue and not self._rejected:
             if self._task is None:
                 self._dispatch()
@@ -329,8 +374,11 @@ class ClientConnection(asyncio.Protocol):
         for callback in callbacks:
             callback()
         exchange = self._exchange
-        if self._task is not None and not self._task.done() and not (
-                exchange is not None and exchange.finished):
+        if (
+            self._task is not None
+            and not self._task.done()
+            and not (exchange is not None and exchange.finished)
+        ):
             # The client went away: its handler stops now (and closes the upstream request).
             # Not once its answer was complete: a client that read all of it and closed has
             # been served (the end can leave from the upstream's callback, before the handler
@@ -338,14 +386,16 @@ class ClientConnection(asyncio.Protocol):
             self._task.cancel()
         # Requests that reached us and will never be handled still end in one record each.
         gone: list[tuple[str | None, str | None, CIMultiDictProxy[str] | None]] = [
-            (r.method, r.path, r.headers) for r in self._queue]
+            (r.method, r.path, r.headers) for r in self._queue
+        ]
         self._queue.clear()
         if self._in_message and not self._rejected:
             gone.append((self._method, self._path_or_none(), self._request_headers))
         self._in_message = False
         for method, path, headers in gone:
-            self.server.on_rejected(Rejection(499, "client_disconnected", "", "", method, path,
-                                              headers))
+            self.server.on_rejected(
+                Rejection(499, "client_disconnected", "", "", method, path, headers)
+            )
 
     def pause_writing(self) -> None:
         if self._write_ready is None:
@@ -387,8 +437,10 @@ class ClientConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_bytes += len(name) + len(value)
         self._headers.append((name, value))
-        if (self._header_bytes > self.limits.max_header_bytes
-                or len(self._headers) > self.limits.max_header_count):
+        if (
+            self._header_bytes > self.limits.max_header_bytes
+            or len(self._headers) > self.limits.max_header_count
+        ):
             self._refuse_headers()
 
     def on_headers_complete(self) -> None:
@@ -400,21 +452,36 @@ class ClientConnection(asyncio.Protocol):
         self._headers = []
         self._request_headers = CIMultiDictProxy(headers)
         if _origin_form(self._url.decode("latin-1")) is None:
-            log.warning("request from %s with a target that is not a path refused (400)",
-                        self._peer())
-            self._reject(Rejection(400, "malformed_http",
-                                   "The request target must be a path (this is not a forward "
-                                   "proxy).", "BadRequest", self._method, None,
-                                   self._request_headers))
+            log.warning(
+                "request from %s with a target that is not a path refused (400)", self._peer()
+            )
+            self._reject(
+                Rejection(
+                    400,
+                    "malformed_http",
+                    "The request target must be a path (this is not a forward proxy).",
+                    "BadRequest",
+                    self._method,
+                    None,
+                    self._request_headers,
+                )
+            )
             raise _Refused
         declared = headers.get("Content-Length")
         limit = self.limits.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            self._reject(Rejection(413, "body_too_large",
-                                   f"Request body of {int(declared)} bytes exceeds the "
-                                   f"sidecar's limit of {limit} bytes.",
-                                   "RequestEntityTooLarge", self._method,
-                                   self._path_or_none(), self._request_headers))
+            self._reject(
+                Rejection(
+                    413,
+                    "body_too_large",
+                    f"Request body of {int(declared)} bytes exceeds the "
+                    f"sidecar's limit of {limit} bytes.",
+                    "RequestEntityTooLarge",
+                    self._method,
+                    self._path_or_none(),
+                    self._request_headers,
+                )
+            )
             raise _Refused
         if headers.get("Expect", "").lower() == "100-continue" and self.transport is not None:
             self.transport.write(_CONTINUE)
@@ -424,11 +491,18 @@ class ClientConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
         if self._body_size > self.limits.max_body_bytes:
-            self._reject(Rejection(413, "body_too_large",
-                                   f"Request body exceeds the sidecar's limit of "
-                                   f"{self.limits.max_body_bytes} bytes.",
-                                   "RequestEntityTooLarge", self._method, self._path_or_none(),
-                                   self._request_headers))
+            self._reject(
+                Rejection(
+                    413,
+                    "body_too_large",
+                    f"Request body exceeds the sidecar's limit of "
+                    f"{self.limits.max_body_bytes} bytes.",
+                    "RequestEntityTooLarge",
+                    self._method,
+                    self._path_or_none(),
+                    self._request_headers,
+                )
+            )
             raise _Refused
         self._body.append(body)
 
@@ -438,12 +512,19 @@ class ClientConnection(asyncio.Protocol):
         self._in_message = False
         assert self._request_headers is not None and self._method is not None
         target = _origin_form(self._url.decode("latin-1")) or "/"
-        self._queue.append(IncomingRequest(
-            method=self._method, target=target, path=target.split("?", 1)[0],
-            headers=self._request_headers, body=b"".join(self._body),
-            http_version=self.parser.get_http_version(),
-            keep_alive=self.parser.should_keep_alive(), peer=self._client_address,
-            began_ns=self._began_ns))
+        self._queue.append(
+            IncomingRequest(
+                method=self._method,
+                target=target,
+                path=target.split("?", 1)[0],
+                headers=self._request_headers,
+                body=b"".join(self._body),
+                http_version=self.parser.get_http_version(),
+                keep_alive=self.parser.should_keep_alive(),
+                peer=self._client_address,
+                began_ns=self._began_ns,
+            )
+        )
         self._body = []
         self._request_headers = None  # the request has them; a rejection now is not of it
 
@@ -474,9 +555,10 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._in_message:
             # A pipelined request is half here: its deadlines start now.
-            self._arm(self.limits.body_timeout_s if self._headers_done
-                      else self.limits.header_timeout_s,
-                      self._body_timed_out if self._headers_done else self._head_timed_out)
+            self._arm(
+                self.limits.body_timeout_s if self._headers_done else self.limits.header_timeout_s,
+                self._body_timed_out if self._headers_done else self._head_timed_out,
+            )
         else:
             self._arm(self.limits.keepalive_timeout_s, self._idle_timed_out)
         transport.resume_reading()
@@ -484,11 +566,19 @@ class ClientConnection(asyncio.Protocol):
     # -- refusals and timers --------------------------------------------------------------
 
     def _refuse_headers(self) -> None:
-        self._reject(Rejection(431, "headers_too_large",
-                               f"The request's headers exceed the sidecar's limits "
-                               f"({self.limits.max_header_count} headers, "
-                               f"{self.limits.max_header_bytes} bytes).",
-                               "RequestHeaderFieldsTooLarge", self._method, None, None))
+        self._reject(
+            Rejection(
+                431,
+                "headers_too_large",
+                f"The request's headers exceed the sidecar's limits "
+                f"({self.limits.max_header_count} headers, "
+                f"{self.limits.max_header_bytes} bytes).",
+                "RequestHeaderFieldsTooLarge",
+                self._method,
+                None,
+                None,
+            )
+        )
         raise _Refused
 
     def _reject(self, rejection: Rejection) -> None:
@@ -504,9 +594,14 @@ class ClientConnection(asyncio.Protocol):
         if transport is not None and not transport.is_closing():
             if answer is not None:
                 body, headers = answer
-                transport.write(response_head(rejection.status, None, [
-                    *headers, ("Content-Length", str(len(body))), ("Connection", "close")])
-                    + body)
+                transport.write(
+                    response_head(
+                        rejection.status,
+                        None,
+                        [*headers, ("Content-Length", str(len(body))), ("Connection", "close")],
+                    )
+                    + body
+                )
             transport.close()
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
@@ -526,19 +621,41 @@ class ClientConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        log.warning("request head from %s not complete within %.0f s: refused (408)",
-                    self._peer(), self.limits.header_timeout_s)
-        self._reject(Rejection(408, "header_timeout",
-                               "The request's head did not arrive in time.", "RequestTimeout",
-                               self._method, self._path_or_none(), self._request_headers))
+        log.warning(
+            "request head from %s not complete within %.0f s: refused (408)",
+            self._peer(),
+            self.limits.header_timeout_s,
+        )
+        self._reject(
+            Rejection(
+                408,
+                "header_timeout",
+                "The request's head did not arrive in time.",
+                "RequestTimeout",
+                self._method,
+                self._path_or_none(),
+                self._request_headers,
+            )
+        )
 
     def _body_timed_out(self) -> None:
         self._timer = None
-        log.warning("request body from %s not complete within %.0f s: refused (408)",
-                    self._peer(), self.limits.body_timeout_s)
-        self._reject(Rejection(408, "body_timeout",
-                               "The request's body did not arrive in time.", "RequestTimeout",
-                               self._method, self._path_or_none(), self._request_headers))
+        log.warning(
+            "request body from %s not complete within %.0f s: refused (408)",
+            self._peer(),
+            self.limits.body_timeout_s,
+        )
+        self._reject(
+            Rejection(
+                408,
+                "body_timeout",
+                "The request's body did not arrive in time.",
+                "RequestTimeout",
+                self._method,
+                self._path_or_none(),
+                self._request_headers,
+            )
+        )
 
     def _idle_timed_out(self) -> None:
         self._timer = None
@@ -595,8 +712,9 @@ def _path_of(target: str) -> str:
 class TrafficServer:
     """The listening socket(s) and the live client connections."""
 
-    def __init__(self, handler: Handler, on_rejected: RejectHandler,
-                 limits: ListenerLimits) -> None:
+    def __init__(
+        self, handler: Handler, on_rejected: RejectHandler, limits: ListenerLimits
+    ) -> None:
         self.handler = handler
         self.on_rejected = on_rejected
         self.limits = limits
@@ -605,8 +723,9 @@ class TrafficServer:
 
     async def start(self, host: str, port: int, *, backlog: int = 1024) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: ClientConnection(self), host, port,
-                                          reuse_address=True, backlog=backlog)
+        server = await loop.create_server(
+            lambda: ClientConnection(self), host, port, reuse_address=True, backlog=backlog
+        )
         self._servers.append(server)
         bound = server.sockets[0].getsockname()
         return bound[0], bound[1]
@@ -614,8 +733,9 @@ class TrafficServer:
     async def start_on_socket(self, sock: socket.socket, backlog: int = 1024) -> None:
         """Serve on a socket bound elsewhere (a worker given the shared traffic port)."""
         loop = asyncio.get_running_loop()
-        self._servers.append(await loop.create_server(lambda: ClientConnection(self),
-                                                      sock=sock, backlog=backlog))
+        self._servers.append(
+            await loop.create_server(lambda: ClientConnection(self), sock=sock, backlog=backlog)
+        )
 
     def stop_accepting(self) -> None:
         for server in self._servers:

@@ -15,8 +15,12 @@ from sidecar.proxy.routing import Replica
 log = logging.getLogger("sidecar.proxy")
 
 
-async def check_health(session: aiohttp.ClientSession, replica: Replica,
-                       timeout: aiohttp.ClientTimeout, eject_after: int) -> bool:
+async def check_health(
+    session: aiohttp.ClientSession,
+    replica: Replica,
+    timeout: aiohttp.ClientTimeout,
+    eject_after: int,
+) -> bool:
     """``GET /health`` once: a 200 puts the replica (back) in rotation, anything else counts
     towards ejecting it after ``eject_after`` consecutive failures. Returns whether it passed."""
     try:
@@ -30,13 +34,17 @@ async def check_health(session: aiohttp.ClientSession, replica: Replica,
             log.warning("replica %s is healthy again: back in rotation", replica.label)
         replica.record_success()
     elif replica.record_failure(eject_after):
-        log.warning("replica %s failed %d health checks: ejected", replica.label,
-                    replica.consecutive_failures)
+        log.warning(
+            "replica %s failed %d health checks: ejected",
+            replica.label,
+            replica.consecutive_failures,
+        )
     return passed
 
 
-async def scrape_engine(session: aiohttp.ClientSession, replica: Replica,
-                        timeout: aiohttp.ClientTimeout) -> None:
+async def scrape_engine(
+    session: aiohttp.ClientSession, replica: Replica, timeout: aiohttp.ClientTimeout
+) -> None:
     """Read a replica's ``/metrics`` once into its engine view (queue, KV cache, prefix cache),
     or record why it could not be read."""
     try:

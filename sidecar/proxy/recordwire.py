@@ -46,10 +46,13 @@ WIRE_VERSION = 2  # 2: request_read_ns, choice columns
 # Enum members by wire index. Written out, not taken from the enums' order: a member added to
 # an enum must not silently renumber the others (it makes encode_record fail until it is
 # added here, at the end, with a version bump).
-_OUTCOMES: tuple[Outcome, ...] = tuple(Outcome(v) for v in (
-    "ok", "http_error", "upstream_error", "timeout", "client_cancelled", "rejected"))
-_TOKEN_SOURCES: tuple[TokenSource, ...] = tuple(TokenSource(v) for v in (
-    "usage", "usage_total", "chunk_count", "none"))
+_OUTCOMES: tuple[Outcome, ...] = tuple(
+    Outcome(v)
+    for v in ("ok", "http_error", "upstream_error", "timeout", "client_cancelled", "rejected")
+)
+_TOKEN_SOURCES: tuple[TokenSource, ...] = tuple(
+    TokenSource(v) for v in ("usage", "usage_total", "chunk_count", "none")
+)
 _OUTCOME_INDEX = {o: i for i, o in enumerate(_OUTCOMES)}
 _TOKEN_SOURCE_INDEX = {s: i for i, s in enumerate(_TOKEN_SOURCES)}
 
@@ -107,9 +110,15 @@ def _text(value: str) -> bytes:
 def _timeline(timeline: Timeline) -> bytes:
     end = timeline.end_ns
     bits = (_HAS_END if end is not None else 0) | (
-        _HAS_CHOICES if timeline.choices is not None else 0)
-    return _TIMELINE.pack(timeline.start_ns, 0 if end is None else end, timeline.events_total,
-                          bits, len(timeline.offsets_ns))
+        _HAS_CHOICES if timeline.choices is not None else 0
+    )
+    return _TIMELINE.pack(
+        timeline.start_ns,
+        0 if end is None else end,
+        timeline.events_total,
+        bits,
+        len(timeline.offsets_ns),
+    )
 
 
 def encode_record(record: RequestRecord) -> bytes:
@@ -118,8 +127,9 @@ def encode_record(record: RequestRecord) -> bytes:
     try:
         return _encode(record)
     except (struct.error, KeyError, OverflowError) as exc:
-        raise ValueError(f"record {record.request_id!r} does not fit wire version "
-                         f"{WIRE_VERSION}: {exc}") from None
+        raise ValueError(
+            f"record {record.request_id!r} does not fit wire version {WIRE_VERSION}: {exc}"
+        ) from None
 
 
 def _encode(record: RequestRecord) -> bytes:
@@ -133,16 +143,17 @@ def _encode(record: RequestRecord) -> bytes:
         flags |= _HAS_SERVER
         n_client = len(client.tokens)
         # A byte compare of the packed columns: cheap, and exact whatever object holds them.
-        if n_client <= len(server.tokens) and \
-                server.tokens.data[:8 * n_client] == client.tokens.data:
+        if (
+            n_client <= len(server.tokens)
+            and server.tokens.data[: 8 * n_client] == client.tokens.data
+        ):
             flags |= _TOKENS_SHARED
     engine, shape = record.engine, record.shape
     if engine is not None:
         flags |= _HAS_ENGINE
     if shape is not None:
         flags |= _HAS_SHAPE
-    n_in, n_out, n_cached, status = (record.n_in, record.n_out, record.n_cached,
-                                     record.http_status)
+    n_in, n_out, n_cached, status = (record.n_in, record.n_out, record.n_cached, record.http_status)
     if n_in is not None:
         flags |= _HAS_N_IN
     if n_out is not None:
@@ -154,23 +165,41 @@ def _encode(record: RequestRecord) -> bytes:
     request_read = record.request_read_ns
     if request_read is not None:
         flags |= _HAS_REQUEST_READ
-    optional = (record.model, record.finish_reason, record.error_type, record.replica,
-                record.route_policy)
+    optional = (
+        record.model,
+        record.finish_reason,
+        record.error_type,
+        record.replica,
+        record.route_policy,
+    )
     for bit, value in zip(_STRING_BITS, optional, strict=True):
         if value is not None:
             flags |= bit
     parts = [
         bytes((WIRE_VERSION,)),
-        _FIXED.pack(flags, record.wall_time_ns, _OUTCOME_INDEX[record.outcome],
-                    _TOKEN_SOURCE_INDEX[record.token_source], n_in or 0, n_out or 0,
-                    n_cached or 0, status or 0, request_read or 0),
+        _FIXED.pack(
+            flags,
+            record.wall_time_ns,
+            _OUTCOME_INDEX[record.outcome],
+            _TOKEN_SOURCE_INDEX[record.token_source],
+            n_in or 0,
+            n_out or 0,
+            n_cached or 0,
+            status or 0,
+            request_read or 0,
+        ),
         _timeline(client),
     ]
     if server is not None:
         parts.append(_timeline(server))
     if engine is not None:
-        values = (engine.time_to_first_token_ms, engine.generation_time_ms,
-                  engine.queue_time_ms, engine.mean_itl_ms, engine.tokens_per_second)
+        values = (
+            engine.time_to_first_token_ms,
+            engine.generation_time_ms,
+            engine.queue_time_ms,
+            engine.mean_itl_ms,
+            engine.tokens_per_second,
+        )
         present = sum(1 << i for i, v in enumerate(values) if v is not None)
         parts.append(_ENGINE.pack(present, *(0.0 if v is None else v for v in values)))
     parts.append(_text(record.request_id))
@@ -211,9 +240,14 @@ def _encode_shape(shape: RequestShape) -> bytes:
         if value is not None:
             flags |= 16 << i
     hashes = Int64s(shape.prefix_hashes)
-    head = _SHAPE.pack(flags, shape.max_tokens or 0, shape.n,
-                       0.0 if shape.temperature is None else shape.temperature,
-                       shape.prefix_size, len(hashes))
+    head = _SHAPE.pack(
+        flags,
+        shape.max_tokens or 0,
+        shape.n,
+        0.0 if shape.temperature is None else shape.temperature,
+        shape.prefix_size,
+        len(hashes),
+    )
     return b"".join([head, *(_text(v) for v in strings if v is not None), _column(hashes)])
 
 
@@ -238,7 +272,7 @@ class _Reader:
         end = self.pos + size
         if end > len(self.view):
             raise WireError("record bytes cut short")
-        data = self.view[self.pos:end].tobytes()
+        data = self.view[self.pos : end].tobytes()
         self.pos = end
         return data
 
@@ -312,8 +346,7 @@ def _decode(reader: _Reader) -> RequestRecord:
         n_server = int(server_head[4])
         server_offsets = reader.column(n_server)
         server_tokens = reader.column(n_server)
-        server_choices = (reader.column(n_server) if int(server_head[3]) & _HAS_CHOICES
-                          else None)
+        server_choices = reader.column(n_server) if int(server_head[3]) & _HAS_CHOICES else None
         if client_tokens is None:
             if n_client > n_server:
                 raise WireError("shared token column shorter than the client's events")
@@ -326,29 +359,49 @@ def _decode(reader: _Reader) -> RequestRecord:
     if reader.pos != len(reader.view):
         raise WireError(f"{len(reader.view) - reader.pos} bytes after the record")
     return RequestRecord(
-        request_id=request_id, wall_time_ns=wall, outcome=outcome, endpoint=endpoint,
-        model=optional["model"], client_stream=bool(flags & _CLIENT_STREAM),
-        upstream_stream=bool(flags & _UPSTREAM_STREAM), client=client, server=server,
-        engine=engine, n_in=n_in, n_out=n_out, n_cached=n_cached, token_source=source,
-        finish_reason=optional["finish_reason"], http_status=status,
-        error_type=optional["error_type"], replica=optional["replica"],
-        route_policy=optional["route_policy"], attributes=attributes, shape=shape,
-        request_read_ns=request_read)
+        request_id=request_id,
+        wall_time_ns=wall,
+        outcome=outcome,
+        endpoint=endpoint,
+        model=optional["model"],
+        client_stream=bool(flags & _CLIENT_STREAM),
+        upstream_stream=bool(flags & _UPSTREAM_STREAM),
+        client=client,
+        server=server,
+        engine=engine,
+        n_in=n_in,
+        n_out=n_out,
+        n_cached=n_cached,
+        token_source=source,
+        finish_reason=optional["finish_reason"],
+        http_status=status,
+        error_type=optional["error_type"],
+        replica=optional["replica"],
+        route_policy=optional["route_policy"],
+        attributes=attributes,
+        shape=shape,
+        request_read_ns=request_read,
+    )
 
 
-def _timeline_from(head: tuple[int | float, ...], offsets: Int64s, tokens: Int64s,
-                   choices: Int64s | None) -> Timeline:
-    return Timeline(start_ns=int(head[0]), offsets_ns=offsets, tokens=tokens,
-                    end_ns=int(head[1]) if int(head[3]) & _HAS_END else None,
-                    events_total=int(head[2]), choices=choices)
+def _timeline_from(
+    head: tuple[int | float, ...], offsets: Int64s, tokens: Int64s, choices: Int64s | None
+) -> Timeline:
+    return Timeline(
+        start_ns=int(head[0]),
+        offsets_ns=offsets,
+        tokens=tokens,
+        end_ns=int(head[1]) if int(head[3]) & _HAS_END else None,
+        events_total=int(head[2]),
+        choices=choices,
+    )
 
 
 def _decode_shape(reader: _Reader) -> RequestShape:
     head = reader.unpack(_SHAPE)
     flags = int(head[0])
     strings: Mapping[str, str | None] = {
-        name: reader.text() if flags & (16 << i) else None
-        for i, name in enumerate(_SHAPE_STRINGS)
+        name: reader.text() if flags & (16 << i) else None for i, name in enumerate(_SHAPE_STRINGS)
     }
     hashes = reader.column(int(head[5]))
     return RequestShape(
@@ -356,6 +409,10 @@ def _decode_shape(reader: _Reader) -> RequestShape:
         ignore_eos=bool(flags & 4) if flags & 2 else None,
         n=int(head[2]),
         temperature=float(head[3]) if flags & 8 else None,
-        session_id=strings["session_id"], prefix_unit=strings["prefix_unit"],
-        prefix_size=int(head[4]), prefix_hashes=tuple(hashes.tolist()),
-        body=strings["body"], completion_text=strings["completion_text"])
+        session_id=strings["session_id"],
+        prefix_unit=strings["prefix_unit"],
+        prefix_size=int(head[4]),
+        prefix_hashes=tuple(hashes.tolist()),
+        body=strings["body"],
+        completion_text=strings["completion_text"],
+    )

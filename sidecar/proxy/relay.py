@@ -93,8 +93,14 @@ ERROR_TAIL_WRITE_S = 2.0
 
 
 class UpstreamFailure(Exception):
-    def __init__(self, outcome: Outcome, error_type: str, status: int, message: str,
-                 err_type: str = "BadGateway") -> None:
+    def __init__(
+        self,
+        outcome: Outcome,
+        error_type: str,
+        status: int,
+        message: str,
+        err_type: str = "BadGateway",
+    ) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.error_type = error_type  # the record's short cause
@@ -134,12 +140,18 @@ class Proxy:
     """Holds the upstream pool, routing and sinks; `handle` serves one request of the traffic
     listener (listener.py), `reject` records one the listener refused."""
 
-    def __init__(self, config: ProxyConfig, fanout: SinkFanout | None = None, *,
-                 capture_salt: bytes | None = None) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        fanout: SinkFanout | None = None,
+        *,
+        capture_salt: bytes | None = None,
+    ) -> None:
         self.config = config
         self.fanout = fanout or SinkFanout()
-        self.router = Router([Replica(url, i) for i, url in enumerate(config.upstreams)],
-                             config.route_policy)
+        self.router = Router(
+            [Replica(url, i) for i, url in enumerate(config.upstreams)], config.route_policy
+        )
         self.in_flight = 0
         self.requests_total = 0
         self.records_total = 0
@@ -150,9 +162,11 @@ class Proxy:
         # collector's, so that every worker's hashes and pseudonyms agree).
         if capture_salt is None and config.capture_key_file:
             capture_salt = read_capture_key(config.capture_key_file)
-        self._hasher = (PrefixHasher(config.capture_block_chars, config.capture_block_tokens,
-                                     salt=capture_salt)
-                        if config.capture_dir else None)
+        self._hasher = (
+            PrefixHasher(config.capture_block_chars, config.capture_block_tokens, salt=capture_salt)
+            if config.capture_dir
+            else None
+        )
         # The data path's own HTTP/1.1 client (upstream.py); health checks and engine scrapes
         # are not on the hot path and keep aiohttp's.
         self.pool = UpstreamPool()
@@ -173,12 +187,14 @@ class Proxy:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300,
-                                         keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30
+        )
         # auto_decompress off: bytes go to the client as the upstream sent them. The proxy asks
         # for identity encoding on the endpoints it parses.
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                              timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
+        )
         if self.config.health_interval > 0:
             self._health_task = asyncio.create_task(self._health_loop(), name="health-checks")
         if self.config.engine_scrape_interval > 0:
@@ -234,8 +250,9 @@ class Proxy:
         endpoint = None
         if rejection.method == "POST" and rejection.path is not None:
             endpoint = endpoint_for_path(rejection.path)
-        builder = RecordBuilder(request_id, wall, arrive,
-                                endpoint or rejection.path or "(unparsed)")
+        builder = RecordBuilder(
+            request_id, wall, arrive, endpoint or rejection.path or "(unparsed)"
+        )
         builder.route_policy = self.config.route_policy.value
         self.requests_total += 1
         answer: tuple[bytes, list[tuple[str, str]]] | None = None
@@ -243,8 +260,10 @@ class Proxy:
             builder.fail(Outcome.CLIENT_CANCELLED, rejection.error_type)
         else:
             builder.fail(Outcome.REJECTED, rejection.error_type, rejection.status)
-            answer = (_json_error_body(rejection.status, rejection.message, rejection.err_type),
-                      [("Content-Type", "application/json"), (REQUEST_ID_HEADER, request_id)])
+            answer = (
+                _json_error_body(rejection.status, rejection.message, rejection.err_type),
+                [("Content-Type", "application/json"), (REQUEST_ID_HEADER, request_id)],
+            )
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         self._emit(builder)
         return answer
@@ -261,8 +280,9 @@ class Proxy:
         wall, read = clock.anchor()
         began = request.began_ns
         arrive = began if began is not None and began <= read else read
-        builder = RecordBuilder(request_id, wall - (read - arrive), arrive,
-                                endpoint or request.path)
+        builder = RecordBuilder(
+            request_id, wall - (read - arrive), arrive, endpoint or request.path
+        )
         builder.request_read_ns = read - arrive
         builder.route_policy = self.config.route_policy.value
         self.requests_total += 1
@@ -271,13 +291,22 @@ class Proxy:
             if self.in_flight > self.config.max_concurrency:
                 builder.fail(Outcome.REJECTED, "max_concurrency", 429)
                 self._respond_error(
-                    exchange, builder, 429,
+                    exchange,
+                    builder,
+                    429,
                     f"The sidecar is at its limit of {self.config.max_concurrency} concurrent "
-                    "requests; retry later.", "TooManyRequests")
+                    "requests; retry later.",
+                    "TooManyRequests",
+                )
                 return
-            if endpoint is None and request.path == "/metrics" and (
-                    request.method == "HEAD" or (request.method == "GET"
-                                                 and len(self.router.replicas) > 1)):
+            if (
+                endpoint is None
+                and request.path == "/metrics"
+                and (
+                    request.method == "HEAD"
+                    or (request.method == "GET" and len(self.router.replicas) > 1)
+                )
+            ):
                 await self._base_metrics(request, exchange, builder)
             elif endpoint is None:
                 await self._pass_through(request, exchange, builder)
@@ -295,9 +324,13 @@ class Proxy:
             log.exception("request %s failed inside the proxy", request_id)
             builder.fail(Outcome.UPSTREAM_ERROR, f"proxy_error:{type(exc).__name__}", 500)
             if not exchange.prepared and not exchange.client_gone:
-                self._respond_error(exchange, builder, 500,
-                                    "The sidecar failed while relaying this request.",
-                                    "InternalServerError")
+                self._respond_error(
+                    exchange,
+                    builder,
+                    500,
+                    "The sidecar failed while relaying this request.",
+                    "InternalServerError",
+                )
             else:
                 exchange.abort()
         finally:
@@ -315,9 +348,14 @@ class Proxy:
         builder.route_policy = self.config.route_policy.value
         self.requests_total += 1
         builder.fail(Outcome.REJECTED, "dot_segment_path", 400)
-        self._respond_error(exchange, builder, 400,
-                            "The request path has '.' or '..' segments; the sidecar relays "
-                            "only paths as they are meant.", "BadRequestError")
+        self._respond_error(
+            exchange,
+            builder,
+            400,
+            "The request path has '.' or '..' segments; the sidecar relays "
+            "only paths as they are meant.",
+            "BadRequestError",
+        )
         self._emit(builder)
 
     def _emit(self, builder: RecordBuilder) -> None:
@@ -327,17 +365,35 @@ class Proxy:
         self.records_total += 1
         self.fanout.on_record(record)
         if self.config.log_requests:
-            log.info("request %s %s model=%s replica=%s outcome=%s status=%s n_in=%s n_out=%s",
-                     record.request_id, record.endpoint, record.model, record.replica,
-                     record.outcome.value, record.http_status, record.n_in, record.n_out)
+            log.info(
+                "request %s %s model=%s replica=%s outcome=%s status=%s n_in=%s n_out=%s",
+                record.request_id,
+                record.endpoint,
+                record.model,
+                record.replica,
+                record.outcome.value,
+                record.http_status,
+                record.n_in,
+                record.n_out,
+            )
 
-    def _respond_error(self, exchange: ClientExchange, builder: RecordBuilder, status: int,
-                       message: str, err_type: str) -> None:
+    def _respond_error(
+        self,
+        exchange: ClientExchange,
+        builder: RecordBuilder,
+        status: int,
+        message: str,
+        err_type: str,
+    ) -> None:
         body = _json_error_body(status, message, err_type)
         builder.http_status = status
-        exchange.start(status, None, [("Content-Type", "application/json"),
-                                      (REQUEST_ID_HEADER, builder.request_id)],
-                       len(body), body)
+        exchange.start(
+            status,
+            None,
+            [("Content-Type", "application/json"), (REQUEST_ID_HEADER, builder.request_id)],
+            len(body),
+            body,
+        )
         exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
@@ -358,8 +414,9 @@ class Proxy:
 
     # -- upstream connection with retry ---------------------------------------------------
 
-    def _upstream_headers(self, request: IncomingRequest, request_id: str,
-                          parsed: bool) -> CIMultiDict[str]:
+    def _upstream_headers(
+        self, request: IncomingRequest, request_id: str, parsed: bool
+    ) -> CIMultiDict[str]:
         headers = filtered_headers(request.headers)
         headers[REQUEST_ID_HEADER] = request_id
         if request.peer is not None:
@@ -375,8 +432,13 @@ class Proxy:
         return headers
 
     async def _open_upstream(
-        self, request: IncomingRequest, body: bytes, headers: CIMultiDict[str],
-        builder: RecordBuilder, *, session_key: str | None = None,
+        self,
+        request: IncomingRequest,
+        body: bytes,
+        headers: CIMultiDict[str],
+        builder: RecordBuilder,
+        *,
+        session_key: str | None = None,
         prefix_key: bytes | None = None,
     ) -> tuple[UpstreamExchange, Replica]:
         """Send the request to a replica and wait for its response head. Retried only where
@@ -390,27 +452,40 @@ class Proxy:
         timed_out = False
         head_method = request.method == "HEAD"
         while len(tried) <= self.config.retry_connect:
-            replica = self.router.choose(session_key=session_key, prefix_key=prefix_key,
-                                         exclude=tried)
+            replica = self.router.choose(
+                session_key=session_key, prefix_key=prefix_key, exclude=tried
+            )
             if replica is None:
                 break
             replica.outstanding += 1
             replica.requests_total += 1
             builder.replica = replica.label
             host, port, host_header, prefix, tls = self._addresses[replica.index]
-            head = serialize_request_head(request.method, prefix + request.target, host_header,
-                                          headers, len(body))
+            head = serialize_request_head(
+                request.method, prefix + request.target, host_header, headers, len(body)
+            )
             builder.up_send_ns = builder.offset(clock.monotonic_ns())
             upstream: UpstreamExchange | None = None
             try:
                 try:
                     upstream = await self.pool.exchange(
-                        host, port, head, body, connect_timeout=self.config.connect_timeout,
-                        head_method=head_method, tls=tls)
+                        host,
+                        port,
+                        head,
+                        body,
+                        connect_timeout=self.config.connect_timeout,
+                        head_method=head_method,
+                        tls=tls,
+                    )
                     await upstream.response()
                 except UpstreamError as exc:
-                    if not (upstream is not None and upstream.reused and exc.reset
-                            and exc.kind == "disconnected" and exc.before_response):
+                    if not (
+                        upstream is not None
+                        and upstream.reused
+                        and exc.reset
+                        and exc.kind == "disconnected"
+                        and exc.before_response
+                    ):
                         raise
                     # A pooled connection the replica closed while we picked it (its
                     # keep-alive ran out): its kernel reset the connection because nothing
@@ -418,27 +493,40 @@ class Proxy:
                     # not counted as a try. (An orderly close instead could follow a read.)
                     self.pool.close_exchange(upstream)
                     upstream = await self.pool.exchange(
-                        host, port, head, body, connect_timeout=self.config.connect_timeout,
-                        head_method=head_method, tls=tls, reuse=False)
+                        host,
+                        port,
+                        head,
+                        body,
+                        connect_timeout=self.config.connect_timeout,
+                        head_method=head_method,
+                        tls=tls,
+                        reuse=False,
+                    )
                     await upstream.response()
             except UpstreamError as exc:
                 replica.outstanding -= 1
                 if upstream is not None:
                     self.pool.close_exchange(upstream)
                 if exc.kind == "protocol_error":
-                    raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "upstream_protocol_error", 502,
-                                          "The upstream answered with a malformed HTTP "
-                                          "response.") from None
+                    raise UpstreamFailure(
+                        Outcome.UPSTREAM_ERROR,
+                        "upstream_protocol_error",
+                        502,
+                        "The upstream answered with a malformed HTTP response.",
+                    ) from None
                 if exc.kind == "disconnected":
                     # The request went out and the replica dropped the connection without an
                     # answer: it may be generating. Sending it to another replica would run
                     # the same request twice. Not a mark against the replica's health either:
                     # a server that accepted and then dropped one request is not dead.
                     raise UpstreamFailure(
-                        Outcome.UPSTREAM_ERROR, "upstream_closed_before_response", 502,
+                        Outcome.UPSTREAM_ERROR,
+                        "upstream_closed_before_response",
+                        502,
                         f"The upstream replica {replica.label} closed the connection after "
                         "the request was sent, without answering. It was not retried on "
-                        "another replica, since this one may have started it.") from None
+                        "another replica, since this one may have started it.",
+                    ) from None
                 # No connection: the request never left. Try another replica.
                 timed_out = exc.kind == "connect_timeout"
                 if replica.record_failure(self.config.eject_after):
@@ -454,16 +542,25 @@ class Proxy:
             builder.up_headers_ns = builder.offset(clock.monotonic_ns())
             return upstream, replica
         if timed_out:
-            raise UpstreamFailure(Outcome.TIMEOUT, "connect_timeout", 504,
-                                  "The sidecar timed out connecting to the upstream replicas.",
-                                  "GatewayTimeout")
-        raise UpstreamFailure(Outcome.UPSTREAM_ERROR, f"connect_failed:{last_error}", 502,
-                              "The sidecar could not connect to any upstream replica.")
+            raise UpstreamFailure(
+                Outcome.TIMEOUT,
+                "connect_timeout",
+                504,
+                "The sidecar timed out connecting to the upstream replicas.",
+                "GatewayTimeout",
+            )
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_ERROR,
+            f"connect_failed:{last_error}",
+            502,
+            "The sidecar could not connect to any upstream replica.",
+        )
 
     # -- /metrics on the traffic port (basemetrics.py) -------------------------------------
 
-    async def _base_metrics(self, request: IncomingRequest, exchange: ClientExchange,
-                            builder: RecordBuilder) -> None:
+    async def _base_metrics(
+        self, request: IncomingRequest, exchange: ClientExchange, builder: RecordBuilder
+    ) -> None:
         """Every replica's /metrics, merged with a ``replica`` label (one replica: its own
         text as it is); HEAD gets the GET answer's head. Not a generation request: its record
         says /metrics, and a replica that does not answer only leaves its part out."""
@@ -485,9 +582,14 @@ class Proxy:
         failed = [(label, why) for label, text, why in results if text is None]
         if not texts:
             builder.fail(Outcome.UPSTREAM_ERROR, "metrics_unavailable", 502)
-            self._respond_error(exchange, builder, 502, "No upstream replica answered /metrics: "
-                                + ", ".join(f"{label} ({why})" for label, why in failed),
-                                "BadGateway")
+            self._respond_error(
+                exchange,
+                builder,
+                502,
+                "No upstream replica answered /metrics: "
+                + ", ".join(f"{label} ({why})" for label, why in failed),
+                "BadGateway",
+            )
             return
         if len(replicas) == 1:
             body = texts[0][1].encode()
@@ -496,12 +598,19 @@ class Proxy:
                 body = merge_expositions(texts, failed)
             except ValueError as exc:
                 builder.fail(Outcome.UPSTREAM_ERROR, "metrics_unmergeable", 502)
-                self._respond_error(exchange, builder, 502, f"The replicas' /metrics could not "
-                                    f"be merged: {exc}", "BadGateway")
+                self._respond_error(
+                    exchange,
+                    builder,
+                    502,
+                    f"The replicas' /metrics could not be merged: {exc}",
+                    "BadGateway",
+                )
                 return
         builder.http_status = 200
-        headers = [("Content-Type", BASE_METRICS_CONTENT_TYPE),
-                   (REQUEST_ID_HEADER, builder.request_id)]
+        headers = [
+            ("Content-Type", BASE_METRICS_CONTENT_TYPE),
+            (REQUEST_ID_HEADER, builder.request_id),
+        ]
         if request.method == "HEAD":
             exchange.start(200, None, headers, len(body), b"")
         else:
@@ -511,8 +620,9 @@ class Proxy:
 
     # -- pass-through paths ---------------------------------------------------------------
 
-    async def _pass_through(self, request: IncomingRequest, exchange: ClientExchange,
-                            builder: RecordBuilder) -> None:
+    async def _pass_through(
+        self, request: IncomingRequest, exchange: ClientExchange, builder: RecordBuilder
+    ) -> None:
         """Other paths, relayed as they are, with the idle timeout as their read timeout."""
         builder.client_stream = builder.upstream_stream = False
         headers = self._upstream_headers(request, builder.request_id, parsed=False)
@@ -522,32 +632,39 @@ class Proxy:
         replica: Replica | None = None
         try:
             try:
-                upstream, replica = await self._open_upstream(request, request.body, headers,
-                                                              builder)
+                upstream, replica = await self._open_upstream(
+                    request, request.body, headers, builder
+                )
             except UpstreamFailure as failure:
                 builder.fail(failure.outcome, failure.error_type, failure.status)
-                self._respond_error(exchange, builder, failure.status, failure.message,
-                                    failure.err_type)
+                self._respond_error(
+                    exchange, builder, failure.status, failure.message, failure.err_type
+                )
                 return
             except asyncio.CancelledError:
                 if idle.fired is None:
                     raise
                 idle.absorb()
                 builder.fail(Outcome.TIMEOUT, "read_timeout", 504)
-                self._respond_error(exchange, builder, 504, "The upstream did not answer in "
-                                    "time (read timeout).", "GatewayTimeout")
+                self._respond_error(
+                    exchange,
+                    builder,
+                    504,
+                    "The upstream did not answer in time (read timeout).",
+                    "GatewayTimeout",
+                )
                 return
             response_headers = list(filtered_headers(upstream.headers).items())
             response_headers.append((REQUEST_ID_HEADER, builder.request_id))
-            exchange.start(upstream.status, upstream.reason, response_headers,
-                           upstream.content_length)
+            exchange.start(
+                upstream.status, upstream.reason, response_headers, upstream.content_length
+            )
             builder.http_status = upstream.status
             body_done = upstream.stream_body(self._client_writer(exchange, upstream, idle))
             try:
                 await body_done
             except UpstreamError as exc:
-                builder.fail(Outcome.UPSTREAM_ERROR, _upstream_error_type(exc),
-                             upstream.status)
+                builder.fail(Outcome.UPSTREAM_ERROR, _upstream_error_type(exc), upstream.status)
                 exchange.abort()  # headers are out: cut the connection, not a false end
                 return
             except asyncio.CancelledError:
@@ -570,10 +687,12 @@ class Proxy:
                 replica.outstanding -= 1
 
     @staticmethod
-    def _client_writer(exchange: ClientExchange, upstream: UpstreamExchange,
-                       idle: Timeouts) -> Callable[[bytes, int], None]:
+    def _client_writer(
+        exchange: ClientExchange, upstream: UpstreamExchange, idle: Timeouts
+    ) -> Callable[[bytes, int], None]:
         """Body reads of a pass-through answer, written to the client as they come, the
         upstream paused while the client's buffer is full."""
+
         def write(data: bytes, at_ns: int) -> None:
             idle.last_ns = at_ns
             try:
@@ -585,8 +704,7 @@ class Proxy:
 
     # -- generation endpoints -------------------------------------------------------------
 
-    def _prepare_generation(self, request: IncomingRequest,
-                            builder: RecordBuilder) -> _Generation:
+    def _prepare_generation(self, request: IncomingRequest, builder: RecordBuilder) -> _Generation:
         """Read a generation request (the record's model, max_tokens, stream flags, SLO class,
         shape, trace ids) and decide what goes upstream: the body (with usage asked for, or as
         a stream to assemble), the headers, the routing keys."""
@@ -599,8 +717,13 @@ class Proxy:
         gen = _Generation(body)
         if isinstance(parsed, dict):
             model = parsed.get("model")
-            builder.model = (model if isinstance(model, str) and len(model) <= MAX_MODEL_NAME_LEN
-                             and model.isprintable() else None)
+            builder.model = (
+                model
+                if isinstance(model, str)
+                and len(model) <= MAX_MODEL_NAME_LEN
+                and model.isprintable()
+                else None
+            )
             max_tokens = parsed.get("max_completion_tokens", parsed.get("max_tokens"))
             if type(max_tokens) is int and 0 <= max_tokens <= MAX_TOKEN_COUNT:
                 builder.attributes["request_max_tokens"] = str(max_tokens)
@@ -612,14 +735,21 @@ class Proxy:
                     gen.upstream_body = request_with_usage(body, parsed, gen.plan)
             elif config.assemble_nonstream and not parsed.get("use_beam_search"):
                 gen.assemble = True
-                gen.upstream_body = _dumps({**parsed, "stream": True, "stream_options": {
-                    "include_usage": True, "continuous_usage_stats": True}})
+                gen.upstream_body = _dumps(
+                    {
+                        **parsed,
+                        "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                    }
+                )
             if config.route_policy is RoutePolicy.SESSION:
                 gen.session_key = request.headers.get(config.session_header) or (
-                    parsed.get("user") if isinstance(parsed.get("user"), str) else None)
+                    parsed.get("user") if isinstance(parsed.get("user"), str) else None
+                )
             elif config.route_policy is RoutePolicy.PREFIX:
-                gen.prefix_key = prompt_prefix_key(parsed, config.prefix_block_chars,
-                                                   config.prefix_block_tokens)
+                gen.prefix_key = prompt_prefix_key(
+                    parsed, config.prefix_block_chars, config.prefix_block_tokens
+                )
             gen.tools_required = parsed.get("tool_choice") == "required"
         builder.upstream_stream = builder.client_stream or gen.assemble
         if gen.assemble:
@@ -633,16 +763,21 @@ class Proxy:
                 session = parsed["user"]
             if session is not None and not config.capture_text:
                 session = self._hasher.pseudonym(session)  # ids are personal data too
-            builder.shape = request_shape(parsed, self._hasher, session_id=session,
-                                          raw_body=body if config.capture_text else None)
+            builder.shape = request_shape(
+                parsed,
+                self._hasher,
+                session_id=session,
+                raw_body=body if config.capture_text else None,
+            )
             if config.capture_text:
                 builder.text_parts = []
         gen.headers = self._upstream_headers(request, builder.request_id, parsed=True)
         self._trace_context(request, builder, gen.headers)
         return gen
 
-    def _trace_context(self, request: IncomingRequest, builder: RecordBuilder,
-                       headers: CIMultiDict[str]) -> None:
+    def _trace_context(
+        self, request: IncomingRequest, builder: RecordBuilder, headers: CIMultiDict[str]
+    ) -> None:
         """The client's W3C trace context, kept on the record (ids, not content), and with
         OpenTelemetry on, the upstream's traceparent naming the sidecar's span."""
         traceparent = request.headers.get("traceparent")
@@ -665,8 +800,13 @@ class Proxy:
             headers["traceparent"] = f"00-{trace_id}-{span_id}-{flags}"
             builder.attributes["span_ids"] = f"{trace_id}-{span_id}"
 
-    async def _generate(self, request: IncomingRequest, exchange: ClientExchange, endpoint: str,
-                        builder: RecordBuilder) -> None:
+    async def _generate(
+        self,
+        request: IncomingRequest,
+        exchange: ClientExchange,
+        endpoint: str,
+        builder: RecordBuilder,
+    ) -> None:
         config = self.config
         gen = self._prepare_generation(request, builder)
         timeouts = Timeouts.for_generation(config, builder.upstream_stream)
@@ -676,12 +816,18 @@ class Proxy:
         try:
             try:
                 upstream, replica = await self._open_upstream(
-                    request, gen.upstream_body, gen.headers, builder,
-                    session_key=gen.session_key, prefix_key=gen.prefix_key)
+                    request,
+                    gen.upstream_body,
+                    gen.headers,
+                    builder,
+                    session_key=gen.session_key,
+                    prefix_key=gen.prefix_key,
+                )
             except UpstreamFailure as failure:
                 builder.fail(failure.outcome, failure.error_type, failure.status)
-                self._respond_error(exchange, builder, failure.status, failure.message,
-                                    failure.err_type)
+                self._respond_error(
+                    exchange, builder, failure.status, failure.message, failure.err_type
+                )
                 return
             if upstream.status in _VALIDATION_STATUSES and gen.rewritten:
                 # The replica refused the body the proxy rewrote (usage injected, streaming for
@@ -697,8 +843,13 @@ class Proxy:
                 builder.upstream_stream = builder.client_stream
                 builder.attributes.pop("assembled", None)
                 upstream, replica = await self._open_upstream(
-                    request, request.body, gen.headers, builder,
-                    session_key=gen.session_key, prefix_key=gen.prefix_key)
+                    request,
+                    request.body,
+                    gen.headers,
+                    builder,
+                    session_key=gen.session_key,
+                    prefix_key=gen.prefix_key,
+                )
             # Answered: nothing reads the request again. Held for the whole stream, the body,
             # its parsed form and the copy with usage injected came to 3x the prompt per
             # in-flight stream (310 KiB each at a 100 KB prompt; tracemalloc), the header
@@ -712,16 +863,20 @@ class Proxy:
                 # Asked for identity (`_upstream_headers`): a compressed answer can be neither
                 # measured nor given an error event the client could read. Refused whole.
                 raise UpstreamFailure(
-                    Outcome.UPSTREAM_ERROR, "content_encoding", 502,
+                    Outcome.UPSTREAM_ERROR,
+                    "content_encoding",
+                    502,
                     f"The upstream answered with Content-Encoding: {coding[:32]!r} although "
-                    "the sidecar asked for none; it cannot measure a compressed answer.")
+                    "the sidecar asked for none; it cannot measure a compressed answer.",
+                )
             content_type = upstream.headers.get("Content-Type", "")
             if upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 timeouts.first_token()  # no stream: the total timeout alone bounds it
                 await self._relay_whole(exchange, upstream, builder)
             elif gen.assemble:
-                await self._assemble(exchange, upstream, endpoint, builder, timeouts,
-                                     gen.tools_required)
+                await self._assemble(
+                    exchange, upstream, endpoint, builder, timeouts, gen.tools_required
+                )
             else:
                 response_headers = list(filtered_headers(upstream.headers).items())
                 response_headers.append((REQUEST_ID_HEADER, builder.request_id))
@@ -748,23 +903,44 @@ class Proxy:
                 builder.fail(Outcome.TIMEOUT, "client_stalled")
                 exchange.abort()
                 return
-            await self._fail_open(exchange, endpoint, builder, Outcome.TIMEOUT, fired, 504,
-                                  "The upstream did not answer in time "
-                                  f"({fired.replace('_', ' ')}).", "GatewayTimeout")
+            await self._fail_open(
+                exchange,
+                endpoint,
+                builder,
+                Outcome.TIMEOUT,
+                fired,
+                504,
+                f"The upstream did not answer in time ({fired.replace('_', ' ')}).",
+                "GatewayTimeout",
+            )
         except UpstreamFailure as failure:
             if upstream is not None:
                 self.pool.close_exchange(upstream)  # as above: nothing after the error tail
                 upstream = None
-            await self._fail_open(exchange, endpoint, builder, failure.outcome,
-                                  failure.error_type, failure.status, failure.message,
-                                  failure.err_type)
+            await self._fail_open(
+                exchange,
+                endpoint,
+                builder,
+                failure.outcome,
+                failure.error_type,
+                failure.status,
+                failure.message,
+                failure.err_type,
+            )
         except ConnectionResetError:
             # Writing to the client failed: the client is gone (`handle` records that).
             raise
         except UpstreamError as exc:
-            await self._fail_open(exchange, endpoint, builder, Outcome.UPSTREAM_ERROR,
-                                  _upstream_error_type(exc), 502,
-                                  "The upstream connection broke mid-response.", "BadGateway")
+            await self._fail_open(
+                exchange,
+                endpoint,
+                builder,
+                Outcome.UPSTREAM_ERROR,
+                _upstream_error_type(exc),
+                502,
+                "The upstream connection broke mid-response.",
+                "BadGateway",
+            )
         finally:
             timeouts.disarm()
             if upstream is not None:
@@ -777,9 +953,17 @@ class Proxy:
             if replica is not None:
                 replica.outstanding -= 1
 
-    async def _fail_open(self, exchange: ClientExchange, endpoint: str, builder: RecordBuilder,
-                         outcome: Outcome, error_type: str, status: int, message: str,
-                         err_type: str) -> None:
+    async def _fail_open(
+        self,
+        exchange: ClientExchange,
+        endpoint: str,
+        builder: RecordBuilder,
+        outcome: Outcome,
+        error_type: str,
+        status: int,
+        message: str,
+        err_type: str,
+    ) -> None:
         """End a failed request the way the client can understand: a JSON error before any
         byte went out, else an error event and [DONE] on the open stream."""
         builder.fail(outcome, error_type, status)
@@ -800,16 +984,21 @@ class Proxy:
             exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
-    async def _relay_whole(self, exchange: ClientExchange, upstream: UpstreamExchange,
-                           builder: RecordBuilder) -> None:
+    async def _relay_whole(
+        self, exchange: ClientExchange, upstream: UpstreamExchange, builder: RecordBuilder
+    ) -> None:
         """A non-SSE answer (a non-streaming response, or an error before the stream)."""
         try:
             data = await upstream.read_body(MAX_NON_SSE_BODY)
         except UpstreamError as exc:
             if exc.kind == "too_large":
-                raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "oversized_body", 502,
-                                      f"The upstream's response body exceeds the sidecar's "
-                                      f"limit of {MAX_NON_SSE_BODY} bytes.") from None
+                raise UpstreamFailure(
+                    Outcome.UPSTREAM_ERROR,
+                    "oversized_body",
+                    502,
+                    f"The upstream's response body exceeds the sidecar's "
+                    f"limit of {MAX_NON_SSE_BODY} bytes.",
+                ) from None
             raise
         builder.up_end_ns = builder.offset(clock.monotonic_ns())
         try:
@@ -819,8 +1008,12 @@ class Proxy:
         if 200 <= upstream.status < 300 and not isinstance(obj, dict):
             # A success whose body is not a JSON object (cut short, garbage): the client could
             # not use it; say so in vLLM's shape rather than pass a broken 200 on.
-            raise UpstreamFailure(Outcome.UPSTREAM_ERROR, "malformed_body", 502,
-                                  "The upstream sent a malformed response body.")
+            raise UpstreamFailure(
+                Outcome.UPSTREAM_ERROR,
+                "malformed_body",
+                502,
+                "The upstream sent a malformed response body.",
+            )
         response_headers = list(filtered_headers(upstream.headers).items())
         response_headers.append((REQUEST_ID_HEADER, builder.request_id))
         exchange.start(upstream.status, upstream.reason, response_headers, len(data), data)
@@ -828,8 +1021,9 @@ class Proxy:
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         if upstream.status >= 400:
             error = ErrorInfo.from_obj(obj.get("error")) if isinstance(obj, dict) else None
-            builder.fail(Outcome.HTTP_ERROR, safe_error_type(error, upstream.status),
-                         upstream.status)
+            builder.fail(
+                Outcome.HTTP_ERROR, safe_error_type(error, upstream.status), upstream.status
+            )
         elif isinstance(obj, dict):
             fingerprint = obj.get("system_fingerprint")
             if isinstance(fingerprint, str):
@@ -851,15 +1045,24 @@ class Proxy:
                 builder.text_parts.append(choices_text(choices))
             builder.engine = _engine_timing(obj.get("metrics")) or builder.engine
 
-    async def _relay_stream(self, upstream: UpstreamExchange, exchange: ClientExchange,
-                            builder: RecordBuilder, plan: UsagePlan,
-                            timeouts: Timeouts) -> None:
+    async def _relay_stream(
+        self,
+        upstream: UpstreamExchange,
+        exchange: ClientExchange,
+        builder: RecordBuilder,
+        plan: UsagePlan,
+        timeouts: Timeouts,
+    ) -> None:
         """The streaming relay: whatever a read yields for the client goes out at once in one
         write, stamped on the client side with that write's instant (see `MeteredRead`)."""
-        meter = StreamMeter(builder.arrive_ns, plan, max_event_bytes=self.config.max_event_bytes,
-                            max_events=self.config.max_stream_events,
-                            keep_text=builder.text_parts is not None,
-                            fingerprint=self._fingerprints.get(builder.replica))
+        meter = StreamMeter(
+            builder.arrive_ns,
+            plan,
+            max_event_bytes=self.config.max_event_bytes,
+            max_events=self.config.max_stream_events,
+            keep_text=builder.text_parts is not None,
+            fingerprint=self._fingerprints.get(builder.replica),
+        )
         run = MeteredRead(upstream, meter, builder, timeouts, exchange)
         try:
             await run.body()
@@ -873,15 +1076,25 @@ class Proxy:
         exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
 
-    async def _assemble(self, exchange: ClientExchange, upstream: UpstreamExchange,
-                        endpoint: str, builder: RecordBuilder, timeouts: Timeouts,
-                        tool_choice_required: bool) -> None:
+    async def _assemble(
+        self,
+        exchange: ClientExchange,
+        upstream: UpstreamExchange,
+        endpoint: str,
+        builder: RecordBuilder,
+        timeouts: Timeouts,
+        tool_choice_required: bool,
+    ) -> None:
         """Stream from the upstream, answer the non-streaming client with one JSON body."""
         assembler = StreamAssembler(endpoint, tool_choice_required=tool_choice_required)
-        meter = StreamMeter(builder.arrive_ns, forward=False,
-                            max_event_bytes=self.config.max_event_bytes,
-                            max_events=self.config.max_stream_events,
-                            keep_text=builder.text_parts is not None, assembler=assembler)
+        meter = StreamMeter(
+            builder.arrive_ns,
+            forward=False,
+            max_event_bytes=self.config.max_event_bytes,
+            max_events=self.config.max_stream_events,
+            keep_text=builder.text_parts is not None,
+            assembler=assembler,
+        )
         await MeteredRead(upstream, meter, builder, timeouts, None).body()
         failure = meter.failure
         headers = [("Content-Type", "application/json"), (REQUEST_ID_HEADER, builder.request_id)]
@@ -901,8 +1114,15 @@ class Proxy:
 class _Generation:
     """What `Proxy._prepare_generation` decided for one generation request."""
 
-    __slots__ = ("upstream_body", "plan", "assemble", "session_key", "prefix_key",
-                 "tools_required", "headers")
+    __slots__ = (
+        "upstream_body",
+        "plan",
+        "assemble",
+        "session_key",
+        "prefix_key",
+        "tools_required",
+        "headers",
+    )
 
     def __init__(self, body: bytes) -> None:
         self.upstream_body = body  # what goes upstream: the client's body, or a rewrite of it

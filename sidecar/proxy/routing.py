@@ -73,8 +73,13 @@ class Router:
         healthy = [r for r in pool if r.healthy]
         return healthy or pool
 
-    def choose(self, *, session_key: str | None = None, prefix_key: bytes | None = None,
-               exclude: Sequence[Replica] = ()) -> Replica | None:
+    def choose(
+        self,
+        *,
+        session_key: str | None = None,
+        prefix_key: bytes | None = None,
+        exclude: Sequence[Replica] = (),
+    ) -> Replica | None:
         pool = self.candidates(exclude)
         if not pool:
             return None

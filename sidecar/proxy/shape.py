@@ -42,28 +42,31 @@ class PrefixHasher:
 
     def text(self, text: str) -> tuple[int, ...]:
         size = self.block_chars
-        data = [text[i:i + size].encode("utf-8", "surrogatepass") for i in range(0, len(text),
-                                                                                   size)]
+        data = [
+            text[i : i + size].encode("utf-8", "surrogatepass") for i in range(0, len(text), size)
+        ]
         return self._chain(data)
 
     @property
     def key_id(self) -> str:
         """Names the key without revealing it (a keyed hash of a constant): captures whose
         hashes can be compared carry the same id."""
-        return hashlib.blake2b(b"sidecar-capture-key-id", digest_size=8,
-                               key=self._salt).hexdigest()
+        return hashlib.blake2b(b"sidecar-capture-key-id", digest_size=8, key=self._salt).hexdigest()
 
     def pseudonym(self, value: str) -> str:
         """A stable stand-in for an identifier: keyed, so it cannot be reversed or matched
         against guessed ids without the key, which is never written."""
-        digest = hashlib.blake2b(b"id\x00" + value.encode("utf-8", "surrogatepass"),
-                                 digest_size=8, key=self._salt).hexdigest()
+        digest = hashlib.blake2b(
+            b"id\x00" + value.encode("utf-8", "surrogatepass"), digest_size=8, key=self._salt
+        ).hexdigest()
         return f"anon-{digest}"
 
     def tokens(self, token_ids: list[int]) -> tuple[int, ...]:
         size = self.block_tokens
-        blocks = [b",".join(str(t).encode() for t in token_ids[i:i + size])
-                  for i in range(0, len(token_ids), size)]
+        blocks = [
+            b",".join(str(t).encode() for t in token_ids[i : i + size])
+            for i in range(0, len(token_ids), size)
+        ]
         return self._chain(blocks)
 
 
@@ -81,9 +84,11 @@ def chat_text(messages: list[Any], limit: int | None = None) -> str:
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(
-                p["text"] if isinstance(p, dict) and isinstance(p.get("text"), str)
+                p["text"]
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
                 else json.dumps(p, sort_keys=True, separators=(",", ":"))
-                for p in content)
+                for p in content
+            )
         elif not isinstance(content, str):
             content = "" if content is None else json.dumps(content, sort_keys=True)
         part = f"{message.get('role')}\x1f{content}\x1e"
@@ -110,8 +115,9 @@ def _finite_or_none(value: Any) -> float | None:
     return None
 
 
-def request_shape(body: Mapping[str, Any], hasher: PrefixHasher, *, session_id: str | None,
-                  raw_body: bytes | None) -> RequestShape:
+def request_shape(
+    body: Mapping[str, Any], hasher: PrefixHasher, *, session_id: str | None, raw_body: bytes | None
+) -> RequestShape:
     """The shape of a chat or completions request body. ``raw_body`` is kept only when given
     (the operator opted in to storing text)."""
     max_tokens = _int_or_none(body.get("max_completion_tokens"))

@@ -25,8 +25,14 @@ class MeteredRead:
 
     __slots__ = ("upstream", "meter", "builder", "timeouts", "exchange", "trouble", "ended")
 
-    def __init__(self, upstream: UpstreamExchange, meter: StreamMeter, builder: RecordBuilder,
-                 timeouts: Timeouts, exchange: ClientExchange | None) -> None:
+    def __init__(
+        self,
+        upstream: UpstreamExchange,
+        meter: StreamMeter,
+        builder: RecordBuilder,
+        timeouts: Timeouts,
+        exchange: ClientExchange | None,
+    ) -> None:
         self.upstream = upstream
         self.meter = meter
         self.builder = builder

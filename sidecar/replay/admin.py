@@ -28,19 +28,21 @@ class AdminError(Exception):
 
 
 class SidecarAdmin:
-    def __init__(self, url: str, session: aiohttp.ClientSession,
-                 token: str | None = None) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.session = session
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _get(self, path: str, params: Mapping[str, str] | None = None) -> dict[str, Any]:
         try:
-            async with self.session.get(self.url + path, params=params,
-                                        headers=self.headers) as response:
+            async with self.session.get(
+                self.url + path, params=params, headers=self.headers
+            ) as response:
                 if response.status == 401:
-                    raise AdminError(f"{self.url}{path}: the sidecar wants its admin token "
-                                     "(--admin-token or SIDECAR_ADMIN_TOKEN)")
+                    raise AdminError(
+                        f"{self.url}{path}: the sidecar wants its admin token "
+                        "(--admin-token or SIDECAR_ADMIN_TOKEN)"
+                    )
                 if response.status != 200:
                     text = (await response.text())[:200]
                     raise AdminError(f"{self.url}{path}: HTTP {response.status}: {text}")
@@ -57,16 +59,21 @@ class SidecarAdmin:
     async def stats(self, request_id_prefix: str) -> dict[str, Any]:
         snapshot = await self._get("/stats", {"request_id_prefix": request_id_prefix})
         selection = snapshot.get("selection")
-        if not isinstance(selection, dict) or selection.get(
-                "request_id_prefix") != request_id_prefix:
+        if (
+            not isinstance(selection, dict)
+            or selection.get("request_id_prefix") != request_id_prefix
+        ):
             # An older sidecar ignores the query and summarises its whole window: refuse
             # rather than report other requests' latencies as this step's.
-            raise AdminError(f"{self.url}/stats cannot select requests by id (an older "
-                             "sidecar?): no per-step server view")
+            raise AdminError(
+                f"{self.url}/stats cannot select requests by id (an older "
+                "sidecar?): no per-step server view"
+            )
         return snapshot
 
-    async def view_of(self, request_id_prefix: str, sent: int, *,
-                      settle_s: float = 5.0) -> dict[str, Any]:
+    async def view_of(
+        self, request_id_prefix: str, sent: int, *, settle_s: float = 5.0
+    ) -> dict[str, Any]:
         """The sidecar's view of the ``sent`` requests named ``request_id_prefix``.
 
         The proxy finishes a request's record just after relaying its last byte, so the
@@ -76,19 +83,19 @@ class SidecarAdmin:
         deadline = clock.monotonic_ns() + int(settle_s * 1e9)
         while True:
             snapshot = await self.stats(request_id_prefix)
-            if snapshot.get("generation_requests", 0) >= sent or \
-                    clock.monotonic_ns() >= deadline:
+            if snapshot.get("generation_requests", 0) >= sent or clock.monotonic_ns() >= deadline:
                 return sidecar_view(snapshot, request_id_prefix, sent)
             await asyncio.sleep(0.05)
 
 
 def _in_ms(summary: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: (v * 1000.0 if k != "count" and isinstance(v, (int, float)) else v)
-            for k, v in summary.items()}
+    return {
+        k: (v * 1000.0 if k != "count" and isinstance(v, (int, float)) else v)
+        for k, v in summary.items()
+    }
 
 
-def sidecar_view(snapshot: Mapping[str, Any], request_id_prefix: str,
-                 sent: int) -> dict[str, Any]:
+def sidecar_view(snapshot: Mapping[str, Any], request_id_prefix: str, sent: int) -> dict[str, Any]:
     """A /stats snapshot (seconds) as a sweep step's sidecar view (milliseconds).
 
     ``client`` here is the sidecar's client vantage (from the request fully received by the
@@ -99,10 +106,16 @@ def sidecar_view(snapshot: Mapping[str, Any], request_id_prefix: str,
     vantages: dict[str, Any] = {}
     for name in VANTAGES:
         data = snapshot.get("vantages", {}).get(name, {})
-        vantages[name] = {"requests": data.get("requests", 0),
-                          **{f"{m}_ms": _in_ms(data.get(m, {})) for m in METRICS}}
-    return {"request_id_prefix": request_id_prefix, "requests_sent": sent,
-            "requests_seen": seen, "complete": seen == sent,
-            "outcomes": dict(snapshot.get("outcomes", {})),
-            "evicted_over_cap": snapshot.get("evicted_over_cap", 0),
-            "vantages": vantages}
+        vantages[name] = {
+            "requests": data.get("requests", 0),
+            **{f"{m}_ms": _in_ms(data.get(m, {})) for m in METRICS},
+        }
+    return {
+        "request_id_prefix": request_id_prefix,
+        "requests_sent": sent,
+        "requests_seen": seen,
+        "complete": seen == sent,
+        "outcomes": dict(snapshot.get("outcomes", {})),
+        "evicted_over_cap": snapshot.get("evicted_over_cap", 0),
+        "vantages": vantages,
+    }

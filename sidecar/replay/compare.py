@@ -52,10 +52,19 @@ sender fell behind its schedule); --force compares anyway
 """
 
 # Envelope keys that are measurements or run bookkeeping, not part of the experiment's design.
-NOT_DESIGN = frozenset({"engine_before", "engine_after", "engine_delta", "trace",
-                        "prompt_text_calibration", "engine_prefix_cache_hit_rate",
-                        "engine_metrics_from", "sidecar_admin",
-                        "start_at"})  # when a sharded run started, not what it was
+NOT_DESIGN = frozenset(
+    {
+        "engine_before",
+        "engine_after",
+        "engine_delta",
+        "trace",
+        "prompt_text_calibration",
+        "engine_prefix_cache_hit_rate",
+        "engine_metrics_from",
+        "sidecar_admin",
+        "start_at",
+    }
+)  # when a sharded run started, not what it was
 METRICS = (
     ("request_throughput", "req/s", True),
     ("output_throughput", "tok/s", True),
@@ -75,14 +84,22 @@ Range = tuple[float, float]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_a", help="run A (the baseline): report.json, sweep.json or the "
-                        "directory holding one")
+    parser.add_argument(
+        "run_a", help="run A (the baseline): report.json, sweep.json or the directory holding one"
+    )
     parser.add_argument("run_b", help="run B, of the same kind as A")
-    parser.add_argument("--variable", action="append", default=[], metavar="KEY",
-                        help="envelope key that is meant to differ (repeatable), e.g. target")
-    parser.add_argument("--force", action="store_true",
-                        help="compare even when other envelope keys differ or a run is "
-                        "degraded (warns loudly)")
+    parser.add_argument(
+        "--variable",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="envelope key that is meant to differ (repeatable), e.g. target",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="compare even when other envelope keys differ or a run is degraded (warns loudly)",
+    )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
@@ -99,20 +116,25 @@ def load_result(path: str) -> tuple[str, dict[str, Any]]:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{file}: not a readable report ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("envelope"), dict):
-        raise ValueError(f"{file}: not a `sidecar replay` report or a `sidecar sweep` result "
-                         "(no envelope)")
+        raise ValueError(
+            f"{file}: not a `sidecar replay` report or a `sidecar sweep` result (no envelope)"
+        )
     return (SWEEP if isinstance(data.get("steps"), list) else REPLAY), data
 
 
 def degraded_text(results: Mapping[str, Mapping[str, Any]]) -> str | None:
     """One line naming each degraded result ("B (path) is degraded: reason"), or None."""
-    found = [f"{name} is degraded: {result.get('degraded_reason') or 'see its report'}"
-             for name, result in results.items() if result.get("degraded") is True]
+    found = [
+        f"{name} is degraded: {result.get('degraded_reason') or 'see its report'}"
+        for name, result in results.items()
+        if result.get("degraded") is True
+    ]
     return "; ".join(found) or None
 
 
-def envelope_differences(a: Mapping[str, Any], b: Mapping[str, Any],
-                         variables: set[str]) -> list[tuple[str, Any, Any]]:
+def envelope_differences(
+    a: Mapping[str, Any], b: Mapping[str, Any], variables: set[str]
+) -> list[tuple[str, Any, Any]]:
     keys = (set(a) | set(b)) - NOT_DESIGN - variables
     return [(k, a.get(k), b.get(k)) for k in sorted(keys) if a.get(k) != b.get(k)]
 
@@ -139,8 +161,9 @@ def spread(report: Mapping[str, Any], key: str) -> Range | None:
     return value_range([r.get(key) for r in report.get("runs", [])])
 
 
-def noise_verdict(va: float, vb: float, range_a: Range | None, range_b: Range | None,
-                  higher_is_better: bool) -> str:
+def noise_verdict(
+    va: float, vb: float, range_a: Range | None, range_b: Range | None, higher_is_better: bool
+) -> str:
     if range_a is None or range_b is None:
         return "no repeats: noise unknown"
     if range_b[0] > range_a[1] or range_b[1] < range_a[0]:
@@ -149,19 +172,35 @@ def noise_verdict(va: float, vb: float, range_a: Range | None, range_b: Range | 
     return "within run-to-run noise"
 
 
-def _row(key: str, unit: str, higher_is_better: bool, va: Any, vb: Any,
-         range_a: Range | None, range_b: Range | None) -> dict[str, Any] | None:
+def _row(
+    key: str,
+    unit: str,
+    higher_is_better: bool,
+    va: Any,
+    vb: Any,
+    range_a: Range | None,
+    range_b: Range | None,
+) -> dict[str, Any] | None:
     if not isinstance(va, (int, float)) or not isinstance(vb, (int, float)):
         return None
-    return {"metric": key, "unit": unit, "a": va, "b": vb,
-            "change": (vb - va) / va if va else None, "a_range": range_a, "b_range": range_b,
-            "verdict": noise_verdict(va, vb, range_a, range_b, higher_is_better)}
+    return {
+        "metric": key,
+        "unit": unit,
+        "a": va,
+        "b": vb,
+        "change": (vb - va) / va if va else None,
+        "a_range": range_a,
+        "b_range": range_b,
+        "verdict": noise_verdict(va, vb, range_a, range_b, higher_is_better),
+    }
 
 
 def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Two replay reports, metric by metric."""
-    rows = [_row(key, unit, better, a.get(key), b.get(key), spread(a, key), spread(b, key))
-            for key, unit, better in METRICS]
+    rows = [
+        _row(key, unit, better, a.get(key), b.get(key), spread(a, key), spread(b, key))
+        for key, unit, better in METRICS
+    ]
     return [row for row in rows if row is not None]
 
 
@@ -177,16 +216,20 @@ def capacity_bracket(result: Mapping[str, Any]) -> tuple[float, float | None] | 
     when none passed) up to the lowest failing load above it (None: nothing above failed)."""
     capacity = result.get("capacity")
     low = float(capacity) if isinstance(capacity, (int, float)) else 0.0
-    above = [float(s["load"]) for s in result.get("steps", [])
-             if not s.get("passed") and float(s["load"]) > low]
+    above = [
+        float(s["load"])
+        for s in result.get("steps", [])
+        if not s.get("passed") and float(s["load"]) > low
+    ]
     high = min(above) if above else None
     if capacity is None and high is None:
         return None  # nothing passed and nothing failed: no sweep to speak of
     return low, high
 
 
-def capacity_verdict(a: tuple[float, float | None] | None,
-                     b: tuple[float, float | None] | None) -> str:
+def capacity_verdict(
+    a: tuple[float, float | None] | None, b: tuple[float, float | None] | None
+) -> str:
     """Higher capacity is better; called real only when the brackets do not overlap (each
     side's capacity lies in [low, high))."""
     if a is None or b is None:
@@ -202,16 +245,19 @@ def capacity_verdict(a: tuple[float, float | None] | None,
 def _step_at(result: Mapping[str, Any], load: Any) -> Mapping[str, Any] | None:
     if load is None:
         return None
-    return next((s for s in result.get("steps", []) if _load_key(s["load"]) == _load_key(load)),
-                None)
+    return next(
+        (s for s in result.get("steps", []) if _load_key(s["load"]) == _load_key(load)), None
+    )
 
 
 def _goodput_at(result: Mapping[str, Any], load: Any) -> tuple[Any, Range | None]:
     step = _step_at(result, load)
     if step is None:
         return None, None
-    return (step["report"].get("request_goodput"),
-            value_range((step.get("repeat_spread") or {}).get("request_goodput")))
+    return (
+        step["report"].get("request_goodput"),
+        value_range((step.get("repeat_spread") or {}).get("request_goodput")),
+    )
 
 
 def compare_sweeps(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
@@ -219,8 +265,9 @@ def compare_sweeps(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
     bracket_a, bracket_b = capacity_bracket(a), capacity_bracket(b)
     goodput_a, range_a = _goodput_at(a, a.get("knee"))
     goodput_b, range_b = _goodput_at(b, b.get("knee"))
-    peak = _row("request_goodput at the knee", "req/s", True, goodput_a, goodput_b, range_a,
-                range_b)
+    peak = _row(
+        "request_goodput at the knee", "req/s", True, goodput_a, goodput_b, range_a, range_b
+    )
     steps_a = {_load_key(s["load"]): s for s in a.get("steps", [])}
     steps_b = {_load_key(s["load"]): s for s in b.get("steps", [])}
     steps = []
@@ -228,22 +275,44 @@ def compare_sweeps(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
         step_a, step_b = steps_a[load], steps_b[load]
         spread_a = step_a.get("repeat_spread") or {}
         spread_b = step_b.get("repeat_spread") or {}
-        rows = [_row(key, unit, better, step_a["report"].get(key), step_b["report"].get(key),
-                     value_range(spread_a.get(key)), value_range(spread_b.get(key)))
-                for key, unit, better in STEP_METRICS]
-        steps.append({"load": load, "a_passed": step_a.get("passed"),
-                      "b_passed": step_b.get("passed"),
-                      "rows": [row for row in rows if row is not None]})
+        rows = [
+            _row(
+                key,
+                unit,
+                better,
+                step_a["report"].get(key),
+                step_b["report"].get(key),
+                value_range(spread_a.get(key)),
+                value_range(spread_b.get(key)),
+            )
+            for key, unit, better in STEP_METRICS
+        ]
+        steps.append(
+            {
+                "load": load,
+                "a_passed": step_a.get("passed"),
+                "b_passed": step_b.get("passed"),
+                "rows": [row for row in rows if row is not None],
+            }
+        )
 
-    def only(mine: Mapping[float, Mapping[str, Any]],
-             theirs: Mapping[float, Any]) -> list[dict[str, Any]]:
-        return [{"load": load, "passed": mine[load].get("passed")}
-                for load in sorted(set(mine) - set(theirs))]
+    def only(
+        mine: Mapping[float, Mapping[str, Any]], theirs: Mapping[float, Any]
+    ) -> list[dict[str, Any]]:
+        return [
+            {"load": load, "passed": mine[load].get("passed")}
+            for load in sorted(set(mine) - set(theirs))
+        ]
 
     return {
         "unit": a.get("unit"),
-        "capacity": {"a": a.get("capacity"), "b": b.get("capacity"), "a_bracket": bracket_a,
-                     "b_bracket": bracket_b, "verdict": capacity_verdict(bracket_a, bracket_b)},
+        "capacity": {
+            "a": a.get("capacity"),
+            "b": b.get("capacity"),
+            "a_bracket": bracket_a,
+            "b_bracket": bracket_b,
+            "verdict": capacity_verdict(bracket_a, bracket_b),
+        },
         "knee": {"a": a.get("knee"), "b": b.get("knee"), "peak_goodput": peak},
         "steps": steps,
         "only_a": only(steps_a, steps_b),
@@ -261,22 +330,31 @@ async def run(args: argparse.Namespace) -> int:
         print(f"sidecar compare: {exc}", file=sys.stderr)
         return 2
     if kind_a != kind_b:
-        print(f"sidecar compare: A is a {kind_a} and B a {kind_b}: a replay report is only "
-              "compared with a replay report, a sweep with a sweep", file=sys.stderr)
+        print(
+            f"sidecar compare: A is a {kind_a} and B a {kind_b}: a replay report is only "
+            "compared with a replay report, a sweep with a sweep",
+            file=sys.stderr,
+        )
         return 2
-    differences = envelope_differences(design(kind_a, a), design(kind_b, b),
-                                       set(args.variable))
+    differences = envelope_differences(design(kind_a, a), design(kind_b, b), set(args.variable))
     degraded = degraded_text({f"A ({args.run_a})": a, f"B ({args.run_b})": b})
     if degraded and not args.force:
-        print(f"sidecar compare: refused: {degraded}; a run that did not offer its load is "
-              "not called better or worse (--force compares anyway)", file=sys.stderr)
+        print(
+            f"sidecar compare: refused: {degraded}; a run that did not offer its load is "
+            "not called better or worse (--force compares anyway)",
+            file=sys.stderr,
+        )
     if differences and not args.force:
-        print("sidecar compare: these are different experiments; the envelopes differ in:",
-              file=sys.stderr)
+        print(
+            "sidecar compare: these are different experiments; the envelopes differ in:",
+            file=sys.stderr,
+        )
         for key, va, vb in differences:
             print(f"  {key}: {va!r} vs {vb!r}", file=sys.stderr)
-        print("declare the intended variable with --variable KEY, or --force to compare "
-              "anyway", file=sys.stderr)
+        print(
+            "declare the intended variable with --variable KEY, or --force to compare anyway",
+            file=sys.stderr,
+        )
     if (degraded or differences) and not args.force:
         return 3
     if kind_a == SWEEP:
@@ -284,8 +362,18 @@ async def run(args: argparse.Namespace) -> int:
     else:
         comparison = {"kind": REPLAY, "rows": compare(a, b)}
     if args.json:
-        print(json.dumps({"envelope_differences": differences, "variables": args.variable,
-                          "degraded": degraded, **comparison}, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "envelope_differences": differences,
+                    "variables": args.variable,
+                    "degraded": degraded,
+                    **comparison,
+                },
+                indent=2,
+                default=str,
+            )
+        )
         return 0
     if degraded:
         print("!" * 78)
@@ -297,8 +385,12 @@ async def run(args: argparse.Namespace) -> int:
         for key, va, vb in differences:
             print(f"  {key}: {va!r} vs {vb!r}")
         print("!" * 78)
-    declared = ", ".join(f"{k}: {a['envelope'].get(k)!r} -> {b['envelope'].get(k)!r}"
-                         for k in args.variable) or "none"
+    declared = (
+        ", ".join(
+            f"{k}: {a['envelope'].get(k)!r} -> {b['envelope'].get(k)!r}" for k in args.variable
+        )
+        or "none"
+    )
     print(f"A = {args.run_a}\nB = {args.run_b}\nvariable: {declared}")
     if kind_a == SWEEP:
         print_sweeps(comparison)
@@ -312,12 +404,16 @@ def _rng(r: Range | None) -> str:
 
 
 def print_rows(rows: Sequence[Mapping[str, Any]], indent: str = "") -> None:
-    print(f"{indent}{'metric':<20}{'A':>12}{'B':>12}{'change':>9}  {'A runs':<21}"
-          f"{'B runs':<21}verdict")
+    print(
+        f"{indent}{'metric':<20}{'A':>12}{'B':>12}{'change':>9}  {'A runs':<21}"
+        f"{'B runs':<21}verdict"
+    )
     for row in rows:
         change = "-" if row["change"] is None else f"{row['change']:+.1%}"
-        print(f"{indent}{row['metric']:<20}{row['a']:>12.2f}{row['b']:>12.2f}{change:>9}  "
-              f"{_rng(row['a_range']):<21}{_rng(row['b_range']):<21}{row['verdict']}")
+        print(
+            f"{indent}{row['metric']:<20}{row['a']:>12.2f}{row['b']:>12.2f}{change:>9}  "
+            f"{_rng(row['a_range']):<21}{_rng(row['b_range']):<21}{row['verdict']}"
+        )
 
 
 def _bracket(bracket: Sequence[float | None] | None) -> str:
@@ -330,24 +426,35 @@ def _bracket(bracket: Sequence[float | None] | None) -> str:
 def print_sweeps(comparison: Mapping[str, Any]) -> None:
     unit = comparison["unit"]
     capacity = comparison["capacity"]
-    print(f"capacity ({unit}): A {capacity['a']} {_bracket(capacity['a_bracket'])}  "
-          f"B {capacity['b']} {_bracket(capacity['b_bracket'])}  -> {capacity['verdict']}")
+    print(
+        f"capacity ({unit}): A {capacity['a']} {_bracket(capacity['a_bracket'])}  "
+        f"B {capacity['b']} {_bracket(capacity['b_bracket'])}  -> {capacity['verdict']}"
+    )
     knee = comparison["knee"]
     peak = knee["peak_goodput"]
-    peak_text = "goodput at the knee: -" if peak is None else (
-        f"goodput at the knee: A {peak['a']:.2f} ({_rng(peak['a_range'])})  "
-        f"B {peak['b']:.2f} ({_rng(peak['b_range'])})  -> {peak['verdict']}")
+    peak_text = (
+        "goodput at the knee: -"
+        if peak is None
+        else (
+            f"goodput at the knee: A {peak['a']:.2f} ({_rng(peak['a_range'])})  "
+            f"B {peak['b']:.2f} ({_rng(peak['b_range'])})  -> {peak['verdict']}"
+        )
+    )
     print(f"knee ({unit}): A {knee['a']}  B {knee['b']}; {peak_text}")
     for side in ("a", "b"):
         alone = comparison[f"only_{side}"]
         if alone:
-            listed = ", ".join(f"{s['load']:g} ({'pass' if s['passed'] else 'fail'})"
-                               for s in alone)
+            listed = ", ".join(
+                f"{s['load']:g} ({'pass' if s['passed'] else 'fail'})" for s in alone
+            )
             print(f"steps only {side.upper()} ran, not compared: {listed}")
     for step in comparison["steps"]:
+
         def verdict(passed: Any) -> str:
             return "pass" if passed else "fail"
 
-        print(f"\nload {step['load']:g} {unit}: A {verdict(step['a_passed'])}, "
-              f"B {verdict(step['b_passed'])}")
+        print(
+            f"\nload {step['load']:g} {unit}: A {verdict(step['a_passed'])}, "
+            f"B {verdict(step['b_passed'])}"
+        )
         print_rows(step["rows"], indent="  ")

@@ -276,8 +276,9 @@ class _Source:
     mapping: dict[str, str] = {}
     clock_units = ""
 
-    def __init__(self, path: Path, options: ImportOptions, skipped: _Tally,
-                 remarks: _Tally) -> None:
+    def __init__(
+        self, path: Path, options: ImportOptions, skipped: _Tally, remarks: _Tally
+    ) -> None:
         self.path = path
         self.options = options
         self.skipped = skipped
@@ -308,7 +309,8 @@ class _Source:
     def _bad(self, line: int, message: str) -> None:
         if not self.options.skip_bad_rows:
             raise TraceImportError(
-                f"{self.path}:{line}: {message} (use --skip-bad-rows to skip such rows)")
+                f"{self.path}:{line}: {message} (use --skip-bad-rows to skip such rows)"
+            )
         self.skipped.add("unreadable row (--skip-bad-rows)", f"line {line}: {message}")
 
 
@@ -343,8 +345,9 @@ class _JsonLinesSource(_Source):
             raise _BadRow(f"no `{name}` field")
         return data[name]
 
-    def _prefix(self, data: dict[str, Any], n_in: int, block: int,
-                line_no: int) -> PrefixBlocks | None:
+    def _prefix(
+        self, data: dict[str, Any], n_in: int, block: int, line_no: int
+    ) -> PrefixBlocks | None:
         if data.get("hash_ids") is None:
             return None
         hashes = _hash_ids(data["hash_ids"])
@@ -352,15 +355,18 @@ class _JsonLinesSource(_Source):
         if len(hashes) != expected:
             self.remarks.add(
                 f"hash_ids length != ceil(input_length/{block})",
-                f"line {line_no}: {len(hashes)} ids for {n_in} tokens (expected {expected})")
+                f"line {line_no}: {len(hashes)} ids for {n_in} tokens (expected {expected})",
+            )
         return PrefixBlocks("tokens", block, hashes)
 
 
 class _MooncakeSource(_JsonLinesSource):
     format_name = "mooncake"
     source_name = "mooncake"
-    description = ("Mooncake trace JSONL (kvcache-ai/Mooncake FAST'25; AIPerf Mooncake+ "
-                   "extras session_id, delay)")
+    description = (
+        "Mooncake trace JSONL (kvcache-ai/Mooncake FAST'25; AIPerf Mooncake+ "
+        "extras session_id, delay)"
+    )
     mapping = {
         "timestamp": "t = timestamp / 1000 (ms since the first request -> s)",
         "input_length": "n_in (tokens)",
@@ -368,12 +374,13 @@ class _MooncakeSource(_JsonLinesSource):
         "hash_ids": f"prefix = {{unit: tokens, size: {MOONCAKE_BLOCK_TOKENS}, hashes}}",
         "session_id": "session_id",
         "delay": "only for a follow-up row without timestamp: t = the session's previous "
-                 "arrival + delay/1000 (a lower bound)",
+        "arrival + delay/1000 (a lower bound)",
     }
     clock_units = "timestamp is ms since the first request; t = timestamp / 1000 s"
 
-    def __init__(self, path: Path, options: ImportOptions, skipped: _Tally,
-                 remarks: _Tally) -> None:
+    def __init__(
+        self, path: Path, options: ImportOptions, skipped: _Tally, remarks: _Tally
+    ) -> None:
         super().__init__(path, options, skipped, remarks)
         self._last_clock: dict[str, int] = {}  # session -> its latest arrival (delay rows)
 
@@ -388,11 +395,14 @@ class _MooncakeSource(_JsonLinesSource):
         if data.get("timestamp") is None:
             delay = data.get("delay")
             if delay is None or session_id is None or session_id not in self._last_clock:
-                raise _BadRow("no `timestamp`: only a follow-up turn (a session_id seen "
-                              "before, with `delay`) can be placed without one")
+                raise _BadRow(
+                    "no `timestamp`: only a follow-up turn (a session_id seen "
+                    "before, with `delay`) can be placed without one"
+                )
             clock = self._last_clock[session_id] + _time_to_ns(delay, "delay", MS_NS)
-            self.remarks.add("t from the session's previous arrival + delay (lower bound)",
-                             f"line {line_no}")
+            self.remarks.add(
+                "t from the session's previous arrival + delay (lower bound)", f"line {line_no}"
+            )
         else:
             clock = _time_to_ns(data["timestamp"], "timestamp", MS_NS)
             if data.get("delay") is not None:
@@ -400,8 +410,7 @@ class _MooncakeSource(_JsonLinesSource):
         if session_id is not None:
             self._last_clock[session_id] = clock
         if any(key in data for key in ("text_input", "messages", "payload", "tools")):
-            self.remarks.add("text/messages/payload not imported (lengths only)",
-                             f"line {line_no}")
+            self.remarks.add("text/messages/payload not imported (lengths only)", f"line {line_no}")
         if "extra" in data:
             self.remarks.add("extra request body fields not imported", f"line {line_no}")
         prefix = self._prefix(data, n_in, MOONCAKE_BLOCK_TOKENS, line_no)
@@ -417,15 +426,16 @@ class _BailianSource(_JsonLinesSource):
         "input_length": "n_in (tokens)",
         "output_length": "n_out (tokens); max_tokens = n_out, ignore_eos = true",
         "hash_ids": f"prefix = {{unit: tokens, size: {BAILIAN_BLOCK_TOKENS}, hashes}} "
-                    "(salted SipHash per block, as published)",
+        "(salted SipHash per block, as published)",
         "chat_id": "request_id",
         "parent_chat_id": "session_id = the root chat_id of the parent chain (-1 = root)",
         "type": "counted in notes.request_types",
     }
     clock_units = "timestamp is in s; t = timestamp"
 
-    def __init__(self, path: Path, options: ImportOptions, skipped: _Tally,
-                 remarks: _Tally) -> None:
+    def __init__(
+        self, path: Path, options: ImportOptions, skipped: _Tally, remarks: _Tally
+    ) -> None:
         super().__init__(path, options, skipped, remarks)
         self._root_of: dict[str, str] = {}  # chat_id -> root chat_id
         self._types: Counter[str] = Counter()
@@ -452,8 +462,9 @@ class _BailianSource(_JsonLinesSource):
         if data.get("type") is not None:
             self._types[str(data["type"])] += 1
         prefix = self._prefix(data, n_in, BAILIAN_BLOCK_TOKENS, line_no)
-        return SourceRow(line_no, clock, n_in, n_out, prefix=prefix, session_id=session_id,
-                         request_id=chat_id)
+        return SourceRow(
+            line_no, clock, n_in, n_out, prefix=prefix, session_id=session_id, request_id=chat_id
+        )
 
 
 class _CsvSource(_Source):
@@ -500,7 +511,8 @@ class _CsvSource(_Source):
             raise TraceImportError(
                 f"{self.path}:1: missing column(s) {', '.join(map(repr, missing))}; the header "
                 f"has {', '.join(map(repr, header))}; --format {self.format_name} needs "
-                f"{', '.join(self.required)}")
+                f"{', '.join(self.required)}"
+            )
         known = {_normal_column(name) for name in self.required + self.optional}
         self.ignored_columns = [name for name in header if _normal_column(name) not in known]
         return columns
@@ -516,15 +528,18 @@ class _AzureSource(_CsvSource):
     required = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
     mapping = {
         "TIMESTAMP": "t = seconds since the earliest imported row (calendar time, ns-exact; "
-                     "no zone = UTC)",
+        "no zone = UTC)",
         "ContextTokens": "n_in (tokens)",
         "GeneratedTokens": "n_out (tokens); max_tokens = n_out, ignore_eos = true",
     }
-    clock_units = ("TIMESTAMP is calendar time (no zone read as UTC); t = seconds since the "
-                   "earliest imported row")
+    clock_units = (
+        "TIMESTAMP is calendar time (no zone read as UTC); t = seconds since the "
+        "earliest imported row"
+    )
 
-    def __init__(self, path: Path, options: ImportOptions, skipped: _Tally,
-                 remarks: _Tally) -> None:
+    def __init__(
+        self, path: Path, options: ImportOptions, skipped: _Tally, remarks: _Tally
+    ) -> None:
         super().__init__(path, options, skipped, remarks)
         self.first_epoch_ns: int | None = None  # the clock is ns since the first row
         self.zoned_rows = 0
@@ -549,8 +564,10 @@ class _AzureSource(_CsvSource):
         return (self.first_epoch_ns or 0) + clock_ns
 
     def extra_notes(self) -> dict[str, Any]:
-        return {"timestamps_with_zone": self.zoned_rows,
-                "timestamps_without_zone_read_as_utc": self.unzoned_rows}
+        return {
+            "timestamps_with_zone": self.zoned_rows,
+            "timestamps_without_zone_read_as_utc": self.unzoned_rows,
+        }
 
     def _parse(self, line_no: int, cells: list[str], columns: dict[str, int]) -> SourceRow:
         text = cells[columns["TIMESTAMP"]]
@@ -581,7 +598,7 @@ class _BurstGptSource(_CsvSource):
         "Model": "model (--model where empty)",
         "Request tokens": "n_in (tokens)",
         "Response tokens": "n_out (tokens); max_tokens = n_out, ignore_eos = true; 0 = failed "
-                           "in the source: outcome failed_in_source, max_tokens 1",
+        "in the source: outcome failed_in_source, max_tokens 1",
         "Total tokens": "checked against Request + Response tokens",
         "Log Type": "counted in notes.log_types",
         "Session ID": "session_id (v2)",
@@ -589,8 +606,9 @@ class _BurstGptSource(_CsvSource):
     }
     clock_units = "Timestamp is s since 0:00 of day 1; t = Timestamp"
 
-    def __init__(self, path: Path, options: ImportOptions, skipped: _Tally,
-                 remarks: _Tally) -> None:
+    def __init__(
+        self, path: Path, options: ImportOptions, skipped: _Tally, remarks: _Tally
+    ) -> None:
         super().__init__(path, options, skipped, remarks)
         self._log_types: Counter[str] = Counter()
         self.columns_version = "v1.1"
@@ -621,8 +639,10 @@ class _BurstGptSource(_CsvSource):
         total = cell("Total tokens")
         if total:
             if _token_count(total, "Total tokens") != n_in + n_out:
-                self.remarks.add("Total tokens != Request tokens + Response tokens",
-                                 f"line {line_no}: {total} != {n_in} + {n_out}")
+                self.remarks.add(
+                    "Total tokens != Request tokens + Response tokens",
+                    f"line {line_no}: {total} != {n_in} + {n_out}",
+                )
         log_type = cell("Log Type")
         if log_type:
             self._log_types[log_type] += 1
@@ -630,8 +650,16 @@ class _BurstGptSource(_CsvSource):
         e2e_s = None
         if elapsed:
             e2e_s = _time_to_ns(elapsed, "Elapsed time") / NS_PER_S
-        return SourceRow(line_no, clock, n_in, n_out, model=cell("Model") or None,
-                         session_id=cell("Session ID") or None, failed=n_out == 0, e2e_s=e2e_s)
+        return SourceRow(
+            line_no,
+            clock,
+            n_in,
+            n_out,
+            model=cell("Model") or None,
+            session_id=cell("Session ID") or None,
+            failed=n_out == 0,
+            e2e_s=e2e_s,
+        )
 
 
 SOURCES: dict[str, type[_Source]] = {
@@ -705,8 +733,7 @@ def _spool_key(line: str) -> int:
     return int(line[: line.index("\t")])
 
 
-def _sorted_spool(spool_path: Path, work_dir: Path,
-                  run_lines: int) -> Generator[str, None, None]:
+def _sorted_spool(spool_path: Path, work_dir: Path, run_lines: int) -> Generator[str, None, None]:
     """The spool's lines ordered by their clock prefix, stably, in bounded memory."""
     runs: list[Path] = []
     with open(spool_path, encoding="utf-8") as spool:
@@ -745,10 +772,14 @@ def _validate(fmt: str, options: ImportOptions) -> None:
         raise TraceImportError("--duration must be > 0")
 
 
-def import_trace(fmt: str, input_path: str | os.PathLike[str],
-                 output_path: str | os.PathLike[str],
-                 options: ImportOptions | None = None,
-                 *, run_lines: int = SORT_RUN_LINES) -> ImportResult:
+def import_trace(
+    fmt: str,
+    input_path: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    options: ImportOptions | None = None,
+    *,
+    run_lines: int = SORT_RUN_LINES,
+) -> ImportResult:
     """Convert a public trace to a sidecar trace file (``.gz`` output is compressed)."""
     options = options or ImportOptions()
     _validate(fmt, options)
@@ -768,8 +799,15 @@ def import_trace(fmt: str, input_path: str | os.PathLike[str],
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _run_import(source: _Source, options: ImportOptions, output: Path, work_dir: Path,
-                skipped: _Tally, remarks: _Tally, run_lines: int) -> ImportResult:
+def _run_import(
+    source: _Source,
+    options: ImportOptions,
+    output: Path,
+    work_dir: Path,
+    skipped: _Tally,
+    remarks: _Tally,
+    run_lines: int,
+) -> ImportResult:
     spool_path = work_dir / "rows"
     kept = 0
     first_clock: int | None = None
@@ -781,8 +819,10 @@ def _run_import(source: _Source, options: ImportOptions, output: Path, work_dir:
     window_end: int | None = None
     window_resolved = False
     models: set[str] = set()
-    with open(spool_path, "w", encoding="utf-8") as spool, \
-            contextlib.closing(source.rows()) as rows:
+    with (
+        open(spool_path, "w", encoding="utf-8") as spool,
+        contextlib.closing(source.rows()) as rows,
+    ):
         for row in rows:
             if not window_resolved:  # after the first row: azure's clock starts there
                 window_resolved = True
@@ -805,17 +845,19 @@ def _run_import(source: _Source, options: ImportOptions, output: Path, work_dir:
             if row.clock_ns < latest_clock:
                 out_of_order += 1
                 worst_back_ns = max(worst_back_ns, latest_clock - row.clock_ns)
-                remarks.add("row earlier than a row before it",
-                            f"line {row.line}: {(latest_clock - row.clock_ns) / NS_PER_S:g} s "
-                            "back")
+                remarks.add(
+                    "row earlier than a row before it",
+                    f"line {row.line}: {(latest_clock - row.clock_ns) / NS_PER_S:g} s back",
+                )
             latest_clock = max(latest_clock, row.clock_ns)
             min_clock = min(min_clock, row.clock_ns)
             if row.failed:
-                remarks.add("failed in the source (kept: outcome failed_in_source, "
-                            "max_tokens 1)", f"line {row.line}")
+                remarks.add(
+                    "failed in the source (kept: outcome failed_in_source, max_tokens 1)",
+                    f"line {row.line}",
+                )
             elif row.n_out == 0:
-                remarks.add("n_out = 0 (max_tokens set to 1: vLLM refuses 0)",
-                            f"line {row.line}")
+                remarks.add("n_out = 0 (max_tokens set to 1: vLLM refuses 0)", f"line {row.line}")
             model = row.model if row.model is not None else options.model
             if model is not None:
                 models.add(model)
@@ -830,28 +872,50 @@ def _run_import(source: _Source, options: ImportOptions, output: Path, work_dir:
         reasons = "; ".join(f"{n} {why}" for why, n in sorted(skipped.counts.items()))
         raise TraceImportError(
             f"{source.path}: no requests to import ({source.rows_read} rows read"
-            + (f"; skipped: {reasons}" if reasons else "") + ")")
+            + (f"; skipped: {reasons}" if reasons else "")
+            + ")"
+        )
 
-    header = _header(source, options, kept, min_clock, out_of_order, worst_back_ns, models,
-                     skipped, remarks)
-    _write_output(output, header, spool_path, work_dir, min_clock, out_of_order == 0, options,
-                  run_lines)
-    return ImportResult(output=output, header=header, requests=kept,
-                        rows_read=source.rows_read, skipped=dict(skipped.counts),
-                        out_of_order=out_of_order)
+    header = _header(
+        source, options, kept, min_clock, out_of_order, worst_back_ns, models, skipped, remarks
+    )
+    _write_output(
+        output, header, spool_path, work_dir, min_clock, out_of_order == 0, options, run_lines
+    )
+    return ImportResult(
+        output=output,
+        header=header,
+        requests=kept,
+        rows_read=source.rows_read,
+        skipped=dict(skipped.counts),
+        out_of_order=out_of_order,
+    )
 
 
-def _header(source: _Source, options: ImportOptions, kept: int, t0_clock: int,
-            out_of_order: int, worst_back_ns: int, models: set[str], skipped: _Tally,
-            remarks: _Tally) -> TraceHeader:
+def _header(
+    source: _Source,
+    options: ImportOptions,
+    kept: int,
+    t0_clock: int,
+    out_of_order: int,
+    worst_back_ns: int,
+    models: set[str],
+    skipped: _Tally,
+    remarks: _Tally,
+) -> TraceHeader:
     """The header: provenance, units and every count a reader needs to trust the import."""
     if out_of_order == 0:
         order = "rows in file order (already sorted by time)"
     else:
-        action = ("sorted by t (stable)" if options.sort
-                  else "file order kept (--no-sort): t is not monotonic")
-        order = (f"{out_of_order} rows earlier than a row before them (worst "
-                 f"{worst_back_ns / NS_PER_S:g} s back); {action}")
+        action = (
+            "sorted by t (stable)"
+            if options.sort
+            else "file order kept (--no-sort): t is not monotonic"
+        )
+        order = (
+            f"{out_of_order} rows earlier than a row before them (worst "
+            f"{worst_back_ns / NS_PER_S:g} s back); {action}"
+        )
     window: dict[str, Any] = {}
     if options.start_at is not None:
         window["start_at"] = options.start_at
@@ -864,10 +928,15 @@ def _header(source: _Source, options: ImportOptions, kept: int, t0_clock: int,
         "source_file": source.path.name,
         "source_format": source.description,
         "mapping": dict(source.mapping),
-        "units": (f"{source.clock_units}; rebased so the earliest imported request has t = 0"
-                  + (f"; then t x {options.time_scale:g} (--time-scale)"
-                     if options.time_scale != 1.0 else "")
-                  + "; lengths in tokens"),
+        "units": (
+            f"{source.clock_units}; rebased so the earliest imported request has t = 0"
+            + (
+                f"; then t x {options.time_scale:g} (--time-scale)"
+                if options.time_scale != 1.0
+                else ""
+            )
+            + "; lengths in tokens"
+        ),
         "time_scale": options.time_scale,
         "t0_source": source.describe_clock(t0_clock),
         "rows_read": source.rows_read,
@@ -891,9 +960,16 @@ def _header(source: _Source, options: ImportOptions, kept: int, t0_clock: int,
     )
 
 
-def _write_output(output: Path, header: TraceHeader, spool_path: Path, work_dir: Path,
-                  t0_clock: int, in_order: bool, options: ImportOptions,
-                  run_lines: int) -> None:
+def _write_output(
+    output: Path,
+    header: TraceHeader,
+    spool_path: Path,
+    work_dir: Path,
+    t0_clock: int,
+    in_order: bool,
+    options: ImportOptions,
+    run_lines: int,
+) -> None:
     """Header, then the spooled requests; written under a temporary name, then renamed."""
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
     try:
@@ -902,13 +978,14 @@ def _write_output(output: Path, header: TraceHeader, spool_path: Path, work_dir:
             if in_order:  # the first row was the earliest: every t was final when spooled
                 with open(spool_path, encoding="utf-8") as spool:
                     for line in spool:
-                        out.write(line[line.index("\t") + 1:])
+                        out.write(line[line.index("\t") + 1 :])
             else:
                 with contextlib.ExitStack() as stack:
                     lines: Iterator[str]
                     if options.sort:
                         lines = stack.enter_context(
-                            contextlib.closing(_sorted_spool(spool_path, work_dir, run_lines)))
+                            contextlib.closing(_sorted_spool(spool_path, work_dir, run_lines))
+                        )
                     else:
                         lines = stack.enter_context(open(spool_path, encoding="utf-8"))
                     for line in lines:

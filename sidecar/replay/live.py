@@ -38,8 +38,24 @@ _go_float: Callable[[float], str] = _untyped_float_to_go_string
 OUTCOMES = tuple(Outcome)
 # Send lateness (actual - scheduled): a healthy sender is well under a millisecond; AIPerf calls
 # a run degraded past 500 ms of schedule lag at p99.
-LATENESS_BOUNDS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENESS_BOUNDS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 # Layout of the shared array.
 _PLANNED, _SENT, _RUN = 0, 1, 2
@@ -55,8 +71,9 @@ class ReplayCounters:
     """The replay's counters in a shared array (pass `shared` to sender processes)."""
 
     def __init__(self, shared: Any | None = None) -> None:
-        self.shared = shared if shared is not None else multiprocessing.get_context(
-            "spawn").Array("d", SIZE)
+        self.shared = (
+            shared if shared is not None else multiprocessing.get_context("spawn").Array("d", SIZE)
+        )
 
     def start_run(self, run: int, planned: int) -> None:
         with self.shared.get_lock():
@@ -82,7 +99,7 @@ class ReplayCounters:
     def totals(self) -> tuple[int, int, int]:
         """(sent, finished, failed) over every run so far: what a progress display shows."""
         values = self.snapshot()
-        finished = sum(values[_COMPLETED:_COMPLETED + len(OUTCOMES)])
+        finished = sum(values[_COMPLETED : _COMPLETED + len(OUTCOMES)])
         ok = values[_OUTCOME_SLOT[Outcome.OK]]
         return int(values[_SENT]), int(finished), int(finished - ok)
 
@@ -103,36 +120,50 @@ class ReplayCollector(Collector):
         values = self.counters.snapshot()
         labels = [self.shard]
         planned = CounterMetricFamily(
-            "sidecar_replay_requests_planned", "Requests this sender has planned (every run "
-            "counted; warm-up excluded).", labels=["shard"])
+            "sidecar_replay_requests_planned",
+            "Requests this sender has planned (every run counted; warm-up excluded).",
+            labels=["shard"],
+        )
         planned.add_metric(labels, values[_PLANNED])
         yield planned
-        sent = CounterMetricFamily("sidecar_replay_requests_sent",
-                                   "Requests this sender has sent.", labels=["shard"])
+        sent = CounterMetricFamily(
+            "sidecar_replay_requests_sent", "Requests this sender has sent.", labels=["shard"]
+        )
         sent.add_metric(labels, values[_SENT])
         yield sent
         completed = CounterMetricFamily(
-            "sidecar_replay_requests_completed", "Requests this sender has finished, by the "
-            "outcome it saw (client vantage).", labels=["shard", "outcome"])
+            "sidecar_replay_requests_completed",
+            "Requests this sender has finished, by the outcome it saw (client vantage).",
+            labels=["shard", "outcome"],
+        )
         for outcome in OUTCOMES:
             completed.add_metric([self.shard, outcome.value], values[_OUTCOME_SLOT[outcome]])
         yield completed
-        done = sum(values[_COMPLETED:_COMPLETED + len(OUTCOMES)])
-        in_flight = GaugeMetricFamily("sidecar_replay_in_flight_requests",
-                                      "Requests sent and not finished yet.", labels=["shard"])
+        done = sum(values[_COMPLETED : _COMPLETED + len(OUTCOMES)])
+        in_flight = GaugeMetricFamily(
+            "sidecar_replay_in_flight_requests",
+            "Requests sent and not finished yet.",
+            labels=["shard"],
+        )
         in_flight.add_metric(labels, values[_SENT] - done)
         yield in_flight
-        run = GaugeMetricFamily("sidecar_replay_run", "The run in progress (1 = the first; "
-                                "--repeats runs the trace several times).", labels=["shard"])
+        run = GaugeMetricFamily(
+            "sidecar_replay_run",
+            "The run in progress (1 = the first; --repeats runs the trace several times).",
+            labels=["shard"],
+        )
         run.add_metric(labels, values[_RUN])
         yield run
         lateness = HistogramMetricFamily(
-            "sidecar_replay_send_lateness_seconds", "Actual send instant - scheduled one, per "
-            "open-loop request (0 when early).", labels=["shard"])
-        buckets = values[_LATE_BUCKETS:_LATE_BUCKETS + len(LATENESS_BOUNDS_S) + 1]
+            "sidecar_replay_send_lateness_seconds",
+            "Actual send instant - scheduled one, per open-loop request (0 when early).",
+            labels=["shard"],
+        )
+        buckets = values[_LATE_BUCKETS : _LATE_BUCKETS + len(LATENESS_BOUNDS_S) + 1]
         bounds = [_go_float(b) for b in LATENESS_BOUNDS_S] + ["+Inf"]
-        lateness.add_metric(labels, list(zip(bounds, accumulate(buckets), strict=True)),
-                            values[_LATE_SUM])
+        lateness.add_metric(
+            labels, list(zip(bounds, accumulate(buckets), strict=True)), values[_LATE_SUM]
+        )
         yield lateness
 
 
@@ -148,8 +179,9 @@ class MetricsServer:
 
     async def start(self) -> str:
         async def metrics(_request: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.registry),
-                                headers={"Content-Type": CONTENT_TYPE_LATEST})
+            return web.Response(
+                body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            )
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)

@@ -56,7 +56,7 @@ EXTENSION_DEFINITIONS = {
     **DEFINITIONS,
     "ntpot": "E2E / N_out per request (includes TTFT); sample = request",
     "itl_units": "BR v0.2 allows only ms/token for ITL: ours is per token-carrying event "
-                 "(SSE chunk), per token when each chunk carries one token",
+    "(SSE chunk), per token when each chunk carries one token",
 }
 
 
@@ -70,8 +70,12 @@ def statistics(values: Sequence[float], units: str) -> dict[str, Any] | None:
     summary = stats.summarize(values, PERCENTILES)
     if summary.count == 0:
         return None
-    out: dict[str, Any] = {"units": units, "mean": summary.mean, "stddev": summary.std,
-                           "min": summary.min}
+    out: dict[str, Any] = {
+        "units": units,
+        "mean": summary.mean,
+        "stddev": summary.std,
+        "min": summary.min,
+    }
     for q in PERCENTILES:
         out[stat_key(q)] = summary.p(q)
     out["max"] = summary.max
@@ -92,8 +96,12 @@ def sequence_length(lengths: Sequence[int | None]) -> dict[str, Any] | None:
     low, high = min(known), max(known)
     if low == high:
         return {"distribution": "fixed", "value": low}
-    return {"distribution": "other", "value": max(1.0, sum(known) / len(known)),
-            "min": low, "max": high}
+    return {
+        "distribution": "other",
+        "value": max(1.0, sum(known) / len(known)),
+        "min": low,
+        "max": high,
+    }
 
 
 def iso_time(wall_ns: int) -> str:
@@ -111,16 +119,28 @@ def cfg_id(config: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def component(label: str, tool: str, tool_version: str | None, *, description: str,
-              details: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def component(
+    label: str,
+    tool: str,
+    tool_version: str | None,
+    *,
+    description: str,
+    details: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """A stack component of kind ``generic`` (the one kind whose standardized section takes
     extra fields; ``inference_engine`` requires accelerator details we cannot know)."""
-    standardized = {"tool": tool, "tool_version": tool_version or "unknown",
-                    **(details or {})}
-    return {"metadata": {"kind": "generic", "schema_version": COMPONENT_SCHEMA_VERSION,
-                         "label": label, "cfg_id": cfg_id(standardized),
-                         "description": description},
-            "standardized": standardized, "native": {}}
+    standardized = {"tool": tool, "tool_version": tool_version or "unknown", **(details or {})}
+    return {
+        "metadata": {
+            "kind": "generic",
+            "schema_version": COMPONENT_SCHEMA_VERSION,
+            "label": label,
+            "cfg_id": cfg_id(standardized),
+            "description": description,
+        },
+        "standardized": standardized,
+        "native": {},
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,25 +165,30 @@ SECRET_ARGS = frozenset({"admin_token"})
 
 def native_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """Command-line arguments as ``--flag: value`` (plain values only; never a secret)."""
-    return {f"--{name.replace('_', '-')}": value for name, value in sorted(args.items())
-            if name not in SECRET_ARGS
-            and isinstance(value, (str, int, float, bool, list, type(None)))}
+    return {
+        f"--{name.replace('_', '-')}": value
+        for name, value in sorted(args.items())
+        if name not in SECRET_ARGS and isinstance(value, (str, int, float, bool, list, type(None)))
+    }
 
 
 def _load(workload: Workload, sent: Sequence[SentRequest]) -> dict[str, Any]:
     standardized: dict[str, Any] = {
-        "tool": TOOL, "tool_version": sidecar.__version__,
+        "tool": TOOL,
+        "tool_version": sidecar.__version__,
         "source": "sampled" if workload.sampled else "random",
         "stage": workload.stage,
     }
     # Requested lengths describe the workload; where the trace had none (captured bodies
     # without lengths), the measured ones of the completed requests stand in.
     measured = [s.record for s in sent if s.record.ok]
-    input_len = (sequence_length(workload.input_lengths)
-                 or sequence_length([r.n_in for r in measured if r.n_in is not None]))
+    input_len = sequence_length(workload.input_lengths) or sequence_length(
+        [r.n_in for r in measured if r.n_in is not None]
+    )
     if input_len is None:
-        raise ValueError("an llm-d benchmark report needs input lengths: none were requested "
-                         "or measured")
+        raise ValueError(
+            "an llm-d benchmark report needs input lengths: none were requested or measured"
+        )
     standardized["input_seq_len"] = input_len
     output_len = sequence_length(workload.output_lengths)
     if output_len is not None:
@@ -171,14 +196,20 @@ def _load(workload: Workload, sent: Sequence[SentRequest]) -> dict[str, Any]:
     if workload.shared_prefix_tokens > 0 and sent:
         standardized["prefix"] = {
             "prefix_len": {"distribution": "fixed", "value": workload.shared_prefix_tokens},
-            "num_groups": 1, "num_users_per_group": len(sent), "num_prefixes": 1}
+            "num_groups": 1,
+            "num_users_per_group": len(sent),
+            "num_prefixes": 1,
+        }
     if workload.rate_qps is not None and workload.rate_qps > 0:
         standardized["rate_qps"] = workload.rate_qps
     if workload.concurrency is not None:
         standardized["concurrency"] = int(workload.concurrency)
     native = {"args": dict(workload.args), "config": dict(workload.config)}
-    metadata = {"schema_version": COMPONENT_SCHEMA_VERSION, "cfg_id": cfg_id(native),
-                "description": workload.description or "sidecar replay"}
+    metadata = {
+        "schema_version": COMPONENT_SCHEMA_VERSION,
+        "cfg_id": cfg_id(native),
+        "description": workload.description or "sidecar replay",
+    }
     return {"metadata": metadata, "standardized": standardized, "native": native}
 
 
@@ -188,15 +219,18 @@ def _latencies_ms(sent: Sequence[SentRequest]) -> dict[str, list[float]]:
     samples = stats.request_samples((s.record for s in sent), Vantage.CLIENT)
     e2e_ms = samples.e2e_s * 1e3
     with_output = ~np.isnan(e2e_ms) & (samples.n_out >= 1)
-    return {"ttft": (samples.defined("ttft") * 1e3).tolist(),
-            "tpot": (samples.defined("tpot") * 1e3).tolist(),
-            "itl": (samples.itl_s * 1e3).tolist(),
-            "e2el": (samples.defined("e2e") * 1e3).tolist(),
-            "ntpot": (e2e_ms[with_output] / samples.n_out[with_output]).tolist()}
+    return {
+        "ttft": (samples.defined("ttft") * 1e3).tolist(),
+        "tpot": (samples.defined("tpot") * 1e3).tolist(),
+        "itl": (samples.itl_s * 1e3).tolist(),
+        "e2el": (samples.defined("e2e") * 1e3).tolist(),
+        "ntpot": (e2e_ms[with_output] / samples.n_out[with_output]).tolist(),
+    }
 
 
-def _goodput(sent: Sequence[SentRequest], slo_policy: stats.SLOPolicy,
-             duration_s: float) -> dict[str, Any]:
+def _goodput(
+    sent: Sequence[SentRequest], slo_policy: stats.SLOPolicy, duration_s: float
+) -> dict[str, Any]:
     goodput = replay_goodput([s.record for s in sent], slo_policy, duration_s)
     return {
         "slo": {name: slo.describe() for name, slo in slo_policy.classes.items()},
@@ -205,8 +239,10 @@ def _goodput(sent: Sequence[SentRequest], slo_policy: stats.SLOPolicy,
         "requests": goodput.requests,
         "attainment": {"units": FRACTION, "value": goodput.attainment},
         "request_goodput": {"units": QUERIES_PER_S, "value": goodput.good_requests_per_s},
-        "good_output_token_rate": {"units": TOKENS_PER_S,
-                                   "value": goodput.good_output_tokens_per_s},
+        "good_output_token_rate": {
+            "units": TOKENS_PER_S,
+            "value": goodput.good_output_tokens_per_s,
+        },
     }
 
 
@@ -219,11 +255,17 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
-def benchmark_report(sent: Sequence[SentRequest], *, duration_s: float, workload: Workload,
-                     slo_policy: stats.SLOPolicy | None = None,
-                     stack: Sequence[Mapping[str, Any]] = (),
-                     extension: Mapping[str, Any] | None = None,
-                     uid: str | None = None, eid: str | None = None) -> dict[str, Any]:
+def benchmark_report(
+    sent: Sequence[SentRequest],
+    *,
+    duration_s: float,
+    workload: Workload,
+    slo_policy: stats.SLOPolicy | None = None,
+    stack: Sequence[Mapping[str, Any]] = (),
+    extension: Mapping[str, Any] | None = None,
+    uid: str | None = None,
+    eid: str | None = None,
+) -> dict[str, Any]:
     """One run (the median run of a replay, or one sweep step) as a BR v0.2 dict.
 
     ``duration_s``: from the run's start (its first scheduled instant) to the last response's
@@ -240,7 +282,7 @@ def benchmark_report(sent: Sequence[SentRequest], *, duration_s: float, workload
     ours: dict[str, Any] = {
         "extension_version": EXTENSION_VERSION,
         "about": "vllm-sidecar's goodput, SLO attainment and other results that BR v0.2 has "
-                 "no field for; definitions below",
+        "no field for; definitions below",
         "outcomes": {o.value: n for o, n in stats.outcome_counts(records).items()},
         "definitions": EXTENSION_DEFINITIONS,
     }
@@ -252,7 +294,9 @@ def benchmark_report(sent: Sequence[SentRequest], *, duration_s: float, workload
         "run": {
             "uid": uid or uuid.uuid4().hex,
             "eid": eid,
-            "time": None if start_ns is None else {
+            "time": None
+            if start_ns is None
+            else {
                 "start": iso_time(start_ns),
                 "end": iso_time(start_ns + int(duration_s * 1e9)),
                 "duration": iso_duration(duration_s),
@@ -269,14 +313,17 @@ def benchmark_report(sent: Sequence[SentRequest], *, duration_s: float, workload
                         "total": len(records),
                         "failures": len(records) - len(completed),
                         "input_length": statistics(
-                            [r.n_in for r in completed if r.n_in is not None], COUNT),
+                            [r.n_in for r in completed if r.n_in is not None], COUNT
+                        ),
                         "output_length": statistics(
-                            [stats.output_tokens(r, r.client) for r in completed], COUNT),
+                            [stats.output_tokens(r, r.client) for r in completed], COUNT
+                        ),
                     },
                     "latency": {
                         "time_to_first_token": statistics(latency["ttft"], MS),
-                        "normalized_time_per_output_token": statistics(latency["ntpot"],
-                                                                       MS_PER_TOKEN),
+                        "normalized_time_per_output_token": statistics(
+                            latency["ntpot"], MS_PER_TOKEN
+                        ),
                         "time_per_output_token": statistics(latency["tpot"], MS_PER_TOKEN),
                         "inter_token_latency": statistics(latency["itl"], MS_PER_TOKEN),
                         "request_latency": statistics(latency["e2el"], MS),
@@ -284,8 +331,9 @@ def benchmark_report(sent: Sequence[SentRequest], *, duration_s: float, workload
                     "throughput": {
                         "input_token_rate": single_value(total_in * rate, TOKENS_PER_S),
                         "output_token_rate": single_value(total_out * rate, TOKENS_PER_S),
-                        "total_token_rate": single_value((total_in + total_out) * rate,
-                                                         TOKENS_PER_S),
+                        "total_token_rate": single_value(
+                            (total_in + total_out) * rate, TOKENS_PER_S
+                        ),
                         "request_rate": single_value(len(completed) * rate, QUERIES_PER_S),
                     },
                 },

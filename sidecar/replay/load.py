@@ -42,10 +42,15 @@ class Plan:
     mode: str
 
 
-def plan(requests: Sequence[TraceRequest], options: ReplayOptions, model: str,
-         calibration: TokenCalibration | None = None,
-         token_ids: TokenIds = DEFAULT_TOKEN_IDS, *,
-         trace_origin: float | None = None) -> Plan:
+def plan(
+    requests: Sequence[TraceRequest],
+    options: ReplayOptions,
+    model: str,
+    calibration: TokenCalibration | None = None,
+    token_ids: TokenIds = DEFAULT_TOKEN_IDS,
+    *,
+    trace_origin: float | None = None,
+) -> Plan:
     """The requests as bodies to send and their instants: closed loop with
     ``max_concurrency``, a Gamma process with ``rate``, else the trace's own times (scaled by
     ``time_scale``, relative to ``trace_origin`` when given: a shard's t = 0 is the trace's)."""
@@ -68,10 +73,16 @@ def plan(requests: Sequence[TraceRequest], options: ReplayOptions, model: str,
         mode = "open"
     planned = []
     for index, (at, request) in enumerate(zip(times, ordered, strict=True)):
-        path, body = build_body(request, index=index, model=model, run_seed=options.seed,
-                                calibration=calibration,
-                                use_captured_body=not options.no_captured_bodies,
-                                endpoint=options.endpoint, token_ids=token_ids)
+        path, body = build_body(
+            request,
+            index=index,
+            model=model,
+            run_seed=options.seed,
+            calibration=calibration,
+            use_captured_body=not options.no_captured_bodies,
+            endpoint=options.endpoint,
+            token_ids=token_ids,
+        )
         if body.get("stream") is True:
             # The replayer is the client: it asks for usage itself to count tokens exactly.
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -81,14 +92,24 @@ def plan(requests: Sequence[TraceRequest], options: ReplayOptions, model: str,
 
 def needs_token_ids(requests: Sequence[TraceRequest], options: ReplayOptions) -> bool:
     """Whether some request will get a rebuilt token-id prompt (completions, no body used)."""
-    return any((options.endpoint or r.endpoint) != "chat"
-               and (r.body is None or options.no_captured_bodies) for r in requests)
+    return any(
+        (options.endpoint or r.endpoint) != "chat"
+        and (r.body is None or options.no_captured_bodies)
+        for r in requests
+    )
 
 
-async def run(plan: Plan, options: ReplayOptions, *, concurrency: int | None = None,
-              workers: int | None = None, label: str = "", quiet: bool = False,
-              request_id_prefix: str = "replay",
-              counters: ReplayCounters | None = None) -> list[SentRequest]:
+async def run(
+    plan: Plan,
+    options: ReplayOptions,
+    *,
+    concurrency: int | None = None,
+    workers: int | None = None,
+    label: str = "",
+    quiet: bool = False,
+    request_id_prefix: str = "replay",
+    counters: ReplayCounters | None = None,
+) -> list[SentRequest]:
     """Send ``plan`` to ``options.target`` and measure it. ``concurrency`` (closed loop) and
     ``workers`` (sender processes, open loop) default to the options'. Unless ``quiet`` (or
     ``options.quiet``), a progress display on stderr reads the sender's counters from a thread
@@ -98,8 +119,11 @@ async def run(plan: Plan, options: ReplayOptions, *, concurrency: int | None = N
     workers = options.workers if workers is None else workers
     show = not (quiet or options.quiet)
     start_at = options.start_at if not quiet else None
-    waiting_for = "the start" if start_at is None else time.strftime(
-        "--start-at (%Y-%m-%d %H:%M:%S UTC)", time.gmtime(start_at))
+    waiting_for = (
+        "the start"
+        if start_at is None
+        else time.strftime("--start-at (%Y-%m-%d %H:%M:%S UTC)", time.gmtime(start_at))
+    )
     if workers > 1 and plan.mode == "open":
         if show and counters is None:
             counters = ReplayCounters()  # the workers' numbers, for the display
@@ -112,17 +136,27 @@ async def run(plan: Plan, options: ReplayOptions, *, concurrency: int | None = N
                 sent, finished, failed = shared.totals()
                 return Counts(sent - base[0], finished - base[1], failed - base[2])
 
-            starts_at = (time.monotonic() + start_at - time.time()
-                         if start_at is not None else None)
-            display = ProgressDisplay(label or "replay", len(plan.requests), read_shared,
-                                      starts_at=starts_at, waiting_for=waiting_for)
+            starts_at = time.monotonic() + start_at - time.time() if start_at is not None else None
+            display = ProgressDisplay(
+                label or "replay",
+                len(plan.requests),
+                read_shared,
+                starts_at=starts_at,
+                waiting_for=waiting_for,
+            )
         with display or contextlib.nullcontext():
-            return await asyncio.to_thread(run_workers, plan.requests, target, workers,
-                                           options, request_id_prefix, counters)
+            return await asyncio.to_thread(
+                run_workers, plan.requests, target, workers, options, request_id_prefix, counters
+            )
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        sender = Sender(target, session, request_timeout_s=options.request_timeout,
-                        request_id_prefix=request_id_prefix, counters=counters)
+        sender = Sender(
+            target,
+            session,
+            request_timeout_s=options.request_timeout,
+            request_id_prefix=request_id_prefix,
+            counters=counters,
+        )
         start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
         if start_at is not None:
             # A wall-clock instant shared by every shard, as a monotonic instant here.
@@ -131,12 +165,18 @@ async def run(plan: Plan, options: ReplayOptions, *, concurrency: int | None = N
                 raise UsageError(f"--start-at {start_at} is in the past")
         display = None
         if show:
+
             def read() -> Counts:
                 return Counts(sender.done + sender.in_flight, sender.done, sender.failed)
 
             starts_at = time.monotonic() + (start - clock.monotonic_ns()) / 1e9
-            display = ProgressDisplay(label or "replay", len(plan.requests), read,
-                                      starts_at=starts_at, waiting_for=waiting_for)
+            display = ProgressDisplay(
+                label or "replay",
+                len(plan.requests),
+                read,
+                starts_at=starts_at,
+                waiting_for=waiting_for,
+            )
         with display or contextlib.nullcontext():
             if plan.mode == "closed":
                 return await closed_loop(sender, plan.requests, concurrency or 1, start)
@@ -146,15 +186,28 @@ async def run(plan: Plan, options: ReplayOptions, *, concurrency: int | None = N
 # -- several sender processes ---------------------------------------------------------------
 
 
-def _worker_main(plan: list[PlannedRequest], target: str, timeout_s: float, out_path: str,
-                 ready: Any, go: Any, start_value: Any, request_id_prefix: str,
-                 shared_counters: Any | None) -> None:
+def _worker_main(
+    plan: list[PlannedRequest],
+    target: str,
+    timeout_s: float,
+    out_path: str,
+    ready: Any,
+    go: Any,
+    start_value: Any,
+    request_id_prefix: str,
+    shared_counters: Any | None,
+) -> None:
     async def main() -> list[SentRequest]:
         connector = aiohttp.TCPConnector(limit=0)
         counters = None if shared_counters is None else ReplayCounters(shared_counters)
         async with aiohttp.ClientSession(connector=connector) as session:
-            sender = Sender(target, session, request_timeout_s=timeout_s,
-                            request_id_prefix=request_id_prefix, counters=counters)
+            sender = Sender(
+                target,
+                session,
+                request_timeout_s=timeout_s,
+                request_id_prefix=request_id_prefix,
+                counters=counters,
+            )
             # Everything is imported and set up: report ready, then wait for the common start.
             await asyncio.to_thread(ready.wait)
             await asyncio.to_thread(go.wait)
@@ -168,14 +221,27 @@ def _worker_main(plan: list[PlannedRequest], target: str, timeout_s: float, out_
         sent = asyncio.run(main())
     with open(out_path, "w") as handle:
         for s in sent:
-            handle.write(json.dumps({"index": s.index, "scheduled_ns": s.scheduled_ns,
-                                     "actual_ns": s.actual_ns,
-                                     "record": s.record.to_dict()}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "index": s.index,
+                        "scheduled_ns": s.scheduled_ns,
+                        "actual_ns": s.actual_ns,
+                        "record": s.record.to_dict(),
+                    }
+                )
+                + "\n"
+            )
 
 
-def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
-                options: ReplayOptions, request_id_prefix: str = "replay",
-                counters: ReplayCounters | None = None) -> list[SentRequest]:
+def run_workers(
+    plan: Sequence[PlannedRequest],
+    target: str,
+    workers: int,
+    options: ReplayOptions,
+    request_id_prefix: str = "replay",
+    counters: ReplayCounters | None = None,
+) -> list[SentRequest]:
     """Split the schedule round-robin over ``workers`` processes. They start together: each
     reports ready once set up, then the parent sets one start instant for all (perf_counter
     is CLOCK_MONOTONIC, the same clock in every process of the host)."""
@@ -188,10 +254,20 @@ def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
         for w in range(workers):
             share = [p for i, p in enumerate(plan) if i % workers == w]
             path = os.path.join(tmp, f"worker{w}.jsonl")
-            proc = context.Process(target=_worker_main,
-                                   args=(share, target, options.request_timeout, path, ready,
-                                         go, start_value, request_id_prefix,
-                                         None if counters is None else counters.shared))
+            proc = context.Process(
+                target=_worker_main,
+                args=(
+                    share,
+                    target,
+                    options.request_timeout,
+                    path,
+                    ready,
+                    go,
+                    start_value,
+                    request_id_prefix,
+                    None if counters is None else counters.shared,
+                ),
+            )
             proc.start()
             processes.append((proc, path))
         try:
@@ -202,8 +278,7 @@ def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
             raise RuntimeError("replay workers did not get ready within 120 s") from None
         start_value.value = clock.monotonic_ns() + 100_000_000
         if options.start_at is not None:
-            start_value.value = clock.monotonic_ns() + int(
-                (options.start_at - time.time()) * 1e9)
+            start_value.value = clock.monotonic_ns() + int((options.start_at - time.time()) * 1e9)
         go.set()
         sent: list[SentRequest] = []
         for proc, path in processes:
@@ -213,7 +288,12 @@ def run_workers(plan: Sequence[PlannedRequest], target: str, workers: int,
             with open(path) as handle:
                 for line in handle:
                     data = json.loads(line)
-                    sent.append(SentRequest(data["index"], data["scheduled_ns"],
-                                            data["actual_ns"],
-                                            RequestRecord.from_dict(data["record"])))
+                    sent.append(
+                        SentRequest(
+                            data["index"],
+                            data["scheduled_ns"],
+                            data["actual_ns"],
+                            RequestRecord.from_dict(data["record"]),
+                        )
+                    )
     return sorted(sent, key=lambda s: s.index)

@@ -53,8 +53,16 @@ given twice, shards without one common --start-at, different numbers of runs.
 """
 
 # Envelope members that differ between the shards of one replay by construction.
-PER_SHARD = frozenset({"requests", "shard", "input_tokens_requested",
-                       "output_tokens_requested", "prompt_text_calibration", "engine_version"})
+PER_SHARD = frozenset(
+    {
+        "requests",
+        "shard",
+        "input_tokens_requested",
+        "output_tokens_requested",
+        "prompt_text_calibration",
+        "engine_version",
+    }
+)
 
 
 class MergeError(Exception):
@@ -84,13 +92,24 @@ class Shard:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("shards", nargs="+", metavar="SHARD_DIR",
-                        help="output directories of the shards (report.json + records-run*.jsonl)")
-    parser.add_argument("--output-dir", required=True, metavar="DIR",
-                        help="where the merged report.json and records go")
+    parser.add_argument(
+        "shards",
+        nargs="+",
+        metavar="SHARD_DIR",
+        help="output directories of the shards (report.json + records-run*.jsonl)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        required=True,
+        metavar="DIR",
+        help="where the merged report.json and records go",
+    )
     parser.add_argument("--slo", help="SLO for goodput [the one the shards were run with]")
-    parser.add_argument("--force", action="store_true",
-                        help="merge even what is refused (the report says why it is suspect)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="merge even what is refused (the report says why it is suspect)",
+    )
 
 
 def load_shard(path: str | Path) -> Shard:
@@ -113,15 +132,21 @@ def load_shard(path: str | Path) -> Shard:
                         continue
                     try:
                         data = json.loads(line)
-                        sent.append(SentRequest(int(data["index"]), int(data["scheduled_ns"]),
-                                                int(data["actual_ns"]),
-                                                RequestRecord.from_dict(data["record"])))
+                        sent.append(
+                            SentRequest(
+                                int(data["index"]),
+                                int(data["scheduled_ns"]),
+                                int(data["actual_ns"]),
+                                RequestRecord.from_dict(data["record"]),
+                            )
+                        )
                     except (ValueError, KeyError, TypeError) as exc:
-                        raise MergeError(f"{file}:{line_no}: not a replay record ({exc})") \
-                            from None
+                        raise MergeError(f"{file}:{line_no}: not a replay record ({exc})") from None
         except OSError as exc:
-            raise MergeError(f"{directory}: the raw records of run {i} are missing ({exc}); "
-                             "a merge needs them (`sidecar replay --output-dir`)") from None
+            raise MergeError(
+                f"{directory}: the raw records of run {i} are missing ({exc}); "
+                "a merge needs them (`sidecar replay --output-dir`)"
+            ) from None
         runs.append(sent)
     return Shard(directory, report, runs)
 
@@ -135,8 +160,10 @@ def problems(shards: Sequence[Shard]) -> list[str]:
         keys = (set(base) | set(shard.envelope)) - ignored
         for key in sorted(keys):
             if base.get(key) != shard.envelope.get(key):
-                found.append(f"{shard.path}: envelope {key!r} is {shard.envelope.get(key)!r}, "
-                             f"{shards[0].path} has {base.get(key)!r}")
+                found.append(
+                    f"{shard.path}: envelope {key!r} is {shard.envelope.get(key)!r}, "
+                    f"{shards[0].path} has {base.get(key)!r}"
+                )
     counts = {shard.count for shard in shards}
     if None in counts:
         found.append("a report has no shard information (written by an older sidecar)")
@@ -153,9 +180,11 @@ def problems(shards: Sequence[Shard]) -> list[str]:
             found.append(f"shard(s) {missing} of {count} missing")
     starts = {shard.envelope.get("start_at") for shard in shards}
     if None in starts or len(starts) > 1:
-        found.append("the shards did not share one --start-at instant: their times count from "
-                     "different starts, so the union's duration, throughput, concurrency and "
-                     "lateness would mix clocks")
+        found.append(
+            "the shards did not share one --start-at instant: their times count from "
+            "different starts, so the union's duration, throughput, concurrency and "
+            "lateness would mix clocks"
+        )
     if len({len(shard.runs) for shard in shards}) > 1:
         found.append("the shards have different numbers of runs (--repeats)")
     return found
@@ -174,8 +203,9 @@ def slo_policy_for(spec: str | None) -> SLOPolicy | None:
 TaggedRun = list[tuple[int, SentRequest]]  # one run's requests, each with its shard index
 
 
-def merge(shards: Sequence[Shard], slo_spec: str | None,
-          refused: Sequence[str] = ()) -> tuple[dict[str, Any], list[TaggedRun]]:
+def merge(
+    shards: Sequence[Shard], slo_spec: str | None, refused: Sequence[str] = ()
+) -> tuple[dict[str, Any], list[TaggedRun]]:
     """The merged report, and each run's requests tagged with their shard index."""
     policy = slo_policy_for(slo_spec)
     mode = shards[0].report.get("mode", "open")
@@ -183,16 +213,21 @@ def merge(shards: Sequence[Shard], slo_spec: str | None,
     merged_runs: list[TaggedRun] = []
     reports: list[dict[str, Any]] = []
     for i in range(n_runs):
-        tagged = [(shard.index if shard.index is not None else k, sent)
-                  for k, shard in enumerate(shards) for sent in shard.runs[i]]
+        tagged = [
+            (shard.index if shard.index is not None else k, sent)
+            for k, shard in enumerate(shards)
+            for sent in shard.runs[i]
+        ]
         tagged.sort(key=lambda item: (item[1].scheduled_ns, item[0]))
         merged_runs.append(tagged)
         reports.append(run_report([sent for _, sent in tagged], mode=mode, slo_policy=policy))
     chosen = median_run(reports)
     envelope = {k: v for k, v in shards[0].envelope.items() if k not in PER_SHARD}
     envelope["requests"] = sum(len(shard.runs[chosen]) for shard in shards)
-    envelope["shard"] = {"count": shards[0].count, "merged": sorted(
-        shard.index for shard in shards if shard.index is not None)}
+    envelope["shard"] = {
+        "count": shards[0].count,
+        "merged": sorted(shard.index for shard in shards if shard.index is not None),
+    }
     envelope["slo"] = slo_spec
     result = dict(reports[chosen])
     result["envelope"] = envelope
@@ -201,33 +236,48 @@ def merge(shards: Sequence[Shard], slo_spec: str | None,
     # The union's lateness, judged by the threshold the shards were run with.
     threshold = shards[0].report.get("max_lateness_ms", DEFAULT_MAX_LATENESS_MS)
     mark_degraded(result, threshold if isinstance(threshold, (int, float)) else None)
-    result["merged_from"] = [{
-        "path": str(shard.path), "shard_index": shard.index,
-        "requests": len(shard.runs[chosen]),
-        "input_tokens_requested": shard.envelope.get("input_tokens_requested"),
-        "output_tokens_requested": shard.envelope.get("output_tokens_requested"),
-        "engine_version": shard.envelope.get("engine_version"),
-    } for shard in shards]
+    result["merged_from"] = [
+        {
+            "path": str(shard.path),
+            "shard_index": shard.index,
+            "requests": len(shard.runs[chosen]),
+            "input_tokens_requested": shard.envelope.get("input_tokens_requested"),
+            "output_tokens_requested": shard.envelope.get("output_tokens_requested"),
+            "engine_version": shard.envelope.get("engine_version"),
+        }
+        for shard in shards
+    ]
     if refused:
         result["merge_warnings"] = list(refused)  # --force: what makes this union suspect
-    result["definitions"] = {**result.get("definitions", {}),
-                             "merge": "every metric recomputed over the union of the shards' "
-                                      "raw records, times on the shards' common start"}
+    result["definitions"] = {
+        **result.get("definitions", {}),
+        "merge": "every metric recomputed over the union of the shards' "
+        "raw records, times on the shards' common start",
+    }
     return result, merged_runs
 
 
-def write(result: Mapping[str, Any], merged_runs: Sequence[TaggedRun],
-          output_dir: str | Path) -> Path:
+def write(
+    result: Mapping[str, Any], merged_runs: Sequence[TaggedRun], output_dir: str | Path
+) -> Path:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(result, indent=2, default=str))
     for i, tagged in enumerate(merged_runs):
         with (out / f"records-run{i}.jsonl").open("w") as handle:
             for shard_index, s in tagged:
-                handle.write(json.dumps({"shard": shard_index, "index": s.index,
-                                         "scheduled_ns": s.scheduled_ns,
-                                         "actual_ns": s.actual_ns,
-                                         "record": s.record.to_dict()}) + "\n")
+                handle.write(
+                    json.dumps(
+                        {
+                            "shard": shard_index,
+                            "index": s.index,
+                            "scheduled_ns": s.scheduled_ns,
+                            "actual_ns": s.actual_ns,
+                            "record": s.record.to_dict(),
+                        }
+                    )
+                    + "\n"
+                )
     return out / "report.json"
 
 
@@ -242,8 +292,10 @@ async def run(args: argparse.Namespace) -> int:
         print("sidecar merge: these shards are not one experiment:", file=sys.stderr)
         for problem in found:
             print(f"  {problem}", file=sys.stderr)
-        print("fix the inputs, or --force to merge anyway (the report keeps the warnings)",
-              file=sys.stderr)
+        print(
+            "fix the inputs, or --force to merge anyway (the report keeps the warnings)",
+            file=sys.stderr,
+        )
         return 3
     slo_spec = args.slo or shards[0].envelope.get("slo")
     try:

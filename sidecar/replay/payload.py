@@ -30,9 +30,35 @@ from sidecar.tracefile import TraceRequest
 
 VOCAB_LOW = 1000  # away from the special tokens of common vocabularies
 VOCAB_HIGH = 30000  # inside every vocabulary of interest (>= 32k entries)
-WORDS = ("time", "people", "way", "water", "word", "number", "part", "place", "world", "work",
-         "sound", "line", "story", "answer", "system", "question", "model", "token", "river",
-         "music", "garden", "window", "signal", "engine", "market", "letter", "bridge")
+WORDS = (
+    "time",
+    "people",
+    "way",
+    "water",
+    "word",
+    "number",
+    "part",
+    "place",
+    "world",
+    "work",
+    "sound",
+    "line",
+    "story",
+    "answer",
+    "system",
+    "question",
+    "model",
+    "token",
+    "river",
+    "music",
+    "garden",
+    "window",
+    "signal",
+    "engine",
+    "market",
+    "letter",
+    "bridge",
+)
 
 
 class PayloadError(ValueError):
@@ -63,8 +89,12 @@ class TokenIds:
 
     def describe(self) -> dict[str, Any]:
         if self.ids:
-            return {"source": self.source, "distinct_ids": len(self.ids),
-                    "min": min(self.ids), "max": max(self.ids)}
+            return {
+                "source": self.source,
+                "distinct_ids": len(self.ids),
+                "min": min(self.ids),
+                "max": max(self.ids),
+            }
         return {"source": self.source, "min": self.low, "max": self.high - 1}
 
 
@@ -87,8 +117,9 @@ def _block_tokens(key: int, size: int, token_ids: TokenIds) -> list[int]:
     return token_ids.draw(random.Random(key), size)
 
 
-def token_prompt(request: TraceRequest, unique_key: int,
-                 token_ids: TokenIds = DEFAULT_TOKEN_IDS) -> list[int]:
+def token_prompt(
+    request: TraceRequest, unique_key: int, token_ids: TokenIds = DEFAULT_TOKEN_IDS
+) -> list[int]:
     """Exactly ``n_in`` token ids; shared prefix blocks where the hashes are shared."""
     n_in = request.n_in
     if n_in is None or n_in <= 0:
@@ -126,10 +157,17 @@ def _stable_key(index: int, run_seed: int) -> int:
     return int.from_bytes(digest, "big")
 
 
-def build_body(request: TraceRequest, *, index: int, model: str, run_seed: int = 0,
-               calibration: TokenCalibration | None = None, use_captured_body: bool = True,
-               endpoint: str | None = None,
-               token_ids: TokenIds = DEFAULT_TOKEN_IDS) -> tuple[str, dict[str, Any]]:
+def build_body(
+    request: TraceRequest,
+    *,
+    index: int,
+    model: str,
+    run_seed: int = 0,
+    calibration: TokenCalibration | None = None,
+    use_captured_body: bool = True,
+    endpoint: str | None = None,
+    token_ids: TokenIds = DEFAULT_TOKEN_IDS,
+) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) for one trace line."""
     target = endpoint or request.endpoint
     if use_captured_body and request.body is not None:
@@ -158,8 +196,12 @@ def build_body(request: TraceRequest, *, index: int, model: str, run_seed: int =
     if target == "chat":
         if request.n_in is None or request.n_in <= 0:
             raise PayloadError("a trace line needs n_in > 0 to rebuild its prompt")
-        body["messages"] = [{"role": "user", "content": text_prompt(
-            request.n_in, unique, calibration or TokenCalibration())}]
+        body["messages"] = [
+            {
+                "role": "user",
+                "content": text_prompt(request.n_in, unique, calibration or TokenCalibration()),
+            }
+        ]
         return "/v1/chat/completions", body
     body["prompt"] = token_prompt(request, unique, token_ids)
     return "/v1/completions", body

@@ -31,10 +31,15 @@ NS = 1e9
 # Peer metrics that are one of ours under the tool's name: their values are ours
 # (`stats.request_samples`), and their definition is ours (docs/metrics.md section 4).
 SAME_AS_OURS = {
-    "vllm.ttft": "ttft", "aiperf.ttft": "ttft", "guidellm.ttft": "ttft",
-    "vllm.itl": "itl", "aiperf.icl": "itl",
-    "vllm.tpot": "tpot", "guidellm.itl": "tpot",
-    "vllm.e2el": "e2e", "aiperf.request_latency": "e2e",
+    "vllm.ttft": "ttft",
+    "aiperf.ttft": "ttft",
+    "guidellm.ttft": "ttft",
+    "vllm.itl": "itl",
+    "aiperf.icl": "itl",
+    "vllm.tpot": "tpot",
+    "guidellm.itl": "tpot",
+    "vllm.e2el": "e2e",
+    "aiperf.request_latency": "e2e",
 }
 # The others: each stated by where it differs from ours (N: the output tokens; per-token
 # instants: every token of a chunk at the chunk's instant, as those tools do).
@@ -42,20 +47,26 @@ DIFFERENCES = {
     "inference_perf.ttft": "our TTFT, but only for requests with >= 2 tokens",
     "inference_perf.tpot": "our TPOT over per-token instants: N counted per chunk, not usage",
     "inference_perf.itl": "our ITL between tokens, not chunks: the tokens of one chunk share "
-                          "its instant, so zeros",
-    "inference_perf.ntpot": "(end - send) / N: our E2E to the stream's end, over N, TTFT "
-                            "included",
+    "its instant, so zeros",
+    "inference_perf.ntpot": "(end - send) / N: our E2E to the stream's end, over N, TTFT included",
     "aiperf.ttst": "second token chunk - first",
     "aiperf.itl": "(E2E - TTFT) / (N - the first chunk's tokens), per request",
     "guidellm.tpot": "our E2E / N, per request (includes TTFT)",
     "guidellm.request_latency": "end - send: to the stream's end, not the last token chunk",
 }
-FORMULAS = {**{name: f"= our {ours.upper()} (docs/metrics.md section 4)"
-               for name, ours in SAME_AS_OURS.items()}, **DIFFERENCES}
+FORMULAS = {
+    **{
+        name: f"= our {ours.upper()} (docs/metrics.md section 4)"
+        for name, ours in SAME_AS_OURS.items()
+    },
+    **DIFFERENCES,
+}
 
-NOTES = ("Token counts are the server's usage (inference-perf and AIPerf would re-tokenise the "
-         "text on the client). Timestamps are ours (perf_counter_ns per read); GuideLLM uses "
-         "the wall clock. Failed requests are excluded, as all four tools do by default.")
+NOTES = (
+    "Token counts are the server's usage (inference-perf and AIPerf would re-tokenise the "
+    "text on the client). Timestamps are ours (perf_counter_ns per read); GuideLLM uses "
+    "the wall clock. Failed requests are excluded, as all four tools do by default."
+)
 
 
 def _per_token_instants(record: RequestRecord) -> list[int]:
@@ -69,10 +80,15 @@ def peer_values(records: Iterable[RequestRecord]) -> dict[str, list[float]]:
     """Each peer metric's samples (seconds) over the successful requests."""
     kept = [record for record in records if record.ok]
     samples = stats.request_samples(kept, Vantage.CLIENT)
-    ours = {"ttft": samples.defined("ttft").tolist(), "tpot": samples.defined("tpot").tolist(),
-            "itl": samples.itl_s.tolist(), "e2e": samples.defined("e2e").tolist()}
-    values: dict[str, list[float]] = {name: list(ours[metric])
-                                      for name, metric in SAME_AS_OURS.items()}
+    ours = {
+        "ttft": samples.defined("ttft").tolist(),
+        "tpot": samples.defined("tpot").tolist(),
+        "itl": samples.itl_s.tolist(),
+        "e2e": samples.defined("e2e").tolist(),
+    }
+    values: dict[str, list[float]] = {
+        name: list(ours[metric]) for name, metric in SAME_AS_OURS.items()
+    }
     values.update({name: [] for name in DIFFERENCES})
 
     def add(name: str, value: float | None) -> None:
@@ -102,7 +118,8 @@ def peer_values(records: Iterable[RequestRecord]) -> dict[str, list[float]]:
             add("inference_perf.ttft", tokens[0] / NS)
             add("inference_perf.tpot", (tokens[-1] - tokens[0]) / (len(tokens) - 1) / NS)
             values["inference_perf.itl"].extend(
-                (b - a) / NS for a, b in zip(tokens, tokens[1:], strict=False))
+                (b - a) / NS for a, b in zip(tokens, tokens[1:], strict=False)
+            )
     return values
 
 
@@ -128,7 +145,8 @@ VLLM_BENCH_NOTE = (
     "--save-result --save-detailed --percentile-metrics ttft,tpot,itl,e2el "
     "--metric-percentiles 50,90,95,99,99.9), each with vllm bench's meaning, measured by the "
     "sidecar's replayer as a client; token counts are the server's usage. Keys starting "
-    "sidecar_ are the sidecar's own (vllm bench writes --metadata keys the same way).")
+    "sidecar_ are the sidecar's own (vllm bench writes --metadata keys the same way)."
+)
 
 
 def vllm_bench_peaks(sent: Sequence[SentRequest]) -> tuple[float, int]:
@@ -161,30 +179,42 @@ def vllm_bench_peaks(sent: Sequence[SentRequest]) -> tuple[float, int]:
         if 0 <= second < buckets:
             tokens[second] += 1
     for start, end in spans:
-        concurrent[int(start):int(end) + 1] += 1
+        concurrent[int(start) : int(end) + 1] += 1
     return float(tokens.max()), int(concurrent.max())
 
 
-def offered_arrivals(envelope: Mapping[str, Any],
-                     sent: Sequence[SentRequest]) -> tuple[float | str, float, str]:
+def offered_arrivals(
+    envelope: Mapping[str, Any], sent: Sequence[SentRequest]
+) -> tuple[float | str, float, str]:
     """vllm bench's ``request_rate`` (a float, or "inf" when every request is released at
     once) and ``burstiness`` (the Gamma shape of the gaps between arrivals) for this run, and
     how they were obtained."""
     if envelope.get("mode") == "closed":
-        return "inf", 1.0, ("closed loop: every request released at the start, at most "
-                            "max_concurrency outstanding (vllm bench's --request-rate inf "
-                            "--max-concurrency N; its burstiness then has no effect)")
+        return (
+            "inf",
+            1.0,
+            (
+                "closed loop: every request released at the start, at most "
+                "max_concurrency outstanding (vllm bench's --request-rate inf "
+                "--max-concurrency N; its burstiness then has no effect)"
+            ),
+        )
     rate = envelope.get("rate")
     if isinstance(rate, (int, float)):
         burstiness = envelope.get("burstiness")
-        return float(rate), float(burstiness if burstiness is not None else 1.0), \
-            "--rate and --burstiness: a Gamma arrival process, as vllm bench's"
+        return (
+            float(rate),
+            float(burstiness if burstiness is not None else 1.0),
+            "--rate and --burstiness: a Gamma arrival process, as vllm bench's",
+        )
     times = np.sort(np.array([s.scheduled_ns for s in sent], dtype=np.float64)) / 1e9
     gaps = np.diff(times)
     span = float(times[-1] - times[0]) if len(times) else 0.0
-    how = ("the trace's own arrival times (scaled by --time-scale): request_rate is their mean "
-           "rate, (n - 1) / span; burstiness the moment estimate of the Gamma shape of their "
-           "gaps, mean^2 / variance (1 for Poisson arrivals)")
+    how = (
+        "the trace's own arrival times (scaled by --time-scale): request_rate is their mean "
+        "rate, (n - 1) / span; burstiness the moment estimate of the Gamma shape of their "
+        "gaps, mean^2 / variance (1 for Poisson arrivals)"
+    )
     if span <= 0:
         return "inf", 1.0, how + "; here every request is scheduled at one instant"
     variance = float(np.var(gaps))
@@ -229,7 +259,7 @@ def vllm_bench_counters(text: str) -> dict[str, Any]:
                 if label in line:
                     begin = line.index(label) + len(label)
                     try:
-                        position = int(line[begin:line.index('"', begin)])
+                        position = int(line[begin : line.index('"', begin)])
                     except ValueError:
                         continue
                     per_pos = spec["accepted_per_pos"]
@@ -246,8 +276,9 @@ def vllm_bench_counters(text: str) -> dict[str, Any]:
     return {"spec_decode": spec, "diffusion": diffusion}
 
 
-def vllm_bench_server_keys(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None,
-                           duration_s: float) -> dict[str, Any]:
+def vllm_bench_server_keys(
+    before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, duration_s: float
+) -> dict[str, Any]:
     """vllm bench's ``spec_decode_*`` and ``diffusion_*`` keys from the counters before and
     after a run (`vllm_bench_counters`), as its `benchmark()` computes them; empty when the
     server has neither (vllm bench then writes none of them)."""
@@ -265,14 +296,16 @@ def vllm_bench_server_keys(before: Mapping[str, Any] | None, after: Mapping[str,
                 start = pos_a.get(position, 0)
                 per_pos.append((pos_b.get(position, start) - start) / drafts)
         if draft_tokens > 0:
-            out.update({
-                "spec_decode_acceptance_rate": accepted / draft_tokens * 100,
-                "spec_decode_acceptance_length": 1 + accepted / drafts if drafts > 0 else 0.0,
-                "spec_decode_num_drafts": int(drafts),
-                "spec_decode_draft_tokens": int(draft_tokens),
-                "spec_decode_accepted_tokens": int(accepted),
-                "spec_decode_per_position_acceptance_rates": per_pos,
-            })
+            out.update(
+                {
+                    "spec_decode_acceptance_rate": accepted / draft_tokens * 100,
+                    "spec_decode_acceptance_length": 1 + accepted / drafts if drafts > 0 else 0.0,
+                    "spec_decode_num_drafts": int(drafts),
+                    "spec_decode_draft_tokens": int(draft_tokens),
+                    "spec_decode_accepted_tokens": int(accepted),
+                    "spec_decode_per_position_acceptance_rates": per_pos,
+                }
+            )
     diff_a = (before or {}).get("diffusion")
     diff_b = (after or {}).get("diffusion")
     if diff_a is not None and diff_b is not None:
@@ -282,14 +315,16 @@ def vllm_bench_server_keys(before: Mapping[str, Any] | None, after: Mapping[str,
         if steps > 0 and committed > 0 and duration_s > 0:
             canvases = committed / (positions / steps)
             denoising = steps - canvases
-            out.update({
-                "diffusion_committed_throughput": committed / duration_s,
-                "diffusion_steps_per_canvas": denoising / canvases,
-                "diffusion_committed_per_step": committed / denoising,
-                "diffusion_committed_tokens": int(committed),
-                "diffusion_denoising_steps": int(denoising),
-                "diffusion_canvas_positions": int(positions),
-            })
+            out.update(
+                {
+                    "diffusion_committed_throughput": committed / duration_s,
+                    "diffusion_steps_per_canvas": denoising / canvases,
+                    "diffusion_committed_per_step": committed / denoising,
+                    "diffusion_committed_tokens": int(committed),
+                    "diffusion_denoising_steps": int(denoising),
+                    "diffusion_canvas_positions": int(positions),
+                }
+            )
     return out
 
 
@@ -299,17 +334,22 @@ def _percentile_stats(report: Mapping[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in report.items():
         head = key.split("_")[0]
-        if key.endswith("_ms") and (head in ("mean", "median", "std") or (
-                head.startswith("p") and head[1:].replace(".", "", 1).isdigit())):
+        if key.endswith("_ms") and (
+            head in ("mean", "median", "std")
+            or (head.startswith("p") and head[1:].replace(".", "", 1).isdigit())
+        ):
             out[key] = float(value) if isinstance(value, (int, float)) else 0.0
     return out
 
 
-def vllm_bench_json(report: Mapping[str, Any], sent: Sequence[SentRequest], *,
-                    requested_input: Mapping[int, int | None] | None = None,
-                    server: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None] = (
-                        None, None),
-                    now: datetime | None = None) -> dict[str, Any]:
+def vllm_bench_json(
+    report: Mapping[str, Any],
+    sent: Sequence[SentRequest],
+    *,
+    requested_input: Mapping[int, int | None] | None = None,
+    server: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None] = (None, None),
+    now: datetime | None = None,
+) -> dict[str, Any]:
     """The run as `vllm bench serve --save-result --save-detailed` writes it: every key its
     generation benchmark writes by default, in its order and with its types and meaning.
 
@@ -344,52 +384,61 @@ def vllm_bench_json(report: Mapping[str, Any], sent: Sequence[SentRequest], *,
     metrics = [stats.request_metrics(r, Vantage.CLIENT) for r in records]
     max_tokens_per_s, max_concurrent = vllm_bench_peaks(sent)
     planned = requested_input or {}
-    out.update({
-        "duration": report.get("duration"),
-        "completed": report.get("completed"),
-        "failed": report.get("failed"),
-        "total_input_tokens": report.get("total_input_tokens"),
-        "total_output_tokens": report.get("total_output_tokens"),
-        "request_throughput": report.get("request_throughput"),
-        "request_goodput": report.get("request_goodput"),
-        "output_throughput": report.get("output_throughput"),
-        "total_token_throughput": report.get("total_token_throughput"),
-        "input_lens": [r.n_in if r.n_in is not None else (planned.get(s.index) or 0)
-                       for s, r in zip(sent, records, strict=True)],
-        "output_lens": [stats.output_tokens(r, r.client) if r.ok else 0 for r in records],
-        "ttfts": [(m.ttft_s or 0.0) if m is not None else 0.0 for m in metrics],
-        "itls": [list(m.itl_s) if m is not None else [] for m in metrics],
-        # vllm bench: the last chunk's instant - send for a success, 0.0 for a failure.
-        "latencies": [((m.e2e_s or 0.0) if m is not None else 0.0) if r.ok else 0.0
-                      for r, m in zip(records, metrics, strict=True)],
-        # Its clock's origin is arbitrary (perf_counter); ours is the run's start.
-        "start_times": [s.actual_ns / 1e9 for s in sent],
-        # Time spent waiting for the client's concurrency limit: closed loop, from the start
-        # (when vllm bench releases every request) to the send; open loop has no limit.
-        "queue_times": [s.actual_ns / 1e9 if closed else 0.0 for s in sent],
-        "generated_texts": ["" for _ in sent],
-        "errors": ["" if r.ok else (r.error_type or r.outcome.value) for r in records],
-        "max_output_tokens_per_s": max_tokens_per_s,
-        "max_concurrent_requests": max_concurrent,
-        "rtfx": 0.0,  # audio input seconds / duration: no audio here
-    })
+    out.update(
+        {
+            "duration": report.get("duration"),
+            "completed": report.get("completed"),
+            "failed": report.get("failed"),
+            "total_input_tokens": report.get("total_input_tokens"),
+            "total_output_tokens": report.get("total_output_tokens"),
+            "request_throughput": report.get("request_throughput"),
+            "request_goodput": report.get("request_goodput"),
+            "output_throughput": report.get("output_throughput"),
+            "total_token_throughput": report.get("total_token_throughput"),
+            "input_lens": [
+                r.n_in if r.n_in is not None else (planned.get(s.index) or 0)
+                for s, r in zip(sent, records, strict=True)
+            ],
+            "output_lens": [stats.output_tokens(r, r.client) if r.ok else 0 for r in records],
+            "ttfts": [(m.ttft_s or 0.0) if m is not None else 0.0 for m in metrics],
+            "itls": [list(m.itl_s) if m is not None else [] for m in metrics],
+            # vllm bench: the last chunk's instant - send for a success, 0.0 for a failure.
+            "latencies": [
+                ((m.e2e_s or 0.0) if m is not None else 0.0) if r.ok else 0.0
+                for r, m in zip(records, metrics, strict=True)
+            ],
+            # Its clock's origin is arbitrary (perf_counter); ours is the run's start.
+            "start_times": [s.actual_ns / 1e9 for s in sent],
+            # Time spent waiting for the client's concurrency limit: closed loop, from the start
+            # (when vllm bench releases every request) to the send; open loop has no limit.
+            "queue_times": [s.actual_ns / 1e9 if closed else 0.0 for s in sent],
+            "generated_texts": ["" for _ in sent],
+            "errors": ["" if r.ok else (r.error_type or r.outcome.value) for r in records],
+            "max_output_tokens_per_s": max_tokens_per_s,
+            "max_concurrent_requests": max_concurrent,
+            "rtfx": 0.0,  # audio input seconds / duration: no audio here
+        }
+    )
     out.update(vllm_bench_server_keys(*server, float(report.get("duration") or 0.0)))
     out.update(_percentile_stats(report))
-    not_measured = {"generated_texts": "the replayer keeps no response text: every entry is "
-                                       "empty"}
+    not_measured = {"generated_texts": "the replayer keeps no response text: every entry is empty"}
     if not closed:
-        not_measured["queue_times"] = ("open loop has no client concurrency limit to wait "
-                                       "for: 0.0 each (the sender's lateness against its "
-                                       "schedule, which vllm bench does not record, is in "
-                                       "sidecar_lateness_ms)")
-    out.update({
-        "sidecar_note": VLLM_BENCH_NOTE,
-        "sidecar_arrivals": arrivals,
-        "sidecar_endpoints": dict(sorted(endpoints.items())),
-        "sidecar_max_in_flight_requests": report.get("max_in_flight_requests"),
-        "sidecar_lateness_ms": report.get("lateness_ms"),
-        "sidecar_degraded": report.get("degraded", False),
-        "sidecar_degraded_reason": report.get("degraded_reason"),
-        "sidecar_not_measured": not_measured,
-    })
+        not_measured["queue_times"] = (
+            "open loop has no client concurrency limit to wait "
+            "for: 0.0 each (the sender's lateness against its "
+            "schedule, which vllm bench does not record, is in "
+            "sidecar_lateness_ms)"
+        )
+    out.update(
+        {
+            "sidecar_note": VLLM_BENCH_NOTE,
+            "sidecar_arrivals": arrivals,
+            "sidecar_endpoints": dict(sorted(endpoints.items())),
+            "sidecar_max_in_flight_requests": report.get("max_in_flight_requests"),
+            "sidecar_lateness_ms": report.get("lateness_ms"),
+            "sidecar_degraded": report.get("degraded", False),
+            "sidecar_degraded_reason": report.get("degraded_reason"),
+            "sidecar_not_measured": not_measured,
+        }
+    )
     return out

@@ -52,11 +52,20 @@ class ProgressDisplay:
     then the display counts down to it, naming ``waiting_for``.
     """
 
-    def __init__(self, label: str, total: int, read: Callable[[], Counts], *,
-                 stream: TextIO | None = None, starts_at: float | None = None,
-                 waiting_for: str = "the start", tty: bool | None = None,
-                 refresh_s: float = TTY_REFRESH_S, plain_every_s: float = PLAIN_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        read: Callable[[], Counts],
+        *,
+        stream: TextIO | None = None,
+        starts_at: float | None = None,
+        waiting_for: str = "the start",
+        tty: bool | None = None,
+        refresh_s: float = TTY_REFRESH_S,
+        plain_every_s: float = PLAIN_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.label = label
         self.total = total
         self.read = read
@@ -83,9 +92,12 @@ class ProgressDisplay:
             return f"waiting for {self.waiting_for}, starts in {clock_text(self.starts_at - now)}"
         elapsed = max(now - self.starts_at, 0.0)
         rate = counts.finished / elapsed if elapsed > 0 and counts.finished else None
-        parts = [f"{counts.finished}/{self.total} finished", f"{counts.sent} sent",
-                 f"{counts.failed} failed",
-                 f"{rate:.1f} req/s" if rate is not None else "- req/s"]
+        parts = [
+            f"{counts.finished}/{self.total} finished",
+            f"{counts.sent} sent",
+            f"{counts.failed} failed",
+            f"{rate:.1f} req/s" if rate is not None else "- req/s",
+        ]
         if final:
             parts.append(f"in {clock_text(elapsed)}")
             return ", ".join(parts)
@@ -130,13 +142,16 @@ class ProgressDisplay:
             self._progress = Progress(
                 TextColumn(self.label, table_column=Column(no_wrap=True)),
                 self._bar,
-                TextColumn("{task.fields[status]}",
-                           table_column=Column(no_wrap=True, overflow="ellipsis")),
-                console=self._console, auto_refresh=False, redirect_stdout=False,
-                redirect_stderr=False)
+                TextColumn(
+                    "{task.fields[status]}", table_column=Column(no_wrap=True, overflow="ellipsis")
+                ),
+                console=self._console,
+                auto_refresh=False,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
             self._progress.start()
-            self._task = self._progress.add_task(self.label, total=max(self.total, 1),
-                                                 status="")
+            self._task = self._progress.add_task(self.label, total=max(self.total, 1), status="")
             self._draw()
         elif self.clock() < self.starts_at - 1.0:
             self._draw()  # a log says at once why nothing happens yet
@@ -157,7 +172,10 @@ class ProgressDisplay:
         self.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         self.stop()
-

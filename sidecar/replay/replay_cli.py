@@ -80,74 +80,155 @@ examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="a sidecar trace file (capture or `sidecar trace import`)")
     parser.add_argument("--target", required=True, metavar="URL", help="base URL to send to")
-    parser.add_argument("--model", help="model name to send [the trace's, else the target's "
-                        "first model from /v1/models]")
-    parser.add_argument("--endpoint", choices=("chat", "completions"),
-                        help="send every request to this API [each line's own]")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="replay speed: 2 = twice as fast as recorded [1]")
-    parser.add_argument("--rate", type=float, help="synthetic arrivals at this rate (req/s) "
-                        "instead of the trace's times")
-    parser.add_argument("--burstiness", type=float, default=1.0,
-                        help="Gamma shape for --rate: 1 = Poisson, <1 burstier [1]")
-    parser.add_argument("--max-concurrency", type=int,
-                        help="closed loop: at most N outstanding (not an open-loop rate)")
-    parser.add_argument("--limit", type=int, help="use the first N requests of the trace "
-                        "(of those it can replay: lines without a prompt size are skipped and "
-                        "counted)")
-    parser.add_argument("--warmup", type=int, default=0,
-                        help="send N warm-up requests first (excluded from results) [0]")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs of the whole trace; the median run is reported [3]")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="sender processes sharing the schedule, one common start [1]")
-    parser.add_argument("--shard-index", type=int, default=0,
-                        help="this sender's share of the trace: requests i with i %% "
-                        "shard-count == shard-index (e.g. a Kubernetes indexed Job) [0]")
-    parser.add_argument("--shard-count", type=int, default=1,
-                        help="how many senders share the trace [1]")
-    parser.add_argument("--start-at", type=float, metavar="EPOCH_S",
-                        help="wall-clock instant (Unix seconds) of the trace's t=0, common to "
-                        "every shard; the run waits for it [now]")
+    parser.add_argument(
+        "--model",
+        help="model name to send [the trace's, else the target's first model from /v1/models]",
+    )
+    parser.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        help="send every request to this API [each line's own]",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="replay speed: 2 = twice as fast as recorded [1]",
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        help="synthetic arrivals at this rate (req/s) instead of the trace's times",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="Gamma shape for --rate: 1 = Poisson, <1 burstier [1]",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        help="closed loop: at most N outstanding (not an open-loop rate)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        help="use the first N requests of the trace "
+        "(of those it can replay: lines without a prompt size are skipped and "
+        "counted)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="send N warm-up requests first (excluded from results) [0]",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of the whole trace; the median run is reported [3]",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="sender processes sharing the schedule, one common start [1]",
+    )
+    parser.add_argument(
+        "--shard-index",
+        type=int,
+        default=0,
+        help="this sender's share of the trace: requests i with i %% "
+        "shard-count == shard-index (e.g. a Kubernetes indexed Job) [0]",
+    )
+    parser.add_argument(
+        "--shard-count", type=int, default=1, help="how many senders share the trace [1]"
+    )
+    parser.add_argument(
+        "--start-at",
+        type=float,
+        metavar="EPOCH_S",
+        help="wall-clock instant (Unix seconds) of the trace's t=0, common to "
+        "every shard; the run waits for it [now]",
+    )
     parser.add_argument("--slo", help="SLO for goodput, e.g. ttft=500ms,tpot=50ms,e2e=20s")
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic parts [0]")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds before a request counts as timed out [600]")
-    parser.add_argument("--no-captured-bodies", action="store_true",
-                        help="rebuild requests from lengths even where bodies were captured")
-    parser.add_argument("--token-id-range", metavar="LOW:HIGH",
-                        help="token ids of rebuilt completion prompts, both ends included "
-                        "[ids the target's /tokenize produces; without that endpoint, "
-                        "1000:29999]")
-    parser.add_argument("--output-dir", metavar="DIR",
-                        help="write report.json and one records-runN.jsonl per run here")
-    parser.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
-                        help="no progress on stderr (a bar on a terminal, else a line every "
-                        "10 s); the report on stdout is the same")
-    parser.add_argument("--peer-definitions", action="store_true",
-                        help="also report every metric under vLLM's, inference-perf's, "
-                        "AIPerf's and GuideLLM's definitions, named by formula")
-    parser.add_argument("--export-vllm-bench", metavar="FILE",
-                        help="also write the median run as `vllm bench serve` result JSON "
-                        "(--save-result --save-detailed: every key it writes, with its "
-                        "meaning)")
-    parser.add_argument("--max-lateness", default=f"{DEFAULT_MAX_LATENESS_MS:g}ms",
-                        metavar="DURATION",
-                        help="mark a run DEGRADED when its sender lateness p99 (actual send - "
-                        "scheduled send, open loop) exceeds this: the sender fell behind and "
-                        "the run did not offer the load it claims; `off` never marks "
-                        "[%(default)s: a healthy sender stays under 1 ms]")
-    parser.add_argument("--metrics-listen", metavar="HOST:PORT",
-                        help="serve this sender's live numbers on http://HOST:PORT/metrics "
-                        "(Prometheus): requests planned, sent, completed by outcome, in "
-                        "flight, send lateness [off]")
-    parser.add_argument("--metrics-linger", default="0s", metavar="DURATION",
-                        help="keep /metrics up this long after the run, so that a last scrape "
-                        "sees the final numbers (a Job: 2 scrape intervals) [0s]")
-    parser.add_argument("--export-llmd", metavar="FILE",
-                        help="also write the median run as an llm-d benchmark report (schema "
-                        "v0.2, JSON); goodput and the SLO go under "
-                        "results.observability.vllm_sidecar")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a request counts as timed out [600]",
+    )
+    parser.add_argument(
+        "--no-captured-bodies",
+        action="store_true",
+        help="rebuild requests from lengths even where bodies were captured",
+    )
+    parser.add_argument(
+        "--token-id-range",
+        metavar="LOW:HIGH",
+        help="token ids of rebuilt completion prompts, both ends included "
+        "[ids the target's /tokenize produces; without that endpoint, "
+        "1000:29999]",
+    )
+    parser.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        help="write report.json and one records-runN.jsonl per run here",
+    )
+    parser.add_argument(
+        "--quiet",
+        "--no-progress",
+        dest="quiet",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, else a line every "
+        "10 s); the report on stdout is the same",
+    )
+    parser.add_argument(
+        "--peer-definitions",
+        action="store_true",
+        help="also report every metric under vLLM's, inference-perf's, "
+        "AIPerf's and GuideLLM's definitions, named by formula",
+    )
+    parser.add_argument(
+        "--export-vllm-bench",
+        metavar="FILE",
+        help="also write the median run as `vllm bench serve` result JSON "
+        "(--save-result --save-detailed: every key it writes, with its "
+        "meaning)",
+    )
+    parser.add_argument(
+        "--max-lateness",
+        default=f"{DEFAULT_MAX_LATENESS_MS:g}ms",
+        metavar="DURATION",
+        help="mark a run DEGRADED when its sender lateness p99 (actual send - "
+        "scheduled send, open loop) exceeds this: the sender fell behind and "
+        "the run did not offer the load it claims; `off` never marks "
+        "[%(default)s: a healthy sender stays under 1 ms]",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve this sender's live numbers on http://HOST:PORT/metrics "
+        "(Prometheus): requests planned, sent, completed by outcome, in "
+        "flight, send lateness [off]",
+    )
+    parser.add_argument(
+        "--metrics-linger",
+        default="0s",
+        metavar="DURATION",
+        help="keep /metrics up this long after the run, so that a last scrape "
+        "sees the final numbers (a Job: 2 scrape intervals) [0s]",
+    )
+    parser.add_argument(
+        "--export-llmd",
+        metavar="FILE",
+        help="also write the median run as an llm-d benchmark report (schema "
+        "v0.2, JSON); goodput and the SLO go under "
+        "results.observability.vllm_sidecar",
+    )
 
 
 def max_lateness_ms(text: str) -> float | None:
@@ -173,8 +254,9 @@ class SkippedLine:
     reason: str
 
 
-def split_replayable(lines: Sequence[tuple[int, TraceRequest]], *, use_captured_body: bool
-                     ) -> tuple[list[TraceRequest], list[SkippedLine]]:
+def split_replayable(
+    lines: Sequence[tuple[int, TraceRequest]], *, use_captured_body: bool
+) -> tuple[list[TraceRequest], list[SkippedLine]]:
     """The requests replay can send, and the lines it skips, by `unreplayable_reason` (the
     rule `sidecar trace lint` reports as cannot-replay)."""
     sendable: list[TraceRequest] = []
@@ -189,18 +271,20 @@ def split_replayable(lines: Sequence[tuple[int, TraceRequest]], *, use_captured_
 
 
 def skipped_examples(skipped: Sequence[SkippedLine]) -> str:
-    shown = ", ".join(f"line {skip.line} ({skip.reason})"
-                      for skip in skipped[:SKIPPED_LINES_SHOWN])
+    shown = ", ".join(f"line {skip.line} ({skip.reason})" for skip in skipped[:SKIPPED_LINES_SHOWN])
     more = len(skipped) - SKIPPED_LINES_SHOWN
     return shown + (f", +{more} more" if more > 0 else "")
 
 
 def skipped_summary(skipped: Sequence[SkippedLine], total: int, trace: str) -> str:
     """One line: how many lines are skipped, the first few with their reasons."""
-    where = "" if len(skipped) <= SKIPPED_LINES_SHOWN else \
-        f" (`sidecar trace lint {trace}` lists them)"
-    return (f"skipped {len(skipped)} of {total} trace lines that cannot be replayed: "
-            f"{skipped_examples(skipped)}{where}")
+    where = (
+        "" if len(skipped) <= SKIPPED_LINES_SHOWN else f" (`sidecar trace lint {trace}` lists them)"
+    )
+    return (
+        f"skipped {len(skipped)} of {total} trace lines that cannot be replayed: "
+        f"{skipped_examples(skipped)}{where}"
+    )
 
 
 class TargetUnreachable(UsageError, ValueError):
@@ -223,8 +307,7 @@ def checked_target(target: str) -> str:
     used to reach the first request and come back as "no model")."""
     parts = urlsplit(target.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UsageError(f"--target must be an http(s) URL like http://127.0.0.1:8000: "
-                         f"{target!r}")
+        raise UsageError(f"--target must be an http(s) URL like http://127.0.0.1:8000: {target!r}")
     return target.strip().rstrip("/")
 
 
@@ -268,19 +351,23 @@ async def _run(args: argparse.Namespace) -> int:
     lines = list(reader.numbered())
     sendable, skipped = split_replayable(lines, use_captured_body=not options.no_captured_bodies)
     if lines and not sendable:
-        raise UsageError(f"{options.trace}: none of its {len(lines)} request lines can be "
-                         f"replayed: {skipped_examples(skipped)}; `sidecar trace lint "
-                         f"{options.trace}` lists them")
+        raise UsageError(
+            f"{options.trace}: none of its {len(lines)} request lines can be "
+            f"replayed: {skipped_examples(skipped)}; `sidecar trace lint "
+            f"{options.trace}` lists them"
+        )
     if skipped:
-        print(f"sidecar replay: {skipped_summary(skipped, len(lines), options.trace)}",
-              file=sys.stderr)
+        print(
+            f"sidecar replay: {skipped_summary(skipped, len(lines), options.trace)}",
+            file=sys.stderr,
+        )
     requests = sorted(sendable, key=lambda r: r.t)
     trace_origin = requests[0].t if requests else 0.0
     if options.limit is not None:
         requests = requests[: options.limit]
     if options.shard_count > 1:
         # Round-robin in arrival order: each shard keeps the trace's time span and shape.
-        requests = requests[options.shard_index:: options.shard_count]
+        requests = requests[options.shard_index :: options.shard_count]
     if not requests:
         raise UsageError(f"{options.trace}: no requests to replay")
     slo_policy = None
@@ -295,7 +382,8 @@ async def _run(args: argparse.Namespace) -> int:
             raise UsageError("no model: pass --model (the target's /v1/models was empty)")
         needs_text = options.endpoint == "chat" or any(
             r.endpoint == "chat" and (r.body is None or options.no_captured_bodies)
-            for r in requests)
+            for r in requests
+        )
         calibration = await calibrate(session, target, model) if needs_text else None
         token_ids = DEFAULT_TOKEN_IDS
         if options.token_id_range:
@@ -307,30 +395,44 @@ async def _run(args: argparse.Namespace) -> int:
             token_ids = await probe_token_ids(session, target, model)
         version = await engine_version(session, target)
         engine_before = await scrape_engine(session, target)
-    plan = load.plan(requests, options, model, calibration, token_ids,
-                     trace_origin=trace_origin)
+    plan = load.plan(requests, options, model, calibration, token_ids, trace_origin=trace_origin)
     mode = plan.mode
     warmup = plan.requests[: options.warmup] if options.warmup else []
     envelope = {
-        "trace": str(options.trace), "trace_source": reader.header.source,
-        "requests": len(plan.requests), "model": model, "target": target, "engine_version": version,
+        "trace": str(options.trace),
+        "trace_source": reader.header.source,
+        "requests": len(plan.requests),
+        "model": model,
+        "target": target,
+        "engine_version": version,
         "mode": mode,
         "time_scale": options.time_scale if options.rate is None else None,
-        "rate": options.rate, "burstiness": options.burstiness if options.rate else None,
-        "max_concurrency": options.max_concurrency, "warmup": len(warmup),
-        "repeats": options.repeats, "workers": options.workers,
+        "rate": options.rate,
+        "burstiness": options.burstiness if options.rate else None,
+        "max_concurrency": options.max_concurrency,
+        "warmup": len(warmup),
+        "repeats": options.repeats,
+        "workers": options.workers,
         # One sender's share of a sharded replay, and the start all shards share (merge).
         "shard": {"index": options.shard_index, "count": options.shard_count},
-        "start_at": options.start_at, "slo": options.slo,
+        "start_at": options.start_at,
+        "slo": options.slo,
         "input_tokens_requested": lengths_summary([r.n_in for r in requests]),
         "output_tokens_requested": lengths_summary([r.n_out for r in requests]),
-        "prompt_text_calibration": None if calibration is None else {
+        "prompt_text_calibration": None
+        if calibration is None
+        else {
             "tokens_per_word": calibration.tokens_per_word,
-            "chat_overhead": calibration.chat_overhead},
+            "chat_overhead": calibration.chat_overhead,
+        },
         "prompt_token_ids": token_ids.describe(),
-        "skipped_lines": {"count": len(skipped), "of": len(lines),
-                          "lines": [{"line": skip.line, "reason": skip.reason}
-                                    for skip in skipped[:SKIPPED_LINES_KEPT]]},
+        "skipped_lines": {
+            "count": len(skipped),
+            "of": len(lines),
+            "lines": [
+                {"line": skip.line, "reason": skip.reason} for skip in skipped[:SKIPPED_LINES_KEPT]
+            ],
+        },
     }
     counters: ReplayCounters | None = None
     metrics: MetricsServer | None = None
@@ -344,14 +446,24 @@ async def _run(args: argparse.Namespace) -> int:
             await metrics.close()
             # The event loop's message repeats the address as a tuple: the cause alone.
             cause = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror
-            raise UsageError(f"cannot listen on {host}:{port} (--metrics-listen): "
-                             f"{cause or exc}") from None
+            raise UsageError(
+                f"cannot listen on {host}:{port} (--metrics-listen): {cause or exc}"
+            ) from None
     try:
         # The llm-d report's native arguments: the command line as parsed, and what was
         # derived from it (as earlier reports have them).
         native = {**vars(args), "max_lateness_ms": lateness_ms, "trace_origin": trace_origin}
-        return await _replay(options, plan, envelope, requests, engine_before, slo_policy,
-                             counters, lateness_ms, native)
+        return await _replay(
+            options,
+            plan,
+            envelope,
+            requests,
+            engine_before,
+            slo_policy,
+            counters,
+            lateness_ms,
+            native,
+        )
     finally:
         if metrics is not None:
             try:
@@ -360,16 +472,28 @@ async def _run(args: argparse.Namespace) -> int:
                 await metrics.close()
 
 
-async def _replay(options: ReplayOptions, plan: load.Plan, envelope: dict[str, Any],
-                  requests: list[TraceRequest], engine_before: dict[str, Any] | None,
-                  slo_policy: SLOPolicy | None, counters: ReplayCounters | None,
-                  lateness_ms: float | None, native_args: dict[str, Any]) -> int:
+async def _replay(
+    options: ReplayOptions,
+    plan: load.Plan,
+    envelope: dict[str, Any],
+    requests: list[TraceRequest],
+    engine_before: dict[str, Any] | None,
+    slo_policy: SLOPolicy | None,
+    counters: ReplayCounters | None,
+    lateness_ms: float | None,
+    native_args: dict[str, Any],
+) -> int:
     target, mode = options.target, plan.mode
     warmup = plan.requests[: options.warmup] if options.warmup else []
     timeout = aiohttp.ClientTimeout(total=10)
     if warmup:
-        await load.run(load.Plan(warmup, "closed"), options, concurrency=min(8, len(warmup)),
-                       workers=1, quiet=True)
+        await load.run(
+            load.Plan(warmup, "closed"),
+            options,
+            concurrency=min(8, len(warmup)),
+            workers=1,
+            quiet=True,
+        )
     reports: list[dict[str, Any]] = []
     runs: list[list[SentRequest]] = []
     # The target's speculative-decoding / diffusion counters around each run, for the export
@@ -379,8 +503,9 @@ async def _replay(options: ReplayOptions, plan: load.Plan, envelope: dict[str, A
         if counters is not None:
             counters.start_run(repeat + 1, len(plan.requests))
         before = await server_counters(target) if options.export_vllm_bench else None
-        sent = await load.run(plan, options, label=f"run {repeat + 1}/{options.repeats}",
-                              counters=counters)
+        sent = await load.run(
+            plan, options, label=f"run {repeat + 1}/{options.repeats}", counters=counters
+        )
         after = await server_counters(target) if options.export_vllm_bench else None
         server.append((before, after))
         runs.append(sent)
@@ -401,12 +526,14 @@ async def _replay(options: ReplayOptions, plan: load.Plan, envelope: dict[str, A
         result["peer_definitions"] = peer_report(chosen_records)
     if options.export_vllm_bench:
         planned = {p.index: r.n_in for p, r in zip(plan.requests, requests, strict=True)}
-        exported = vllm_bench_json(result, runs[chosen], requested_input=planned,
-                                   server=server[chosen])
+        exported = vllm_bench_json(
+            result, runs[chosen], requested_input=planned, server=server[chosen]
+        )
         Path(options.export_vllm_bench).write_text(json.dumps(exported, indent=2, default=str))
     if options.export_llmd:
-        br = llmd_report(result, runs[chosen], requests, options, slo_policy,
-                         native_args=native_args)
+        br = llmd_report(
+            result, runs[chosen], requests, options, slo_policy, native_args=native_args
+        )
         Path(options.export_llmd).write_text(json.dumps(br, indent=2))
     # Files first: a closed stdout (`| head`) must not cost the run's results.
     if options.output_dir:
@@ -416,15 +543,20 @@ async def _replay(options: ReplayOptions, plan: load.Plan, envelope: dict[str, A
         for i, sent in enumerate(runs):
             with (out / f"records-run{i}.jsonl").open("w") as handle:
                 for s in sent:
-                    line = {"index": s.index, "scheduled_ns": s.scheduled_ns,
-                            "actual_ns": s.actual_ns, "record": s.record.to_dict()}
+                    line = {
+                        "index": s.index,
+                        "scheduled_ns": s.scheduled_ns,
+                        "actual_ns": s.actual_ns,
+                        "record": s.record.to_dict(),
+                    }
                     handle.write(json.dumps(line) + "\n")
     print(console_table(result))
     if options.output_dir:
         print(f"report: {Path(options.output_dir) / 'report.json'}")
     if not any(s.record.ok for sent in runs for s in sent):
-        causes = Counter(s.record.error_type or s.record.outcome.value
-                         for sent in runs for s in sent)
+        causes = Counter(
+            s.record.error_type or s.record.outcome.value for sent in runs for s in sent
+        )
         top = ", ".join(f"{cause} x{count}" for cause, count in causes.most_common(3))
         print(f"sidecar replay: no request succeeded ({top})", file=sys.stderr)
         return 1
@@ -435,45 +567,65 @@ async def _replay(options: ReplayOptions, plan: load.Plan, envelope: dict[str, A
 MEASURED_ENVELOPE_KEYS = frozenset({"engine_before", "engine_after", "engine_delta"})
 
 
-def llmd_report(result: dict[str, Any], sent: Sequence[SentRequest],
-                requests: Sequence[TraceRequest], options: ReplayOptions,
-                slo_policy: SLOPolicy | None, *,
-                native_args: dict[str, Any] | None = None) -> dict[str, Any]:
+def llmd_report(
+    result: dict[str, Any],
+    sent: Sequence[SentRequest],
+    requests: Sequence[TraceRequest],
+    options: ReplayOptions,
+    slo_policy: SLOPolicy | None,
+    *,
+    native_args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The reported (median) run as an llm-d benchmark report, schema v0.2. ``native_args``:
     the arguments as the tool was given them [the options']."""
     envelope = result["envelope"]
     engine_before = envelope.get("engine_before") or {}
     workload = llmd.Workload(
-        input_lengths=[r.n_in for r in requests], output_lengths=[r.n_out for r in requests],
+        input_lengths=[r.n_in for r in requests],
+        output_lengths=[r.n_out for r in requests],
         sampled=uses_captured_bodies(requests, options),
         rate_qps=options.rate if options.max_concurrency is None else None,
         concurrency=options.max_concurrency,
         description=f"sidecar replay of {envelope['trace']} ({envelope['mode']} loop)",
         args=llmd.native_args(vars(options) if native_args is None else native_args),
-        config={k: v for k, v in envelope.items() if k not in MEASURED_ENVELOPE_KEYS})
+        config={k: v for k, v in envelope.items() if k not in MEASURED_ENVELOPE_KEYS},
+    )
     target = llmd.component(
-        "target", engine_before.get("flavour") or "unknown", envelope.get("engine_version"),
+        "target",
+        engine_before.get("flavour") or "unknown",
+        envelope.get("engine_version"),
         description="the server the replay was sent to",
-        details={"url": envelope["target"], "model": envelope["model"]})
+        details={"url": envelope["target"], "model": envelope["model"]},
+    )
     return llmd.benchmark_report(
-        sent, duration_s=result["duration"], workload=workload, slo_policy=slo_policy,
-        stack=[target], extension={"engine_delta": envelope.get("engine_delta") or None,
-                                   "repeats": {"runs": len(result["runs"]),
-                                               "reported": result["median_run"]}})
+        sent,
+        duration_s=result["duration"],
+        workload=workload,
+        slo_policy=slo_policy,
+        stack=[target],
+        extension={
+            "engine_delta": envelope.get("engine_delta") or None,
+            "repeats": {"runs": len(result["runs"]), "reported": result["median_run"]},
+        },
+    )
 
 
-def uses_captured_bodies(requests: Sequence[TraceRequest],
-                         options: ReplayOptions | argparse.Namespace) -> bool:
+def uses_captured_bodies(
+    requests: Sequence[TraceRequest], options: ReplayOptions | argparse.Namespace
+) -> bool:
     """Were request bodies sent as captured (sampled text) rather than generated?"""
     return not getattr(options, "no_captured_bodies", False) and any(
-        r.body is not None for r in requests)
+        r.body is not None for r in requests
+    )
 
 
 def _trace_model(requests: Sequence[TraceRequest]) -> str | None:
     """The model of the first request that did not fail, else of the first with one: a
     capture's first line may be a request for a mistyped model."""
-    return next((r.model for r in requests if r.model and r.outcome in (None, "ok")),
-                next((r.model for r in requests if r.model), None))
+    return next(
+        (r.model for r in requests if r.model and r.outcome in (None, "ok")),
+        next((r.model for r in requests if r.model), None),
+    )
 
 
 def lengths_summary(values: Sequence[int | None]) -> dict[str, float | None]:
@@ -481,21 +633,34 @@ def lengths_summary(values: Sequence[int | None]) -> dict[str, float | None]:
     if not known:
         return {"count": 0}
     arr = sorted(known)
-    return {"count": len(arr), "min": arr[0], "p50": arr[len(arr) // 2],
-            "p99": arr[min(len(arr) - 1, int(len(arr) * 0.99))], "max": arr[-1],
-            "mean": sum(arr) / len(arr)}
+    return {
+        "count": len(arr),
+        "min": arr[0],
+        "p50": arr[len(arr) // 2],
+        "p99": arr[min(len(arr) - 1, int(len(arr) * 0.99))],
+        "max": arr[-1],
+        "mean": sum(arr) / len(arr),
+    }
 
 
 def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float]:
     if not before or not after:
         return {}
     b, a = before.get("values", {}), after.get("values", {})
-    out = {k: a[k] - b[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "preemptions",
-                                    "prompt_tokens", "generation_tokens", "cached_tokens")
-           if k in a and k in b}
+    out = {
+        k: a[k] - b[k]
+        for k in (
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "preemptions",
+            "prompt_tokens",
+            "generation_tokens",
+            "cached_tokens",
+        )
+        if k in a and k in b
+    }
     if out.get("prefix_cache_queries"):
-        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0) / out[
-            "prefix_cache_queries"]
+        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0) / out["prefix_cache_queries"]
     elif out.get("cached_tokens") is not None and out.get("prompt_tokens"):
         # SGLang counts cached prompt tokens instead of vLLM's queries and hits (tokens too).
         out["prefix_cache_hit_rate"] = out["cached_tokens"] / out["prompt_tokens"]
@@ -506,23 +671,48 @@ def engine_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
 # call the command's functions with a parsed namespace (benchmarks/replay_pacing.py).
 
 
-def make_plan(requests: Sequence[TraceRequest], args: argparse.Namespace, model: str,
-              calibration: TokenCalibration | None,
-              token_ids: TokenIds = DEFAULT_TOKEN_IDS) -> tuple[list[PlannedRequest], str]:
-    planned = load.plan(requests, ReplayOptions.from_namespace(args), model, calibration,
-                        token_ids, trace_origin=getattr(args, "trace_origin", None))
+def make_plan(
+    requests: Sequence[TraceRequest],
+    args: argparse.Namespace,
+    model: str,
+    calibration: TokenCalibration | None,
+    token_ids: TokenIds = DEFAULT_TOKEN_IDS,
+) -> tuple[list[PlannedRequest], str]:
+    planned = load.plan(
+        requests,
+        ReplayOptions.from_namespace(args),
+        model,
+        calibration,
+        token_ids,
+        trace_origin=getattr(args, "trace_origin", None),
+    )
     return list(planned.requests), planned.mode
 
 
-async def execute(plan: Sequence[PlannedRequest], target: str, mode: str,
-                  concurrency: int | None, workers: int, args: argparse.Namespace, *,
-                  label: str = "", quiet: bool = False,
-                  request_id_prefix: str = "replay",
-                  counters: ReplayCounters | None = None) -> list[SentRequest]:
+async def execute(
+    plan: Sequence[PlannedRequest],
+    target: str,
+    mode: str,
+    concurrency: int | None,
+    workers: int,
+    args: argparse.Namespace,
+    *,
+    label: str = "",
+    quiet: bool = False,
+    request_id_prefix: str = "replay",
+    counters: ReplayCounters | None = None,
+) -> list[SentRequest]:
     options = replace(ReplayOptions.from_namespace(args), target=target)
-    return await load.run(load.Plan(plan, mode), options, concurrency=concurrency or 1,
-                          workers=workers, label=label, quiet=quiet,
-                          request_id_prefix=request_id_prefix, counters=counters)
+    return await load.run(
+        load.Plan(plan, mode),
+        options,
+        concurrency=concurrency or 1,
+        workers=workers,
+        label=label,
+        quiet=quiet,
+        request_id_prefix=request_id_prefix,
+        counters=counters,
+    )
 
 
 # -- the target's side ------------------------------------------------------------------------
@@ -546,50 +736,59 @@ async def first_model(session: aiohttp.ClientSession, target: str) -> str | None
     return None
 
 
-async def calibrate(session: aiohttp.ClientSession, target: str,
-                    model: str) -> TokenCalibration:
+async def calibrate(session: aiohttp.ClientSession, target: str, model: str) -> TokenCalibration:
     """Tokens per generated word and the chat template's overhead, from the target's
     /tokenize; without it, one token per word (input lengths then approximate)."""
     words = 500
     sample = text_prompt(words, 12345, TokenCalibration())
     try:
-        async with session.post(target + "/tokenize",
-                                json={"model": model, "prompt": sample,
-                                      "add_special_tokens": False}) as response:
+        async with session.post(
+            target + "/tokenize",
+            json={"model": model, "prompt": sample, "add_special_tokens": False},
+        ) as response:
             plain = await response.json(content_type=None)
-        async with session.post(target + "/tokenize",
-                                json={"model": model, "messages": [
-                                    {"role": "user", "content": sample}]}) as response:
+        async with session.post(
+            target + "/tokenize",
+            json={"model": model, "messages": [{"role": "user", "content": sample}]},
+        ) as response:
             chat = await response.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return TokenCalibration()
-    if not (isinstance(plain, dict) and isinstance(plain.get("count"), int)
-            and isinstance(chat, dict) and isinstance(chat.get("count"), int)):
+    if not (
+        isinstance(plain, dict)
+        and isinstance(plain.get("count"), int)
+        and isinstance(chat, dict)
+        and isinstance(chat.get("count"), int)
+    ):
         return TokenCalibration()
     per_word = plain["count"] / words
-    return TokenCalibration(tokens_per_word=per_word,
-                            chat_overhead=max(0, chat["count"] - plain["count"]))
+    return TokenCalibration(
+        tokens_per_word=per_word, chat_overhead=max(0, chat["count"] - plain["count"])
+    )
 
 
 # Text for the target's tokenizer to turn into ids a rebuilt prompt may use: words, numbers,
 # letters and punctuation, so that the ids are many and spread over the vocabulary.
-_TOKEN_SAMPLE = " ".join([
-    *WORDS, *(f"{w.capitalize()}{i}" for i, w in enumerate(WORDS)),
-    *(str(n) for n in range(0, 1000, 7)),
-    *("".join(chr(c) for c in range(start, start + 8)) for start in range(33, 127, 8)),
-    "the quick brown fox jumps over the lazy dog; THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG",
-])
+_TOKEN_SAMPLE = " ".join(
+    [
+        *WORDS,
+        *(f"{w.capitalize()}{i}" for i, w in enumerate(WORDS)),
+        *(str(n) for n in range(0, 1000, 7)),
+        *("".join(chr(c) for c in range(start, start + 8)) for start in range(33, 127, 8)),
+        "the quick brown fox jumps over the lazy dog; THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG",
+    ]
+)
 
 
-async def probe_token_ids(session: aiohttp.ClientSession, target: str,
-                          model: str) -> TokenIds:
+async def probe_token_ids(session: aiohttp.ClientSession, target: str, model: str) -> TokenIds:
     """Token ids the target's tokenizer produced for varied text (vLLM's ``/tokenize``): every
     one is in its vocabulary, whatever its size. Without the endpoint, the default range (which
     fits vocabularies of 30k ids and more)."""
     try:
-        async with session.post(target + "/tokenize", json={
-                "model": model, "prompt": _TOKEN_SAMPLE,
-                "add_special_tokens": False}) as response:
+        async with session.post(
+            target + "/tokenize",
+            json={"model": model, "prompt": _TOKEN_SAMPLE, "add_special_tokens": False},
+        ) as response:
             answer = await response.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return DEFAULT_TOKEN_IDS
@@ -617,8 +816,10 @@ async def server_counters(target: str) -> dict[str, Any] | None:
     """The target's /metrics counters that vllm bench reads (`vllm_bench_counters`); None
     when it serves no /metrics."""
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session, \
-                session.get(target + "/metrics") as response:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
+            session.get(target + "/metrics") as response,
+        ):
             if response.status != 200:
                 return None
             return vllm_bench_counters(await response.text())
@@ -626,8 +827,7 @@ async def server_counters(target: str) -> dict[str, Any] | None:
         return None
 
 
-async def scrape_engine(session: aiohttp.ClientSession,
-                        target: str) -> dict[str, Any] | None:
+async def scrape_engine(session: aiohttp.ClientSession, target: str) -> dict[str, Any] | None:
     try:
         async with session.get(target + "/metrics") as response:
             if response.status != 200:

@@ -38,24 +38,24 @@ DEFINITIONS = {
     "ttft": "send -> first token-carrying chunk (client vantage); sample = request",
     "itl": "gap between consecutive token-carrying chunks; sample = chunk (event)",
     "tpot": "TPOT as docs/metrics.md section 4 defines it, N_out from usage; N_out <= 1 "
-            "excluded and counted",
+    "excluded and counted",
     "e2el": "send -> last token-carrying chunk (response end if none); sample = request",
     "lateness": "actual send - scheduled send, per request (open loop only)",
     "percentiles": "numpy linear interpolation; std is the population std",
     "goodput": "completed requests meeting every declared threshold, per second; attainment "
-               "= good / all requests (failures included)",
+    "= good / all requests (failures included)",
     "max_concurrent_requests": "vllm bench's: one-second buckets from the first send, a "
-                               "successful request counted in every bucket from its send's "
-                               "to its last chunk's; the most in one bucket",
-    "max_in_flight_requests": "the most requests in flight at once (send to response end), "
-                              "exact",
+    "successful request counted in every bucket from its send's "
+    "to its last chunk's; the most in one bucket",
+    "max_in_flight_requests": "the most requests in flight at once (send to response end), exact",
     "degraded": "open loop: sender lateness p99 > max_lateness_ms in some run; the sender fell "
-                "behind its schedule, so that run did not offer the load it claims",
+    "behind its schedule, so that run did not offer the load it claims",
 }
 
 
-def _ms_stats(prefix: str, values: npt.NDArray[np.float64],
-              percentiles: Sequence[float]) -> dict[str, float | None]:
+def _ms_stats(
+    prefix: str, values: npt.NDArray[np.float64], percentiles: Sequence[float]
+) -> dict[str, float | None]:
     summary = stats.summarize(values, percentiles)
 
     def ms(x: float | None) -> float | None:
@@ -71,10 +71,14 @@ def _ms_stats(prefix: str, values: npt.NDArray[np.float64],
     return out
 
 
-def run_report(sent: Sequence[SentRequest], *, mode: str,
-               slo_policy: stats.SLOPolicy | None = None,
-               percentiles: Sequence[float] = DEFAULT_PERCENTILES,
-               envelope: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def run_report(
+    sent: Sequence[SentRequest],
+    *,
+    mode: str,
+    slo_policy: stats.SLOPolicy | None = None,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+    envelope: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     records = [s.record for s in sent]
     completed = [r for r in records if r.outcome is Outcome.OK]
     ends = [s.end_ns for s in sent]
@@ -102,8 +106,12 @@ def run_report(sent: Sequence[SentRequest], *, mode: str,
         report["request_goodput"] = goodput.good_requests_per_s
         report["slo_attainment"] = goodput.attainment
         report["slo"] = {name: slo.describe() for name, slo in slo_policy.classes.items()}
-    for prefix, values in (("ttft", samples.defined("ttft")), ("tpot", samples.defined("tpot")),
-                           ("itl", samples.itl_s), ("e2el", samples.defined("e2e"))):
+    for prefix, values in (
+        ("ttft", samples.defined("ttft")),
+        ("tpot", samples.defined("tpot")),
+        ("itl", samples.itl_s),
+        ("e2el", samples.defined("e2e")),
+    ):
         report.update(_ms_stats(prefix, values, percentiles))
     report["requests_without_tpot"] = int(np.count_nonzero(samples.n_out <= 1))
     report["outcomes"] = {o.value: n for o, n in stats.outcome_counts(records).items()}
@@ -127,20 +135,24 @@ class ReplayGoodput(NamedTuple):
     good_output_tokens_per_s: float
 
 
-def replay_goodput(records: Sequence[RequestRecord], slo_policy: stats.SLOPolicy,
-                   duration_s: float) -> ReplayGoodput:
+def replay_goodput(
+    records: Sequence[RequestRecord], slo_policy: stats.SLOPolicy, duration_s: float
+) -> ReplayGoodput:
     """`stats.goodput_by_class` at the client vantage, summed over the classes (a replay has
     one, "default"). Every request of the run is in the denominator: `SLO.exclude` is not
     applied here, as replay reports have always said (docs/metrics.md section 8)."""
-    per_class = stats.goodput_by_class(records, slo_policy, duration_s, Vantage.CLIENT,
-                                       exclusions=False)
+    per_class = stats.goodput_by_class(
+        records, slo_policy, duration_s, Vantage.CLIENT, exclusions=False
+    )
     good = sum(g.good_requests for g in per_class.values())
     total = sum(g.total_requests for g in per_class.values())
     return ReplayGoodput(
-        good_requests=good, requests=total, attainment=good / total if total else None,
+        good_requests=good,
+        requests=total,
+        attainment=good / total if total else None,
         good_requests_per_s=sum(g.good_requests_per_s for g in per_class.values()),
-        good_output_tokens_per_s=sum(g.good_output_tokens_per_s
-                                     for g in per_class.values()))
+        good_output_tokens_per_s=sum(g.good_output_tokens_per_s for g in per_class.values()),
+    )
 
 
 def max_concurrency(sent: Sequence[SentRequest]) -> int:
@@ -182,11 +194,17 @@ def mark_degraded(result: dict[str, Any], max_lateness_ms: float | None) -> None
     late: list[tuple[int, float]] = []
     for number, run in enumerate(runs, 1):
         p99 = late_p99(run, max_lateness_ms)
-        reason = None if p99 is None else (
-            f"sender lateness p99 {_ms_text(p99)} > --max-lateness {max_lateness_ms:g} ms: "
-            f"{BEHIND} the run did not offer the load it claims")
-        run.update(degraded=reason is not None, degraded_reason=reason,
-                   max_lateness_ms=max_lateness_ms)
+        reason = (
+            None
+            if p99 is None
+            else (
+                f"sender lateness p99 {_ms_text(p99)} > --max-lateness {max_lateness_ms:g} ms: "
+                f"{BEHIND} the run did not offer the load it claims"
+            )
+        )
+        run.update(
+            degraded=reason is not None, degraded_reason=reason, max_lateness_ms=max_lateness_ms
+        )
         if p99 is not None:
             late.append((number, p99))
     reason = None
@@ -194,19 +212,26 @@ def mark_degraded(result: dict[str, Any], max_lateness_ms: float | None) -> None
         reason = runs[0]["degraded_reason"]
     elif late:
         which = " and ".join(f"run {n} ({_ms_text(p99)})" for n, p99 in late)
-        reason = (f"sender lateness p99 > --max-lateness {max_lateness_ms:g} ms in {which} "
-                  f"of {len(runs)}: {BEHIND} "
-                  + ("that run did not offer the load it claims" if len(late) == 1
-                     else "those runs did not offer the load they claim"))
-    result.update(degraded=reason is not None, degraded_reason=reason,
-                  max_lateness_ms=max_lateness_ms)
+        reason = (
+            f"sender lateness p99 > --max-lateness {max_lateness_ms:g} ms in {which} "
+            f"of {len(runs)}: {BEHIND} "
+            + (
+                "that run did not offer the load it claims"
+                if len(late) == 1
+                else "those runs did not offer the load they claim"
+            )
+        )
+    result.update(
+        degraded=reason is not None, degraded_reason=reason, max_lateness_ms=max_lateness_ms
+    )
 
 
 def median_run(reports: Sequence[dict[str, Any]]) -> int:
     """Index of the run reported as the result: the median by median E2E latency (ties to
     the earlier run); every run is kept beside it."""
-    keyed = sorted(range(len(reports)),
-                   key=lambda i: (reports[i].get("median_e2el_ms") or float("inf"), i))
+    keyed = sorted(
+        range(len(reports)), key=lambda i: (reports[i].get("median_e2el_ms") or float("inf"), i)
+    )
     return keyed[(len(keyed) - 1) // 2]
 
 
@@ -229,23 +254,34 @@ def console_table(report: Mapping[str, Any]) -> str:
         f"{'max concurrent requests':<34} {concurrency_text(report)}",
     ]
     if report.get("request_goodput") is not None:
-        lines.append(f"{'request goodput (req/s)':<34} {report['request_goodput']:.2f}  "
-                     f"(attainment {report['slo_attainment']:.1%}; SLO "
-                     f"{slo_text(report['slo'])})")
+        lines.append(
+            f"{'request goodput (req/s)':<34} {report['request_goodput']:.2f}  "
+            f"(attainment {report['slo_attainment']:.1%}; SLO "
+            f"{slo_text(report['slo'])})"
+        )
     lines.append(f"{'':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'p99.9':>14}")
-    for name, key in (("TTFT ms", "ttft"), ("TPOT ms", "tpot"), ("ITL ms", "itl"),
-                      ("E2E ms", "e2el")):
+    for name, key in (
+        ("TTFT ms", "ttft"),
+        ("TPOT ms", "tpot"),
+        ("ITL ms", "itl"),
+        ("E2E ms", "e2el"),
+    ):
+
         def cell(k: str) -> str:
             value = report.get(k)
             return f"{value:10.2f}" if isinstance(value, float) else f"{'-':>10}"
 
-        lines.append(f"{name:<12}{cell(f'mean_{key}_ms')}{cell(f'p50_{key}_ms')}"
-                     f"{cell(f'p90_{key}_ms')}{cell(f'p99_{key}_ms')}"
-                     f"{cell(f'p99.9_{key}_ms'):>14}")
+        lines.append(
+            f"{name:<12}{cell(f'mean_{key}_ms')}{cell(f'p50_{key}_ms')}"
+            f"{cell(f'p90_{key}_ms')}{cell(f'p99_{key}_ms')}"
+            f"{cell(f'p99.9_{key}_ms'):>14}"
+        )
     if "lateness_ms" in report:
         late = report["lateness_ms"]
-        lines.append(f"{'sender lateness ms':<34} p50 {late['p50'] or 0:.3f}  "
-                     f"p99 {late['p99'] or 0:.3f}  max {late['max'] or 0:.3f}")
+        lines.append(
+            f"{'sender lateness ms':<34} p50 {late['p50'] or 0:.3f}  "
+            f"p99 {late['p99'] or 0:.3f}  max {late['max'] or 0:.3f}"
+        )
     outcomes = ", ".join(f"{k}={v}" for k, v in report["outcomes"].items() if v)
     lines.append(f"{'outcomes':<34} {outcomes}")
     if report.get("degraded"):
@@ -254,10 +290,12 @@ def console_table(report: Mapping[str, Any]) -> str:
 
 
 def concurrency_text(report: Mapping[str, Any]) -> str:
-    """"7 in flight at once (vllm bench's per-second count: 9)"; a report without the exact
+    """ "7 in flight at once (vllm bench's per-second count: 9)"; a report without the exact
     figure (written before it existed) shows the one it has."""
     exact = report.get("max_in_flight_requests")
     if exact is None:
         return str(report.get("max_concurrent_requests", "-"))
-    return (f"{exact} in flight at once (vllm bench's per-second count: "
-            f"{report.get('max_concurrent_requests', '-')})")
+    return (
+        f"{exact} in flight at once (vllm bench's per-second count: "
+        f"{report.get('max_concurrent_requests', '-')})"
+    )

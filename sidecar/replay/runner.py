@@ -79,9 +79,15 @@ async def sleep_until(deadline_ns: int) -> None:
 class Sender:
     """Sends planned requests to ``target`` and measures them (client vantage)."""
 
-    def __init__(self, target: str, session: aiohttp.ClientSession, *,
-                 request_timeout_s: float = 600.0, request_id_prefix: str = "replay",
-                 counters: ReplayCounters | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        session: aiohttp.ClientSession,
+        *,
+        request_timeout_s: float = 600.0,
+        request_id_prefix: str = "replay",
+        counters: ReplayCounters | None = None,
+    ) -> None:
         self.target = target.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s or None)
@@ -94,8 +100,9 @@ class Sender:
         self.failed = 0
         self.counters = counters  # live numbers for --metrics-listen (shared between workers)
 
-    async def send(self, planned: PlannedRequest, run_start_ns: int,
-                   scheduled_ns: int | None) -> SentRequest:
+    async def send(
+        self, planned: PlannedRequest, run_start_ns: int, scheduled_ns: int | None
+    ) -> SentRequest:
         endpoint = "chat" if planned.path.endswith("/chat/completions") else "completions"
         stream = planned.body.get("stream") is True
         request_id = f"{self.request_id_prefix}-{planned.index}-{uuid.uuid4().hex[:12]}"
@@ -108,21 +115,27 @@ class Sender:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         wall, start = clock.anchor()
         if self.counters is not None:
-            self.counters.sent(None if scheduled_ns is None
-                               else start - run_start_ns - scheduled_ns)
+            self.counters.sent(
+                None if scheduled_ns is None else start - run_start_ns - scheduled_ns
+            )
         try:
-            async with self.session.post(self.target + planned.path, json=planned.body,
-                                         headers={"X-Request-Id": request_id},
-                                         timeout=self.timeout) as response:
+            async with self.session.post(
+                self.target + planned.path,
+                json=planned.body,
+                headers={"X-Request-Id": request_id},
+                timeout=self.timeout,
+            ) as response:
                 status = response.status
                 if status != 200 or not stream:
                     data = await response.read()
                     obj = _json(data)
                     if status != 200:
-                        error = ErrorInfo.from_obj(obj.get("error")) if isinstance(
-                            obj, dict) else None
-                        failure = StreamFailure(Outcome.HTTP_ERROR,
-                                                safe_error_type(error, status), status, "")
+                        error = (
+                            ErrorInfo.from_obj(obj.get("error")) if isinstance(obj, dict) else None
+                        )
+                        failure = StreamFailure(
+                            Outcome.HTTP_ERROR, safe_error_type(error, status), status, ""
+                        )
                     elif isinstance(obj, dict):
                         usage = Usage.from_obj(obj.get("usage"))
                         finish_reason = _finish_reason(obj)
@@ -147,9 +160,13 @@ class Sender:
             failure = meter.failure or failure
             n_in, n_out, n_cached, source = meter.token_totals
             finish_reason = meter.finish_reason
-            client = Timeline(start_ns=0, offsets_ns=Int64s(meter.offsets),
-                              tokens=Int64s(meter.tokens), end_ns=end - start,
-                              events_total=meter.events)
+            client = Timeline(
+                start_ns=0,
+                offsets_ns=Int64s(meter.offsets),
+                tokens=Int64s(meter.tokens),
+                end_ns=end - start,
+                events_total=meter.events,
+            )
             engine = meter.engine
         else:
             n_in = usage.prompt_tokens if usage else None
@@ -183,8 +200,9 @@ class Sender:
             replica=self.target.split("://", 1)[-1],
         )
         actual = start - run_start_ns
-        return SentRequest(planned.index, actual if scheduled_ns is None else scheduled_ns,
-                           actual, record)
+        return SentRequest(
+            planned.index, actual if scheduled_ns is None else scheduled_ns, actual, record
+        )
 
 
 def _json(data: bytes) -> Any:
@@ -202,8 +220,12 @@ def _finish_reason(obj: dict[str, Any]) -> str | None:
     return None
 
 
-async def open_loop(sender: Sender, plan: Sequence[PlannedRequest], start_ns: int,
-                    on_done: Callable[[SentRequest], None] | None = None) -> list[SentRequest]:
+async def open_loop(
+    sender: Sender,
+    plan: Sequence[PlannedRequest],
+    start_ns: int,
+    on_done: Callable[[SentRequest], None] | None = None,
+) -> list[SentRequest]:
     """Fire each request at ``start_ns + at_s``; never wait on responses while sending."""
     results: list[SentRequest] = []
     tasks: set[asyncio.Task[SentRequest]] = set()
@@ -227,9 +249,13 @@ async def open_loop(sender: Sender, plan: Sequence[PlannedRequest], start_ns: in
     return sorted(results, key=lambda r: r.index)
 
 
-async def closed_loop(sender: Sender, plan: Sequence[PlannedRequest], concurrency: int,
-                      start_ns: int,
-                      on_done: Callable[[SentRequest], None] | None = None) -> list[SentRequest]:
+async def closed_loop(
+    sender: Sender,
+    plan: Sequence[PlannedRequest],
+    concurrency: int,
+    start_ns: int,
+    on_done: Callable[[SentRequest], None] | None = None,
+) -> list[SentRequest]:
     """At most ``concurrency`` requests outstanding; the next leaves when one finishes. The
     first ``concurrency`` leave at ``start_ns``, the instant every offset counts from (sending
     earlier made their offsets negative and the run's duration short)."""

@@ -85,18 +85,24 @@ class Criteria:
     def describe(self) -> str:
         p = f"p{self.percentile:g}"
         parts = [f"{p} {name} <= {ms:g} ms" for name, ms in self.limits_ms().items()]
-        return (", ".join(parts) + f"; errors <= {self.max_error_rate:.1%}"
-                + f"; achieved >= {self.keep_up:.0%} of offered (open loop)")
+        return (
+            ", ".join(parts)
+            + f"; errors <= {self.max_error_rate:.1%}"
+            + f"; achieved >= {self.keep_up:.0%} of offered (open loop)"
+        )
 
 
-def parse_criteria(slo: str, percentile: float = 90.0, max_error_rate: float = 0.01,
-                   keep_up: float = 0.9) -> Criteria:
+def parse_criteria(
+    slo: str, percentile: float = 90.0, max_error_rate: float = 0.01, keep_up: float = 0.9
+) -> Criteria:
     """`sidecar sweep --slo ttft=500ms,itl=30ms` (the SLO grammar, with ITL) and the bounds."""
     spec = parse_slo_spec(slo, PERCENTILE_METRICS)
     if spec.objective is not None or spec.exclude is not None:
         # The percentile is a step's objective, and every request counts in its error bound.
-        raise ValueError(f"--slo {slo!r}: a sweep judges each threshold at --slo-percentile; "
-                         "objective= and exclude= do not apply to it")
+        raise ValueError(
+            f"--slo {slo!r}: a sweep judges each threshold at --slo-percentile; "
+            "objective= and exclude= do not apply to it"
+        )
     return Criteria(dict(spec.thresholds), percentile, max_error_rate, keep_up)
 
 
@@ -115,8 +121,9 @@ def achieved_rate(completion_ends_s: Sequence[float]) -> float | None:
     return (len(ends) - 1) / span if span > 0 else None
 
 
-def judge_step(report: Mapping[str, Any], offered: float, mode: str,
-               criteria: Criteria, achieved: float | None) -> StepVerdict:
+def judge_step(
+    report: Mapping[str, Any], offered: float, mode: str, criteria: Criteria, achieved: float | None
+) -> StepVerdict:
     reasons: list[str] = []
     total = report["completed"] + report["failed"]
     if total == 0:
@@ -135,8 +142,10 @@ def judge_step(report: Mapping[str, Any], offered: float, mode: str,
         if achieved is None:
             reasons.append("achieved rate unmeasured")
         elif achieved < criteria.keep_up * offered:
-            reasons.append(f"achieved {achieved:.2f} req/s < {criteria.keep_up:.0%} of "
-                           f"offered {offered:.2f} req/s")
+            reasons.append(
+                f"achieved {achieved:.2f} req/s < {criteria.keep_up:.0%} of "
+                f"offered {offered:.2f} req/s"
+            )
     return StepVerdict(not reasons, tuple(reasons))
 
 
@@ -165,8 +174,9 @@ class Search:
         above = [f for f in self.failed if f > best]
         return (best, min(above)) if above else None
 
-    def record(self, load: float, verdict: StepVerdict, offered: float,
-               achieved: float | None) -> None:
+    def record(
+        self, load: float, verdict: StepVerdict, offered: float, achieved: float | None
+    ) -> None:
         if self._bracket() is not None:
             self.bisections += 1
         (self.passed if verdict.passed else self.failed).append(load)
@@ -212,8 +222,9 @@ class Search:
         return max(self.passed) if self.passed else None
 
 
-def run_search(search: Search, run_step: Callable[[float], tuple[StepVerdict, float,
-                                                                  float | None]]) -> None:
+def run_search(
+    search: Search, run_step: Callable[[float], tuple[StepVerdict, float, float | None]]
+) -> None:
     """Drive a search: ``run_step(load) -> (verdict, offered, achieved)``."""
     while (load := search.next_load()) is not None:
         verdict, offered, achieved = run_step(load)
@@ -236,8 +247,14 @@ def knee(loads: Sequence[float], goodputs: Sequence[float | None]) -> float | No
 METRICS_DOC = "docs/metrics.md"
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 # The latency percentiles every table shows (the judged ones come first, and are not repeated).
-SHOWN_LATENCIES = (("ttft", 50.0), ("ttft", 99.0), ("tpot", 50.0), ("tpot", 99.0),
-                   ("itl", 99.0), ("e2e", 99.0))
+SHOWN_LATENCIES = (
+    ("ttft", 50.0),
+    ("ttft", 99.0),
+    ("tpot", 50.0),
+    ("tpot", 99.0),
+    ("itl", 99.0),
+    ("e2e", 99.0),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,24 +297,35 @@ class StepTables:
 def criteria_detail(criteria: Criteria) -> dict[str, Any]:
     """The pass criteria as numbers (sweep.json's `slo_criteria`; `criteria` says them in
     words). The file keeps its format: ms, keyed by the run report's names ("e2el")."""
-    return {"thresholds_ms": {REPORT_NAMES[name]: ms for name, ms in
-                              criteria.limits_ms().items()},
-            "percentile": criteria.percentile, "max_error_rate": criteria.max_error_rate,
-            "keep_up": criteria.keep_up}
+    return {
+        "thresholds_ms": {REPORT_NAMES[name]: ms for name, ms in criteria.limits_ms().items()},
+        "percentile": criteria.percentile,
+        "max_error_rate": criteria.max_error_rate,
+        "keep_up": criteria.keep_up,
+    }
 
 
 def criteria_of(result: Mapping[str, Any]) -> Criteria:
     """`criteria_detail` read back (sweep.json)."""
     detail = result.get("slo_criteria") or {}
-    thresholds = {SLO_METRIC_ALIASES.get(name, name): ms / 1000
-                  for name, ms in (detail.get("thresholds_ms") or {"ttft": math.inf}).items()}
-    return Criteria(thresholds, detail.get("percentile", 90.0),
-                    detail.get("max_error_rate", 0.01), detail.get("keep_up", 0.9))
+    thresholds = {
+        SLO_METRIC_ALIASES.get(name, name): ms / 1000
+        for name, ms in (detail.get("thresholds_ms") or {"ttft": math.inf}).items()
+    }
+    return Criteria(
+        thresholds,
+        detail.get("percentile", 90.0),
+        detail.get("max_error_rate", 0.01),
+        detail.get("keep_up", 0.9),
+    )
 
 
 def _num(value: Any, digits: int = 2) -> str:
-    return f"{value:.{digits}f}" if isinstance(value, (int, float)) and math.isfinite(
-        value) and not isinstance(value, bool) else "-"
+    return (
+        f"{value:.{digits}f}"
+        if isinstance(value, (int, float)) and math.isfinite(value) and not isinstance(value, bool)
+        else "-"
+    )
 
 
 def _pct(value: Any) -> str:
@@ -320,41 +348,84 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
     unit = result.get("unit", "req/s")
     steps = sorted(result.get("steps", []), key=lambda s: s["load"])
     p = criteria.percentile
-    load_column = Column("load", "req/s" if mode == "open" else "concurrent",
-                         "the step's nominal load: the arrival rate asked for (open loop) or "
-                         "the requests kept in flight (closed loop)")
+    load_column = Column(
+        "load",
+        "req/s" if mode == "open" else "concurrent",
+        "the step's nominal load: the arrival rate asked for (open loop) or "
+        "the requests kept in flight (closed loop)",
+    )
     rate_columns = [
         load_column,
-        Column("offered", "req/s", "the rate the step really sent at: (requests - 1) / (last "
-               "scheduled send - first); open loop only"),
-        Column("achieved", "req/s", "completion rate: (completions - 1) / (last completion - "
-               "first completion)"),
-        Column("keep-up", "%", f"achieved / offered; a step passes at >= {criteria.keep_up:.0%}"
-               f" (open loop; {METRICS_DOC} §8, a sweep step's verdict)"),
-        Column("throughput", "req/s", "completed requests / duration, from the run's start to "
-               f"its last response's end ({METRICS_DOC} §7 Throughput)"),
-        Column("goodput", "req/s", "requests that met every threshold / the same duration, "
-               f"judged per request, not the step's verdict ({METRICS_DOC} §8 SLOs and "
-               "goodput)"),
-        Column("attain.", "%", "attainment: requests that met every threshold / all requests, "
-               f"failures included ({METRICS_DOC} §8 SLOs and goodput)"),
-        Column("conc.", "req", "the most requests in flight at once "
-               f"({METRICS_DOC} §7 Throughput)"),
-        Column("failed", "req", "requests with an outcome other than ok / all requests "
-               f"({METRICS_DOC} §6 Outcomes); a step passes at <= {criteria.max_error_rate:.1%}"),
-        Column("late p99", "ms", "p99 of actual send - scheduled send, the sender's own error "
-               "(open loop)"),
+        Column(
+            "offered",
+            "req/s",
+            "the rate the step really sent at: (requests - 1) / (last "
+            "scheduled send - first); open loop only",
+        ),
+        Column(
+            "achieved",
+            "req/s",
+            "completion rate: (completions - 1) / (last completion - first completion)",
+        ),
+        Column(
+            "keep-up",
+            "%",
+            f"achieved / offered; a step passes at >= {criteria.keep_up:.0%}"
+            f" (open loop; {METRICS_DOC} §8, a sweep step's verdict)",
+        ),
+        Column(
+            "throughput",
+            "req/s",
+            "completed requests / duration, from the run's start to "
+            f"its last response's end ({METRICS_DOC} §7 Throughput)",
+        ),
+        Column(
+            "goodput",
+            "req/s",
+            "requests that met every threshold / the same duration, "
+            f"judged per request, not the step's verdict ({METRICS_DOC} §8 SLOs and "
+            "goodput)",
+        ),
+        Column(
+            "attain.",
+            "%",
+            "attainment: requests that met every threshold / all requests, "
+            f"failures included ({METRICS_DOC} §8 SLOs and goodput)",
+        ),
+        Column(
+            "conc.", "req", f"the most requests in flight at once ({METRICS_DOC} §7 Throughput)"
+        ),
+        Column(
+            "failed",
+            "req",
+            "requests with an outcome other than ok / all requests "
+            f"({METRICS_DOC} §6 Outcomes); a step passes at <= {criteria.max_error_rate:.1%}",
+        ),
+        Column(
+            "late p99",
+            "ms",
+            "p99 of actual send - scheduled send, the sender's own error (open loop)",
+        ),
     ]
     if mode != "open":  # no schedule: nothing offered, nothing late
-        rate_columns = [c for c in rate_columns
-                        if c.title not in ("offered", "keep-up", "late p99")]
-    with_cache = any((s.get("engine_delta") or {}).get("prefix_cache_hit_rate") is not None
-                     for s in steps)
+        rate_columns = [
+            c for c in rate_columns if c.title not in ("offered", "keep-up", "late p99")
+        ]
+    with_cache = any(
+        (s.get("engine_delta") or {}).get("prefix_cache_hit_rate") is not None for s in steps
+    )
     if with_cache:
-        rate_columns.append(Column("cache hit", "%", "the engines' prefix-cache hits / queries "
-                                   "(tokens) over the step, from their /metrics"))
-    rate_columns.append(Column("verdict", "", "pass, or FAIL (the reasons are listed below "
-                               "the tables)"))
+        rate_columns.append(
+            Column(
+                "cache hit",
+                "%",
+                "the engines' prefix-cache hits / queries "
+                "(tokens) over the step, from their /metrics",
+            )
+        )
+    rate_columns.append(
+        Column("verdict", "", "pass, or FAIL (the reasons are listed below the tables)")
+    )
     latency_columns = [load_column]
     latency_keys: list[str] = []
     limits = criteria.limits_ms()
@@ -364,23 +435,36 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
         limit = limits.get(metric) if (metric, q) in judged else None
         where = f"{METRICS_DOC} §4 Per-request metrics, §10 Percentiles"
         if limit is not None:
-            definition = (f"judged, <= {limit:g} ms for a pass: the percentile over the step's "
-                          f"successful requests, client vantage ({where})")
+            definition = (
+                f"judged, <= {limit:g} ms for a pass: the percentile over the step's "
+                f"successful requests, client vantage ({where})"
+            )
         else:
-            definition = f"percentiles over the step's successful requests, client vantage " \
-                f"({where})"
-        latency_columns.append(Column(name, f"ms <= {limit:g}" if limit is not None else "ms",
-                                      definition))
+            definition = (
+                f"percentiles over the step's successful requests, client vantage ({where})"
+            )
+        latency_columns.append(
+            Column(name, f"ms <= {limit:g}" if limit is not None else "ms", definition)
+        )
         latency_keys.append(f"p{q:g}_{REPORT_NAMES[metric]}_ms")
     with_sidecar = any(s.get("sidecar") for s in steps)
     if with_sidecar:
         latency_columns += [
-            *(Column(f"server {name}", "ms", "the sidecar's view of the same requests, "
-                     "server vantage: from the request it sent upstream "
-                     f"({METRICS_DOC} §2 Vantages)")
-              for name in ("TTFT p50", "TTFT p99", "TPOT p50", "E2E p99")),
-            Column("sidecar seen/sent", "req", "of the step's requests, those the "
-                   "sidecar's /stats window still held"),
+            *(
+                Column(
+                    f"server {name}",
+                    "ms",
+                    "the sidecar's view of the same requests, "
+                    "server vantage: from the request it sent upstream "
+                    f"({METRICS_DOC} §2 Vantages)",
+                )
+                for name in ("TTFT p50", "TTFT p99", "TPOT p50", "E2E p99")
+            ),
+            Column(
+                "sidecar seen/sent",
+                "req",
+                "of the step's requests, those the sidecar's /stats window still held",
+            ),
         ]
     rate_rows: list[tuple[str, ...]] = []
     latency_rows: list[tuple[str, ...]] = []
@@ -389,19 +473,22 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
         report = step["report"]
         load = f"{step['load']:g}"
         cells_by_title = {
-            "load": load, "offered": _num(step.get("offered")),
+            "load": load,
+            "offered": _num(step.get("offered")),
             "achieved": _num(step.get("achieved_rate")),
             "keep-up": _pct(keep_up_ratio(step, mode)),
             "throughput": _num(report.get("request_throughput")),
             "goodput": _num(report.get("request_goodput")),
             "attain.": _pct(report.get("slo_attainment")),
-            "conc.": str(report.get("max_in_flight_requests",
-                                    report.get("max_concurrent_requests", "-"))),
+            "conc.": str(
+                report.get("max_in_flight_requests", report.get("max_concurrent_requests", "-"))
+            ),
             "failed": f"{report.get('failed', 0)}/"
-                      f"{report.get('failed', 0) + report.get('completed', 0)}",
+            f"{report.get('failed', 0) + report.get('completed', 0)}",
             "late p99": _num((report.get("lateness_ms") or {}).get("p99")),
             "cache hit": _pct((step.get("engine_delta") or {}).get("prefix_cache_hit_rate")),
-            "verdict": "pass" if step["passed"] else "FAIL"}
+            "verdict": "pass" if step["passed"] else "FAIL",
+        }
         row = [cells_by_title[column.title] for column in rate_columns]
         rate_rows.append(tuple(row))
         cells = [load, *(_num(report.get(key), 1) for key in latency_keys)]
@@ -410,30 +497,40 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
         latency_rows.append(tuple(cells))
         if not step["passed"]:
             failures.append(f"load {step['load']:g} {unit}: " + "; ".join(step["reasons"]))
-    return StepTables((Table("Steps: rates and outcomes", tuple(rate_columns),
-                             tuple(rate_rows)),
-                       Table("Steps: latency (ms)", tuple(latency_columns),
-                             tuple(latency_rows))), tuple(failures))
+    return StepTables(
+        (
+            Table("Steps: rates and outcomes", tuple(rate_columns), tuple(rate_rows)),
+            Table("Steps: latency (ms)", tuple(latency_columns), tuple(latency_rows)),
+        ),
+        tuple(failures),
+    )
 
 
 def _sidecar_cells(view: Mapping[str, Any] | None) -> list[str]:
     if not view:
         return ["-"] * 5
     server = view["vantages"]["server"]
-    return [_num(server["ttft_ms"].get("p50"), 1), _num(server["ttft_ms"].get("p99"), 1),
-            _num(server["tpot_ms"].get("p50"), 1), _num(server["e2e_ms"].get("p99"), 1),
-            f"{view['requests_seen']}/{view['requests_sent']}"]
+    return [
+        _num(server["ttft_ms"].get("p50"), 1),
+        _num(server["ttft_ms"].get("p99"), 1),
+        _num(server["tpot_ms"].get("p50"), 1),
+        _num(server["e2e_ms"].get("p99"), 1),
+        f"{view['requests_seen']}/{view['requests_sent']}",
+    ]
 
 
 def text_table(table: Table) -> str:
     """A table as aligned text: a title, a header of names and one of units, the rows."""
     columns = table.columns
-    widths = [max(len(c.title), len(c.unit), *(len(row[i]) for row in table.rows))
-              for i, c in enumerate(columns)]
+    widths = [
+        max(len(c.title), len(c.unit), *(len(row[i]) for row in table.rows))
+        for i, c in enumerate(columns)
+    ]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths,
-                                                                   strict=True)).rstrip()
+        return "  ".join(
+            cell.rjust(width) for cell, width in zip(cells, widths, strict=True)
+        ).rstrip()
 
     out = [table.title, line([c.title for c in columns]), line([c.unit for c in columns])]
     out.append("  ".join("-" * width for width in widths))
@@ -449,13 +546,18 @@ def capacity_text(result: Mapping[str, Any]) -> str:
     if capacity is None:
         lowest = f" (lowest load tried: {loads[0]:g} {unit})" if loads else ""
         return f"capacity: none, no step passed{lowest}"
-    failed_above = sorted(s["load"] for s in result.get("steps", [])
-                          if not s["passed"] and s["load"] > capacity)
+    failed_above = sorted(
+        s["load"] for s in result.get("steps", []) if not s["passed"] and s["load"] > capacity
+    )
     if not failed_above:
-        return (f"capacity: >= {capacity:g} {unit}, no step failed (a lower bound: the "
-                "highest load tried passed)")
-    return (f"capacity: {capacity:g} {unit} (the highest passing load; "
-            f"{failed_above[0]:g} {unit} failed)")
+        return (
+            f"capacity: >= {capacity:g} {unit}, no step failed (a lower bound: the "
+            "highest load tried passed)"
+        )
+    return (
+        f"capacity: {capacity:g} {unit} (the highest passing load; "
+        f"{failed_above[0]:g} {unit} failed)"
+    )
 
 
 def knee_text(result: Mapping[str, Any]) -> str:
@@ -464,11 +566,18 @@ def knee_text(result: Mapping[str, Any]) -> str:
     unit = result.get("unit", "req/s")
     if knee_load is None:
         return "knee: none (no step measured goodput)"
-    goodput = next((s["report"].get("request_goodput") for s in result.get("steps", [])
-                    if s["load"] == knee_load), None)
+    goodput = next(
+        (
+            s["report"].get("request_goodput")
+            for s in result.get("steps", [])
+            if s["load"] == knee_load
+        ),
+        None,
+    )
     same = "; the same load as the capacity" if knee_load == result.get("capacity") else ""
-    return (f"knee: {knee_load:g} {unit} (the load of the highest goodput, "
-            f"{_num(goodput)} req/s{same})")
+    return (
+        f"knee: {knee_load:g} {unit} (the load of the highest goodput, {_num(goodput)} req/s{same})"
+    )
 
 
 def console_report(result: Mapping[str, Any]) -> str:
@@ -478,10 +587,13 @@ def console_report(result: Mapping[str, Any]) -> str:
     parts = [text_table(table) for table in tables.tables]
     if tables.failures:
         parts.append("failed steps:\n" + "\n".join(f"  {line}" for line in tables.failures))
-    parts.append("columns:\n" + "\n".join(
-        f"  {names}: {definition}" for names, definition in tables.legend()))
-    parts.append("\n".join([f"criteria: {result.get('criteria')}", capacity_text(result),
-                            knee_text(result)]))
+    parts.append(
+        "columns:\n"
+        + "\n".join(f"  {names}: {definition}" for names, definition in tables.legend())
+    )
+    parts.append(
+        "\n".join([f"criteria: {result.get('criteria')}", capacity_text(result), knee_text(result)])
+    )
     return "\n\n".join(parts)
 
 
@@ -493,15 +605,18 @@ def step_line(result: Mapping[str, Any], step: Mapping[str, Any]) -> str:
     report = step["report"]
     parts = []
     if mode == "open":
-        parts.append(f"offered {_num(step.get('offered'))} req/s, achieved "
-                     f"{_num(step.get('achieved_rate'))} req/s ({_pct(keep_up_ratio(step, mode))}"
-                     f"% of offered, >= {criteria.keep_up:.0%} passes)")
+        parts.append(
+            f"offered {_num(step.get('offered'))} req/s, achieved "
+            f"{_num(step.get('achieved_rate'))} req/s ({_pct(keep_up_ratio(step, mode))}"
+            f"% of offered, >= {criteria.keep_up:.0%} passes)"
+        )
     else:
         parts.append(f"achieved {_num(step.get('achieved_rate'))} req/s")
     for metric, limit in criteria.limits_ms().items():
         value = report.get(f"p{criteria.percentile:g}_{REPORT_NAMES[metric]}_ms")
-        parts.append(f"{LATENCY_NAMES[metric]} p{criteria.percentile:g} {_num(value, 1)} ms "
-                     f"(<= {limit:g})")
+        parts.append(
+            f"{LATENCY_NAMES[metric]} p{criteria.percentile:g} {_num(value, 1)} ms (<= {limit:g})"
+        )
     total = report.get("completed", 0) + report.get("failed", 0)
     parts.append(f"failed {report.get('failed', 0)}/{total}")
     verdict = "pass" if step["passed"] else "FAIL: " + "; ".join(step["reasons"])

@@ -98,66 +98,110 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     importing.set_defaults(command_parser=importing)
     importing.add_argument("input", metavar="INPUT", help="the public trace (.gz is read too)")
-    importing.add_argument("-o", "--output", required=True, metavar="OUTPUT",
-                           help="the sidecar trace to write (.gz: compressed)")
-    importing.add_argument("--format", dest="source_format", required=True, choices=FORMATS,
-                           help="the input's format")
-    importing.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
-                           help="endpoint of every request (default: %(default)s)")
-    importing.add_argument("--model", default=None,
-                           help="model of requests whose source names none (default: none)")
-    importing.add_argument("--time-scale", type=float, default=1.0, metavar="F",
-                           help="multiply t by F after the conversion to seconds; 0.5 = twice "
-                           "as fast (default: 1)")
-    importing.add_argument("--start-at", default=None, metavar="WHEN",
-                           help="skip requests before WHEN on the source clock: seconds (90, "
-                           "15m, 2h, 1d); azure also a timestamp")
-    importing.add_argument("--duration", default=None, metavar="SECONDS",
-                           help="keep requests up to this long after --start-at (or after the "
-                           "first row): 3600, 60m, 1h")
-    importing.add_argument("--limit", type=int, default=None, metavar="N",
-                           help="keep the first N requests (file order) that pass the window")
-    importing.add_argument("--drop-failed", action="store_true",
-                           help="burstgpt: drop the requests that failed in the source "
-                           "(Response tokens = 0) instead of marking them failed_in_source")
-    importing.add_argument("--no-sort", dest="sort", action="store_false",
-                           help="keep the file order even when rows are out of time order")
-    importing.add_argument("--skip-bad-rows", action="store_true",
-                           help="skip unreadable rows (counted, with examples, in the header "
-                           "notes) instead of stopping at the first")
-    importing.add_argument("--force", action="store_true",
-                           help="overwrite OUTPUT if it exists")
+    importing.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUTPUT",
+        help="the sidecar trace to write (.gz: compressed)",
+    )
+    importing.add_argument(
+        "--format", dest="source_format", required=True, choices=FORMATS, help="the input's format"
+    )
+    importing.add_argument(
+        "--endpoint",
+        choices=ENDPOINTS,
+        default="completions",
+        help="endpoint of every request (default: %(default)s)",
+    )
+    importing.add_argument(
+        "--model", default=None, help="model of requests whose source names none (default: none)"
+    )
+    importing.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="multiply t by F after the conversion to seconds; 0.5 = twice as fast (default: 1)",
+    )
+    importing.add_argument(
+        "--start-at",
+        default=None,
+        metavar="WHEN",
+        help="skip requests before WHEN on the source clock: seconds (90, "
+        "15m, 2h, 1d); azure also a timestamp",
+    )
+    importing.add_argument(
+        "--duration",
+        default=None,
+        metavar="SECONDS",
+        help="keep requests up to this long after --start-at (or after the "
+        "first row): 3600, 60m, 1h",
+    )
+    importing.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the first N requests (file order) that pass the window",
+    )
+    importing.add_argument(
+        "--drop-failed",
+        action="store_true",
+        help="burstgpt: drop the requests that failed in the source "
+        "(Response tokens = 0) instead of marking them failed_in_source",
+    )
+    importing.add_argument(
+        "--no-sort",
+        dest="sort",
+        action="store_false",
+        help="keep the file order even when rows are out of time order",
+    )
+    importing.add_argument(
+        "--skip-bad-rows",
+        action="store_true",
+        help="skip unreadable rows (counted, with examples, in the header "
+        "notes) instead of stopping at the first",
+    )
+    importing.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
 
     linting = actions.add_parser(
         "lint",
         help="check a trace before replaying it (exit 1 on errors)",
         description="Check a sidecar trace for problems that would spoil a replay. Each "
-                    "finding says what, where (line numbers), how many and how to fix it; "
-                    "cannot-replay lists exactly the lines `sidecar replay` skips, with the "
-                    "same reasons. Exit status 1 when there are errors, 0 with only warnings, "
-                    "2 when the file cannot be read.",
+        "finding says what, where (line numbers), how many and how to fix it; "
+        "cannot-replay lists exactly the lines `sidecar replay` skips, with the "
+        "same reasons. Exit status 1 when there are errors, 0 with only warnings, "
+        "2 when the file cannot be read.",
     )
     linting.set_defaults(command_parser=linting)
     linting.add_argument("trace", metavar="TRACE")
-    linting.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                         help="flag requests with n_in + n_out above N tokens")
+    linting.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="flag requests with n_in + n_out above N tokens",
+    )
     linting.add_argument("--json", action="store_true", help="print the findings as JSON")
 
     merging = actions.add_parser(
         "merge",
         help="several traces (a fleet's captures, rotated parts) as one, ordered by arrival",
         description="Merge trace files into one: every request on the earliest file's clock "
-                    "(from the headers' calendar starts), ordered by arrival. Refused (exit "
-                    "3) when files have no calendar start or their prefix hashes come from "
-                    "different keys (pods without a shared --capture-key-file); --force "
-                    "merges anyway and notes why in the header.",
+        "(from the headers' calendar starts), ordered by arrival. Refused (exit "
+        "3) when files have no calendar start or their prefix hashes come from "
+        "different keys (pods without a shared --capture-key-file); --force "
+        "merges anyway and notes why in the header.",
     )
     merging.set_defaults(command_parser=merging)
     merging.add_argument("traces", nargs="+", metavar="TRACE")
-    merging.add_argument("-o", "--output", required=True, metavar="OUTPUT",
-                         help="the merged trace (.gz: compressed)")
-    merging.add_argument("--force", action="store_true",
-                         help="merge what is refused (the header notes the reasons)")
+    merging.add_argument(
+        "-o", "--output", required=True, metavar="OUTPUT", help="the merged trace (.gz: compressed)"
+    )
+    merging.add_argument(
+        "--force", action="store_true", help="merge what is refused (the header notes the reasons)"
+    )
     merging.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
 
     summarising = actions.add_parser(
@@ -192,15 +236,19 @@ def _options(args: argparse.Namespace) -> ImportOptions:
 
 def _import_summary(result: ImportResult, source: str) -> str:
     notes = result.header.notes
-    lines = [f"imported {result.requests} requests from {source} ({result.rows_read} rows "
-             f"read; source {result.header.source}) -> {result.output}",
-             f"  units: {notes.get('units')}",
-             f"  order: {notes.get('order')}"]
+    lines = [
+        f"imported {result.requests} requests from {source} ({result.rows_read} rows "
+        f"read; source {result.header.source}) -> {result.output}",
+        f"  units: {notes.get('units')}",
+        f"  order: {notes.get('order')}",
+    ]
     for title, key in (("skipped", "rows_skipped"), ("remark", "remarks")):
         for reason, detail in dict(notes.get(key) or {}).items():
             examples = ", ".join(detail.get("examples", [])[:3])
-            lines.append(f"  {title}: {detail['count']} x {reason}"
-                         + (f" (e.g. {examples})" if examples else ""))
+            lines.append(
+                f"  {title}: {detail['count']} x {reason}"
+                + (f" (e.g. {examples})" if examples else "")
+            )
     return "\n".join(lines)
 
 
@@ -215,8 +263,11 @@ def _output_problem(output: Path, may_replace: bool, how_to_replace: str) -> str
 
 def _run_import(args: argparse.Namespace) -> int:
     source, output = Path(args.input), Path(args.output)
-    problem = (f"{source} is a directory: give the trace file in it" if source.is_dir() else
-               _output_problem(output, args.force, "use --force to overwrite"))
+    problem = (
+        f"{source} is a directory: give the trace file in it"
+        if source.is_dir()
+        else _output_problem(output, args.force, "use --force to overwrite")
+    )
     if problem is not None:
         print(f"sidecar trace import: error: {problem}", file=sys.stderr)
         return 2
@@ -236,8 +287,7 @@ def unwritable(output: Path) -> str | None:
     """Why ``output`` cannot be written (its folder is made when missing), or None: checked
     before a long import rather than at its end."""
     folder = output.parent
-    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
-                   None)
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         return f"cannot write {output}: {blocker} is a file, not a folder"
     try:
@@ -326,9 +376,12 @@ async def run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """A stand-alone ``sidecar trace`` parser (the main CLI registers add_arguments itself)."""
-    parser = argparse.ArgumentParser(prog="sidecar trace", description=DESCRIPTION,
-                                     epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="sidecar trace",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return parser
 

@@ -64,7 +64,6 @@ MS_INTEGER_T = 1e6
 LARGE_START_S = 86400.0
 
 
-
 @dataclass(slots=True)
 class Finding:
     """One lint rule that fired: what, where (line examples), how many, and how to fix."""
@@ -82,16 +81,25 @@ class Finding:
             self.examples.append(example)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "severity": self.severity, "what": self.what,
-                "count": self.count, "examples": list(self.examples), "fix": self.fix}
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "what": self.what,
+            "count": self.count,
+            "examples": list(self.examples),
+            "fix": self.fix,
+        }
 
     def format(self) -> str:
         where = "; ".join(self.examples)
-        more = f" (+{self.count - len(self.examples)} more)" if self.count > len(self.examples) \
-            else ""
-        return (f"{self.severity}: {self.code}: {self.what} [{self.count} "
-                f"{'time' if self.count == 1 else 'times'}]\n"
-                f"    where: {where}{more}\n    fix: {self.fix}")
+        more = (
+            f" (+{self.count - len(self.examples)} more)" if self.count > len(self.examples) else ""
+        )
+        return (
+            f"{self.severity}: {self.code}: {self.what} [{self.count} "
+            f"{'time' if self.count == 1 else 'times'}]\n"
+            f"    where: {where}{more}\n    fix: {self.fix}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,80 +124,144 @@ class LintReport:
         return {f.code for f in self.findings}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "requests": self.requests, "errors": self.errors,
-                "warnings": self.warnings, "findings": [f.to_dict() for f in self.findings]}
+        return {
+            "path": self.path,
+            "requests": self.requests,
+            "errors": self.errors,
+            "warnings": self.warnings,
+            "findings": [f.to_dict() for f in self.findings],
+        }
 
     def format(self) -> str:
         lines = [f.format() for f in self.findings]
-        verdict = ("clean" if not self.findings
-                   else f"{self.errors} error(s), {self.warnings} warning(s)")
+        verdict = (
+            "clean" if not self.findings else f"{self.errors} error(s), {self.warnings} warning(s)"
+        )
         lines.append(f"{self.path}: {self.requests} requests: {verdict}")
         return "\n".join(lines)
 
 
 # code -> (severity, what, fix)
 RULES: dict[str, tuple[str, str, str]] = {
-    "unreadable-line": (ERROR, "line is not a readable request",
-                        "repair or delete the line; re-import or re-capture if many are bad"),
-    "partial-last-line": (WARNING, "the last line is cut short (a crash mid-write?); readers "
-                          "skip it", "nothing, if losing that request is fine; else re-capture"),
+    "unreadable-line": (
+        ERROR,
+        "line is not a readable request",
+        "repair or delete the line; re-import or re-capture if many are bad",
+    ),
+    "partial-last-line": (
+        WARNING,
+        "the last line is cut short (a crash mid-write?); readers skip it",
+        "nothing, if losing that request is fine; else re-capture",
+    ),
     "t-not-finite": (ERROR, "t is NaN or infinite", "fix the arrival time of these lines"),
-    "t-negative": (ERROR, "t is negative (seconds since the trace start)",
-                   "rebase t so the first request is at t = 0"),
-    "t-absurd": (ERROR, f"t beyond a year ({ABSURD_T_S:g} s)",
-                 "t must be seconds since the trace start: check the units (ms? us?) and that "
-                 "the clock was rebased; re-import with the right --format or --time-scale"),
-    "t-non-monotonic": (WARNING, "request earlier than one before it (t not sorted)",
-                        "sort the lines by t (sidecar trace import sorts by default); a "
-                        "replayer that sends in file order would send these late"),
-    "t-large-start": (WARNING, f"the first request comes more than {LARGE_START_S:g} s after "
-                      "t = 0: a replay would idle that long first",
-                      "rebase t so the first request is at t = 0"),
-    "t-looks-like-ms": (WARNING, "t looks like milliseconds, not seconds",
-                        "re-import with the right units, or scale t by 0.001 "
-                        "(sidecar trace import --time-scale 0.001)"),
-    "cannot-replay": (WARNING, "sidecar replay skips these lines: it cannot rebuild their "
-                      "requests",
-                      "nothing, if they are requests that failed before the server counted "
-                      "their prompt (a 404 for a mistyped model); else fill in n_in (and n_out "
-                      "or max_tokens), or capture with --capture-text so bodies are sent as "
-                      "captured"),
-    "nothing-to-replay": (ERROR, "no line can be replayed: sidecar replay refuses this trace",
-                          "see cannot-replay: every line lacks a prompt size or an output "
-                          "length"),
-    "length-missing": (WARNING, "n_in or n_out is missing",
-                       "a replay sends these lines but cannot reproduce their work exactly; "
-                       "fill in the lengths or drop the lines"),
-    "length-negative": (ERROR, "a token count is negative",
-                        "fix the lengths (n_in, n_out, n_cached, max_tokens are token counts)"),
-    "length-absurd": (ERROR, f"n_in or n_out above {ABSURD_TOKENS:,} tokens",
-                      "check the units (bytes? characters?) and the source columns"),
-    "n-cached-over-n-in": (ERROR, "n_cached exceeds n_in",
-                           "n_cached counts prompt tokens served from cache: at most n_in"),
-    "lengths-look-like-chars": (WARNING, "lengths look like characters or bytes, not tokens",
-                                "convert to tokens (about 4 characters a token in English) or "
-                                "re-import from a token-count column"),
-    "prefix-size-mismatch": (ERROR, "len(prefix.hashes) != ceil(n_in / prefix.size)",
-                             "the declared block size does not match the hashes (Mooncake "
-                             "hash_ids are 512-token blocks, Bailian 16): re-import with the "
-                             "right --format, or fix prefix.size"),
-    "over-max-model-len": (ERROR, "n_in + the longest choice's output (max(n_out / n, "
-                           "max_tokens)) exceeds --max-model-len",
-                           "the server will refuse these (HTTP 400): drop them, cap max_tokens, "
-                           "or serve with a larger --max-model-len"),
-    "max-tokens-below-n-out": (WARNING, "max_tokens x n < n_out: a replay cannot reach n_out "
-                               "(n_out counts the tokens of all n choices)",
-                               "set max_tokens = n_out / n (and ignore_eos) to reproduce "
-                               "lengths"),
-    "empty-prompt": (WARNING, "n_in = 0 on a line sent with its captured body (vLLM refuses "
-                     "an empty prompt)",
-                     "drop these requests or give them a prompt length"),
-    "zero-output": (WARNING, "n_out = 0 on a request not marked failed_in_source",
-                    "mark failed requests with outcome failed_in_source, or drop them"),
-    "duplicate": (WARNING, "request identical to another one at the same t",
-                  "look for a doubled import or a join that repeated rows; drop the copies"),
-    "unknown-endpoint": (ERROR, "endpoint is not 'chat' or 'completions'",
-                         "set endpoint to 'chat' or 'completions'"),
+    "t-negative": (
+        ERROR,
+        "t is negative (seconds since the trace start)",
+        "rebase t so the first request is at t = 0",
+    ),
+    "t-absurd": (
+        ERROR,
+        f"t beyond a year ({ABSURD_T_S:g} s)",
+        "t must be seconds since the trace start: check the units (ms? us?) and that "
+        "the clock was rebased; re-import with the right --format or --time-scale",
+    ),
+    "t-non-monotonic": (
+        WARNING,
+        "request earlier than one before it (t not sorted)",
+        "sort the lines by t (sidecar trace import sorts by default); a "
+        "replayer that sends in file order would send these late",
+    ),
+    "t-large-start": (
+        WARNING,
+        f"the first request comes more than {LARGE_START_S:g} s after "
+        "t = 0: a replay would idle that long first",
+        "rebase t so the first request is at t = 0",
+    ),
+    "t-looks-like-ms": (
+        WARNING,
+        "t looks like milliseconds, not seconds",
+        "re-import with the right units, or scale t by 0.001 "
+        "(sidecar trace import --time-scale 0.001)",
+    ),
+    "cannot-replay": (
+        WARNING,
+        "sidecar replay skips these lines: it cannot rebuild their requests",
+        "nothing, if they are requests that failed before the server counted "
+        "their prompt (a 404 for a mistyped model); else fill in n_in (and n_out "
+        "or max_tokens), or capture with --capture-text so bodies are sent as "
+        "captured",
+    ),
+    "nothing-to-replay": (
+        ERROR,
+        "no line can be replayed: sidecar replay refuses this trace",
+        "see cannot-replay: every line lacks a prompt size or an output length",
+    ),
+    "length-missing": (
+        WARNING,
+        "n_in or n_out is missing",
+        "a replay sends these lines but cannot reproduce their work exactly; "
+        "fill in the lengths or drop the lines",
+    ),
+    "length-negative": (
+        ERROR,
+        "a token count is negative",
+        "fix the lengths (n_in, n_out, n_cached, max_tokens are token counts)",
+    ),
+    "length-absurd": (
+        ERROR,
+        f"n_in or n_out above {ABSURD_TOKENS:,} tokens",
+        "check the units (bytes? characters?) and the source columns",
+    ),
+    "n-cached-over-n-in": (
+        ERROR,
+        "n_cached exceeds n_in",
+        "n_cached counts prompt tokens served from cache: at most n_in",
+    ),
+    "lengths-look-like-chars": (
+        WARNING,
+        "lengths look like characters or bytes, not tokens",
+        "convert to tokens (about 4 characters a token in English) or "
+        "re-import from a token-count column",
+    ),
+    "prefix-size-mismatch": (
+        ERROR,
+        "len(prefix.hashes) != ceil(n_in / prefix.size)",
+        "the declared block size does not match the hashes (Mooncake "
+        "hash_ids are 512-token blocks, Bailian 16): re-import with the "
+        "right --format, or fix prefix.size",
+    ),
+    "over-max-model-len": (
+        ERROR,
+        "n_in + the longest choice's output (max(n_out / n, max_tokens)) exceeds --max-model-len",
+        "the server will refuse these (HTTP 400): drop them, cap max_tokens, "
+        "or serve with a larger --max-model-len",
+    ),
+    "max-tokens-below-n-out": (
+        WARNING,
+        "max_tokens x n < n_out: a replay cannot reach n_out "
+        "(n_out counts the tokens of all n choices)",
+        "set max_tokens = n_out / n (and ignore_eos) to reproduce lengths",
+    ),
+    "empty-prompt": (
+        WARNING,
+        "n_in = 0 on a line sent with its captured body (vLLM refuses an empty prompt)",
+        "drop these requests or give them a prompt length",
+    ),
+    "zero-output": (
+        WARNING,
+        "n_out = 0 on a request not marked failed_in_source",
+        "mark failed requests with outcome failed_in_source, or drop them",
+    ),
+    "duplicate": (
+        WARNING,
+        "request identical to another one at the same t",
+        "look for a doubled import or a join that repeated rows; drop the copies",
+    ),
+    "unknown-endpoint": (
+        ERROR,
+        "endpoint is not 'chat' or 'completions'",
+        "set endpoint to 'chat' or 'completions'",
+    ),
 }
 
 
@@ -207,12 +279,14 @@ class _Findings:
 
     def ordered(self) -> tuple[Finding, ...]:
         order = list(RULES)
-        return tuple(sorted(self.by_code.values(),
-                            key=lambda f: (f.severity != ERROR, order.index(f.code))))
+        return tuple(
+            sorted(self.by_code.values(), key=lambda f: (f.severity != ERROR, order.index(f.code)))
+        )
 
 
-def _check_lengths(found: _Findings, line: int, request: TraceRequest,
-                   max_model_len: int | None) -> bool:
+def _check_lengths(
+    found: _Findings, line: int, request: TraceRequest, max_model_len: int | None
+) -> bool:
     """Length findings of one line; False when replay cannot send it (cannot-replay)."""
     where = f"line {line}"
     reason = unreplayable_reason(request)
@@ -231,31 +305,47 @@ def _check_lengths(found: _Findings, line: int, request: TraceRequest,
         value = getattr(request, name)
         if value is not None and value > ABSURD_TOKENS:
             found.add("length-absurd", f"{where}: {name}={value}")
-    if request.n_in is not None and request.n_cached is not None \
-            and request.n_cached > request.n_in >= 0:
-        found.add("n-cached-over-n-in", f"{where}: n_cached={request.n_cached} > "
-                  f"n_in={request.n_in}")
+    if (
+        request.n_in is not None
+        and request.n_cached is not None
+        and request.n_cached > request.n_in >= 0
+    ):
+        found.add(
+            "n-cached-over-n-in", f"{where}: n_cached={request.n_cached} > n_in={request.n_in}"
+        )
     if request.n_in == 0 and reason is None:
         found.add("empty-prompt", where)
     if request.n_out == 0 and request.outcome != FAILED_IN_SOURCE:
         found.add("zero-output", where)
     # n_out counts the tokens of all n choices; max_tokens bounds each choice.
     choices = max(1, request.n)
-    if request.max_tokens is not None and request.n_out is not None \
-            and 0 <= request.max_tokens * choices < request.n_out:
+    if (
+        request.max_tokens is not None
+        and request.n_out is not None
+        and 0 <= request.max_tokens * choices < request.n_out
+    ):
         times_n = f" x n={choices}" if choices > 1 else ""
-        found.add("max-tokens-below-n-out", f"{where}: max_tokens={request.max_tokens}"
-                  f"{times_n} < n_out={request.n_out}")
+        found.add(
+            "max-tokens-below-n-out",
+            f"{where}: max_tokens={request.max_tokens}{times_n} < n_out={request.n_out}",
+        )
     if max_model_len is not None and request.n_in is not None:
         output = max(math.ceil((request.n_out or 0) / choices), request.max_tokens or 0)
         if request.n_in + output > max_model_len:
-            found.add("over-max-model-len", f"{where}: {request.n_in} + {output} = "
-                      f"{request.n_in + output} > {max_model_len}")
+            found.add(
+                "over-max-model-len",
+                f"{where}: {request.n_in} + {output} = {request.n_in + output} > {max_model_len}",
+            )
     return reason is None
 
 
-def _check_prefix(found: _Findings, line: int, prefix: PrefixBlocks, n_in: int | None,
-                  covered_ratios: array[float]) -> None:
+def _check_prefix(
+    found: _Findings,
+    line: int,
+    prefix: PrefixBlocks,
+    n_in: int | None,
+    covered_ratios: array[float],
+) -> None:
     # (A unit other than tokens/chars, or a size <= 0, is refused by PrefixBlocks.from_dict:
     # such a line is reported as unreadable-line with that reason.)
     if prefix.unit != "tokens" or n_in is None or n_in < 0:
@@ -266,9 +356,11 @@ def _check_prefix(found: _Findings, line: int, prefix: PrefixBlocks, n_in: int |
     if blocks == math.ceil(n_in / prefix.size):  # the last, partial block is hashed too
         return
     implied = f"; n_in / len(hashes) = {n_in / blocks:.0f} tokens a block" if blocks else ""
-    found.add("prefix-size-mismatch",
-              f"line {line}: {blocks} hashes of size {prefix.size} for n_in={n_in} (expected "
-              f"{math.ceil(n_in / prefix.size)}{implied})")
+    found.add(
+        "prefix-size-mismatch",
+        f"line {line}: {blocks} hashes of size {prefix.size} for n_in={n_in} (expected "
+        f"{math.ceil(n_in / prefix.size)}{implied})",
+    )
 
 
 def lint_trace(path: str | os.PathLike[str], max_model_len: int | None = None) -> LintReport:
@@ -314,8 +406,11 @@ def lint_trace(path: str | os.PathLike[str], max_model_len: int | None = None) -
         if t > ABSURD_T_S:
             found.add("t-absurd", f"line {line}: t={t:g} s ({t / 86400:.0f} days)")
         if t < latest_t:
-            found.add("t-non-monotonic", f"line {line}: t={t:g} after t={latest_t:g} "
-                      f"(line {latest_line}), {latest_t - t:g} s back")
+            found.add(
+                "t-non-monotonic",
+                f"line {line}: t={t:g} after t={latest_t:g} "
+                f"(line {latest_line}), {latest_t - t:g} s back",
+            )
             worst_back = max(worst_back, (latest_t - t, line))
         else:
             latest_t, latest_line = t, line
@@ -344,32 +439,42 @@ def _check_units(found: _Findings, times: array[float]) -> None:
     values = np.frombuffer(times, dtype=np.float64)
     first = float(values.min())
     if first > LARGE_START_S:
-        found.add("t-large-start", f"first request at t={first:g} s "
-                  f"({first / 86400:.1f} days)")
+        found.add("t-large-start", f"first request at t={first:g} s ({first / 86400:.1f} days)")
     if values.size >= 3:
         gaps = np.diff(np.sort(values))
         median_gap = float(np.median(gaps))
         if median_gap > MS_MEDIAN_GAP_S:
-            found.add("t-looks-like-ms", f"median inter-arrival {median_gap:g} s over "
-                      f"{values.size} requests")
+            found.add(
+                "t-looks-like-ms",
+                f"median inter-arrival {median_gap:g} s over {values.size} requests",
+            )
             return
     whole = bool(np.all(values == np.floor(values)))
     if values.size >= 2 and whole and float(values.max()) > MS_INTEGER_T:
-        found.add("t-looks-like-ms", f"every t is a whole number and the largest is "
-                  f"{float(values.max()):g}")
+        found.add(
+            "t-looks-like-ms",
+            f"every t is a whole number and the largest is {float(values.max()):g}",
+        )
 
 
-def _check_char_lengths(found: _Findings, n_in_values: array[int], n_out_values: array[int],
-                        covered_ratios: array[float]) -> None:
+def _check_char_lengths(
+    found: _Findings,
+    n_in_values: array[int],
+    n_out_values: array[int],
+    covered_ratios: array[float],
+) -> None:
     if n_in_values and n_out_values:
         median_in = float(np.median(np.frombuffer(n_in_values, dtype=np.int64)))
         median_out = float(np.median(np.frombuffer(n_out_values, dtype=np.int64)))
         if median_in > 32768 and median_out > 4096:
-            found.add("lengths-look-like-chars", f"median n_in {median_in:g}, median n_out "
-                      f"{median_out:g}")
+            found.add(
+                "lengths-look-like-chars", f"median n_in {median_in:g}, median n_out {median_out:g}"
+            )
     if covered_ratios:
         ratio = float(np.median(np.frombuffer(covered_ratios, dtype=np.float64)))
         if 2.5 <= ratio <= 8:
-            found.add("lengths-look-like-chars",
-                      f"median n_in is {ratio:.1f}x the tokens the prefix blocks cover "
-                      f"({len(covered_ratios)} requests with token blocks)")
+            found.add(
+                "lengths-look-like-chars",
+                f"median n_in is {ratio:.1f}x the tokens the prefix blocks cover "
+                f"({len(covered_ratios)} requests with token blocks)",
+            )

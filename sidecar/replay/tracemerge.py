@@ -53,24 +53,31 @@ def _key_space(header: TraceHeader) -> str:
     return f"source {header.source}"
 
 
-def problems(headers: Sequence[tuple[str, TraceHeader]],
-             with_prefixes: Sequence[bool]) -> list[str]:
+def problems(
+    headers: Sequence[tuple[str, TraceHeader]], with_prefixes: Sequence[bool]
+) -> list[str]:
     found: list[str] = []
     no_start = [path for path, header in headers if header.start_wall_ns <= 0]
     if no_start:
-        found.append(f"no calendar start (start_wall_ns) in {', '.join(no_start)}: their "
-                     "clocks cannot be lined up with the others")
-    spaces = {_key_space(header) for (_, header), has in zip(headers, with_prefixes,
-                                                            strict=True) if has}
+        found.append(
+            f"no calendar start (start_wall_ns) in {', '.join(no_start)}: their "
+            "clocks cannot be lined up with the others"
+        )
+    spaces = {
+        _key_space(header) for (_, header), has in zip(headers, with_prefixes, strict=True) if has
+    }
     if len(spaces) > 1:
-        found.append(f"prefix hashes from different keys or sources ({', '.join(sorted(spaces))})"
-                     ": equal prompts hash differently across them, so the merged trace would "
-                     "hide prefix sharing between files (give the fleet one --capture-key-file)")
+        found.append(
+            f"prefix hashes from different keys or sources ({', '.join(sorted(spaces))})"
+            ": equal prompts hash differently across them, so the merged trace would "
+            "hide prefix sharing between files (give the fleet one --capture-key-file)"
+        )
     return found
 
 
-def merge_traces(paths: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], *,
-                 force: bool = False) -> MergedTrace:
+def merge_traces(
+    paths: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], *, force: bool = False
+) -> MergedTrace:
     if not paths:
         raise ValueError("nothing to merge")
     readers = [TraceReader(path) for path in paths]
@@ -104,9 +111,10 @@ def merge_traces(paths: Sequence[str | os.PathLike[str]], output: str | os.PathL
     slos = [dict(h.slos) for h in headers]
     key_ids = {h.notes.get("capture_key_id") for h in headers if isinstance(h.notes, dict)}
     notes: dict[str, object] = {
-        "merged_from": [{"path": path, "requests": n, "source": h.source,
-                         "start_wall_ns": h.start_wall_ns}
-                        for (path, h), n in zip(named, counts, strict=True)],
+        "merged_from": [
+            {"path": path, "requests": n, "source": h.source, "start_wall_ns": h.start_wall_ns}
+            for (path, h), n in zip(named, counts, strict=True)
+        ],
         "order": "arrival (t), over every file",
     }
     if len(key_ids) == 1 and None not in key_ids:

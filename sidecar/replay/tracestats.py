@@ -28,10 +28,37 @@ from sidecar.stats import summarize
 from sidecar.tracefile import PrefixBlocks, TraceReader
 
 TARGET_BINS = 60
-NICE_BINS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0,
-               30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0, 7200.0, 10800.0,
-               21600.0, 43200.0, 86400.0, 172800.0, 604800.0)
-
+NICE_BINS_S = (
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    15.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    900.0,
+    1800.0,
+    3600.0,
+    7200.0,
+    10800.0,
+    21600.0,
+    43200.0,
+    86400.0,
+    172800.0,
+    604800.0,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,15 +74,32 @@ class Distribution:
 
     @classmethod
     def of(cls, values: array[int]) -> Distribution:
-        summary = summarize(np.frombuffer(values, dtype=np.int64).astype(np.float64)
-                            if values else np.empty(0), (50.0, 90.0, 99.0))
-        return cls(count=summary.count, mean=summary.mean, p50=summary.p(50.0),
-                   p90=summary.p(90.0), p99=summary.p(99.0), max=summary.max,
-                   min=summary.min, total=float(sum(values)))
+        summary = summarize(
+            np.frombuffer(values, dtype=np.int64).astype(np.float64) if values else np.empty(0),
+            (50.0, 90.0, 99.0),
+        )
+        return cls(
+            count=summary.count,
+            mean=summary.mean,
+            p50=summary.p(50.0),
+            p90=summary.p(90.0),
+            p99=summary.p(99.0),
+            max=summary.max,
+            min=summary.min,
+            total=float(sum(values)),
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean, "p50": self.p50, "p90": self.p90,
-                "p99": self.p99, "max": self.max, "min": self.min, "sum": self.total}
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "p50": self.p50,
+            "p90": self.p90,
+            "p99": self.p99,
+            "max": self.max,
+            "min": self.min,
+            "sum": self.total,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +118,20 @@ class Arrivals:
     sorted_in_file: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {"duration_s": self.duration_s, "first_t": self.first_t, "last_t": self.last_t,
-                "mean_rate_rps": self.mean_rate_rps, "bin_s": self.bin_s,
-                "counts": list(self.counts), "peak_rate_rps": self.peak_rate_rps,
-                "peak_bin_start_s": self.peak_bin_start_s,
-                "interarrival_mean_s": self.interarrival_mean_s,
-                "interarrival_p50_s": self.interarrival_p50_s,
-                "burstiness_cv": self.burstiness_cv, "sorted_in_file": self.sorted_in_file}
+        return {
+            "duration_s": self.duration_s,
+            "first_t": self.first_t,
+            "last_t": self.last_t,
+            "mean_rate_rps": self.mean_rate_rps,
+            "bin_s": self.bin_s,
+            "counts": list(self.counts),
+            "peak_rate_rps": self.peak_rate_rps,
+            "peak_bin_start_s": self.peak_bin_start_s,
+            "interarrival_mean_s": self.interarrival_mean_s,
+            "interarrival_p50_s": self.interarrival_p50_s,
+            "burstiness_cv": self.burstiness_cv,
+            "sorted_in_file": self.sorted_in_file,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,14 +156,17 @@ class PrefixReuse:
     distinct_first_blocks: int  # distinct roots (e.g. system prompts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requests_with_prefix": self.requests_with_prefix,
-                "block_sizes": dict(self.block_sizes), "blocks": self.blocks,
-                "reused_blocks": self.reused_blocks,
-                "block_reuse_fraction": self.block_reuse_fraction,
-                "hit_ratio_tokens_infinite_cache": self.hit_ratio_tokens,
-                "distinct_blocks": self.distinct_blocks,
-                "distinct_prompts": self.distinct_prompts,
-                "distinct_first_blocks": self.distinct_first_blocks}
+        return {
+            "requests_with_prefix": self.requests_with_prefix,
+            "block_sizes": dict(self.block_sizes),
+            "blocks": self.blocks,
+            "reused_blocks": self.reused_blocks,
+            "block_reuse_fraction": self.block_reuse_fraction,
+            "hit_ratio_tokens_infinite_cache": self.hit_ratio_tokens,
+            "distinct_blocks": self.distinct_blocks,
+            "distinct_prompts": self.distinct_prompts,
+            "distinct_first_blocks": self.distinct_first_blocks,
+        }
 
 
 class _PrefixTrie:
@@ -166,8 +220,7 @@ class _PrefixTrie:
             blocks=self.blocks,
             reused_blocks=self.reused,
             block_reuse_fraction=self.reused / self.blocks if self.blocks else None,
-            hit_ratio_tokens=(self.hit_tokens / self.prompt_tokens if self.prompt_tokens
-                              else None),
+            hit_ratio_tokens=(self.hit_tokens / self.prompt_tokens if self.prompt_tokens else None),
             distinct_blocks=len(self.children) + len(self.roots),
             distinct_prompts=len(self.prompts),
             distinct_first_blocks=len(self.roots),
@@ -181,8 +234,11 @@ class Sessions:
     requests_per_session: Distribution
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sessions": self.sessions, "requests_with_session": self.requests_with_session,
-                "requests_per_session": self.requests_per_session.to_dict()}
+        return {
+            "sessions": self.sessions,
+            "requests_with_session": self.requests_with_session,
+            "requests_per_session": self.requests_per_session.to_dict(),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,13 +257,20 @@ class TraceStats:
     outcomes: Mapping[str, int]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "source": self.source, "requests": self.requests,
-                "unreadable_lines": self.unreadable_lines, "arrivals": self.arrivals.to_dict(),
-                "n_in": self.n_in.to_dict(), "n_out": self.n_out.to_dict(),
-                "prefix": self.prefix.to_dict() if self.prefix else None,
-                "sessions": self.sessions.to_dict() if self.sessions else None,
-                "models": dict(self.models), "endpoints": dict(self.endpoints),
-                "outcomes": dict(self.outcomes)}
+        return {
+            "path": self.path,
+            "source": self.source,
+            "requests": self.requests,
+            "unreadable_lines": self.unreadable_lines,
+            "arrivals": self.arrivals.to_dict(),
+            "n_in": self.n_in.to_dict(),
+            "n_out": self.n_out.to_dict(),
+            "prefix": self.prefix.to_dict() if self.prefix else None,
+            "sessions": self.sessions.to_dict() if self.sessions else None,
+            "models": dict(self.models),
+            "endpoints": dict(self.endpoints),
+            "outcomes": dict(self.outcomes),
+        }
 
 
 def choose_bin_s(duration_s: float) -> float:
@@ -222,8 +285,9 @@ def choose_bin_s(duration_s: float) -> float:
 
 def arrival_stats(times: np.ndarray[Any, np.dtype[np.float64]], sorted_in_file: bool) -> Arrivals:
     if times.size == 0:
-        return Arrivals(0.0, None, None, None, 1.0, (), None, None, None, None, None,
-                        sorted_in_file)
+        return Arrivals(
+            0.0, None, None, None, 1.0, (), None, None, None, None, None, sorted_in_file
+        )
     ordered = np.sort(times)
     first, last = float(ordered[0]), float(ordered[-1])
     duration = last - first
@@ -292,14 +356,22 @@ def trace_stats(path: str | os.PathLike[str]) -> TraceStats:
     session_stats = None
     if sessions:
         session_stats = Sessions(
-            sessions=len(sessions), requests_with_session=sum(sessions.values()),
-            requests_per_session=Distribution.of(array("q", sessions.values())))
+            sessions=len(sessions),
+            requests_with_session=sum(sessions.values()),
+            requests_per_session=Distribution.of(array("q", sessions.values())),
+        )
     return TraceStats(
-        path=str(path), source=reader.header.source, requests=requests, unreadable_lines=unreadable,
+        path=str(path),
+        source=reader.header.source,
+        requests=requests,
+        unreadable_lines=unreadable,
         arrivals=arrival_stats(np.frombuffer(times, dtype=np.float64), sorted_in_file),
-        n_in=Distribution.of(n_in_values), n_out=Distribution.of(n_out_values),
-        prefix=trie.result(), sessions=session_stats,
-        models=dict(models.most_common()), endpoints=dict(endpoints.most_common()),
+        n_in=Distribution.of(n_in_values),
+        n_out=Distribution.of(n_out_values),
+        prefix=trie.result(),
+        sessions=session_stats,
+        models=dict(models.most_common()),
+        endpoints=dict(endpoints.most_common()),
         outcomes=dict(outcomes.most_common()),
     )
 
@@ -317,8 +389,10 @@ def sparkline(counts: tuple[int, ...]) -> str:
 
 def sparkline_legend(bin_s: float, top: int) -> str:
     """What the sparkline's characters mean, under it."""
-    return (f"{'legend':<12}one character per {_num(bin_s)} s: ' ' no request, "
-            f"{_SPARK[1:]} fewest to most ({_SPARK[-1]} = {top})")
+    return (
+        f"{'legend':<12}one character per {_num(bin_s)} s: ' ' no request, "
+        f"{_SPARK[1:]} fewest to most ({_SPARK[-1]} = {top})"
+    )
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -326,7 +400,7 @@ def _num(value: float | None, digits: int = 4) -> str:
         return "-"
     if float(value).is_integer() and abs(value) < 1e15:
         return f"{int(value)}"
-    if abs(value) >= 10 ** digits:
+    if abs(value) >= 10**digits:
         return f"{value:.0f}"
     return f"{value:.{digits}g}"
 
@@ -336,8 +410,11 @@ def format_stats(stats: TraceStats) -> str:
     lines = [
         f"trace       {stats.path}  (source {stats.source})",
         f"requests    {stats.requests}"
-        + (f"  ({stats.unreadable_lines} unreadable lines skipped)"
-           if stats.unreadable_lines else ""),
+        + (
+            f"  ({stats.unreadable_lines} unreadable lines skipped)"
+            if stats.unreadable_lines
+            else ""
+        ),
         f"duration    {_num(a.duration_s)} s  (t {_num(a.first_t)} .. {_num(a.last_t)})",
         f"arrivals    mean {_num(a.mean_rate_rps)} req/s, peak {_num(a.peak_rate_rps)} req/s "
         f"(bin of {_num(a.bin_s)} s at t={_num(a.peak_bin_start_s)}), "
@@ -348,12 +425,16 @@ def format_stats(stats: TraceStats) -> str:
     if a.counts:
         lines.append(sparkline_legend(a.bin_s, max(a.counts)))
     if not a.sorted_in_file:
-        lines.append("            (t is not sorted in the file: arrivals use sorted t; prefix "
-                     "reuse uses file order)")
+        lines.append(
+            "            (t is not sorted in the file: arrivals use sorted t; prefix "
+            "reuse uses file order)"
+        )
     lines.append(f"{'':12}{'count':>9}{'mean':>10}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}")
     for name, dist in (("n_in", stats.n_in), ("n_out", stats.n_out)):
-        lines.append(f"{name:<12}{dist.count:>9}{_num(dist.mean, 5):>10}{_num(dist.p50):>9}"
-                     f"{_num(dist.p90):>9}{_num(dist.p99):>9}{_num(dist.max):>9}")
+        lines.append(
+            f"{name:<12}{dist.count:>9}{_num(dist.mean, 5):>10}{_num(dist.p50):>9}"
+            f"{_num(dist.p90):>9}{_num(dist.p99):>9}{_num(dist.max):>9}"
+        )
     p = stats.prefix
     if p is None:
         lines.append("prefix      no prefix information")
@@ -361,18 +442,27 @@ def format_stats(stats: TraceStats) -> str:
         reuse = f"{p.block_reuse_fraction:.1%}" if p.block_reuse_fraction is not None else "-"
         hit = f"{p.hit_ratio_tokens:.1%}" if p.hit_ratio_tokens is not None else "-"
         sizes = ", ".join(f"{k} ({v})" for k, v in p.block_sizes.items())
-        lines.append(f"prefix      {p.requests_with_prefix} requests, blocks {sizes}; "
-                     f"{p.blocks} blocks, {p.reused_blocks} repeat an earlier prefix ({reuse})")
-        lines.append(f"            infinite-cache hit ratio {hit} of prompt tokens; distinct: "
-                     f"{p.distinct_blocks} blocks, {p.distinct_prompts} prompts, "
-                     f"{p.distinct_first_blocks} first blocks")
+        lines.append(
+            f"prefix      {p.requests_with_prefix} requests, blocks {sizes}; "
+            f"{p.blocks} blocks, {p.reused_blocks} repeat an earlier prefix ({reuse})"
+        )
+        lines.append(
+            f"            infinite-cache hit ratio {hit} of prompt tokens; distinct: "
+            f"{p.distinct_blocks} blocks, {p.distinct_prompts} prompts, "
+            f"{p.distinct_first_blocks} first blocks"
+        )
     s = stats.sessions
     if s is not None:
         r = s.requests_per_session
-        lines.append(f"sessions    {s.sessions} ({s.requests_with_session} requests); requests "
-                     f"per session mean {_num(r.mean)}, p50 {_num(r.p50)}, max {_num(r.max)}")
-    for name, counts in (("models", stats.models), ("endpoints", stats.endpoints),
-                         ("outcomes", stats.outcomes)):
+        lines.append(
+            f"sessions    {s.sessions} ({s.requests_with_session} requests); requests "
+            f"per session mean {_num(r.mean)}, p50 {_num(r.p50)}, max {_num(r.max)}"
+        )
+    for name, counts in (
+        ("models", stats.models),
+        ("endpoints", stats.endpoints),
+        ("outcomes", stats.outcomes),
+    ):
         shown = ", ".join(f"{k} {v}" for k, v in list(counts.items())[:8])
         more = f", +{len(counts) - 8} more" if len(counts) > 8 else ""
         lines.append(f"{name:<12}{shown}{more}")

@@ -63,8 +63,15 @@ def decode(token_ids: tuple[int, ...]) -> str:
 class AnswerWriter:
     """One replica's answers: streamed, whole, refused in stream, or an error body."""
 
-    def __init__(self, config: SimConfig, engine_config: EngineConfig, era: Era,
-                 fingerprint: str, driver: EngineDriver, metrics: ReplicaMetrics) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        engine_config: EngineConfig,
+        era: Era,
+        fingerprint: str,
+        driver: EngineDriver,
+        metrics: ReplicaMetrics,
+    ) -> None:
         self.config = config
         self.era = era
         self.fingerprint = fingerprint
@@ -90,15 +97,23 @@ class AnswerWriter:
             headers=self.response_headers(request_id, JSON_CONTENT_TYPE),
         )
 
-    async def refuse_in_stream(self, request: web.Request, params: GenerateParams,
-                               request_id: str | None, message: str) -> web.StreamResponse:
+    async def refuse_in_stream(
+        self, request: web.Request, params: GenerateParams, request_id: str | None, message: str
+    ) -> web.StreamResponse:
         formatter = StreamFormatter(
-            chat=params.chat, response_id="", created=0, model=params.model or "",
-            profile=self.config.profile, fingerprint=self.fingerprint, include_usage=False,
-            era=self.era)
+            chat=params.chat,
+            response_id="",
+            created=0,
+            model=params.model or "",
+            profile=self.config.profile,
+            fingerprint=self.fingerprint,
+            include_usage=False,
+            era=self.era,
+        )
         rid = request_id or uuid.uuid4().hex
-        response = web.StreamResponse(status=200,
-                                      headers=self.response_headers(rid, SSE_CONTENT_TYPE))
+        response = web.StreamResponse(
+            status=200, headers=self.response_headers(rid, SSE_CONTENT_TYPE)
+        )
         await response.prepare(request)
         await response.write(formatter.error_event(message, BAD_REQUEST_ERROR, 400))
         await response.write(DONE_EVENT)
@@ -108,21 +123,40 @@ class AnswerWriter:
     def warm_up(self, created: int) -> None:
         """Render each kind of chunk and body once (what a first answer would pay for)."""
         formatter = StreamFormatter(
-            chat=True, response_id="chatcmpl-warm-up", created=created,
-            model=self.model_name, profile=self.config.profile,
-            fingerprint=self.fingerprint, include_usage=True, era=self.era,
+            chat=True,
+            response_id="chatcmpl-warm-up",
+            created=created,
+            model=self.model_name,
+            profile=self.config.profile,
+            fingerprint=self.fingerprint,
+            include_usage=True,
+            era=self.era,
         )
         formatter.role_chunk(0, "assistant", (1, 0))
         formatter.token_chunk(0, decode((300,)), None, (1, 1))
         formatter.token_chunk(0, decode((301, tokenizer.EOS_ID)), "stop", (1, 3))
-        formatter.usage_chunk(1, 3, 0, RequestTimings.from_instants(
-            arrival_s=0.0, scheduled_s=0.0, first_token_s=0.1, last_token_s=0.2,
-            num_generation_tokens=3))
+        formatter.usage_chunk(
+            1,
+            3,
+            0,
+            RequestTimings.from_instants(
+                arrival_s=0.0,
+                scheduled_s=0.0,
+                first_token_s=0.1,
+                last_token_s=0.2,
+                num_generation_tokens=3,
+            ),
+        )
         common: dict[str, Any] = {
-            "created": created, "model": self.model_name,
+            "created": created,
+            "model": self.model_name,
             "choices": [ChoiceResult(index=0, text="warm", finish_reason="stop")],
-            "prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": None,
-            "timings": None, "fingerprint": self.fingerprint, "profile": self.config.profile,
+            "prompt_tokens": 1,
+            "completion_tokens": 1,
+            "cached_tokens": None,
+            "timings": None,
+            "fingerprint": self.fingerprint,
+            "profile": self.config.profile,
             "era": self.era,
         }
         chat_completion_body(response_id="chatcmpl-warm-up", role="assistant", **common)
@@ -173,9 +207,17 @@ class AnswerWriter:
         positions.extend(source.prompt(token_id, k) for token_id in ids[1:])
         return positions
 
-    def rich_token_chunk(self, formatter: StreamFormatter, plan: Plan, choice: Choice,
-                         token_ids: tuple[int, ...], text: str, finished: bool,
-                         usage: tuple[int, int] | None, delta: str | None = None) -> bytes:
+    def rich_token_chunk(
+        self,
+        formatter: StreamFormatter,
+        plan: Plan,
+        choice: Choice,
+        token_ids: tuple[int, ...],
+        text: str,
+        finished: bool,
+        usage: tuple[int, int] | None,
+        delta: str | None = None,
+    ) -> bytes:
         """A token chunk with logprobs, or a completion's first chunk with the echoed prompt
         (vLLM's serving code: the prompt's text before the first delta, its token ids, and with
         logprobs the prompt's positions before the new tokens')."""
@@ -188,8 +230,7 @@ class AnswerWriter:
             prompt_ids = plan.prompts[choice.prompt_index]
             text = plan.prompt_texts[choice.prompt_index] + text
             if params.logprobs is not None:
-                positions.extend(self.prompt_positions(plan, choice.prompt_index,
-                                                       params.logprobs))
+                positions.extend(self.prompt_positions(plan, choice.prompt_index, params.logprobs))
                 tokens.extend(plan.prompt_strs[choice.prompt_index])
         logprobs: dict[str, Any] | None = None
         source = choice.logprob_source
@@ -205,9 +246,15 @@ class AnswerWriter:
                 if tokens:
                     choice.text_offset = logprobs["text_offset"][-1] + len(tokens[-1])
         return formatter.token_chunk(
-            choice.index, text, choice.finish_reason if finished else None, usage,
-            logprobs=logprobs, stop_reason=choice.stop_reason, prompt_token_ids=prompt_ids,
-            delta=delta)
+            choice.index,
+            text,
+            choice.finish_reason if finished else None,
+            usage,
+            logprobs=logprobs,
+            stop_reason=choice.stop_reason,
+            prompt_token_ids=prompt_ids,
+            delta=delta,
+        )
 
     def whole_choice(self, plan: Plan, choice: Choice) -> ChoiceResult:
         """One choice of a whole answer (vLLM's request_output_to_*_response): its text (cut
@@ -243,25 +290,48 @@ class AnswerWriter:
                 positions.extend(sampled)
                 tokens.extend(position[0].token for position in sampled)
                 logprobs = completion_logprobs(positions, tokens, k, 0)
-        return ChoiceResult(index=choice.index, text=text, finish_reason=finish_reason,
-                            stop_reason=choice.stop_reason, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, tool_calls=tool_calls)
+        return ChoiceResult(
+            index=choice.index,
+            text=text,
+            finish_reason=finish_reason,
+            stop_reason=choice.stop_reason,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            tool_calls=tool_calls,
+        )
 
     # ------------------------------------------------------------------ the two answers
 
-    def _injector(self, request: web.Request, state: RequestState, fault: FaultSpec,
-                  record: GroundTruthRecord | None) -> FaultInjector | None:
+    def _injector(
+        self,
+        request: web.Request,
+        state: RequestState,
+        fault: FaultSpec,
+        record: GroundTruthRecord | None,
+    ) -> FaultInjector | None:
         if fault.is_empty:
             return None
         return FaultInjector(fault, request, record, functools.partial(self.driver.abort, state))
 
-    async def stream(self, request: web.Request, plan: Plan, state: RequestState,
-                     fault: FaultSpec, record: GroundTruthRecord | None) -> web.StreamResponse:
+    async def stream(
+        self,
+        request: web.Request,
+        plan: Plan,
+        state: RequestState,
+        fault: FaultSpec,
+        record: GroundTruthRecord | None,
+    ) -> web.StreamResponse:
         injector = self._injector(request, state, fault, record)
         return await _Stream(self, request, plan, state, injector, record).run()
 
-    async def whole(self, request: web.Request, plan: Plan, state: RequestState,
-                    fault: FaultSpec, record: GroundTruthRecord | None) -> web.StreamResponse:
+    async def whole(
+        self,
+        request: web.Request,
+        plan: Plan,
+        state: RequestState,
+        fault: FaultSpec,
+        record: GroundTruthRecord | None,
+    ) -> web.StreamResponse:
         """A non-streaming answer: wait for every choice, then one JSON body."""
         injector = self._injector(request, state, fault, record)
         try:
@@ -270,9 +340,7 @@ class AnswerWriter:
             if record is not None:
                 record.status = err.status
                 record.outcome = "http_error"
-            return await self.send_whole(
-                request, self.error_response(err, plan.request_id), record
-            )
+            return await self.send_whole(request, self.error_response(err, plan.request_id), record)
         except ResetConnection:
             raise asyncio.CancelledError() from None
         except (asyncio.CancelledError, ConnectionError):
@@ -344,8 +412,8 @@ class AnswerWriter:
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs_json(
-                self.prompt_positions(plan, 0, params.prompt_logprobs),
-                plan.prompt_strs[0])
+                self.prompt_positions(plan, 0, params.prompt_logprobs), plan.prompt_strs[0]
+            )
         return chat_completion_body(
             response_id="chatcmpl-" + plan.request_id,
             role=self.response_role(params),
@@ -368,9 +436,15 @@ class AnswerWriter:
 class _Stream:
     """One streamed answer: role chunks, token chunks as the engine delivers, usage, [DONE]."""
 
-    def __init__(self, writer: AnswerWriter, request: web.Request, plan: Plan,
-                 state: RequestState, injector: FaultInjector | None,
-                 record: GroundTruthRecord | None) -> None:
+    def __init__(
+        self,
+        writer: AnswerWriter,
+        request: web.Request,
+        plan: Plan,
+        state: RequestState,
+        injector: FaultInjector | None,
+        record: GroundTruthRecord | None,
+    ) -> None:
         self.writer = writer
         self.request = request
         self.plan = plan
@@ -400,8 +474,7 @@ class _Stream:
         # "auto" the parser's own streaming reads every delta (counted in its metric).
         serves_tools = writer.config.serves_tools
         tools = params.tools if chat and serves_tools else None
-        self.drop_empty = chat and serves_tools and (
-            tools is None or tools.choice.kind == "none")
+        self.drop_empty = chat and serves_tools and (tools is None or tools.choice.kind == "none")
         self.auto_tools = tools is not None and tools.choice.kind == "auto"
 
     async def run(self) -> web.StreamResponse:
@@ -436,10 +509,10 @@ class _Stream:
                 if role_pending:
                     role_pending = False
                     await self._write_roles(response)
-                for choice, token_ids, finished, text in (
-                        batch if len(batch) == 1 else merge(batch)):
+                for choice, token_ids, finished, text in batch if len(batch) == 1 else merge(batch):
                     if injector is not None and await injector.before_stream_chunk(
-                            response, self.formatter, token_chunks, choice.index):
+                        response, self.formatter, token_chunks, choice.index
+                    ):
                         return response
                     chunk = self._token_chunk(choice, token_ids, finished, text)
                     if chunk is None:
@@ -499,8 +572,9 @@ class _Stream:
             if self.record is not None:
                 self.record.stamp(0, "role")
 
-    def _token_chunk(self, choice: Choice, token_ids: tuple[int, ...], finished: bool,
-                     text: str | None) -> tuple[bytes, int] | None:
+    def _token_chunk(
+        self, choice: Choice, token_ids: tuple[int, ...], finished: bool, text: str | None
+    ) -> tuple[bytes, int] | None:
         """One delivery's chunk and the output tokens it accounts for, or None when vLLM
         sends no event for it (its tokens then go with the choice's next event)."""
         count = len(token_ids)
@@ -517,9 +591,12 @@ class _Stream:
                 unsent[choice.index] = unsent.get(choice.index, 0) + count
                 return None
             chunk = formatter.token_chunk(
-                choice.index, "",
+                choice.index,
+                "",
                 tool.stream_finish_reason(choice.finish_reason or "stop") if finished else None,
-                usage, delta="{}" if delta is None else delta)
+                usage,
+                delta="{}" if delta is None else delta,
+            )
             return chunk, count + unsent.pop(choice.index, 0)
         empty_delta: str | None = None
         if self.auto_tools:
@@ -532,11 +609,17 @@ class _Stream:
         count += unsent.pop(choice.index, 0)
         if choice.logprob_source is None and not choice.echo_pending:
             chunk = formatter.token_chunk(
-                choice.index, text, choice.finish_reason if finished else None,
-                usage, stop_reason=choice.stop_reason, delta=empty_delta)
+                choice.index,
+                text,
+                choice.finish_reason if finished else None,
+                usage,
+                stop_reason=choice.stop_reason,
+                delta=empty_delta,
+            )
         else:
-            chunk = self.writer.rich_token_chunk(formatter, self.plan, choice, token_ids, text,
-                                                 finished, usage, empty_delta)
+            chunk = self.writer.rich_token_chunk(
+                formatter, self.plan, choice, token_ids, text, finished, usage, empty_delta
+            )
         return chunk, count
 
     async def _write_tail(self, response: web.StreamResponse) -> None:

@@ -211,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="vLLM's tool parser flag; with --enable-auto-tool-choice, named and \"required\" "
+        help='vLLM\'s tool parser flag; with --enable-auto-tool-choice, named and "required" '
         "tool_choice answer with tool calls in vLLM's shapes (else refused, as by vLLM)",
     )
     serving.add_argument(
@@ -318,10 +318,15 @@ def _start_error(exc: OSError, args: argparse.Namespace) -> int:
     if exc.filename:  # --ground-truth FILE
         print(f"sidecar sim: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
-    ports = (f"{args.port}" if args.replicas == 1 or args.port == 0
-             else f"{args.port}-{args.port + args.replicas - 1}")
-    print(f"sidecar sim: error: cannot listen on {args.host}:{ports}: "
-          f"{exc.strerror or exc}", file=sys.stderr)
+    ports = (
+        f"{args.port}"
+        if args.replicas == 1 or args.port == 0
+        else f"{args.port}-{args.port + args.replicas - 1}"
+    )
+    print(
+        f"sidecar sim: error: cannot listen on {args.host}:{ports}: {exc.strerror or exc}",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -386,8 +391,10 @@ async def _run_processes(config: SimConfig, args: argparse.Namespace) -> int:
             return 0
         for index, child in enumerate(children):
             if child.returncode is not None:
-                print(f"sidecar sim: error: replica {index} exited with status "
-                      f"{child.returncode}", file=sys.stderr)
+                print(
+                    f"sidecar sim: error: replica {index} exited with status {child.returncode}",
+                    file=sys.stderr,
+                )
         return 1
     finally:
         for sock in sockets:
@@ -395,15 +402,27 @@ async def _run_processes(config: SimConfig, args: argparse.Namespace) -> int:
         await _stop_children(children)
 
 
-async def _start_child(config: SimConfig, index: int, host: str, sock: socket.socket,
-                       log_level: str) -> asyncio.subprocess.Process:
+async def _start_child(
+    config: SimConfig, index: int, host: str, sock: socket.socket, log_level: str
+) -> asyncio.subprocess.Process:
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _CHILD_CODE, _PACKAGE_ROOT,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-c",
+        _CHILD_CODE,
+        _PACKAGE_ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
         pass_fds=(sock.fileno(),),
     )
-    payload = pickle.dumps({"config": config, "index": index, "host": host,
-                            "fd": sock.fileno(), "log_level": log_level})
+    payload = pickle.dumps(
+        {
+            "config": config,
+            "index": index,
+            "host": host,
+            "fd": sock.fileno(),
+            "log_level": log_level,
+        }
+    )
     assert child.stdin is not None
     # The stdin pipe stays open: the child stops when it closes (this process is gone).
     child.stdin.write(_LENGTH.pack(len(payload)) + payload)
@@ -468,10 +487,10 @@ class _StdinClosed(asyncio.Protocol):
 async def _serve_child(payload: dict[str, Any]) -> int:
     config: SimConfig = payload["config"]
     sock = socket.socket(fileno=payload["fd"])
-    ground_truth = (GroundTruthWriter(config.ground_truth_path)
-                    if config.ground_truth_path else None)
-    running = await start_replica(config, payload["index"], payload["host"], 0, ground_truth,
-                                  sock=sock)
+    ground_truth = GroundTruthWriter(config.ground_truth_path) if config.ground_truth_path else None
+    running = await start_replica(
+        config, payload["index"], payload["host"], 0, ground_truth, sock=sock
+    )
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[None] = loop.create_future()
     # SIGTERM (from the parent) or the parent gone: close, still answering SIGTERM meanwhile

@@ -368,8 +368,9 @@ class EngineDriver:
         self._wake.set()
         return state
 
-    def _engine_request(self, plan: Plan, state: RequestState, prompt_index: int,
-                        i: int) -> tuple[EngineRequest, Choice]:
+    def _engine_request(
+        self, plan: Plan, state: RequestState, prompt_index: int, i: int
+    ) -> tuple[EngineRequest, Choice]:
         """Choice ``i`` of prompt ``prompt_index``: its engine request, checked, and its state."""
         params = plan.params
         tools = params.tools if self.serves_tools else None
@@ -403,12 +404,15 @@ class EngineDriver:
         )
         choice.tool = tool
         if params.stop and tool is None:  # a tool call's text is not searched: gap
-            choice.stop = StopChecker(params.stop, params.include_stop_str_in_output,
-                                      params.min_tokens)
+            choice.stop = StopChecker(
+                params.stop, params.include_stop_str_in_output, params.min_tokens
+            )
         if params.logprobs is not None:
             choice.logprob_source = LogprobSource(
                 sampling_seed(self.engine_config.seed, key or engine_id, "logprobs"),
-                params.greedy, self.engine_config.vocab_size)
+                params.greedy,
+                self.engine_config.vocab_size,
+            )
         choice.echo_pending = params.echo
         return engine_request, choice
 

@@ -790,7 +790,7 @@ class EngineModel:
         out = state.output
         output = RequestOutput(
             request_id=state.rid,
-            new_token_ids=tuple(out[state.num_sent:]),
+            new_token_ids=tuple(out[state.num_sent :]),
             finished=finished,
             finish_reason=state.finish_reason if finished else None,
             num_cached_tokens=cached,

@@ -202,11 +202,23 @@ class FaultInjector:
     work; the ground-truth ``record`` (if any) gets the outcome a fault causes.
     """
 
-    __slots__ = ("spec", "cut_body", "_request", "_record", "_abort", "_stall_pending",
-                 "_malformed_pending")
+    __slots__ = (
+        "spec",
+        "cut_body",
+        "_request",
+        "_record",
+        "_abort",
+        "_stall_pending",
+        "_malformed_pending",
+    )
 
-    def __init__(self, spec: FaultSpec, request: web.Request, record: GroundTruthRecord | None,
-                 abort: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        spec: FaultSpec,
+        request: web.Request,
+        record: GroundTruthRecord | None,
+        abort: Callable[[str], None],
+    ) -> None:
         self.spec = spec
         self.cut_body = False  # a whole answer: send half of the body
         self._request = request
@@ -237,9 +249,13 @@ class FaultInjector:
                 transport.abort()
             raise ResetConnection()
 
-    async def before_stream_chunk(self, response: web.StreamResponse,
-                                  formatter: StreamFormatter, written: int,
-                                  choice_index: int) -> bool:
+    async def before_stream_chunk(
+        self,
+        response: web.StreamResponse,
+        formatter: StreamFormatter,
+        written: int,
+        choice_index: int,
+    ) -> bool:
         """Apply what is due before token chunk ``written + 1``; True if the answer ended."""
         self._reset_if_due(written)
         spec = self.spec

@@ -77,8 +77,15 @@ class GroundTruthRecord:
         "chunk_kinds",
     )
 
-    def __init__(self, *, replica: int, endpoint: str, received_ns: int, wall_time_ns: int,
-                 first_byte_ns: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        replica: int,
+        endpoint: str,
+        received_ns: int,
+        wall_time_ns: int,
+        first_byte_ns: int | None = None,
+    ) -> None:
         self.request_id = ""
         self.replica = replica
         self.endpoint = endpoint

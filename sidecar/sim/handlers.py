@@ -220,8 +220,13 @@ class Handlers:
             raise error
         return fault
 
-    async def _plan(self, params: GenerateParams, request_id: str, body_bytes: int,
-                    record: GroundTruthRecord | None) -> Plan:
+    async def _plan(
+        self,
+        params: GenerateParams,
+        request_id: str,
+        body_bytes: int,
+        record: GroundTruthRecord | None,
+    ) -> Plan:
         if body_bytes <= OFFLOAD_BODY_BYTES:
             return self.planner.plan(params, request_id)
         try:
@@ -305,8 +310,9 @@ class Handlers:
         return response
 
 
-def _record_refusal(record: GroundTruthRecord | None, request_id: str, status: int,
-                    outcome: str) -> None:
+def _record_refusal(
+    record: GroundTruthRecord | None, request_id: str, status: int, outcome: str
+) -> None:
     """A generation refused before the engine saw it, in the ground truth."""
     if record is not None:
         record.request_id = record.request_id or request_id or uuid.uuid4().hex

@@ -167,9 +167,7 @@ class FastHistogram:
         histogram = HistogramMetricFamily(self.name, self.documentation, labels=label_names)
         histogram.add_metric(label_values, buckets, self._sum)
         yield histogram
-        created = GaugeMetricFamily(
-            self.name + "_created", self.documentation, labels=label_names
-        )
+        created = GaugeMetricFamily(self.name + "_created", self.documentation, labels=label_names)
         created.add_metric(label_values, self._created)
         yield created
 
@@ -427,8 +425,9 @@ class ReplicaMetrics:
             for mode in ("streaming", "non_streaming"):
                 for outcome in ("tool_call", "no_tool_call"):
                     for request_type in ("chat_completions", "responses", "other"):
-                        self._tool_parser_invocations.labels(model_name, mode, outcome,
-                                                             request_type)
+                        self._tool_parser_invocations.labels(
+                            model_name, mode, outcome, request_type
+                        )
         self._prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
@@ -566,8 +565,11 @@ class ReplicaMetrics:
         text."""
         if self._tool_parser_invocations is not None:
             self._tool_parser_invocations.labels(
-                self.model_name, "streaming" if streaming else "non_streaming", "no_tool_call",
-                "chat_completions").inc(count)
+                self.model_name,
+                "streaming" if streaming else "non_streaming",
+                "no_tool_call",
+                "chat_completions",
+            ).inc(count)
 
     def count_admission_rejection(self, reason: str) -> None:
         self._admission_rejections.labels(self.model_name, reason).inc()

@@ -64,8 +64,9 @@ def token_str(token_id: int) -> str:
 class Planner:
     """One replica's request checks and tokenization, and its tokenizer thread."""
 
-    def __init__(self, config: SimConfig, engine_config: EngineConfig, era: Era,
-                 index: int) -> None:
+    def __init__(
+        self, config: SimConfig, engine_config: EngineConfig, era: Era, index: int
+    ) -> None:
         self.model_names = config.model_names
         self.serves_tools = config.serves_tools
         self.max_model_len = engine_config.max_model_len
@@ -135,7 +136,8 @@ class Planner:
             raise bad_request(
                 f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
                 "Please request fewer output tokens.",
-                param, requested,
+                param,
+                requested,
             )
         if not self.era.weight_versions:  # 0.32 (checked against the real server)
             if prompt_len > max_model_len:
@@ -146,7 +148,10 @@ class Planner:
                     f"This model's maximum context length is {max_model_len} tokens. However, "
                     f"your prompt contains {qualifier}{count} input tokens, which exceeds this "
                     "limit even without any output tokens. Please reduce the length of the "
-                    "input prompt.", "input_tokens", count)
+                    "input prompt.",
+                    "input_tokens",
+                    count,
+                )
             # A prompt that fits leaves max_tokens clamped to what remains (get_max_tokens).
             remaining = max_model_len - prompt_len
             return remaining if requested is None else max(1, min(requested, remaining))
@@ -158,12 +163,14 @@ class Planner:
                 f"tokens. However, the model's context length is only {max_model_len} tokens, "
                 f"resulting in a maximum input length of {max_input} tokens. "
                 "Please reduce the length of the input prompt.",
-                "input_tokens", prompt_len,
+                "input_tokens",
+                prompt_len,
             )
         max_tokens = max_model_len - prompt_len if requested is None else requested
         if max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",
-                              max_tokens)
+            raise bad_request(
+                f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens
+            )
         return max_tokens
 
     def _check_sampling(self, params: GenerateParams) -> None:
@@ -182,23 +189,31 @@ class Planner:
         if params.stream_interval is not None and params.stream_interval < 1:
             raise bad_request(
                 f"stream_interval must be at least 1, got {params.stream_interval}.",
-                "stream_interval", params.stream_interval,
+                "stream_interval",
+                params.stream_interval,
             )
         if params.min_tokens < 0:
             raise bad_request(
                 f"min_tokens must be greater than or equal to 0, got {params.min_tokens}.",
-                "min_tokens", params.min_tokens,
+                "min_tokens",
+                params.min_tokens,
             )
 
     def _check_logprobs(self, params: GenerateParams) -> None:
         """SamplingParams._validate_logprobs, against vLLM's default --max-logprobs."""
-        for count, name, what in ((params.logprobs, "logprobs", "sample"),
-                                  (params.prompt_logprobs, "prompt_logprobs", "prompt")):
+        for count, name, what in (
+            (params.logprobs, "logprobs", "sample"),
+            (params.prompt_logprobs, "prompt_logprobs", "prompt"),
+        ):
             if count:
                 count = self.vocab_size if count == -1 else count
                 if count > MAX_LOGPROBS:
-                    raise bad_request(f"Requested {what} logprobs of {count}, which is greater "
-                                      f"than max allowed: {MAX_LOGPROBS}", name, count)
+                    raise bad_request(
+                        f"Requested {what} logprobs of {count}, which is greater "
+                        f"than max allowed: {MAX_LOGPROBS}",
+                        name,
+                        count,
+                    )
 
     # ------------------------------------------------------------------ planning
 
@@ -208,19 +223,17 @@ class Planner:
         prompts = self._tokenize(params, slice_chars)
         max_tokens: list[int] = []
         for ids in prompts:
-            resolved = self.resolve_max_tokens(
-                len(ids), params.max_tokens, params.max_tokens_param
-            )
+            resolved = self.resolve_max_tokens(len(ids), params.max_tokens, params.max_tokens_param)
             if params.min_tokens > resolved:
                 raise bad_request(
                     f"min_tokens must be less than or equal to max_tokens={resolved}, "
                     f"got {params.min_tokens}.",
-                    "min_tokens", params.min_tokens,
+                    "min_tokens",
+                    params.min_tokens,
                 )
             max_tokens.append(resolved)
         self._check_logprobs(params)
-        plan = Plan(params=params, request_id=request_id, prompts=prompts,
-                    max_tokens=max_tokens)
+        plan = Plan(params=params, request_id=request_id, prompts=prompts, max_tokens=max_tokens)
         if params.echo or params.prompt_logprobs is not None:
             describe_prompts(plan)
         return plan
@@ -228,8 +241,11 @@ class Planner:
     def _tokenize(self, params: GenerateParams, slice_chars: int) -> list[list[int]]:
         """The request's prompts as token ids: the chat template's, or each prompt's."""
         if params.chat:
-            return [tokenizer.apply_chat_template(
-                params.messages, params.add_generation_prompt, slice_chars)]
+            return [
+                tokenizer.apply_chat_template(
+                    params.messages, params.add_generation_prompt, slice_chars
+                )
+            ]
         prompts: list[list[int]] = []
         vocab_size = self.vocab_size
         for prompt in params.prompts:
@@ -254,7 +270,8 @@ def describe_prompts(plan: Plan) -> None:
     params = plan.params
     if params.chat:
         ids, strs = tokenizer.apply_chat_template_with_strs(
-            params.messages, params.add_generation_prompt)
+            params.messages, params.add_generation_prompt
+        )
         plan.prompt_texts.append("")
         plan.prompt_strs.append(strs)
         return

@@ -102,7 +102,8 @@ def validation_error(issues: list[dict[str, Any]]) -> RequestError:
     label = "error" if count == 1 else "errors"
     reported = issues[:_MAX_REPORTED_ERRORS]
     message = f"{count} validation {label}:\n" + "".join(
-        f"  {_format_issue(issue)}\n" for issue in reported)
+        f"  {_format_issue(issue)}\n" for issue in reported
+    )
     if count > len(reported):
         message += f"  ...and {count - len(reported)} more {label}\n"
     return RequestError(400, message.rstrip(), BAD_REQUEST, _loc_param(issues[0]["loc"]))
@@ -193,12 +194,18 @@ class FieldReader:
             try:
                 return float(value.strip())
             except ValueError:
-                self.issues.append(_issue(
-                    "float_parsing", ("body", name),
-                    "Input should be a valid number, unable to parse string as a number", value))
+                self.issues.append(
+                    _issue(
+                        "float_parsing",
+                        ("body", name),
+                        "Input should be a valid number, unable to parse string as a number",
+                        value,
+                    )
+                )
                 return None
-        self.issues.append(_issue("float_type", ("body", name), "Input should be a valid number",
-                                  value))
+        self.issues.append(
+            _issue("float_type", ("body", name), "Input should be a valid number", value)
+        )
         return None
 
     def bool_(self, name: str, default: bool, source: Mapping[str, Any] | None = None) -> bool:
@@ -471,30 +478,36 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
     # The request models' "before" validators (check_logprobs), in their order.
     if prompt_logprobs is not None:
         if stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
-            raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
-                              "prompt_logprobs")
+            raise bad_request(
+                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+            )
         if prompt_logprobs < 0 and prompt_logprobs != -1:
-            raise bad_request("`prompt_logprobs` must be a positive value or -1.",
-                              "prompt_logprobs", prompt_logprobs)
+            raise bad_request(
+                "`prompt_logprobs` must be a positive value or -1.",
+                "prompt_logprobs",
+                prompt_logprobs,
+            )
     logprobs: int | None
     if chat:
         if top_logprobs is not None and top_logprobs < 0 and top_logprobs != -1:
-            raise bad_request("`top_logprobs` must be a positive value or -1.",
-                              "top_logprobs", top_logprobs)
+            raise bad_request(
+                "`top_logprobs` must be a positive value or -1.", "top_logprobs", top_logprobs
+            )
         if top_logprobs and not wants_logprobs:
-            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.",
-                              "top_logprobs")
+            raise bad_request(
+                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+            )
         logprobs = (top_logprobs or 0) if wants_logprobs else None
     else:
         logprobs = completion_logprobs
         if logprobs is not None and logprobs < 0 and logprobs != -1:
-            raise bad_request("`logprobs` must be a positive value or -1.", "logprobs",
-                              logprobs)
+            raise bad_request("`logprobs` must be a positive value or -1.", "logprobs", logprobs)
     if stream_options is not None and not stream:
         # vLLM 0.32: a VLLMValidationError from the request's validator, answered as a
         # BadRequestError (checked against the real server), not a schema error.
-        raise bad_request("Stream options can only be defined when `stream=True`.",
-                          "stream_options")
+        raise bad_request(
+            "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
     tools: ToolRequest | None = None
     if chat:
         # Here, not at the top: sidecar.sim.tools builds its errors with this module's helpers.
@@ -545,7 +558,8 @@ def _read_stop(reader: FieldReader) -> tuple[str, ...]:
     if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
         return tuple(item for item in raw if item)
     reader.issues.append(
-        _issue("union_type", ("body", "stop"), "Input should be a valid string or list", raw))
+        _issue("union_type", ("body", "stop"), "Input should be a valid string or list", raw)
+    )
     return ()
 
 

@@ -107,8 +107,11 @@ class LogprobSource:
 
     def _position(self, token_id: int, rank: int, k: int) -> Position:
         ladder = self._ladder(max(k, min(rank, 64)))
-        own = ladder[rank - 1] if rank <= len(ladder) else round(
-            ladder[-1] - self._rng.expovariate(0.5), 6)
+        own = (
+            ladder[rank - 1]
+            if rank <= len(ladder)
+            else round(ladder[-1] - self._rng.expovariate(0.5), 6)
+        )
         others = iter(self._others(token_id, k))
         entries = [Logprob(token_id, max(own, LOGPROB_FLOOR), rank)]
         for i in range(1, k + 1):
@@ -118,8 +121,9 @@ class LogprobSource:
         return tuple(entries)
 
 
-def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
-                       include_in_output: bool) -> tuple[str, int] | None:
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: Sequence[str], include_in_output: bool
+) -> tuple[str, int] | None:
     """vLLM's ``check_stop_strings``: (the stop string, the length to cut the text to, or -1
     for no cut), or None."""
     if not new_char_count or not stop:
@@ -144,8 +148,16 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str
 class StopChecker:
     """One choice's detokenized text and stop-string state (module doc)."""
 
-    __slots__ = ("stop", "include", "min_tokens", "buffer_length", "text", "num_tokens",
-                 "matched", "_sent")
+    __slots__ = (
+        "stop",
+        "include",
+        "min_tokens",
+        "buffer_length",
+        "text",
+        "num_tokens",
+        "matched",
+        "_sent",
+    )
 
     def __init__(self, stop: Sequence[str], include: bool, min_tokens: int) -> None:
         self.stop = tuple(stop)
@@ -170,8 +182,7 @@ class StopChecker:
         if not self.stop or self.matched is not None or self.num_tokens <= self.min_tokens:
             return None
         check_from = offsets[min(max(self.min_tokens - previous, 0), len(offsets) - 1)]
-        found = check_stop_strings(self.text, len(self.text) - check_from, self.stop,
-                                   self.include)
+        found = check_stop_strings(self.text, len(self.text) - check_from, self.stop, self.include)
         if found is None:
             return None
         stop_string, cut = found

@@ -97,14 +97,20 @@ class SimReplica:
             tool_parser=config.tool_call_parser is not None,
         )
         self.driver = EngineDriver(
-            self.engine, self.engine_config, self.metrics, index,
-            max_num_queued_reqs=config.max_num_queued_reqs, serves_tools=config.serves_tools,
+            self.engine,
+            self.engine_config,
+            self.metrics,
+            index,
+            max_num_queued_reqs=config.max_num_queued_reqs,
+            serves_tools=config.serves_tools,
         )
         self.planner = Planner(config, self.engine_config, self.era, index)
-        self.answers = AnswerWriter(config, self.engine_config, self.era, self.fingerprint,
-                                    self.driver, self.metrics)
+        self.answers = AnswerWriter(
+            config, self.engine_config, self.era, self.fingerprint, self.driver, self.metrics
+        )
         self.handlers = Handlers(
-            config, index,
+            config,
+            index,
             max_model_len=self.engine_config.max_model_len,
             created=self.created,
             permission_id=f"modelperm-{uuid.uuid4().hex}",

@@ -236,8 +236,7 @@ class StreamFormatter:
         if self.chat:
             if delta is None:
                 delta = f'{{"content":{_text(text)}}}'
-            body = (f'{{"index":{index},"delta":{delta},'
-                    f'"logprobs":{logprobs_json},')
+            body = f'{{"index":{index},"delta":{delta},"logprobs":{logprobs_json},'
         else:
             body = f'{{"index":{index},"text":{_text(text)},"logprobs":{logprobs_json},'
         if finish_reason is None:
@@ -259,8 +258,11 @@ class StreamFormatter:
             elif self.chat:
                 body += ',"token_ids":null' + self._weight_versions + "}"
             else:
-                body += (f',"prompt_token_ids":{prompt_ids},"token_ids":null'
-                         + self._weight_versions + "}")
+                body += (
+                    f',"prompt_token_ids":{prompt_ids},"token_ids":null'
+                    + self._weight_versions
+                    + "}"
+                )
             tail = self._final_tail
         return f"{self._head}{body}]{self._usage(usage)}{tail}".encode()
 
@@ -322,16 +324,21 @@ def chat_logprobs(positions: Sequence[Position], top_logprobs: int) -> dict[str,
     for position in positions:
         sampled = position[0]
         token = sampled.token
-        content.append({
-            "token": token,
-            "logprob": sampled.logprob,
-            "bytes": _token_bytes(token),
-            "top_logprobs": [
-                {"token": (alt := entry.token), "logprob": entry.logprob,
-                 "bytes": _token_bytes(alt)}
-                for entry in position[:top_logprobs]
-            ],
-        })
+        content.append(
+            {
+                "token": token,
+                "logprob": sampled.logprob,
+                "bytes": _token_bytes(token),
+                "top_logprobs": [
+                    {
+                        "token": (alt := entry.token),
+                        "logprob": entry.logprob,
+                        "bytes": _token_bytes(alt),
+                    }
+                    for entry in position[:top_logprobs]
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -358,17 +365,20 @@ def completion_logprobs(
         else:
             token_logprobs.append(position[0].logprob)
             entries: dict[str, float] = {token: position[0].logprob}
-            for entry in position[1:num_logprobs + 1]:
+            for entry in position[1 : num_logprobs + 1]:
                 entries[entry.token] = entry.logprob
             top.append(entries)
         offsets.append(initial_text_offset if not offsets else offsets[-1] + last_len)
         last_len = len(token)
-    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": list(tokens),
-            "top_logprobs": top}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_logprobs,
+        "tokens": list(tokens),
+        "top_logprobs": top,
+    }
 
 
-def prompt_logprobs_json(positions: Sequence[Position | None],
-                         tokens: Sequence[str]) -> list[Any]:
+def prompt_logprobs_json(positions: Sequence[Position | None], tokens: Sequence[str]) -> list[Any]:
     """``prompt_logprobs``: per prompt token (None for the first) vLLM's dict of Logprob
     objects keyed by token id, the prompt's own token first with its rank."""
     out: list[Any] = []
@@ -379,8 +389,10 @@ def prompt_logprobs_json(positions: Sequence[Position | None],
         entries: dict[str, Any] = {}
         for j, entry in enumerate(position):
             entries[str(entry.token_id)] = {
-                "logprob": entry.logprob, "rank": entry.rank,
-                "decoded_token": tokens[i] if j == 0 else entry.token}
+                "logprob": entry.logprob,
+                "rank": entry.rank,
+                "decoded_token": tokens[i] if j == 0 else entry.token,
+            }
         out.append(entries)
     return out
 
@@ -428,8 +440,11 @@ def chat_completion_body(
             out_choices.append(
                 {
                     "index": choice.index,
-                    "message": {"role": role, "content": choice.text,
-                                "tool_calls": choice.tool_calls or []},
+                    "message": {
+                        "role": role,
+                        "content": choice.text,
+                        "tool_calls": choice.tool_calls or [],
+                    },
                     "logprobs": choice.logprobs,
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,

@@ -102,11 +102,17 @@ def read_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     tool_choice (a plain request)."""
     tools = body.get("tools")
     if tools == []:
-        raise bad_request("`tools` must not be an empty array. Either provide at least one "
-                          "tool or omit the field entirely.", "tools")
+        raise bad_request(
+            "`tools` must not be an empty array. Either provide at least one "
+            "tool or omit the field entirely.",
+            "tools",
+        )
     raw_choice = body.get("tool_choice", "auto" if tools else None)
-    functions = tuple(tool["function"] for tool in tools or ()
-                      if isinstance(tool, Mapping) and isinstance(tool.get("function"), Mapping))
+    functions = tuple(
+        tool["function"]
+        for tool in tools or ()
+        if isinstance(tool, Mapping) and isinstance(tool.get("function"), Mapping)
+    )
     parallel = body.get("parallel_tool_calls", True) is not False
     if raw_choice is None or raw_choice == "none":
         if tools is None:
@@ -117,22 +123,33 @@ def read_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     if raw_choice in ("auto", "required"):
         return ToolRequest(functions, ToolChoice(raw_choice), parallel)
     if not isinstance(raw_choice, Mapping):
-        raise bad_request(f"Invalid value for `tool_choice`: {raw_choice}! Only named tools, "
-                          '"none", "auto" or "required" are supported.', "tool_choice")
+        raise bad_request(
+            f"Invalid value for `tool_choice`: {raw_choice}! Only named tools, "
+            '"none", "auto" or "required" are supported.',
+            "tool_choice",
+        )
     function = raw_choice.get("function")
     if not isinstance(function, Mapping):
-        raise bad_request(f"Invalid value for `function`: `{function}` in `tool_choice`! "
-                          f"{_CORRECT_USAGE}", "tool_choice.function")
+        raise bad_request(
+            f"Invalid value for `function`: `{function}` in `tool_choice`! {_CORRECT_USAGE}",
+            "tool_choice.function",
+        )
     if "name" not in function:
-        raise bad_request(f"Expected field `name` in `function` in `tool_choice`! "
-                          f"{_CORRECT_USAGE}", "tool_choice.function.name")
+        raise bad_request(
+            f"Expected field `name` in `function` in `tool_choice`! {_CORRECT_USAGE}",
+            "tool_choice.function.name",
+        )
     name = function["name"]
     if not isinstance(name, str) or not name:
-        raise bad_request(f"Invalid `name` in `function`: `{name}` in `tool_choice`! "
-                          f"{_CORRECT_USAGE}", "tool_choice.function.name")
+        raise bad_request(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_CORRECT_USAGE}",
+            "tool_choice.function.name",
+        )
     if not any(candidate.get("name") == name for candidate in functions):
-        raise bad_request("The tool specified in `tool_choice` does not match any of the "
-                          "specified `tools`", "tool_choice")
+        raise bad_request(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            "tool_choice",
+        )
     return ToolRequest(functions, ToolChoice("named", name), parallel)
 
 
@@ -142,8 +159,9 @@ def tool_refusal(tools: ToolRequest | None, enabled: bool) -> str | None:
     if enabled or tools is None or tools.choice.kind == "none":
         return None
     if tools.choice.kind == "auto":
-        return ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                "to be set")
+        return (
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        )
     if tools.choice.kind == "named":
         return f'tool_choice=function "{tools.choice.name}" requires --tool-call-parser to be set'
     return f'tool_choice="{tools.choice.kind}" requires --tool-call-parser to be set'
@@ -188,8 +206,7 @@ def synthetic_value(schema: Any, key: str = "") -> Any:
         required = schema.get("required")
         if isinstance(required, list):
             names += [name for name in required if isinstance(name, str) and name not in names]
-        return {name: synthetic_value(properties.get(name, {}), f"{key}.{name}")
-                for name in names}
+        return {name: synthetic_value(properties.get(name, {}), f"{key}.{name}") for name in names}
     if kind == "array":
         low = schema.get("minItems")
         count = low if isinstance(low, int) and low > 0 else 1
@@ -229,8 +246,7 @@ def _parameters(function: Mapping[str, Any]) -> Mapping[str, Any]:
     """The schema vLLM constrains to: the tool's parameters, or an empty object schema when
     it has none (``_params_or_empty_object``)."""
     parameters = function.get("parameters")
-    return parameters if isinstance(parameters, Mapping) else {"type": "object",
-                                                               "properties": {}}
+    return parameters if isinstance(parameters, Mapping) else {"type": "object", "properties": {}}
 
 
 def _compact(value: Any) -> str:
@@ -246,8 +262,20 @@ class ToolCallOutput:
     """One choice's forced tool call: the text the simulated model generates for it, cut into
     per-token pieces, and how vLLM's serving code turns that text into deltas and messages."""
 
-    __slots__ = ("named", "name", "output", "pieces", "text", "position", "streamed",
-                 "_announced", "_seen", "_args_start", "_args_end", "_name_end")
+    __slots__ = (
+        "named",
+        "name",
+        "output",
+        "pieces",
+        "text",
+        "position",
+        "streamed",
+        "_announced",
+        "_seen",
+        "_args_start",
+        "_args_end",
+        "_name_end",
+    )
 
     def __init__(self, request: ToolRequest) -> None:
         function = request.function()
@@ -306,28 +334,33 @@ class ToolCallOutput:
                 self._announced = True
                 self.streamed = True
                 return self._first_entry(new_text)
-            return ('{"tool_calls":[{"index":0,"function":{"arguments":'
-                    f"{_compact(new_text)}}}}}]}}")
+            return (
+                f'{{"tool_calls":[{{"index":0,"function":{{"arguments":{_compact(new_text)}}}}}]}}'
+            )
         # extract_required_tool_call_streaming over previous and current text.
         if not self._ready_at(current):
             return None
         end = min(self._args_end, current)
         if not self._ready_at(previous):
             self._announced = self.streamed = True
-            return self._first_entry(self.text[self._args_start:end])
-        new_arguments = self.text[min(end, previous):end]
+            return self._first_entry(self.text[self._args_start : end])
+        new_arguments = self.text[min(end, previous) : end]
         if not new_arguments:
             return None
-        return ('{"tool_calls":[{"index":0,"function":{"name":null,"arguments":'
-                f"{_compact(new_arguments)}}}}}]}}")
+        return (
+            '{"tool_calls":[{"index":0,"function":{"name":null,"arguments":'
+            f"{_compact(new_arguments)}}}}}]}}"
+        )
 
     def _ready_at(self, length: int) -> bool:
         return self._name_end <= length and self._args_start < length
 
     def _first_entry(self, arguments: str) -> str:
-        return (f'{{"tool_calls":[{{"id":"{tool_call_id()}","type":"function","index":0,'
-                f'"function":{{"name":{_compact(self.name)},"arguments":{_compact(arguments)}}}'
-                "}]}")
+        return (
+            f'{{"tool_calls":[{{"id":"{tool_call_id()}","type":"function","index":0,'
+            f'"function":{{"name":{_compact(self.name)},"arguments":{_compact(arguments)}}}'
+            "}]}"
+        )
 
     def stream_finish_reason(self, finish_reason: str) -> str:
         """A streamed choice's finish: "tool_calls" for a non-named call that streamed and
@@ -349,13 +382,18 @@ class ToolCallOutput:
         except ValueError:
             parsed = None
         if isinstance(parsed, list) and all(
-                isinstance(item, dict) and isinstance(item.get("name"), str) for item in parsed):
-            calls = [self._call(item["name"], json.dumps(item.get("parameters"),
-                                                         ensure_ascii=False))
-                     for item in parsed]
+            isinstance(item, dict) and isinstance(item.get("name"), str) for item in parsed
+        ):
+            calls = [
+                self._call(item["name"], json.dumps(item.get("parameters"), ensure_ascii=False))
+                for item in parsed
+            ]
         return "", calls, "tool_calls" if finish_reason == "stop" else finish_reason
 
     @staticmethod
     def _call(name: str, arguments: str) -> dict[str, Any]:
-        return {"id": tool_call_id(), "type": "function",
-                "function": {"name": name, "arguments": arguments}}
+        return {
+            "id": tool_call_id(),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }

@@ -67,19 +67,22 @@ def prepare_directory(directory: Path) -> None:
     except OSError as exc:
         raise CaptureDirError(f"capture directory {directory}: {exc.strerror or exc}") from None
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise CaptureDirError(f"capture directory {directory}: not a directory"
-                              + (" (a symbolic link)" if stat.S_ISLNK(info.st_mode) else ""))
+        raise CaptureDirError(
+            f"capture directory {directory}: not a directory"
+            + (" (a symbolic link)" if stat.S_ISLNK(info.st_mode) else "")
+        )
     if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
         raise CaptureDirError(
             f"capture directory {directory}: writable by every user (mode "
             f"{stat.S_IMODE(info.st_mode):04o}); anyone could plant a file or link there. "
-            f"Use a directory of its own (chmod o-w {directory})")
-    if info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP
-                                       and info.st_uid != os.geteuid()):
+            f"Use a directory of its own (chmod o-w {directory})"
+        )
+    if info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_uid != os.geteuid()):
         raise CaptureDirError(
             f"capture directory {directory}: others can write to it (mode "
             f"{stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}); use a directory "
-            "of its own")
+            "of its own"
+        )
     if not os.access(directory, os.W_OK | os.X_OK):
         raise CaptureDirError(f"capture directory {directory}: not writable by this user")
 
@@ -129,8 +132,7 @@ def trace_request(record: RequestRecord, start_wall_ns: int) -> TraceRequest:
         tpot_s=client.tpot_s if client else None,
         e2e_s=client.e2e_s if client else None,
         server_ttft_s=server.ttft_s if server else None,
-        request_read_s=(None if record.request_read_ns is None
-                        else record.request_read_ns / 1e9),
+        request_read_s=(None if record.request_read_ns is None else record.request_read_ns / 1e9),
         body=body,
         completion_text=shape.completion_text if shape else None,
     )
@@ -140,10 +142,18 @@ class CaptureSink(QueuedSink):
     """Writes each chat/completions record as a trace line, on a writer thread of its own
     (`QueuedSink`: bounded queue, batches, counted drops). Other paths are ``skipped``."""
 
-    def __init__(self, directory: str | os.PathLike[str], header: TraceHeader, *,
-                 compress: bool = False, rotate_bytes: int = 256 * 1024 * 1024,
-                 rotate_s: float = 3600.0, queue_size: int = 10_000,
-                 queue_bytes: int = 256 * 1024 * 1024, flush_interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        header: TraceHeader,
+        *,
+        compress: bool = False,
+        rotate_bytes: int = 256 * 1024 * 1024,
+        rotate_s: float = 3600.0,
+        queue_size: int = 10_000,
+        queue_bytes: int = 256 * 1024 * 1024,
+        flush_interval_s: float = 0.2,
+    ) -> None:
         self.directory = Path(directory)
         prepare_directory(self.directory)
         self.header = header
@@ -162,8 +172,13 @@ class CaptureSink(QueuedSink):
         self._stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(header.start_wall_ns / 1e9))
         # Last: this starts the writer thread, which uses everything above. It wakes up every
         # flush_interval_s when idle, so that a file rotates by age without traffic.
-        super().__init__("capture", queue_size=queue_size, queue_bytes=queue_bytes,
-                         idle_s=flush_interval_s, thread_name="capture-writer")
+        super().__init__(
+            "capture",
+            queue_size=queue_size,
+            queue_bytes=queue_bytes,
+            idle_s=flush_interval_s,
+            thread_name="capture-writer",
+        )
 
     def _accepts(self, record: RequestRecord) -> bool:
         return record.endpoint in GENERATION_ENDPOINTS
@@ -172,8 +187,11 @@ class CaptureSink(QueuedSink):
         return _record_bytes(record)
 
     def _extra_counters(self) -> dict[str, int]:
-        return {"dropped_unwritable": self.dropped_unwritable,
-                "escaped_lines": self.escaped_lines, "files": len(self.files)}
+        return {
+            "dropped_unwritable": self.dropped_unwritable,
+            "escaped_lines": self.escaped_lines,
+            "files": len(self.files),
+        }
 
     # -- writer thread (QueuedSink's hooks) ---------------------------------------------------
 
@@ -192,8 +210,11 @@ class CaptureSink(QueuedSink):
             line = request_line(trace_request(record, self.header.start_wall_ns))
         except Exception as exc:  # noqa: BLE001 - one bad record must not stop the capture
             self.dropped_unwritable += 1
-            log.error("capture: record %s dropped, it cannot be written as a trace line (%s)",
-                      record.request_id, type(exc).__name__)
+            log.error(
+                "capture: record %s dropped, it cannot be written as a trace line (%s)",
+                record.request_id,
+                type(exc).__name__,
+            )
             return None
         try:
             line.encode("utf-8")
@@ -217,8 +238,12 @@ class CaptureSink(QueuedSink):
             handle.flush()
         except OSError as exc:
             self.dropped_write_errors += batch_written
-            log.error("capture: writing %s failed (%s); %d records dropped so far; serving "
-                      "goes on", self.files[-1], exc.strerror or exc, self.dropped_write_errors)
+            log.error(
+                "capture: writing %s failed (%s); %d records dropped so far; serving goes on",
+                self.files[-1],
+                exc.strerror or exc,
+                self.dropped_write_errors,
+            )
             self._abandon_file()
             return
         self.written += batch_written
@@ -243,24 +268,31 @@ class CaptureSink(QueuedSink):
                 path = self.directory / f"capture-{self._stamp}-{self._part:04d}{suffix}"
                 self._part += 1
                 try:
-                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                                     0o600))
+                    os.close(
+                        os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                    )
                     break
                 except FileExistsError:
                     log.warning("capture: %s already exists (not ours): skipped", path)
             else:
-                raise FileExistsError(f"1000 capture file names in a row already exist in "
-                                      f"{self.directory}")
+                raise FileExistsError(
+                    f"1000 capture file names in a row already exist in {self.directory}"
+                )
             handle = open_text(path, "a")
-            line = header_line(replace(self.header, notes={**self.header.notes,
-                                                            "part": self._part - 1}))
+            line = header_line(
+                replace(self.header, notes={**self.header.notes, "part": self._part - 1})
+            )
             handle.write(line)
             handle.flush()
         except OSError as exc:
             if handle is not None:
                 self._discard(handle)
-            log.error("capture: cannot open %s (%s); retrying in %g s", path,
-                      exc.strerror or exc, _RETRY_OPEN_S)
+            log.error(
+                "capture: cannot open %s (%s); retrying in %g s",
+                path,
+                exc.strerror or exc,
+                _RETRY_OPEN_S,
+            )
             self._next_open_attempt = now + _RETRY_OPEN_S
             return None
         self.files.append(path)
@@ -273,7 +305,8 @@ class CaptureSink(QueuedSink):
         if self._handle is None:
             return
         if self._bytes >= self.rotate_bytes or (
-                time.monotonic() - self._opened_at >= self.rotate_s):
+            time.monotonic() - self._opened_at >= self.rotate_s
+        ):
             self._close_file()
 
     def _close_file(self) -> None:

@@ -102,16 +102,69 @@ SLO_METRIC: Final = "sidecar.slo.metric"
 
 # Bucket boundaries of the GenAI semantic conventions (spec/vllm-protocol.md).
 TOKEN_BUCKETS: Final[tuple[float, ...]] = (
-    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
+    1,
+    4,
+    16,
+    64,
+    256,
+    1024,
+    4096,
+    16384,
+    65536,
+    262144,
+    1048576,
+    4194304,
+    16777216,
+    67108864,
 )
 DURATION_BUCKETS: Final[tuple[float, ...]] = (
-    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
 )
 SERVER_TTFT_BUCKETS: Final[tuple[float, ...]] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
 )
 SERVER_TPOT_BUCKETS: Final[tuple[float, ...]] = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
 )
 
 
@@ -125,74 +178,90 @@ class InstrumentSpec(NamedTuple):
 
 
 CLIENT_OPERATION_DURATION = InstrumentSpec(
-    "gen_ai.client.operation.duration", "s",
+    "gen_ai.client.operation.duration",
+    "s",
     "GenAI operation duration seen by the client (E2E: request fully received by the proxy to "
     "the last token-carrying event, or to the stream's end or error); every request",
     DURATION_BUCKETS,
 )
 CLIENT_TIME_TO_FIRST_CHUNK = InstrumentSpec(
-    "gen_ai.client.operation.time_to_first_chunk", "s",
+    "gen_ai.client.operation.time_to_first_chunk",
+    "s",
     "Client TTFT: request fully received by the proxy to the first token-carrying chunk handed "
     "to the client; successful streaming requests",
     DURATION_BUCKETS,
 )
 CLIENT_TIME_PER_OUTPUT_CHUNK = InstrumentSpec(
-    "gen_ai.client.operation.time_per_output_chunk", "s",
+    "gen_ai.client.operation.time_per_output_chunk",
+    "s",
     "Client ITL: one observation per token-carrying chunk after the first, the gap from the "
     "previous one (sample = chunk); successful streaming requests",
     DURATION_BUCKETS,
 )
 CLIENT_TOKEN_USAGE = InstrumentSpec(
-    "gen_ai.client.token.usage", "{token}",
-    "Input and output tokens per request, from the upstream's usage accounting (exact counts "
-    "only)",
+    "gen_ai.client.token.usage",
+    "{token}",
+    "Input and output tokens per request, from the upstream's usage accounting (exact counts only)",
     TOKEN_BUCKETS,
 )
 SERVER_REQUEST_DURATION = InstrumentSpec(
-    "gen_ai.server.request.duration", "s",
+    "gen_ai.server.request.duration",
+    "s",
     "Server-side E2E: request sent upstream to the last token-carrying event received from it "
     "(or the upstream stream's end or error); every request that reached a replica",
     DURATION_BUCKETS,
 )
 SERVER_TIME_TO_FIRST_TOKEN = InstrumentSpec(
-    "gen_ai.server.time_to_first_token", "s",
+    "gen_ai.server.time_to_first_token",
+    "s",
     "Server-side TTFT: request sent upstream to the first token-carrying event received; "
     "successful requests streamed from the upstream",
     SERVER_TTFT_BUCKETS,
 )
 SERVER_TIME_PER_OUTPUT_TOKEN = InstrumentSpec(
-    "gen_ai.server.time_per_output_token", "s",
+    "gen_ai.server.time_per_output_token",
+    "s",
     "Server-side TPOT = (E2E - TTFT) / (N_out - 1); successful requests with N_out > 1",
     SERVER_TPOT_BUCKETS,
 )
 SERVER_TIME_PER_OUTPUT_CHUNK = InstrumentSpec(
-    "sidecar.server.time_per_output_chunk", "s",
+    "sidecar.server.time_per_output_chunk",
+    "s",
     "Server-side ITL: gap between consecutive token-carrying events received from the upstream "
     "(sample = chunk); successful requests. Buckets as the client chunk histogram, to compare",
     DURATION_BUCKETS,
 )
 REQUESTS = InstrumentSpec(
-    "sidecar.requests", "{request}",
+    "sidecar.requests",
+    "{request}",
     "Every chat/completions request, by outcome (and SLO class); without "
     "sidecar.slo.excluded: the goodput denominator",
 )
 GOOD_REQUESTS = InstrumentSpec(
-    "sidecar.good_requests", "{request}",
+    "sidecar.good_requests",
+    "{request}",
     "Requests that succeeded and met every declared threshold of their SLO class",
 )
 GOOD_OUTPUT_TOKENS = InstrumentSpec(
-    "sidecar.good_output_tokens", "{token}",
+    "sidecar.good_output_tokens",
+    "{token}",
     "Output tokens of good requests (goodput in tokens)",
 )
 SLO_THRESHOLD = InstrumentSpec(
-    "sidecar.slo.threshold", "s",
+    "sidecar.slo.threshold",
+    "s",
     "Declared SLO thresholds, one point per class and metric (ttft, tpot, e2e)",
 )
 
 HISTOGRAMS: Final[tuple[InstrumentSpec, ...]] = (
-    CLIENT_OPERATION_DURATION, CLIENT_TIME_TO_FIRST_CHUNK, CLIENT_TIME_PER_OUTPUT_CHUNK,
-    CLIENT_TOKEN_USAGE, SERVER_REQUEST_DURATION, SERVER_TIME_TO_FIRST_TOKEN,
-    SERVER_TIME_PER_OUTPUT_TOKEN, SERVER_TIME_PER_OUTPUT_CHUNK,
+    CLIENT_OPERATION_DURATION,
+    CLIENT_TIME_TO_FIRST_CHUNK,
+    CLIENT_TIME_PER_OUTPUT_CHUNK,
+    CLIENT_TOKEN_USAGE,
+    SERVER_REQUEST_DURATION,
+    SERVER_TIME_TO_FIRST_TOKEN,
+    SERVER_TIME_PER_OUTPUT_TOKEN,
+    SERVER_TIME_PER_OUTPUT_CHUNK,
 )
 
 Attrs = dict[str, AttributeValue]
@@ -226,8 +295,9 @@ def _histogram_views(exponential: bool) -> list[View]:
         else:
             assert spec.buckets is not None
             aggregation = ExplicitBucketHistogramAggregation(boundaries=spec.buckets)
-        views.append(View(instrument_name=spec.name, meter_name=METER_NAME,
-                          aggregation=aggregation))
+        views.append(
+            View(instrument_name=spec.name, meter_name=METER_NAME, aggregation=aggregation)
+        )
     return views
 
 
@@ -329,8 +399,10 @@ class OTelSink:
             # A gauge read at each collection: every export carries the thresholds that the
             # goodput counters beside it were judged against.
             meter.create_observable_gauge(
-                SLO_THRESHOLD.name, callbacks=[self._observe_thresholds],
-                unit=SLO_THRESHOLD.unit, description=SLO_THRESHOLD.description,
+                SLO_THRESHOLD.name,
+                callbacks=[self._observe_thresholds],
+                unit=SLO_THRESHOLD.unit,
+                description=SLO_THRESHOLD.description,
             )
 
         self._tracer = None
@@ -353,8 +425,7 @@ class OTelSink:
             return
         self.taken += 1
         # As for Prometheus: only a name the upstream confirmed takes a slot.
-        model = None if record.model is None else self.models(record.model,
-                                                              record.model_confirmed)
+        model = None if record.model is None else self.models(record.model, record.model_confirmed)
         replica = None if record.replica is None else self.replicas(record.replica)
         # The model that answered (vLLM: the served name, an alias resolved): a name only the
         # upstream wrote, under the same cap as the requested one.
@@ -407,9 +478,14 @@ class OTelSink:
         if self._tracer is not None:
             self._emit_span(record, operation, client, server, slo_class, good)
 
-    def _goodput(self, record: RequestRecord, operation: str, model: str | None,
-                 client: RequestMetrics,
-                 server: RequestMetrics | None) -> tuple[str | None, bool | None]:
+    def _goodput(
+        self,
+        record: RequestRecord,
+        operation: str,
+        model: str | None,
+        client: RequestMetrics,
+        server: RequestMetrics | None,
+    ) -> tuple[str | None, bool | None]:
         """Count the request in the denominator; count it (and its tokens) as good if it is.
 
         Judged exactly as `SLOPolicy.judge` does, reusing the metrics already computed above
@@ -425,8 +501,9 @@ class OTelSink:
         if excluded is not None and excluded in policy.classes[slo_class].exclude:
             # Not the service's failure: out of the class's denominator (`SLO.exclude`),
             # counted with the reason as its outcome so that it is not lost.
-            self._requests.add(1, self._counter_attrs(operation, model, outcome, slo_class,
-                                                      excluded))
+            self._requests.add(
+                1, self._counter_attrs(operation, model, outcome, slo_class, excluded)
+            )
             return slo_class, False
         metrics = client if self.slo_vantage is Vantage.CLIENT else server
         good = False
@@ -442,8 +519,9 @@ class OTelSink:
 
     # -- attribute sets (built once per combination, then reused) ------------------------
 
-    def _build_attr_sets(self, operation: str, model: str | None, response_model: str | None,
-                         replica: str | None) -> _AttrSets:
+    def _build_attr_sets(
+        self, operation: str, model: str | None, response_model: str | None, replica: str | None
+    ) -> _AttrSets:
         common: Attrs = {OPERATION_NAME: operation, PROVIDER_NAME: self.provider_name}
         if model is not None:
             common[REQUEST_MODEL] = model
@@ -469,8 +547,9 @@ class OTelSink:
             self._replica_parts[replica] = parts
         return parts
 
-    def _counter_attrs(self, operation: str, model: str | None, outcome: str,
-                       slo_class: str, excluded: str = "") -> Attrs:
+    def _counter_attrs(
+        self, operation: str, model: str | None, outcome: str, slo_class: str, excluded: str = ""
+    ) -> Attrs:
         """Attributes of the sidecar.* counters: outcome "" = none, slo_class "" = no policy,
         excluded "" = counted in the class's denominator, else why not (`SLO.exclude`).
 
@@ -497,20 +576,29 @@ class OTelSink:
         # Runs on the exporting thread; reads only the immutable policy.
         assert self.slo_policy is not None
         for name, slo in self.slo_policy.classes.items():
-            for metric, value in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s),
-                                  ("e2e", slo.e2e_s)):
+            for metric, value in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s), ("e2e", slo.e2e_s)):
                 if value is not None:
-                    yield Observation(value, {
-                        SLO_CLASS: name, SLO_METRIC: metric,
-                        SLO_VANTAGE: self.slo_vantage.value,
-                        SLO_THRESHOLDS: self._slo_descriptions[name],
-                    })
+                    yield Observation(
+                        value,
+                        {
+                            SLO_CLASS: name,
+                            SLO_METRIC: metric,
+                            SLO_VANTAGE: self.slo_vantage.value,
+                            SLO_THRESHOLDS: self._slo_descriptions[name],
+                        },
+                    )
 
     # -- spans ------------------------------------------------------------------------------
 
-    def _emit_span(self, record: RequestRecord, operation: str, client: RequestMetrics,
-                   server: RequestMetrics | None, slo_class: str | None,
-                   good: bool | None) -> None:
+    def _emit_span(
+        self,
+        record: RequestRecord,
+        operation: str,
+        client: RequestMetrics,
+        server: RequestMetrics | None,
+        slo_class: str | None,
+        good: bool | None,
+    ) -> None:
         """One CLIENT span per request, built after the fact with the record's own instants."""
         assert self._tracer is not None
         traceparent = record.attributes.get("traceparent")
@@ -544,8 +632,9 @@ class OTelSink:
             trace_hex, _, span_hex = preset.partition("-")
             ids.preset(int(trace_hex, 16), int(span_hex, 16))
         try:
-            span = self._tracer.start_span(name, context=parent, kind=SpanKind.CLIENT,
-                                           start_time=start, attributes=start_attrs)
+            span = self._tracer.start_span(
+                name, context=parent, kind=SpanKind.CLIENT, start_time=start, attributes=start_attrs
+            )
         finally:
             if ids is not None:
                 ids.clear()
@@ -568,10 +657,15 @@ class OTelSink:
             if self._max_span_events is not None:
                 limit = min(limit, self._max_span_events)
             for index, offset, n_tokens in zip(range(limit), offsets, tokens, strict=False):
-                span.add_event("sidecar.chunk", {
-                    "sidecar.chunk.index": index, "sidecar.chunk.tokens": n_tokens,
-                    "sidecar.vantage": vantage,
-                }, timestamp=start + offset)
+                span.add_event(
+                    "sidecar.chunk",
+                    {
+                        "sidecar.chunk.index": index,
+                        "sidecar.chunk.tokens": n_tokens,
+                        "sidecar.vantage": vantage,
+                    },
+                    timestamp=start + offset,
+                )
             if limit < len(offsets):
                 span.set_attribute("sidecar.chunk_events.dropped", len(offsets) - limit)
         span.end(end_time=start + _end_offset_ns(record))
@@ -665,9 +759,13 @@ def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
 
 
-def _span_attributes(record: RequestRecord, client: RequestMetrics,
-                     server: RequestMetrics | None, slo_class: str | None,
-                     good: bool | None) -> Attrs:
+def _span_attributes(
+    record: RequestRecord,
+    client: RequestMetrics,
+    server: RequestMetrics | None,
+    slo_class: str | None,
+    good: bool | None,
+) -> Attrs:
     """GenAI span attributes plus the sidecar's own timings, durations in seconds."""
     out: dict[str, AttributeValue | None] = {
         "gen_ai.request.stream": record.client_stream,
@@ -688,8 +786,9 @@ def _span_attributes(record: RequestRecord, client: RequestMetrics,
         "sidecar.route_policy": record.route_policy,
         "sidecar.client.e2e": client.e2e_s,
         # From the first byte to the whole request read: the upload, inside client TTFT/e2e.
-        "sidecar.client.request_read": (None if record.request_read_ns is None
-                                        else record.request_read_ns / NS_PER_S),
+        "sidecar.client.request_read": (
+            None if record.request_read_ns is None else record.request_read_ns / NS_PER_S
+        ),
         "sidecar.client.time_per_output_token": client.tpot_s,
         "sidecar.client.chunks": record.client.n_marks,
         "sidecar.slo.class": slo_class,
@@ -713,7 +812,8 @@ def _span_attributes(record: RequestRecord, client: RequestMetrics,
         out["sidecar.engine.time_to_first_token"] = _seconds(engine.ttft_ms)
         out["sidecar.engine.e2e"] = _seconds(engine.e2e_ms)
         out["sidecar.engine.time_to_first_token_from_scheduled"] = _seconds(
-            engine.time_to_first_token_ms)
+            engine.time_to_first_token_ms
+        )
         out["sidecar.engine.generation_time"] = _seconds(engine.generation_time_ms)
         out["sidecar.engine.mean_itl"] = _seconds(engine.mean_itl_ms)
     # None means unknown: leave the attribute out rather than export a made-up value.
@@ -781,12 +881,17 @@ def build_otel_sink(
     all_readers: list[MetricReader] = list(readers or ())
     if endpoint is not None or readers is None:
         exporter = OTLPMetricExporter(
-            endpoint=None if endpoint is None else _signal_endpoint(endpoint, "metrics"))
-        all_readers.append(PeriodicExportingMetricReader(
-            exporter,
-            export_interval_millis=None if export_interval_s is None else export_interval_s * 1e3,
-            export_timeout_millis=None if export_timeout_s is None else export_timeout_s * 1e3,
-        ))
+            endpoint=None if endpoint is None else _signal_endpoint(endpoint, "metrics")
+        )
+        all_readers.append(
+            PeriodicExportingMetricReader(
+                exporter,
+                export_interval_millis=None
+                if export_interval_s is None
+                else export_interval_s * 1e3,
+                export_timeout_millis=None if export_timeout_s is None else export_timeout_s * 1e3,
+            )
+        )
     meter_provider = MeterProvider(
         metric_readers=all_readers,
         resource=resource,
@@ -800,16 +905,22 @@ def build_otel_sink(
     if traces:
         if span_exporter is None:
             span_exporter = OTLPSpanExporter(
-                endpoint=None if endpoint is None else _signal_endpoint(endpoint, "traces"))
+                endpoint=None if endpoint is None else _signal_endpoint(endpoint, "traces")
+            )
         span_limits = SpanLimits()  # OTEL_SPAN_EVENT_COUNT_LIMIT etc. honoured
         max_span_events = span_limits.max_events
-        tracer_provider = TracerProvider(sampler=sampler, resource=resource,
-                                         span_limits=span_limits, meter_provider=meter_provider,
-                                         id_generator=PresetIdGenerator())
+        tracer_provider = TracerProvider(
+            sampler=sampler,
+            resource=resource,
+            span_limits=span_limits,
+            meter_provider=meter_provider,
+            id_generator=PresetIdGenerator(),
+        )
         # Batching: the exporter's HTTP request runs on the processor's thread, never on the
         # event loop that ends the span.
         tracer_provider.add_span_processor(
-            BatchSpanProcessor(span_exporter, meter_provider=meter_provider))
+            BatchSpanProcessor(span_exporter, meter_provider=meter_provider)
+        )
     return OTelSink(
         meter_provider,
         provider_name=provider_name,

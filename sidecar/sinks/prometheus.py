@@ -72,12 +72,13 @@ def e6_buckets(low_exponent: int = -4, high_exponent: int = 3) -> tuple[float, .
     return tuple(values)
 
 
-def log_linear_buckets(schema: int, low: float = 1e-4, high: float = 1e3,
-                       digits: int = 4) -> tuple[float, ...]:
+def log_linear_buckets(
+    schema: int, low: float = 1e-4, high: float = 1e3, digits: int = 4
+) -> tuple[float, ...]:
     """The bounds 2**(i / 2**schema) of a native histogram of this schema, from the largest at
     or below ``low`` to the smallest at or above ``high``, rounded to ``digits`` significant
     digits (readable ``le`` labels; the ratios stay within 0.1 % of 2**(2**-schema))."""
-    step = 2.0 ** -schema
+    step = 2.0**-schema
     first = math.floor(math.log2(low) / step)
     last = math.ceil(math.log2(high) / step)
     return tuple(float(f"{2.0 ** (i * step):.{digits}g}") for i in range(first, last + 1))
@@ -111,14 +112,16 @@ def checked_buckets(buckets: Sequence[float]) -> tuple[float, ...]:
     return bounds
 
 
-def latency_buckets(extra: Iterable[float] = (),
-                    layout: str = DEFAULT_LATENCY_LAYOUT) -> tuple[float, ...]:
+def latency_buckets(
+    extra: Iterable[float] = (), layout: str = DEFAULT_LATENCY_LAYOUT
+) -> tuple[float, ...]:
     """The layout's bounds plus the ``extra`` ones (SLO thresholds)."""
     try:
         bounds = checked_buckets(LATENCY_LAYOUTS[layout]())
     except KeyError:
-        raise ValueError(f"histogram buckets must be one of {', '.join(LATENCY_LAYOUTS)}: "
-                         f"{layout!r}") from None
+        raise ValueError(
+            f"histogram buckets must be one of {', '.join(LATENCY_LAYOUTS)}: {layout!r}"
+        ) from None
     # A layout is in order (checked); the thresholds are inserted where they belong, and one
     # that is already a bound is not repeated.
     return tuple(sorted(set(bounds) | {round(x, 10) for x in extra if x > 0}))
@@ -142,8 +145,14 @@ class BulkHistogram(Collector):
 
     NUMPY_FROM = 64  # instants; where the two paths cost the same (~9 µs, measured)
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
-                 buckets: Sequence[float], registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
@@ -182,11 +191,15 @@ class BulkHistogram(Collector):
                 counts[bisect.bisect_left(bounds, (current - previous) / NS_PER_S)] += 1
                 previous = current
         else:
-            column = (np.frombuffer(offsets_ns.data, dtype=np.int64)
-                      if isinstance(offsets_ns, Int64s) else np.array(offsets_ns, np.int64))
+            column = (
+                np.frombuffer(offsets_ns.data, dtype=np.int64)
+                if isinstance(offsets_ns, Int64s)
+                else np.array(offsets_ns, np.int64)
+            )
             gaps = np.diff(column).astype(np.float64) / NS_PER_S
-            binned = np.bincount(np.searchsorted(self.bounds, gaps, side="left"),
-                                 minlength=len(counts)).tolist()
+            binned = np.bincount(
+                np.searchsorted(self.bounds, gaps, side="left"), minlength=len(counts)
+            ).tolist()
             counts[:] = [a + b for a, b in zip(counts, binned, strict=True)]
         # The gaps telescope: their sum is last - first, exactly, in integer ns.
         self._sums[labels] += (offsets_ns[-1] - offsets_ns[0]) / NS_PER_S
@@ -197,8 +210,11 @@ class BulkHistogram(Collector):
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labels, counts in self._counts.items():
-            family.add_metric(list(labels), list(zip(self._le, accumulate(counts), strict=True)),
-                              self._sums[labels])
+            family.add_metric(
+                list(labels),
+                list(zip(self._le, accumulate(counts), strict=True)),
+                self._sums[labels],
+            )
         yield family
 
 
@@ -235,9 +251,13 @@ class PrometheusSink:
 
     name = "prometheus"
 
-    def __init__(self, registry: CollectorRegistry, slo_policy: stats.SLOPolicy | None = None,
-                 label_cap: int = 64,
-                 histogram_buckets: str = DEFAULT_LATENCY_LAYOUT) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        slo_policy: stats.SLOPolicy | None = None,
+        label_cap: int = 64,
+        histogram_buckets: str = DEFAULT_LATENCY_LAYOUT,
+    ) -> None:
         self.registry = registry
         self.slo_policy = slo_policy
         self.taken = 0
@@ -260,83 +280,130 @@ class PrometheusSink:
             "sidecar_time_to_first_token_seconds",
             "Time to the first token-carrying event, per request. client: from the request "
             "fully received by the proxy; server: from the request sent upstream; engine: vLLM's "
-            "own, from scheduling (queue excluded).")
+            "own, from scheduling (queue excluded).",
+        )
         self.itl = histogram(
             "sidecar_inter_token_latency_seconds",
-            "Gap between consecutive token-carrying events (sample = event, not token).")
+            "Gap between consecutive token-carrying events (sample = event, not token).",
+        )
         self.tpot = histogram(
             "sidecar_time_per_output_token_seconds",
             "(E2E - TTFT) / (N_out - 1) per request; requests with N_out <= 1 are not observed "
-            "(see sidecar_requests_without_tpot_total). engine: vLLM's mean ITL.")
+            "(see sidecar_requests_without_tpot_total). engine: vLLM's mean ITL.",
+        )
         self.e2e = histogram(
             "sidecar_e2e_request_latency_seconds",
-            "From the vantage's start to the last token-carrying event (or the stream end).")
+            "From the vantage's start to the last token-carrying event (or the stream end).",
+        )
         # BulkHistograms too: prometheus_client's Histogram scans its bounds one by one on
         # each observation (~190 of them), BulkHistogram bisects.
         self.engine_queue = BulkHistogram(
             "sidecar_engine_queue_time_seconds",
             "Queue time vLLM reported for the request (--enable-per-request-metrics).",
-            ("model", "replica"), buckets, registry)
+            ("model", "replica"),
+            buckets,
+            registry,
+        )
         self.request_read = BulkHistogram(
             "sidecar_request_read_seconds",
             "From a request's first byte to the whole request read by the proxy (its upload; "
             "inside the client vantage's TTFT and E2E, outside the server's).",
-            ("model",), buckets, registry)
+            ("model",),
+            buckets,
+            registry,
+        )
         self.prompt_len = Histogram(
-            "sidecar_request_prompt_tokens", "Prompt tokens per successful request (usage).",
-            ("model",), registry=registry, buckets=TOKEN_BUCKETS)
+            "sidecar_request_prompt_tokens",
+            "Prompt tokens per successful request (usage).",
+            ("model",),
+            registry=registry,
+            buckets=TOKEN_BUCKETS,
+        )
         self.output_len = Histogram(
             "sidecar_request_generation_tokens",
             "Output tokens per successful request (usage, else the estimate).",
-            ("model",), registry=registry, buckets=TOKEN_BUCKETS)
+            ("model",),
+            registry=registry,
+            buckets=TOKEN_BUCKETS,
+        )
         self.requests = Counter(
-            "sidecar_requests", "Requests that reached the sidecar, by outcome.",
-            ("model", "replica", "endpoint", "outcome"), registry=registry)
+            "sidecar_requests",
+            "Requests that reached the sidecar, by outcome.",
+            ("model", "replica", "endpoint", "outcome"),
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
-            "sidecar_prompt_tokens", "Prompt tokens of successful requests (upstream usage).",
-            ("model", "replica"), registry=registry)
+            "sidecar_prompt_tokens",
+            "Prompt tokens of successful requests (upstream usage).",
+            ("model", "replica"),
+            registry=registry,
+        )
         self.generation_tokens = Counter(
-            "sidecar_generation_tokens", "Output tokens of successful requests.",
-            ("model", "replica"), registry=registry)
+            "sidecar_generation_tokens",
+            "Output tokens of successful requests.",
+            ("model", "replica"),
+            registry=registry,
+        )
         self.cached_tokens = Counter(
             "sidecar_cached_prompt_tokens",
             "Prompt tokens the upstream served from its prefix cache (when it reports them).",
-            ("model", "replica"), registry=registry)
+            ("model", "replica"),
+            registry=registry,
+        )
         self.estimated = Counter(
             "sidecar_requests_with_estimated_tokens",
             "Successful requests whose per-event or total token counts are estimates "
-            "(no usage from the upstream).", ("model",), registry=registry)
+            "(no usage from the upstream).",
+            ("model",),
+            registry=registry,
+        )
         self.no_tpot = Counter(
             "sidecar_requests_without_tpot",
             "Successful requests with N_out <= 1: no TPOT, excluded from its histogram.",
-            ("model",), registry=registry)
+            ("model",),
+            registry=registry,
+        )
         slo_labels = ("slo_class",)
         self.slo_requests = Counter(
             "sidecar_slo_requests",
             "Goodput denominator: the chat/completions requests of the class, failures "
             "included, but those the class leaves out (see "
-            "sidecar_slo_excluded_requests_total).", slo_labels, registry=registry)
+            "sidecar_slo_excluded_requests_total).",
+            slo_labels,
+            registry=registry,
+        )
         self.slo_excluded = Counter(
             "sidecar_slo_excluded_requests",
             "Requests left out of the class's denominator: client_error (4xx but 408/429), "
-            "client_cancelled (gone before its first token).", ("slo_class", "reason"),
-            registry=registry)
+            "client_cancelled (gone before its first token).",
+            ("slo_class", "reason"),
+            registry=registry,
+        )
         self.slo_good = Counter(
             "sidecar_slo_good_requests",
-            "Requests that succeeded and met every threshold of their SLO class (client "
-            "vantage).", slo_labels, registry=registry)
+            "Requests that succeeded and met every threshold of their SLO class (client vantage).",
+            slo_labels,
+            registry=registry,
+        )
         self.slo_good_tokens = Counter(
             "sidecar_slo_good_generation_tokens",
             "Output tokens of the requests counted in sidecar_slo_good_requests_total.",
-            slo_labels, registry=registry)
+            slo_labels,
+            registry=registry,
+        )
         threshold = Gauge(
             "sidecar_slo_threshold_seconds",
             "Declared SLO thresholds, by class and metric (ttft, tpot, e2e).",
-            ("slo_class", "metric"), registry=registry)
+            ("slo_class", "metric"),
+            registry=registry,
+        )
         objective = Gauge(
             "sidecar_slo_objective_ratio",
             "Declared objective of the class: the share of counted requests that must be good "
-            "(error budget: 1 - objective).", slo_labels, registry=registry)
+            "(error budget: 1 - objective).",
+            slo_labels,
+            registry=registry,
+        )
         if slo_policy is not None:
             for name, slo in slo_policy.classes.items():
                 # Series exist (at 0) from the start, so rate() sees a class's first requests.
@@ -346,8 +413,11 @@ class PrometheusSink:
                 for reason in slo.exclude:
                     self.slo_excluded.labels(name, reason)
                 objective.labels(name).set(slo.objective)
-                for metric, limit in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s),
-                                      ("e2e", slo.e2e_s)):
+                for metric, limit in (
+                    ("ttft", slo.ttft_s),
+                    ("tpot", slo.tpot_s),
+                    ("e2e", slo.e2e_s),
+                ):
                     if limit is not None:
                         threshold.labels(name, metric).set(limit)
         # The per-request path goes through these (see ChildCache).
@@ -377,8 +447,11 @@ class PrometheusSink:
         self.taken += 1
         generation = record.endpoint in GENERATION_ENDPOINTS
         # A missing value is a label of its own ("unknown"), outside the cap.
-        model = ((self._model(record.model, record.model_confirmed) if record.model
-                  else UNKNOWN) if generation else OTHER)
+        model = (
+            (self._model(record.model, record.model_confirmed) if record.model else UNKNOWN)
+            if generation
+            else OTHER
+        )
         replica = self._replica(record.replica) if record.replica else UNKNOWN
         endpoint = record.endpoint if generation else OTHER
         self._requests(model, replica, endpoint, record.outcome.value).inc()
@@ -450,9 +523,13 @@ class LiveCollector(Collector):
     """Gauges computed at scrape time: exact window quantiles and attainment, replica state,
     sink errors. Nothing here runs on the request path."""
 
-    def __init__(self, window: WindowSink, fanout: SinkFanout,
-                 slo_policy: stats.SLOPolicy | None,
-                 replicas: Callable[[], Sequence[ReplicaState]]) -> None:
+    def __init__(
+        self,
+        window: WindowSink,
+        fanout: SinkFanout,
+        slo_policy: stats.SLOPolicy | None,
+        replicas: Callable[[], Sequence[ReplicaState]],
+    ) -> None:
         self.window = window
         self.fanout = fanout
         self.slo_policy = slo_policy
@@ -471,14 +548,21 @@ class LiveCollector(Collector):
             "sidecar_window_latency_seconds",
             f"Exact percentiles over the last {window_s} s (numpy, linear interpolation; this "
             "sidecar only: never average these across sidecars, use the histograms).",
-            labels=("metric", "vantage", "percentile"))
+            labels=("metric", "vantage", "percentile"),
+        )
         samples = GaugeMetricFamily(
             "sidecar_window_latency_samples",
             f"Samples behind sidecar_window_latency_seconds over the last {window_s} s "
-            "(requests; gaps for itl).", labels=("metric", "vantage"))
+            "(requests; gaps for itl).",
+            labels=("metric", "vantage"),
+        )
         for vantage, report in self.window.vantage_reports().items():
-            for metric, summary in (("ttft", report.ttft), ("itl", report.itl),
-                                    ("tpot", report.tpot), ("e2e", report.e2e)):
+            for metric, summary in (
+                ("ttft", report.ttft),
+                ("itl", report.itl),
+                ("tpot", report.tpot),
+                ("e2e", report.e2e),
+            ):
                 if summary.count == 0 or summary.mean is None:
                     continue
                 for q in WINDOW_QUANTILES:
@@ -489,8 +573,10 @@ class LiveCollector(Collector):
         yield latency
         yield samples
         outcomes = GaugeMetricFamily(
-            "sidecar_window_requests", f"Requests that ended in the last {window_s} s.",
-            labels=("outcome",))
+            "sidecar_window_requests",
+            f"Requests that ended in the last {window_s} s.",
+            labels=("outcome",),
+        )
         for outcome, count in self.window.generation_outcomes().items():
             outcomes.add_metric((outcome.value,), count)
         yield outcomes
@@ -499,15 +585,19 @@ class LiveCollector(Collector):
                 "sidecar_window_slo_attainment",
                 f"Good / all requests of the class over the last {window_s} s (failures "
                 "included; absent when no request of the class ended in the window).",
-                labels=("slo_class",))
+                labels=("slo_class",),
+            )
             for name, (good, total) in sorted(self.window.attainment(self.slo_policy).items()):
                 attainment.add_metric((name,), good / total)
             yield attainment
-        in_flight = GaugeMetricFamily("sidecar_in_flight_requests",
-                                      "Requests in flight per replica.", labels=("replica",))
-        up = GaugeMetricFamily("sidecar_replica_healthy",
-                               "1 if the replica is in rotation (health checks).",
-                               labels=("replica",))
+        in_flight = GaugeMetricFamily(
+            "sidecar_in_flight_requests", "Requests in flight per replica.", labels=("replica",)
+        )
+        up = GaugeMetricFamily(
+            "sidecar_replica_healthy",
+            "1 if the replica is in rotation (health checks).",
+            labels=("replica",),
+        )
         for state in self.replicas():
             in_flight.add_metric((state.replica,), state.in_flight)
             up.add_metric((state.replica,), 1.0 if state.healthy else 0.0)
@@ -519,24 +609,30 @@ class LiveCollector(Collector):
 def sink_metrics(fanout: SinkFanout) -> Iterator[Metric]:
     """The sinks' own health, from the fan-out's failure counts and every sink's `counters()`
     (hooks.Sink): what each took, handed on and dropped, by reason."""
-    errors = CounterMetricFamily("sidecar_sink_errors",
-                                 "Records a sink failed to take (an exception in its on_record).",
-                                 labels=("sink",))
+    errors = CounterMetricFamily(
+        "sidecar_sink_errors",
+        "Records a sink failed to take (an exception in its on_record).",
+        labels=("sink",),
+    )
     for sink, count in fanout.errors.items():
         errors.add_metric((sink,), count)
     yield errors
     taken = CounterMetricFamily(
-        "sidecar_sink_records_taken", "Records a sink accepted (each ends written, dropped or "
-        "still queued).", labels=("sink",))
+        "sidecar_sink_records_taken",
+        "Records a sink accepted (each ends written, dropped or still queued).",
+        labels=("sink",),
+    )
     written = CounterMetricFamily(
         "sidecar_sink_records_written",
         "Records a sink handed on to where it sends them (a file, its thread, the collector).",
-        labels=("sink",))
+        labels=("sink",),
+    )
     dropped = CounterMetricFamily(
         "sidecar_sink_records_dropped",
         "Records a sink took and lost, by reason (queue_full: its queue was full; closed: "
         "given after it closed; write_error, unwritable, error: its own failures).",
-        labels=("sink", "reason"))
+        labels=("sink", "reason"),
+    )
     for name, counters in fanout.counters().items():
         if TAKEN in counters:
             taken.add_metric((name,), counters[TAKEN])
@@ -577,35 +673,42 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         states = list(self.workers())
-        alive = GaugeMetricFamily("sidecar_workers_alive",
-                                  "Worker processes serving traffic now.")
+        alive = GaugeMetricFamily("sidecar_workers_alive", "Worker processes serving traffic now.")
         alive.add_metric((), sum(1 for s in states if s.alive))
         yield alive
-        configured = GaugeMetricFamily("sidecar_workers",
-                                       "Worker processes configured (--workers).")
+        configured = GaugeMetricFamily(
+            "sidecar_workers", "Worker processes configured (--workers)."
+        )
         configured.add_metric((), len(states))
         yield configured
-        restarts = CounterMetricFamily("sidecar_worker_restarts",
-                                       "Times a worker process was started again after it "
-                                       "died.", labels=("worker",))
-        received = CounterMetricFamily("sidecar_channel_records",
-                                       "Records the collector received from each worker.",
-                                       labels=("worker",))
+        restarts = CounterMetricFamily(
+            "sidecar_worker_restarts",
+            "Times a worker process was started again after it died.",
+            labels=("worker",),
+        )
+        received = CounterMetricFamily(
+            "sidecar_channel_records",
+            "Records the collector received from each worker.",
+            labels=("worker",),
+        )
         dropped = CounterMetricFamily(
             "sidecar_channel_dropped_records",
             "Records lost between a worker and the collector, by reason: channel_full (the "
             "collector fell behind by more than --channel-buffer-bytes; the worker dropped "
             "rather than wait), channel_closed, encode_error, decode_error, and "
             "worker_died (requests a worker counted before it died with no record sent).",
-            labels=("worker", "reason"))
+            labels=("worker", "reason"),
+        )
         for s in states:
             restarts.add_metric((s.worker,), s.restarts)
             received.add_metric((s.worker,), s.records_received)
-            for reason, count in (("channel_full", s.dropped_channel_full),
-                                  ("channel_closed", s.dropped_channel_closed),
-                                  ("encode_error", s.encode_errors),
-                                  ("decode_error", s.decode_errors),
-                                  ("worker_died", s.lost)):
+            for reason, count in (
+                ("channel_full", s.dropped_channel_full),
+                ("channel_closed", s.dropped_channel_closed),
+                ("encode_error", s.encode_errors),
+                ("decode_error", s.decode_errors),
+                ("worker_died", s.lost),
+            ):
                 dropped.add_metric((s.worker, reason), count)
         yield restarts
         yield received
@@ -623,12 +726,16 @@ class CaptureCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         counters = self.capture.counters()
-        written = CounterMetricFamily("sidecar_capture_records_written",
-                                      "Records written to capture files.")
+        written = CounterMetricFamily(
+            "sidecar_capture_records_written", "Records written to capture files."
+        )
         written.add_metric((), counters[WRITTEN])
         yield written
-        dropped = CounterMetricFamily("sidecar_capture_records_dropped",
-                                      "Records not captured, by reason.", labels=("reason",))
+        dropped = CounterMetricFamily(
+            "sidecar_capture_records_dropped",
+            "Records not captured, by reason.",
+            labels=("reason",),
+        )
         by_reason = dropped_by_reason(counters)
         # The three reasons of this family since it exists; records given after close are
         # in sidecar_sink_records_dropped_total (a stopping process is not scraped).
@@ -637,11 +744,13 @@ class CaptureCollector(Collector):
         yield dropped
         restarts = CounterMetricFamily(
             "sidecar_capture_writer_restarts",
-            "Capture writer threads found dead and started again (each is logged).")
+            "Capture writer threads found dead and started again (each is logged).",
+        )
         restarts.add_metric((), counters["writer_restarts"])
         yield restarts
-        queued = GaugeMetricFamily("sidecar_capture_queue_records",
-                                   "Records waiting for the capture writer.")
+        queued = GaugeMetricFamily(
+            "sidecar_capture_queue_records", "Records waiting for the capture writer."
+        )
         queued.add_metric((), self.capture.queued)
         yield queued
 

@@ -28,11 +28,11 @@ GENERATION_ENDPOINTS = frozenset({"chat", "completions"})
 
 DEFINITIONS = {
     "ttft": "first token-carrying event - vantage start (client: request fully received by the "
-            "proxy; server: request sent upstream); sample = request",
+    "proxy; server: request sent upstream); sample = request",
     "itl": "gap between consecutive token-carrying events; sample = event (SSE chunk)",
     "itl_per_token": "each ITL gap / tokens in its event, repeated per token (derived view)",
     "tpot": "TPOT as docs/metrics.md section 4 defines it (stats.tpot_ns); N_out <= 1 "
-            "excluded and counted; sample = request",
+    "excluded and counted; sample = request",
     "e2e": "last token-carrying event (stream end if none) - vantage start; sample = request",
     "percentiles": "numpy linear interpolation; std is the population std",
     "latency_population": "successful chat/completions requests that ended in the window",
@@ -55,8 +55,9 @@ class Selection:
         (a typo would otherwise silently summarise everything)."""
         unknown = sorted(set(query) - set(SELECTION_QUERY_KEYS))
         if unknown:
-            raise ValueError(f"unknown /stats parameter(s) {unknown}; known: "
-                             f"{list(SELECTION_QUERY_KEYS)}")
+            raise ValueError(
+                f"unknown /stats parameter(s) {unknown}; known: {list(SELECTION_QUERY_KEYS)}"
+            )
         prefix = query.get("request_id_prefix")
         if prefix is not None and not prefix:
             raise ValueError("request_id_prefix must not be empty")
@@ -98,9 +99,13 @@ class WindowSink:
 
     name = "window"
 
-    def __init__(self, window_s: float = 60.0, max_records: int = 100_000,
-                 max_bytes: int = 256 * 1024 * 1024,
-                 wall_ns: Callable[[], int] = clock.wall_ns) -> None:
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        max_records: int = 100_000,
+        max_bytes: int = 256 * 1024 * 1024,
+        wall_ns: Callable[[], int] = clock.wall_ns,
+    ) -> None:
         if window_s <= 0 or max_records <= 0 or max_bytes <= 0:
             raise ValueError("window_s, max_records and max_bytes must be positive")
         self.window_s = window_s
@@ -137,8 +142,9 @@ class WindowSink:
         self._table.append(record, _end_wall_ns(record), record.endpoint in GENERATION_ENDPOINTS)
         self._bytes += size
         dropped = 0
-        while len(records) > self.max_records or (self._bytes > self.max_bytes
-                                                  and len(records) > 1):
+        while len(records) > self.max_records or (
+            self._bytes > self.max_bytes and len(records) > 1
+        ):
             self._bytes -= records.popleft()[1]
             self.evicted_over_cap += 1
             dropped += 1
@@ -166,21 +172,24 @@ class WindowSink:
         live = table.end_wall_ns >= horizon
         prefix = selection.request_id_prefix
         if prefix is not None:
-            live &= np.fromiter((i.startswith(prefix) for i in table.ids()), dtype=np.bool_,
-                                count=len(table))
+            live &= np.fromiter(
+                (i.startswith(prefix) for i in table.ids()), dtype=np.bool_, count=len(table)
+            )
         return live, live & table.generation
 
     def vantage_reports(self, selection: Selection = ALL) -> dict[Vantage, stats.VantageReport]:
         _live, generation = self._mask(selection)
-        return {v: self._table.vantage_report(generation, v)
-                for v in (Vantage.CLIENT, Vantage.SERVER)}
+        return {
+            v: self._table.vantage_report(generation, v) for v in (Vantage.CLIENT, Vantage.SERVER)
+        }
 
     def generation_outcomes(self, selection: Selection = ALL) -> dict[Outcome, int]:
         _live, generation = self._mask(selection)
         return self._table.outcome_counts(generation)
 
-    def attainment(self, policy: stats.SLOPolicy,
-                   selection: Selection = ALL) -> dict[str, tuple[int, int]]:
+    def attainment(
+        self, policy: stats.SLOPolicy, selection: Selection = ALL
+    ) -> dict[str, tuple[int, int]]:
         """SLO class -> (good, all) over the window's generation requests (classes with no
         request left out)."""
         _live, generation = self._mask(selection)
@@ -196,13 +205,15 @@ class WindowSink:
         horizon = self._trim()
         return [r for r, _size in self._records if _end_wall_ns(r) >= horizon]
 
-    def snapshot(self, slo_policy: stats.SLOPolicy | None = None,
-                 selection: Selection = ALL) -> dict[str, Any]:
+    def snapshot(
+        self, slo_policy: stats.SLOPolicy | None = None, selection: Selection = ALL
+    ) -> dict[str, Any]:
         live, generation = self._mask(selection)
         table = self._table
         n_generation = int(np.count_nonzero(generation))
-        interval = (min(self.window_s, table.measured_interval_s(generation))
-                    if n_generation else 0.0)
+        interval = (
+            min(self.window_s, table.measured_interval_s(generation)) if n_generation else 0.0
+        )
         n_live = int(np.count_nonzero(live))
         out: dict[str, Any] = {
             "window_s": self.window_s,

@@ -30,8 +30,10 @@ from sidecar.realvllm.server import TOOL_CALL_ARGS, free_port
 HERE = Path(__file__).resolve().parent
 MARKER = "realvllm"
 _DESELECTED = pytest.StashKey[int]()
-HOW_TO_RUN = ("pytest tests/conformance --real-vllm=start (or --real-vllm=URL of a server "
-              "from `sidecar vllm up`); see docs/real-vllm.md")
+HOW_TO_RUN = (
+    "pytest tests/conformance --real-vllm=start (or --real-vllm=URL of a server "
+    "from `sidecar vllm up`); see docs/real-vllm.md"
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -48,13 +50,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[_DESELECTED] = len(dropped)
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
-                            config: pytest.Config) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
     count = config.stash.get(_DESELECTED, 0)
     if count:
         terminalreporter.write_line(
             f"{count} conformance test{'s' if count > 1 else ''} against a real vLLM not run: "
-            f"{HOW_TO_RUN}")
+            f"{HOW_TO_RUN}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -70,14 +74,18 @@ def real_vllm(request: pytest.FixtureRequest) -> Iterator[RealVLLM]:
             otlp_port = free_port()
             # With a tool parser, as CI starts it (.ci/run: `sidecar vllm up --tool-calls`).
             handle = start_server(
-                free_port(), extra_args=TOOL_CALL_ARGS, home=Home.resolve(),
-                otlp_traces_endpoint=f"http://127.0.0.1:{otlp_port}/v1/traces")
+                free_port(),
+                extra_args=TOOL_CALL_ARGS,
+                home=Home.resolve(),
+                otlp_traces_endpoint=f"http://127.0.0.1:{otlp_port}/v1/traces",
+            )
             base_url = handle.url
         elif value.startswith(("http://", "https://")):
             base_url = value.rstrip("/")
         else:
-            raise RealVLLMError(f"--real-vllm={value}: give 'start' or a base URL "
-                                "(http://HOST:PORT)")
+            raise RealVLLMError(
+                f"--real-vllm={value}: give 'start' or a base URL (http://HOST:PORT)"
+            )
         server = describe_server(base_url)
     except (RealVLLMError, OSError) as exc:
         failure = str(exc)

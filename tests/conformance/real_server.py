@@ -40,20 +40,22 @@ def describe_server(base_url: str) -> RealVLLM:
     if not isinstance(version, str):
         raise RealVLLMError(f"{base_url}/version did not answer a version")
     if SERVED_MODEL not in served:
-        raise RealVLLMError(f"{base_url} serves {served}, not {SERVED_MODEL!r}: start it with "
-                            "`sidecar vllm up`")
+        raise RealVLLMError(
+            f"{base_url} serves {served}, not {SERVED_MODEL!r}: start it with `sidecar vllm up`"
+        )
     return RealVLLM(base_url=base_url, model=SERVED_MODEL, version=version)
 
 
-def post_json(base_url: str, path: str, body: dict[str, Any],
-              timeout: float = 60) -> tuple[int, bytes]:
+def post_json(
+    base_url: str, path: str, body: dict[str, Any], timeout: float = 60
+) -> tuple[int, bytes]:
     """POST ``body`` as JSON; the status and the whole response body (streamed or not)."""
     parts = urlsplit(base_url)
-    connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
-                                            timeout=timeout)
+    connection = http.client.HTTPConnection(
+        parts.hostname or "127.0.0.1", parts.port, timeout=timeout
+    )
     try:
-        connection.request("POST", path, json.dumps(body),
-                           {"Content-Type": "application/json"})
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         response = connection.getresponse()
         return response.status, response.read()
     finally:
@@ -64,8 +66,11 @@ def sse_data(raw: bytes) -> list[str]:
     """The data of each event of an SSE body, in order."""
     events: list[str] = []
     for block in raw.decode().replace("\r\n", "\n").split("\n\n"):
-        lines = [line[len("data:"):].lstrip(" ") for line in block.split("\n")
-                 if line.startswith("data:")]
+        lines = [
+            line[len("data:") :].lstrip(" ")
+            for line in block.split("\n")
+            if line.startswith("data:")
+        ]
         if lines:
             events.append("\n".join(lines))
     return events

@@ -52,8 +52,10 @@ CREATED = re.compile(rb'"created":\d+')
 
 CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
 # vLLM's per-request metrics (--enable-per-request-metrics): timings, different every time.
-ENGINE_TIMES = re.compile(rb'("(?:time_to_first_token_ms|generation_time_ms|queue_time_ms|'
-                          rb'mean_itl_ms|tokens_per_second)":)-?[0-9.]+(?:[eE][-+]?[0-9]+)?')
+ENGINE_TIMES = re.compile(
+    rb'("(?:time_to_first_token_ms|generation_time_ms|queue_time_ms|'
+    rb'mean_itl_ms|tokens_per_second)":)-?[0-9.]+(?:[eE][-+]?[0-9]+)?'
+)
 
 
 def normalised(body: bytes) -> bytes:
@@ -81,11 +83,17 @@ def by_choice(stream: bytes) -> dict[bytes, list[bytes]]:
 
 
 @asynccontextmanager
-async def proxy_before(server: RealVLLM, **settings: str) -> AsyncIterator[
-        tuple[ProxyServer, Collect]]:
-    flags = {"upstreams": [server.base_url], "listen": "127.0.0.1:0",
-             "metrics_listen": "127.0.0.1:0", "health_interval": "0",
-             "engine_scrape_interval": "0", **settings}
+async def proxy_before(
+    server: RealVLLM, **settings: str
+) -> AsyncIterator[tuple[ProxyServer, Collect]]:
+    flags = {
+        "upstreams": [server.base_url],
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "health_interval": "0",
+        "engine_scrape_interval": "0",
+        **settings,
+    }
     proxy, _window = build_proxy_server(build_config(flags, {}))
     records = Collect()
     proxy.proxy.fanout.add(records)
@@ -104,13 +112,19 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-async def send(session: aiohttp.ClientSession, url: str, path: str,
-               body: dict[str, Any] | bytes) -> Answer:
+async def send(
+    session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any] | bytes
+) -> Answer:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with session.post(url + path, data=data,
-                            headers={"Content-Type": "application/json"}) as response:
-        return Answer(response.status, response.headers.get("Content-Type", ""),
-                      await response.read(), dict(response.headers))
+    async with session.post(
+        url + path, data=data, headers={"Content-Type": "application/json"}
+    ) as response:
+        return Answer(
+            response.status,
+            response.headers.get("Content-Type", ""),
+            await response.read(),
+            dict(response.headers),
+        )
 
 
 async def vllm_counters(session: aiohttp.ClientSession, server: RealVLLM) -> dict[str, float]:
@@ -141,25 +155,48 @@ class Case:
 
 
 def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story."}],
-            "max_tokens": 12, "ignore_eos": True, "temperature": 0, **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
 
 
 def completion(**extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12,
-            "ignore_eos": True, "temperature": 0, **extra}
+    return {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
 
 
 # A schema whose every value is bounded (an enum, a boolean): structured outputs leave the
 # random tiny model nothing unbounded to fill max_tokens with, so its calls complete (with a
 # free string it writes characters until max_tokens). The server runs with a tool parser
 # (`sidecar vllm up --tool-calls`, as .ci/run starts it).
-TOOLS = [{"type": "function", "function": {
-    "name": "weather", "description": "The weather in a city",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
-                                  "celsius": {"type": "boolean"}},
-                   "required": ["city", "celsius"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                    "celsius": {"type": "boolean"},
+                },
+                "required": ["city", "celsius"],
+            },
+        },
+    }
+]
 NAMED = {"type": "function", "function": {"name": "weather"}}
 
 
@@ -189,84 +226,155 @@ def streamed(make: Any, options: Any) -> dict[str, Any]:
 
 
 CASES: list[Case] = [
-    *(Case(f"chat-stream-{label}", CHAT_PATH, streamed(chat, options))
-      for label, options in STREAM_OPTIONS),
-    *(Case(f"completions-stream-{label}", COMPLETIONS_PATH, streamed(completion, options))
-      for label, options in STREAM_OPTIONS),
+    *(
+        Case(f"chat-stream-{label}", CHAT_PATH, streamed(chat, options))
+        for label, options in STREAM_OPTIONS
+    ),
+    *(
+        Case(f"completions-stream-{label}", COMPLETIONS_PATH, streamed(completion, options))
+        for label, options in STREAM_OPTIONS
+    ),
     Case("chat-nonstream", CHAT_PATH, chat()),
     Case("completions-nonstream", COMPLETIONS_PATH, completion()),
     Case("chat-n2-stream", CHAT_PATH, chat(n=2, temperature=0.8, seed=7, stream=True)),
-    Case("chat-n2-stream-usage", CHAT_PATH,
-         chat(n=2, temperature=0.8, seed=7, stream=True,
-              stream_options={"include_usage": True})),
-    Case("completions-n2-stream", COMPLETIONS_PATH,
-         completion(n=2, temperature=0.8, seed=7, stream=True)),
+    Case(
+        "chat-n2-stream-usage",
+        CHAT_PATH,
+        chat(n=2, temperature=0.8, seed=7, stream=True, stream_options={"include_usage": True}),
+    ),
+    Case(
+        "completions-n2-stream",
+        COMPLETIONS_PATH,
+        completion(n=2, temperature=0.8, seed=7, stream=True),
+    ),
     Case("chat-n2-nonstream", CHAT_PATH, chat(n=2, temperature=0.8, seed=7)),
     Case("chat-logprobs-stream", CHAT_PATH, chat(logprobs=True, top_logprobs=2, stream=True)),
     Case("completions-logprobs-stream", COMPLETIONS_PATH, completion(logprobs=2, stream=True)),
     Case("chat-logprobs-nonstream", CHAT_PATH, chat(logprobs=True, top_logprobs=2)),
     Case("completions-echo", COMPLETIONS_PATH, completion(echo=True)),
     Case("completions-echo-stream", COMPLETIONS_PATH, completion(echo=True, stream=True)),
-    Case("chat-stop-stream", CHAT_PATH,
-         {**chat(stream=True), "ignore_eos": False, "stop": ["e", "a"]}),
-    Case("completions-stop", COMPLETIONS_PATH,
-         {**completion(), "ignore_eos": False, "stop": ["e", "a"]}),
-    Case("completions-stop-stream", COMPLETIONS_PATH,
-         {**completion(stream=True), "ignore_eos": False, "stop": ["e", "a"]}),
-    Case("completions-stop-included", COMPLETIONS_PATH,
-         {**completion(), "stop": ["e", "a"], "include_stop_str_in_output": True}),
+    Case(
+        "chat-stop-stream",
+        CHAT_PATH,
+        {**chat(stream=True), "ignore_eos": False, "stop": ["e", "a"]},
+    ),
+    Case(
+        "completions-stop",
+        COMPLETIONS_PATH,
+        {**completion(), "ignore_eos": False, "stop": ["e", "a"]},
+    ),
+    Case(
+        "completions-stop-stream",
+        COMPLETIONS_PATH,
+        {**completion(stream=True), "ignore_eos": False, "stop": ["e", "a"]},
+    ),
+    Case(
+        "completions-stop-included",
+        COMPLETIONS_PATH,
+        {**completion(), "stop": ["e", "a"], "include_stop_str_in_output": True},
+    ),
     # Stop strings both texts hold in their first token (the tiny model's "****" and every
     # simulator word's leading space): the shape of a stream that a stop string ends at once.
-    Case("chat-stop-first-token-stream", CHAT_PATH,
-         {**chat(stream=True), "stop": ["*", " "]}),
+    Case("chat-stop-first-token-stream", CHAT_PATH, {**chat(stream=True), "stop": ["*", " "]}),
     Case("completions-logprobs-nonstream", COMPLETIONS_PATH, completion(logprobs=2)),
-    Case("completions-logprobs-stream-usage", COMPLETIONS_PATH,
-         completion(logprobs=0, stream=True,
-                    stream_options={"include_usage": True, "continuous_usage_stats": True})),
-    Case("completions-echo-stream-usage", COMPLETIONS_PATH,
-         completion(echo=True, stream=True, stream_options={"include_usage": True,
-                                                            "continuous_usage_stats": True})),
-    Case("completions-echo-token-ids-stream", COMPLETIONS_PATH,
-         completion(prompt=[10, 20, 30], echo=True, stream=True)),
+    Case(
+        "completions-logprobs-stream-usage",
+        COMPLETIONS_PATH,
+        completion(
+            logprobs=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        ),
+    ),
+    Case(
+        "completions-echo-stream-usage",
+        COMPLETIONS_PATH,
+        completion(
+            echo=True,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        ),
+    ),
+    Case(
+        "completions-echo-token-ids-stream",
+        COMPLETIONS_PATH,
+        completion(prompt=[10, 20, 30], echo=True, stream=True),
+    ),
     Case("chat-tools-none", CHAT_PATH, chat(tools=TOOLS, tool_choice="none")),
     # Tool calls (vLLM with a tool parser): named and "required" are forced by structured
     # outputs; "auto" lets the model choose, and the tiny model (like the simulator's) writes
     # text.
     Case("chat-tool-named", CHAT_PATH, tool_chat(tool_choice=NAMED)),
     Case("chat-tool-named-stream", CHAT_PATH, tool_chat(tool_choice=NAMED, stream=True)),
-    Case("chat-tool-named-stream-usage", CHAT_PATH,
-         tool_chat(tool_choice=NAMED, stream=True,
-                   stream_options={"include_usage": True, "continuous_usage_stats": True})),
+    Case(
+        "chat-tool-named-stream-usage",
+        CHAT_PATH,
+        tool_chat(
+            tool_choice=NAMED,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        ),
+    ),
     Case("chat-tool-named-truncated", CHAT_PATH, tool_chat(tool_choice=NAMED, max_tokens=5)),
-    Case("chat-tool-named-truncated-stream", CHAT_PATH,
-         tool_chat(tool_choice=NAMED, max_tokens=5, stream=True)),
-    Case("chat-tool-named-ignore-eos-stream", CHAT_PATH,
-         tool_chat(tool_choice=NAMED, ignore_eos=True, stream=True)),
+    Case(
+        "chat-tool-named-truncated-stream",
+        CHAT_PATH,
+        tool_chat(tool_choice=NAMED, max_tokens=5, stream=True),
+    ),
+    Case(
+        "chat-tool-named-ignore-eos-stream",
+        CHAT_PATH,
+        tool_chat(tool_choice=NAMED, ignore_eos=True, stream=True),
+    ),
     # parallel_tool_calls false: an array of one call (else the random model goes on adding
     # calls until max_tokens).
-    Case("chat-tool-required", CHAT_PATH,
-         tool_chat(tool_choice="required", parallel_tool_calls=False)),
-    Case("chat-tool-required-stream", CHAT_PATH,
-         tool_chat(tool_choice="required", parallel_tool_calls=False, stream=True)),
-    Case("chat-tool-required-stream-usage", CHAT_PATH,
-         tool_chat(tool_choice="required", parallel_tool_calls=False, stream=True,
-                   stream_options={"include_usage": True, "continuous_usage_stats": True})),
-    Case("chat-tool-required-truncated-stream", CHAT_PATH,
-         tool_chat(tool_choice="required", max_tokens=5, stream=True)),
+    Case(
+        "chat-tool-required",
+        CHAT_PATH,
+        tool_chat(tool_choice="required", parallel_tool_calls=False),
+    ),
+    Case(
+        "chat-tool-required-stream",
+        CHAT_PATH,
+        tool_chat(tool_choice="required", parallel_tool_calls=False, stream=True),
+    ),
+    Case(
+        "chat-tool-required-stream-usage",
+        CHAT_PATH,
+        tool_chat(
+            tool_choice="required",
+            parallel_tool_calls=False,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        ),
+    ),
+    Case(
+        "chat-tool-required-truncated-stream",
+        CHAT_PATH,
+        tool_chat(tool_choice="required", max_tokens=5, stream=True),
+    ),
     Case("chat-tool-auto", CHAT_PATH, chat(tools=TOOLS)),
     Case("chat-tool-auto-stream", CHAT_PATH, chat(tools=TOOLS, stream=True)),
-    *(Case(f"{name}-assembled", path, body, settings={"assemble_nonstream": "true"})
-      for name, path, body in (
-          ("chat", CHAT_PATH, chat()),
-          ("completions", COMPLETIONS_PATH, completion()),
-          ("chat-n2", CHAT_PATH, chat(n=2, temperature=0.8, seed=7)),
-          ("chat-logprobs", CHAT_PATH, chat(logprobs=True, top_logprobs=2)),
-          ("completions-stop", COMPLETIONS_PATH,
-           {**completion(), "ignore_eos": False, "stop": ["e", "a"]}),
-          ("chat-tool-named", CHAT_PATH, tool_chat(tool_choice=NAMED)),
-          ("chat-tool-required", CHAT_PATH,
-           tool_chat(tool_choice="required", parallel_tool_calls=False)),
-      )),
+    *(
+        Case(f"{name}-assembled", path, body, settings={"assemble_nonstream": "true"})
+        for name, path, body in (
+            ("chat", CHAT_PATH, chat()),
+            ("completions", COMPLETIONS_PATH, completion()),
+            ("chat-n2", CHAT_PATH, chat(n=2, temperature=0.8, seed=7)),
+            ("chat-logprobs", CHAT_PATH, chat(logprobs=True, top_logprobs=2)),
+            (
+                "completions-stop",
+                COMPLETIONS_PATH,
+                {**completion(), "ignore_eos": False, "stop": ["e", "a"]},
+            ),
+            ("chat-tool-named", CHAT_PATH, tool_chat(tool_choice=NAMED)),
+            (
+                "chat-tool-required",
+                CHAT_PATH,
+                tool_chat(tool_choice="required", parallel_tool_calls=False),
+            ),
+        )
+    ),
 ]
 
 # Relay cases the proxy gets wrong today, each with why: the test is expected to fail
@@ -277,49 +385,88 @@ LONG_PROMPT = "word " * 3000  # beyond --max-model-len 2048 in tokens
 ERROR_CASES: list[Case] = [
     Case("error-not-json", CHAT_PATH, b'{"model": "tiny", "messages": [', status=400),
     Case("error-unknown-model", CHAT_PATH, {**chat(), "model": "nope"}, status=404),
-    Case("error-unknown-model-stream", CHAT_PATH, {**chat(stream=True), "model": "nope"},
-         status=404),
+    Case(
+        "error-unknown-model-stream", CHAT_PATH, {**chat(stream=True), "model": "nope"}, status=404
+    ),
     Case("error-max-tokens-beyond-context", CHAT_PATH, chat(max_tokens=100_000), status=400),
-    Case("error-max-tokens-beyond-context-stream", CHAT_PATH,
-         chat(max_tokens=100_000, stream=True), status=400),
+    Case(
+        "error-max-tokens-beyond-context-stream",
+        CHAT_PATH,
+        chat(max_tokens=100_000, stream=True),
+        status=400,
+    ),
     Case("error-missing-messages", CHAT_PATH, {"model": "tiny", "max_tokens": 4}, status=400),
-    Case("error-missing-messages-stream", CHAT_PATH,
-         {"model": "tiny", "max_tokens": 4, "stream": True}, status=400),
-    Case("error-prompt-too-long", COMPLETIONS_PATH, completion(prompt=LONG_PROMPT),
-         status=400),
-    Case("error-prompt-too-long-stream", COMPLETIONS_PATH,
-         completion(prompt=LONG_PROMPT, stream=True), status=400),
+    Case(
+        "error-missing-messages-stream",
+        CHAT_PATH,
+        {"model": "tiny", "max_tokens": 4, "stream": True},
+        status=400,
+    ),
+    Case("error-prompt-too-long", COMPLETIONS_PATH, completion(prompt=LONG_PROMPT), status=400),
+    Case(
+        "error-prompt-too-long-stream",
+        COMPLETIONS_PATH,
+        completion(prompt=LONG_PROMPT, stream=True),
+        status=400,
+    ),
     Case("error-n2-greedy", CHAT_PATH, chat(n=2), status=400),
-    Case("error-stream-options-without-stream", CHAT_PATH,
-         chat(stream_options={"include_usage": True}), status=400),
+    Case(
+        "error-stream-options-without-stream",
+        CHAT_PATH,
+        chat(stream_options={"include_usage": True}),
+        status=400,
+    ),
     Case("error-temperature-not-a-number", CHAT_PATH, chat(temperature="hot"), status=400),
-    Case("error-out-of-vocabulary-ids", COMPLETIONS_PATH,
-         completion(prompt=[1, 2, 99_999_999]), status=400),
+    Case(
+        "error-out-of-vocabulary-ids",
+        COMPLETIONS_PATH,
+        completion(prompt=[1, 2, 99_999_999]),
+        status=400,
+    ),
     # Streamed, vLLM finds the bad id after the head went out: a 200 with an error event.
-    Case("error-out-of-vocabulary-ids-stream", COMPLETIONS_PATH,
-         completion(prompt=[1, 2, 99_999_999], stream=True), status=200, record_status=400),
+    Case(
+        "error-out-of-vocabulary-ids-stream",
+        COMPLETIONS_PATH,
+        completion(prompt=[1, 2, 99_999_999], stream=True),
+        status=200,
+        record_status=400,
+    ),
     # check_tool_usage's refusals (the refusals of a server without a tool parser are
     # tests/test_sim_tools.py's: CI's server has one).
-    Case("error-tool-choice-unknown-function", CHAT_PATH,
-         chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
-         status=400),
-    Case("error-tool-choice-without-tools-stream", CHAT_PATH,
-         chat(tool_choice="required", stream=True), status=400),
+    Case(
+        "error-tool-choice-unknown-function",
+        CHAT_PATH,
+        chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+        status=400,
+    ),
+    Case(
+        "error-tool-choice-without-tools-stream",
+        CHAT_PATH,
+        chat(tool_choice="required", stream=True),
+        status=400,
+    ),
     Case("error-tools-empty", CHAT_PATH, chat(tools=[], tool_choice="auto"), status=400),
     Case("error-top-logprobs-without-logprobs", CHAT_PATH, chat(top_logprobs=2), status=400),
     Case("error-logprobs-beyond-max", COMPLETIONS_PATH, completion(logprobs=50), status=400),
-    Case("error-prompt-logprobs-stream", COMPLETIONS_PATH,
-         completion(prompt_logprobs=1, stream=True), status=400),
+    Case(
+        "error-prompt-logprobs-stream",
+        COMPLETIONS_PATH,
+        completion(prompt_logprobs=1, stream=True),
+        status=400,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", ERROR_CASES, ids=[c.name for c in ERROR_CASES])
-async def test_errors_reach_the_client_as_vllm_answers_them(real_vllm: RealVLLM,
-                                                             case: Case) -> None:
+async def test_errors_reach_the_client_as_vllm_answers_them(
+    real_vllm: RealVLLM, case: Case
+) -> None:
     """vLLM's answer to the client's own request, status and body, and one record with the
     outcome that status means."""
-    async with proxy_before(real_vllm, **case.settings) as (proxy, records), \
-            aiohttp.ClientSession() as session:
+    async with (
+        proxy_before(real_vllm, **case.settings) as (proxy, records),
+        aiohttp.ClientSession() as session,
+    ):
         direct = await send(session, real_vllm.base_url, case.path, case.body)
         proxied = await send(session, proxy.url, case.path, case.body)
         record = (await records.wait_for(1, 30))[0]
@@ -336,22 +483,31 @@ def needs_tools(answer: Answer) -> str:
     refused tool use (started without `--tool-calls`)."""
     text = answer.body[:400].decode(errors="replace")
     if b"tool-call-parser" in answer.body:
-        text += (" (the real server has no tool parser: start it with `sidecar vllm up "
-                 "--tool-calls`, as .ci/run does)")
+        text += (
+            " (the real server has no tool parser: start it with `sidecar vllm up "
+            "--tool-calls`, as .ci/run does)"
+        )
     return text
 
 
-RELAY_PARAMS = [pytest.param(case, id=case.name, marks=pytest.mark.xfail(
-                    reason=RELAY_XFAIL[case.name], strict=True))
-                if case.name in RELAY_XFAIL else pytest.param(case, id=case.name)
-                for case in CASES]
+RELAY_PARAMS = [
+    pytest.param(
+        case, id=case.name, marks=pytest.mark.xfail(reason=RELAY_XFAIL[case.name], strict=True)
+    )
+    if case.name in RELAY_XFAIL
+    else pytest.param(case, id=case.name)
+    for case in CASES
+]
 
 
 @pytest.mark.parametrize("case", RELAY_PARAMS)
 async def test_the_client_gets_what_vllm_sends_and_the_proxy_counts_what_vllm_counts(
-        real_vllm: RealVLLM, case: Case) -> None:
-    async with proxy_before(real_vllm, **case.settings) as (proxy, records), \
-            aiohttp.ClientSession() as session:
+    real_vllm: RealVLLM, case: Case
+) -> None:
+    async with (
+        proxy_before(real_vllm, **case.settings) as (proxy, records),
+        aiohttp.ClientSession() as session,
+    ):
         if case.n > 1 and case.streamed:
             # A finish chunk of an n > 1 stream that leaves before the usage chunk gets the
             # fingerprint the replica sent last; a proxy that has seen no answer from it yet
@@ -384,19 +540,24 @@ async def test_the_client_gets_what_vllm_sends_and_the_proxy_counts_what_vllm_co
     assert record.token_source in (TokenSource.USAGE, TokenSource.USAGE_TOTAL)
 
 
-async def vllm_histograms(session: aiohttp.ClientSession, server: RealVLLM,
-                          names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+async def vllm_histograms(
+    session: aiohttp.ClientSession, server: RealVLLM, names: tuple[str, ...]
+) -> dict[str, tuple[float, float]]:
     """(sum, count) of each named vLLM histogram, over its label sets."""
     async with session.get(server.base_url + "/metrics") as response:
         return histogram_totals(await response.text(), names)
 
 
-LATENCY_FAMILIES = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                    "vllm:inter_token_latency_seconds")
+LATENCY_FAMILIES = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:inter_token_latency_seconds",
+)
 
 
-async def sequential_streams(server: RealVLLM, n: int, max_tokens: int, label: str) -> tuple[
-        list[RequestRecord], dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
+async def sequential_streams(
+    server: RealVLLM, n: int, max_tokens: int, label: str
+) -> tuple[list[RequestRecord], dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
     """``n`` chat streams through a proxy, one after the other (distinct prompts): the proxy's
     records, and vLLM's latency histograms (sum, count) before and after them."""
     async with proxy_before(server) as (proxy, records), aiohttp.ClientSession() as session:
@@ -451,23 +612,32 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
         ours["itl"] += (offsets[-1] - offsets[0]) / 1e9
         itl_count += len(offsets) - 1
         steps_after_first += (record.n_out or 0) - 1
-    theirs = {key: after[name][0] - before[name][0]
-              for key, name in zip(("ttft", "e2e", "itl"), LATENCY_FAMILIES, strict=True)}
-    counts = {key: after[name][1] - before[name][1]
-              for key, name in zip(("ttft", "e2e", "itl"), LATENCY_FAMILIES, strict=True)}
+    theirs = {
+        key: after[name][0] - before[name][0]
+        for key, name in zip(("ttft", "e2e", "itl"), LATENCY_FAMILIES, strict=True)
+    }
+    counts = {
+        key: after[name][1] - before[name][1]
+        for key, name in zip(("ttft", "e2e", "itl"), LATENCY_FAMILIES, strict=True)
+    }
     assert counts["ttft"] == counts["e2e"] == n
     assert counts["itl"] == steps_after_first == n * 15
     assert n * 14 <= itl_count <= counts["itl"]
     for key in ("ttft", "e2e"):
         added_ms = (ours[key] - theirs[key]) / n * 1e3
-        assert 0.0 <= added_ms <= 50.0, (key, added_ms, [
-            round((list(r.server.offsets_ns)[0] - r.server.start_ns) / 1e6, 2)
-            for r in recorded if r.server is not None])
+        assert 0.0 <= added_ms <= 50.0, (
+            key,
+            added_ms,
+            [
+                round((list(r.server.offsets_ns)[0] - r.server.start_ns) / 1e6, 2)
+                for r in recorded
+                if r.server is not None
+            ],
+        )
     assert 0.0 <= ours["itl"] <= theirs["itl"] + n * 0.050, (ours["itl"], theirs["itl"])
 
 
-async def settled_counters(session: aiohttp.ClientSession,
-                           server: RealVLLM) -> dict[str, float]:
+async def settled_counters(session: aiohttp.ClientSession, server: RealVLLM) -> dict[str, float]:
     """vLLM's counters once it runs and queues nothing (an aborted request has left)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
@@ -482,7 +652,8 @@ async def settled_counters(session: aiohttp.ClientSession,
 
 @pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
 async def test_a_client_that_leaves_mid_stream_is_counted_as_vllm_counts_it(
-        real_vllm: RealVLLM, path: str, make: Any) -> None:
+    real_vllm: RealVLLM, path: str, make: Any
+) -> None:
     """The client reads three token events and closes its connection. vLLM aborts the request
     at once (its running count drops to 0); the record is a cancellation that keeps the usage
     that had arrived. vLLM counts every token its engine made; the proxy, those whose events
@@ -500,16 +671,19 @@ async def test_a_client_that_leaves_mid_stream_is_counted_as_vllm_counts_it(
     max_tokens = 1500
     stalls: list[str] = []
     for _attempt in range(5):
-        async with proxy_before(real_vllm) as (proxy, records), \
-                aiohttp.ClientSession() as session:
+        async with proxy_before(real_vllm) as (proxy, records), aiohttp.ClientSession() as session:
             before = await settled_counters(session, real_vllm)
-            response = await session.post(proxy.url + path, json=make(max_tokens=max_tokens,
-                                                                      stream=True))
+            response = await session.post(
+                proxy.url + path, json=make(max_tokens=max_tokens, stream=True)
+            )
             assert response.status == 200
             token_events = 0
             async for line in response.content:
-                if line.startswith(b"data: {") and b'"role"' not in line and (
-                        b'"content":"' in line or b'"text":"' in line):
+                if (
+                    line.startswith(b"data: {")
+                    and b'"role"' not in line
+                    and (b'"content":"' in line or b'"text":"' in line)
+                ):
                     token_events += 1
                     if token_events == 3:
                         break
@@ -523,9 +697,12 @@ async def test_a_client_that_leaves_mid_stream_is_counted_as_vllm_counts_it(
         # The whole answer was made before the abort reached the engine (held back, or made
         # while the API server waited for a core: seen with other work on the host).
         server = record.server
-        stalls.append(f"first token read {server.offsets_ns[0] / 1e6:.0f} ms after the request "
-                      f"was sent, {record.n_out} read, {generated} made"
-                      if server is not None and server.offsets_ns else "no tokens")
+        stalls.append(
+            f"first token read {server.offsets_ns[0] / 1e6:.0f} ms after the request "
+            f"was sent, {record.n_out} read, {generated} made"
+            if server is not None and server.offsets_ns
+            else "no tokens"
+        )
         await asyncio.sleep(1.0)
     assert generated < max_tokens, f"vLLM made the whole answer before the client left: {stalls}"
     assert record.outcome is Outcome.CLIENT_CANCELLED
@@ -534,10 +711,11 @@ async def test_a_client_that_leaves_mid_stream_is_counted_as_vllm_counts_it(
     assert record.n_out <= generated <= record.n_out + 150, (record.n_out, generated)
 
 
-async def test_replicas_shows_the_engine_view_read_from_vllms_metrics(
-        real_vllm: RealVLLM) -> None:
-    async with proxy_before(real_vllm, engine_scrape_interval="200ms") as (proxy, _records), \
-            aiohttp.ClientSession() as session:
+async def test_replicas_shows_the_engine_view_read_from_vllms_metrics(real_vllm: RealVLLM) -> None:
+    async with (
+        proxy_before(real_vllm, engine_scrape_interval="200ms") as (proxy, _records),
+        aiohttp.ClientSession() as session,
+    ):
         await send(session, proxy.url, CHAT_PATH, chat(max_tokens=4))
         direct = await settled_counters(session, real_vllm)
         loop = asyncio.get_running_loop()
@@ -547,8 +725,10 @@ async def test_replicas_shows_the_engine_view_read_from_vllms_metrics(
                 view = await response.json()
             (replica,) = view["replicas"]
             engine = replica["engine"]
-            if engine["scrapes"] >= 1 and engine["generation_tokens_total"] == \
-                    direct["generation_tokens"]:
+            if (
+                engine["scrapes"] >= 1
+                and engine["generation_tokens_total"] == direct["generation_tokens"]
+            ):
                 break
             assert loop.time() < deadline, engine
             await asyncio.sleep(0.1)
@@ -558,30 +738,48 @@ async def test_replicas_shows_the_engine_view_read_from_vllms_metrics(
     assert 0.0 <= engine["kv_cache_usage"] <= 1.0
 
 
-async def test_replay_rebuilds_prompts_the_real_vocabulary_accepts(real_vllm: RealVLLM,
-                                                                   tmp_path: Path) -> None:
+async def test_replay_rebuilds_prompts_the_real_vocabulary_accepts(
+    real_vllm: RealVLLM, tmp_path: Path
+) -> None:
     """`sidecar replay` of a trace without bodies: completion prompts are token ids, drawn from
     ids the target's own tokenizer produced (the tiny model has 8,192; the old fixed range
     1000-29999 failed every request), prefixes shared as the trace says; chat prompts are text
     calibrated with /tokenize. Every request succeeds with the lengths asked."""
-    lines = [TraceRequest(t=0.05 * i, n_in=40 + 10 * i, n_out=4 + i,
-                          endpoint="chat" if i % 3 == 2 else "completions",
-                          prefix=PrefixBlocks("tokens", 16, (1, 2, 3 + i)))
-             for i in range(9)]
+    lines = [
+        TraceRequest(
+            t=0.05 * i,
+            n_in=40 + 10 * i,
+            n_out=4 + i,
+            endpoint="chat" if i % 3 == 2 else "completions",
+            prefix=PrefixBlocks("tokens", 16, (1, 2, 3 + i)),
+        )
+        for i in range(9)
+    ]
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, TraceHeader(source="conformance"), lines)
     parser = argparse.ArgumentParser()
     replay_cli.add_arguments(parser)
     out = tmp_path / "out"
-    args = parser.parse_args([str(trace), "--target", real_vllm.base_url, "--no-progress",
-                              "--model", real_vllm.model, "--output-dir", str(out)])
+    args = parser.parse_args(
+        [
+            str(trace),
+            "--target",
+            real_vllm.base_url,
+            "--no-progress",
+            "--model",
+            real_vllm.model,
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert await replay_cli.run(args) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["completed"] == 9 and report["failed"] == 0
     token_ids = report["envelope"]["prompt_token_ids"]
     assert token_ids["source"] == "the target's /tokenize" and token_ids["max"] < 8192
-    replayed = [json.loads(line)["record"]
-                for line in (out / "records-run0.jsonl").read_text().splitlines()]
+    replayed = [
+        json.loads(line)["record"] for line in (out / "records-run0.jsonl").read_text().splitlines()
+    ]
     by_length = sorted(replayed, key=lambda r: r["n_out"])
     assert [r["n_out"] for r in by_length] == [4 + i for i in range(9)]
     for i, record in enumerate(by_length):
@@ -598,7 +796,8 @@ def per_request_metrics(real_vllm: RealVLLM) -> bool:
 
 
 async def test_engine_vantage_is_vllms_per_request_timing_on_the_same_intervals(
-        real_vllm: RealVLLM, per_request_metrics: bool) -> None:
+    real_vllm: RealVLLM, per_request_metrics: bool
+) -> None:
     """With --enable-per-request-metrics the record keeps vLLM's own per-request timing, and
     its TTFT and E2E run over the intervals those names have at the server vantage, from a
     later start (queued in the engine, after the API server parsed and tokenized) to earlier
@@ -630,12 +829,27 @@ def test_the_demo_runs_on_the_real_server(real_vllm: RealVLLM) -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--real-vllm",
-                           real_vllm.base_url, "--duration", "3s", "--rate", "4", "--seed", "1"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "demo",
+            "--real-vllm",
+            real_vllm.base_url,
+            "--duration",
+            "3s",
+            "--rate",
+            "4",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    ok = re.search(r"outcomes: ok=(\d+), http_error=0, upstream_error=0, timeout=0",
-                   done.stdout)
+    ok = re.search(r"outcomes: ok=(\d+), http_error=0, upstream_error=0, timeout=0", done.stdout)
     assert ok is not None and int(ok.group(1)) > 0
     replayed = re.search(r"requests ok\s+(\d+)\s+(\d+)", done.stdout)
     assert replayed is not None and replayed.group(1) == replayed.group(2) == ok.group(1)
@@ -648,24 +862,37 @@ def test_the_real_vllm_benchmark_harness_runs(real_vllm: RealVLLM, tmp_path: Pat
     import sys
 
     out = tmp_path / "result.json"
-    done = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "benchmarks" /
-                                                "real_vllm.py"), "--smoke", "--target",
-                           real_vllm.base_url, "--json-out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parents[2] / "benchmarks" / "real_vllm.py"),
+            "--smoke",
+            "--target",
+            real_vllm.base_url,
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [run["concurrency"] for run in result["runs"]] == [1, 2]
     for run in result["runs"]:
         proxied = run["proxied"]
         assert proxied["sdk"]["ok"] == proxied["sdk"]["requests"] == 2 * run["concurrency"]
-        assert proxied["sidecar_tokens"] == {"prompt": proxied["vllm"]["prompt_tokens"],
-                                             "generation": proxied["vllm"]["generation_tokens"]}
+        assert proxied["sidecar_tokens"] == {
+            "prompt": proxied["vllm"]["prompt_tokens"],
+            "generation": proxied["vllm"]["generation_tokens"],
+        }
     assert "| OpenAI SDK, through the sidecar |" in done.stdout
 
 
 @pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
-def test_the_fast_path_takes_the_real_servers_token_chunks(real_vllm: RealVLLM, path: str,
-                                                            make: Any) -> None:
+def test_the_fast_path_takes_the_real_servers_token_chunks(
+    real_vllm: RealVLLM, path: str, make: Any
+) -> None:
     """The byte-level fast path (protocol/fastchunk.py) is for vLLM's common token chunk: it
     must match the real server's, with and without the usage the proxy injects, and agree with
     the general path on each (else the proxy pays json.loads on every event)."""
@@ -681,8 +908,11 @@ def test_the_fast_path_takes_the_real_servers_token_chunks(real_vllm: RealVLLM, 
         assert status == 200
         events = SSEParser().feed(raw)
         infos = [(event, classify_chunk(event.data)) for event in events if event.data]
-        tokens = [(event, info) for event, info in infos
-                  if info.kind is ChunkKind.TOKEN and info.finish_reason is None]
+        tokens = [
+            (event, info)
+            for event, info in infos
+            if info.kind is ChunkKind.TOKEN and info.finish_reason is None
+        ]
         assert len(tokens) >= 5
         for event, info in tokens:
             fast = fast_token_chunk(event.raw)
@@ -732,7 +962,7 @@ def answer_shape(answer: Answer, interleaved: bool = False) -> Any:
     for block in answer.body.split(b"\n\n"):
         if not block.startswith(b"data: "):
             continue
-        payload = block[len(b"data: "):]
+        payload = block[len(b"data: ") :]
         shape = payload.decode() if payload == b"[DONE]" else skeleton(json.loads(payload))
         if not shapes or shapes[-1] != shape:
             shapes.append(shape)
@@ -748,7 +978,8 @@ SIM_GAPS: dict[str, str] = {
         "stop strings are matched in the generated text, and the texts differ: the tiny "
         "model's chat answer (\"**** [_ [_ ...\") holds neither 'e' nor 'a' and runs to "
         "max_tokens, the simulator's pseudo-words hold one within a few tokens and stop there "
-        "(the completions-stop cases, where both texts hold one in the first token, match)"),
+        "(the completions-stop cases, where both texts hold one in the first token, match)"
+    ),
 }
 
 
@@ -757,11 +988,14 @@ async def sim_like_real(real_vllm: RealVLLM, per_request_metrics: bool) -> Async
     from sidecar.sim.engine import EngineConfig
     from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 
-    config = SimConfig(model="tiny", vllm_version=real_vllm.version,
-                       engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0,
-                                           max_model_len=2048),
-                       enable_per_request_metrics=per_request_metrics,
-                       tool_call_parser="pythonic", enable_auto_tool_choice=True)
+    config = SimConfig(
+        model="tiny",
+        vllm_version=real_vllm.version,
+        engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0, max_model_len=2048),
+        enable_per_request_metrics=per_request_metrics,
+        tool_call_parser="pythonic",
+        enable_auto_tool_choice=True,
+    )
     (replica,) = await start_replicas(config, 1)
     try:
         yield replica.url
@@ -771,7 +1005,8 @@ async def sim_like_real(real_vllm: RealVLLM, per_request_metrics: bool) -> Async
 
 @pytest.mark.parametrize("case", CASES + ERROR_CASES, ids=[c.name for c in CASES + ERROR_CASES])
 async def test_the_simulator_answers_in_the_real_servers_shapes(
-        real_vllm: RealVLLM, sim_like_real: str, case: Case) -> None:
+    real_vllm: RealVLLM, sim_like_real: str, case: Case
+) -> None:
     async with aiohttp.ClientSession() as session:
         real = await send(session, real_vllm.base_url, case.path, case.body)
         sim = await send(session, sim_like_real, case.path, case.body)

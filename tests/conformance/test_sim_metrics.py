@@ -21,15 +21,23 @@ from real_server import RealVLLM, post_json
 
 from sidecar.realvllm.server import http_get
 
-_PROCESS = ("from prometheus_client's default process and platform collectors: the simulator "
-            "shares the sidecar's process (several replicas one process), so these would "
-            "describe the sidecar, not a replica")
-_HTTP = ("prometheus-fastapi-instrumentator's per-route HTTP series: the simulator is an "
-         "aiohttp app, and the proxy measures the HTTP side itself")
-_MFU = ("MFU estimates from the model's FLOPs and bytes per token: the simulator models step "
-        "time, not a model architecture")
-_CALL_SITE = ("needs a per-request value the server's _observe_finished does not hand to "
-              "ReplicaMetrics.observe_finished yet")
+_PROCESS = (
+    "from prometheus_client's default process and platform collectors: the simulator "
+    "shares the sidecar's process (several replicas one process), so these would "
+    "describe the sidecar, not a replica"
+)
+_HTTP = (
+    "prometheus-fastapi-instrumentator's per-route HTTP series: the simulator is an "
+    "aiohttp app, and the proxy measures the HTTP side itself"
+)
+_MFU = (
+    "MFU estimates from the model's FLOPs and bytes per token: the simulator models step "
+    "time, not a model architecture"
+)
+_CALL_SITE = (
+    "needs a per-request value the server's _observe_finished does not hand to "
+    "ReplicaMetrics.observe_finished yet"
+)
 SIM_METRIC_GAPS: dict[str, str] = {
     "process_cpu_seconds": _PROCESS,
     "process_max_fds": _PROCESS,
@@ -51,9 +59,11 @@ SIM_METRIC_GAPS: dict[str, str] = {
     "vllm:estimated_write_bytes_per_gpu": _MFU,
     "vllm:request_max_num_generation_tokens": (
         f"{_CALL_SITE}: the most tokens among a request's n choices, observed when its last "
-        "choice finishes"),
+        "choice finishes"
+    ),
     "vllm:request_prefill_kv_computed_tokens": (
-        f"{_CALL_SITE}: the prompt tokens not served from the prefix cache (num_cached)"),
+        f"{_CALL_SITE}: the prompt tokens not served from the prefix cache (num_cached)"
+    ),
 }
 
 REQUEST = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}
@@ -102,10 +112,15 @@ async def sim_url(real_vllm: RealVLLM) -> AsyncIterator[str]:
 
     # With a tool parser, as CI starts the real server (`sidecar vllm up --tool-calls`): vLLM
     # then serves vllm:tool_call_parser_invocations.
-    config = SimConfig(model=real_vllm.model, vllm_version=real_vllm.version,
-                       engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0,
-                                           max_model_len=real_max_model_len(real_vllm)),
-                       tool_call_parser="pythonic", enable_auto_tool_choice=True)
+    config = SimConfig(
+        model=real_vllm.model,
+        vllm_version=real_vllm.version,
+        engine=EngineConfig(
+            step_floor_s=0.002, per_token_s=0.0, max_model_len=real_max_model_len(real_vllm)
+        ),
+        tool_call_parser="pythonic",
+        enable_auto_tool_choice=True,
+    )
     (replica,) = await start_replicas(config, 1)
     try:
         yield replica.url
@@ -113,8 +128,7 @@ async def sim_url(real_vllm: RealVLLM) -> AsyncIterator[str]:
         await close_replicas([replica])
 
 
-async def test_the_simulators_metric_families_are_vllms(real_vllm: RealVLLM,
-                                                       sim_url: str) -> None:
+async def test_the_simulators_metric_families_are_vllms(real_vllm: RealVLLM, sim_url: str) -> None:
     status, _ = post_json(real_vllm.base_url, "/v1/completions", REQUEST)
     assert status == 200
     status, body = http_get(real_vllm.base_url + "/metrics", timeout=10)
@@ -130,7 +144,8 @@ async def test_the_simulators_metric_families_are_vllms(real_vllm: RealVLLM,
 
     assert set(SIM_METRIC_GAPS) <= set(real), (
         f"listed gaps vLLM {real_vllm.version} does not serve: "
-        f"{sorted(set(SIM_METRIC_GAPS) - set(real))}")
+        f"{sorted(set(SIM_METRIC_GAPS) - set(real))}"
+    )
     not_gaps = sorted(name for name in sim if gap_of(name) is not None)
     assert not not_gaps, f"listed in SIM_METRIC_GAPS but served now, remove them: {not_gaps}"
     extra = sorted(set(sim) - set(real))
