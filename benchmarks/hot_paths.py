@@ -4,8 +4,9 @@
     python benchmarks/hot_paths.py --smoke    # CI: one repeat (the harness runs; no timings)
 
 Per streamed event: SSE parsing, chunk classification, token counting, the usage strip the
-proxy does when it injected usage, and the record builder's two appends. Per request: freezing
-the record, and each sink's on_record (Prometheus, live window, OpenTelemetry when available).
+proxy does when it injected usage, and the record builder's two appends. Per request: reading the
+request body's head (against json.loads of the whole body), freezing the record, and each
+sink's on_record (Prometheus, live window, OpenTelemetry when available).
 Per report: percentile math over 1M samples. Each figure is the best of 5 repeats (the least
 disturbed by the other core's work), in microseconds.
 """
@@ -29,6 +30,7 @@ from sidecar.hooks import SinkFanout, ThreadedSink
 from sidecar.meter import StreamMeter
 from sidecar.protocol.fastchunk import fast_token_chunk
 from sidecar.protocol.openai import TokenCounter, classify_chunk
+from sidecar.protocol.requesthead import read_head
 from sidecar.protocol.rewrite import UsagePlan, without_usage
 from sidecar.protocol.sse import SSEParser
 from sidecar.proxy.builder import RecordBuilder
@@ -221,6 +223,49 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("per request (256 tokens)", "PrometheusSink.on_record", best_of(sink(prometheus))),
         ("per request (256 tokens)", "WindowSink.on_record", best_of(sink(window))),
     ]
+
+    # Reading a generation request: the members the proxy needs (protocol/requesthead.py)
+    # against decoding the whole body, for a short chat body and a Mooncake-sized prompt.
+    short_body = json.dumps(
+        {
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "messages": [{"role": "user", "content": "Say something about the sea."}],
+            "stream": True,
+            "max_tokens": 128,
+        }
+    ).encode()
+    long_body = json.dumps(
+        {
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "messages": [{"role": "user", "content": "word " * 116_000}],
+            "stream": True,
+            "max_tokens": 128,
+        }
+    ).encode()
+
+    def reads(read: Callable[[bytes], object], body: bytes, times: int) -> Callable[[], int]:
+        def run() -> int:
+            for _ in range(times):
+                read(body)
+            return times
+
+        return run
+
+    for label, body, times in (("200 B", short_body, 20_000), ("580 KB", long_body, 20)):
+        rows.append(
+            (
+                "per request",
+                f"read_head ({label} chat body)",
+                best_of(reads(read_head, body, times)),
+            )
+        )
+        rows.append(
+            (
+                "per request",
+                f"json.loads ({label} chat body)",
+                best_of(reads(json.loads, body, times)),
+            )
+        )
 
     # The fan-out as `build_proxy_server` wires it, on the event loop: the live window, the
     # Prometheus sink and the hand-off to a threaded sink (OpenTelemetry, capture); what the

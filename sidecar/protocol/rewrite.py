@@ -81,8 +81,9 @@ def request_with_usage(raw: bytes, body: dict[str, Any], plan: UsagePlan) -> byt
     """The upstream request body for ``plan``: the client's bytes unchanged when the plan adds
     nothing; with the options appended as one member when the client sent no
     ``stream_options`` (its bytes otherwise untouched: no re-encoding of a long prompt, no change
-    to its escapes or number spellings); re-encoded from ``body`` (the parsed ``raw``) only when
-    an existing ``stream_options`` has to be edited."""
+    to its escapes or number spellings); re-encoded from ``raw`` decoded whole only when an
+    existing ``stream_options`` has to be edited. ``body`` is ``raw`` decoded, whole or only its
+    top-level members that the plan reads (protocol.requesthead.read_head)."""
     if not plan.modifies:
         return raw
     if "stream_options" not in body and body:
@@ -92,8 +93,14 @@ def request_with_usage(raw: bytes, body: dict[str, Any], plan: UsagePlan) -> byt
         # else json.loads accepted (UTF-16/32, a byte-order mark) takes the re-encoding path.
         if raw[start : start + 1] == b"{" and raw[end - 1 : end] == b"}":
             return raw[: end - 1] + b"," + _USAGE_OPTIONS_MEMBER + raw[end - 1 :]
+    try:
+        whole = json.loads(raw)
+    except ValueError:
+        # Invalid UTF-8 in a string read_head skipped: not JSON to vLLM either (it decodes
+        # bodies with the same json.loads), which refuses it as the client sent it.
+        return raw
     return json.dumps(
-        apply_usage_plan(body, plan), ensure_ascii=False, separators=(",", ":")
+        apply_usage_plan(whole, plan), ensure_ascii=False, separators=(",", ":")
     ).encode("utf-8")
 
 

@@ -45,6 +45,7 @@ from sidecar.protocol.openai import (
     safe_error_type,
     stream_usage_options,
 )
+from sidecar.protocol.requesthead import read_head, read_whole
 from sidecar.protocol.rewrite import (
     NO_CHANGE,
     UsagePlan,
@@ -710,10 +711,11 @@ class Proxy:
         a stream to assemble), the headers, the routing keys."""
         config = self.config
         body = request.body
-        try:
-            parsed: Any = json.loads(body)
-        except (ValueError, RecursionError):
-            parsed = None
+        # The members the proxy reads, not the prompt (protocol/requesthead.py: a long prompt
+        # decoded here would hold every stream on this loop). The paths that need the prompt
+        # (assembling, prefix routing, capture) decode the body whole.
+        parsed: Any = read_head(body)
+        whole: Any = None
         gen = _Generation(body)
         if isinstance(parsed, dict):
             model = parsed.get("model")
@@ -733,11 +735,15 @@ class Proxy:
                 gen.plan = plan_usage(parsed, config.inject_usage)
                 if gen.plan.modifies:
                     gen.upstream_body = request_with_usage(body, parsed, gen.plan)
-            elif config.assemble_nonstream and not parsed.get("use_beam_search"):
+            elif (
+                config.assemble_nonstream
+                and not parsed.get("use_beam_search")
+                and isinstance(whole := read_whole(body), dict)
+            ):
                 gen.assemble = True
                 gen.upstream_body = _dumps(
                     {
-                        **parsed,
+                        **whole,
                         "stream": True,
                         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                     }
@@ -747,9 +753,11 @@ class Proxy:
                     parsed.get("user") if isinstance(parsed.get("user"), str) else None
                 )
             elif config.route_policy is RoutePolicy.PREFIX:
-                gen.prefix_key = prompt_prefix_key(
-                    parsed, config.prefix_block_chars, config.prefix_block_tokens
-                )
+                whole = whole if whole is not None else read_whole(body)
+                if isinstance(whole, dict):
+                    gen.prefix_key = prompt_prefix_key(
+                        whole, config.prefix_block_chars, config.prefix_block_tokens
+                    )
             gen.tools_required = parsed.get("tool_choice") == "required"
         builder.upstream_stream = builder.client_stream or gen.assemble
         if gen.assemble:
@@ -758,13 +766,15 @@ class Proxy:
         if slo_class is not None:
             builder.attributes["slo_class"] = slo_class
         if self._hasher is not None and isinstance(parsed, dict):
+            whole = whole if whole is not None else read_whole(body)
+        if self._hasher is not None and isinstance(whole, dict):
             session = request.headers.get(config.session_header)
             if session is None and isinstance(parsed.get("user"), str):
                 session = parsed["user"]
             if session is not None and not config.capture_text:
                 session = self._hasher.pseudonym(session)  # ids are personal data too
             builder.shape = request_shape(
-                parsed,
+                whole,
                 self._hasher,
                 session_id=session,
                 raw_body=body if config.capture_text else None,

@@ -1,15 +1,19 @@
-"""What a replay is asked to do, as one typed, frozen object.
+"""What a replay or a sweep is asked to do, as one typed, frozen object each.
 
 `sidecar replay` parses its command line into a `ReplayOptions` (`from_namespace`); `sidecar
 sweep`, `sidecar demo` and scripts build one directly, and all of them plan and send with the
-same functions (replay/load.py). Field names are the replay flags' (``--no-captured-bodies`` is
+same functions (replay/load.py, a whole replay: replay/session.py). `sidecar sweep` parses its
+own into a `SweepOptions` (`from_args`), which a script builds directly as well and gives to
+`sweep_session.run_sweep`. Field names are the flags' (``--no-captured-bodies`` is
 ``no_captured_bodies``), so that an option reads the same in the docs, the CLI and a script.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import math
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sidecar.replay.report import DEFAULT_MAX_LATENESS_MS
@@ -60,5 +64,63 @@ class ReplayOptions:
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ReplayOptions:
         """The options of a parsed `sidecar replay` command line (replay_cli.add_arguments)."""
+        given: dict[str, Any] = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+
+def _admin_token_from_environment() -> str | None:
+    return os.environ.get("SIDECAR_ADMIN_TOKEN")
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """The options of `sidecar sweep`, with its defaults: the requests from one of ``trace``
+    and ``dataset``, the loads from one of ``rates`` and ``auto``. Loads are req/s in open loop,
+    concurrent requests with ``mode="closed"``; ``step_duration`` is read with the package's
+    duration grammar when the sweep runs, as on the command line."""
+
+    target: str
+    slo: str  # thresholds judged at slo_percentile, e.g. "ttft=500ms,tpot=50ms"
+    trace: str | None = None
+    dataset: str | None = None  # "synthetic:in=N,out=M[,shared=K]"
+    slo_percentile: float = 90.0
+    max_error_rate: float = 0.01
+    keep_up: float = 0.9  # open loop: minimum completion rate / offered rate
+    rates: tuple[float, ...] | None = None  # explicit loads, run in increasing order
+    auto: bool = False  # double from `start` until a step fails, then bisect
+    start: float = 1.0
+    bisect_steps: int = 3
+    mode: str = "open"  # or "closed"
+    step_duration: str = "10s"  # open loop: arrivals per step
+    min_requests: int = 20
+    burstiness: float = 1.0
+    warmup: int = 2  # per step
+    repeats: int = 1  # per step; the median run counts
+    model: str | None = None  # None: the target's first
+    seed: int = 0
+    request_timeout: float = 300.0  # seconds
+    output_dir: str | None = None
+    sidecar_admin: str | None = None  # the admin URL of the sidecar the target is
+    quiet: bool = False
+    # The flag's default too: the variable, which other local users cannot see in the process
+    # list. Never shown in a repr (a log line, a traceback).
+    admin_token: str | None = field(default_factory=_admin_token_from_environment, repr=False)
+
+    def __post_init__(self) -> None:
+        # The command line's argument groups hold these; a script's options are checked here.
+        if (self.trace is None) == (self.dataset is None):
+            raise UsageError("a sweep needs one of --trace and --dataset")
+        if (self.rates is None) == (not self.auto):
+            raise UsageError("a sweep needs one of --rates and --auto")
+        if self.mode not in ("open", "closed"):
+            raise UsageError(f"--mode must be open or closed: {self.mode!r}")
+        if self.rates is not None:
+            if any(not math.isfinite(r) or r <= 0 for r in self.rates):
+                raise UsageError("--rates: every load must be a number > 0")
+            object.__setattr__(self, "rates", tuple(sorted(float(r) for r in self.rates)))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SweepOptions:
+        """The options of a parsed `sidecar sweep` command line (sweep_cli.add_arguments)."""
         given: dict[str, Any] = vars(args)
         return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})

@@ -22,10 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from real_server import RealVLLM, describe_server
 
 from sidecar.realvllm import Home, RealVLLMError, ServerHandle, start_server
 from sidecar.realvllm.server import TOOL_CALL_ARGS, free_port
+
+from .real_server import RealVLLM, describe_server
 
 HERE = Path(__file__).resolve().parent
 MARKER = "realvllm"

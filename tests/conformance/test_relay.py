@@ -34,7 +34,6 @@ from typing import Any
 import aiohttp
 import pytest
 from proxy_stack import Collect
-from real_server import RealVLLM, post_json
 
 from sidecar.cli import build_proxy_server
 from sidecar.config import build_config
@@ -43,6 +42,8 @@ from sidecar.proxy.app import ProxyServer
 from sidecar.record import Outcome, RequestRecord, TokenSource
 from sidecar.replay import replay_cli
 from sidecar.tracefile import PrefixBlocks, TraceHeader, TraceRequest, write_trace
+
+from .real_server import RealVLLM, post_json
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -534,6 +535,7 @@ async def test_the_client_gets_what_vllm_sends_and_the_proxy_counts_what_vllm_co
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     generated = after["generation_tokens"] - before["generation_tokens"]
     assert record.outcome is Outcome.OK
+    assert record.n_in is not None
     # vLLM runs n sequences as n requests and counts the prompt once for each; usage (and the
     # record) counts it once.
     assert (record.n_in * case.n, record.n_out) == (prompt, generated)
@@ -813,6 +815,7 @@ async def test_engine_vantage_is_vllms_per_request_timing_on_the_same_intervals(
         engine, server = record.engine, record.server
         assert engine is not None and server is not None
         assert engine.ttft_ms is not None and engine.e2e_ms is not None
+        assert engine.generation_time_ms is not None
         server_ttft_ms = (server.offsets_ns[0] - server.start_ns) / 1e6
         server_e2e_ms = (server.offsets_ns[-1] - server.start_ns) / 1e6
         assert 0 < engine.ttft_ms <= server_ttft_ms

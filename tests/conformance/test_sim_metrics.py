@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from real_server import RealVLLM, post_json
 
 from sidecar.realvllm.server import http_get
+
+from .real_server import RealVLLM, post_json
 
 _PROCESS = (
     "from prometheus_client's default process and platform collectors: the simulator "

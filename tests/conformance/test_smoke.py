@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from real_server import RealVLLM, post_json, sse_data
-
 from sidecar.realvllm import VLLM_VERSION
 from sidecar.realvllm.server import http_get
+
+from .real_server import RealVLLM, post_json, sse_data
 
 
 def test_version_is_the_pinned_one(real_vllm: RealVLLM) -> None:

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from otlp_receiver import OTLPReceiver
-from real_server import RealVLLM
-from test_relay import proxy_before
+
+from .real_server import RealVLLM
+from .test_relay import proxy_before
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 
-def _spans(receiver: OTLPReceiver) -> list[tuple[str, object]]:
+def _spans(receiver: OTLPReceiver) -> list[tuple[str, Span]]:
     """(service.name, span) of every span received."""
-    out = []
+    out: list[tuple[str, Span]] = []
     for request in receiver.traces:
         for resource in request.resource_spans:
             service = next(
