@@ -234,7 +234,8 @@ def histogram_quantile(
     count = float(cumulative[b]) - below
     fraction = (rank - below) / count
     if exponential and start > 0:
-        return start * (end / start) ** fraction
+        growth: float = (end / start) ** fraction
+        return start * growth
     return start + (end - start) * fraction
 
 

@@ -30,10 +30,10 @@ from sidecar.hooks import SinkFanout, ThreadedSink
 from sidecar.meter import StreamMeter
 from sidecar.protocol.fastchunk import fast_token_chunk
 from sidecar.protocol.openai import TokenCounter, classify_chunk
-from sidecar.protocol.requesthead import read_head
 from sidecar.protocol.rewrite import UsagePlan, without_usage
 from sidecar.protocol.sse import SSEParser
 from sidecar.proxy.builder import RecordBuilder
+from sidecar.proxy.requesthead import read_head
 from sidecar.record import Outcome, RequestShape, TokenSource
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import PrometheusSink
@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("per request (256 tokens)", "WindowSink.on_record", best_of(sink(window))),
     ]
 
-    # Reading a generation request: the members the proxy needs (protocol/requesthead.py)
+    # Reading a generation request: the members the proxy needs (proxy/requesthead.py)
     # against decoding the whole body, for a short chat body and a Mooncake-sized prompt.
     short_body = json.dumps(
         {

@@ -125,8 +125,10 @@ def summarize_us(values: Sequence[float]) -> dict[str, float]:
         "n": int(arr.size),
         "p50": float(np.percentile(arr, 50)),
         "p1": float(np.percentile(arr, 1)),
+        "p90": float(np.percentile(arr, 90)),
         "p99": float(np.percentile(arr, 99)),
         "abs_p50": float(np.percentile(mag, 50)),
+        "abs_p90": float(np.percentile(mag, 90)),
         "abs_p99": float(np.percentile(mag, 99)),
         "abs_max": float(mag.max()),
     }

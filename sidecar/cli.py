@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -18,30 +16,22 @@ from typing import Any
 from sidecar import __version__
 from sidecar.config import (
     ConfigError,
+    ProxyConfig,
     add_setting_arguments,
     build_config,
-    default_workers,
     environment_warnings,
     flag_settings,
     load_config_file,
 )
-from sidecar.proxy.app import ProxyServer
-from sidecar.proxy.collector import Collector, StartError
+from sidecar.serve import RunningProxy, ServeError, check_capture_dir, serve
 
 # The proxy's wiring lives in serve.py, which holds no command. The ``X as X`` names are
 # re-exported: tests, benchmarks and scripts import them from sidecar.cli.
 from sidecar.serve import build_collector as build_collector
 from sidecar.serve import build_proxy_server as build_proxy_server
-from sidecar.serve import (
-    check_capture_dir,
-    shutdown_signals,
-    sink_error,
-    upstream_models,
-)
 from sidecar.serve import settle_gc as settle_gc
 from sidecar.serve import slo_policy_of as slo_policy_of
 from sidecar.serve import wait_for_shutdown_signal as wait_for_shutdown_signal
-from sidecar.sinks.capture import CaptureSink
 
 AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -128,97 +118,23 @@ async def run_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    workers = default_workers() if config.workers is None else config.workers
-    if workers > 0 and not hasattr(socket, "SO_REUSEPORT"):  # pragma: no cover - Windows
-        logging.getLogger("sidecar").warning(
-            "no SO_REUSEPORT on this platform: running in one process (--workers 0)"
-        )
-        workers = 0
-    models = await upstream_models(config.upstreams) if config.capture_dir else ()
-    server: ProxyServer | Collector
     try:
-        if workers:
-            server, _window = build_collector(config, workers, models=models)
-            routes = "/stats, /replicas, /workers, /healthz"
-        else:
-            server, _window = build_proxy_server(config, models=models)
-            routes = "/stats, /replicas, /healthz"
-    except (ValueError, OSError) as exc:
-        # A sink that cannot start (the capture directory refused or not made): one line.
-        print(f"sidecar proxy: {sink_error(exc, config)}", file=sys.stderr)
+        served = await serve(
+            config,
+            on_ready=lambda proxy: _print_listening(config, proxy),
+            on_stopping=lambda: print(
+                "proxy stopping: in-flight requests finish, then the sinks flush", flush=True
+            ),
+        )
+    except ServeError as exc:
+        print(f"sidecar proxy: {exc}", file=sys.stderr)
         return 2
-    # Handlers first: a SIGTERM right after the "listening" line (an orchestrator that starts
-    # and stops quickly) must still be a graceful stop, not the default kill.
-    with shutdown_signals() as stop:
-        starting = asyncio.ensure_future(server.start())
-        stopped = asyncio.ensure_future(stop.wait())
-        # Starting workers takes a moment: a signal meanwhile stops the start (start cleans up
-        # after itself when cancelled) rather than waiting for it.
-        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StartError, OSError):
-                await starting
-            return 0
-        stopped.cancel()
-        try:
-            starting.result()
-        except (StartError, OSError) as exc:
-            # A port in use (ListenError names the listener, the address and the cause), a
-            # worker that could not start: one line, not a traceback.
-            print(f"sidecar proxy: {exc}", file=sys.stderr)
-            return 2
-        # What this proxy measures and keeps, said once at start: its SLO classes (goodput),
-        # its capture, its processes.
-        policy = slo_policy_of(config)
-        slos = (
-            (
-                "SLO "
-                + "; ".join(
-                    f"{name}: {slo.describe()}" if len(policy.classes) > 1 else slo.describe()
-                    for name, slo in policy.classes.items()
-                )
-            )
-            if policy
-            else "no SLO (no goodput)"
-        )
-        capture_text = "capture off"
-        if config.capture_dir:
-            kept = "prompts and completions" if config.capture_text else "no text"
-            capture_text = (
-                f"capture to {config.capture_dir} ({kept}"
-                f"{', gzip' if config.capture_compress else ''})"
-            )
-        processes = (
-            f"{workers} worker process{'es' if workers > 1 else ''}"
-            if workers
-            else "one process (--workers 0)"
-        )
-        fanout = server.fanout if isinstance(server, Collector) else server.proxy.fanout
-        capture = next((sink for sink in fanout.sinks if isinstance(sink, CaptureSink)), None)
-        try:
-            settle_gc()
-            print(
-                f"proxy listening on {server.url} -> {', '.join(config.upstreams)} "
-                f"(route policy {config.route_policy.value})",
-                flush=True,
-            )
-            print(f"admin on {server.admin_url} ({routes})", flush=True)
-            print(
-                f"measuring: {slos}; {capture_text}; {processes}; live window "
-                f"{config.window_s:g} s",
-                flush=True,
-            )
-            await stop.wait()
-            print("proxy stopping: in-flight requests finish, then the sinks flush", flush=True)
-        finally:
-            await server.close()
+    if not served.started:
+        return 0
+    capture = served.capture
     if capture is None:
         print("proxy stopped", flush=True)
     else:
-        dropped = (
-            capture.dropped_queue_full + capture.dropped_write_errors + capture.dropped_unwritable
-        )
         causes = ", ".join(
             f"{count} {cause}"
             for cause, count in (
@@ -228,15 +144,54 @@ async def run_proxy(args: argparse.Namespace) -> int:
             )
             if count
         )
-        files = len(capture.files)
         records = "record" if capture.written == 1 else "records"
         print(
             f"proxy stopped; capture flushed: {capture.written} {records} written to "
-            f"{config.capture_dir} ({files} file{'' if files == 1 else 's'}), {dropped} "
-            f"dropped{f' ({causes})' if causes else ''}",
+            f"{capture.directory} ({capture.files} file{'' if capture.files == 1 else 's'}), "
+            f"{capture.dropped} dropped{f' ({causes})' if causes else ''}",
             flush=True,
         )
     return 0
+
+
+def _print_listening(config: ProxyConfig, proxy: RunningProxy) -> None:
+    """What this proxy measures and keeps, said once at start: where it listens, its SLO
+    classes (goodput), its capture, its processes."""
+    policy = slo_policy_of(config)
+    slos = (
+        (
+            "SLO "
+            + "; ".join(
+                f"{name}: {slo.describe()}" if len(policy.classes) > 1 else slo.describe()
+                for name, slo in policy.classes.items()
+            )
+        )
+        if policy
+        else "no SLO (no goodput)"
+    )
+    capture_text = "capture off"
+    if config.capture_dir:
+        kept = "prompts and completions" if config.capture_text else "no text"
+        capture_text = (
+            f"capture to {config.capture_dir} ({kept}{', gzip' if config.capture_compress else ''})"
+        )
+    workers = proxy.workers
+    processes = (
+        f"{workers} worker process{'es' if workers > 1 else ''}"
+        if workers
+        else "one process (--workers 0)"
+    )
+    routes = "/stats, /replicas, /workers, /healthz" if workers else "/stats, /replicas, /healthz"
+    print(
+        f"proxy listening on {proxy.url} -> {', '.join(config.upstreams)} "
+        f"(route policy {config.route_policy.value})",
+        flush=True,
+    )
+    print(f"admin on {proxy.admin_url} ({routes})", flush=True)
+    print(
+        f"measuring: {slos}; {capture_text}; {processes}; live window {config.window_s:g} s",
+        flush=True,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

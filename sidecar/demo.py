@@ -32,7 +32,7 @@ from sidecar.realvllm import RealVLLMError, start_server
 from sidecar.realvllm.server import free_port
 from sidecar.record import RequestRecord, Vantage
 from sidecar.replay import load as replay_load
-from sidecar.replay import replay_cli
+from sidecar.replay import target as replay_target
 from sidecar.replay.options import ReplayOptions
 from sidecar.serve import build_proxy_server, wait_for_shutdown_signal
 from sidecar.sim.engine import EngineConfig
@@ -186,8 +186,8 @@ async def _upstreams(
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         try:
-            model = args.model or await replay_cli.first_model(session, url)
-        except replay_cli.TargetUnreachable as exc:
+            model = args.model or await replay_target.first_model(session, url)
+        except replay_target.TargetUnreachable as exc:
             raise ValueError(f"no vLLM: {exc}") from None
     if model is None:
         raise ValueError(f"{url}/v1/models lists no model: pass --model")
@@ -279,8 +279,8 @@ async def replay_capture(
         )
         async with aiohttp.ClientSession() as session:
             # Chat prompts are rebuilt as text: calibrate words to tokens on the target.
-            calibration = await replay_cli.calibrate(session, server.url, args.model)
-            token_ids = await replay_cli.probe_token_ids(session, server.url, args.model)
+            calibration = await replay_target.calibrate(session, server.url, args.model)
+            token_ids = await replay_target.probe_token_ids(session, server.url, args.model)
         plan = replay_load.plan(requests, options, args.model, calibration, token_ids)
         await replay_load.run(plan, options, quiet=True)
     finally:

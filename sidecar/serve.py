@@ -1,6 +1,12 @@
 """The proxy as a library: build it in one process or as workers and their collector, with its
 sinks wired, and wait for the signal that stops it. `sidecar proxy` (cli.py), `sidecar demo`,
 the tests and the benchmarks build it here alike; no command lives in this module.
+
+`serve` runs it from a `ProxyConfig` until a signal (or the caller's event) stops it, as
+`sidecar proxy` does, which is that call with its settings parsed and its lines printed:
+
+    config = build_config({"upstreams": ["http://127.0.0.1:8000"]})
+    served = await serve(config, on_ready=lambda proxy: print("listening on", proxy.url))
 """
 
 from __future__ import annotations
@@ -8,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,16 +27,17 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 
 import sidecar
-from sidecar.config import ConfigError, ProxyConfig
+from sidecar.config import ConfigError, ProxyConfig, default_workers
 from sidecar.hooks import ScrapeRunner, SinkFanout, ThreadedSink
 from sidecar.proxy.app import ProxyServer, metrics_route
-from sidecar.proxy.collector import Collector
+from sidecar.proxy.collector import Collector, StartError
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import (
     CaptureCollector,
     LiveCollector,
     PrometheusSink,
     ReplicaState,
+    StallCollector,
     WorkerCollector,
     WorkerState,
 )
@@ -154,6 +163,8 @@ def build_proxy_server(
     """The proxy in one process with its sinks wired: the one place that knows both."""
     sinks = _core_sinks(config)
     server = ProxyServer(config, sinks.fanout)
+    # How late this process's stamps may be, as one worker's would be (worker="0").
+    sinks.registry.register(StallCollector(lambda: {"0": server.stalls.snapshot()}))
     router = server.proxy.router
     _wire_sinks(
         config,
@@ -298,3 +309,129 @@ async def wait_for_shutdown_signal() -> None:
     """Return on SIGINT or SIGTERM."""
     with shutdown_signals() as stop:
         await stop.wait()
+
+
+class ServeError(Exception):
+    """The proxy could not be built or started (a port in use, a worker that did not start, a
+    capture directory refused): one line that says which and why."""
+
+
+@dataclass(frozen=True)
+class RunningProxy:
+    """A started proxy, as `serve` shows it to its caller once it listens."""
+
+    url: str  # the traffic listener
+    admin_url: str  # /metrics, /stats, /replicas, /healthz (and /workers with workers)
+    workers: int  # worker processes; 0: everything in this one
+    server: ProxyServer | Collector
+
+
+@dataclass(frozen=True)
+class CaptureTotals:
+    """What the capture wrote and dropped, counted once it was flushed."""
+
+    directory: str
+    written: int
+    files: int
+    dropped_queue_full: int
+    dropped_write_errors: int
+    dropped_unwritable: int
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_queue_full + self.dropped_write_errors + self.dropped_unwritable
+
+
+@dataclass(frozen=True)
+class Served:
+    """How a `serve` ended: ``started`` is False when the stop came while it was starting
+    (nothing was served); ``capture`` the capture's totals when it had one."""
+
+    started: bool
+    capture: CaptureTotals | None
+
+
+def effective_workers(config: ProxyConfig) -> int:
+    """The worker processes ``config`` asks for (None: the CPUs this process may use); 0
+    where the platform cannot share a port between processes (no SO_REUSEPORT)."""
+    workers = default_workers() if config.workers is None else config.workers
+    if workers > 0 and not hasattr(socket, "SO_REUSEPORT"):  # pragma: no cover - Windows
+        logging.getLogger("sidecar").warning(
+            "no SO_REUSEPORT on this platform: running in one process (--workers 0)"
+        )
+        workers = 0
+    return workers
+
+
+async def serve(
+    config: ProxyConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[RunningProxy], None] | None = None,
+    on_stopping: Callable[[], None] | None = None,
+) -> Served:
+    """Run the proxy of ``config`` (one process, or worker processes and their collector by
+    ``config.workers``) until ``stop`` is set, by default until SIGINT or SIGTERM; then let
+    in-flight requests finish and flush the sinks. ``on_ready`` is called once it listens,
+    ``on_stopping`` when the stop came and the closing begins. Raises ServeError when it
+    cannot be built or started; a stop while it starts ends the start (``started`` False)."""
+    workers = effective_workers(config)
+    models = await upstream_models(config.upstreams) if config.capture_dir else ()
+    server: ProxyServer | Collector
+    try:
+        if workers:
+            server, _window = build_collector(config, workers, models=models)
+        else:
+            server, _window = build_proxy_server(config, models=models)
+    except (ValueError, OSError) as exc:
+        # A sink that cannot start (the capture directory refused or not made): one line.
+        raise ServeError(sink_error(exc, config)) from None
+    # Handlers first: a SIGTERM right after the proxy says it listens (an orchestrator that
+    # starts and stops quickly) must still be a graceful stop, not the default kill.
+    signals: contextlib.AbstractContextManager[asyncio.Event] = (
+        shutdown_signals() if stop is None else contextlib.nullcontext(stop)
+    )
+    with signals as stopping:
+        starting = asyncio.ensure_future(server.start())
+        stopped = asyncio.ensure_future(stopping.wait())
+        # Starting workers takes a moment: a stop meanwhile ends the start (start cleans up
+        # after itself when cancelled) rather than waiting for it.
+        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StartError, OSError):
+                await starting
+            return Served(started=False, capture=None)
+        stopped.cancel()
+        try:
+            starting.result()
+        except (StartError, OSError) as exc:
+            # A port in use (ListenError names the listener, the address and the cause), a
+            # worker that could not start: one line, not a traceback.
+            raise ServeError(str(exc)) from None
+        fanout = server.fanout if isinstance(server, Collector) else server.proxy.fanout
+        capture = next((sink for sink in fanout.sinks if isinstance(sink, CaptureSink)), None)
+        try:
+            settle_gc()
+            if isinstance(server, ProxyServer):
+                server.stalls.clear()  # that collection was ours, at start, with no traffic
+            if on_ready is not None:
+                on_ready(RunningProxy(server.url, server.admin_url, workers, server))
+            await stopping.wait()
+            if on_stopping is not None:
+                on_stopping()
+        finally:
+            await server.close()
+    if capture is None:
+        return Served(started=True, capture=None)
+    return Served(
+        started=True,
+        capture=CaptureTotals(
+            directory=str(config.capture_dir),
+            written=capture.written,
+            files=len(capture.files),
+            dropped_queue_full=capture.dropped_queue_full,
+            dropped_write_errors=capture.dropped_write_errors,
+            dropped_unwritable=capture.dropped_unwritable,
+        ),
+    )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from sidecar.record import EngineTiming, Outcome, RequestRecord, Timeline
+from sidecar.record import EngineTiming, Int64s, Outcome, RequestRecord, Timeline
 
 
 def random_records(seed: int, n: int, start_wall_ns: int = 10**18) -> list[RequestRecord]:
@@ -25,9 +25,13 @@ def random_records(seed: int, n: int, start_wall_ns: int = 10**18) -> list[Reque
         end = None if rng.random() < 0.2 else at + rng.randint(0, 10**6)
         # n > 1 for a fifth of them: interleaved choices, one choice column per event.
         n = rng.choice([1, 1, 1, 1, 2, 3])
-        choices = [rng.randrange(n) for _ in offsets] if n > 1 else None
+        choices = Int64s(rng.randrange(n) for _ in offsets) if n > 1 else None
         return Timeline(
-            start_ns=start, offsets_ns=offsets, tokens=tokens, end_ns=end, choices=choices
+            start_ns=start,
+            offsets_ns=Int64s(offsets),
+            tokens=Int64s(tokens),
+            end_ns=end,
+            choices=choices,
         )
 
     for i in range(n):

@@ -106,7 +106,7 @@ def assert_vllm_error(obj: Any, status: int | None = None) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}`` with a non-empty message and type,
     and code == status when given. Returns the inner error object."""
     assert isinstance(obj, dict) and set(obj) == {"error"}, obj
-    error = obj["error"]
+    error: dict[str, Any] = obj["error"]
     assert list(error) == ["message", "type", "param", "code"], error
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str) and error["type"]

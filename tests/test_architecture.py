@@ -116,3 +116,47 @@ def test_the_rules_catch_violations() -> None:
         "unit 'protocol' may not depend on 'aiohttp'"
     ]
     assert violations("cli", ["vllm.engine"]) != []
+
+
+# -- the commands are the library's callers, never its parts ----------------------------------
+
+# The modules that may import a command module (`cli.py` of the package or of a unit, or a
+# `*_cli.py`): the front door, and `python -m sidecar`. A command only parses, calls the
+# library (replay/session.py, replay/sweep_session.py, serve.py, ...) and prints: what another
+# module would want from it belongs in the library.
+COMMAND_IMPORTERS = {"cli.py", "__main__.py"}
+
+
+def is_command_module(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1]
+    return module.startswith("sidecar") and (last == "cli" or last.endswith("_cli"))
+
+
+def command_imports(source: str) -> list[str]:
+    """The command modules ``source`` imports, with ``from package import x_cli`` too."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found.extend(name for name in names if is_command_module(name))
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_the_front_door_imports_a_command(path: Path) -> None:
+    if str(path.relative_to(PACKAGE)) in COMMAND_IMPORTERS:
+        return
+    assert command_imports(path.read_text()) == []
+
+
+def test_the_command_rule_catches_violations() -> None:
+    assert command_imports("from sidecar.replay import replay_cli, load") == [
+        "sidecar.replay.replay_cli"
+    ]
+    assert command_imports("import sidecar.replay.sweep_cli") == ["sidecar.replay.sweep_cli"]
+    assert command_imports("from sidecar.sim import cli as sim_cli") == ["sidecar.sim.cli"]
+    assert command_imports("from sidecar.replay import session, sweep_session") == []

@@ -49,15 +49,15 @@ def test_both_sides_are_offsets_from_t_arrive() -> None:
     assert record.server is not None
     assert (
         record.server.start_ns,
-        record.server.offsets_ns,
-        record.server.tokens,
+        tuple(record.server.offsets_ns),
+        tuple(record.server.tokens),
         record.server.end_ns,
         record.server.events_total,
     ) == (20, (100, 200), (1, 2), 210, 3)
     assert (
         record.client.start_ns,
-        record.client.offsets_ns,
-        record.client.tokens,
+        tuple(record.client.offsets_ns),
+        tuple(record.client.tokens),
         record.client.end_ns,
         record.client.events_total,
     ) == (0, (130, 230), (1, 2), 240, 2)

@@ -478,7 +478,8 @@ def prometheus_config(sidecar_admin: str, replicas: list[str], replay: str) -> s
     jobs["replay"]["static_configs"] = [{"targets": [replay]}]
     # No OpenTelemetry collector runs here; nothing in grafana/ queries its series.
     config["scrape_configs"] = [jobs[SIDECAR_JOB], jobs["vllm"], jobs["replay"]]
-    return yaml.safe_dump(config, sort_keys=False)
+    dumped: str = yaml.safe_dump(config, sort_keys=False)
+    return dumped
 
 
 def start_replay(tmp_path: Path, target: str, metrics: str) -> asyncio.Task[int]:
@@ -669,19 +670,20 @@ def check_every_expression(prometheus: Prometheus, replica_addresses: list[str])
                 continue
             # "default" declares every threshold (ttft, tpot, e2e) in the shipped sidecar.toml;
             # "batch" declares only e2e, so its TTFT threshold line is rightly empty.
-            concrete[var] = PREFERRED.get(var) if PREFERRED.get(var) in values else values[0]
+            preferred = PREFERRED.get(var)
+            concrete[var] = preferred if preferred and preferred in values else values[0]
             every[var] = variable["allValue"]
         if "model" in concrete:
             assert concrete["model"] == MODEL
             assert concrete["replica"] in replica_addresses
-        for values in (every, concrete):
+        for bindings in (every, concrete):
             for where, expr in dashboard_queries():
                 if not where.startswith(name):
                     continue
                 evaluated += 1
-                problem = returns_data(prometheus, substitute(expr, values))
+                problem = returns_data(prometheus, substitute(expr, bindings))
                 if problem:
-                    failures.append(f"{where} with {values}: {problem}\n    {expr}")
+                    failures.append(f"{where} with {bindings}: {problem}\n    {expr}")
     assert not failures, f"{len(failures)} of {evaluated} failed:\n" + "\n".join(failures)
     assert evaluated > 200
 

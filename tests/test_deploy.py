@@ -72,7 +72,7 @@ from sidecar.tracefile import TraceReader
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the pyproject.toml checks skip
-    tomllib = None  # type: ignore[assignment]
+    tomllib = None  # type: ignore[assignment, unused-ignore]  # an error for mypy on 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy/kubernetes"
@@ -261,7 +261,9 @@ def test_the_image_carries_oci_labels() -> None:
     labels: dict[str, str] = {}
     for keyword, rest in final:
         if keyword == "LABEL":
-            labels.update(item.split("=", 1) for item in shlex.split(rest))
+            for item in shlex.split(rest):
+                key, value = item.split("=", 1)
+                labels[key] = value
     defaults = arg_defaults(final)
     project = pyproject()
     prefix = "org.opencontainers.image."
@@ -674,7 +676,9 @@ def test_kubectl_renders_with_kustomize_v5() -> None:
     )
     versions = json.loads(done.stdout)
     major, minor = versions["clientVersion"]["major"], versions["clientVersion"]["minor"]
-    assert (int(major), int(re.match(r"\d+", minor).group())) >= (1, 27), versions
+    minor_number = re.match(r"\d+", minor)
+    assert minor_number, versions
+    assert (int(major), int(minor_number.group())) >= (1, 27), versions
     assert versions["kustomizeVersion"].startswith("v5"), versions
 
 
@@ -784,7 +788,8 @@ def sidecar_config(
 
 
 def is_sidecar_proxy(container: dict[str, Any]) -> bool:
-    return container["image"].startswith("vllm-sidecar") and container["args"][0] == "proxy"
+    image: str = container["image"]
+    return image.startswith("vllm-sidecar") and container["args"][0] == "proxy"
 
 
 def check_admin_token(container: dict[str, Any]) -> Any:
@@ -865,7 +870,9 @@ def test_sidecar_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
     # vLLM's preStop keeps it serving while the sidecar drains, within the grace period.
     command = by_name["vllm"]["lifecycle"]["preStop"]["exec"]["command"]
     assert command[:2] == ["python3", "-c"]
-    timeout = float(re.search(r'"DRAIN_TIMEOUT_S", "(\d+)"', command[2]).group(1))
+    drain_timeout = re.search(r'"DRAIN_TIMEOUT_S", "(\d+)"', command[2])
+    assert drain_timeout, command
+    timeout = float(drain_timeout.group(1))
     assert 5 + SIDECAR_DRAIN_S < timeout < pod["terminationGracePeriodSeconds"]
     assert f'"DRAIN_SIDECAR_PORT", "{config.listen_port}"' in command[2]
     assert f'"DRAIN_VLLM_PORT", "{vllm_port}"' in command[2]
@@ -1608,16 +1615,22 @@ def relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, st
         match = re.fullmatch(rule.get("regex", "(.*)"), value)
         if match is None:
             continue
-        result = re.sub(
-            r"\$\{(\w+)\}|\$(\w+)",
-            lambda g, m=match: m.group(int(g.group(1) or g.group(2))) or "",
-            rule.get("replacement", "$1"),
-        )
+        result = prometheus_expand(match, rule.get("replacement", "$1"))
         if result:
             out[rule["targetLabel"]] = result
         else:
             out.pop(rule["targetLabel"], None)
     return out
+
+
+def prometheus_expand(match: re.Match[str], replacement: str) -> str:
+    """A relabeling rule's replacement with ``$1``/``${1}`` filled from the regex's groups (an
+    unmatched group gives "")."""
+    return re.sub(
+        r"\$\{(\w+)\}|\$(\w+)",
+        lambda g: match.group(int(g.group(1) or g.group(2))) or "",
+        replacement,
+    )
 
 
 def replica_label(upstream: str) -> str:
@@ -1885,7 +1898,9 @@ def test_compose_health_checks_password_and_load_scraping(name: str) -> None:
     assert "static_configs" not in jobs["replay"]
     (lookup,) = jobs["replay"]["dns_sd_configs"]
     load_args = " ".join(service_command(services["load"]))
-    port = int(re.search(r"--metrics-listen \S+:(\d+)", load_args).group(1))
+    metrics_listen = re.search(r"--metrics-listen \S+:(\d+)", load_args)
+    assert metrics_listen, load_args
+    port = int(metrics_listen.group(1))
     assert lookup == {"names": ["load"], "type": "A", "port": port, "refresh_interval": "10s"}
     if name == "docker-compose.yml":
         assert services["load"]["profiles"] == ["load"]

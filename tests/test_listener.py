@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
 import pytest
 from proxy_stack import stack
@@ -130,7 +131,7 @@ async def test_connections_beyond_the_cap_get_503_and_a_record() -> None:
         ("X-Big: " + "a" * 5000 + "\r\n", {"max_header_bytes": "4096"}),
     ],
 )
-async def test_too_many_or_too_large_headers_get_431(extra: str, limit: dict[str, str]) -> None:
+async def test_too_many_or_too_large_headers_get_431(extra: str, limit: dict[str, Any]) -> None:
     async with stack(**limit) as s:
         reader, writer = await connect(s.url)
         writer.write(request_bytes("big", extra=extra))
@@ -231,6 +232,25 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
     assert ids == [b"one", b"two", b"three"]
     assert answer.count(b"data: [DONE]") == 3
     assert all(r.outcome is Outcome.OK for r in records)
+
+
+async def test_a_client_that_leaves_during_a_pipelined_request_is_noticed_at_once() -> None:
+    """The second request waited behind the first (reading paused); once it is handled, reading
+    goes on as for a request that came alone, so the client's leaving is seen while the replica
+    still holds its answer (5 s here), not after it was written to nobody."""
+    async with stack() as s:
+        reader, writer = await connect(s.url)
+        writer.write(
+            request_bytes("first")
+            + request_bytes("second", extra="X-Sim-Fault: slow_headers_ms=5000\r\n")
+        )
+        await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n"), 10)
+        await asyncio.sleep(0.2)  # the second request is with the replica now
+        await close(writer)
+        first, second = await asyncio.wait_for(settle(s.server, s.records, 2, s.replicas), 3.0)
+    assert first.request_id == "first" and first.outcome is Outcome.OK
+    assert second.request_id == "second"
+    assert second.outcome is Outcome.CLIENT_CANCELLED and second.error_type == "client_disconnected"
 
 
 async def test_an_upstream_speaking_broken_http_is_a_502() -> None:

@@ -63,6 +63,7 @@ def _sample(name: str, tmp: Any) -> tuple[str, Any, dict[str, str]]:
     """(text to give, the value it becomes, other settings it needs) for one setting."""
     defaults = {f.name: f.default for f in fields(ProxyConfig)}
     kind = SETTINGS[name].kind
+    value: Any
     if kind is BOOL:
         flipped = not defaults[name]
         text, value = ("1" if flipped else "0"), flipped
@@ -207,3 +208,25 @@ def test_a_script_plans_as_the_command_does() -> None:
     assert closed.mode == "closed"
     with pytest.raises(UsageError, match="--max-concurrency must be >= 1"):
         load.plan(requests, ReplayOptions("t", "http://x", max_concurrency=0), "m")
+
+
+# -- sweep: the command line and scripts build the same options ---------------------------
+
+
+def test_sweep_options_have_the_flags_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.replay import sweep_cli
+    from sidecar.replay.options import SweepOptions
+
+    monkeypatch.delenv("SIDECAR_ADMIN_TOKEN", raising=False)
+    parser = argparse.ArgumentParser()
+    sweep_cli.add_arguments(parser)
+    target = "http://127.0.0.1:8000"
+    argv = ["--target", target, "--slo", "ttft=1s", "--dataset", "synthetic:in=8,out=2"]
+    args = parser.parse_args([*argv, "--auto"])
+    # Every flag is an option, and a script's options are the command line's defaults.
+    assert set(vars(args)) == {f.name for f in fields(SweepOptions)}
+    assert SweepOptions.from_args(args) == SweepOptions(
+        target, "ttft=1s", dataset="synthetic:in=8,out=2", auto=True
+    )
+    rates = SweepOptions.from_args(parser.parse_args([*argv, "--rates", "4,1,2"]))
+    assert rates.rates == (1.0, 2.0, 4.0) and not rates.auto

@@ -531,7 +531,7 @@ async def test_events_of_one_read_leave_in_one_write_with_one_stamp() -> None:
 @pytest.mark.parametrize("settings", [{}, {"assemble_nonstream": "true"}])
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_refused_request_gets_the_answer_to_its_own_body(
-    settings: dict[str, str], stream: bool
+    settings: dict[str, Any], stream: bool
 ) -> None:
     """The proxy rewrote the body (usage injected, or streaming for an assembled answer) and the
     replica refused it; a refusal can describe the body it got (vLLM counts its members, the
@@ -594,8 +594,8 @@ async def test_the_client_vantage_starts_at_the_requests_first_byte(tmp_path: Pa
     ]
     # The client paused 300 ms mid-upload; the proxy's stamps are taken where its loop reads
     # the bytes, so allow for a loop that woke a little late or early (no timing claim here).
-    assert line["request_read_s"] == record.request_read_ns / 1e9 and line["ttft_s"] >= 0.25
     assert record.request_read_ns is not None and record.request_read_ns >= 250_000_000
+    assert line["request_read_s"] == record.request_read_ns / 1e9 and line["ttft_s"] >= 0.25
     assert record.server is not None and record.server.start_ns >= record.request_read_ns
     # Client TTFT counts from t_arrive: the upload is in it, and not in the server's.
     assert record.client.offsets_ns[0] >= 250_000_000

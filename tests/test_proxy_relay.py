@@ -1,5 +1,6 @@
-"""The relay's pure parts (sidecar/proxy/relay.py): the headers it forwards, the request id
-it keeps, the prefix key it routes on, the paths it refuses and the error event it writes.
+"""The relay's pure parts (sidecar/proxy/relay.py, headers.py): the headers it forwards, the
+request id it keeps, the prefix key it routes on, the paths it refuses and the error event it
+writes.
 The relay serving traffic is tested through a running proxy (tests/test_proxy*.py); its
 timeouts in tests/test_relay_timeouts.py."""
 
@@ -8,13 +9,8 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from sidecar.proxy.relay import (
-    error_event,
-    filtered_headers,
-    has_dot_segment,
-    prompt_prefix_key,
-    request_id_from,
-)
+from sidecar.proxy.headers import filtered_headers, has_dot_segment, request_id_from
+from sidecar.proxy.relay import error_event, prompt_prefix_key
 from sidecar.proxy.shape import chat_text
 
 

@@ -314,9 +314,10 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
         ("ttft", [x.ttft_s for x in captured if x.ttft_s is not None]),
         ("e2e", [x.e2e_s for x in captured if x.e2e_s is not None]),
     ):
-        expected = stats.summarize(values).to_dict()
+        summary = stats.summarize(values)
+        expected = summary.to_dict()
         shown = snapshot["vantages"]["client"][metric_name]
-        assert shown["count"] == expected["count"] > 0
+        assert shown["count"] == summary.count > 0
         for key in ("p50", "p90", "p99", "mean", "max"):
             assert shown[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12), key
 
@@ -369,7 +370,7 @@ def test_healthz_is_503_while_no_worker_serves(tmp_path: Path) -> None:
         (worker,) = get(admin + "/workers")["workers"]
         os.kill(worker["pid"], signal.SIGKILL)
         # Until it is started again (after a 0.5 s backoff at least), nothing serves.
-        seen = []
+        seen: list[tuple[int, dict[str, Any]]] = []
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and (
             not seen or seen[-1][0] != 200 or all(code == 200 for code, _ in seen)

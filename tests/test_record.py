@@ -8,6 +8,7 @@ import pytest
 from sidecar.record import (
     ChunkMark,
     EngineTiming,
+    Int64s,
     Outcome,
     RequestRecord,
     RequestShape,
@@ -24,8 +25,14 @@ def full_record() -> RequestRecord:
         outcome=Outcome.OK,
         endpoint="chat",
         model="m",
+        # Tuples on purpose: a Timeline packs any sequence of ints it is given (its fields are
+        # annotated with the packed type only).
         client=Timeline(
-            start_ns=0, offsets_ns=(120, 150), tokens=(1, 3), end_ns=160, events_total=4
+            start_ns=0,
+            offsets_ns=(120, 150),  # type: ignore[arg-type]
+            tokens=(1, 3),  # type: ignore[arg-type]
+            end_ns=160,
+            events_total=4,
         ),
         server=Timeline.from_marks(
             start_ns=5, marks=(ChunkMark(119, 1), ChunkMark(149, 3)), end_ns=158, events_total=5
@@ -73,7 +80,7 @@ def test_timeline_columns_and_marks_agree() -> None:
     assert timeline.to_dict()["marks"] == [[119, 1], [149, 3]]
     # A count missing for an event is refused rather than silently paired with the next one.
     with pytest.raises(ValueError, match="one token count per event"):
-        Timeline(start_ns=0, offsets_ns=(1, 2), tokens=(1,))
+        Timeline(start_ns=0, offsets_ns=Int64s((1, 2)), tokens=Int64s((1,)))
 
 
 def test_packed_columns_behave_as_immutable_int_sequences() -> None:

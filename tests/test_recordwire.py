@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -164,11 +165,8 @@ def test_a_streamed_record_by_hand() -> None:
     # The shared token column travels once and comes back as one object for both sides.
     assert decoded.server is not None and decoded.client.tokens is decoded.server.tokens
     alone = encode_record(
-        RequestRecord(
-            **{
-                **_fields(record),
-                "client": Timeline(0, Int64s([10, 20, 30, 40]), Int64s([9, 9, 9, 9]), 50, 6),
-            }
+        dataclasses.replace(
+            record, client=Timeline(0, Int64s([10, 20, 30, 40]), Int64s([9, 9, 9, 9]), 50, 6)
         )
     )
     assert len(alone) == len(wire) + 4 * 8
@@ -235,7 +233,3 @@ def test_unknown_versions_and_garbage_are_refused() -> None:
     bad[1 + flags_size] = 200
     with pytest.raises(WireError):
         decode_record(bytes(bad))
-
-
-def _fields(record: RequestRecord) -> dict[str, object]:
-    return {name: getattr(record, name) for name in RequestRecord.__dataclass_fields__}

@@ -41,7 +41,8 @@ from sidecar.sim.server import SimConfig, start_replicas
 
 MODES = ("stream", "whole", "assembled")
 ENDPOINTS = ("chat", "completions")
-TIMEOUTS = {"ttft_timeout": "400ms", "idle_timeout": "400ms"}
+# Settings of `stack` (Any, as it takes them: a str where it could fill n_replicas is an error).
+TIMEOUTS: dict[str, Any] = {"ttft_timeout": "400ms", "idle_timeout": "400ms"}
 # Only a relayed non-stream has no TTFT or idle timeout: there the total timeout is the bound.
 WHOLE_TOTAL_TIMEOUT = "1s"
 STALL_MS = 3000  # far beyond every timeout above: the proxy must give up first

@@ -19,7 +19,7 @@ from proxy_stack import stack
 
 from sidecar import clock
 from sidecar.engine_metrics import parse_engine_metrics
-from sidecar.replay import replay_cli
+from sidecar.replay import replay_cli, session
 from sidecar.replay.payload import (
     PayloadError,
     TokenCalibration,
@@ -550,28 +550,26 @@ def test_replay_and_lint_skip_the_same_lines_for_the_same_reasons(tmp_path: Path
     ]
     trace = tmp_path / "t.jsonl"
     write_trace(trace, TraceHeader(source="test"), lines)
-    sendable, skipped = replay_cli.split_replayable(
+    sendable, skipped = session.split_replayable(
         list(TraceReader(trace).numbered()), use_captured_body=True
     )
     assert [r.t for r in sendable] == [0.0, 0.4, 0.5]
     assert skipped == [
-        replay_cli.SkippedLine(3, "n_in=0: prompt size unknown"),
-        replay_cli.SkippedLine(4, "n_in missing: prompt size unknown"),
-        replay_cli.SkippedLine(5, "n_out and max_tokens missing: output length unknown"),
+        session.SkippedLine(3, "n_in=0: prompt size unknown"),
+        session.SkippedLine(4, "n_in missing: prompt size unknown"),
+        session.SkippedLine(5, "n_out and max_tokens missing: output length unknown"),
     ]
     (finding,) = [f for f in lint_trace(trace).findings if f.code == "cannot-replay"]
     assert finding.examples == [f"line {s.line}: {s.reason}" for s in skipped]
-    assert replay_cli.skipped_summary(skipped, 6, str(trace)) == (
+    assert session.skipped_summary(skipped, 6, str(trace)) == (
         "skipped 3 of 6 trace lines that cannot be replayed: line 3 (n_in=0: prompt size "
         "unknown), line 4 (n_in missing: prompt size unknown), line 5 (n_out and max_tokens "
         "missing: output length unknown)"
     )
-    _, skipped_without_bodies = replay_cli.split_replayable(
+    _, skipped_without_bodies = session.split_replayable(
         list(TraceReader(trace).numbered()), use_captured_body=False
     )
-    assert skipped_without_bodies[-1] == replay_cli.SkippedLine(
-        7, "n_in missing: prompt size unknown"
-    )
+    assert skipped_without_bodies[-1] == session.SkippedLine(7, "n_in missing: prompt size unknown")
 
 
 def test_a_request_of_n_choices_is_rebuilt_with_its_n() -> None:

@@ -1,4 +1,4 @@
-"""The request head reader (sidecar/protocol/requesthead.py): the proxy reads the members it
+"""The request head reader (sidecar/proxy/requesthead.py): the proxy reads the members it
 needs as Python's json would, without decoding the prompt; and a proxy that read only the head
 still sends the upstream the body it sent before (appended usage options, a re-encoded
 stream_options with the whole prompt in it)."""
@@ -13,8 +13,8 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.protocol.requesthead import HEAD_MEMBERS, read_head, read_whole
 from sidecar.protocol.rewrite import plan_usage, request_with_usage
+from sidecar.proxy.requesthead import HEAD_MEMBERS, read_head, read_whole
 
 
 def test_only_the_members_present_are_read_and_null_is_kept() -> None:

@@ -49,7 +49,8 @@ CREDENTIALS = (SECRET_KEY, SECRET_API_KEY, SECRET_QUERY_KEY, ADMIN_TOKEN)
 def _completion_text(body: bytes, endpoint: str, streamed: bool) -> str:
     if not streamed:
         choice = json.loads(body)["choices"][0]
-        return choice["message"]["content"] if endpoint == "chat" else choice["text"]
+        content: str = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+        return content
     text = []
     for payload in sse_payloads(body):
         if payload.startswith("{") and '"choices":[{' in payload.replace(" ", ""):

@@ -642,7 +642,7 @@ async def test_minimal_profile_drops_newer_keys(
 
 
 def error_of(body: bytes) -> dict[str, Any]:
-    error = json.loads(body)["error"]
+    error: dict[str, Any] = json.loads(body)["error"]
     assert list(error) == ["message", "type", "param", "code"]
     return error
 
@@ -1492,7 +1492,7 @@ async def test_engine_failure_ends_streams_and_fails_health(
             raise RuntimeError("simulated engine crash")
         return real_step(now_s)
 
-    replica.engine.step = failing_step  # type: ignore[method-assign]
+    replica.engine.step = failing_step
     status, body, _ = await post(
         session,
         running.url + CHAT,

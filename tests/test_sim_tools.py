@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_stack import FAST_ENGINE, stack
-from wire import events, post
+from wire import NAMED, TOOLS, events, post
 
 from sidecar.protocol.openai import ChunkKind, classify_chunk
 from sidecar.record import Outcome, TokenSource
@@ -35,24 +35,6 @@ from sidecar.sim.server import RunningReplica, SimConfig, close_replicas, start_
 from sidecar.sim.tools import ToolCallOutput, read_tool_request, synthetic_value
 
 CHAT = "/v1/chat/completions"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "weather",
-            "description": "The weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-                    "celsius": {"type": "boolean"},
-                },
-                "required": ["city", "celsius"],
-            },
-        },
-    }
-]
-NAMED = {"type": "function", "function": {"name": "weather"}}
 ARGUMENTS = '{"city":"Paris","celsius":true}'  # what the real tiny model wrote, greedily
 TOOL_SIM = SimConfig(
     model="tiny",

@@ -863,7 +863,8 @@ def spans() -> InMemorySpanExporter:
 @pytest.fixture
 def make_traced(make_sink: Any, spans: InMemorySpanExporter) -> Any:
     def make(**kwargs: Any) -> OTelSink:
-        return make_sink(traces=True, span_exporter=spans, **kwargs)
+        sink: OTelSink = make_sink(traces=True, span_exporter=spans, **kwargs)
+        return sink
 
     return make
 

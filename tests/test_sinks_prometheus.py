@@ -26,7 +26,15 @@ from sidecar import stats
 from sidecar.cli import build_proxy_server
 from sidecar.config import build_config
 from sidecar.hooks import SINK_TIMEOUT_S, Sink, SinkFanout, ThreadedSink
-from sidecar.record import ChunkMark, EngineTiming, Outcome, RequestRecord, Timeline, TokenSource
+from sidecar.record import (
+    ChunkMark,
+    EngineTiming,
+    Outcome,
+    RequestRecord,
+    Timeline,
+    TokenSource,
+    Vantage,
+)
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
 from sidecar.sinks.prometheus import (
@@ -495,7 +503,7 @@ async def test_real_prometheus_quantiles_and_goodput_agree_with_the_records(
         ):
             samples: list[float] = []
             for r in records:
-                m = stats.request_metrics(r, stats.Vantage(vantage))
+                m = stats.request_metrics(r, Vantage(vantage))
                 assert m is not None
                 if series == "itl":
                     samples.extend(m.itl_s)
@@ -563,7 +571,9 @@ def dashboard_percentiles() -> dict[tuple[str, str, str], str]:
         match = re.fullmatch(
             r"(TTFT|ITL|TPOT|E2E) (client|server) side: p50, p90, p99", panel["title"]
         )
-        for target in panel.get("targets", []) if match else []:
+        if match is None:
+            continue
+        for target in panel.get("targets", []):
             if target["legendFormat"] in ("p50", "p90", "p99"):
                 found[(match.group(1).lower(), match.group(2), target["legendFormat"])] = target[
                     "expr"
@@ -668,9 +678,9 @@ async def test_dashboard_percentiles_are_within_10_percent_of_the_exact_ones(
     window = f"{round((end - start) * 1000)}ms"
     errors = {}
     for (metric, vantage, label), expr in dashboard_percentiles().items():
-        values = []
+        values: list[float] = []
         for r in records:
-            m = stats.request_metrics(r, stats.Vantage(vantage))
+            m = stats.request_metrics(r, Vantage(vantage))
             assert m is not None
             if metric == "itl":
                 values.extend(m.itl_s)
@@ -781,9 +791,9 @@ async def test_metrics_negotiates_openmetrics_or_the_classic_text() -> None:
                 assert content_type.startswith("application/openmetrics-text"), accept
                 assert body.endswith(b"# EOF\n")
                 assert b"# TYPE sidecar_requests counter" in body
-            for accept in (None, "*/*", "text/plain"):
-                content_type, body = await scrape(accept)
-                assert content_type.startswith("text/plain; version=0.0.4"), accept
+            for plain_accept in (None, "*/*", "text/plain"):
+                content_type, body = await scrape(plain_accept)
+                assert content_type.startswith("text/plain; version=0.0.4"), plain_accept
                 assert b"# EOF" not in body
                 assert b"# TYPE sidecar_requests_total counter" in body
     finally:

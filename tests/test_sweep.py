@@ -16,7 +16,8 @@ import pytest
 from br_v0_2 import errors
 from proxy_stack import stack
 
-from sidecar.replay import sweep_cli
+from sidecar.replay import sweep_cli, sweep_session
+from sidecar.replay.options import SweepOptions
 from sidecar.replay.sweep import (
     Criteria,
     Search,
@@ -106,12 +107,12 @@ def test_criteria_and_datasets_parse() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             parse_criteria(bad)
-    requests = sweep_cli.synthetic_requests("synthetic:in=64,out=8,shared=32", 3)
+    requests = sweep_session.synthetic_requests("synthetic:in=64,out=8,shared=32", 3)
     assert [(r.n_in, r.n_out) for r in requests] == [(64, 8)] * 3
     assert requests[0].prefix is not None and requests[0].prefix.hashes == (1, 2)
     for bad in ("random:in=1,out=1", "synthetic:in=5", "synthetic:in=4,out=1,shared=9"):
         with pytest.raises(ValueError):
-            sweep_cli.synthetic_requests(bad, 1)
+            sweep_session.synthetic_requests(bad, 1)
 
 
 # Four sequences at most, 10 ms per step whatever the batch (flat step time), 20 output tokens:
@@ -348,7 +349,9 @@ def test_a_sweep_over_a_capture_skips_what_replay_skips(
             "1",
         ]
     )
-    runner = sweep_cli.Runner(args, "m", Criteria(thresholds={"ttft": 1.0}))
+    runner = sweep_session.SweepRunner(
+        SweepOptions.from_args(args), "m", Criteria(thresholds={"ttft": 1.0})
+    )
     assert runner.trace is not None and [r.n_in for r in runner.trace] == [20, 30]
     err = capsys.readouterr().err
     assert "skipped 1 of 3 trace lines" in err and "line 3 (n_in missing" in err

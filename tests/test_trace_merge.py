@@ -76,10 +76,9 @@ def test_what_would_mislead_a_replay_is_refused(tmp_path: Path) -> None:
     with pytest.raises(MergeRefused, match="no calendar start"):
         merge_traces([a, c], tmp_path / "out2.jsonl")
     forced = merge_traces([a, c], tmp_path / "out2.jsonl", force=True)
-    assert [(r.request_id, r.t) for r in TraceReader(forced.output).requests()] == [
-        ("x", pytest.approx(0.1)),
-        ("z", pytest.approx(0.3)),
-    ]
+    merged = TraceReader(forced.output).requests()
+    assert [r.request_id for r in merged] == ["x", "z"]
+    assert [r.t for r in merged] == pytest.approx([0.1, 0.3])
 
 
 def test_the_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -126,7 +125,7 @@ async def test_sidecars_sharing_a_key_hash_alike_and_their_captures_merge(tmp_pa
     }
 
     async def one_sidecar(name: str, key_file: Path | None) -> Path:
-        settings: dict[str, str] = {"capture_dir": str(tmp_path / name)}
+        settings: dict[str, Any] = {"capture_dir": str(tmp_path / name)}
         if key_file is not None:
             settings["capture_key_file"] = str(key_file)
         async with stack(**settings) as s, aiohttp.ClientSession() as session:

@@ -1,4 +1,5 @@
-"""What tests send and read on the wire: one JSON POST, and the events of an SSE body."""
+"""What tests send and read on the wire: one JSON POST, the events of an SSE body, and the
+tool-call request members that the simulator's tests and the conformance suite both send."""
 
 from __future__ import annotations
 
@@ -6,6 +7,29 @@ import json
 from typing import Any
 
 import aiohttp
+
+# One tool, and tool_choice naming it. A schema whose every value is bounded (an enum, a
+# boolean): structured outputs leave vLLM's random tiny model nothing unbounded to fill
+# max_tokens with, so its calls complete (with a free string it writes characters until
+# max_tokens); the simulator's answers are checked against that model's (test_sim_tools.py).
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                    "celsius": {"type": "boolean"},
+                },
+                "required": ["city", "celsius"],
+            },
+        },
+    }
+]
+NAMED: dict[str, Any] = {"type": "function", "function": {"name": "weather"}}
 
 
 async def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:

@@ -83,7 +83,7 @@ def request_with_usage(raw: bytes, body: dict[str, Any], plan: UsagePlan) -> byt
     ``stream_options`` (its bytes otherwise untouched: no re-encoding of a long prompt, no change
     to its escapes or number spellings); re-encoded from ``raw`` decoded whole only when an
     existing ``stream_options`` has to be edited. ``body`` is ``raw`` decoded, whole or only its
-    top-level members that the plan reads (protocol.requesthead.read_head)."""
+    top-level members that the plan reads (proxy.requesthead.read_head)."""
     if not plan.modifies:
         return raw
     if "stream_options" not in body and body:

@@ -21,6 +21,7 @@ from sidecar.engine_metrics import merge_views
 from sidecar.hooks import ScrapeRunner, SinkFanout
 from sidecar.proxy.listener import ListenerLimits, TrafficServer, raise_open_files_limit
 from sidecar.proxy.relay import Proxy
+from sidecar.proxy.stalls import StallMonitor
 
 
 def build_traffic_server(proxy: Proxy) -> TrafficServer:
@@ -159,6 +160,10 @@ class ProxyServer:
         self._admin_routes: list[web.RouteDef] = list(admin_routes)
         self._runners: list[web.AppRunner] = []
         self.traffic: TrafficServer | None = None
+        # Loop lag and GC pauses of this process's loop, which stamps every chunk (stalls.py),
+        # measured while it serves (start to close). Exported by `sinks.prometheus.StallCollector`
+        # as worker "0": the one process is the only data plane, as worker 0 of one.
+        self.stalls = StallMonitor()
         self._close_hooks: list[Callable[[], Awaitable[None]]] = []
         self.url = ""
         self.admin_url = ""
@@ -196,6 +201,7 @@ class ProxyServer:
         except BaseException:
             await self.close()
             raise
+        self.stalls.install()
 
     async def _serve(self, runner: web.AppRunner, host: str, port: int) -> str:
         await runner.setup()
@@ -214,6 +220,7 @@ class ProxyServer:
             await runner.cleanup()
         self._runners.clear()
         await self.proxy.close()
+        self.stalls.uninstall()
         hooks, self._close_hooks = self._close_hooks, []
         for hook in hooks:
             await hook()

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from aiohttp import web
 from sidecar.config import ProxyConfig, read_capture_key
 from sidecar.engine_metrics import merge_views
 from sidecar.hooks import LogThrottle, SinkFanout
+from sidecar.proxy import stalls
 from sidecar.proxy.app import ListenError, admin_auth, plain_server_header, readiness
 from sidecar.proxy.channel import FrameProtocol, Kind, json_frame, parse_json
 from sidecar.proxy.probes import check_health, scrape_engine
@@ -59,7 +60,8 @@ RESTART_BACKOFF_MIN_S = 0.5
 RESTART_BACKOFF_MAX_S = 10.0
 STABLE_AFTER_S = 30.0  # a worker that lived this long resets the restart backoff
 
-# Counters a worker's status carries, summed over its incarnations.
+# Counters a worker's status carries, summed over its incarnations (and its stall figures,
+# stalls.counters: the maxima among them are merged by max, see `_merge`).
 _STATUS_COUNTERS = (
     "requests_total",
     "records_total",
@@ -133,6 +135,7 @@ class WorkerProcess:
             counts[f"replica_ejections:{i}"] = int(row[2])
         for name, errors in status.get("sink_errors", {}).items():
             counts[f"sink_errors:{name}"] = int(errors)
+        counts.update(stalls.counters(status.get("stalls")))
         # A status is up to one interval old, and records arrive as they are made: every
         # record received stands for a request, whatever the last status said.
         accounted = _accounted(counts)
@@ -153,10 +156,20 @@ class WorkerSlot:
 
     def totals(self) -> Counter[str]:
         totals: Counter[str] = Counter()
-        totals.update(self.retired)
+        _merge(totals, self.retired)
         if self.current is not None:
-            totals.update(self.current.counters())
+            _merge(totals, self.current.counters())
         return totals
+
+
+def _merge(totals: Counter[str], counts: Mapping[str, int]) -> None:
+    """Add ``counts`` to ``totals``: counters add up (over incarnations, over workers), a
+    maximum (the largest stall seen) is the larger of the two."""
+    for key, value in counts.items():
+        if stalls.is_maximum(key):
+            totals[key] = max(totals[key], value)
+        else:
+            totals[key] += value
 
 
 def _accounted(counts: Counter[str]) -> int:
@@ -481,7 +494,7 @@ class Collector:
         # in flight when it died (a worker that stopped cleanly sent its final status after
         # its last record, so this is 0 for it). Requests after its last status are unknown.
         counts["lost"] = max(0, int(worker.status.get("requests_total", 0)) - _accounted(counts))
-        slot.retired.update(counts)
+        _merge(slot.retired, counts)
         slot.last_exit = describe_exit(worker.proc.returncode)
         slot.current = None
 
@@ -609,7 +622,7 @@ class Collector:
     def totals(self) -> Counter[str]:
         totals: Counter[str] = Counter()
         for slot in self.slots:
-            totals.update(slot.totals())
+            _merge(totals, slot.totals())
         return totals
 
     def replicas_view(self) -> dict[str, Any]:
@@ -680,6 +693,8 @@ class Collector:
                 }
                 for r, row in zip(self.replicas, status.get("replicas", []), strict=False)
             ],
+            # Loop lag and GC pauses, all incarnations: how late this worker's stamps may be.
+            "stalls": stalls.summary(stalls.from_counters(t)),
         }
 
     def worker_states(self) -> list[dict[str, Any]]:
@@ -698,6 +713,7 @@ class Collector:
                     "encode_errors": t["encode_errors"],
                     "decode_errors": t["decode_errors"],
                     "lost": t["lost"],
+                    "stalls": stalls.from_counters(t),
                 }
             )
         return states
@@ -711,6 +727,8 @@ class Collector:
             "restarts": sum(slot.restarts for slot in self.slots),
             "channel_buffer_bytes": self.config.channel_buffer_bytes,
             "status_interval_s": self.status_interval_s,
+            # Over all workers: sums, and the largest stall any of them saw.
+            "stalls": stalls.summary(stalls.from_counters(self.totals())),
         }
 
 

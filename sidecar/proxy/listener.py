@@ -552,6 +552,11 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._queue:
             self._dispatch()
+            if not self._queue:
+                # The request that waited is handled now like one that came alone: reading
+                # goes on, so that a client that leaves during it is noticed at once (paused,
+                # its close went unseen until the answer was written).
+                transport.resume_reading()
             return
         if self._in_message:
             # A pipelined request is half here: its deadlines start now.

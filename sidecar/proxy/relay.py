@@ -45,7 +45,6 @@ from sidecar.protocol.openai import (
     safe_error_type,
     stream_usage_options,
 )
-from sidecar.protocol.requesthead import read_head, read_whole
 from sidecar.protocol.rewrite import (
     NO_CHANGE,
     UsagePlan,
@@ -69,6 +68,7 @@ from sidecar.proxy.listener import (
     Rejection,
 )
 from sidecar.proxy.probes import check_health, scrape_engine
+from sidecar.proxy.requesthead import read_head, read_whole
 from sidecar.proxy.routing import Replica, Router
 from sidecar.proxy.shape import PrefixHasher, chat_text, request_shape
 from sidecar.proxy.stream_relay import MeteredRead, write_paced
@@ -711,7 +711,7 @@ class Proxy:
         a stream to assemble), the headers, the routing keys."""
         config = self.config
         body = request.body
-        # The members the proxy reads, not the prompt (protocol/requesthead.py: a long prompt
+        # The members the proxy reads, not the prompt (proxy/requesthead.py: a long prompt
         # decoded here would hold every stream on this loop). The paths that need the prompt
         # (assembling, prefix routing, capture) decode the body whole.
         parsed: Any = read_head(body)

@@ -11,7 +11,8 @@ no health checks, no engine scrapes (the collector runs those once for all worke
 pushes replica health here), no window, no Prometheus. Its only sink, `ChannelSink`, encodes
 each finished record (recordwire.py) and hands it to the channel's transport; when more than
 ``channel_buffer_bytes`` wait for the collector, the record is dropped and counted. Every
-``status_interval`` (and once more at exit) it reports its counters.
+``status_interval`` (and once more at exit) it reports its counters, and its own stalls
+(stalls.py: loop lag and GC pauses, how late its stamps may be).
 
 Stops on the collector's STOP frame, on SIGTERM, or when the channel closes (the collector is
 gone): stop accepting, let in-flight requests finish, send the last records and status, exit.
@@ -44,6 +45,7 @@ from sidecar.proxy.channel import FrameProtocol, Kind, frame, json_frame, parse_
 from sidecar.proxy.listener import TrafficServer
 from sidecar.proxy.recordwire import encode_record
 from sidecar.proxy.relay import Proxy
+from sidecar.proxy.stalls import StallMonitor
 from sidecar.record import RequestRecord
 
 log = logging.getLogger("sidecar.worker")
@@ -267,6 +269,8 @@ class Worker:
         self.proxy: Proxy | None = None
         self.sink: ChannelSink | None = None
         self.index = -1
+        # Loop lag and GC pauses of this process (stalls.py): how late its stamps may be.
+        self.stalls = StallMonitor()
         self._early_health: Mapping[str, Any] | None = None
 
     def _on_frame(self, kind: int, payload: bytes) -> None:
@@ -322,6 +326,8 @@ class Worker:
                 [r.outstanding, r.requests_total, r.ejections, r.consecutive_failures, r.healthy]
                 for r in proxy.router.replicas
             ],
+            # Cumulative since this process started; the collector adds up incarnations.
+            "stalls": self.stalls.snapshot(),
         }
 
     async def _report(self, interval_s: float, bound: int) -> None:
@@ -382,6 +388,9 @@ class Worker:
             return 2
         gc.collect()  # as cli.settle_gc: start-up objects out of the collector's reach
         gc.freeze()
+        # From here on: the start-up (and its one full collection above) is not traffic's
+        # stall, and would otherwise be every worker's largest.
+        self.stalls.install()
         self.protocol.send(json_frame(Kind.READY, {"pid": os.getpid()}))
         reporter = asyncio.create_task(self._report(float(hello["status_interval"]), bound))
         try:
@@ -398,6 +407,7 @@ class Worker:
             for server in servers:
                 await server.close()
             await proxy.close()
+            self.stalls.uninstall()
         self.protocol.send(json_frame(Kind.STATUS, self.status(final=True)))
         await self._drain()
         return 0

@@ -68,7 +68,8 @@ class ReplayOptions:
         return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
 
 
-def _admin_token_from_environment() -> str | None:
+def admin_token_from_environment() -> str | None:
+    """`sidecar sweep --admin-token`'s default, and a script's."""
     return os.environ.get("SIDECAR_ADMIN_TOKEN")
 
 
@@ -104,7 +105,7 @@ class SweepOptions:
     quiet: bool = False
     # The flag's default too: the variable, which other local users cannot see in the process
     # list. Never shown in a repr (a log line, a traceback).
-    admin_token: str | None = field(default_factory=_admin_token_from_environment, repr=False)
+    admin_token: str | None = field(default_factory=admin_token_from_environment, repr=False)
 
     def __post_init__(self) -> None:
         # The command line's argument groups hold these; a script's options are checked here.

@@ -7,7 +7,7 @@
   a KV cache can reuse. Blocks are ``prefix.size`` tokens when the unit is tokens, and
   ``ceil(n_in / len(hashes))`` when hashes were taken over characters. Tokens past the hashed
   blocks are unique to the request. The ids are drawn from `TokenIds`: ids the target's own
-  tokenizer produced (`replay_cli.probe_token_ids`, never one outside its vocabulary), or a
+  tokenizer produced (`target.probe_token_ids`, never one outside its vocabulary), or a
   range the operator gave, or by default 1000-29999.
 - Chat (``endpoint == "chat"``) gets a text prompt of words; with a `TokenCalibration` (from the
   upstream's /tokenize) the word count is chosen to hit ``n_in`` tokens.

@@ -395,9 +395,7 @@ class ReplayResult:
         return ", ".join(f"{cause} x{count}" for cause, count in causes.most_common(3))
 
 
-async def send(
-    prepared: PreparedReplay, *, counters: ReplayCounters | None = None
-) -> ReplayResult:
+async def send(prepared: PreparedReplay, *, counters: ReplayCounters | None = None) -> ReplayResult:
     """Send the warm-up, then the repeats of the plan, and build the report: the median run
     (by median E2E), marked DEGRADED when its sender fell behind. ``counters``: the live
     numbers to update (`live_metrics`)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Protocol
 
@@ -658,6 +658,8 @@ class WorkerState:
     encode_errors: int
     decode_errors: int
     lost: int  # requests a worker counted and never sent a record for, before it died
+    # Its loop lag and GC pauses, all incarnations (proxy/stalls.py's snapshot format).
+    stalls: Mapping[str, Any] = field(default_factory=dict)
 
 
 class WorkerCollector(Collector):
@@ -713,6 +715,80 @@ class WorkerCollector(Collector):
         yield restarts
         yield received
         yield dropped
+        yield from stall_metrics((s.worker, s.stalls) for s in states)
+
+
+def stall_metrics(snapshots: Iterable[tuple[str, Mapping[str, Any]]]) -> Iterator[Metric]:
+    """Loop lag and GC pauses per process that relays (label ``worker``), from snapshots in
+    the format of sidecar/proxy/stalls.py (``bounds_s``; ``loop_lag`` and ``gc_pause`` by
+    generation, each ``counts`` per bucket, ``sum_ns``, ``max_ns``). Every chunk is stamped on
+    that process's loop: a stamp taken during a stall is late by up to the stall."""
+    lag = HistogramMetricFamily(
+        "sidecar_loop_lag_seconds",
+        "How late a timer due every 0.1 s ran on the event loop that stamps the chunks: a "
+        "sample of how late a stamp taken at an arbitrary moment is (below 1 ms: uvloop's "
+        "timer granularity, no stall). Compare with your ITL SLO.",
+        labels=("worker",),
+    )
+    lag_max = GaugeMetricFamily(
+        "sidecar_loop_lag_max_seconds",
+        "The largest loop lag seen since the worker started (over its restarts).",
+        labels=("worker",),
+    )
+    pause = HistogramMetricFamily(
+        "sidecar_gc_pause_seconds",
+        "Python garbage-collection pauses, each one, by generation: the event loop (and every "
+        "stamp due meanwhile) waits for the whole pause.",
+        labels=("worker", "generation"),
+    )
+    pause_max = GaugeMetricFamily(
+        "sidecar_gc_pause_max_seconds",
+        "The longest garbage-collection pause seen since the worker started (over its "
+        "restarts), by generation.",
+        labels=("worker", "generation"),
+    )
+    for worker, snapshot in snapshots:
+        bounds = snapshot.get("bounds_s")
+        if not bounds:
+            continue
+        le = [_go_float(float(b)) for b in bounds] + ["+Inf"]
+        _add_stalls(lag, lag_max, [worker], le, snapshot["loop_lag"])
+        for generation, histogram in sorted(snapshot["gc_pause"].items()):
+            _add_stalls(pause, pause_max, [worker, str(generation)], le, histogram)
+    yield lag
+    yield lag_max
+    yield pause
+    yield pause_max
+
+
+def _add_stalls(
+    family: HistogramMetricFamily,
+    gauge: GaugeMetricFamily,
+    labels: list[str],
+    le: list[str],
+    histogram: Mapping[str, Any],
+) -> None:
+    counts = [int(c) for c in histogram["counts"]]
+    # Cumulative, as Prometheus has them: _count is the +Inf bucket.
+    buckets = list(zip(le, accumulate(counts), strict=True))
+    family.add_metric(labels, buckets, int(histogram["sum_ns"]) / NS_PER_S)
+    gauge.add_metric(labels, int(histogram["max_ns"]) / NS_PER_S)
+
+
+class StallCollector(Collector):
+    """`stall_metrics` of the processes ``snapshots`` names (worker label -> snapshot). In one
+    process (`--workers 0`) that is ``{"0": server.stalls.snapshot()}``: the same series as a
+    one-worker proxy, so that dashboards and alerts need no second query. Worker mode needs
+    none: `WorkerCollector` exports its workers' stalls."""
+
+    def __init__(self, snapshots: Callable[[], Mapping[str, Mapping[str, Any]]]) -> None:
+        self.snapshots = snapshots
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from stall_metrics(self.snapshots().items())
 
 
 class CaptureCollector(Collector):

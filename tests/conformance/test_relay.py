@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 import pytest
 from proxy_stack import Collect
+from wire import NAMED, TOOLS
 
 from sidecar.cli import build_proxy_server
 from sidecar.config import build_config
@@ -177,30 +178,9 @@ def completion(**extra: Any) -> dict[str, Any]:
     }
 
 
-# A schema whose every value is bounded (an enum, a boolean): structured outputs leave the
-# random tiny model nothing unbounded to fill max_tokens with, so its calls complete (with a
-# free string it writes characters until max_tokens). The server runs with a tool parser
-# (`sidecar vllm up --tool-calls`, as .ci/run starts it).
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "weather",
-            "description": "The weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-                    "celsius": {"type": "boolean"},
-                },
-                "required": ["city", "celsius"],
-            },
-        },
-    }
-]
-NAMED = {"type": "function", "function": {"name": "weather"}}
-
-
+# TOOLS and NAMED (tests/wire.py, shared with the simulator's tests): a schema whose every
+# value is bounded, so that the random tiny model's calls complete. The server runs with a
+# tool parser (`sidecar vllm up --tool-calls`, as .ci/run starts it).
 def tool_chat(**extra: Any) -> dict[str, Any]:
     """A chat request with TOOLS that lets the model stop: once the call's JSON is complete
     the grammar allows only EOS, which ignore_eos would skip (vLLM then goes on generating
