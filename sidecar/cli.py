@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from sidecar.config import (
     flag_settings,
     load_config_file,
 )
+from sidecar.proxy.logs import install as install_logging
 from sidecar.serve import RunningProxy, ServeError, check_capture_dir, serve
 
 # The proxy's wiring lives in serve.py, which holds no command. The ``X as X`` names are
@@ -115,9 +115,8 @@ async def run_proxy(args: argparse.Namespace) -> int:
         return 2
     for warning in environment_warnings():
         print(f"sidecar proxy: warning: {warning}", file=sys.stderr)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # Off the loop: a stderr nobody reads must not stall the traffic (proxy/logs.py).
+    queued_logs = install_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         served = await serve(
             config,
@@ -129,6 +128,9 @@ async def run_proxy(args: argparse.Namespace) -> int:
     except ServeError as exc:
         print(f"sidecar proxy: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if queued_logs is not None:
+            await asyncio.to_thread(queued_logs.close)  # what is queued is written
     if not served.started:
         return 0
     capture = served.capture
@@ -233,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Commands that live in their own modules (DESCRIPTION, EPILOG, add_arguments, run).
     from sidecar import demo  # imported here: demo builds on this module's wiring
     from sidecar.realvllm import cli as vllm_cli
-    from sidecar.replay import compare, merge, replay_cli, sweep_cli, trace_cli
+    from sidecar.replay import compare_cli, merge_cli, replay_cli, sweep_cli, trace_cli
 
     for name, summary, module in (
         (
@@ -250,13 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
             "compare",
             "compare two replay reports or two sweeps: same envelope, differences "
             "beyond run-to-run noise",
-            compare,
+            compare_cli,
         ),
         (
             "merge",
             "merge the output directories of a sharded replay into one report, "
             "recomputed from the raw records",
-            merge,
+            merge_cli,
         ),
         (
             "trace",

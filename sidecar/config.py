@@ -561,8 +561,36 @@ class ProxyConfig:
         return _slo_specs(self)
 
     def __post_init__(self) -> None:
+        """Refuse a configuration that cannot run (`ConfigError`), checks in a fixed order."""
         if not self.upstreams:
             raise ConfigError("at least one --upstream URL is required")
+        self._check_limits()
+        self._check_capture_needs()
+        self._check_admin()
+        for name in (
+            "capture_rotate_bytes",
+            "capture_queue",
+            "capture_block_chars",
+            "capture_block_tokens",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        thresholds = self.slo_thresholds()
+        for model, name in self.slo_model_classes.items():
+            if name not in thresholds:
+                raise ConfigError(f"model {model!r} maps to undeclared SLO class {name!r}")
+        if (
+            self.listen_port != 0
+            and self.listen_port == self.metrics_port
+            and (self.listen_host == self.metrics_host)
+        ):
+            raise ConfigError(
+                "the metrics port must differ from the traffic port (admin data stays off the "
+                "path clients use)"
+            )
+
+    def _check_limits(self) -> None:
+        """The sizes, counts and durations that bound the proxy."""
         positive_ints = (
             "max_body_bytes",
             "max_concurrency",
@@ -589,12 +617,18 @@ class ProxyConfig:
             raise ConfigError(f"channel_buffer_bytes must be > 0, got {self.channel_buffer_bytes}")
         if self.window_s <= 0:
             raise ConfigError("window_s must be > 0")
+
+    def _check_capture_needs(self) -> None:
+        """The capture options that only mean something with a capture directory."""
         if self.capture_key_file is not None:
             if not self.capture_dir:
                 raise ConfigError("capture_key_file keys capture hashes: it needs --capture DIR")
             read_capture_key(self.capture_key_file)  # refuse a bad key now, not at first use
         if self.capture_text and not self.capture_dir:
             raise ConfigError("capture_text stores prompts and completions: it needs --capture DIR")
+
+    def _check_admin(self) -> None:
+        """The admin listener is guarded by a real token, on loopback, or opened on purpose."""
         if self.admin_token and not self.admin_token.strip():
             # Compared without surrounding whitespace (a Secret file's newline), a blank
             # token would be no token while looking like one.
@@ -611,27 +645,6 @@ class ProxyConfig:
                 "(SIDECAR_ADMIN_TOKEN), or listen on a loopback address (--metrics-listen "
                 "127.0.0.1:PORT), or pass --allow-open-admin (SIDECAR_ALLOW_OPEN_ADMIN=1) when "
                 "the network already restricts who reaches it"
-            )
-        for name in (
-            "capture_rotate_bytes",
-            "capture_queue",
-            "capture_block_chars",
-            "capture_block_tokens",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0")
-        thresholds = self.slo_thresholds()
-        for model, name in self.slo_model_classes.items():
-            if name not in thresholds:
-                raise ConfigError(f"model {model!r} maps to undeclared SLO class {name!r}")
-        if (
-            self.listen_port != 0
-            and self.listen_port == self.metrics_port
-            and (self.listen_host == self.metrics_host)
-        ):
-            raise ConfigError(
-                "the metrics port must differ from the traffic port (admin data stays off the "
-                "path clients use)"
             )
 
 

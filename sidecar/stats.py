@@ -583,6 +583,27 @@ class Throughput:
     total_tokens_per_s: float
     output_tokens_estimated: bool  # some completed request's N_out was not from usage
 
+    @classmethod
+    def of(
+        cls, interval_s: float, completed: int, n_in: int, n_out: int, estimated: bool
+    ) -> Throughput:
+        """The rates of ``completed`` requests and their tokens over ``interval_s``."""
+        rate = _per_second(interval_s)
+        return cls(
+            interval_s=interval_s,
+            completed_requests=completed,
+            requests_per_s=completed * rate,
+            input_tokens_per_s=n_in * rate,
+            output_tokens_per_s=n_out * rate,
+            total_tokens_per_s=(n_in + n_out) * rate,
+            output_tokens_estimated=estimated,
+        )
+
+
+def _per_second(interval_s: float) -> float:
+    """The factor that turns a count over ``interval_s`` into a rate (0.0: no interval)."""
+    return (1.0 / interval_s) if interval_s > 0 else 0.0
+
 
 def throughput(records: Iterable[RequestRecord], interval_s: float) -> Throughput:
     """Completed (ok) requests and their tokens per second over ``interval_s``.
@@ -602,16 +623,7 @@ def throughput(records: Iterable[RequestRecord], interval_s: float) -> Throughpu
         n_out += output_tokens(record, timeline)
         if not record.token_source.total_exact:
             estimated = True
-    rate = (1.0 / interval_s) if interval_s > 0 else 0.0
-    return Throughput(
-        interval_s=interval_s,
-        completed_requests=completed,
-        requests_per_s=completed * rate,
-        input_tokens_per_s=n_in * rate,
-        output_tokens_per_s=n_out * rate,
-        total_tokens_per_s=(n_in + n_out) * rate,
-        output_tokens_estimated=estimated,
-    )
+    return Throughput.of(interval_s, completed, n_in, n_out, estimated)
 
 
 def end_offset_ns(record: RequestRecord) -> int:
@@ -781,9 +793,20 @@ def goodput(
     """Good requests (succeeded, every declared threshold met: `slo_verdict`) over all that
     arrived, in bulk with the same values as the per-request definitions."""
     members = list(records)
-    ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_, count=len(members))
-    reasons = np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8, count=len(members))
+    ok, reasons = _ok_column(members), _exclusion_column(members)
     return goodput_of(columns_of(members, vantage), ok, slo, interval_s, vantage, reasons)
+
+
+def _ok_column(members: Sequence[RequestRecord]) -> npt.NDArray[np.bool_]:
+    """Per record: did it succeed?"""
+    return np.fromiter(
+        (r.outcome is Outcome.OK for r in members), dtype=np.bool_, count=len(members)
+    )
+
+
+def _exclusion_column(members: Sequence[RequestRecord]) -> npt.NDArray[np.uint8]:
+    """Per record: its `exclusion_code`."""
+    return np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8, count=len(members))
 
 
 def goodput_by_class(
@@ -799,12 +822,8 @@ def goodput_by_class(
     denominator whatever `SLO.exclude` says (replay reports: docs/metrics.md section 8)."""
     members = list(records)
     columns = columns_of(members, vantage)
-    ok = np.fromiter((r.outcome is Outcome.OK for r in members), dtype=np.bool_, count=len(members))
-    reasons = (
-        np.fromiter((exclusion_code(r) for r in members), dtype=np.uint8, count=len(members))
-        if exclusions
-        else None
-    )
+    ok = _ok_column(members)
+    reasons = _exclusion_column(members) if exclusions else None
     names = [policy.class_of(r) for r in members]
     out: dict[str, Goodput] = {}
     for name, slo in policy.classes.items():
@@ -854,7 +873,7 @@ def goodput_of(
         for name, mask in unjudged.items()
         if np.any(mask & good_mask)
     }
-    rate = (1.0 / interval_s) if interval_s > 0 else 0.0
+    rate = _per_second(interval_s)
     return Goodput(
         slo=slo,
         vantage=vantage,
@@ -1182,16 +1201,7 @@ class RecordTable:
         n_in = int(self._view(self._n_in, np.int64)[done].sum())
         n_out = int(self._view(self._n_out_total, np.int64)[done].sum())
         estimated = bool(np.any(~self._view(self._exact, np.bool_)[done]))
-        rate = (1.0 / interval_s) if interval_s > 0 else 0.0
-        return Throughput(
-            interval_s=interval_s,
-            completed_requests=completed,
-            requests_per_s=completed * rate,
-            input_tokens_per_s=n_in * rate,
-            output_tokens_per_s=n_out * rate,
-            total_tokens_per_s=(n_in + n_out) * rate,
-            output_tokens_estimated=estimated,
-        )
+        return Throughput.of(interval_s, completed, n_in, n_out, estimated)
 
     def engine_report(self, mask: npt.NDArray[np.bool_]) -> EngineReport:
         done = mask & self.ok

@@ -160,3 +160,38 @@ def test_the_command_rule_catches_violations() -> None:
     assert command_imports("import sidecar.replay.sweep_cli") == ["sidecar.replay.sweep_cli"]
     assert command_imports("from sidecar.sim import cli as sim_cli") == ["sidecar.sim.cli"]
     assert command_imports("from sidecar.replay import session, sweep_session") == []
+
+
+# A module that declares a command (what the front door wires: a top-level `add_arguments`
+# and `run`) is named as one (`cli.py` or `*_cli.py`), so that the rule above holds for it;
+# its work lives in a library module named for what it holds (`sweep_cli.py` and
+# `sweep_session.py`, `merge_cli.py` and `shardmerge.py`, `compare_cli.py` and `compare.py`).
+# `demo.py` (`sidecar demo`) is still both the command and its work.
+UNNAMED_COMMANDS = {"demo.py"}
+
+
+def declares_command(source: str) -> bool:
+    tree = ast.parse(source)
+    defined = {
+        node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    return {"add_arguments", "run"} <= defined
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_command_module_is_named_as_one(path: Path) -> None:
+    relative = path.relative_to(PACKAGE)
+    if str(relative) in UNNAMED_COMMANDS or not declares_command(path.read_text()):
+        return
+    assert is_command_module(".".join(["sidecar", *relative.with_suffix("").parts]))
+
+
+def test_the_naming_rule_catches_violations() -> None:
+    command = "def add_arguments(parser): ...\nasync def run(args): return 0\n"
+    assert declares_command(command)
+    assert not declares_command("def run(args): ...\n")
+    assert not declares_command(
+        "class X:\n    def add_arguments(self): ...\n    def run(self): ...\n"
+    )
+    assert is_command_module("sidecar.replay.merge_cli")
+    assert not is_command_module("sidecar.replay.merge")

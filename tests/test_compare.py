@@ -1,4 +1,5 @@
-"""`sidecar compare`: refuses different experiments; calls a change real only beyond noise."""
+"""`sidecar compare` (compare.py, the library; compare_cli.py, the command): refuses different
+experiments; calls a change real only beyond noise."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import pytest
 
 from sidecar.replay import sweep_cli
 from sidecar.replay.compare import (
+    CompareError,
+    CompareRefused,
     capacity_bracket,
     capacity_verdict,
     compare,
+    compare_files,
     compare_sweeps,
     design,
     envelope_differences,
@@ -102,6 +106,43 @@ def test_the_cli_refuses_different_experiments_unless_forced(tmp_path: Path) -> 
         timeout=60,
     )
     assert missing.returncode == 2 and "not a readable report" in missing.stderr
+
+
+def test_a_script_compares_two_files_in_one_call(tmp_path: Path) -> None:
+    """compare_files: what the command does, as typed results, its refusals as exceptions."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(report(BASE, runs([100, 110, 105], [4, 4, 4]))))
+    b.write_text(json.dumps(report({**BASE, "rate": 8.0}, runs([60, 65, 62], [4, 4, 4]))))
+    with pytest.raises(CompareRefused) as refused:
+        compare_files(a, b)
+    assert refused.value.differences == [("rate", 4.0, 8.0)] and refused.value.degraded is None
+    assert refused.value.reasons == [
+        "different experiments; the envelopes differ in: rate: 4.0 vs 8.0"
+    ]
+    result = compare_files(a, b, variables=["rate"])
+    assert (result.kind, result.differences, result.variables) == ("replay", [], ("rate",))
+    assert result.sweep is None
+    rows = {row["metric"]: row for row in result.rows}
+    assert rows["median_ttft_ms"]["verdict"] == "real: better"
+    assert result.as_json()["rows"] == result.rows and result.as_json()["variables"] == ["rate"]
+    forced = compare_files(a, b, force=True)
+    assert forced.differences == [("rate", 4.0, 8.0)] and forced.rows == result.rows
+    late = degraded(report(BASE, runs([60], [4])), "sender fell behind")
+    b.write_text(json.dumps(late))
+    with pytest.raises(CompareRefused) as refused:
+        compare_files(a, b)
+    assert refused.value.degraded == f"B ({b}) is degraded: sender fell behind"
+    assert refused.value.reasons[0].startswith(f"refused: B ({b}) is degraded")
+    with pytest.raises(CompareError, match="not a readable report"):
+        compare_files(a, tmp_path / "nope.json")
+    sweep_dir = tmp_path / "s"
+    sweep_dir.mkdir()
+    (sweep_dir / "sweep.json").write_text(json.dumps(sweep([], None, None)))
+    with pytest.raises(CompareError, match="A is a replay and B a sweep"):
+        compare_files(a, sweep_dir)
+    same = compare_files(sweep_dir, sweep_dir)
+    assert same.kind == "sweep" and same.rows == [] and same.sweep is not None
+    assert same.as_json()["kind"] == "sweep" and same.as_json()["steps"] == []
 
 
 # -- sweeps -----------------------------------------------------------------------------------
@@ -245,6 +286,7 @@ def test_sweeps_are_compared_step_by_step_at_the_loads_both_ran() -> None:
     # Capacity 8 in [8, 16) vs 12 in [12, 24): the brackets overlap.
     assert result["capacity"]["verdict"] == "within the searches' resolution"
     peak = result["knee"]["peak_goodput"]
+    assert peak is not None
     assert (result["knee"]["a"], result["knee"]["b"]) == (8, 12)
     assert (peak["a"], peak["b"], peak["verdict"]) == (7.8, 11.5, "real: better")
     # A sweep without repeats has no noise estimate, and says so.

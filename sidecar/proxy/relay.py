@@ -466,48 +466,10 @@ class Proxy:
                 request.method, prefix + request.target, host_header, headers, len(body)
             )
             builder.up_send_ns = builder.offset(clock.monotonic_ns())
-            upstream: UpstreamExchange | None = None
             try:
-                try:
-                    upstream = await self.pool.exchange(
-                        host,
-                        port,
-                        head,
-                        body,
-                        connect_timeout=self.config.connect_timeout,
-                        head_method=head_method,
-                        tls=tls,
-                    )
-                    await upstream.response()
-                except UpstreamError as exc:
-                    if not (
-                        upstream is not None
-                        and upstream.reused
-                        and exc.reset
-                        and exc.kind == "disconnected"
-                        and exc.before_response
-                    ):
-                        raise
-                    # A pooled connection the replica closed while we picked it (its
-                    # keep-alive ran out): its kernel reset the connection because nothing
-                    # read our request. Once more, on a new connection to the same replica,
-                    # not counted as a try. (An orderly close instead could follow a read.)
-                    self.pool.close_exchange(upstream)
-                    upstream = await self.pool.exchange(
-                        host,
-                        port,
-                        head,
-                        body,
-                        connect_timeout=self.config.connect_timeout,
-                        head_method=head_method,
-                        tls=tls,
-                        reuse=False,
-                    )
-                    await upstream.response()
+                upstream = await self._exchange(host, port, tls, head, body, head_method)
             except UpstreamError as exc:
                 replica.outstanding -= 1
-                if upstream is not None:
-                    self.pool.close_exchange(upstream)
                 if exc.kind == "protocol_error":
                     raise UpstreamFailure(
                         Outcome.UPSTREAM_ERROR,
@@ -537,8 +499,6 @@ class Proxy:
                 continue
             except BaseException:
                 replica.outstanding -= 1
-                if upstream is not None:
-                    self.pool.close_exchange(upstream)
                 raise
             builder.up_headers_ns = builder.offset(clock.monotonic_ns())
             return upstream, replica
@@ -556,6 +516,49 @@ class Proxy:
             502,
             "The sidecar could not connect to any upstream replica.",
         )
+
+    async def _exchange(
+        self, host: str, port: int, tls: bool, head: bytes, body: bytes, head_method: bool
+    ) -> UpstreamExchange:
+        """One request to one replica, its response head awaited. On failure the exchange is
+        closed and the `UpstreamError` raised, except once: a pooled connection the replica
+        closed while we picked it (its keep-alive ran out) is reset by its kernel, since
+        nothing read our request; that is sent again on a new connection to the same
+        replica, not counted as a try. (An orderly close instead could follow a read.)"""
+        reuse = True
+        while True:
+            upstream: UpstreamExchange | None = None
+            try:
+                upstream = await self.pool.exchange(
+                    host,
+                    port,
+                    head,
+                    body,
+                    connect_timeout=self.config.connect_timeout,
+                    head_method=head_method,
+                    tls=tls,
+                    reuse=reuse,
+                )
+                await upstream.response()
+                return upstream
+            except UpstreamError as exc:
+                if upstream is not None:
+                    self.pool.close_exchange(upstream)
+                if (
+                    reuse
+                    and upstream is not None
+                    and upstream.reused
+                    and exc.reset
+                    and exc.kind == "disconnected"
+                    and exc.before_response
+                ):
+                    reuse = False
+                    continue
+                raise
+            except BaseException:
+                if upstream is not None:
+                    self.pool.close_exchange(upstream)
+                raise
 
     # -- /metrics on the traffic port (basemetrics.py) -------------------------------------
 
@@ -866,35 +869,7 @@ class Proxy:
             # maps to ~1.5 KiB.
             request.release()
             gen.release()
-            timeouts.start_idle()
-            builder.http_status = upstream.status
-            coding = upstream.headers.get("Content-Encoding")
-            if coding is not None and coding.strip().lower() not in ("", "identity"):
-                # Asked for identity (`_upstream_headers`): a compressed answer can be neither
-                # measured nor given an error event the client could read. Refused whole.
-                raise UpstreamFailure(
-                    Outcome.UPSTREAM_ERROR,
-                    "content_encoding",
-                    502,
-                    f"The upstream answered with Content-Encoding: {coding[:32]!r} although "
-                    "the sidecar asked for none; it cannot measure a compressed answer.",
-                )
-            content_type = upstream.headers.get("Content-Type", "")
-            if upstream.status != 200 or not content_type.startswith("text/event-stream"):
-                timeouts.first_token()  # no stream: the total timeout alone bounds it
-                await self._relay_whole(exchange, upstream, builder)
-            elif gen.assemble:
-                await self._assemble(
-                    exchange, upstream, endpoint, builder, timeouts, gen.tools_required
-                )
-            else:
-                response_headers = list(filtered_headers(upstream.headers).items())
-                response_headers.append((REQUEST_ID_HEADER, builder.request_id))
-                exchange.start(200, upstream.reason, response_headers, None)
-                # Sent: neither is read again, and a stream would hold both (~1.4 KiB).
-                del response_headers
-                upstream.headers.clear()
-                await self._relay_stream(upstream, exchange, builder, gen.plan, timeouts)
+            await self._relay_answer(exchange, upstream, endpoint, builder, gen, timeouts)
             completed = True
         except asyncio.CancelledError:
             fired = timeouts.fired
@@ -906,23 +881,7 @@ class Proxy:
                 # would otherwise put an event after [DONE].
                 self.pool.close_exchange(upstream)
                 upstream = None
-            if exchange.prepared and exchange.write_buffer_size:
-                # Bytes were still waiting for the client when the timeout fired: the relay was
-                # held up by a client that stopped reading, not by the upstream. It cannot be
-                # sent an error event either: cut it loose.
-                builder.fail(Outcome.TIMEOUT, "client_stalled")
-                exchange.abort()
-                return
-            await self._fail_open(
-                exchange,
-                endpoint,
-                builder,
-                Outcome.TIMEOUT,
-                fired,
-                504,
-                f"The upstream did not answer in time ({fired.replace('_', ' ')}).",
-                "GatewayTimeout",
-            )
+            await self._answer_timeout(exchange, endpoint, builder, fired)
         except UpstreamFailure as failure:
             if upstream is not None:
                 self.pool.close_exchange(upstream)  # as above: nothing after the error tail
@@ -962,6 +921,71 @@ class Proxy:
                     self.pool.close_exchange(upstream)
             if replica is not None:
                 replica.outstanding -= 1
+
+    async def _relay_answer(
+        self,
+        exchange: ClientExchange,
+        upstream: UpstreamExchange,
+        endpoint: str,
+        builder: RecordBuilder,
+        gen: _Generation,
+        timeouts: Timeouts,
+    ) -> None:
+        """The replica's answer to a generation request, by its kind: an error or any body
+        that is not a stream, relayed whole; a stream assembled into one JSON answer for a
+        client that did not ask to stream; a stream, relayed and measured read by read."""
+        timeouts.start_idle()
+        builder.http_status = upstream.status
+        coding = upstream.headers.get("Content-Encoding")
+        if coding is not None and coding.strip().lower() not in ("", "identity"):
+            # Asked for identity (`_upstream_headers`): a compressed answer can be neither
+            # measured nor given an error event the client could read. Refused whole.
+            raise UpstreamFailure(
+                Outcome.UPSTREAM_ERROR,
+                "content_encoding",
+                502,
+                f"The upstream answered with Content-Encoding: {coding[:32]!r} although "
+                "the sidecar asked for none; it cannot measure a compressed answer.",
+            )
+        content_type = upstream.headers.get("Content-Type", "")
+        if upstream.status != 200 or not content_type.startswith("text/event-stream"):
+            timeouts.first_token()  # no stream: the total timeout alone bounds it
+            await self._relay_whole(exchange, upstream, builder)
+        elif gen.assemble:
+            await self._assemble(
+                exchange, upstream, endpoint, builder, timeouts, gen.tools_required
+            )
+        else:
+            response_headers = list(filtered_headers(upstream.headers).items())
+            response_headers.append((REQUEST_ID_HEADER, builder.request_id))
+            exchange.start(200, upstream.reason, response_headers, None)
+            # Sent: neither is read again, and a stream would hold both (~1.4 KiB).
+            del response_headers
+            upstream.headers.clear()
+            await self._relay_stream(upstream, exchange, builder, gen.plan, timeouts)
+
+    async def _answer_timeout(
+        self, exchange: ClientExchange, endpoint: str, builder: RecordBuilder, fired: str
+    ) -> None:
+        """A generation timeout fired (``fired`` names it): the client gets the error as its
+        answer, or as an error event closing its stream."""
+        if exchange.prepared and exchange.write_buffer_size:
+            # Bytes were still waiting for the client when the timeout fired: the relay was
+            # held up by a client that stopped reading, not by the upstream. It cannot be
+            # sent an error event either: cut it loose.
+            builder.fail(Outcome.TIMEOUT, "client_stalled")
+            exchange.abort()
+            return
+        await self._fail_open(
+            exchange,
+            endpoint,
+            builder,
+            Outcome.TIMEOUT,
+            fired,
+            504,
+            f"The upstream did not answer in time ({fired.replace('_', ' ')}).",
+            "GatewayTimeout",
+        )
 
     async def _fail_open(
         self,

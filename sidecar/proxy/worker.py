@@ -40,6 +40,7 @@ from typing import Any
 
 from sidecar.config import ProxyConfig, RoutePolicy
 from sidecar.hooks import SINK_TIMEOUT_S, TAKEN, WRITTEN, LogThrottle, SinkFanout
+from sidecar.proxy import logs
 from sidecar.proxy.app import build_traffic_server
 from sidecar.proxy.channel import FrameProtocol, Kind, frame, json_frame, parse_json
 from sidecar.proxy.listener import TrafficServer
@@ -271,6 +272,7 @@ class Worker:
         self.index = -1
         # Loop lag and GC pauses of this process (stalls.py): how late its stamps may be.
         self.stalls = StallMonitor()
+        self.logs: logs.QueuedLogging | None = None
         self._early_health: Mapping[str, Any] | None = None
 
     def _on_frame(self, kind: int, payload: bytes) -> None:
@@ -341,9 +343,9 @@ class Worker:
     async def run(self, hello: Mapping[str, Any]) -> int:
         config = config_from_wire(hello["config"])
         self.index = int(hello["worker"])
-        logging.basicConfig(
-            level=logging.INFO,
-            format=f"%(asctime)s %(levelname)s %(name)s[worker {self.index}]: %(message)s",
+        # Off the loop: a stderr nobody reads must not stall the traffic (logs.py).
+        self.logs = logs.install(
+            f"%(asctime)s %(levelname)s %(name)s[worker {self.index}]: %(message)s"
         )
         bound = config.channel_buffer_bytes
         self.sink = ChannelSink(self.protocol, bound)
@@ -385,6 +387,8 @@ class Worker:
                 await server.close()
             await proxy.close()
             await self._drain()
+            if self.logs is not None:
+                await asyncio.to_thread(self.logs.close)
             return 2
         gc.collect()  # as cli.settle_gc: start-up objects out of the collector's reach
         gc.freeze()
@@ -410,6 +414,8 @@ class Worker:
             self.stalls.uninstall()
         self.protocol.send(json_frame(Kind.STATUS, self.status(final=True)))
         await self._drain()
+        if self.logs is not None:
+            await asyncio.to_thread(self.logs.close)  # what is queued is written
         return 0
 
     async def _drain(self) -> None:

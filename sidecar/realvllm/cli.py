@@ -199,16 +199,8 @@ def _timed(what: Callable[[], Any]) -> float:
     return time.monotonic() - began
 
 
-def _up(args: argparse.Namespace) -> int:
-    home = Home.resolve(args.home)
-    check_port_free(args.port)  # before minutes of installing, not after
-    existing = running_server(home)
-    if existing is not None:
-        raise RealVLLMError(
-            f"a vLLM server from {home.root} is already running (pid "
-            f"{existing.pid}, {existing.url}); stop it with "
-            f"`{_down_command(home, args)}`"
-        )
+def _ensure_installed(home: Home) -> None:
+    """The home's venv and tiny model, made where missing, each step said on stderr."""
     if home.venv_ready():
         _say(f"venv:  {home.venv} (reused)")
     else:
@@ -222,6 +214,19 @@ def _up(args: argparse.Namespace) -> int:
     else:
         _say(f"model: building the tiny model into {home.model}")
         _say(f"model: built in {_timed(lambda: ensure_model(home)):.1f} s")
+
+
+def _up(args: argparse.Namespace) -> int:
+    home = Home.resolve(args.home)
+    check_port_free(args.port)  # before minutes of installing, not after
+    existing = running_server(home)
+    if existing is not None:
+        raise RealVLLMError(
+            f"a vLLM server from {home.root} is already running (pid "
+            f"{existing.pid}, {existing.url}); stop it with "
+            f"`{_down_command(home, args)}`"
+        )
+    _ensure_installed(home)
     _say(
         f"vLLM:  starting on 127.0.0.1:{args.port} (about a minute; per-request metrics "
         f"{'on' if args.per_request_metrics else 'off'})"

@@ -390,28 +390,7 @@ def start_server(
     home.logs.mkdir(parents=True, exist_ok=True)
     log_path = home.logs / f"server-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     command = server_command(home, port, per_request_metrics, extra_args, otlp_traces_endpoint)
-    # vLLM's own cache (torch.compile artefacts) in the home too: one directory to keep or drop.
-    extra_env = {
-        **SERVER_ENV,
-        "VLLM_CACHE_ROOT": str(home.root / "vllm-cache"),
-        MARK_ENV: str(home.root),
-    }
-    if otlp_traces_endpoint:
-        # vLLM's exporter speaks gRPC unless told otherwise; the sidecar's world is OTLP/HTTP.
-        extra_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
-    env = child_env(extra_env)
-    with open(log_path, "ab") as log:
-        log.write(f"==== {' '.join(command)}\n".encode())
-        log.flush()
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(home.root),
-            start_new_session=True,
-        )
+    process = _spawn(home, command, log_path, otlp_traces_endpoint)
     handle = ServerHandle(
         home=home,
         pid=process.pid,
@@ -431,6 +410,35 @@ def start_server(
         handle.stop()
         raise
     return handle
+
+
+def _spawn(
+    home: Home, command: list[str], log_path: Path, otlp_traces_endpoint: str | None
+) -> subprocess.Popen[bytes]:
+    """vLLM's server started in a session of its own, its output appended to ``log_path``
+    (after a line naming the command)."""
+    # vLLM's own cache (torch.compile artefacts) in the home too: one directory to keep or drop.
+    extra_env = {
+        **SERVER_ENV,
+        "VLLM_CACHE_ROOT": str(home.root / "vllm-cache"),
+        MARK_ENV: str(home.root),
+    }
+    if otlp_traces_endpoint:
+        # vLLM's exporter speaks gRPC unless told otherwise; the sidecar's world is OTLP/HTTP.
+        extra_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    env = child_env(extra_env)
+    with open(log_path, "ab") as log:
+        log.write(f"==== {' '.join(command)}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(home.root),
+            start_new_session=True,
+        )
 
 
 def _wait_ready(handle: ServerHandle, timeout_s: float) -> None:

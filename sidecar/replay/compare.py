@@ -1,4 +1,5 @@
-"""``sidecar compare A B``: two replay reports, or two sweeps, side by side, honestly.
+"""Two replay reports, or two sweeps, side by side, honestly: the library of ``sidecar compare
+A B`` (whose command is ``compare_cli.py``).
 
 Two results are the same experiment only when their workload envelopes agree in everything but
 the one variable the comparison declares (``--variable target``, say). Anything else that
@@ -17,39 +18,24 @@ replay report is never compared with a sweep.
 A degraded replay (its sender fell behind its schedule: `sidecar replay --max-lateness`) did
 not offer the load it claims, so compare will not call it better or worse: it refuses (exit 3)
 in one line saying which run and why, unless ``--force``, which compares with a warning.
+
+``compare_files`` is the whole comparison as one call: it raises ``CompareError`` (an input
+that cannot be compared: exit 2) and ``CompareRefused`` (different experiments or a degraded
+run, without ``force``: exit 3), and returns a ``Comparison`` (the envelope differences, the
+degraded runs, and the rows with their verdicts). The pieces (``load_result``, ``design``,
+``envelope_differences``, ``compare``, ``compare_sweeps``, the verdicts) are plain functions too.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from sidecar.replay.sweep import STEP_METRICS
-
-DESCRIPTION = """\
-Compare two runs of `sidecar replay --output-dir` (report.json), or two runs of `sidecar sweep
---output-dir` (sweep.json), or their directories: refuse when the workload envelopes differ in
-anything but the declared variable, then show each metric side by side with its spread over
-repeats, and call a difference real only when it exceeds run-to-run noise. Sweeps: capacity
-and knee, then every load step both ran (matched by load) metric by metric; steps at loads only
-one side ran are listed as such.
-"""
-
-EPILOG = """\
-examples:
-  sidecar compare before/report.json after/report.json --variable target
-  sidecar compare a/report.json b/report.json --variable model --force
-  sidecar compare sweep-v1/ sweep-v2/ --variable engine_version
-      two sweeps (their sweep.json): capacity, knee, and the steps both ran, by load
-
-exit status: 0 compared, 2 unreadable input or a replay report against a sweep, 3 refused:
-different experiments (the envelopes differ in an undeclared key) or a degraded run (its
-sender fell behind its schedule); --force compares anyway
-"""
 
 # Envelope keys that are measurements or run bookkeeping, not part of the experiment's design.
 NOT_DESIGN = frozenset(
@@ -83,40 +69,165 @@ REPLAY, SWEEP = "replay", "sweep"
 Range = tuple[float, float]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "run_a", help="run A (the baseline): report.json, sweep.json or the directory holding one"
-    )
-    parser.add_argument("run_b", help="run B, of the same kind as A")
-    parser.add_argument(
-        "--variable",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="envelope key that is meant to differ (repeatable), e.g. target",
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="compare even when other envelope keys differ or a run is degraded (warns loudly)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+Bracket = tuple[float, float | None]
 
 
-def load_result(path: str) -> tuple[str, dict[str, Any]]:
-    """(kind, data) of a replay report or a sweep result, or of the directory holding one."""
+class Row(TypedDict):
+    """One metric of A against B, with its spread over repeats and the verdict."""
+
+    metric: str
+    unit: str
+    a: float
+    b: float
+    change: float | None  # (B - A) / A; None when A is 0
+    a_range: Range | None  # (min, max) over repeats; None: fewer than two
+    b_range: Range | None
+    verdict: str  # "real: better", "real: worse", "within run-to-run noise", "no repeats: ..."
+
+
+class CapacityComparison(TypedDict):
+    a: Any
+    b: Any
+    a_bracket: Bracket | None
+    b_bracket: Bracket | None
+    verdict: str
+
+
+class KneeComparison(TypedDict):
+    a: Any
+    b: Any
+    peak_goodput: Row | None  # request_goodput at each side's knee
+
+
+class StepComparison(TypedDict):
+    load: float
+    a_passed: Any
+    b_passed: Any
+    rows: list[Row]
+
+
+class LoneStep(TypedDict):
+    load: float
+    passed: Any
+
+
+class SweepComparison(TypedDict):
+    unit: Any
+    capacity: CapacityComparison
+    knee: KneeComparison
+    steps: list[StepComparison]  # the loads both ran
+    only_a: list[LoneStep]  # loads only A ran, not compared
+    only_b: list[LoneStep]
+
+
+class CompareError(ValueError):
+    """An input that cannot be compared: unreadable, not a report, or a replay report against a
+    sweep (`sidecar compare` exits 2)."""
+
+
+class CompareRefused(Exception):
+    """Not one experiment, or a degraded run (`sidecar compare` exits 3; ``force`` compares)."""
+
+    def __init__(self, differences: Sequence[tuple[str, Any, Any]], degraded: str | None) -> None:
+        self.differences = list(differences)
+        self.degraded = degraded
+        super().__init__("; ".join(self.reasons))
+
+    @property
+    def reasons(self) -> list[str]:
+        found = [degraded_refusal(self.degraded)] if self.degraded else []
+        if self.differences:
+            found.append(
+                "different experiments; the envelopes differ in: "
+                + ", ".join(f"{key}: {va!r} vs {vb!r}" for key, va, vb in self.differences)
+            )
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """Two results compared: what makes them different experiments (empty unless forced), and
+    the rows (replays) or the sweep comparison (sweeps) with their verdicts."""
+
+    kind: str  # REPLAY or SWEEP
+    a: dict[str, Any]  # the results as loaded
+    b: dict[str, Any]
+    variables: tuple[str, ...]
+    differences: list[tuple[str, Any, Any]]  # undeclared envelope keys that differ
+    degraded: str | None  # degraded_text of A and B
+    rows: list[Row]  # replays: metric by metric; empty for sweeps
+    sweep: SweepComparison | None  # sweeps; None for replays
+
+    def as_json(self) -> dict[str, Any]:
+        """The document of `sidecar compare --json`."""
+        body: dict[str, Any] = (
+            {"kind": SWEEP, **self.sweep}
+            if self.sweep is not None
+            else {"kind": REPLAY, "rows": self.rows}
+        )
+        return {
+            "envelope_differences": self.differences,
+            "variables": list(self.variables),
+            "degraded": self.degraded,
+            **body,
+        }
+
+
+def compare_files(
+    path_a: str | os.PathLike[str],
+    path_b: str | os.PathLike[str],
+    *,
+    variables: Iterable[str] = (),
+    force: bool = False,
+) -> Comparison:
+    """Compare two results (report.json, sweep.json or the directory holding one), A the
+    baseline: raises ``CompareError`` or, unless ``force``, ``CompareRefused``."""
+    declared = tuple(variables)
+    (kind_a, a), (kind_b, b) = load_result(path_a), load_result(path_b)
+    if kind_a != kind_b:
+        raise CompareError(
+            f"A is a {kind_a} and B a {kind_b}: a replay report is only compared with a replay "
+            "report, a sweep with a sweep"
+        )
+    differences = envelope_differences(design(kind_a, a), design(kind_b, b), set(declared))
+    degraded = degraded_text({f"A ({path_a})": a, f"B ({path_b})": b})
+    if (degraded or differences) and not force:
+        raise CompareRefused(differences, degraded)
+    return Comparison(
+        kind=kind_a,
+        a=a,
+        b=b,
+        variables=declared,
+        differences=differences,
+        degraded=degraded,
+        rows=compare(a, b) if kind_a == REPLAY else [],
+        sweep=compare_sweeps(a, b) if kind_a == SWEEP else None,
+    )
+
+
+def degraded_refusal(degraded: str) -> str:
+    """Why a comparison with a degraded run is refused, in one line."""
+    return (
+        f"refused: {degraded}; a run that did not offer its load is not called better or worse "
+        "(--force compares anyway)"
+    )
+
+
+def load_result(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """(kind, data) of a replay report or a sweep result, or of the directory holding one;
+    ``CompareError`` when it is neither or cannot be read."""
     file = Path(path)
     if file.is_dir():
         found = [file / name for name in ("sweep.json", "report.json") if (file / name).exists()]
         if len(found) > 1:
-            raise ValueError(f"{file}: holds both sweep.json and report.json: name the file")
+            raise CompareError(f"{file}: holds both sweep.json and report.json: name the file")
         file = found[0] if found else file / "report.json"
     try:
         data = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{file}: not a readable report ({exc})") from None
+        raise CompareError(f"{file}: not a readable report ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("envelope"), dict):
-        raise ValueError(
+        raise CompareError(
             f"{file}: not a `sidecar replay` report or a `sidecar sweep` result (no envelope)"
         )
     return (SWEEP if isinstance(data.get("steps"), list) else REPLAY), data
@@ -180,7 +291,7 @@ def _row(
     vb: Any,
     range_a: Range | None,
     range_b: Range | None,
-) -> dict[str, Any] | None:
+) -> Row | None:
     if not isinstance(va, (int, float)) or not isinstance(vb, (int, float)):
         return None
     return {
@@ -195,7 +306,7 @@ def _row(
     }
 
 
-def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[dict[str, Any]]:
+def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Row]:
     """Two replay reports, metric by metric."""
     rows = [
         _row(key, unit, better, a.get(key), b.get(key), spread(a, key), spread(b, key))
@@ -211,7 +322,7 @@ def _load_key(load: Any) -> float:
     return round(float(load), 6)
 
 
-def capacity_bracket(result: Mapping[str, Any]) -> tuple[float, float | None] | None:
+def capacity_bracket(result: Mapping[str, Any]) -> Bracket | None:
     """Where a sweep puts the true capacity: from its capacity (the highest passing load; 0
     when none passed) up to the lowest failing load above it (None: nothing above failed)."""
     capacity = result.get("capacity")
@@ -227,9 +338,7 @@ def capacity_bracket(result: Mapping[str, Any]) -> tuple[float, float | None] | 
     return low, high
 
 
-def capacity_verdict(
-    a: tuple[float, float | None] | None, b: tuple[float, float | None] | None
-) -> str:
+def capacity_verdict(a: Bracket | None, b: Bracket | None) -> str:
     """Higher capacity is better; called real only when the brackets do not overlap (each
     side's capacity lies in [low, high))."""
     if a is None or b is None:
@@ -260,7 +369,7 @@ def _goodput_at(result: Mapping[str, Any], load: Any) -> tuple[Any, Range | None
     )
 
 
-def compare_sweeps(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+def compare_sweeps(a: Mapping[str, Any], b: Mapping[str, Any]) -> SweepComparison:
     """Capacity, knee and the steps both sweeps ran (matched by load), metric by metric."""
     bracket_a, bracket_b = capacity_bracket(a), capacity_bracket(b)
     goodput_a, range_a = _goodput_at(a, a.get("knee"))
@@ -270,7 +379,7 @@ def compare_sweeps(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
     )
     steps_a = {_load_key(s["load"]): s for s in a.get("steps", [])}
     steps_b = {_load_key(s["load"]): s for s in b.get("steps", [])}
-    steps = []
+    steps: list[StepComparison] = []
     for load in sorted(set(steps_a) & set(steps_b)):
         step_a, step_b = steps_a[load], steps_b[load]
         spread_a = step_a.get("repeat_spread") or {}
@@ -298,7 +407,7 @@ def compare_sweeps(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
 
     def only(
         mine: Mapping[float, Mapping[str, Any]], theirs: Mapping[float, Any]
-    ) -> list[dict[str, Any]]:
+    ) -> list[LoneStep]:
         return [
             {"load": load, "passed": mine[load].get("passed")}
             for load in sorted(set(mine) - set(theirs))
@@ -318,143 +427,3 @@ def compare_sweeps(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
         "only_a": only(steps_a, steps_b),
         "only_b": only(steps_b, steps_a),
     }
-
-
-# -- the command --------------------------------------------------------------------------------
-
-
-async def run(args: argparse.Namespace) -> int:
-    try:
-        (kind_a, a), (kind_b, b) = load_result(args.run_a), load_result(args.run_b)
-    except ValueError as exc:
-        print(f"sidecar compare: {exc}", file=sys.stderr)
-        return 2
-    if kind_a != kind_b:
-        print(
-            f"sidecar compare: A is a {kind_a} and B a {kind_b}: a replay report is only "
-            "compared with a replay report, a sweep with a sweep",
-            file=sys.stderr,
-        )
-        return 2
-    differences = envelope_differences(design(kind_a, a), design(kind_b, b), set(args.variable))
-    degraded = degraded_text({f"A ({args.run_a})": a, f"B ({args.run_b})": b})
-    if degraded and not args.force:
-        print(
-            f"sidecar compare: refused: {degraded}; a run that did not offer its load is "
-            "not called better or worse (--force compares anyway)",
-            file=sys.stderr,
-        )
-    if differences and not args.force:
-        print(
-            "sidecar compare: these are different experiments; the envelopes differ in:",
-            file=sys.stderr,
-        )
-        for key, va, vb in differences:
-            print(f"  {key}: {va!r} vs {vb!r}", file=sys.stderr)
-        print(
-            "declare the intended variable with --variable KEY, or --force to compare anyway",
-            file=sys.stderr,
-        )
-    if (degraded or differences) and not args.force:
-        return 3
-    if kind_a == SWEEP:
-        comparison: dict[str, Any] = {"kind": SWEEP, **compare_sweeps(a, b)}
-    else:
-        comparison = {"kind": REPLAY, "rows": compare(a, b)}
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "envelope_differences": differences,
-                    "variables": args.variable,
-                    "degraded": degraded,
-                    **comparison,
-                },
-                indent=2,
-                default=str,
-            )
-        )
-        return 0
-    if degraded:
-        print("!" * 78)
-        print(f"WARNING: degraded (--force): {degraded}")
-        print("!" * 78)
-    if differences:
-        print("!" * 78)
-        print("WARNING: different experiments (--force). Envelopes differ in:")
-        for key, va, vb in differences:
-            print(f"  {key}: {va!r} vs {vb!r}")
-        print("!" * 78)
-    declared = (
-        ", ".join(
-            f"{k}: {a['envelope'].get(k)!r} -> {b['envelope'].get(k)!r}" for k in args.variable
-        )
-        or "none"
-    )
-    print(f"A = {args.run_a}\nB = {args.run_b}\nvariable: {declared}")
-    if kind_a == SWEEP:
-        print_sweeps(comparison)
-    else:
-        print_rows(comparison["rows"])
-    return 0
-
-
-def _rng(r: Range | None) -> str:
-    return "-" if r is None else f"{r[0]:.2f}..{r[1]:.2f}"
-
-
-def print_rows(rows: Sequence[Mapping[str, Any]], indent: str = "") -> None:
-    print(
-        f"{indent}{'metric':<20}{'A':>12}{'B':>12}{'change':>9}  {'A runs':<21}"
-        f"{'B runs':<21}verdict"
-    )
-    for row in rows:
-        change = "-" if row["change"] is None else f"{row['change']:+.1%}"
-        print(
-            f"{indent}{row['metric']:<20}{row['a']:>12.2f}{row['b']:>12.2f}{change:>9}  "
-            f"{_rng(row['a_range']):<21}{_rng(row['b_range']):<21}{row['verdict']}"
-        )
-
-
-def _bracket(bracket: Sequence[float | None] | None) -> str:
-    if bracket is None:
-        return "no bracket"
-    low, high = bracket
-    return f"[{low:g}, {'open' if high is None else f'{high:g}'})"
-
-
-def print_sweeps(comparison: Mapping[str, Any]) -> None:
-    unit = comparison["unit"]
-    capacity = comparison["capacity"]
-    print(
-        f"capacity ({unit}): A {capacity['a']} {_bracket(capacity['a_bracket'])}  "
-        f"B {capacity['b']} {_bracket(capacity['b_bracket'])}  -> {capacity['verdict']}"
-    )
-    knee = comparison["knee"]
-    peak = knee["peak_goodput"]
-    peak_text = (
-        "goodput at the knee: -"
-        if peak is None
-        else (
-            f"goodput at the knee: A {peak['a']:.2f} ({_rng(peak['a_range'])})  "
-            f"B {peak['b']:.2f} ({_rng(peak['b_range'])})  -> {peak['verdict']}"
-        )
-    )
-    print(f"knee ({unit}): A {knee['a']}  B {knee['b']}; {peak_text}")
-    for side in ("a", "b"):
-        alone = comparison[f"only_{side}"]
-        if alone:
-            listed = ", ".join(
-                f"{s['load']:g} ({'pass' if s['passed'] else 'fail'})" for s in alone
-            )
-            print(f"steps only {side.upper()} ran, not compared: {listed}")
-    for step in comparison["steps"]:
-
-        def verdict(passed: Any) -> str:
-            return "pass" if passed else "fail"
-
-        print(
-            f"\nload {step['load']:g} {unit}: A {verdict(step['a_passed'])}, "
-            f"B {verdict(step['b_passed'])}"
-        )
-        print_rows(step["rows"], indent="  ")

@@ -799,6 +799,117 @@ def import_trace(
         shutil.rmtree(work_dir, ignore_errors=True)
 
 
+class _Window:
+    """--start-at and --duration as bounds on the source's clock, resolved at the first row
+    (azure's clock starts there)."""
+
+    def __init__(self, source: _Source, options: ImportOptions) -> None:
+        self.source = source
+        self.options = options
+        self.start: int | None = None
+        self.end: int | None = None
+        self.resolved = False
+
+    def outside(self, row: SourceRow) -> str | None:
+        """Why ``row`` is outside the window (the skip's reason), or None."""
+        if not self.resolved:
+            self.resolved = True
+            if self.options.start_at is not None:
+                self.start = self.source.clock_of(self.options.start_at)
+            if self.options.duration_s is not None:
+                base = self.start if self.start is not None else row.clock_ns
+                self.end = base + round(self.options.duration_s * NS_PER_S)
+        if self.start is not None and row.clock_ns < self.start:
+            return "before --start-at"
+        if self.end is not None and row.clock_ns >= self.end:
+            return "after --start-at + --duration"
+        return None
+
+
+class _ClockOrder:
+    """The kept rows' clocks: the first, the earliest, and how far out of order they came."""
+
+    def __init__(self) -> None:
+        self.first_clock: int | None = None
+        self.latest_clock = 0
+        self.min_clock = 0
+        self.out_of_order = 0
+        self.worst_back_ns = 0
+
+    def see(self, row: SourceRow, remarks: _Tally) -> int:
+        """``row``'s clock taken in (a row earlier than one before it remarked); the first
+        row's clock returned."""
+        if self.first_clock is None:
+            self.first_clock = self.latest_clock = self.min_clock = row.clock_ns
+        if row.clock_ns < self.latest_clock:
+            self.out_of_order += 1
+            self.worst_back_ns = max(self.worst_back_ns, self.latest_clock - row.clock_ns)
+            remarks.add(
+                "row earlier than a row before it",
+                f"line {row.line}: {(self.latest_clock - row.clock_ns) / NS_PER_S:g} s back",
+            )
+        self.latest_clock = max(self.latest_clock, row.clock_ns)
+        self.min_clock = min(self.min_clock, row.clock_ns)
+        return self.first_clock
+
+    def describe(self, sort: bool) -> str:
+        """The header's note on the rows' order, and what the import did about it."""
+        if self.out_of_order == 0:
+            return "rows in file order (already sorted by time)"
+        action = (
+            "sorted by t (stable)" if sort else "file order kept (--no-sort): t is not monotonic"
+        )
+        return (
+            f"{self.out_of_order} rows earlier than a row before them (worst "
+            f"{self.worst_back_ns / NS_PER_S:g} s back); {action}"
+        )
+
+
+def _remark_kept(row: SourceRow, remarks: _Tally) -> None:
+    """A kept row whose request will differ from the source's: failed there, or no output."""
+    if row.failed:
+        remarks.add(
+            "failed in the source (kept: outcome failed_in_source, max_tokens 1)",
+            f"line {row.line}",
+        )
+    elif row.n_out == 0:
+        remarks.add("n_out = 0 (max_tokens set to 1: vLLM refuses 0)", f"line {row.line}")
+
+
+def _spool(
+    source: _Source, options: ImportOptions, spool_path: Path, skipped: _Tally, remarks: _Tally
+) -> tuple[int, _ClockOrder, set[str]]:
+    """The source's rows inside the window, as requests written to ``spool_path`` in file
+    order (one "<clock>\\t<request JSON>" a line): how many, their clocks, their models."""
+    kept = 0
+    window = _Window(source, options)
+    order = _ClockOrder()
+    models: set[str] = set()
+    with (
+        open(spool_path, "w", encoding="utf-8") as spool,
+        contextlib.closing(source.rows()) as rows,
+    ):
+        for row in rows:
+            outside = window.outside(row)
+            if outside is not None:
+                skipped.add(outside)
+                continue
+            if row.failed and options.drop_failed:
+                skipped.add("failed in the source (--drop-failed)", f"line {row.line}")
+                continue
+            first_clock = order.see(row, remarks)
+            _remark_kept(row, remarks)
+            model = row.model if row.model is not None else options.model
+            if model is not None:
+                models.add(model)
+            t = _t_of(row.clock_ns, first_clock, options.time_scale)
+            spool.write(f"{row.clock_ns}\t{_request_json(row, t, options)}")
+            kept += 1
+            if options.limit is not None and kept >= options.limit:
+                break
+    return kept, order, models
+
+
 def _run_import(
     source: _Source,
     options: ImportOptions,
@@ -809,78 +920,25 @@ def _run_import(
     run_lines: int,
 ) -> ImportResult:
     spool_path = work_dir / "rows"
-    kept = 0
-    first_clock: int | None = None
-    latest_clock = 0
-    min_clock = 0
-    out_of_order = 0
-    worst_back_ns = 0
-    window_start: int | None = None
-    window_end: int | None = None
-    window_resolved = False
-    models: set[str] = set()
-    with (
-        open(spool_path, "w", encoding="utf-8") as spool,
-        contextlib.closing(source.rows()) as rows,
-    ):
-        for row in rows:
-            if not window_resolved:  # after the first row: azure's clock starts there
-                window_resolved = True
-                if options.start_at is not None:
-                    window_start = source.clock_of(options.start_at)
-                if options.duration_s is not None:
-                    base = window_start if window_start is not None else row.clock_ns
-                    window_end = base + round(options.duration_s * NS_PER_S)
-            if window_start is not None and row.clock_ns < window_start:
-                skipped.add("before --start-at")
-                continue
-            if window_end is not None and row.clock_ns >= window_end:
-                skipped.add("after --start-at + --duration")
-                continue
-            if row.failed and options.drop_failed:
-                skipped.add("failed in the source (--drop-failed)", f"line {row.line}")
-                continue
-            if first_clock is None:
-                first_clock = latest_clock = min_clock = row.clock_ns
-            if row.clock_ns < latest_clock:
-                out_of_order += 1
-                worst_back_ns = max(worst_back_ns, latest_clock - row.clock_ns)
-                remarks.add(
-                    "row earlier than a row before it",
-                    f"line {row.line}: {(latest_clock - row.clock_ns) / NS_PER_S:g} s back",
-                )
-            latest_clock = max(latest_clock, row.clock_ns)
-            min_clock = min(min_clock, row.clock_ns)
-            if row.failed:
-                remarks.add(
-                    "failed in the source (kept: outcome failed_in_source, max_tokens 1)",
-                    f"line {row.line}",
-                )
-            elif row.n_out == 0:
-                remarks.add("n_out = 0 (max_tokens set to 1: vLLM refuses 0)", f"line {row.line}")
-            model = row.model if row.model is not None else options.model
-            if model is not None:
-                models.add(model)
-            t = _t_of(row.clock_ns, first_clock, options.time_scale)
-            spool.write(f"{row.clock_ns}\t{_request_json(row, t, options)}")
-            kept += 1
-            if options.limit is not None and kept >= options.limit:
-                break
+    kept, order, models = _spool(source, options, spool_path, skipped, remarks)
     if not source.saw_data:
         raise TraceImportError(f"{source.path}: empty file")
-    if kept == 0 or first_clock is None:
+    if kept == 0 or order.first_clock is None:
         reasons = "; ".join(f"{n} {why}" for why, n in sorted(skipped.counts.items()))
+        skipped_note = f"; skipped: {reasons}" if reasons else ""
         raise TraceImportError(
-            f"{source.path}: no requests to import ({source.rows_read} rows read"
-            + (f"; skipped: {reasons}" if reasons else "")
-            + ")"
+            f"{source.path}: no requests to import ({source.rows_read} rows read{skipped_note})"
         )
-
-    header = _header(
-        source, options, kept, min_clock, out_of_order, worst_back_ns, models, skipped, remarks
-    )
+    header = _header(source, options, kept, order, models, skipped, remarks)
     _write_output(
-        output, header, spool_path, work_dir, min_clock, out_of_order == 0, options, run_lines
+        output,
+        header,
+        spool_path,
+        work_dir,
+        order.min_clock,
+        order.out_of_order == 0,
+        options,
+        run_lines,
     )
     return ImportResult(
         output=output,
@@ -888,7 +946,7 @@ def _run_import(
         requests=kept,
         rows_read=source.rows_read,
         skipped=dict(skipped.counts),
-        out_of_order=out_of_order,
+        out_of_order=order.out_of_order,
     )
 
 
@@ -896,26 +954,13 @@ def _header(
     source: _Source,
     options: ImportOptions,
     kept: int,
-    t0_clock: int,
-    out_of_order: int,
-    worst_back_ns: int,
+    order: _ClockOrder,
     models: set[str],
     skipped: _Tally,
     remarks: _Tally,
 ) -> TraceHeader:
     """The header: provenance, units and every count a reader needs to trust the import."""
-    if out_of_order == 0:
-        order = "rows in file order (already sorted by time)"
-    else:
-        action = (
-            "sorted by t (stable)"
-            if options.sort
-            else "file order kept (--no-sort): t is not monotonic"
-        )
-        order = (
-            f"{out_of_order} rows earlier than a row before them (worst "
-            f"{worst_back_ns / NS_PER_S:g} s back); {action}"
-        )
+    t0_clock = order.min_clock
     window: dict[str, Any] = {}
     if options.start_at is not None:
         window["start_at"] = options.start_at
@@ -943,7 +988,7 @@ def _header(
         "requests": kept,
         "rows_skipped": skipped.to_notes(),
         "remarks": remarks.to_notes(),
-        "order": order,
+        "order": order.describe(options.sort),
         "endpoint": options.endpoint,
     }
     if window:

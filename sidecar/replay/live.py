@@ -116,21 +116,32 @@ class ReplayCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         return []
 
+    def _per_shard(
+        self,
+        family: type[CounterMetricFamily] | type[GaugeMetricFamily],
+        name: str,
+        documentation: str,
+        value: float,
+    ) -> Metric:
+        """One sample, labelled with this sender's shard."""
+        metric = family(name, documentation, labels=["shard"])
+        metric.add_metric([self.shard], value)
+        return metric
+
     def collect(self) -> Iterator[Metric]:
         values = self.counters.snapshot()
-        labels = [self.shard]
-        planned = CounterMetricFamily(
+        yield self._per_shard(
+            CounterMetricFamily,
             "sidecar_replay_requests_planned",
             "Requests this sender has planned (every run counted; warm-up excluded).",
-            labels=["shard"],
+            values[_PLANNED],
         )
-        planned.add_metric(labels, values[_PLANNED])
-        yield planned
-        sent = CounterMetricFamily(
-            "sidecar_replay_requests_sent", "Requests this sender has sent.", labels=["shard"]
+        yield self._per_shard(
+            CounterMetricFamily,
+            "sidecar_replay_requests_sent",
+            "Requests this sender has sent.",
+            values[_SENT],
         )
-        sent.add_metric(labels, values[_SENT])
-        yield sent
         completed = CounterMetricFamily(
             "sidecar_replay_requests_completed",
             "Requests this sender has finished, by the outcome it saw (client vantage).",
@@ -140,20 +151,19 @@ class ReplayCollector(Collector):
             completed.add_metric([self.shard, outcome.value], values[_OUTCOME_SLOT[outcome]])
         yield completed
         done = sum(values[_COMPLETED : _COMPLETED + len(OUTCOMES)])
-        in_flight = GaugeMetricFamily(
+        yield self._per_shard(
+            GaugeMetricFamily,
             "sidecar_replay_in_flight_requests",
             "Requests sent and not finished yet.",
-            labels=["shard"],
+            values[_SENT] - done,
         )
-        in_flight.add_metric(labels, values[_SENT] - done)
-        yield in_flight
-        run = GaugeMetricFamily(
+        yield self._per_shard(
+            GaugeMetricFamily,
             "sidecar_replay_run",
             "The run in progress (1 = the first; --repeats runs the trace several times).",
-            labels=["shard"],
+            values[_RUN],
         )
-        run.add_metric(labels, values[_RUN])
-        yield run
+        labels = [self.shard]
         lateness = HistogramMetricFamily(
             "sidecar_replay_send_lateness_seconds",
             "Actual send instant - scheduled one, per open-loop request (0 when early).",

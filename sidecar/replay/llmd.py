@@ -255,6 +255,40 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
+def _aggregate(sent: Sequence[SentRequest], duration_s: float) -> dict[str, Any]:
+    """BR v0.2's ``request_performance.aggregate``: request counts and lengths, latency
+    statistics, and rates per ``duration_s``."""
+    records = [s.record for s in sent]
+    completed = [r for r in records if r.outcome is Outcome.OK]
+    total_in = sum(r.n_in or 0 for r in completed)
+    total_out = sum(stats.output_tokens(r, r.client) for r in completed)
+    rate = 1.0 / duration_s if duration_s > 0 else 0.0
+    latency = _latencies_ms(sent)
+    return {
+        "requests": {
+            "total": len(records),
+            "failures": len(records) - len(completed),
+            "input_length": statistics([r.n_in for r in completed if r.n_in is not None], COUNT),
+            "output_length": statistics(
+                [stats.output_tokens(r, r.client) for r in completed], COUNT
+            ),
+        },
+        "latency": {
+            "time_to_first_token": statistics(latency["ttft"], MS),
+            "normalized_time_per_output_token": statistics(latency["ntpot"], MS_PER_TOKEN),
+            "time_per_output_token": statistics(latency["tpot"], MS_PER_TOKEN),
+            "inter_token_latency": statistics(latency["itl"], MS_PER_TOKEN),
+            "request_latency": statistics(latency["e2el"], MS),
+        },
+        "throughput": {
+            "input_token_rate": single_value(total_in * rate, TOKENS_PER_S),
+            "output_token_rate": single_value(total_out * rate, TOKENS_PER_S),
+            "total_token_rate": single_value((total_in + total_out) * rate, TOKENS_PER_S),
+            "request_rate": single_value(len(completed) * rate, QUERIES_PER_S),
+        },
+    }
+
+
 def benchmark_report(
     sent: Sequence[SentRequest],
     *,
@@ -272,18 +306,12 @@ def benchmark_report(
     end, as in the replay report; every rate here is per that duration. ``extension``: more
     members of ``results.observability.vllm_sidecar`` (a sweep step's verdict, ...).
     """
-    records = [s.record for s in sent]
-    completed = [r for r in records if r.outcome is Outcome.OK]
     start_ns = min((s.record.wall_time_ns - s.actual_ns for s in sent), default=None)
-    total_in = sum(r.n_in or 0 for r in completed)
-    total_out = sum(stats.output_tokens(r, r.client) for r in completed)
-    rate = 1.0 / duration_s if duration_s > 0 else 0.0
-    latency = _latencies_ms(sent)
     ours: dict[str, Any] = {
         "extension_version": EXTENSION_VERSION,
         "about": "vllm-sidecar's goodput, SLO attainment and other results that BR v0.2 has "
         "no field for; definitions below",
-        "outcomes": {o.value: n for o, n in stats.outcome_counts(records).items()},
+        "outcomes": {o.value: n for o, n in stats.outcome_counts(s.record for s in sent).items()},
         "definitions": EXTENSION_DEFINITIONS,
     }
     if slo_policy is not None:
@@ -307,37 +335,7 @@ def benchmark_report(
             "load": _load(workload, sent),
         },
         "results": {
-            "request_performance": {
-                "aggregate": {
-                    "requests": {
-                        "total": len(records),
-                        "failures": len(records) - len(completed),
-                        "input_length": statistics(
-                            [r.n_in for r in completed if r.n_in is not None], COUNT
-                        ),
-                        "output_length": statistics(
-                            [stats.output_tokens(r, r.client) for r in completed], COUNT
-                        ),
-                    },
-                    "latency": {
-                        "time_to_first_token": statistics(latency["ttft"], MS),
-                        "normalized_time_per_output_token": statistics(
-                            latency["ntpot"], MS_PER_TOKEN
-                        ),
-                        "time_per_output_token": statistics(latency["tpot"], MS_PER_TOKEN),
-                        "inter_token_latency": statistics(latency["itl"], MS_PER_TOKEN),
-                        "request_latency": statistics(latency["e2el"], MS),
-                    },
-                    "throughput": {
-                        "input_token_rate": single_value(total_in * rate, TOKENS_PER_S),
-                        "output_token_rate": single_value(total_out * rate, TOKENS_PER_S),
-                        "total_token_rate": single_value(
-                            (total_in + total_out) * rate, TOKENS_PER_S
-                        ),
-                        "request_rate": single_value(len(completed) * rate, QUERIES_PER_S),
-                    },
-                },
-            },
+            "request_performance": {"aggregate": _aggregate(sent, duration_s)},
             "observability": {EXTENSION_KEY: ours},
         },
     }

@@ -16,7 +16,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,73 +114,116 @@ async def run(
     ``workers`` (sender processes, open loop) default to the options'. Unless ``quiet`` (or
     ``options.quiet``), a progress display on stderr reads the sender's counters from a thread
     of its own while it runs; a quiet run (a warm-up) also ignores ``options.start_at``."""
-    target = options.target
     concurrency = options.max_concurrency if concurrency is None else concurrency
     workers = options.workers if workers is None else workers
     show = not (quiet or options.quiet)
     start_at = options.start_at if not quiet else None
-    waiting_for = (
-        "the start"
-        if start_at is None
-        else time.strftime("--start-at (%Y-%m-%d %H:%M:%S UTC)", time.gmtime(start_at))
-    )
+    progress = _Progress(show, label or "replay", len(plan.requests), start_at)
     if workers > 1 and plan.mode == "open":
         if show and counters is None:
             counters = ReplayCounters()  # the workers' numbers, for the display
-        display = None
-        if show and counters is not None:
-            base = counters.totals()
-            shared = counters
+        return await _run_in_workers(plan, options, workers, request_id_prefix, counters, progress)
+    return await _run_here(plan, options, concurrency, request_id_prefix, counters, progress)
 
-            def read_shared() -> Counts:
-                sent, finished, failed = shared.totals()
-                return Counts(sent - base[0], finished - base[1], failed - base[2])
 
-            starts_at = time.monotonic() + start_at - time.time() if start_at is not None else None
-            display = ProgressDisplay(
-                label or "replay",
-                len(plan.requests),
-                read_shared,
-                starts_at=starts_at,
-                waiting_for=waiting_for,
-            )
-        with display or contextlib.nullcontext():
-            return await asyncio.to_thread(
-                run_workers, plan.requests, target, workers, options, request_id_prefix, counters
-            )
+@dataclass(frozen=True)
+class _Progress:
+    """What a run's progress display shows: whether there is one, its label, the request
+    count and the --start-at it waits for."""
+
+    show: bool
+    label: str
+    total: int
+    start_at: float | None
+
+    def display(
+        self, read: Callable[[], Counts], starts_at: float | None
+    ) -> ProgressDisplay | None:
+        """The display reading ``read``, or None when not shown."""
+        if not self.show:
+            return None
+        waiting_for = (
+            "the start"
+            if self.start_at is None
+            else time.strftime("--start-at (%Y-%m-%d %H:%M:%S UTC)", time.gmtime(self.start_at))
+        )
+        return ProgressDisplay(
+            self.label, self.total, read, starts_at=starts_at, waiting_for=waiting_for
+        )
+
+
+async def _run_in_workers(
+    plan: Plan,
+    options: ReplayOptions,
+    workers: int,
+    request_id_prefix: str,
+    counters: ReplayCounters | None,
+    progress: _Progress,
+) -> list[SentRequest]:
+    """An open-loop plan sent by ``workers`` processes (run_workers), shown from the shared
+    counters."""
+    display = None
+    if progress.show and counters is not None:
+        base = counters.totals()
+        shared = counters
+
+        def read_shared() -> Counts:
+            sent, finished, failed = shared.totals()
+            return Counts(sent - base[0], finished - base[1], failed - base[2])
+
+        start_at = progress.start_at
+        starts_at = time.monotonic() + start_at - time.time() if start_at is not None else None
+        display = progress.display(read_shared, starts_at)
+    with display or contextlib.nullcontext():
+        return await asyncio.to_thread(
+            run_workers,
+            plan.requests,
+            options.target,
+            workers,
+            options,
+            request_id_prefix,
+            counters,
+        )
+
+
+async def _run_here(
+    plan: Plan,
+    options: ReplayOptions,
+    concurrency: int | None,
+    request_id_prefix: str,
+    counters: ReplayCounters | None,
+    progress: _Progress,
+) -> list[SentRequest]:
+    """``plan`` sent from this process: open loop at its instants, or closed loop with
+    ``concurrency`` outstanding."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         sender = Sender(
-            target,
+            options.target,
             session,
             request_timeout_s=options.request_timeout,
             request_id_prefix=request_id_prefix,
             counters=counters,
         )
         start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
-        if start_at is not None:
-            # A wall-clock instant shared by every shard, as a monotonic instant here.
-            start = clock.monotonic_ns() + int((start_at - time.time()) * 1e9)
+        if progress.start_at is not None:
+            start = _monotonic_start(progress.start_at)
             if start < clock.monotonic_ns():
-                raise UsageError(f"--start-at {start_at} is in the past")
-        display = None
-        if show:
+                raise UsageError(f"--start-at {progress.start_at} is in the past")
 
-            def read() -> Counts:
-                return Counts(sender.done + sender.in_flight, sender.done, sender.failed)
+        def read() -> Counts:
+            return Counts(sender.done + sender.in_flight, sender.done, sender.failed)
 
-            starts_at = time.monotonic() + (start - clock.monotonic_ns()) / 1e9
-            display = ProgressDisplay(
-                label or "replay",
-                len(plan.requests),
-                read,
-                starts_at=starts_at,
-                waiting_for=waiting_for,
-            )
-        with display or contextlib.nullcontext():
+        starts_at = time.monotonic() + (start - clock.monotonic_ns()) / 1e9
+        with progress.display(read, starts_at) or contextlib.nullcontext():
             if plan.mode == "closed":
                 return await closed_loop(sender, plan.requests, concurrency or 1, start)
             return await open_loop(sender, plan.requests, start)
+
+
+def _monotonic_start(start_at: float) -> int:
+    """A wall-clock instant (--start-at, shared by every shard) as a monotonic one here."""
+    return clock.monotonic_ns() + int((start_at - time.time()) * 1e9)
 
 
 # -- several sender processes ---------------------------------------------------------------
@@ -234,6 +277,23 @@ def _worker_main(
             )
 
 
+def _read_sent(path: str) -> list[SentRequest]:
+    """The requests a worker sent, from the JSON lines it wrote (_worker_main)."""
+    sent = []
+    with open(path) as handle:
+        for line in handle:
+            data = json.loads(line)
+            sent.append(
+                SentRequest(
+                    data["index"],
+                    data["scheduled_ns"],
+                    data["actual_ns"],
+                    RequestRecord.from_dict(data["record"]),
+                )
+            )
+    return sent
+
+
 def run_workers(
     plan: Sequence[PlannedRequest],
     target: str,
@@ -278,22 +338,12 @@ def run_workers(
             raise RuntimeError("replay workers did not get ready within 120 s") from None
         start_value.value = clock.monotonic_ns() + 100_000_000
         if options.start_at is not None:
-            start_value.value = clock.monotonic_ns() + int((options.start_at - time.time()) * 1e9)
+            start_value.value = _monotonic_start(options.start_at)
         go.set()
         sent: list[SentRequest] = []
         for proc, path in processes:
             proc.join()
             if proc.exitcode != 0:
                 raise RuntimeError(f"a replay worker failed (exit code {proc.exitcode})")
-            with open(path) as handle:
-                for line in handle:
-                    data = json.loads(line)
-                    sent.append(
-                        SentRequest(
-                            data["index"],
-                            data["scheduled_ns"],
-                            data["actual_ns"],
-                            RequestRecord.from_dict(data["record"]),
-                        )
-                    )
+            sent.extend(_read_sent(path))
     return sorted(sent, key=lambda s: s.index)

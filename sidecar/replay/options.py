@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -24,6 +25,15 @@ DEFAULT_MAX_LATENESS = f"{DEFAULT_MAX_LATENESS_MS:g}ms"
 
 class UsageError(Exception):
     """Options that cannot make a replay, with a message that names the flag and the fix."""
+
+
+class Refused(Exception):
+    """Inputs that would not make one experiment (the commands exit 3; ``force`` goes on):
+    ``reasons``, each a sentence."""
+
+    def __init__(self, reasons: Sequence[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = list(reasons)
 
 
 @dataclass(frozen=True)

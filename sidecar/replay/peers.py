@@ -367,13 +367,12 @@ def vllm_bench_json(
     else:
         backend = "mixed"  # vllm bench sends one API per run; a trace may hold both
     request_rate, burstiness, arrivals = offered_arrivals(envelope, sent)
-    model = envelope.get("model")
     out: dict[str, Any] = {
         "date": (now or datetime.now()).strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": backend,
         "backend": backend,
         "label": None,  # vllm bench's --label, unset
-        "model_id": model,
+        "model_id": envelope.get("model"),
         "tokenizer_id": None,  # no client tokenizer: as vllm bench --skip-tokenizer-init
         "num_prompts": len(sent),
         "request_rate": request_rate,
@@ -381,46 +380,18 @@ def vllm_bench_json(
         "max_concurrency": envelope.get("max_concurrency"),
     }
     closed = envelope.get("mode") == "closed"
-    metrics = [stats.request_metrics(r, Vantage.CLIENT) for r in records]
-    max_tokens_per_s, max_concurrent = vllm_bench_peaks(sent)
-    planned = requested_input or {}
-    out.update(
-        {
-            "duration": report.get("duration"),
-            "completed": report.get("completed"),
-            "failed": report.get("failed"),
-            "total_input_tokens": report.get("total_input_tokens"),
-            "total_output_tokens": report.get("total_output_tokens"),
-            "request_throughput": report.get("request_throughput"),
-            "request_goodput": report.get("request_goodput"),
-            "output_throughput": report.get("output_throughput"),
-            "total_token_throughput": report.get("total_token_throughput"),
-            "input_lens": [
-                r.n_in if r.n_in is not None else (planned.get(s.index) or 0)
-                for s, r in zip(sent, records, strict=True)
-            ],
-            "output_lens": [stats.output_tokens(r, r.client) if r.ok else 0 for r in records],
-            "ttfts": [(m.ttft_s or 0.0) if m is not None else 0.0 for m in metrics],
-            "itls": [list(m.itl_s) if m is not None else [] for m in metrics],
-            # vllm bench: the last chunk's instant - send for a success, 0.0 for a failure.
-            "latencies": [
-                ((m.e2e_s or 0.0) if m is not None else 0.0) if r.ok else 0.0
-                for r, m in zip(records, metrics, strict=True)
-            ],
-            # Its clock's origin is arbitrary (perf_counter); ours is the run's start.
-            "start_times": [s.actual_ns / 1e9 for s in sent],
-            # Time spent waiting for the client's concurrency limit: closed loop, from the start
-            # (when vllm bench releases every request) to the send; open loop has no limit.
-            "queue_times": [s.actual_ns / 1e9 if closed else 0.0 for s in sent],
-            "generated_texts": ["" for _ in sent],
-            "errors": ["" if r.ok else (r.error_type or r.outcome.value) for r in records],
-            "max_output_tokens_per_s": max_tokens_per_s,
-            "max_concurrent_requests": max_concurrent,
-            "rtfx": 0.0,  # audio input seconds / duration: no audio here
-        }
-    )
+    out.update(_vllm_bench_results(report, sent, closed, requested_input or {}))
     out.update(vllm_bench_server_keys(*server, float(report.get("duration") or 0.0)))
     out.update(_percentile_stats(report))
+    out.update(_sidecar_keys(report, arrivals, endpoints, closed))
+    return out
+
+
+def _sidecar_keys(
+    report: Mapping[str, Any], arrivals: str, endpoints: Counter[str], closed: bool
+) -> dict[str, Any]:
+    """The keys vllm bench does not write, ``sidecar_``-prefixed: what the run also knows,
+    and what it could not measure."""
     not_measured = {"generated_texts": "the replayer keeps no response text: every entry is empty"}
     if not closed:
         not_measured["queue_times"] = (
@@ -429,16 +400,59 @@ def vllm_bench_json(
             "schedule, which vllm bench does not record, is in "
             "sidecar_lateness_ms)"
         )
-    out.update(
-        {
-            "sidecar_note": VLLM_BENCH_NOTE,
-            "sidecar_arrivals": arrivals,
-            "sidecar_endpoints": dict(sorted(endpoints.items())),
-            "sidecar_max_in_flight_requests": report.get("max_in_flight_requests"),
-            "sidecar_lateness_ms": report.get("lateness_ms"),
-            "sidecar_degraded": report.get("degraded", False),
-            "sidecar_degraded_reason": report.get("degraded_reason"),
-            "sidecar_not_measured": not_measured,
-        }
-    )
-    return out
+    return {
+        "sidecar_note": VLLM_BENCH_NOTE,
+        "sidecar_arrivals": arrivals,
+        "sidecar_endpoints": dict(sorted(endpoints.items())),
+        "sidecar_max_in_flight_requests": report.get("max_in_flight_requests"),
+        "sidecar_lateness_ms": report.get("lateness_ms"),
+        "sidecar_degraded": report.get("degraded", False),
+        "sidecar_degraded_reason": report.get("degraded_reason"),
+        "sidecar_not_measured": not_measured,
+    }
+
+
+def _vllm_bench_results(
+    report: Mapping[str, Any],
+    sent: Sequence[SentRequest],
+    closed: bool,
+    planned: Mapping[int, int | None],
+) -> dict[str, Any]:
+    """vllm bench's result keys, in its order: the totals from ``report``, the per-request
+    lists from ``sent`` (client vantage)."""
+    records = [s.record for s in sent]
+    metrics = [stats.request_metrics(r, Vantage.CLIENT) for r in records]
+    max_tokens_per_s, max_concurrent = vllm_bench_peaks(sent)
+    return {
+        "duration": report.get("duration"),
+        "completed": report.get("completed"),
+        "failed": report.get("failed"),
+        "total_input_tokens": report.get("total_input_tokens"),
+        "total_output_tokens": report.get("total_output_tokens"),
+        "request_throughput": report.get("request_throughput"),
+        "request_goodput": report.get("request_goodput"),
+        "output_throughput": report.get("output_throughput"),
+        "total_token_throughput": report.get("total_token_throughput"),
+        "input_lens": [
+            r.n_in if r.n_in is not None else (planned.get(s.index) or 0)
+            for s, r in zip(sent, records, strict=True)
+        ],
+        "output_lens": [stats.output_tokens(r, r.client) if r.ok else 0 for r in records],
+        "ttfts": [(m.ttft_s or 0.0) if m is not None else 0.0 for m in metrics],
+        "itls": [list(m.itl_s) if m is not None else [] for m in metrics],
+        # vllm bench: the last chunk's instant - send for a success, 0.0 for a failure.
+        "latencies": [
+            ((m.e2e_s or 0.0) if m is not None else 0.0) if r.ok else 0.0
+            for r, m in zip(records, metrics, strict=True)
+        ],
+        # Its clock's origin is arbitrary (perf_counter); ours is the run's start.
+        "start_times": [s.actual_ns / 1e9 for s in sent],
+        # Time spent waiting for the client's concurrency limit: closed loop, from the start
+        # (when vllm bench releases every request) to the send; open loop has no limit.
+        "queue_times": [s.actual_ns / 1e9 if closed else 0.0 for s in sent],
+        "generated_texts": ["" for _ in sent],
+        "errors": ["" if r.ok else (r.error_type or r.outcome.value) for r in records],
+        "max_output_tokens_per_s": max_tokens_per_s,
+        "max_concurrent_requests": max_concurrent,
+        "rtfx": 0.0,  # audio input seconds / duration: no audio here
+    }

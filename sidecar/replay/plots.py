@@ -34,6 +34,45 @@ def capacity_label(capacity: float, lower_bound: bool) -> str:
     return f"capacity >= {capacity:g} (no step failed)" if lower_bound else f"capacity {capacity:g}"
 
 
+def _figure() -> tuple[Any, Any, Any]:
+    """pyplot, and a new figure of the report's size with its axes."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    return plt, fig, ax
+
+
+def _mark_capacity(ax: Any, capacity: float | None, lower_bound: bool) -> None:
+    """The capacity as a vertical line, when there is one."""
+    if capacity is not None:
+        ax.axvline(
+            capacity, color="green", linestyle="-.", label=capacity_label(capacity, lower_bound)
+        )
+
+
+def _mark_knee(ax: Any, knee_load: float, loads: list[Any], goodput: list[Any]) -> None:
+    # A marker on the goodput curve, not a second vertical line: at the capacity's load a
+    # line would hide behind the capacity's.
+    at = next((g for load, g in zip(loads, goodput, strict=True) if load == knee_load), None)
+    if at is not None:
+        ax.plot(
+            [knee_load],
+            [at],
+            "*",
+            color="red",
+            markersize=14,
+            zorder=5,
+            label=f"knee {knee_load:g} (highest goodput)",
+        )
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """The figure written to ``path`` (and closed)."""
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_latency(
     steps: Sequence[Mapping[str, Any]],
     unit: str,
@@ -41,9 +80,8 @@ def plot_latency(
     capacity: float | None,
     lower_bound: bool = False,
 ) -> Path:
-    plt = _pyplot()
+    plt, fig, ax = _figure()
     loads = [s["load"] for s in steps]
-    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     for metric, style in (("ttft", "-"), ("tpot", "--"), ("e2el", ":")):
         for q, marker in (("p50", "o"), ("p90", "s"), ("p99", "^")):
             values = [s["report"].get(f"{q}_{metric}_ms") for s in steps]
@@ -51,20 +89,14 @@ def plot_latency(
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, style, marker=marker, label=f"{metric.upper()} {q}")
-    if capacity is not None:
-        ax.axvline(
-            capacity, color="green", linestyle="-.", label=capacity_label(capacity, lower_bound)
-        )
+    _mark_capacity(ax, capacity, lower_bound)
     ax.set_yscale("log")
     ax.set_xlabel(f"load ({unit}, nominal)")
     ax.set_ylabel("latency (ms, client vantage)")
     ax.set_title("Latency percentiles vs load")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_throughput(
@@ -75,9 +107,8 @@ def plot_throughput(
     knee_load: float | None,
     lower_bound: bool = False,
 ) -> Path:
-    plt = _pyplot()
+    plt, fig, ax = _figure()
     loads = [s["load"] for s in steps]
-    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     ax.plot(
         loads,
         [s["report"]["request_throughput"] for s in steps],
@@ -103,39 +134,20 @@ def plot_throughput(
             markersize=10,
             label="offered (the rate really sent, req/s)",
         )
-    if capacity is not None:
-        ax.axvline(
-            capacity, color="green", linestyle="-.", label=capacity_label(capacity, lower_bound)
-        )
+    _mark_capacity(ax, capacity, lower_bound)
     if knee_load is not None:
-        # A marker on the goodput curve, not a second vertical line: at the capacity's load a
-        # line would hide behind the capacity's.
-        at = next((g for load, g in zip(loads, goodput, strict=True) if load == knee_load), None)
-        if at is not None:
-            ax.plot(
-                [knee_load],
-                [at],
-                "*",
-                color="red",
-                markersize=14,
-                zorder=5,
-                label=f"knee {knee_load:g} (highest goodput)",
-            )
+        _mark_knee(ax, knee_load, loads, goodput)
     ax.set_xlabel(f"load ({unit}, nominal)")
     ax.set_ylabel("requests / s")
     ax.set_title("Goodput and throughput vs load")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_scatter(points: Sequence[Mapping[str, Any]], path: Path) -> Path:
     """One dot per request: its E2E latency against when it was sent, coloured by load step."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    plt, fig, ax = _figure()
     loads = sorted({p["load"] for p in points})
     for load in loads:
         mine = [p for p in points if p["load"] == load and p.get("e2e_ms") is not None]
@@ -150,10 +162,7 @@ def plot_scatter(points: Sequence[Mapping[str, Any]], path: Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     if loads:
         ax.legend(fontsize=6, ncol=4, title="load")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def html_table(table: Table) -> str:

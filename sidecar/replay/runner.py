@@ -103,14 +103,9 @@ class Sender:
     async def send(
         self, planned: PlannedRequest, run_start_ns: int, scheduled_ns: int | None
     ) -> SentRequest:
-        endpoint = "chat" if planned.path.endswith("/chat/completions") else "completions"
         stream = planned.body.get("stream") is True
         request_id = f"{self.request_id_prefix}-{planned.index}-{uuid.uuid4().hex[:12]}"
-        meter: StreamMeter | None = None
-        usage: Usage | None = None  # of a non-streamed answer
-        failure: StreamFailure | None = None
-        status: int | None = None
-        finish_reason: str | None = None
+        answer = _Answer()
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         wall, start = clock.anchor()
@@ -125,35 +120,72 @@ class Sender:
                 headers={"X-Request-Id": request_id},
                 timeout=self.timeout,
             ) as response:
-                status = response.status
-                if status != 200 or not stream:
-                    data = await response.read()
-                    obj = _json(data)
-                    if status != 200:
-                        error = (
-                            ErrorInfo.from_obj(obj.get("error")) if isinstance(obj, dict) else None
-                        )
-                        failure = StreamFailure(
-                            Outcome.HTTP_ERROR, safe_error_type(error, status), status, ""
-                        )
-                    elif isinstance(obj, dict):
-                        usage = Usage.from_obj(obj.get("usage"))
-                        finish_reason = _finish_reason(obj)
+                answer.status = response.status
+                if answer.status != 200 or not stream:
+                    answer.read_body(answer.status, await response.read())
                 else:
-                    # The same measuring core as the proxy's: the client vantage here.
-                    meter = StreamMeter(start, forward=False)
-                    async for chunk in response.content.iter_any():
-                        meter.feed(chunk, clock.monotonic_ns())
-                        if meter.fatal is not None:
-                            break
-                    meter.close(clock.monotonic_ns())
+                    answer.meter = await _metered(response, start)
         except asyncio.TimeoutError:
-            failure = StreamFailure(Outcome.TIMEOUT, "request_timeout", 504, "")
+            answer.failure = StreamFailure(Outcome.TIMEOUT, "request_timeout", 504, "")
         except (aiohttp.ClientError, OSError) as exc:
-            failure = StreamFailure(Outcome.UPSTREAM_ERROR, type(exc).__name__, 502, "")
+            answer.failure = StreamFailure(Outcome.UPSTREAM_ERROR, type(exc).__name__, 502, "")
         finally:
             self.in_flight -= 1
-        end = clock.monotonic_ns()
+        record = answer.record(planned, request_id, wall, clock.monotonic_ns() - start, self.target)
+        self.done += 1
+        self.failed += record.outcome is not Outcome.OK
+        if self.counters is not None:
+            self.counters.completed(record.outcome)
+        actual = start - run_start_ns
+        return SentRequest(
+            planned.index, actual if scheduled_ns is None else scheduled_ns, actual, record
+        )
+
+
+async def _metered(response: aiohttp.ClientResponse, start: int) -> StreamMeter:
+    """A streamed answer read through the same measuring core as the proxy's: the client
+    vantage here."""
+    meter = StreamMeter(start, forward=False)
+    async for chunk in response.content.iter_any():
+        meter.feed(chunk, clock.monotonic_ns())
+        if meter.fatal is not None:
+            break
+    meter.close(clock.monotonic_ns())
+    return meter
+
+
+class _Answer:
+    """What one request got back: a metered stream, or a whole body's usage, or a failure."""
+
+    __slots__ = ("failure", "finish_reason", "meter", "status", "usage")
+
+    def __init__(self) -> None:
+        self.meter: StreamMeter | None = None
+        self.usage: Usage | None = None  # of a non-streamed answer
+        self.failure: StreamFailure | None = None
+        self.status: int | None = None
+        self.finish_reason: str | None = None
+
+    def read_body(self, status: int, data: bytes) -> None:
+        """A whole (non-streamed or error) body: its usage, or the error it names."""
+        obj = _json(data)
+        if status != 200:
+            error = ErrorInfo.from_obj(obj.get("error")) if isinstance(obj, dict) else None
+            self.failure = StreamFailure(
+                Outcome.HTTP_ERROR, safe_error_type(error, status), status, ""
+            )
+        elif isinstance(obj, dict):
+            self.usage = Usage.from_obj(obj.get("usage"))
+            self.finish_reason = _finish_reason(obj)
+
+    def record(
+        self, planned: PlannedRequest, request_id: str, wall: int, elapsed_ns: int, target: str
+    ) -> RequestRecord:
+        """The request's record, ended ``elapsed_ns`` after it was sent."""
+        stream = planned.body.get("stream") is True
+        failure = self.failure
+        meter = self.meter
+        finish_reason = self.finish_reason
         if meter is not None:
             # The first thing that went wrong is the cause: a stream failure read before a
             # transport error or a timeout.
@@ -164,27 +196,23 @@ class Sender:
                 start_ns=0,
                 offsets_ns=Int64s(meter.offsets),
                 tokens=Int64s(meter.tokens),
-                end_ns=end - start,
+                end_ns=elapsed_ns,
                 events_total=meter.events,
             )
             engine = meter.engine
         else:
+            usage = self.usage
             n_in = usage.prompt_tokens if usage else None
             n_out = usage.completion_tokens if usage else None
             n_cached = usage.cached_tokens if usage else None
             source = TokenSource.USAGE_TOTAL if usage else TokenSource.NONE
-            client = Timeline(start_ns=0, end_ns=end - start)
+            client = Timeline(start_ns=0, end_ns=elapsed_ns)
             engine = None
-        outcome = failure.outcome if failure is not None else Outcome.OK
-        self.done += 1
-        self.failed += outcome is not Outcome.OK
-        if self.counters is not None:
-            self.counters.completed(outcome)
-        record = RequestRecord(
+        return RequestRecord(
             request_id=request_id,
             wall_time_ns=wall,
-            outcome=outcome,
-            endpoint=endpoint,
+            outcome=failure.outcome if failure is not None else Outcome.OK,
+            endpoint="chat" if planned.path.endswith("/chat/completions") else "completions",
             model=planned.body.get("model"),
             client_stream=stream,
             upstream_stream=stream,
@@ -195,13 +223,9 @@ class Sender:
             n_cached=n_cached,
             token_source=source,
             finish_reason=finish_reason,
-            http_status=status,
+            http_status=self.status,
             error_type=failure.error_type if failure is not None else None,
-            replica=self.target.split("://", 1)[-1],
-        )
-        actual = start - run_start_ns
-        return SentRequest(
-            planned.index, actual if scheduled_ns is None else scheduled_ns, actual, record
+            replica=target.split("://", 1)[-1],
         )
 
 

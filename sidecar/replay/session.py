@@ -32,7 +32,12 @@ from sidecar.config import ConfigError, parse_duration, parse_hostport, parse_sl
 from sidecar.replay import llmd, load
 from sidecar.replay.live import MetricsServer, ReplayCounters
 from sidecar.replay.options import ReplayOptions, UsageError
-from sidecar.replay.payload import DEFAULT_TOKEN_IDS, parse_token_id_range
+from sidecar.replay.payload import (
+    DEFAULT_TOKEN_IDS,
+    TokenCalibration,
+    TokenIds,
+    parse_token_id_range,
+)
 from sidecar.replay.peers import peer_report, vllm_bench_json
 from sidecar.replay.report import mark_degraded, median_run, run_report
 from sidecar.replay.runner import SentRequest
@@ -225,16 +230,9 @@ class PreparedReplay:
     native_args: Mapping[str, Any]  # the arguments as given, for the llm-d report
 
 
-async def prepare(
-    options: ReplayOptions,
-    *,
-    notify: Notify = print_on_stderr,
-    native_args: Mapping[str, Any] | None = None,
-) -> PreparedReplay:
-    """Check the options, read the trace, ask the target for its model, tokenizer, version and
-    engine counters, and plan the load. Raises UsageError (and the trace's and payload's
-    errors, ValueErrors) naming the option and the fix. ``native_args``: the arguments as the
-    tool was given them, for the llm-d export [the options']."""
+def _checked(options: ReplayOptions) -> tuple[float | None, float, tuple[str, int] | None]:
+    """The options checked together (UsageError naming the fix), and the parsed
+    --max-lateness (ms), --metrics-linger (s) and --metrics-listen."""
     if options.repeats < 1 or options.workers < 1:
         raise UsageError("--repeats and --workers must be >= 1")
     check_writable(options.output_dir, (options.export_vllm_bench, options.export_llmd))
@@ -250,45 +248,59 @@ async def prepare(
         metrics_address = parse_hostport(options.metrics_listen) if options.metrics_listen else None
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    workload = read_workload(options, notify=notify)
-    requests = workload.requests
-    slo_policy = None
-    if options.slo:
-        slo_policy = SLOPolicy({"default": SLO(**parse_slo_spec(options.slo).slo_arguments())})
-    target = checked_target(options.target)
-    given = asdict(options) if native_args is None else dict(native_args)
-    options = replace(options, target=target)
-    timeout = aiohttp.ClientTimeout(total=10)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        model = options.model or trace_model(requests) or await first_model(session, target)
-        if model is None:
-            raise UsageError("no model: pass --model (the target's /v1/models was empty)")
-        needs_text = options.endpoint == "chat" or any(
-            r.endpoint == "chat" and (r.body is None or options.no_captured_bodies)
-            for r in requests
-        )
-        calibration = await calibrate(session, target, model) if needs_text else None
-        token_ids = DEFAULT_TOKEN_IDS
-        if options.token_id_range:
-            try:
-                token_ids = parse_token_id_range(options.token_id_range)
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-        elif load.needs_token_ids(requests, options):
-            token_ids = await probe_token_ids(session, target, model)
-        version = await engine_version(session, target)
-        engine_before = await scrape_engine(session, target)
-    plan = load.plan(
-        requests, options, model, calibration, token_ids, trace_origin=workload.trace_origin
+    return lateness_ms, linger_s, metrics_address
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What the target said before the run: the model, the prompt calibration and token ids
+    fitting its tokenizer, its version and its engine counters."""
+
+    model: str
+    calibration: TokenCalibration | None
+    token_ids: TokenIds
+    version: str | None
+    engine_before: dict[str, Any] | None
+
+
+async def _ask_target(
+    session: aiohttp.ClientSession, options: ReplayOptions, requests: Sequence[TraceRequest]
+) -> _Asked:
+    target = options.target
+    model = options.model or trace_model(requests) or await first_model(session, target)
+    if model is None:
+        raise UsageError("no model: pass --model (the target's /v1/models was empty)")
+    needs_text = options.endpoint == "chat" or any(
+        r.endpoint == "chat" and (r.body is None or options.no_captured_bodies) for r in requests
     )
+    calibration = await calibrate(session, target, model) if needs_text else None
+    token_ids = DEFAULT_TOKEN_IDS
+    if options.token_id_range:
+        try:
+            token_ids = parse_token_id_range(options.token_id_range)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    elif load.needs_token_ids(requests, options):
+        token_ids = await probe_token_ids(session, target, model)
+    version = await engine_version(session, target)
+    engine_before = await scrape_engine(session, target)
+    return _Asked(model, calibration, token_ids, version, engine_before)
+
+
+def _envelope(
+    options: ReplayOptions, workload: Workload, plan: load.Plan, asked: _Asked
+) -> dict[str, Any]:
+    """The report's envelope: the run's configuration, as planned."""
+    requests = workload.requests
     skipped = workload.skipped
-    envelope = {
+    calibration = asked.calibration
+    return {
         "trace": str(options.trace),
         "trace_source": workload.source,
         "requests": len(plan.requests),
-        "model": model,
-        "target": target,
-        "engine_version": version,
+        "model": asked.model,
+        "target": options.target,
+        "engine_version": asked.version,
         "mode": plan.mode,
         "time_scale": options.time_scale if options.rate is None else None,
         "rate": options.rate,
@@ -309,7 +321,7 @@ async def prepare(
             "tokens_per_word": calibration.tokens_per_word,
             "chat_overhead": calibration.chat_overhead,
         },
-        "prompt_token_ids": token_ids.describe(),
+        "prompt_token_ids": asked.token_ids.describe(),
         "skipped_lines": {
             "count": len(skipped),
             "of": workload.lines,
@@ -318,12 +330,45 @@ async def prepare(
             ],
         },
     }
+
+
+async def prepare(
+    options: ReplayOptions,
+    *,
+    notify: Notify = print_on_stderr,
+    native_args: Mapping[str, Any] | None = None,
+) -> PreparedReplay:
+    """Check the options, read the trace, ask the target for its model, tokenizer, version and
+    engine counters, and plan the load. Raises UsageError (and the trace's and payload's
+    errors, ValueErrors) naming the option and the fix. ``native_args``: the arguments as the
+    tool was given them, for the llm-d export [the options']."""
+    lateness_ms, linger_s, metrics_address = _checked(options)
+    workload = read_workload(options, notify=notify)
+    requests = workload.requests
+    slo_policy = None
+    if options.slo:
+        slo_policy = SLOPolicy({"default": SLO(**parse_slo_spec(options.slo).slo_arguments())})
+    target = checked_target(options.target)
+    given = asdict(options) if native_args is None else dict(native_args)
+    options = replace(options, target=target)
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        asked = await _ask_target(session, options, requests)
+    plan = load.plan(
+        requests,
+        options,
+        asked.model,
+        asked.calibration,
+        asked.token_ids,
+        trace_origin=workload.trace_origin,
+    )
+    envelope = _envelope(options, workload, plan, asked)
     return PreparedReplay(
         options=options,
         workload=workload,
         plan=plan,
         envelope=envelope,
-        engine_before=engine_before,
+        engine_before=asked.engine_before,
         slo_policy=slo_policy,
         lateness_ms=lateness_ms,
         linger_s=linger_s,

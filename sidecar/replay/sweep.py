@@ -347,13 +347,45 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
     mode = result.get("mode", "open")
     unit = result.get("unit", "req/s")
     steps = sorted(result.get("steps", []), key=lambda s: s["load"])
-    p = criteria.percentile
     load_column = Column(
         "load",
         "req/s" if mode == "open" else "concurrent",
         "the step's nominal load: the arrival rate asked for (open loop) or "
         "the requests kept in flight (closed loop)",
     )
+    rate_columns = _rate_columns(load_column, criteria, mode, steps)
+    latency_columns, latency_keys = _latency_columns(load_column, criteria)
+    with_sidecar = any(s.get("sidecar") for s in steps)
+    if with_sidecar:
+        latency_columns += _SIDECAR_COLUMNS
+    rate_rows: list[tuple[str, ...]] = []
+    latency_rows: list[tuple[str, ...]] = []
+    failures: list[str] = []
+    for step in steps:
+        report = step["report"]
+        cells_by_title = _rate_cells(step, mode)
+        row = [cells_by_title[column.title] for column in rate_columns]
+        rate_rows.append(tuple(row))
+        cells = [cells_by_title["load"], *(_num(report.get(key), 1) for key in latency_keys)]
+        if with_sidecar:
+            cells += _sidecar_cells(step.get("sidecar"))
+        latency_rows.append(tuple(cells))
+        if not step["passed"]:
+            failures.append(f"load {step['load']:g} {unit}: " + "; ".join(step["reasons"]))
+    return StepTables(
+        (
+            Table("Steps: rates and outcomes", tuple(rate_columns), tuple(rate_rows)),
+            Table("Steps: latency (ms)", tuple(latency_columns), tuple(latency_rows)),
+        ),
+        tuple(failures),
+    )
+
+
+def _rate_columns(
+    load_column: Column, criteria: Criteria, mode: str, steps: Sequence[Mapping[str, Any]]
+) -> list[Column]:
+    """The rates-and-outcomes table's columns: open loop's schedule columns only there, the
+    cache hit rate only where the engines reported one."""
     rate_columns = [
         load_column,
         Column(
@@ -426,10 +458,16 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
     rate_columns.append(
         Column("verdict", "", "pass, or FAIL (the reasons are listed below the tables)")
     )
+    return rate_columns
+
+
+def _latency_columns(load_column: Column, criteria: Criteria) -> tuple[list[Column], list[str]]:
+    """The latency table's columns (the judged percentiles first, then the usual ones) and the
+    report keys their cells come from."""
     latency_columns = [load_column]
     latency_keys: list[str] = []
     limits = criteria.limits_ms()
-    judged = [(metric, p) for metric in limits]
+    judged = [(metric, criteria.percentile) for metric in limits]
     for metric, q in [*judged, *(x for x in SHOWN_LATENCIES if x not in judged)]:
         name = f"{LATENCY_NAMES[metric]} p{q:g}"
         limit = limits.get(metric) if (metric, q) in judged else None
@@ -447,63 +485,50 @@ def step_tables(result: Mapping[str, Any]) -> StepTables:
             Column(name, f"ms <= {limit:g}" if limit is not None else "ms", definition)
         )
         latency_keys.append(f"p{q:g}_{REPORT_NAMES[metric]}_ms")
-    with_sidecar = any(s.get("sidecar") for s in steps)
-    if with_sidecar:
-        latency_columns += [
-            *(
-                Column(
-                    f"server {name}",
-                    "ms",
-                    "the sidecar's view of the same requests, "
-                    "server vantage: from the request it sent upstream "
-                    f"({METRICS_DOC} §2 Vantages)",
-                )
-                for name in ("TTFT p50", "TTFT p99", "TPOT p50", "E2E p99")
-            ),
-            Column(
-                "sidecar seen/sent",
-                "req",
-                "of the step's requests, those the sidecar's /stats window still held",
-            ),
-        ]
-    rate_rows: list[tuple[str, ...]] = []
-    latency_rows: list[tuple[str, ...]] = []
-    failures: list[str] = []
-    for step in steps:
-        report = step["report"]
-        load = f"{step['load']:g}"
-        cells_by_title = {
-            "load": load,
-            "offered": _num(step.get("offered")),
-            "achieved": _num(step.get("achieved_rate")),
-            "keep-up": _pct(keep_up_ratio(step, mode)),
-            "throughput": _num(report.get("request_throughput")),
-            "goodput": _num(report.get("request_goodput")),
-            "attain.": _pct(report.get("slo_attainment")),
-            "conc.": str(
-                report.get("max_in_flight_requests", report.get("max_concurrent_requests", "-"))
-            ),
-            "failed": f"{report.get('failed', 0)}/"
-            f"{report.get('failed', 0) + report.get('completed', 0)}",
-            "late p99": _num((report.get("lateness_ms") or {}).get("p99")),
-            "cache hit": _pct((step.get("engine_delta") or {}).get("prefix_cache_hit_rate")),
-            "verdict": "pass" if step["passed"] else "FAIL",
-        }
-        row = [cells_by_title[column.title] for column in rate_columns]
-        rate_rows.append(tuple(row))
-        cells = [load, *(_num(report.get(key), 1) for key in latency_keys)]
-        if with_sidecar:
-            cells += _sidecar_cells(step.get("sidecar"))
-        latency_rows.append(tuple(cells))
-        if not step["passed"]:
-            failures.append(f"load {step['load']:g} {unit}: " + "; ".join(step["reasons"]))
-    return StepTables(
-        (
-            Table("Steps: rates and outcomes", tuple(rate_columns), tuple(rate_rows)),
-            Table("Steps: latency (ms)", tuple(latency_columns), tuple(latency_rows)),
+    return latency_columns, latency_keys
+
+
+# The sidecar's own view of a step, where the sweep read its /stats.
+_SIDECAR_COLUMNS = [
+    *(
+        Column(
+            f"server {name}",
+            "ms",
+            "the sidecar's view of the same requests, "
+            "server vantage: from the request it sent upstream "
+            f"({METRICS_DOC} §2 Vantages)",
+        )
+        for name in ("TTFT p50", "TTFT p99", "TPOT p50", "E2E p99")
+    ),
+    Column(
+        "sidecar seen/sent",
+        "req",
+        "of the step's requests, those the sidecar's /stats window still held",
+    ),
+]
+
+
+def _rate_cells(step: Mapping[str, Any], mode: str) -> dict[str, str]:
+    """A step's cells in the rates-and-outcomes table, by column title."""
+    report = step["report"]
+    load = f"{step['load']:g}"
+    return {
+        "load": load,
+        "offered": _num(step.get("offered")),
+        "achieved": _num(step.get("achieved_rate")),
+        "keep-up": _pct(keep_up_ratio(step, mode)),
+        "throughput": _num(report.get("request_throughput")),
+        "goodput": _num(report.get("request_goodput")),
+        "attain.": _pct(report.get("slo_attainment")),
+        "conc.": str(
+            report.get("max_in_flight_requests", report.get("max_concurrent_requests", "-"))
         ),
-        tuple(failures),
-    )
+        "failed": f"{report.get('failed', 0)}/"
+        f"{report.get('failed', 0) + report.get('completed', 0)}",
+        "late p99": _num((report.get("lateness_ms") or {}).get("p99")),
+        "cache hit": _pct((step.get("engine_delta") or {}).get("prefix_cache_hit_rate")),
+        "verdict": "pass" if step["passed"] else "FAIL",
+    }
 
 
 def _sidecar_cells(view: Mapping[str, Any] | None) -> list[str]:

@@ -164,30 +164,11 @@ class SweepRunner:
         verdict, the offered rate it really had and the completion rate it achieved."""
         options = self.options
         mode = options.mode
-        if mode == "open":
-            count = max(options.min_requests, int(round(step_load * self.step_duration)))
-        else:
-            count = max(options.min_requests, int(step_load) * 4)
-        # A step is a replay of its own (no trace file: the requests are given).
-        replay_options = ReplayOptions(
-            trace="",
-            target=options.target,
-            seed=options.seed,
-            request_timeout=float(options.request_timeout),
-            quiet=bool(options.quiet),
-            rate=float(step_load) if mode == "open" else None,
-            burstiness=float(options.burstiness),
-            max_concurrency=int(step_load) if mode != "open" else None,
-        )
+        count, replay_options = self._step_replay(step_load)
         stage = len(self.steps)
         requests = self.requests(count + options.warmup)
-        if self.token_ids is None:
-            self.token_ids = DEFAULT_TOKEN_IDS
-            if self.session is not None and load.needs_token_ids(requests, replay_options):
-                self.token_ids = await probe_token_ids(
-                    self.session, options.target.rstrip("/"), self.model
-                )
-        plan = load.plan(requests, replay_options, self.model, None, self.token_ids)
+        token_ids = await self._token_ids(requests, replay_options)
+        plan = load.plan(requests, replay_options, self.model, None, token_ids)
         plan_mode = plan.mode
         warmup = load.Plan(plan.requests[: options.warmup], "closed")
         measured = load.Plan(plan.requests[options.warmup :], plan_mode)
@@ -204,37 +185,13 @@ class SweepRunner:
                 request_id_prefix=id_prefix + "-w",
             )
         engine_before = await self.scrape_engines()
-        runs: list[tuple[dict[str, Any], list[SentRequest], dict[str, Any] | None]] = []
-        unit = "req/s" if mode == "open" else "concurrent"
-        for repeat in range(options.repeats):
-            run_prefix = f"{id_prefix}-r{repeat}"
-            label = f"step {stage + 1}: {step_load:g} {unit}"
-            if options.repeats > 1:
-                label += f", run {repeat + 1}/{options.repeats}"
-            sent = await load.run(
-                measured, replay_options, workers=1, label=label, request_id_prefix=run_prefix
-            )
-            # Read right after each run: the sidecar's window is time-based, and a later
-            # repeat may be the reported one or not.
-            view = await self.sidecar_view(run_prefix + "-", len(sent))
-            runs.append(
-                (run_report(sent, mode=plan_mode, slo_policy=self.criteria_policy()), sent, view)
-            )
+        runs = await self._measure(step_load, stage, measured, replay_options, id_prefix)
         engine_after = await self.scrape_engines()
         runs.sort(key=lambda r: r[0].get("median_e2el_ms") or float("inf"))
         report, sent, view = runs[(len(runs) - 1) // 2]
         ends = [s.end_ns / 1e9 for s in sent if s.record.ok]
         achieved = achieved_rate(ends)
-        # The offered rate this step really had: a seeded Poisson schedule of a few dozen
-        # requests can be 15% off its nominal rate, and keeping up is judged against what was
-        # sent, not against the nominal number.
-        scheduled = sorted(s.scheduled_ns / 1e9 for s in sent)
-        realized = (
-            (len(scheduled) - 1) / (scheduled[-1] - scheduled[0])
-            if len(scheduled) > 1 and scheduled[-1] > scheduled[0]
-            else step_load
-        )
-        offered = realized if mode == "open" else (achieved or 0.0)
+        offered = _realized_rate(sent, step_load) if mode == "open" else (achieved or 0.0)
         verdict = judge_step(report, offered, mode, self.criteria, achieved)
         self.steps.append(
             {
@@ -254,27 +211,85 @@ class SweepRunner:
         )
         self.step_sent[stage] = sent
         self.step_requests[stage] = requests[options.warmup :]
-        for s in sent:
-            offsets = s.record.client.offsets_ns
-            e2e = offsets[-1] if offsets else None
-            self.points.append(
-                {
-                    "load": step_load,
-                    "sent_s": s.actual_ns / 1e9,
-                    "e2e_ms": None if e2e is None else e2e / 1e6,
-                }
-            )
+        self.points += _points(step_load, sent)
         if not options.quiet:
-            self.notify(step_line(self.result_frame(), self.steps[-1]))
-            view = self.steps[-1]["sidecar"]
-            if view is not None:
-                p = f"p{self.criteria.percentile:g}"
-                ttft = view["vantages"]["server"]["ttft_ms"].get(p)
-                self.notify(
-                    f"  sidecar: server {p} TTFT {_ms(ttft)} ({view['requests_seen']}/"
-                    f"{view['requests_sent']} requests seen)"
-                )
+            self._say_step()
         return verdict, offered, achieved
+
+    async def _token_ids(
+        self, requests: Sequence[TraceRequest], replay_options: ReplayOptions
+    ) -> TokenIds:
+        """The token ids rebuilt prompts use, asked of the target once (at the first step)."""
+        if self.token_ids is None:
+            self.token_ids = DEFAULT_TOKEN_IDS
+            if self.session is not None and load.needs_token_ids(requests, replay_options):
+                self.token_ids = await probe_token_ids(
+                    self.session, self.options.target.rstrip("/"), self.model
+                )
+        return self.token_ids
+
+    def _step_replay(self, step_load: float) -> tuple[int, ReplayOptions]:
+        """How many requests a step measures, and the replay it is (no trace file: the
+        requests are given)."""
+        options = self.options
+        mode = options.mode
+        if mode == "open":
+            count = max(options.min_requests, int(round(step_load * self.step_duration)))
+        else:
+            count = max(options.min_requests, int(step_load) * 4)
+        replay_options = ReplayOptions(
+            trace="",
+            target=options.target,
+            seed=options.seed,
+            request_timeout=float(options.request_timeout),
+            quiet=bool(options.quiet),
+            rate=float(step_load) if mode == "open" else None,
+            burstiness=float(options.burstiness),
+            max_concurrency=int(step_load) if mode != "open" else None,
+        )
+        return count, replay_options
+
+    async def _measure(
+        self,
+        step_load: float,
+        stage: int,
+        measured: load.Plan,
+        replay_options: ReplayOptions,
+        id_prefix: str,
+    ) -> list[tuple[dict[str, Any], list[SentRequest], dict[str, Any] | None]]:
+        """A step's repeats: each run's report, requests and the sidecar's view of it."""
+        options = self.options
+        mode = options.mode
+        plan_mode = measured.mode
+        runs: list[tuple[dict[str, Any], list[SentRequest], dict[str, Any] | None]] = []
+        unit = "req/s" if mode == "open" else "concurrent"
+        for repeat in range(options.repeats):
+            run_prefix = f"{id_prefix}-r{repeat}"
+            label = f"step {stage + 1}: {step_load:g} {unit}"
+            if options.repeats > 1:
+                label += f", run {repeat + 1}/{options.repeats}"
+            sent = await load.run(
+                measured, replay_options, workers=1, label=label, request_id_prefix=run_prefix
+            )
+            # Read right after each run: the sidecar's window is time-based, and a later
+            # repeat may be the reported one or not.
+            view = await self.sidecar_view(run_prefix + "-", len(sent))
+            runs.append(
+                (run_report(sent, mode=plan_mode, slo_policy=self.criteria_policy()), sent, view)
+            )
+        return runs
+
+    def _say_step(self) -> None:
+        """The last step's line on stderr, and the sidecar's view of it where there is one."""
+        self.notify(step_line(self.result_frame(), self.steps[-1]))
+        view = self.steps[-1]["sidecar"]
+        if view is not None:
+            p = f"p{self.criteria.percentile:g}"
+            ttft = view["vantages"]["server"]["ttft_ms"].get(p)
+            self.notify(
+                f"  sidecar: server {p} TTFT {_ms(ttft)} ({view['requests_seen']}/"
+                f"{view['requests_sent']} requests seen)"
+            )
 
     def result_frame(self) -> dict[str, Any]:
         """What the tables need of the sweep besides its steps."""
@@ -312,6 +327,32 @@ class SweepRunner:
 
     def criteria_policy(self) -> SLOPolicy:
         return SLOPolicy({"default": self.criteria.slo()})
+
+
+def _realized_rate(sent: Sequence[SentRequest], nominal: float) -> float:
+    """The offered rate a step really had: a seeded Poisson schedule of a few dozen requests
+    can be 15% off its nominal rate, and keeping up is judged against what was sent, not
+    against the nominal number."""
+    scheduled = sorted(s.scheduled_ns / 1e9 for s in sent)
+    if len(scheduled) > 1 and scheduled[-1] > scheduled[0]:
+        return (len(scheduled) - 1) / (scheduled[-1] - scheduled[0])
+    return nominal
+
+
+def _points(step_load: float, sent: Sequence[SentRequest]) -> list[dict[str, Any]]:
+    """One point per measured request: its step's load, when it was sent, its E2E (ms)."""
+    points = []
+    for s in sent:
+        offsets = s.record.client.offsets_ns
+        e2e = offsets[-1] if offsets else None
+        points.append(
+            {
+                "load": step_load,
+                "sent_s": s.actual_ns / 1e9,
+                "e2e_ms": None if e2e is None else e2e / 1e6,
+            }
+        )
+    return points
 
 
 def _spread(reports: list[dict[str, Any]]) -> dict[str, list[float | None]]:
@@ -367,6 +408,117 @@ def _plain_args(options: SweepOptions) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(options).items()}
 
 
+async def _run_steps(runner: SweepRunner, options: SweepOptions, notify: Notify) -> float | None:
+    """The steps run (``auto``: double, then bisect; else ``rates`` in order, stopping far
+    past saturation): the capacity found, None when no step passed."""
+    unit = load_unit(options.mode)
+    if options.auto:
+        search = Search(options.start, options.mode, bisect_steps=options.bisect_steps)
+        while (step_load := search.next_load()) is not None:
+            verdict, offered, achieved = await runner.run_step(step_load)
+            search.record(step_load, verdict, offered, achieved)
+        capacity = search.capacity if search.passed else None
+    else:
+        passed: list[float] = []
+        for step_load in options.rates or ():
+            verdict, offered, achieved = await runner.run_step(step_load)
+            if verdict.passed:
+                passed.append(step_load)
+            elif options.mode == "open" and achieved is not None and achieved < 0.5 * offered:
+                notify(f"stopping: far past saturation at {step_load:g} {unit}")
+                break
+        failed_below = [s["load"] for s in runner.steps if not s["passed"]]
+        capacity = max((p for p in passed if not any(f <= p for f in failed_below)), default=None)
+    return capacity
+
+
+def _envelope(
+    options: SweepOptions, runner: SweepRunner, replicas: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The envelope's members on the load and the sidecar (after the target's)."""
+    requests = runner.requests(50)
+    return {
+        "source": options.trace or options.dataset,
+        "mode": options.mode,
+        "loop": "open" if options.mode == "open" else "closed",
+        "burstiness": options.burstiness if options.mode == "open" else None,
+        "step_duration_s": runner.step_duration,
+        "min_requests": options.min_requests,
+        "warmup_per_step": options.warmup,
+        "repeats": options.repeats,
+        "input_tokens": lengths_summary([r.n_in for r in requests]),
+        "output_tokens": lengths_summary([r.n_out for r in requests]),
+        "streaming": True,
+        "route_policy": replicas.get("route_policy") if replicas else None,
+        "sidecar_replicas": len(replicas.get("replicas", [])) if replicas else None,
+        "sidecar_admin": options.sidecar_admin,
+    }
+
+
+def _definitions(
+    mode: str, unit: str, steps: list[dict[str, Any]], criteria: Criteria
+) -> dict[str, Any]:
+    """sweep.json's definitions: the shared ones, the sweep's own, and every column's."""
+    return {
+        **DEFINITIONS,
+        "capacity": "highest passing load with no failing "
+        "load below it; a lower bound (capacity_lower_bound) when no load "
+        "above it failed",
+        "knee": "load of the highest goodput",
+        "achieved_rate": "(completions - 1) / (last completion - first)",
+        "offered": "open loop: (requests - 1) / (last scheduled send - "
+        "first), the rate keep-up is judged against",
+        "columns": {
+            c.title: f"{c.definition} [{c.unit}]" if c.unit else c.definition
+            for c in step_tables(
+                {
+                    "mode": mode,
+                    "unit": unit,
+                    "steps": steps,
+                    "slo_criteria": criteria_detail(criteria),
+                }
+            ).definitions()
+        },
+        "sidecar": "the sidecar's own view of the step's reported run, from "
+        "its /stats selected by request id: server vantage from the request "
+        "sent upstream, client vantage from the request received by the proxy",
+        "engine_prefix_cache_hit_rate": "prefix-cache hits / queries (tokens) "
+        "over the sweep, from the engines' /metrics before and after",
+        "step engine_delta": "the engines' counters over a step's measured "
+        "runs (every repeat, warm-ups excluded)",
+    }
+
+
+def _sweep_report(
+    mode: str,
+    criteria: Criteria,
+    capacity: float | None,
+    steps: list[dict[str, Any]],
+    envelope: dict[str, Any],
+) -> dict[str, Any]:
+    """sweep.json: the capacity and knee found, the criteria, every step (by load), the
+    envelope and the definitions."""
+    unit = load_unit(mode)
+    steps = sorted(steps, key=lambda s: s["load"])
+    knee_load = knee(
+        [s["load"] for s in steps], [s["report"].get("request_goodput") for s in steps]
+    )
+    return {
+        "capacity": capacity,
+        "unit": unit,
+        "knee": knee_load,
+        # No step failed above the capacity: the true capacity is this or more.
+        "capacity_lower_bound": capacity is not None
+        and not any(not s["passed"] and s["load"] > capacity for s in steps),
+        "criteria": criteria.describe(),
+        "slo_criteria": criteria_detail(criteria),
+        "mode": mode,
+        "steps": steps,
+        "envelope": envelope,
+        "definitions": _definitions(mode, unit, steps, criteria),
+    }
+
+
 async def run_sweep(
     options: SweepOptions,
     *,
@@ -383,7 +535,6 @@ async def run_sweep(
     # Before the first step: a sweep of hours must not end in "No such file".
     check_writable(options.output_dir)
     target = checked_target(options.target)
-    unit = load_unit(options.mode)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         model = options.model or await first_model(session, target)
         if model is None:
@@ -404,94 +555,19 @@ async def run_sweep(
             notify=notify,
         )
         engine_before = await runner.scrape_engines()
-        if options.auto:
-            search = Search(options.start, options.mode, bisect_steps=options.bisect_steps)
-            while (step_load := search.next_load()) is not None:
-                verdict, offered, achieved = await runner.run_step(step_load)
-                search.record(step_load, verdict, offered, achieved)
-            capacity = search.capacity if search.passed else None
-        else:
-            passed: list[float] = []
-            for step_load in options.rates or ():
-                verdict, offered, achieved = await runner.run_step(step_load)
-                if verdict.passed:
-                    passed.append(step_load)
-                elif options.mode == "open" and achieved is not None and achieved < 0.5 * offered:
-                    notify(f"stopping: far past saturation at {step_load:g} {unit}")
-                    break
-            failed_below = [s["load"] for s in runner.steps if not s["passed"]]
-            capacity = max(
-                (p for p in passed if not any(f <= p for f in failed_below)), default=None
-            )
+        capacity = await _run_steps(runner, options, notify)
         engine_after = await runner.scrape_engines()
-    steps = sorted(runner.steps, key=lambda s: s["load"])
-    knee_load = knee(
-        [s["load"] for s in steps], [s["report"].get("request_goodput") for s in steps]
-    )
-    requests = runner.requests(50)
     delta = engine_delta(engine_before, engine_after)
-    result: dict[str, Any] = {
-        "capacity": capacity,
-        "unit": unit,
-        "knee": knee_load,
-        # No step failed above the capacity: the true capacity is this or more.
-        "capacity_lower_bound": capacity is not None
-        and not any(not s["passed"] and s["load"] > capacity for s in steps),
-        "criteria": criteria.describe(),
-        "slo_criteria": criteria_detail(criteria),
-        "mode": options.mode,
-        "steps": steps,
-        "envelope": {
-            "target": target,
-            "model": model,
-            "engine_version": version,
-            "source": options.trace or options.dataset,
-            "mode": options.mode,
-            "loop": "open" if options.mode == "open" else "closed",
-            "burstiness": options.burstiness if options.mode == "open" else None,
-            "step_duration_s": runner.step_duration,
-            "min_requests": options.min_requests,
-            "warmup_per_step": options.warmup,
-            "repeats": options.repeats,
-            "input_tokens": lengths_summary([r.n_in for r in requests]),
-            "output_tokens": lengths_summary([r.n_out for r in requests]),
-            "streaming": True,
-            "route_policy": replicas.get("route_policy") if replicas else None,
-            "sidecar_replicas": len(replicas.get("replicas", [])) if replicas else None,
-            "sidecar_admin": options.sidecar_admin,
-            "engine_metrics_from": engine_from if engine_before is not None else None,
-            "engine_prefix_cache_hit_rate": delta.get("prefix_cache_hit_rate"),
-            "engine_delta": delta,
-        },
-        "definitions": {
-            **DEFINITIONS,
-            "capacity": "highest passing load with no failing "
-            "load below it; a lower bound (capacity_lower_bound) when no load "
-            "above it failed",
-            "knee": "load of the highest goodput",
-            "achieved_rate": "(completions - 1) / (last completion - first)",
-            "offered": "open loop: (requests - 1) / (last scheduled send - "
-            "first), the rate keep-up is judged against",
-            "columns": {
-                c.title: f"{c.definition} [{c.unit}]" if c.unit else c.definition
-                for c in step_tables(
-                    {
-                        "mode": options.mode,
-                        "unit": unit,
-                        "steps": steps,
-                        "slo_criteria": criteria_detail(criteria),
-                    }
-                ).definitions()
-            },
-            "sidecar": "the sidecar's own view of the step's reported run, from "
-            "its /stats selected by request id: server vantage from the request "
-            "sent upstream, client vantage from the request received by the proxy",
-            "engine_prefix_cache_hit_rate": "prefix-cache hits / queries (tokens) "
-            "over the sweep, from the engines' /metrics before and after",
-            "step engine_delta": "the engines' counters over a step's measured "
-            "runs (every repeat, warm-ups excluded)",
-        },
+    envelope = {
+        "target": target,
+        "model": model,
+        "engine_version": version,
+        **_envelope(options, runner, replicas),
+        "engine_metrics_from": engine_from if engine_before is not None else None,
+        "engine_prefix_cache_hit_rate": delta.get("prefix_cache_hit_rate"),
+        "engine_delta": delta,
     }
+    result = _sweep_report(options.mode, criteria, capacity, runner.steps, envelope)
     given = _plain_args(options) if native_args is None else native_args
     return SweepResult(result, runner, given)
 
@@ -526,20 +602,9 @@ def step_file_name(step_load: float) -> str:
     return f"step-{step_load:g}.json"
 
 
-def write_llmd_reports(result: SweepResult, directory: Path) -> None:
-    """One llm-d benchmark report (v0.2) per load step: the step's reported run, as stage
-    ``stage`` (the order steps ran in) of the experiment ``eid`` (the sweep)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    report, runner = result.report, result.runner
-    options = runner.options
-    envelope = report["envelope"]
-    config = {
-        k: v
-        for k, v in envelope.items()
-        if k not in MEASURED_ENVELOPE_KEYS
-        and k not in ("engine_prefix_cache_hit_rate", "sidecar_admin")
-    }
-    config["criteria"] = report["criteria"]
+def _llmd_stack(runner: SweepRunner, envelope: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The llm-d reports' stack: the target, and the sidecar where the load went through
+    one."""
     stack = [
         llmd.component(
             "target",
@@ -563,6 +628,45 @@ def write_llmd_reports(result: SweepResult, directory: Path) -> None:
                 },
             )
         )
+    return stack
+
+
+def _llmd_extension(step: Mapping[str, Any], report: Mapping[str, Any]) -> dict[str, Any]:
+    """A step's members of the llm-d report's sidecar extension: its verdict, the sweep's
+    result, the sidecar's view and the engines' counters."""
+    return {
+        "sweep": {
+            "load": step["load"],
+            "unit": report["unit"],
+            "stage": step["stage"],
+            "offered": step["offered"],
+            "achieved_rate": step["achieved_rate"],
+            "passed": step["passed"],
+            "reasons": step["reasons"],
+            "criteria": report["criteria"],
+            "capacity": report["capacity"],
+            "knee": report["knee"],
+        },
+        "sidecar": step.get("sidecar"),
+        "engine_delta": step.get("engine_delta") or None,
+    }
+
+
+def write_llmd_reports(result: SweepResult, directory: Path) -> None:
+    """One llm-d benchmark report (v0.2) per load step: the step's reported run, as stage
+    ``stage`` (the order steps ran in) of the experiment ``eid`` (the sweep)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    report, runner = result.report, result.runner
+    options = runner.options
+    envelope = report["envelope"]
+    config = {
+        k: v
+        for k, v in envelope.items()
+        if k not in MEASURED_ENVELOPE_KEYS
+        and k not in ("engine_prefix_cache_hit_rate", "sidecar_admin")
+    }
+    config["criteria"] = report["criteria"]
+    stack = _llmd_stack(runner, envelope)
     for step in report["steps"]:
         stage = step["stage"]
         requests = runner.step_requests[stage]
@@ -580,22 +684,7 @@ def write_llmd_reports(result: SweepResult, directory: Path) -> None:
             args=llmd.native_args(result.native_args),
             config=config,
         )
-        extension = {
-            "sweep": {
-                "load": step["load"],
-                "unit": report["unit"],
-                "stage": stage,
-                "offered": step["offered"],
-                "achieved_rate": step["achieved_rate"],
-                "passed": step["passed"],
-                "reasons": step["reasons"],
-                "criteria": report["criteria"],
-                "capacity": report["capacity"],
-                "knee": report["knee"],
-            },
-            "sidecar": step.get("sidecar"),
-            "engine_delta": step.get("engine_delta") or None,
-        }
+        extension = _llmd_extension(step, report)
         br = llmd.benchmark_report(
             runner.step_sent[stage],
             duration_s=step["report"]["duration"],

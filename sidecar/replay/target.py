@@ -54,22 +54,24 @@ async def first_model(session: aiohttp.ClientSession, target: str) -> str | None
     return None
 
 
+async def _tokenize(session: aiohttp.ClientSession, target: str, body: dict[str, Any]) -> Any:
+    """The target's ``/tokenize`` answer to ``body``, as JSON whatever its content type."""
+    async with session.post(target + "/tokenize", json=body) as response:
+        return await response.json(content_type=None)
+
+
 async def calibrate(session: aiohttp.ClientSession, target: str, model: str) -> TokenCalibration:
     """Tokens per generated word and the chat template's overhead, from the target's
     /tokenize; without it, one token per word (input lengths then approximate)."""
     words = 500
     sample = text_prompt(words, 12345, TokenCalibration())
     try:
-        async with session.post(
-            target + "/tokenize",
-            json={"model": model, "prompt": sample, "add_special_tokens": False},
-        ) as response:
-            plain = await response.json(content_type=None)
-        async with session.post(
-            target + "/tokenize",
-            json={"model": model, "messages": [{"role": "user", "content": sample}]},
-        ) as response:
-            chat = await response.json(content_type=None)
+        plain = await _tokenize(
+            session, target, {"model": model, "prompt": sample, "add_special_tokens": False}
+        )
+        chat = await _tokenize(
+            session, target, {"model": model, "messages": [{"role": "user", "content": sample}]}
+        )
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return TokenCalibration()
     if not (
@@ -103,11 +105,9 @@ async def probe_token_ids(session: aiohttp.ClientSession, target: str, model: st
     one is in its vocabulary, whatever its size. Without the endpoint, the default range (which
     fits vocabularies of 30k ids and more)."""
     try:
-        async with session.post(
-            target + "/tokenize",
-            json={"model": model, "prompt": _TOKEN_SAMPLE, "add_special_tokens": False},
-        ) as response:
-            answer = await response.json(content_type=None)
+        answer = await _tokenize(
+            session, target, {"model": model, "prompt": _TOKEN_SAMPLE, "add_special_tokens": False}
+        )
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return DEFAULT_TOKEN_IDS
     tokens = answer.get("tokens") if isinstance(answer, dict) else None

@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TypeAlias
 
 from sidecar.config import parse_duration
 from sidecar.replay.importers import (
@@ -86,17 +87,35 @@ multiplied by --time-scale. Source clocks, on which --start-at and --duration se
 """
 
 
+# What add_subparsers returns (generic only to the type checker).
+_Actions: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(trace_parser=parser)
     actions = parser.add_subparsers(dest="trace_command", metavar="ACTION")
+    _add_import(actions)
+    _add_lint(actions)
+    _add_merge(actions)
+    _add_stats(actions)
 
-    importing = actions.add_parser(
+
+def _action(actions: _Actions, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """The subcommand ``name``'s parser, named as the parser of its errors (command_parser)."""
+    action: argparse.ArgumentParser = actions.add_parser(name, **kwargs)
+    action.set_defaults(command_parser=action)
+    return action
+
+
+def _add_import(actions: _Actions) -> None:
+    """`sidecar trace import`: a public trace converted to a sidecar trace."""
+    importing = _action(
+        actions,
         "import",
         help="convert a public trace (mooncake, bailian, azure, burstgpt) to a sidecar trace",
         description=IMPORT_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    importing.set_defaults(command_parser=importing)
     importing.add_argument("input", metavar="INPUT", help="the public trace (.gz is read too)")
     importing.add_argument(
         "-o",
@@ -165,7 +184,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     importing.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
 
-    linting = actions.add_parser(
+
+def _add_lint(actions: _Actions) -> None:
+    """`sidecar trace lint`: a trace checked before it is replayed."""
+    linting = _action(
+        actions,
         "lint",
         help="check a trace before replaying it (exit 1 on errors)",
         description="Check a sidecar trace for problems that would spoil a replay. Each "
@@ -174,7 +197,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "same reasons. Exit status 1 when there are errors, 0 with only warnings, "
         "2 when the file cannot be read.",
     )
-    linting.set_defaults(command_parser=linting)
     linting.add_argument("trace", metavar="TRACE")
     linting.add_argument(
         "--max-model-len",
@@ -185,7 +207,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     linting.add_argument("--json", action="store_true", help="print the findings as JSON")
 
-    merging = actions.add_parser(
+
+def _add_merge(actions: _Actions) -> None:
+    """`sidecar trace merge`: several traces as one, ordered by arrival."""
+    merging = _action(
+        actions,
         "merge",
         help="several traces (a fleet's captures, rotated parts) as one, ordered by arrival",
         description="Merge trace files into one: every request on the earliest file's clock "
@@ -194,7 +220,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "different keys (pods without a shared --capture-key-file); --force "
         "merges anyway and notes why in the header.",
     )
-    merging.set_defaults(command_parser=merging)
     merging.add_argument("traces", nargs="+", metavar="TRACE")
     merging.add_argument(
         "-o", "--output", required=True, metavar="OUTPUT", help="the merged trace (.gz: compressed)"
@@ -204,12 +229,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     merging.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
 
-    summarising = actions.add_parser(
+
+def _add_stats(actions: _Actions) -> None:
+    """`sidecar trace stats`: the load a trace holds, summarised."""
+    summarising = _action(
+        actions,
         "stats",
         help="summarise a trace: rate over time, burstiness, lengths, prefix reuse, sessions",
         description="Summarise the load in a sidecar trace.",
     )
-    summarising.set_defaults(command_parser=summarising)
     summarising.add_argument("trace", metavar="TRACE")
     summarising.add_argument("--json", action="store_true", help="print JSON")
 

@@ -363,19 +363,55 @@ def _check_prefix(
     )
 
 
+class _TimeChecks:
+    """The findings on the lines' t, one line after the other: its value, its order, and
+    lines repeated at one t."""
+
+    def __init__(self) -> None:
+        self.times = array("d")
+        self.latest_t = -math.inf
+        self.latest_line = 0
+        self.worst_back: tuple[float, int] = (0.0, 0)  # (seconds back, line)
+        self.same_t: float | None = None
+        self.same_t_seen: dict[int, int] = {}  # hash of the line -> line number, at t == same_t
+
+    def check(self, found: _Findings, line: int, t: float, text: str) -> None:
+        if not math.isfinite(t):
+            found.add("t-not-finite", f"line {line}: t={t}")
+            return
+        self.times.append(t)
+        if t < 0:
+            found.add("t-negative", f"line {line}: t={t:g}")
+        if t > ABSURD_T_S:
+            found.add("t-absurd", f"line {line}: t={t:g} s ({t / 86400:.0f} days)")
+        if t < self.latest_t:
+            found.add(
+                "t-non-monotonic",
+                f"line {line}: t={t:g} after t={self.latest_t:g} "
+                f"(line {self.latest_line}), {self.latest_t - t:g} s back",
+            )
+            self.worst_back = max(self.worst_back, (self.latest_t - t, line))
+        else:
+            self.latest_t, self.latest_line = t, line
+        if t != self.same_t:
+            self.same_t, self.same_t_seen = t, {}
+        # Writers serialise deterministically, so equal requests are equal lines; a 64-bit
+        # hash keeps memory small when many requests share one t (a false match ~ 1e-8).
+        identity = hash(text)
+        if identity in self.same_t_seen:
+            found.add("duplicate", f"line {line} = line {self.same_t_seen[identity]}")
+        else:
+            self.same_t_seen[identity] = line
+
+
 def lint_trace(path: str | os.PathLike[str], max_model_len: int | None = None) -> LintReport:
     """Every finding of `RULES` in one pass over the file (TraceFormatError: no header)."""
     found = _Findings()
     reader = TraceReader(path)  # a file that is not a trace fails here, with the reason
-    times = array("d")
+    times = _TimeChecks()
     n_in_values = array("q")
     n_out_values = array("q")
     covered_ratios = array("d")  # n_in / tokens covered by the prefix blocks
-    latest_t = -math.inf
-    latest_line = 0
-    worst_back: tuple[float, int] = (0.0, 0)  # (seconds back, line)
-    same_t: float | None = None
-    same_t_seen: dict[int, int] = {}  # hash of the line -> line number, at t == same_t
     requests = 0
     unreplayable = 0
     for entry in reader.lines():
@@ -386,7 +422,6 @@ def lint_trace(path: str | os.PathLike[str], max_model_len: int | None = None) -
         request = entry.request
         requests += 1
         line = entry.line
-        t = request.t
         if request.endpoint not in ENDPOINTS:
             found.add("unknown-endpoint", f"line {line}: {request.endpoint!r}")
         if not _check_lengths(found, line, request, max_model_len):
@@ -397,38 +432,14 @@ def lint_trace(path: str | os.PathLike[str], max_model_len: int | None = None) -
             n_in_values.append(request.n_in)
         if request.n_out is not None:
             n_out_values.append(request.n_out)
-        if not math.isfinite(t):
-            found.add("t-not-finite", f"line {line}: t={t}")
-            continue
-        times.append(t)
-        if t < 0:
-            found.add("t-negative", f"line {line}: t={t:g}")
-        if t > ABSURD_T_S:
-            found.add("t-absurd", f"line {line}: t={t:g} s ({t / 86400:.0f} days)")
-        if t < latest_t:
-            found.add(
-                "t-non-monotonic",
-                f"line {line}: t={t:g} after t={latest_t:g} "
-                f"(line {latest_line}), {latest_t - t:g} s back",
-            )
-            worst_back = max(worst_back, (latest_t - t, line))
-        else:
-            latest_t, latest_line = t, line
-        if t != same_t:
-            same_t, same_t_seen = t, {}
-        # Writers serialise deterministically, so equal requests are equal lines; a 64-bit
-        # hash keeps memory small when many requests share one t (a false match ~ 1e-8).
-        identity = hash(entry.text)
-        if identity in same_t_seen:
-            found.add("duplicate", f"line {line} = line {same_t_seen[identity]}")
-        else:
-            same_t_seen[identity] = line
-    _check_units(found, times)
+        times.check(found, line, request.t, entry.text)
+    _check_units(found, times.times)
     _check_char_lengths(found, n_in_values, n_out_values, covered_ratios)
     if requests and unreplayable == requests:
         found.add("nothing-to-replay", f"all {requests} request lines are cannot-replay")
     if "t-non-monotonic" in found.by_code:
         finding = found.by_code["t-non-monotonic"]
+        worst_back = times.worst_back
         finding.what += f"; worst jump back {worst_back[0]:g} s (line {worst_back[1]})"
     return LintReport(str(path), requests, found.ordered())
 

@@ -26,15 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sidecar.replay.options import Refused
 from sidecar.tracefile import TraceHeader, TraceReader, TraceRequest, open_text
 
 NS = 1_000_000_000
 
 
-class MergeRefused(Exception):
-    def __init__(self, reasons: Sequence[str]) -> None:
-        super().__init__("; ".join(reasons))
-        self.reasons = list(reasons)
+class MergeRefused(Refused):
+    """The files would not make one trace a replay can trust (`sidecar trace merge`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -405,6 +405,23 @@ def _num(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
+def _prefix_lines(p: PrefixReuse | None) -> list[str]:
+    """The prefix lines of `format_stats`: reuse of blocks, and the hits an infinite cache
+    would have."""
+    if p is None:
+        return ["prefix      no prefix information"]
+    reuse = f"{p.block_reuse_fraction:.1%}" if p.block_reuse_fraction is not None else "-"
+    hit = f"{p.hit_ratio_tokens:.1%}" if p.hit_ratio_tokens is not None else "-"
+    sizes = ", ".join(f"{k} ({v})" for k, v in p.block_sizes.items())
+    return [
+        f"prefix      {p.requests_with_prefix} requests, blocks {sizes}; "
+        f"{p.blocks} blocks, {p.reused_blocks} repeat an earlier prefix ({reuse})",
+        f"            infinite-cache hit ratio {hit} of prompt tokens; distinct: "
+        f"{p.distinct_blocks} blocks, {p.distinct_prompts} prompts, "
+        f"{p.distinct_first_blocks} first blocks",
+    ]
+
+
 def format_stats(stats: TraceStats) -> str:
     a = stats.arrivals
     lines = [
@@ -435,22 +452,7 @@ def format_stats(stats: TraceStats) -> str:
             f"{name:<12}{dist.count:>9}{_num(dist.mean, 5):>10}{_num(dist.p50):>9}"
             f"{_num(dist.p90):>9}{_num(dist.p99):>9}{_num(dist.max):>9}"
         )
-    p = stats.prefix
-    if p is None:
-        lines.append("prefix      no prefix information")
-    else:
-        reuse = f"{p.block_reuse_fraction:.1%}" if p.block_reuse_fraction is not None else "-"
-        hit = f"{p.hit_ratio_tokens:.1%}" if p.hit_ratio_tokens is not None else "-"
-        sizes = ", ".join(f"{k} ({v})" for k, v in p.block_sizes.items())
-        lines.append(
-            f"prefix      {p.requests_with_prefix} requests, blocks {sizes}; "
-            f"{p.blocks} blocks, {p.reused_blocks} repeat an earlier prefix ({reuse})"
-        )
-        lines.append(
-            f"            infinite-cache hit ratio {hit} of prompt tokens; distinct: "
-            f"{p.distinct_blocks} blocks, {p.distinct_prompts} prompts, "
-            f"{p.distinct_first_blocks} first blocks"
-        )
+    lines += _prefix_lines(stats.prefix)
     s = stats.sessions
     if s is not None:
         r = s.requests_per_session

@@ -41,6 +41,7 @@ from sidecar.sim.shapes import (
     Era,
     RequestTimings,
     StreamFormatter,
+    WholeAnswer,
     chat_completion_body,
     chat_logprobs,
     compact_json,
@@ -147,20 +148,20 @@ class AnswerWriter:
                 num_generation_tokens=3,
             ),
         )
-        common: dict[str, Any] = {
-            "created": created,
-            "model": self.model_name,
-            "choices": [ChoiceResult(index=0, text="warm", finish_reason="stop")],
-            "prompt_tokens": 1,
-            "completion_tokens": 1,
-            "cached_tokens": None,
-            "timings": None,
-            "fingerprint": self.fingerprint,
-            "profile": self.config.profile,
-            "era": self.era,
-        }
-        chat_completion_body(response_id="chatcmpl-warm-up", role="assistant", **common)
-        completion_body(response_id="cmpl-warm-up", **common)
+        answer = WholeAnswer(
+            created=created,
+            model=self.model_name,
+            choices=[ChoiceResult(index=0, text="warm", finish_reason="stop")],
+            prompt_tokens=1,
+            completion_tokens=1,
+            cached_tokens=None,
+            timings=None,
+            fingerprint=self.fingerprint,
+            profile=self.config.profile,
+            era=self.era,
+        )
+        chat_completion_body(answer, response_id="chatcmpl-warm-up", role="assistant")
+        completion_body(answer, response_id="cmpl-warm-up")
         error_body("warm up", BAD_REQUEST_ERROR, 400)
 
     # ------------------------------------------------------------------ what an answer reports
@@ -313,7 +314,7 @@ class AnswerWriter:
             return None
         return FaultInjector(fault, request, record, functools.partial(self.driver.abort, state))
 
-    async def stream(
+    async def answer(
         self,
         request: web.Request,
         plan: Plan,
@@ -321,19 +322,22 @@ class AnswerWriter:
         fault: FaultSpec,
         record: GroundTruthRecord | None,
     ) -> web.StreamResponse:
+        """The answer to an admitted request: streamed, or whole, as it asked (with ``fault``
+        injected)."""
         injector = self._injector(request, state, fault, record)
-        return await _Stream(self, request, plan, state, injector, record).run()
+        if plan.params.stream:
+            return await _Stream(self, request, plan, state, injector, record).run()
+        return await self._whole(request, plan, state, injector, record)
 
-    async def whole(
+    async def _whole(
         self,
         request: web.Request,
         plan: Plan,
         state: RequestState,
-        fault: FaultSpec,
+        injector: FaultInjector | None,
         record: GroundTruthRecord | None,
     ) -> web.StreamResponse:
         """A non-streaming answer: wait for every choice, then one JSON body."""
-        injector = self._injector(request, state, fault, record)
         try:
             await self._collect(state, injector)
         except RequestError as err:
@@ -395,30 +399,30 @@ class AnswerWriter:
             self.metrics.count_tool_parser_invocations(streaming=False, count=len(choices))
         prompt_tokens = sum(len(ids) for ids in plan.prompts)
         completion_tokens = sum(choice.delivered for choice in state.choices)
-        common: dict[str, Any] = {
-            "created": int(time.time()),
-            "model": params.model or self.model_name,
-            "choices": choices,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "cached_tokens": self.cached_tokens(state),
-            "timings": self.timings(state),
-            "fingerprint": self.fingerprint,
-            "profile": self.config.profile,
-            "era": self.era,
-        }
+        answer = WholeAnswer(
+            created=int(time.time()),
+            model=params.model or self.model_name,
+            choices=choices,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=self.cached_tokens(state),
+            timings=self.timings(state),
+            fingerprint=self.fingerprint,
+            profile=self.config.profile,
+            era=self.era,
+        )
         if not params.chat:
-            return completion_body(response_id="cmpl-" + plan.request_id, **common)
+            return completion_body(answer, response_id="cmpl-" + plan.request_id)
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs_json(
                 self.prompt_positions(plan, 0, params.prompt_logprobs), plan.prompt_strs[0]
             )
         return chat_completion_body(
+            answer,
             response_id="chatcmpl-" + plan.request_id,
             role=self.response_role(params),
             prompt_logprobs=prompt_logprobs,
-            **common,
         )
 
     async def send_whole(

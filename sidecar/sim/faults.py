@@ -32,6 +32,7 @@ import http
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -79,24 +80,27 @@ class FaultSpec:
 NO_FAULT = FaultSpec()
 
 
-def _parse_count(name: str, value: str) -> int:
+_Number = TypeVar("_Number", int, float)
+
+
+def _parse_non_negative(
+    name: str, value: str, convert: Callable[[str], _Number], what: str
+) -> _Number:
     try:
-        count = int(value)
+        number = convert(value)
     except ValueError:
-        raise FaultSpecError(f"{name} needs an integer chunk count, got {value!r}") from None
-    if count < 0:
-        raise FaultSpecError(f"{name} must be >= 0, got {count}")
-    return count
+        raise FaultSpecError(f"{name} needs {what}, got {value!r}") from None
+    if number < 0:
+        raise FaultSpecError(f"{name} must be >= 0, got {number}")
+    return number
+
+
+def _parse_count(name: str, value: str) -> int:
+    return _parse_non_negative(name, value, int, "an integer chunk count")
 
 
 def _parse_ms(name: str, value: str) -> float:
-    try:
-        ms = float(value)
-    except ValueError:
-        raise FaultSpecError(f"{name} needs milliseconds, got {value!r}") from None
-    if ms < 0:
-        raise FaultSpecError(f"{name} must be >= 0, got {ms}")
-    return ms
+    return _parse_non_negative(name, value, float, "milliseconds")
 
 
 def parse_fault_spec(text: str) -> FaultSpec:

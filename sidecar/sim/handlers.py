@@ -202,9 +202,7 @@ class Handlers:
             _record_refusal(record, request_id, err.status, outcome)
             return self.answers.error_response(err, request_id)
         try:
-            if plan.params.stream:
-                return await self.answers.stream(request, plan, state, fault, record)
-            return await self.answers.whole(request, plan, state, fault, record)
+            return await self.answers.answer(request, plan, state, fault, record)
         finally:
             self.driver.release(state)
             if record is not None:

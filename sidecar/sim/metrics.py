@@ -227,6 +227,12 @@ class _EngineStatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_source()
+        yield from self._scheduler_state(stats)
+        yield from self._cache_counters(stats)
+        yield from self._token_counters(stats)
+
+    def _scheduler_state(self, stats: EngineStats) -> Iterator[Metric]:
+        """The gauges of the queue, the engine's sleep and the KV cache, and its config."""
         labelled = ["model_name", "engine"]
         yield self._gauge(
             "vllm:num_requests_running",
@@ -275,6 +281,9 @@ class _EngineStatsCollector:
         )
         info.add_metric([*self._cache_info.values(), self._labels[1]], 1.0)
         yield info
+
+    def _cache_counters(self, stats: EngineStats) -> Iterator[Metric]:
+        """Prefix (and, zero here, external and multi-modal) cache queries and hits."""
         yield self._counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -309,6 +318,10 @@ class _EngineStatsCollector:
                 "Multi-modal cache hits, in terms of number of cached items.",
                 0,
             )
+
+    def _token_counters(self, stats: EngineStats) -> Iterator[Metric]:
+        """Preemptions, and prompt (by source) and generation tokens."""
+        labelled = ["model_name", "engine"]
         yield self._counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
@@ -380,17 +393,22 @@ class ReplicaMetrics:
         self.engine_label = str(engine_index)
         self._legacy_names = legacy_names
         labels = (model_name, self.engine_label)
+        self._declare_counters(tool_parser)
+        histograms = self._declare_histograms(max_model_len)
+        self.registry.register(_HistogramCollector(histograms, labels))
+        if not legacy_names:
+            cache_info = vllm_cache_config_info(cache_info, max_model_len)
+        self.registry.register(
+            _EngineStatsCollector(
+                stats_source, labels, time.time(), cache_info, self._name, legacy_names
+            )
+        )
+
+    def _declare_counters(self, tool_parser: bool) -> None:
+        """The per-request counters (prometheus_client's), their fixed label sets at 0."""
+        model_name = self.model_name
         label_names = ["model_name", "engine"]
         registry = self.registry
-        token_buckets = one_two_five_buckets(max_model_len)
-
-        histograms: list[FastHistogram] = []
-
-        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> FastHistogram:
-            series = FastHistogram(self._name(name), documentation, buckets)
-            histograms.append(series)
-            return series
-
         self._request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -428,6 +446,17 @@ class ReplicaMetrics:
                         self._tool_parser_invocations.labels(
                             model_name, mode, outcome, request_type
                         )
+
+    def _declare_histograms(self, max_model_len: int) -> list[FastHistogram]:
+        """The per-request and per-step histograms, in exposition order."""
+        token_buckets = one_two_five_buckets(max_model_len)
+        histograms: list[FastHistogram] = []
+
+        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> FastHistogram:
+            series = FastHistogram(self._name(name), documentation, buckets)
+            histograms.append(series)
+            return series
+
         self._prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
@@ -494,14 +523,7 @@ class ReplicaMetrics:
             "Histogram of the number of times a request was preempted.",
             PREEMPTION_BUCKETS,
         )
-        registry.register(_HistogramCollector(histograms, labels))
-        if not legacy_names:
-            cache_info = vllm_cache_config_info(cache_info, max_model_len)
-        registry.register(
-            _EngineStatsCollector(
-                stats_source, labels, time.time(), cache_info, self._name, legacy_names
-            )
-        )
+        return histograms
 
     def _name(self, name: str) -> str:
         if self._legacy_names:

@@ -434,26 +434,63 @@ def _read_prompts(reader: FieldReader) -> tuple[str | tuple[int, ...], ...]:
     return ()
 
 
+def _read_input(
+    reader: FieldReader, chat: bool
+) -> tuple[tuple[ChatMessage, ...], tuple[str | tuple[int, ...], ...], int | None, str]:
+    """The messages (chat) or prompts (completions), and the output budget with the name of
+    the field that gave it."""
+    if not chat:
+        return (), _read_prompts(reader), reader.int_("max_tokens", 16), "max_tokens"
+    messages = read_messages(reader)
+    max_completion_tokens = reader.int_("max_completion_tokens")
+    legacy_max_tokens = reader.int_("max_tokens")
+    if max_completion_tokens is not None:
+        return messages, (), max_completion_tokens, "max_completion_tokens"
+    return messages, (), legacy_max_tokens, "max_tokens"
+
+
+def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
+    """The request models' check of ``prompt_logprobs`` (check_logprobs, its first part)."""
+    if prompt_logprobs is None:
+        return
+    if stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        raise bad_request(
+            "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+        )
+    if prompt_logprobs < 0 and prompt_logprobs != -1:
+        raise bad_request(
+            "`prompt_logprobs` must be a positive value or -1.",
+            "prompt_logprobs",
+            prompt_logprobs,
+        )
+
+
+def _chat_logprobs(wants_logprobs: bool, top_logprobs: int | None) -> int | None:
+    """A chat request's alternatives per token (None: no logprobs), checked as vLLM does."""
+    if top_logprobs is not None and top_logprobs < 0 and top_logprobs != -1:
+        raise bad_request(
+            "`top_logprobs` must be a positive value or -1.", "top_logprobs", top_logprobs
+        )
+    if top_logprobs and not wants_logprobs:
+        raise bad_request(
+            "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+        )
+    return (top_logprobs or 0) if wants_logprobs else None
+
+
+def _completion_logprobs(logprobs: int | None) -> int | None:
+    """A completion request's ``logprobs``, checked as vLLM does."""
+    if logprobs is not None and logprobs < 0 and logprobs != -1:
+        raise bad_request("`logprobs` must be a positive value or -1.", "logprobs", logprobs)
+    return logprobs
+
+
 def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
     """Validate a /v1/chat/completions or /v1/completions body (raises RequestError)."""
     reader = FieldReader(body)
     model = reader.str_("model")
     request_id = reader.str_("request_id")
-    max_tokens: int | None
-    if chat:
-        messages = read_messages(reader)
-        prompts: tuple[str | tuple[int, ...], ...] = ()
-        max_completion_tokens = reader.int_("max_completion_tokens")
-        legacy_max_tokens = reader.int_("max_tokens")
-        if max_completion_tokens is not None:
-            max_tokens, max_tokens_param = max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, max_tokens_param = legacy_max_tokens, "max_tokens"
-    else:
-        messages = ()
-        prompts = _read_prompts(reader)
-        max_tokens = reader.int_("max_tokens", 16)
-        max_tokens_param = "max_tokens"
+    messages, prompts, max_tokens, max_tokens_param = _read_input(reader, chat)
     n = reader.int_("n", 1)
     temperature = reader.float_("temperature")
     min_tokens = reader.int_("min_tokens", 0)
@@ -476,32 +513,12 @@ def read_generate_params(body: Mapping[str, Any], chat: bool) -> GenerateParams:
     prompt_logprobs = reader.int_("prompt_logprobs")
     reader.fail_if_any()
     # The request models' "before" validators (check_logprobs), in their order.
-    if prompt_logprobs is not None:
-        if stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
-            raise bad_request(
-                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
-            )
-        if prompt_logprobs < 0 and prompt_logprobs != -1:
-            raise bad_request(
-                "`prompt_logprobs` must be a positive value or -1.",
-                "prompt_logprobs",
-                prompt_logprobs,
-            )
-    logprobs: int | None
-    if chat:
-        if top_logprobs is not None and top_logprobs < 0 and top_logprobs != -1:
-            raise bad_request(
-                "`top_logprobs` must be a positive value or -1.", "top_logprobs", top_logprobs
-            )
-        if top_logprobs and not wants_logprobs:
-            raise bad_request(
-                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
-            )
-        logprobs = (top_logprobs or 0) if wants_logprobs else None
-    else:
-        logprobs = completion_logprobs
-        if logprobs is not None and logprobs < 0 and logprobs != -1:
-            raise bad_request("`logprobs` must be a positive value or -1.", "logprobs", logprobs)
+    _check_prompt_logprobs(prompt_logprobs, stream)
+    logprobs = (
+        _chat_logprobs(wants_logprobs, top_logprobs)
+        if chat
+        else _completion_logprobs(completion_logprobs)
+    )
     if stream_options is not None and not stream:
         # vLLM 0.32: a VLLMValidationError from the request's validator, answered as a
         # BadRequestError (checked against the real server), not a schema error.

@@ -38,6 +38,7 @@ __all__ = [
     "Profile",
     "RequestTimings",
     "StreamFormatter",
+    "WholeAnswer",
     "chat_completion_body",
     "chat_logprobs",
     "completion_logprobs",
@@ -397,19 +398,39 @@ def prompt_logprobs_json(positions: Sequence[Position | None], tokens: Sequence[
     return out
 
 
-def _usage_body(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, minimal: bool
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class WholeAnswer:
+    """What a whole (non-streaming) answer reports besides its id, chat or text completion
+    alike: `chat_completion_body` and `completion_body` render it in their kind's shape."""
+
+    created: int
+    model: str
+    choices: Sequence[ChoiceResult]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None
+    timings: RequestTimings | None
+    fingerprint: str
+    profile: Profile
+    era: Era = ERA_033
+
+    @property
+    def minimal(self) -> bool:
+        return self.profile is Profile.MINIMAL
+
+
+def _usage_body(answer: WholeAnswer) -> dict[str, Any]:
+    minimal = answer.minimal
     details: dict[str, Any] | None = None
-    if cached_tokens is not None:
-        details = {"cached_tokens": cached_tokens}
+    if answer.cached_tokens is not None:
+        details = {"cached_tokens": answer.cached_tokens}
         if not minimal:
             details["created_cache_tokens"] = None
             details["multimodal_tokens"] = None
     usage: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
+        "prompt_tokens": answer.prompt_tokens,
+        "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+        "completion_tokens": answer.completion_tokens,
         "prompt_tokens_details": details,
     }
     if not minimal:
@@ -417,85 +438,60 @@ def _usage_body(
     return usage
 
 
-def chat_completion_body(
-    *,
-    response_id: str,
-    created: int,
-    model: str,
-    role: str,
-    choices: Sequence[ChoiceResult],
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int | None,
-    timings: RequestTimings | None,
-    fingerprint: str,
-    profile: Profile,
-    era: Era = ERA_033,
-    prompt_logprobs: list[Any] | None = None,
-) -> bytes:
-    minimal = profile is Profile.MINIMAL
-    out_choices: list[dict[str, Any]] = []
-    for choice in choices:
-        if minimal:
-            out_choices.append(
-                {
-                    "index": choice.index,
-                    "message": {
-                        "role": role,
-                        "content": choice.text,
-                        "tool_calls": choice.tool_calls or [],
-                    },
-                    "logprobs": choice.logprobs,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                }
-            )
-        else:
-            message: dict[str, Any] = {
-                "role": role,
-                "content": choice.text,
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-            }
-            if choice.tool_calls:
-                message["tool_calls"] = choice.tool_calls
-            message["reasoning"] = None
-            out_choices.append(
-                {
-                    "index": choice.index,
-                    "message": message,
-                    "logprobs": choice.logprobs,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                    "token_ids": None,
-                    "routed_experts": None,
-                    **({"weight_versions": None} if era.weight_versions else {}),
-                }
-            )
-    usage = _usage_body(prompt_tokens, completion_tokens, cached_tokens, minimal)
-    body: dict[str, Any] = {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": out_choices,
+def _choice_head(choice: ChoiceResult, key: str, content: Any) -> dict[str, Any]:
+    """The fields every whole choice starts with, ``key`` (``message`` or ``text``) second."""
+    return {
+        "index": choice.index,
+        key: content,
+        "logprobs": choice.logprobs,
+        "finish_reason": choice.finish_reason,
+        "stop_reason": choice.stop_reason,
     }
+
+
+def _end_choice(out: dict[str, Any], era: Era) -> dict[str, Any]:
+    """The fields that end a whole choice in the ``vllm`` profile."""
+    out["routed_experts"] = None
+    if era.weight_versions:
+        out["weight_versions"] = None
+    return out
+
+
+def _chat_choice(choice: ChoiceResult, role: str, minimal: bool, era: Era) -> dict[str, Any]:
+    """One choice of a whole chat answer, in the profile's field order."""
     if minimal:
-        body["usage"] = usage
-        body["prompt_logprobs"] = prompt_logprobs
-    else:
-        body["service_tier"] = None
-        body["system_fingerprint"] = fingerprint
-        body["usage"] = usage
-        body["prompt_logprobs"] = prompt_logprobs
-        body["prompt_token_ids"] = None
-        body["prompt_text"] = None
-        body["kv_transfer_params"] = None
-        body["ec_transfer_params"] = None
-        body["metrics"] = _whole_metrics(timings, era)
-    return compact_json(body).encode()
+        message: dict[str, Any] = {
+            "role": role,
+            "content": choice.text,
+            "tool_calls": choice.tool_calls or [],
+        }
+        return _choice_head(choice, "message", message)
+    message = {
+        "role": role,
+        "content": choice.text,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+    }
+    if choice.tool_calls:
+        message["tool_calls"] = choice.tool_calls
+    message["reasoning"] = None
+    out = _choice_head(choice, "message", message)
+    out["token_ids"] = None
+    return _end_choice(out, era)
+
+
+def _completion_choice(choice: ChoiceResult, minimal: bool, era: Era) -> dict[str, Any]:
+    """One choice of a whole text completion, in the profile's field order."""
+    out = _choice_head(choice, "text", choice.text)
+    if minimal:
+        out["prompt_logprobs"] = choice.prompt_logprobs
+        return out
+    out["token_ids"] = None
+    out["prompt_logprobs"] = choice.prompt_logprobs
+    out["prompt_token_ids"] = None
+    return _end_choice(out, era)
 
 
 def _whole_metrics(timings: RequestTimings | None, era: Era) -> dict[str, Any] | None:
@@ -508,67 +504,68 @@ def _whole_metrics(timings: RequestTimings | None, era: Era) -> dict[str, Any] |
     return metrics
 
 
-def completion_body(
+def _answer_body(
+    answer: WholeAnswer,
     *,
+    kind: str,
     response_id: str,
-    created: int,
-    model: str,
-    choices: Sequence[ChoiceResult],
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int | None,
-    timings: RequestTimings | None,
-    fingerprint: str,
-    profile: Profile,
-    era: Era = ERA_033,
+    choices: list[dict[str, Any]],
+    after_usage: Mapping[str, Any],
 ) -> bytes:
-    minimal = profile is Profile.MINIMAL
-    out_choices: list[dict[str, Any]] = []
-    for choice in choices:
-        if minimal:
-            out_choices.append(
-                {
-                    "index": choice.index,
-                    "text": choice.text,
-                    "logprobs": choice.logprobs,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                    "prompt_logprobs": choice.prompt_logprobs,
-                }
-            )
-        else:
-            out_choices.append(
-                {
-                    "index": choice.index,
-                    "text": choice.text,
-                    "logprobs": choice.logprobs,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                    "token_ids": None,
-                    "prompt_logprobs": choice.prompt_logprobs,
-                    "prompt_token_ids": None,
-                    "routed_experts": None,
-                    **({"weight_versions": None} if era.weight_versions else {}),
-                }
-            )
-    usage = _usage_body(prompt_tokens, completion_tokens, cached_tokens, minimal)
+    """The envelope both whole answers share; ``after_usage`` is the kind's own fields that
+    follow ``usage`` (chat: the prompt's logprobs, ids and text)."""
+    minimal = answer.minimal
     body: dict[str, Any] = {
         "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": out_choices,
+        "object": kind,
+        "created": answer.created,
+        "model": answer.model,
+        "choices": choices,
     }
-    if minimal:
-        body["usage"] = usage
-    else:
+    if not minimal:
         body["service_tier"] = None
-        body["system_fingerprint"] = fingerprint
-        body["usage"] = usage
+        body["system_fingerprint"] = answer.fingerprint
+    body["usage"] = _usage_body(answer)
+    body.update(after_usage)
+    if not minimal:
         body["kv_transfer_params"] = None
         body["ec_transfer_params"] = None
-        body["metrics"] = _whole_metrics(timings, era)
+        body["metrics"] = _whole_metrics(answer.timings, answer.era)
     return compact_json(body).encode()
+
+
+def chat_completion_body(
+    answer: WholeAnswer,
+    *,
+    response_id: str,
+    role: str,
+    prompt_logprobs: list[Any] | None = None,
+) -> bytes:
+    """A whole ``chat.completion`` answer."""
+    minimal, era = answer.minimal, answer.era
+    after_usage: dict[str, Any] = {"prompt_logprobs": prompt_logprobs}
+    if not minimal:
+        after_usage["prompt_token_ids"] = None
+        after_usage["prompt_text"] = None
+    return _answer_body(
+        answer,
+        kind="chat.completion",
+        response_id=response_id,
+        choices=[_chat_choice(choice, role, minimal, era) for choice in answer.choices],
+        after_usage=after_usage,
+    )
+
+
+def completion_body(answer: WholeAnswer, *, response_id: str) -> bytes:
+    """A whole ``text_completion`` answer."""
+    minimal, era = answer.minimal, answer.era
+    return _answer_body(
+        answer,
+        kind="text_completion",
+        response_id=response_id,
+        choices=[_completion_choice(choice, minimal, era) for choice in answer.choices],
+        after_usage={},
+    )
 
 
 def models_body(

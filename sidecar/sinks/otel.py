@@ -58,7 +58,7 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import Sampler
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
@@ -369,7 +369,13 @@ class OTelSink:
         self._attr_sets: dict[tuple[str, str | None, str | None, str | None], _AttrSets] = {}
         self._replica_parts: dict[str, tuple[str, int | None]] = {}
         self._slo_attrs: dict[tuple[str, str | None, str, str, str], Attrs] = {}
+        self._create_instruments(meter_provider, slo_policy, server_chunks)
+        self._set_up_tracing(tracer_provider, max_span_events)
 
+    def _create_instruments(
+        self, meter_provider: MeterProvider, slo_policy: SLOPolicy | None, server_chunks: bool
+    ) -> None:
+        """The histograms and counters, and the SLO thresholds' gauge when SLOs are declared."""
         meter = meter_provider.get_meter(METER_NAME, sidecar.__version__)
 
         def histogram(spec: InstrumentSpec) -> Histogram:
@@ -405,6 +411,10 @@ class OTelSink:
                 description=SLO_THRESHOLD.description,
             )
 
+    def _set_up_tracing(
+        self, tracer_provider: TracerProvider | None, max_span_events: int | None
+    ) -> None:
+        """The tracer (None: no spans), the traceparent reader and the span ids preset."""
         self._tracer = None
         if tracer_provider is not None:
             self._tracer = tracer_provider.get_tracer(TRACER_NAME, sidecar.__version__)
@@ -600,18 +610,39 @@ class OTelSink:
         good: bool | None,
     ) -> None:
         """One CLIENT span per request, built after the fact with the record's own instants."""
-        assert self._tracer is not None
+        span = self._start_span(record, operation)
+        start = record.wall_time_ns
+        if not span.is_recording():
+            # Not sampled and not recorded: skip building attributes and events altogether.
+            span.end(end_time=start)
+            return
+        span.set_attributes(_span_attributes(record, client, server, slo_class, good))
+        if not record.ok:
+            span.set_status(Status(StatusCode.ERROR, record.error_type or record.outcome.value))
+        if span.get_span_context().trace_flags.sampled:
+            # Chunk events cost a few µs each; a recorded-but-unsampled span is never exported,
+            # so only a sampled one gets them.
+            self._add_chunk_events(span, record)
+        span.end(end_time=start + _end_offset_ns(record))
+
+    def _span_parent(self, record: RequestRecord) -> Context:
+        """The request's parent: the trace context it came with, else none at all."""
         traceparent = record.attributes.get("traceparent")
-        if traceparent:
-            carrier = {"traceparent": traceparent}
-            tracestate = record.attributes.get("tracestate")
-            if tracestate:
-                carrier["tracestate"] = tracestate
-            parent = self._propagator.extract(carrier, context=Context())
-        else:
+        if not traceparent:
             # An explicit empty context: whatever span happens to be current on this thread
             # (an instrumented aiohttp handler, say) is not this request's parent.
-            parent = Context()
+            return Context()
+        carrier = {"traceparent": traceparent}
+        tracestate = record.attributes.get("tracestate")
+        if tracestate:
+            carrier["tracestate"] = tracestate
+        return self._propagator.extract(carrier, context=Context())
+
+    def _start_span(self, record: RequestRecord, operation: str) -> Span:
+        """The span, started at the request's arrival under its parent, with the attributes a
+        sampler may read, and the ids the proxy sent upstream when it sent any."""
+        assert self._tracer is not None
+        parent = self._span_parent(record)
         # Span attributes are not metric labels: the raw model and replica, never `other`
         # (the SDK's span limits bound their length).
         start_attrs: Attrs = {OPERATION_NAME: operation, PROVIDER_NAME: self.provider_name}
@@ -623,7 +654,6 @@ class OTelSink:
             if port is not None:
                 start_attrs[SERVER_PORT] = port
         name = f"{operation} {record.model}" if record.model else operation
-        start = record.wall_time_ns
         ids = self._preset_ids
         preset = record.attributes.get("span_ids") if ids is not None else None
         if ids is not None and preset is not None:
@@ -632,43 +662,41 @@ class OTelSink:
             trace_hex, _, span_hex = preset.partition("-")
             ids.preset(int(trace_hex, 16), int(span_hex, 16))
         try:
-            span = self._tracer.start_span(
-                name, context=parent, kind=SpanKind.CLIENT, start_time=start, attributes=start_attrs
+            return self._tracer.start_span(
+                name,
+                context=parent,
+                kind=SpanKind.CLIENT,
+                start_time=record.wall_time_ns,
+                attributes=start_attrs,
             )
         finally:
             if ids is not None:
                 ids.clear()
-        if not span.is_recording():
-            # Not sampled and not recorded: skip building attributes and events altogether.
-            span.end(end_time=start)
-            return
-        span.set_attributes(_span_attributes(record, client, server, slo_class, good))
-        if not record.ok:
-            span.set_status(Status(StatusCode.ERROR, record.error_type or record.outcome.value))
-        if span.get_span_context().trace_flags.sampled:
-            # Chunk events cost a few µs each; a recorded-but-unsampled span is never exported,
-            # so only a sampled one gets them. The client's chunks when it streamed, else the
-            # upstream's (a non-streaming client whose answer the proxy assembled).
-            timeline, vantage = record.client, Vantage.CLIENT.value
-            if not timeline.offsets_ns and record.server is not None:
-                timeline, vantage = record.server, Vantage.SERVER.value
-            offsets, tokens = timeline.offsets_ns, timeline.tokens
-            limit = len(offsets)
-            if self._max_span_events is not None:
-                limit = min(limit, self._max_span_events)
-            for index, offset, n_tokens in zip(range(limit), offsets, tokens, strict=False):
-                span.add_event(
-                    "sidecar.chunk",
-                    {
-                        "sidecar.chunk.index": index,
-                        "sidecar.chunk.tokens": n_tokens,
-                        "sidecar.vantage": vantage,
-                    },
-                    timestamp=start + offset,
-                )
-            if limit < len(offsets):
-                span.set_attribute("sidecar.chunk_events.dropped", len(offsets) - limit)
-        span.end(end_time=start + _end_offset_ns(record))
+
+    def _add_chunk_events(self, span: Span, record: RequestRecord) -> None:
+        """One event per chunk, up to the span's event limit: the client's chunks when it
+        streamed, else the upstream's (a non-streaming client whose answer the proxy
+        assembled)."""
+        timeline, vantage = record.client, Vantage.CLIENT.value
+        if not timeline.offsets_ns and record.server is not None:
+            timeline, vantage = record.server, Vantage.SERVER.value
+        offsets, tokens = timeline.offsets_ns, timeline.tokens
+        start = record.wall_time_ns
+        limit = len(offsets)
+        if self._max_span_events is not None:
+            limit = min(limit, self._max_span_events)
+        for index, offset, n_tokens in zip(range(limit), offsets, tokens, strict=False):
+            span.add_event(
+                "sidecar.chunk",
+                {
+                    "sidecar.chunk.index": index,
+                    "sidecar.chunk.tokens": n_tokens,
+                    "sidecar.vantage": vantage,
+                },
+                timestamp=start + offset,
+            )
+        if limit < len(offsets):
+            span.set_attribute("sidecar.chunk_events.dropped", len(offsets) - limit)
 
     # -- lifecycle (hooks.Sink) ----------------------------------------------------------------
 
@@ -839,6 +867,60 @@ def build_resource(service_name: str = DEFAULT_SERVICE_NAME) -> Resource:
     return resource.merge(Resource(defaults)) if defaults else resource
 
 
+def _metric_readers(
+    endpoint: str | None,
+    readers: Sequence[MetricReader] | None,
+    export_interval_s: float | None,
+    export_timeout_s: float | None,
+) -> list[MetricReader]:
+    """The given readers, and a periodic OTLP/HTTP exporter unless readers alone were asked
+    for (`build_otel_sink`)."""
+    all_readers: list[MetricReader] = list(readers or ())
+    if endpoint is not None or readers is None:
+        exporter = OTLPMetricExporter(
+            endpoint=None if endpoint is None else _signal_endpoint(endpoint, "metrics")
+        )
+        all_readers.append(
+            PeriodicExportingMetricReader(
+                exporter,
+                export_interval_millis=None
+                if export_interval_s is None
+                else export_interval_s * 1e3,
+                export_timeout_millis=None if export_timeout_s is None else export_timeout_s * 1e3,
+            )
+        )
+    return all_readers
+
+
+def _tracer_provider(
+    endpoint: str | None,
+    span_exporter: SpanExporter | None,
+    sampler: Sampler | None,
+    resource: Resource,
+    meter_provider: MeterProvider,
+) -> tuple[TracerProvider, int | None]:
+    """The TracerProvider of `build_otel_sink` (``traces``), and its limit on events per
+    span."""
+    if span_exporter is None:
+        span_exporter = OTLPSpanExporter(
+            endpoint=None if endpoint is None else _signal_endpoint(endpoint, "traces")
+        )
+    span_limits = SpanLimits()  # OTEL_SPAN_EVENT_COUNT_LIMIT etc. honoured
+    tracer_provider = TracerProvider(
+        sampler=sampler,
+        resource=resource,
+        span_limits=span_limits,
+        meter_provider=meter_provider,
+        id_generator=PresetIdGenerator(),
+    )
+    # Batching: the exporter's HTTP request runs on the processor's thread, never on the
+    # event loop that ends the span.
+    tracer_provider.add_span_processor(
+        BatchSpanProcessor(span_exporter, meter_provider=meter_provider)
+    )
+    return tracer_provider, span_limits.max_events
+
+
 def build_otel_sink(
     *,
     endpoint: str | None = None,
@@ -878,22 +960,8 @@ def build_otel_sink(
     """
     if resource is None:
         resource = build_resource()
-    all_readers: list[MetricReader] = list(readers or ())
-    if endpoint is not None or readers is None:
-        exporter = OTLPMetricExporter(
-            endpoint=None if endpoint is None else _signal_endpoint(endpoint, "metrics")
-        )
-        all_readers.append(
-            PeriodicExportingMetricReader(
-                exporter,
-                export_interval_millis=None
-                if export_interval_s is None
-                else export_interval_s * 1e3,
-                export_timeout_millis=None if export_timeout_s is None else export_timeout_s * 1e3,
-            )
-        )
     meter_provider = MeterProvider(
-        metric_readers=all_readers,
+        metric_readers=_metric_readers(endpoint, readers, export_interval_s, export_timeout_s),
         resource=resource,
         # Exemplars would come from the current span on the recording thread, which is never
         # the request's span here (spans are built after the fact): pure cost, no value.
@@ -903,23 +971,8 @@ def build_otel_sink(
     tracer_provider = None
     max_span_events: int | None = None
     if traces:
-        if span_exporter is None:
-            span_exporter = OTLPSpanExporter(
-                endpoint=None if endpoint is None else _signal_endpoint(endpoint, "traces")
-            )
-        span_limits = SpanLimits()  # OTEL_SPAN_EVENT_COUNT_LIMIT etc. honoured
-        max_span_events = span_limits.max_events
-        tracer_provider = TracerProvider(
-            sampler=sampler,
-            resource=resource,
-            span_limits=span_limits,
-            meter_provider=meter_provider,
-            id_generator=PresetIdGenerator(),
-        )
-        # Batching: the exporter's HTTP request runs on the processor's thread, never on the
-        # event loop that ends the span.
-        tracer_provider.add_span_processor(
-            BatchSpanProcessor(span_exporter, meter_provider=meter_provider)
+        tracer_provider, max_span_events = _tracer_provider(
+            endpoint, span_exporter, sampler, resource, meter_provider
         )
     return OTelSink(
         meter_provider,

@@ -269,8 +269,26 @@ class PrometheusSink:
             for limit in (slo.ttft_s, slo.tpot_s, slo.e2e_s)
             if limit is not None
         ]
-        buckets = latency_buckets(thresholds, histogram_buckets)
-        self.latency_buckets = buckets
+        self.latency_buckets = latency_buckets(thresholds, histogram_buckets)
+        # Declared in exposition order: latencies, sizes and token counts, SLO series.
+        self._declare_latencies(registry, self.latency_buckets)
+        self._declare_counts(registry)
+        self._declare_slo(registry, slo_policy)
+        # The per-request path goes through these (see ChildCache).
+        self._requests = ChildCache(self.requests)
+        self._slo_requests = ChildCache(self.slo_requests)
+        self._slo_good = ChildCache(self.slo_good)
+        self._slo_good_tokens = ChildCache(self.slo_good_tokens)
+        self._no_tpot = ChildCache(self.no_tpot)
+        self._prompt_tokens = ChildCache(self.prompt_tokens)
+        self._prompt_len = ChildCache(self.prompt_len)
+        self._generation_tokens = ChildCache(self.generation_tokens)
+        self._output_len = ChildCache(self.output_len)
+        self._cached_tokens = ChildCache(self.cached_tokens)
+        self._estimated = ChildCache(self.estimated)
+
+    def _declare_latencies(self, registry: CollectorRegistry, buckets: Sequence[float]) -> None:
+        """The latency histograms: per vantage, the engine's queue, the request's upload."""
         hist_labels = ("model", "replica", "vantage")
 
         def histogram(name: str, doc: str) -> BulkHistogram:
@@ -312,6 +330,9 @@ class PrometheusSink:
             buckets,
             registry,
         )
+
+    def _declare_counts(self, registry: CollectorRegistry) -> None:
+        """Request sizes (histograms), and requests and tokens (counters)."""
         self.prompt_len = Histogram(
             "sidecar_request_prompt_tokens",
             "Prompt tokens per successful request (usage).",
@@ -363,6 +384,9 @@ class PrometheusSink:
             ("model",),
             registry=registry,
         )
+
+    def _declare_slo(self, registry: CollectorRegistry, slo_policy: stats.SLOPolicy | None) -> None:
+        """Goodput per SLO class, and the declared thresholds and objectives."""
         slo_labels = ("slo_class",)
         self.slo_requests = Counter(
             "sidecar_slo_requests",
@@ -420,18 +444,6 @@ class PrometheusSink:
                 ):
                     if limit is not None:
                         threshold.labels(name, metric).set(limit)
-        # The per-request path goes through these (see ChildCache).
-        self._requests = ChildCache(self.requests)
-        self._slo_requests = ChildCache(self.slo_requests)
-        self._slo_good = ChildCache(self.slo_good)
-        self._slo_good_tokens = ChildCache(self.slo_good_tokens)
-        self._no_tpot = ChildCache(self.no_tpot)
-        self._prompt_tokens = ChildCache(self.prompt_tokens)
-        self._prompt_len = ChildCache(self.prompt_len)
-        self._generation_tokens = ChildCache(self.generation_tokens)
-        self._output_len = ChildCache(self.output_len)
-        self._cached_tokens = ChildCache(self.cached_tokens)
-        self._estimated = ChildCache(self.estimated)
 
     def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
         return True
@@ -458,18 +470,27 @@ class PrometheusSink:
         if not generation:
             return
         if self.slo_policy is not None:
-            slo_class, good, excluded = self.slo_policy.verdict(record)
-            if excluded is not None:
-                self.slo_excluded.labels(slo_class, excluded).inc()
-            else:
-                self._slo_requests(slo_class).inc()
-            if good:
-                self._slo_good(slo_class).inc()
-                self._slo_good_tokens(slo_class).inc(stats.output_tokens(record, record.client))
+            self._observe_slo(self.slo_policy, record)
         if record.outcome is not Outcome.OK:
             return
         if record.request_read_ns is not None:
             self.request_read.observe((model,), record.request_read_ns / 1e9)
+        self._observe_latencies(record, model, replica)
+        self._observe_tokens(record, model, replica)
+
+    def _observe_slo(self, policy: stats.SLOPolicy, record: RequestRecord) -> None:
+        """The request's SLO class: counted (or excluded), and good or not."""
+        slo_class, good, excluded = policy.verdict(record)
+        if excluded is not None:
+            self.slo_excluded.labels(slo_class, excluded).inc()
+        else:
+            self._slo_requests(slo_class).inc()
+        if good:
+            self._slo_good(slo_class).inc()
+            self._slo_good_tokens(slo_class).inc(stats.output_tokens(record, record.client))
+
+    def _observe_latencies(self, record: RequestRecord, model: str, replica: str) -> None:
+        """A successful request's TTFT, E2E, TPOT and ITL at each vantage it has."""
         for vantage in (Vantage.CLIENT, Vantage.SERVER):
             timeline = record.timeline(vantage)
             if timeline is None:
@@ -504,6 +525,9 @@ class PrometheusSink:
                 self.tpot.observe(labels, engine.mean_itl_ms / 1000)
             if engine.queue_time_ms is not None:
                 self.engine_queue.observe((model, replica), engine.queue_time_ms / 1000)
+
+    def _observe_tokens(self, record: RequestRecord, model: str, replica: str) -> None:
+        """A successful request's prompt, output and cached tokens."""
         if record.n_in is not None:
             self._prompt_tokens(model, replica).inc(record.n_in)
             self._prompt_len(model).observe(record.n_in)
@@ -540,6 +564,30 @@ class LiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         window_s = f"{self.window.window_s:g}"
+        yield from self._window_latency(window_s)
+        outcomes = GaugeMetricFamily(
+            "sidecar_window_requests",
+            f"Requests that ended in the last {window_s} s.",
+            labels=("outcome",),
+        )
+        for outcome, count in self.window.generation_outcomes().items():
+            outcomes.add_metric((outcome.value,), count)
+        yield outcomes
+        if self.slo_policy is not None:
+            attainment = GaugeMetricFamily(
+                "sidecar_window_slo_attainment",
+                f"Good / all requests of the class over the last {window_s} s (failures "
+                "included; absent when no request of the class ended in the window).",
+                labels=("slo_class",),
+            )
+            for name, (good, total) in sorted(self.window.attainment(self.slo_policy).items()):
+                attainment.add_metric((name,), good / total)
+            yield attainment
+        yield from self._replica_state()
+        yield from sink_metrics(self.fanout)
+
+    def _window_latency(self, window_s: str) -> Iterator[Metric]:
+        """The window's exact latency percentiles, and the samples behind them."""
         # Gauges, not a summary: a summary's _count and _sum must be counters, and over a
         # sliding window they go down as records leave it, which rate() reads as resets (27 in
         # 20 minutes, seen). A quantile of a window is a value at an instant: a gauge. Its
@@ -572,24 +620,9 @@ class LiveCollector(Collector):
                 samples.add_metric((metric, vantage.value), summary.count)
         yield latency
         yield samples
-        outcomes = GaugeMetricFamily(
-            "sidecar_window_requests",
-            f"Requests that ended in the last {window_s} s.",
-            labels=("outcome",),
-        )
-        for outcome, count in self.window.generation_outcomes().items():
-            outcomes.add_metric((outcome.value,), count)
-        yield outcomes
-        if self.slo_policy is not None:
-            attainment = GaugeMetricFamily(
-                "sidecar_window_slo_attainment",
-                f"Good / all requests of the class over the last {window_s} s (failures "
-                "included; absent when no request of the class ended in the window).",
-                labels=("slo_class",),
-            )
-            for name, (good, total) in sorted(self.window.attainment(self.slo_policy).items()):
-                attainment.add_metric((name,), good / total)
-            yield attainment
+
+    def _replica_state(self) -> Iterator[Metric]:
+        """Each replica's requests in flight and health."""
         in_flight = GaugeMetricFamily(
             "sidecar_in_flight_requests", "Requests in flight per replica.", labels=("replica",)
         )
@@ -603,7 +636,6 @@ class LiveCollector(Collector):
             up.add_metric((state.replica,), 1.0 if state.healthy else 0.0)
         yield in_flight
         yield up
-        yield from sink_metrics(self.fanout)
 
 
 def sink_metrics(fanout: SinkFanout) -> Iterator[Metric]:

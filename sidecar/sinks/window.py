@@ -230,49 +230,68 @@ class WindowSink:
             "definitions": DEFINITIONS,
         }
         for vantage in (Vantage.CLIENT, Vantage.SERVER):
-            report = table.vantage_report(generation, vantage)
-            out["vantages"][vantage.value] = {
-                "requests": report.requests,
-                "tpot_excluded_n_out_le_1": report.tpot_excluded,
-                "no_first_token": report.no_first_token,
-                "ttft": report.ttft.to_dict(),
-                "itl": report.itl.to_dict(),
-                "itl_per_token": report.itl_per_token.to_dict(),
-                "tpot": report.tpot.to_dict(),
-                "e2e": report.e2e.to_dict(),
-            }
-        engine = table.engine_report(generation)
-        out["vantages"]["engine"] = {
-            "requests": engine.requests,
-            "queue_time": engine.queue_time.to_dict(),
-            "ttft": engine.ttft.to_dict(),
-            "ttft_from_scheduled": engine.ttft_from_scheduled.to_dict(),
-            "e2e": engine.e2e.to_dict(),
-            "mean_itl": engine.mean_itl.to_dict(),
-            "generation_time": engine.generation_time.to_dict(),
-        }
-        t = table.throughput(generation, interval)
-        out["throughput"] = {
-            "requests_per_s": t.requests_per_s,
-            "input_tokens_per_s": t.input_tokens_per_s,
-            "output_tokens_per_s": t.output_tokens_per_s,
-            "total_tokens_per_s": t.total_tokens_per_s,
-            "output_tokens_estimated": t.output_tokens_estimated,
-        }
+            out["vantages"][vantage.value] = _vantage_json(
+                table.vantage_report(generation, vantage)
+            )
+        out["vantages"]["engine"] = _engine_json(table.engine_report(generation))
+        out["throughput"] = _throughput_json(table.throughput(generation, interval))
         if slo_policy is not None:
-            out["goodput"] = {}
-            for name, g in table.goodput(generation, slo_policy, interval).items():
-                out["goodput"][name] = {
-                    "slo": g.slo.describe(),
-                    "vantage": g.vantage.value,
-                    "objective": g.slo.objective,
-                    "good_requests": g.good_requests,
-                    "denominator": g.slo.describe_denominator(),
-                    "denominator_requests": g.total_requests,
-                    "excluded": dict(g.excluded),
-                    "attainment": g.attainment,
-                    "good_requests_per_s": g.good_requests_per_s,
-                    "good_output_tokens_per_s": g.good_output_tokens_per_s,
-                    "judged_without": dict(g.judged_without),
-                }
+            out["goodput"] = {
+                name: _goodput_json(g)
+                for name, g in table.goodput(generation, slo_policy, interval).items()
+            }
         return out
+
+
+# The parts of `WindowSink.snapshot` (the /stats JSON), one per report.
+
+
+def _vantage_json(report: stats.VantageReport) -> dict[str, Any]:
+    return {
+        "requests": report.requests,
+        "tpot_excluded_n_out_le_1": report.tpot_excluded,
+        "no_first_token": report.no_first_token,
+        "ttft": report.ttft.to_dict(),
+        "itl": report.itl.to_dict(),
+        "itl_per_token": report.itl_per_token.to_dict(),
+        "tpot": report.tpot.to_dict(),
+        "e2e": report.e2e.to_dict(),
+    }
+
+
+def _engine_json(engine: stats.EngineReport) -> dict[str, Any]:
+    return {
+        "requests": engine.requests,
+        "queue_time": engine.queue_time.to_dict(),
+        "ttft": engine.ttft.to_dict(),
+        "ttft_from_scheduled": engine.ttft_from_scheduled.to_dict(),
+        "e2e": engine.e2e.to_dict(),
+        "mean_itl": engine.mean_itl.to_dict(),
+        "generation_time": engine.generation_time.to_dict(),
+    }
+
+
+def _throughput_json(t: stats.Throughput) -> dict[str, Any]:
+    return {
+        "requests_per_s": t.requests_per_s,
+        "input_tokens_per_s": t.input_tokens_per_s,
+        "output_tokens_per_s": t.output_tokens_per_s,
+        "total_tokens_per_s": t.total_tokens_per_s,
+        "output_tokens_estimated": t.output_tokens_estimated,
+    }
+
+
+def _goodput_json(g: stats.Goodput) -> dict[str, Any]:
+    return {
+        "slo": g.slo.describe(),
+        "vantage": g.vantage.value,
+        "objective": g.slo.objective,
+        "good_requests": g.good_requests,
+        "denominator": g.slo.describe_denominator(),
+        "denominator_requests": g.total_requests,
+        "excluded": dict(g.excluded),
+        "attainment": g.attainment,
+        "good_requests_per_s": g.good_requests_per_s,
+        "good_output_tokens_per_s": g.good_output_tokens_per_s,
+        "judged_without": dict(g.judged_without),
+    }

@@ -1,4 +1,5 @@
-"""`sidecar merge`: the shards of one sharded replay, recomputed from their raw records."""
+"""`sidecar merge` (shardmerge.py, the library; merge_cli.py, the command): the shards of one
+sharded replay, recomputed from their raw records."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from test_replay import args_for
 
 from sidecar import stats
 from sidecar.record import RequestRecord, Vantage
-from sidecar.replay import compare, merge, replay_cli
+from sidecar.replay import compare, merge_cli, replay_cli, shardmerge
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
@@ -68,7 +69,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 def merge_args(shards: list[Path], out: Path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    merge.add_arguments(parser)
+    merge_cli.add_arguments(parser)
     return parser.parse_args([*map(str, shards), "--output-dir", str(out), *extra])
 
 
@@ -81,7 +82,7 @@ def test_the_merged_report_is_recomputed_over_the_union(
     sharded: list[Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "merged"
-    assert asyncio.run(merge.run(merge_args(sharded, out))) == 0
+    assert asyncio.run(merge_cli.run(merge_args(sharded, out))) == 0
     report = json.loads((out / "report.json").read_text())
     shard_reports = [json.loads((d / "report.json").read_text()) for d in sharded]
     union = [r for d in sharded for r in records_of(d)]
@@ -126,13 +127,13 @@ def test_what_is_not_one_experiment_is_refused(
     sharded: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A shard missing.
-    assert asyncio.run(merge.run(merge_args(sharded[:2], tmp_path / "a"))) == 3
+    assert asyncio.run(merge_cli.run(merge_args(sharded[:2], tmp_path / "a"))) == 3
     assert "shard(s) [2] of 3 missing" in capsys.readouterr().err
     # A shard given twice.
-    assert asyncio.run(merge.run(merge_args([*sharded, sharded[0]], tmp_path / "b"))) == 3
+    assert asyncio.run(merge_cli.run(merge_args([*sharded, sharded[0]], tmp_path / "b"))) == 3
     assert "[0] given more than once" in capsys.readouterr().err
     # --force merges what it can and keeps the warning in the report.
-    assert asyncio.run(merge.run(merge_args(sharded[:2], tmp_path / "c", "--force"))) == 0
+    assert asyncio.run(merge_cli.run(merge_args(sharded[:2], tmp_path / "c", "--force"))) == 0
     forced = json.loads((tmp_path / "c" / "report.json").read_text())
     assert forced["completed"] == 8 and "missing" in forced["merge_warnings"][0]
     # A shard of another experiment (another model), and one without a common start.
@@ -143,14 +144,14 @@ def test_what_is_not_one_experiment_is_refused(
     report["envelope"]["start_at"] = None
     (other / "report.json").write_text(json.dumps(report))
     (other / "records-run0.jsonl").write_text((sharded[2] / "records-run0.jsonl").read_text())
-    assert asyncio.run(merge.run(merge_args([*sharded[:2], other], tmp_path / "d"))) == 3
+    assert asyncio.run(merge_cli.run(merge_args([*sharded[:2], other], tmp_path / "d"))) == 3
     err = capsys.readouterr().err
     assert "envelope 'model' is 'another'" in err and "one --start-at" in err
     # No raw records: nothing to merge from (exit 2, says what is missing).
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "report.json").write_text((sharded[0] / "report.json").read_text())
-    assert asyncio.run(merge.run(merge_args([bare, *sharded[1:]], tmp_path / "e"))) == 2
+    assert asyncio.run(merge_cli.run(merge_args([bare, *sharded[1:]], tmp_path / "e"))) == 2
     assert "raw records of run 0 are missing" in capsys.readouterr().err
 
 
@@ -171,10 +172,34 @@ def test_the_merged_report_is_judged_by_the_shards_lateness_threshold(
             (copy / "report.json").write_text(json.dumps(report))
             copies.append(copy)
         out = tmp_path / f"merged-{threshold}"
-        assert asyncio.run(merge.run(merge_args(copies, out))) == 0
+        assert asyncio.run(merge_cli.run(merge_args(copies, out))) == 0
         merged = json.loads((out / "report.json").read_text())
         assert merged["degraded"] is expected and merged["max_lateness_ms"] == threshold
         assert (merged["degraded_reason"] or "").startswith(
             "sender lateness p99 " if expected else ""
         )
         assert merged["runs"][0]["degraded"] is expected
+
+
+def test_a_script_merges_shards_in_one_call(sharded: list[Path], tmp_path: Path) -> None:
+    """merge_shards + write_outputs: the command's work as calls, refusals as exceptions."""
+    merged = shardmerge.merge_shards(sharded)
+    assert merged.warnings == () and merged.report["completed"] == 12
+    assert merged.report["envelope"]["slo"] == "ttft=1s,tpot=200ms"  # the shards' own
+    assert [len(run) for run in merged.runs] == [12]
+    assert sorted(shard for shard, _ in merged.runs[0]) == [0] * 4 + [1] * 4 + [2] * 4
+    path = shardmerge.write_outputs(merged, tmp_path / "out")
+    assert path == tmp_path / "out" / "report.json"
+    assert json.loads(path.read_text())["completed"] == 12
+    assert len((tmp_path / "out" / "records-run0.jsonl").read_text().splitlines()) == 12
+    with pytest.raises(shardmerge.MergeRefused) as refused:
+        shardmerge.merge_shards(sharded[:2])
+    assert refused.value.reasons == ["shard(s) [2] of 3 missing"]
+    forced = shardmerge.merge_shards(sharded[:2], slo="ttft=2s", force=True)
+    assert forced.warnings == ("shard(s) [2] of 3 missing",)
+    assert forced.report["merge_warnings"] == ["shard(s) [2] of 3 missing"]
+    assert forced.report["envelope"]["slo"] == "ttft=2s"
+    with pytest.raises(shardmerge.MergeError, match="--slo"):
+        shardmerge.merge_shards(sharded, slo="nonsense")
+    with pytest.raises(shardmerge.MergeError, match="no readable report.json"):
+        shardmerge.merge_shards([tmp_path / "nowhere"])

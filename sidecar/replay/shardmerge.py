@@ -1,4 +1,5 @@
-"""``sidecar merge SHARD_DIR...``: one report from the shards of one sharded replay.
+"""One report from the shards of one sharded replay: the library of ``sidecar merge SHARD_DIR...``
+(whose command is ``merge_cli.py``).
 
 A trace replayed by several senders (``--shard-index/--shard-count``, e.g. a Kubernetes indexed
 Job) leaves one ``--output-dir`` per shard, each with its own report. Percentiles cannot be
@@ -7,18 +8,22 @@ shard's raw per-request records and computes the report again over their union, 
 code and definitions as a single replay.
 
 That union is one experiment only if the shards ran one plan together, so the merge refuses
-(exit 3) when their envelopes differ in anything but the shard itself, when shards are missing
-or repeated, or when they did not share one start instant (``--start-at``): without it each
-shard's times count from its own start, and the union's duration, throughput, concurrency and
-lateness would mix clocks. ``--force`` merges anyway and says so in the report.
+(``MergeRefused``; `sidecar merge` exits 3) when their envelopes differ in anything but the
+shard itself, when shards are missing or repeated, or when they did not share one start instant
+(``--start-at``): without it each shard's times count from its own start, and the union's
+duration, throughput, concurrency and lateness would mix clocks. ``force`` merges anyway and
+says so in the report.
+
+``merge_shards`` is the whole merge as one call (``MergeError``: an input that cannot be read
+or an SLO that cannot be parsed, exit 2); ``write_outputs`` writes its report.json and
+records-runN.jsonl.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,31 +31,10 @@ from typing import Any
 from sidecar.config import ConfigError, parse_slo_spec
 from sidecar.record import RequestRecord
 from sidecar.replay.compare import NOT_DESIGN
-from sidecar.replay.report import (
-    DEFAULT_MAX_LATENESS_MS,
-    console_table,
-    mark_degraded,
-    median_run,
-    run_report,
-)
+from sidecar.replay.options import Refused
+from sidecar.replay.report import DEFAULT_MAX_LATENESS_MS, mark_degraded, median_run, run_report
 from sidecar.replay.runner import SentRequest
 from sidecar.stats import SLO, SLOPolicy
-
-DESCRIPTION = """\
-Merge the output directories of a sharded replay (`sidecar replay --shard-index I --shard-count N
---start-at T --output-dir DIR`) into one report: every metric recomputed over the union of the
-shards' raw records (never from their percentiles), written as report.json and records-runN.jsonl
-like a single replay's, so `sidecar compare` reads it.
-"""
-
-EPILOG = """\
-examples:
-  sidecar merge shard-0/ shard-1/ shard-2/ --output-dir merged/
-  sidecar merge results/shard-*/ --output-dir merged/ --slo ttft=500ms,tpot=50ms
-
-refused (exit 3) unless --force: envelopes that differ (but for the shard), shards missing or
-given twice, shards without one common --start-at, different numbers of runs.
-"""
 
 # Envelope members that differ between the shards of one replay by construction.
 PER_SHARD = frozenset(
@@ -66,7 +50,11 @@ PER_SHARD = frozenset(
 
 
 class MergeError(Exception):
-    pass
+    """A shard that cannot be read, or an SLO that cannot be parsed (`sidecar merge` exits 2)."""
+
+
+class MergeRefused(Refused):
+    """The shards are not one experiment (`sidecar merge` exits 3; ``force`` merges)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,28 +79,7 @@ class Shard:
         return shard.get("count") if isinstance(shard, dict) else None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "shards",
-        nargs="+",
-        metavar="SHARD_DIR",
-        help="output directories of the shards (report.json + records-run*.jsonl)",
-    )
-    parser.add_argument(
-        "--output-dir",
-        required=True,
-        metavar="DIR",
-        help="where the merged report.json and records go",
-    )
-    parser.add_argument("--slo", help="SLO for goodput [the one the shards were run with]")
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="merge even what is refused (the report says why it is suspect)",
-    )
-
-
-def load_shard(path: str | Path) -> Shard:
+def load_shard(path: str | os.PathLike[str]) -> Shard:
     directory = Path(path)
     try:
         report = json.loads((directory / "report.json").read_text())
@@ -203,10 +170,35 @@ def slo_policy_for(spec: str | None) -> SLOPolicy | None:
 TaggedRun = list[tuple[int, SentRequest]]  # one run's requests, each with its shard index
 
 
+@dataclass(frozen=True, slots=True)
+class MergedReplay:
+    report: dict[str, Any]  # report.json: every metric over the union of the shards' records
+    runs: list[TaggedRun]  # each run's requests in schedule order, tagged with their shard
+    warnings: tuple[str, ...]  # what made the shards not one experiment (merged with force)
+
+
+def merge_shards(
+    directories: Sequence[str | os.PathLike[str]],
+    *,
+    slo: str | None = None,
+    force: bool = False,
+) -> MergedReplay:
+    """Read the shards' output directories, judge them one experiment (``MergeRefused`` if
+    not, unless ``force``) and merge them; ``slo``: the SLO for goodput, by default the one the
+    shards were run with."""
+    shards = [load_shard(directory) for directory in directories]
+    found = problems(shards)
+    if found and not force:
+        raise MergeRefused(found)
+    return merge(shards, slo=slo, warnings=found)
+
+
 def merge(
-    shards: Sequence[Shard], slo_spec: str | None, refused: Sequence[str] = ()
-) -> tuple[dict[str, Any], list[TaggedRun]]:
-    """The merged report, and each run's requests tagged with their shard index."""
+    shards: Sequence[Shard], *, slo: str | None = None, warnings: Sequence[str] = ()
+) -> MergedReplay:
+    """The merged report of loaded shards (unjudged: ``problems`` says what ``warnings``
+    should keep), and each run's requests tagged with their shard index."""
+    slo_spec = slo or shards[0].envelope.get("slo")
     policy = slo_policy_for(slo_spec)
     mode = shards[0].report.get("mode", "open")
     n_runs = min(len(shard.runs) for shard in shards)
@@ -247,23 +239,23 @@ def merge(
         }
         for shard in shards
     ]
-    if refused:
-        result["merge_warnings"] = list(refused)  # --force: what makes this union suspect
+    if warnings:
+        result["merge_warnings"] = list(warnings)  # --force: what makes this union suspect
     result["definitions"] = {
         **result.get("definitions", {}),
         "merge": "every metric recomputed over the union of the shards' "
         "raw records, times on the shards' common start",
     }
-    return result, merged_runs
+    return MergedReplay(result, merged_runs, tuple(warnings))
 
 
-def write(
-    result: Mapping[str, Any], merged_runs: Sequence[TaggedRun], output_dir: str | Path
-) -> Path:
+def write_outputs(merged: MergedReplay, output_dir: str | os.PathLike[str]) -> Path:
+    """report.json and records-runN.jsonl in ``output_dir`` (made if missing), like a single
+    replay's (each record line also names its shard); returns report.json's path."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(result, indent=2, default=str))
-    for i, tagged in enumerate(merged_runs):
+    (out / "report.json").write_text(json.dumps(merged.report, indent=2, default=str))
+    for i, tagged in enumerate(merged.runs):
         with (out / f"records-run{i}.jsonl").open("w") as handle:
             for shard_index, s in tagged:
                 handle.write(
@@ -279,34 +271,3 @@ def write(
                     + "\n"
                 )
     return out / "report.json"
-
-
-async def run(args: argparse.Namespace) -> int:
-    try:
-        shards = [load_shard(path) for path in args.shards]
-    except MergeError as exc:
-        print(f"sidecar merge: {exc}", file=sys.stderr)
-        return 2
-    found = problems(shards)
-    if found and not args.force:
-        print("sidecar merge: these shards are not one experiment:", file=sys.stderr)
-        for problem in found:
-            print(f"  {problem}", file=sys.stderr)
-        print(
-            "fix the inputs, or --force to merge anyway (the report keeps the warnings)",
-            file=sys.stderr,
-        )
-        return 3
-    slo_spec = args.slo or shards[0].envelope.get("slo")
-    try:
-        result, merged_runs = merge(shards, slo_spec, found)
-    except MergeError as exc:
-        print(f"sidecar merge: {exc}", file=sys.stderr)
-        return 2
-    # Files first: a closed stdout (`| head`) must not cost the report.
-    path = write(result, merged_runs, args.output_dir)
-    if found:
-        print("WARNING (--force): " + "; ".join(found), file=sys.stderr)
-    print(console_table(result))
-    print(f"report: {path}")
-    return 0
