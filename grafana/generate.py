@@ -64,6 +64,8 @@ TOKENS = "metrics.md#Token counts and how exact they are"
 OTHER_TOOLS = "metrics.md#Other tools' definitions"
 DROPS = "workers.md#What is dropped, and where it is counted"
 PROCESSES = "workers.md#Processes"
+STAMPS = "metrics.md#How late a stamp may be"
+STAMPS_LATE = "runbooks.md#SidecarStampsLate"
 
 
 # --- queries ---------------------------------------------------------------------------------
@@ -838,7 +840,8 @@ def latency_dashboard() -> dict[str, Any]:
                 + BESIDE_VLLM
                 + (
                     " vantage=engine: the timings vLLM returns per request "
-                    "(--enable-per-request-metrics), when it does, over the same interval (TTFT and "
+                    "(--enable-per-request-metrics), when it does, over the same interval "
+                    "(TTFT and "
                     "E2E from queued in the engine)."
                     if key in ("ttft", "tpot", "e2e")
                     else ""
@@ -1359,6 +1362,52 @@ def replay_dashboard() -> dict[str, Any]:
 # --- Sidecar health --------------------------------------------------------------------------
 
 
+def stamps_late_panel() -> Panel:
+    """Loop lag and GC pauses of the processes that stamp the chunks, beside the SLO."""
+    lag_quantiles = [
+        (
+            quantile(q, "sidecar_loop_lag_seconds", TARGET, by="instance"),
+            f"{{{{instance}}}} loop lag {label}",
+        )
+        for q, label in (("0.99", "p99"), ("0.5", "p50"))
+    ]
+    return timeseries(
+        "How late the sidecar's stamps may be",
+        "Every chunk is stamped on a worker's event loop; while the loop stalls (a garbage "
+        "collection, a burst of work, a slow sink or log handler) what arrives is stamped "
+        "when the stall ends. Loop lag p99 and p50 per sidecar, over all its workers "
+        "(sidecar_loop_lag_seconds: how late a timer due every 0.1 s ran, a sample of how "
+        "late a stamp taken at any moment is; below 1 ms it is uvloop's timer granularity, "
+        "no stall), the longest garbage-collection pause in each interval "
+        "(sidecar_gc_pause_seconds, every generation: the upper bound of the highest bucket "
+        "a pause fell in; the _max_seconds gauges are maxima since start, not per interval), "
+        "and the strictest TPOT threshold the sidecars declare. The line at 10 ms is "
+        "SidecarStampsLate's bound (p99 above it for 10 minutes). Compare with your ITL "
+        "SLO: a lag of a few ms beside a 50 ms objective is noise. A lag or pause of the "
+        "order of the SLO is in what the sidecar reports: a stall delays the read stamp of "
+        "the token after it, so the gap before that token is recorded longer by up to the "
+        "stall (ITL tail and maximum pessimistic) and the gap after it shorter (low ITL "
+        "percentiles optimistic); TTFT is recorded longer when its first token's read is "
+        "late, shorter when the request's arrival stamp is. An ITL spike at the time of a "
+        "GC pause is the sidecar's own." + see(STAMPS, STAMPS_LATE),
+        "s",
+        targets(
+            *lag_quantiles,
+            (
+                "histogram_quantile(1, sum by (le, instance) (rate("
+                f"sidecar_gc_pause_seconds_bucket{{{TARGET}}}[{RATE}])))",
+                "{{instance}} longest GC pause",
+            ),
+            (
+                f'min(sidecar_slo_threshold_seconds{{metric="tpot", {TARGET}}})',
+                "strictest TPOT SLO",
+            ),
+        ),
+        thresholds=[(0.01, "orange")],
+        w=24,
+    )
+
+
 def health_dashboard() -> dict[str, Any]:
     lost = "docs/runbooks.md (the alert of the same name) says what to do."
     panels = [
@@ -1406,6 +1455,7 @@ def health_dashboard() -> dict[str, Any]:
             ),
             w=8,
         ),
+        stamps_late_panel(),
         row("Records lost on the way out"),
         timeseries(
             "Sink errors",
@@ -1475,8 +1525,9 @@ def health_dashboard() -> dict[str, Any]:
     return dashboard(
         "vllm-sidecar-health",
         "vLLM sidecar / Sidecar health",
-        "The sidecar's own health: CPU, memory and worker load, and every record "
-        "lost between the relay and the sinks.",
+        "The sidecar's own health: CPU, memory and worker load, how late its stamps may "
+        "be (event-loop lag, GC pauses), and every record lost between the relay and the "
+        "sinks.",
         panels,
         variables_except("model", "replica", "slo_class"),
     )

@@ -296,6 +296,8 @@ def test_the_sidecars_own_health_has_panels() -> None:
         "process_cpu_seconds_total",
         "process_resident_memory_bytes",
         "sidecar_slo_excluded_requests_total",
+        "sidecar_loop_lag_seconds_bucket",
+        "sidecar_gc_pause_seconds_bucket",
     ):
         assert metric in queried, metric
 
