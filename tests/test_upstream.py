@@ -199,3 +199,65 @@ async def test_head_requests_pass_through_without_waiting_for_a_body() -> None:
     assert first.startswith(b"HTTP/1.1 200 ") and b"Content-Length: 1234" in first
     assert rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b"\r\n\r\n")
     assert all(r.outcome is Outcome.OK for r in records)
+
+
+async def test_a_read_held_for_an_exchange_that_ended_meanwhile_is_refused() -> None:
+    """Reads are stamped on arrival and fed after the loop's turn (ArrivalBatch). A read held
+    for an exchange whose connection went back to the pool and took a new request before the
+    turn's work: bytes after a response, so the connection is dropped, never fed to the new
+    exchange's parser (which would read them as the new answer)."""
+    from sidecar.proxy.upstream import UpstreamError, UpstreamPool
+
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(sse_response())
+        return True
+
+    async with RawUpstream(answer) as url:
+        port = int(url.rsplit(":", 1)[1])
+        pool = UpstreamPool()
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
+        first = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        await first.response()
+        assert await first.read_body(1 << 20) == SSE
+        pool.release(first)
+        connection = first.connection
+        arrivals = connection.arrivals
+        assert arrivals is not None
+        arrivals.add(first, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", 0)  # held
+        second = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        assert second.reused and second.connection is connection
+        arrivals.run()  # the turn's work: the held read is not the second exchange's
+        with pytest.raises(UpstreamError) as failure:
+            await second.response()
+        assert failure.value.kind == "disconnected" and failure.value.before_response
+        pool.close_exchange(second)
+
+
+async def test_a_read_held_for_a_connection_aborted_meanwhile_is_dropped() -> None:
+    """The client left (or a timeout fired) and the upstream connection was aborted before the
+    turn's work reached a read that had arrived for it: nothing more is read from it."""
+    from sidecar.proxy.upstream import UpstreamPool
+
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        return True  # the body never comes
+
+    async with RawUpstream(answer) as url:
+        port = int(url.rsplit(":", 1)[1])
+        pool = UpstreamPool()
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
+        exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        await exchange.response()
+        fed: list[bytes] = []
+        exchange.stream_body(lambda data, _at: fed.append(data))
+        arrivals = exchange.connection.arrivals
+        assert arrivals is not None
+        chunk = b"%x\r\n%s\r\n" % (len(SSE), SSE)
+        arrivals.add(exchange, chunk, 0)  # arrived, not yet worked on
+        exchange.connection.abort()  # then the relay let the connection go
+        arrivals.run()
+        assert fed == []
+        pool.close_exchange(exchange)

@@ -19,10 +19,11 @@ for any body the replica refused after a rewrite; the client reads vLLM's answer
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
+
+from sidecar.protocol import jsonbody
 
 _UNSET = msgspec.UNSET
 
@@ -60,6 +61,6 @@ def read_whole(raw: bytes) -> Any:
     """``raw`` decoded whole by Python's ``json`` (None when it is not JSON): for the paths that
     need the prompt (capture, prefix routing, assembling, editing stream_options)."""
     try:
-        return json.loads(raw)
+        return jsonbody.loads(raw)
     except (ValueError, RecursionError):
         return None

@@ -15,11 +15,11 @@ a bool field takes ``true``, ``1``, ``"yes"``...; anything else is an error.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sidecar.protocol import jsonbody
 from sidecar.sim.tokenizer import ChatMessage
 
 if TYPE_CHECKING:
@@ -116,7 +116,9 @@ def _issue(kind: str, loc: tuple[Any, ...], msg: str, value: Any) -> dict[str, A
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """Decode a request body that must be a JSON object."""
     try:
-        body = json.loads(raw)
+        # As json.loads, ~6x faster on a long prompt: this runs on the replica's loop, before
+        # it can stamp another request's arrival (protocol/jsonbody.py).
+        body = jsonbody.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         position = getattr(exc, "pos", 0)
         reason = getattr(exc, "msg", str(exc))
