@@ -245,7 +245,11 @@ async def test_a_client_that_leaves_during_a_pipelined_request_is_noticed_at_onc
             + request_bytes("second", extra="X-Sim-Fault: slow_headers_ms=5000\r\n")
         )
         await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n"), 10)
-        await asyncio.sleep(0.2)  # the second request is with the replica now
+        replicas = s.server.proxy.router.replicas
+        await until(
+            lambda: sum(r.requests_total for r in replicas) == 2,
+            what="the second request sent to the replica",
+        )
         await close(writer)
         first, second = await asyncio.wait_for(settle(s.server, s.records, 2, s.replicas), 3.0)
     assert first.request_id == "first" and first.outcome is Outcome.OK
