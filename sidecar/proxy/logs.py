@@ -15,10 +15,9 @@ import logging
 import logging.handlers
 import queue
 import sys
-import threading
 from typing import TextIO
 
-QUEUE_RECORDS = 10_000  # ~1-2 MiB of pending lines at the most
+QUEUE_RECORDS = 10_000  # log lines waiting at the most
 CLOSE_WAIT_S = 5.0
 
 
@@ -94,18 +93,13 @@ class QueuedLogging:
         self.handler = handler
         self._writer = writer
         self._logger = logger
-        self._lock = threading.Lock()
-        self._closed = False
 
     @property
     def dropped(self) -> int:
         return self.handler.dropped
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        """Idempotent: the handler is removed, the writer stopped (once)."""
         self._logger.removeHandler(self.handler)
         self._writer.stop()  # writes what is queued, then joins the thread
 

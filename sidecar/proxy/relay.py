@@ -768,8 +768,8 @@ class Proxy:
         slo_class = self._slo_class(request, builder.model)
         if slo_class is not None:
             builder.attributes["slo_class"] = slo_class
-        if self._hasher is not None and isinstance(parsed, dict):
-            whole = whole if whole is not None else read_whole(body)
+        if self._hasher is not None and isinstance(parsed, dict) and whole is None:
+            whole = read_whole(body)  # the capture's prefix hashes need the prompt
         if self._hasher is not None and isinstance(whole, dict):
             session = request.headers.get(config.session_header)
             if session is None and isinstance(parsed.get("user"), str):

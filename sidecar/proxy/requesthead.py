@@ -3,9 +3,9 @@
 The proxy needs a handful of members of a request body (model, stream, stream_options, the
 token limits, user, tool_choice, use_beam_search) before it can route and rewrite it, but not
 the prompt, which is nearly all of the bytes. ``json.loads`` builds every string of a 580 KB
-chat body (~400 µs on this host) on the proxy's event loop, and every stream waiting on that loop
-has the wait written into its server-side stamps. msgspec decoding into a struct of those
-members skips the rest without building it (~140 µs for the same body; 0.4 µs instead of 2.9
+chat body (894 µs on this host) on the proxy's event loop, and every stream waiting on that
+loop has the wait written into its server-side stamps. msgspec decoding into a struct of those
+members skips the rest without building it (138 µs for the same body; 0.9 µs instead of 3.0
 for a 200-byte one: `benchmarks/hot_paths.py`).
 
 What the proxy reads is kept exactly as before: whatever msgspec refuses and Python's ``json``

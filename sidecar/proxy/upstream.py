@@ -59,10 +59,11 @@ class ArrivalBatch:
 
     Why: the loop reads the ready sockets one after another, and a read's stamp is the server
     vantage's instant of its tokens. Handled in its own callback, each read waits for all the
-    work on the reads before it (parse, count, write to the client: ~30-50 µs each), so when
-    vLLM ends an engine step and 128 streams get a token at once, the last one was stamped
-    128 x 40 µs = ~5 ms late (benchmarks/proxy_accuracy.py). Stamped in the callback and worked
-    on after the turn's reads, each waits only for the reads before it (a recv each: ~5 µs).
+    work on the reads before it (parse, count, write to the client: ~50 µs of CPU per event at
+    128 streams), so when vLLM ends an engine step and many streams get a token at once, the
+    last ones were stamped milliseconds late (benchmarks/proxy_accuracy.py: p90 1.6-1.7 ms at
+    128 streams). Stamped in the callback and worked on after the turn's reads, each waits only
+    for the reads before it (a recv each): p90 1.0-1.1 ms (benchmarks/RESULTS.md).
     Both asyncio's loop and uvloop run the I/O callbacks of one poll before any callback
     scheduled by them (`call_soon`), so one scheduled `run` per turn sees the turn's reads, in
     the order they were read. The cost: a tuple and an append per read, a `call_soon` per turn.
@@ -112,7 +113,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_write_ready",
     )
 
-    def __init__(self, key: tuple[str, int, bool], arrivals: ArrivalBatch | None = None) -> None:
+    def __init__(self, key: tuple[str, int, bool], arrivals: ArrivalBatch) -> None:
         # Made on the loop (UpstreamPool._connect). Kept: each get_running_loop() is a getpid()
         # syscall on CPython 3.11, and a pooled connection serves many requests.
         self.loop = asyncio.get_running_loop()
@@ -137,10 +138,7 @@ class UpstreamConnection(asyncio.Protocol):
             # Bytes nobody asked for (a pooled connection): the connection cannot be trusted.
             self.abort()
             return
-        if self.arrivals is not None:
-            self.arrivals.add(exchange, data, clock.monotonic_ns())
-        else:
-            exchange.feed(data, clock.monotonic_ns())
+        self.arrivals.add(exchange, data, clock.monotonic_ns())
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
