@@ -431,6 +431,8 @@ DIFFS = (
     "first",
     "last",
     "upload",
+    "up_leg",
+    "down_leg",
     "sidecar_ttft",
     "sidecar_e2e",
 )
@@ -503,6 +505,12 @@ def join(
             row["send"] = arrive - req.start_ns
             row["first"] = req.first_ns - (arrive + c_ttft)
             row["last"] = req.last_ns - (arrive + c_e2e)
+            # The two legs of server_ttft_upload, on one clock: the request's way to the
+            # replica (t_up_send to the simulator's first byte) and the first token's way back
+            # (the simulator's write to the proxy's read stamp).
+            server = rec.server
+            row["up_leg"] = gt.get("first_byte_ns", gt["received_ns"]) - (arrive + server.start_ns)
+            row["down_leg"] = arrive + server.offsets_ns[0] - tok[0]
         for key in DIFFS:
             if key in row:
                 diffs[key].append(row[key])
@@ -950,15 +958,30 @@ def report(
     add(
         "Where tool − sidecar comes from (ms, median / p90): send = t_arrive − tool start; "
         "first / last = tool stamp − proxy write of the first / last token event; upload = "
-        "t_read − t_arrive (inside the sidecar's client vantage); sidecar TTFT / E2E for scale."
+        "t_read − t_arrive (inside the sidecar's client vantage); up / down = the two legs of "
+        "the server vantage's TTFT difference from the first byte (t_up_send → the simulator's "
+        "first byte; the simulator's first token write → the proxy's read stamp); sidecar "
+        "TTFT / E2E for scale."
     )
     add("")
-    add("| tool | workload | send | first | last | upload | sidecar TTFT | sidecar E2E |")
-    add("|---|---|---:|---:|---:|---:|---:|---:|")
+    add(
+        "| tool | workload | send | first | last | upload | up | down | sidecar TTFT | "
+        "sidecar E2E |"
+    )
+    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for res in results:
         st = res["stats"]
         cells = []
-        for key in ("send", "first", "last", "upload", "sidecar_ttft", "sidecar_e2e"):
+        for key in (
+            "send",
+            "first",
+            "last",
+            "upload",
+            "up_leg",
+            "down_leg",
+            "sidecar_ttft",
+            "sidecar_e2e",
+        ):
             s = st[key]
             cells.append(f"{s['p50']:.3f} / {s['p90']:.3f}" if s.get("n") else "–")
         add(f"| {TOOL_LABELS[res['tool']]} | {res['workload']} | " + " | ".join(cells) + " |")

@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po  # noqa: E402  (the shared client and process helpers)
 
 from sidecar import clock as sidecar_clock  # noqa: E402
+from sidecar.proxy.recordwire import decode_record, encode_record  # noqa: E402
 from sidecar.record import RequestRecord  # noqa: E402
 
 ANCHORS: dict[int, int] = {}  # wall_ns -> mono_ns of every anchor the proxy read
@@ -78,15 +79,26 @@ def _recording_anchor() -> sidecar_clock.Anchor:
 
 
 class KeepSink:
-    """Keeps every record (the proxy calls on_record on its loop, once per request)."""
+    """Keeps every record (the proxy calls on_record on its loop, once per request), encoded as
+    a worker encodes it for its collector (`recordwire`), and decodes them when asked.
+
+    Why encoded: a worker does not keep its records, it ships them. Kept as objects in the
+    proxy's process, thousands of records made every generation-2 collection scan them
+    (67-96 ms pauses at 128 streams, in every run's window), a stall this harness made and
+    no deployed worker has; bytes are not tracked by the collector."""
 
     name = "accuracy-bench"
 
     def __init__(self) -> None:
-        self.records: dict[str, RequestRecord] = {}
+        self._encoded: list[bytes] = []
 
     def on_record(self, record: RequestRecord) -> None:
-        self.records[record.request_id] = record
+        self._encoded.append(encode_record(record))
+
+    @property
+    def records(self) -> dict[str, RequestRecord]:
+        decoded = (decode_record(data) for data in self._encoded)
+        return {record.request_id: record for record in decoded}
 
 
 class GCWatch:
@@ -241,6 +253,7 @@ async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) 
                 "listen": f"{po.HOST}:0",
                 "metrics_listen": f"{po.HOST}:0",
                 "health_interval": "0",
+                "server_stamps": args.server_stamps,
             },
             environ={},
         )
@@ -392,7 +405,8 @@ async def amain(args: argparse.Namespace) -> int:
     print(f"# {po.machine_line()}", flush=True)
     where = "simulator + client core 0, proxy (this process) core 1" if pin else "off"
     print(
-        f"# pinning: {where}; autogroup nice {args.nice}; ground truth and "
+        f"# pinning: {where}; autogroup nice {args.nice}; server stamps: {args.server_stamps}; "
+        "ground truth and "
         f"raw client output in {workdir}",
         flush=True,
     )
@@ -456,6 +470,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="autogroup nice of every benchmark process, each in a session of "
         "its own (negative needs root) [0: leave scheduling alone]",
+    )
+    parser.add_argument(
+        "--server-stamps",
+        choices=("kernel", "read"),
+        default="kernel",
+        help="the proxy's --server-stamps: kernel receive timestamps or read instants [kernel]",
     )
     parser.add_argument("--json-out", help="write the results as JSON here")
     parser.add_argument(

@@ -22,6 +22,7 @@ from sidecar.config import (
     flag_settings,
     load_config_file,
 )
+from sidecar.proxy import rxstamp
 from sidecar.proxy.logs import install as install_logging
 from sidecar.serve import RunningProxy, ServeError, check_capture_dir, serve
 
@@ -194,6 +195,18 @@ def _print_listening(config: ProxyConfig, proxy: RunningProxy) -> None:
         f"measuring: {slos}; {capture_text}; {processes}; live window {config.window_s:g} s",
         flush=True,
     )
+    print(f"server-side stamps: {server_stamps_text(config)}", flush=True)
+
+
+def server_stamps_text(config: ProxyConfig) -> str:
+    """Where the server vantage's instants come from, in this process (docs/metrics.md)."""
+    if config.server_stamps == "read":
+        return "when the proxy reads them (--server-stamps read)"
+    if not rxstamp.SUPPORTED:
+        return "when the proxy reads them (no kernel receive timestamps on this platform)"
+    tls = [url for url in config.upstreams if url.startswith("https://")]
+    text = "the kernel's receive timestamps (SO_TIMESTAMPNS)"
+    return f"{text}; when read for the TLS upstreams {', '.join(tls)}" if tls else text
 
 
 def build_parser() -> argparse.ArgumentParser:

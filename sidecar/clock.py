@@ -24,3 +24,10 @@ class Anchor(NamedTuple):
 
 def anchor() -> Anchor:
     return Anchor(time.time_ns(), time.perf_counter_ns())
+
+
+def from_realtime_ns(realtime_ns: int, now_mono_ns: int) -> int:
+    """A CLOCK_REALTIME instant (a kernel receive timestamp) on the monotonic clock, by the
+    offset between the two clocks now; ``now_mono_ns`` was read just before. Exact up to the
+    calendar clock's slewing since the instant (<= 0.5 µs per ms under NTP)."""
+    return realtime_ns - (time.time_ns() - now_mono_ns)

@@ -180,10 +180,10 @@ def _to_int(name: str, value: Any) -> int:
         raise ConfigError(f"{name}: not an integer: {value!r}") from None
 
 
-def _to_histogram_layout(name: str, value: Any) -> str:
+def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> str:
     text = str(value).strip().lower()
-    if text not in HISTOGRAM_LAYOUTS:
-        raise ConfigError(f"{name} must be one of {', '.join(HISTOGRAM_LAYOUTS)}: {value!r}")
+    if text not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}: {value!r}")
     return text
 
 
@@ -210,7 +210,12 @@ INT = Kind(_to_int, flag_type=int)
 STRING = Kind(lambda name, value: str(value))
 UPSTREAMS = Kind(_to_upstreams, repeated=True)
 ROUTE_POLICY = Kind(_to_route_policy, choices=tuple(p.value for p in RoutePolicy))
-HISTOGRAM_LAYOUT = Kind(_to_histogram_layout, choices=HISTOGRAM_LAYOUTS)
+HISTOGRAM_LAYOUT = Kind(
+    lambda name, value: _one_of(name, value, HISTOGRAM_LAYOUTS), choices=HISTOGRAM_LAYOUTS
+)
+SERVER_STAMPS = Kind(
+    lambda name, value: _one_of(name, value, ("kernel", "read")), choices=("kernel", "read")
+)
 OTEL_ENDPOINT = Kind(lambda name, value: normalise_otel_endpoint(str(value)))
 # The kind of a setting that names none, by its annotation. Every float setting of the proxy is
 # a duration (given with a unit, held in seconds): a float that is not one declares its kind.
@@ -381,6 +386,14 @@ class ProxyConfig:
         False,
         help="stream from the upstream for non-streaming clients, so the server side gets "
         "TTFT/ITL; the client still gets one JSON body",
+    )
+    # Where the server vantage's instants come from (proxy/rxstamp.py).
+    server_stamps: str = setting(
+        "kernel",
+        kind=SERVER_STAMPS,
+        help="server-side instants from the kernel's receive timestamps on the upstream socket "
+        "(kernel: independent of the proxy's load; plain-TCP upstreams on Linux) or from when "
+        "the proxy read them (read) [kernel]",
     )
     # Other replicas to try when connecting fails (before any byte).
     retry_connect: int = setting(

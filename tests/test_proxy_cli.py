@@ -173,6 +173,8 @@ def test_the_start_up_lines_name_slos_capture_and_workers_and_sigterm_says_what_
             "measuring: no SLO (no goodput); capture off; one process "
             "(--workers 0); live window 60 s"
         )
+        stamps = read_url(proxy, r"^(server-side stamps: .*)$")
+        assert stamps == "server-side stamps: the kernel's receive timestamps (SO_TIMESTAMPNS)"
         proxy.send_signal(signal.SIGTERM)
         assert proxy.wait(timeout=15) == 0
 

@@ -170,7 +170,7 @@ class Proxy:
         )
         # The data path's own HTTP/1.1 client (upstream.py); health checks and engine scrapes
         # are not on the hot path and keep aiohttp's.
-        self.pool = UpstreamPool()
+        self.pool = UpstreamPool(kernel_stamps=config.server_stamps == "kernel")
         # Each replica's (host, port, Host header, path prefix, TLS), parsed once.
         self._addresses = {r.index: _address(r.url) for r in self.router.replicas}
         # The system_fingerprint each replica sent last (one entry per configured replica):

@@ -5,8 +5,11 @@ Why not aiohttp's client here: its body arrives through a StreamReader, so every
 wakes the handler's task and goes through a coroutine per chunk. Here the body of a streamed
 response is handed to a callback from ``data_received`` itself, stamped once per read, so that
 the relay can parse, measure and write to the client in that same callback: no task switch per
-chunk. HTTP framing (status line, headers, chunked decoding, content length) is llhttp's, through
-httptools, never hand-written; de-chunked pieces of one read are delivered joined, as one read.
+chunk. A plain-TCP connection reads through `rxstamp.StampedTransport`, so each read's instant
+is the kernel's receive timestamp (`data_received_at`); a TLS one through uvloop's transport,
+stamped when read (`data_received`, batched per loop turn by `ArrivalBatch`). HTTP framing
+(status line, headers, chunked decoding, content length) is llhttp's, through httptools, never
+hand-written; de-chunked pieces of one read are delivered joined, as one read.
 
 An `UpstreamExchange` is one request on one connection. The caller awaits its response head,
 then either `read_body` (whole bodies) or `stream_body` (a callback per read, completion as a
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from collections.abc import Callable
 from typing import Any, cast
@@ -26,6 +30,7 @@ import httptools
 from multidict import CIMultiDict
 
 from sidecar import clock
+from sidecar.proxy import rxstamp
 
 BodySink = Callable[[bytes, int], None]
 
@@ -54,7 +59,8 @@ class UpstreamError(Exception):
 
 
 class ArrivalBatch:
-    """Upstream reads stamped when they arrive, handed to their exchanges once every socket that
+    """(Connections without kernel receive stamps: TLS, ``--server-stamps read``.)
+    Upstream reads stamped when they arrive, handed to their exchanges once every socket that
     was ready in this turn of the loop has been read and stamped.
 
     Why: the loop reads the ready sockets one after another, and a read's stamp is the server
@@ -139,6 +145,15 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
             return
         self.arrivals.add(exchange, data, clock.monotonic_ns())
+
+    def data_received_at(self, data: bytes, at_ns: int) -> None:
+        """A read from `rxstamp.StampedTransport`, stamped by the kernel when it arrived:
+        worked on at once, as the stamp no longer depends on when the loop gets to it."""
+        exchange = self.exchange
+        if exchange is None:
+            self.abort()
+            return
+        exchange.feed(data, at_ns)
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
@@ -459,13 +474,20 @@ class UpstreamPool:
     """Keep-alive connections per replica address; a connection is reused only after it
     finished a response cleanly."""
 
-    def __init__(self, keepalive_s: float = _KEEPALIVE_S, max_idle_per_host: int = 1024) -> None:
+    def __init__(
+        self,
+        keepalive_s: float = _KEEPALIVE_S,
+        max_idle_per_host: int = 1024,
+        kernel_stamps: bool = True,
+    ) -> None:
         self.keepalive_s = keepalive_s
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
         self._all: set[UpstreamConnection] = set()
         self._ssl: ssl.SSLContext | None = None
         self._arrivals: ArrivalBatch | None = None  # the loop's, made at the first connection
+        self._read_buffer: rxstamp.ReadBuffer | None = None  # likewise, for stamped transports
+        self.kernel_stamps = kernel_stamps and rxstamp.SUPPORTED
 
     async def exchange(
         self,
@@ -536,6 +558,15 @@ class UpstreamPool:
                     ),
                     connect_timeout or None,
                 )
+            elif self.kernel_stamps:
+                if self._read_buffer is None:
+                    self._read_buffer = rxstamp.ReadBuffer()
+                opened = await asyncio.wait_for(
+                    rxstamp.open_stamped(loop, key[0], key[1], connection, self._read_buffer),
+                    connect_timeout or None,
+                )
+                if isinstance(opened, socket.socket):  # the kernel gives no stamps on it
+                    await loop.create_connection(lambda: connection, sock=opened)
             else:
                 await asyncio.wait_for(
                     loop.create_connection(lambda: connection, key[0], key[1]),

@@ -1,0 +1,284 @@
+"""Upstream reads stamped by the kernel: the instant a read's bytes reached the socket.
+
+The server vantage's instants are "on the upstream socket" (docs/metrics.md). Stamped when the
+proxy's code gets to a read, they also carry everything that kept the proxy from getting to it:
+the host waking an idle core (on the reference VM a loopback message after 20 ms of quiet takes
+~120 µs to reach the reader, after 0.5 ms ~40 µs), the loop finishing other streams' work, a
+garbage collection (67-96 ms at 128 streams in benchmarks/proxy_accuracy.py). The kernel already
+knows the instant: with ``SO_TIMESTAMPNS`` on a TCP socket, ``recvmsg`` returns with each read the
+software receive timestamp of the last segment it consumed, taken where the packet entered the
+host's network stack (for loopback, inside the sender's ``send``). That instant is what this
+transport hands on with the bytes.
+
+uvloop's transports read in C and give no access to ancillary data, so plain-TCP upstream
+connections get this small transport over the loop's reader and writer callbacks instead:
+``recvmsg_into`` a buffer shared by the loop (no allocation per read beyond the bytes handed
+on), one copy out, and the stamp converted to the monotonic clock (`clock.from_realtime_ns`).
+Measured against uvloop's own TCP transport reading the same stream (benchmarks/RESULTS.md): a
+few µs of CPU more per read, in exchange for stamps that no longer depend on the proxy's load.
+
+Limits, stated: when one read takes several segments (the proxy fell behind), all of them get
+the last one's instant, which is still no later than the read; a stamp is never later than the
+read nor earlier than the connection's previous stamp. TLS upstreams stay on uvloop's
+transport, stamped at the read (`UpstreamConnection` then batches reads per loop turn). Where
+the option cannot be set (not Linux, or a kernel that refuses it), reads are stamped when read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import socket
+import struct
+import sys
+from typing import Any, Protocol
+
+from sidecar import clock
+
+# SO_TIMESTAMPNS (== SCM_TIMESTAMPNS) in asm-generic/socket.h, which x86-64, arm64 and riscv64
+# use; other architectures number socket options differently, so they are not guessed at.
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+SUPPORTED = sys.platform == "linux" and platform.machine() in {"x86_64", "aarch64", "riscv64"}
+_TIMESPEC = struct.Struct("@qq")  # struct timespec on a 64-bit Linux: tv_sec, tv_nsec
+_ANCILLARY_SIZE = socket.CMSG_SPACE(_TIMESPEC.size) if SUPPORTED else 0
+_READ_SIZE = 256 * 1024  # uvloop's read size
+_WRITE_HIGH = 64 * 1024  # pause the protocol's writing above this many buffered bytes
+_WRITE_LOW = 16 * 1024
+
+
+class StampedProtocol(Protocol):
+    """What `StampedTransport` calls: asyncio.Protocol's callbacks, with the read's instant."""
+
+    def connection_made(self, transport: Any) -> None: ...
+
+    def data_received_at(self, data: bytes, at_ns: int) -> None: ...
+
+    def connection_lost(self, exc: Exception | None) -> None: ...
+
+    def pause_writing(self) -> None: ...
+
+    def resume_writing(self) -> None: ...
+
+
+def enable(sock: socket.socket) -> bool:
+    """Ask the kernel for receive timestamps on ``sock``; False where it cannot be done."""
+    if not SUPPORTED:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+    except OSError:
+        return False
+    return True
+
+
+class ReadBuffer:
+    """One receive buffer per loop: reads are handled one at a time, each copied out."""
+
+    __slots__ = ("buffers", "view")
+
+    def __init__(self) -> None:
+        self.view = memoryview(bytearray(_READ_SIZE))
+        self.buffers = [self.view]
+
+
+class StampedTransport:
+    """A TCP transport (the part of asyncio.Transport the upstream client uses) whose reads
+    carry the kernel's receive instant. Made by `open_stamped`, reading at once."""
+
+    __slots__ = (
+        "_loop",
+        "_sock",
+        "_fd",
+        "_protocol",
+        "_read",
+        "_out",
+        "_reading",
+        "_writing",
+        "_write_paused",
+        "_closing",
+        "_closed",
+        "_last_ns",
+        "_extra",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        protocol: StampedProtocol,
+        read_buffer: ReadBuffer,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._protocol = protocol
+        self._read = read_buffer
+        self._out = bytearray()
+        self._reading = False
+        self._writing = False
+        self._write_paused = False
+        self._closing = False
+        self._closed = False
+        self._last_ns = 0
+        self._extra = {
+            "socket": sock,
+            "peername": sock.getpeername(),
+            "sockname": sock.getsockname(),
+        }
+        protocol.connection_made(self)
+        self.resume_reading()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        read = self._read
+        try:
+            size, ancillary, _flags, _address = self._sock.recvmsg_into(
+                read.buffers, _ANCILLARY_SIZE
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail(exc)
+            return
+        now_ns = clock.monotonic_ns()
+        if not size:
+            self.close()  # the upstream's orderly end: connection_lost(None) follows
+            return
+        at_ns = now_ns
+        for _level, kind, payload in ancillary:
+            if kind == _SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
+                seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
+                at_ns = clock.from_realtime_ns(seconds * 1_000_000_000 + nanoseconds, now_ns)
+                # Never after the read, never before the connection's previous stamp (a step
+                # of the calendar clock between the two readings would otherwise show).
+                if at_ns > now_ns:
+                    at_ns = now_ns
+                if at_ns < self._last_ns:
+                    at_ns = self._last_ns
+        self._last_ns = at_ns
+        self._protocol.data_received_at(read.view[:size].tobytes(), at_ns)
+
+    def pause_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    def resume_reading(self) -> None:
+        if not self._reading and not self._closing:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if not self._out:
+            try:
+                sent = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._fail(exc)
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
+        self._out += data
+        if not self._writing:
+            self._writing = True
+            self._loop.add_writer(self._fd, self._on_writable)
+        if not self._write_paused and len(self._out) > _WRITE_HIGH:
+            self._write_paused = True
+            self._protocol.pause_writing()
+
+    def _on_writable(self) -> None:
+        try:
+            sent = self._sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail(exc)
+            return
+        del self._out[:sent]
+        if self._write_paused and len(self._out) <= _WRITE_LOW:
+            self._write_paused = False
+            self._protocol.resume_writing()
+        if not self._out:
+            self._writing = False
+            self._loop.remove_writer(self._fd)
+            if self._closing:
+                self._finish(None)
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        """Stop reading; end the connection once what was written has left."""
+        if self._closing:
+            return
+        self._closing = True
+        self.pause_reading()
+        if not self._out:
+            self._finish(None)
+
+    def abort(self) -> None:
+        """End the connection now, unsent bytes dropped."""
+        self._closing = True
+        self._finish(None)
+
+    def _fail(self, exc: Exception) -> None:
+        self._closing = True
+        self._finish(exc)
+
+    def _finish(self, exc: Exception | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._out.clear()
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+        if self._writing:
+            self._writing = False
+            self._loop.remove_writer(self._fd)
+        self._sock.close()
+        # Later, as asyncio's transports do: the protocol may be inside a call of its own.
+        self._loop.call_soon(self._protocol.connection_lost, exc)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._extra.get(name, default)
+
+
+async def open_stamped(
+    loop: asyncio.AbstractEventLoop,
+    host: str,
+    port: int,
+    protocol: StampedProtocol,
+    read_buffer: ReadBuffer,
+) -> StampedTransport | socket.socket:
+    """Connect to ``host:port`` (each address in turn, as `loop.create_connection` does). A
+    `StampedTransport` when the kernel gives receive timestamps on the socket, else the
+    connected socket, for the caller to hand to uvloop. `OSError` when no address answered."""
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    error: OSError | None = None
+    for family, kind, proto, _name, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not enable(sock):
+            return sock
+        return StampedTransport(loop, sock, protocol, read_buffer)
+    raise error or OSError(f"no address for {host}:{port}")

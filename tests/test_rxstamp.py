@@ -1,0 +1,290 @@
+"""Upstream reads stamped by the kernel (sidecar/proxy/rxstamp.py), on real sockets.
+
+The point of the kernel's receive timestamp is that a read's instant no longer depends on when
+the proxy's loop got to it. Each test that shows it keeps the loop busy (a CPU spin, no syscall)
+after the peer wrote, and checks the stamp against the instant of the write, not of the read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from itertools import pairwise
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sidecar import clock
+from sidecar.config import build_config
+from sidecar.proxy import rxstamp
+from sidecar.record import Outcome
+from sidecar.serve import build_proxy_server
+
+pytestmark = pytest.mark.skipif(not rxstamp.SUPPORTED, reason="kernel receive stamps: Linux")
+
+SPIN_NS = 60_000_000  # long enough to tell a read stamp from an arrival stamp under any load
+
+
+def spin(duration_ns: int) -> None:
+    """Keep the loop (and this thread) busy without a syscall: what a long callback or a
+    garbage collection does to every stream on the loop."""
+    end = clock.monotonic_ns() + duration_ns
+    while clock.monotonic_ns() < end:
+        pass
+
+
+class Reader:
+    """A StampedProtocol that keeps what it gets."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.reads: list[tuple[bytes, int, int]] = []  # data, stamp, instant of the callback
+        self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+        self.got = asyncio.Event()
+        self.pauses = 0
+        self.resumes = 0
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received_at(self, data: bytes, at_ns: int) -> None:
+        self.reads.append((data, at_ns, clock.monotonic_ns()))
+        self.got.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost.set_result(exc)
+
+    def pause_writing(self) -> None:
+        self.pauses += 1
+
+    def resume_writing(self) -> None:
+        self.resumes += 1
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(d for d, _, _ in self.reads)
+
+    async def wait_for(self, size: int) -> None:
+        while len(self.data) < size:
+            self.got.clear()
+            await asyncio.wait_for(self.got.wait(), 5)
+
+
+@asynccontextmanager
+async def connected() -> AsyncIterator[tuple[Reader, rxstamp.StampedTransport, socket.socket]]:
+    """A StampedTransport to a plain socket this test drives (blocking calls kept off the loop
+    by writing only what the kernel buffers at once)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+    reader = Reader()
+    accept = asyncio.ensure_future(loop.sock_accept(listener))
+    opened = await rxstamp.open_stamped(
+        loop, "127.0.0.1", listener.getsockname()[1], reader, rxstamp.ReadBuffer()
+    )
+    assert isinstance(opened, rxstamp.StampedTransport)
+    peer, _ = await accept
+    peer.setblocking(False)
+    try:
+        yield reader, opened, peer
+    finally:
+        opened.abort()
+        peer.close()
+        listener.close()
+
+
+async def test_a_read_is_stamped_when_it_arrived_not_when_the_busy_loop_read_it() -> None:
+    async with connected() as (reader, _transport, peer):
+        peer.send(b"first")
+        await reader.wait_for(5)
+        peer.send(b"second")
+        sent_ns = clock.monotonic_ns()
+        spin(SPIN_NS)
+        await reader.wait_for(11)
+    (_, first_at, first_read), (data, at_ns, read_ns) = reader.reads
+    assert data == b"second"
+    assert first_at <= first_read
+    # Read after the spin, stamped at its arrival (right after the send, before the spin).
+    assert read_ns - sent_ns >= SPIN_NS
+    assert at_ns <= read_ns and at_ns - sent_ns < SPIN_NS // 3
+
+
+async def test_writes_past_what_the_socket_takes_pause_the_writer_and_arrive_whole() -> None:
+    payload = bytes(range(256)) * 64 * 1024  # 16 MiB: far past the socket buffers
+    async with connected() as (reader, transport, peer):
+        transport.write(payload)
+        assert reader.pauses == 1 and reader.resumes == 0  # the rest waits in the transport
+        loop = asyncio.get_running_loop()
+        got = bytearray()
+        while len(got) < len(payload):
+            got += await loop.sock_recv(peer, 1 << 20)
+        assert bytes(got) == payload
+        assert reader.resumes == 1
+
+
+async def test_pause_reading_holds_reads_until_resumed() -> None:
+    async with connected() as (reader, transport, peer):
+        transport.pause_reading()
+        peer.send(b"held")
+        await asyncio.sleep(0.05)
+        assert reader.reads == []
+        transport.resume_reading()
+        await reader.wait_for(4)
+        assert reader.data == b"held"
+
+
+async def test_the_peers_orderly_end_and_its_reset_reach_the_protocol() -> None:
+    async with connected() as (reader, _transport, peer):
+        peer.send(b"bye")
+        peer.shutdown(socket.SHUT_WR)
+        assert await asyncio.wait_for(reader.lost, 5) is None
+        assert reader.data == b"bye"
+    async with connected() as (reader, _transport, peer):
+        # SO_LINGER 0: close sends a reset (RST), as a server's kernel does for unread data.
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        peer.close()
+        assert isinstance(await asyncio.wait_for(reader.lost, 5), ConnectionResetError)
+
+
+async def test_close_sends_what_was_written_first() -> None:
+    payload = b"x" * (4 * 1024 * 1024)
+    async with connected() as (reader, transport, peer):
+        transport.write(payload)
+        transport.close()
+        assert transport.is_closing()
+        loop = asyncio.get_running_loop()
+        got = bytearray()
+        while chunk := await loop.sock_recv(peer, 1 << 20):
+            got += chunk
+        assert len(got) == len(payload)
+        assert await asyncio.wait_for(reader.lost, 5) is None
+
+
+@pytest.mark.parametrize("converted", ["future", "past"])
+async def test_a_stamp_is_never_after_its_read_nor_before_the_previous_one(
+    monkeypatch: pytest.MonkeyPatch, converted: str
+) -> None:
+    """A step of the calendar clock between the kernel's stamp and the conversion (simulated:
+    the converted instant lands a second after the read, or at 0) is clamped."""
+    async with connected() as (reader, _transport, peer):
+        peer.send(b"a")
+        await reader.wait_for(1)
+        shift = 10**9 if converted == "future" else None
+        monkeypatch.setattr(
+            clock, "from_realtime_ns", lambda real, now: now + shift if shift else 0
+        )
+        peer.send(b"b")
+        await reader.wait_for(2)
+    (_, first_at, _), (_, at_ns, read_ns) = reader.reads
+    if converted == "future":
+        assert read_ns - 50_000_000 < at_ns <= read_ns  # clamped to the read, not 1 s later
+    else:
+        assert at_ns == first_at  # clamped to the previous stamp
+
+
+def chat_chunk(content: str, tokens: int) -> bytes:
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
+        "usage": {"prompt_tokens": 3, "total_tokens": 3 + tokens, "completion_tokens": tokens},
+    }
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("server_stamps", ["kernel", "read"])
+async def test_the_server_vantage_keeps_the_arrival_while_the_proxy_was_busy(
+    server_stamps: str,
+) -> None:
+    """Through a running proxy: the replica writes a token, then the proxy's loop is held for
+    60 ms before it can read it. Server-side ITL is the gap the replica made (kernel stamps);
+    the client's side, written after the hold, shows the hold, as the client lived it. With
+    ``--server-stamps read`` the server side shows the hold too: what kernel stamps remove."""
+    written: list[int] = []
+
+    async def scripted(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(3):
+            await response.write(chat_chunk(str(i), i + 1))
+            written.append(clock.monotonic_ns())
+            if i == 1:
+                spin(SPIN_NS)  # the whole loop, the proxy's reading included, is held
+            await asyncio.sleep(0.05)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", scripted)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server, _window = build_proxy_server(
+        build_config(
+            {
+                "upstreams": [f"http://127.0.0.1:{port}"],
+                "listen": "127.0.0.1:0",
+                "metrics_listen": "127.0.0.1:0",
+                "health_interval": "0",
+                "server_stamps": server_stamps,
+            },
+            {},
+        )
+    )
+    records: list[Any] = []
+
+    class Keep:
+        name = "keep"
+
+        def on_record(self, record: Any) -> None:
+            records.append(record)
+
+    server.proxy.fanout.add(Keep())
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+            url = server.url + "/v1/chat/completions"
+            async with session.post(url, json=body) as response:
+                assert response.status == 200
+                await response.read()
+    finally:
+        await server.close()
+        await runner.cleanup()
+    (record,) = records
+    assert record.outcome is Outcome.OK and record.n_out == 3
+    truth = [b - a for a, b in pairwise(written)]
+    server_gaps = [b - a for a, b in pairwise(record.server.offsets_ns)]
+    client_gaps = [b - a for a, b in pairwise(record.client.offsets_ns)]
+    # The hold came after token 1 was written: token 1 is read late, token 2 is not.
+    assert client_gaps[0] - truth[0] >= SPIN_NS * 0.9
+    if server_stamps == "kernel":
+        assert all(abs(s - t) < SPIN_NS // 3 for s, t in zip(server_gaps, truth, strict=True))
+    else:
+        assert server_gaps[0] - truth[0] >= SPIN_NS * 0.9
+
+
+def test_the_start_line_says_where_server_stamps_come_from() -> None:
+    from sidecar.cli import server_stamps_text
+
+    def text(**values: str) -> str:
+        return server_stamps_text(build_config({"upstreams": ["http://127.0.0.1:1"], **values}, {}))
+
+    assert text() == "the kernel's receive timestamps (SO_TIMESTAMPNS)"
+    assert text(server_stamps="read") == "when the proxy reads them (--server-stamps read)"
+    mixed = server_stamps_text(
+        build_config({"upstreams": ["http://127.0.0.1:1", "https://10.0.0.1:443"]}, {})
+    )
+    assert mixed.endswith("; when read for the TLS upstreams https://10.0.0.1:443")
