@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import dataclasses
 import json
 import math
 import platform
@@ -369,7 +370,11 @@ def synthetic_workloads(requests: int, seed: int) -> dict[str, dict[str, Floats]
 # --- the simulator behind the real proxy -----------------------------------------------------
 
 
-async def sim_workload(requests: int, rate: float, seed: int) -> dict[str, Floats]:
+async def sim_workload(
+    requests: int, rate: float, seed: int, step_s: float | None = None
+) -> dict[str, Floats]:
+    """``step_s``: the simulated engine's step (None: the simulator's default; --smoke runs a
+    faster engine so that the trace's longest outputs finish in about a second)."""
     import aiohttp
 
     from sidecar import stats
@@ -389,7 +394,12 @@ async def sim_workload(requests: int, rate: float, seed: int) -> dict[str, Float
 
     rng = random.Random(seed)
     lengths = trace_lengths()
-    replicas = await start_replicas(SimConfig(model="m"), 1)
+    config = SimConfig(model="m")
+    if step_s is not None:
+        config = dataclasses.replace(
+            config, engine=dataclasses.replace(config.engine, step_floor_s=step_s)
+        )
+    replicas = await start_replicas(config, 1)
     flags = {
         "upstreams": [replicas[0].url],
         "listen": "127.0.0.1:0",
@@ -643,7 +653,10 @@ def main() -> int:
     all_layouts = layouts()
     workloads: dict[str, dict[str, Floats]] = synthetic_workloads(args.requests, args.seed)
     if not args.no_sim:
-        workloads["sim"] = asyncio.run(sim_workload(args.sim_requests, args.sim_rate, args.seed))
+        step_s = 0.002 if args.smoke else None
+        workloads["sim"] = asyncio.run(
+            sim_workload(args.sim_requests, args.sim_rate, args.seed, step_s)
+        )
     results = {
         name: errors(samples, args.shifts, all_layouts) for name, samples in workloads.items()
     }

@@ -493,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
     if args.smoke:
-        args.streams, args.step_s, args.warmup_streams = [100], 0.2, 20
+        args.streams, args.step_s, args.warmup_streams = [100], 0.1, 20
     import uvloop
 
     return uvloop.run(amain(args))

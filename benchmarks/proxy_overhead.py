@@ -2070,7 +2070,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.concurrency, args.repeats, args.max_tokens = [4], 1, 8
         args.warmup_s, args.measure_s, args.quiet_below, args.probe_s = 0.2, 0.5, 0.0, 0.0
         args.search_concurrency, args.search_start_rate = 4, 2000.0
-        args.search_bracket, args.search_bisect = 2, 0
+        args.search_bracket, args.search_bisect = 1, 0
     if args.find_max_rate:
         return run_find_max_rate(args)
     return run_overhead(args)

@@ -1,7 +1,7 @@
 """Does a scrape of a full live window disturb the streams? One process vs worker + collector.
 
     python benchmarks/scrape_isolation.py --json-out /tmp/scrape.json   # 100k records (~6 min)
-    python benchmarks/scrape_isolation.py --smoke                       # CI: 2k records
+    python benchmarks/scrape_isolation.py --smoke                       # CI: 1k records
 
 For each ``--workers`` setting (0: relay, window and admin listener on one event loop, the
 shape before data plane v2; 1: one worker process and its collector), on a 2-core host pinned
@@ -240,10 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--json-out")
-    parser.add_argument("--smoke", action="store_true", help="CI: 2k records, 2 s phases")
+    parser.add_argument("--smoke", action="store_true", help="CI: 1k records, 0.5 s phases")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.records, args.measure_s, args.streams, args.max_tokens = 2000, 2.0, 4, 16
+        args.records, args.streams, args.max_tokens = 1000, 4, 16
+        args.warmup_s, args.measure_s = 0.2, 0.5  # as proxy_overhead.py --smoke
     return asyncio.run(amain(args))
 
 

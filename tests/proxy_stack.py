@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+
+from aiohttp import web
 
 from sidecar.cli import build_proxy_server
 from sidecar.config import build_config
@@ -91,3 +93,43 @@ async def stack(
     finally:
         await server.close()
         await close_replicas([*replicas, spare])
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def scripted_upstream(path: str, handler: Handler) -> AsyncIterator[str]:
+    """A replica that answers POSTs to ``path`` with ``handler`` (bodies up to 4 MiB): its URL."""
+    app = web.Application(client_max_size=4 << 20)
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server: Any = site._server
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def proxy_to(upstream: str, **settings: Any) -> AsyncIterator[tuple[ProxyServer, Collect]]:
+    """A proxy in this process in front of one upstream (health checks off), with its
+    records collected."""
+    flags = {
+        "upstreams": [upstream],
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "health_interval": "0",
+        **settings,
+    }
+    server, _window = build_proxy_server(build_config(flags, {}))
+    records = Collect()
+    server.proxy.fanout.add(records)
+    await server.start()
+    try:
+        yield server, records
+    finally:
+        await server.close()

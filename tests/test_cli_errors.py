@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,6 +31,13 @@ def sidecar(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complet
         timeout=60,
         env=env,
     )
+
+
+def sidecars(*argvs: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """``sidecar(*argv)`` for each of ``argvs``, all at once (they must not depend on each
+    other); the results in the same order."""
+    with ThreadPoolExecutor(len(argvs)) as pool:
+        return list(pool.map(lambda argv: sidecar(*argv), argvs))
 
 
 def one_line(stderr: str) -> str:
@@ -135,38 +143,23 @@ def test_trace_import_into_a_folder_that_cannot_be_is_one_line(tmp_path: Path) -
     a_file = tmp_path / "results"
     a_file.write_text("a file, not a folder")
     output = a_file / "sub" / "out.jsonl"
-    done = sidecar(
-        "trace",
-        "import",
-        "--format",
-        "azure",
-        str(DATA / "azure_2023_sample.csv"),
-        "-o",
-        str(output),
+    made = tmp_path / "new" / "out.jsonl"
+    sample = str(DATA / "azure_2023_sample.csv")
+    # Three independent imports, side by side.
+    into_a_file, into_a_folder, done = sidecars(
+        ("trace", "import", "--format", "azure", sample, "-o", str(output)),
+        ("trace", "import", "--format", "azure", sample, "-o", str(tmp_path), "--force"),
+        ("trace", "import", "--format", "azure", sample, "-o", str(made)),
     )
-    assert done.returncode == 2
-    assert one_line(done.stderr) == (
+    assert into_a_file.returncode == 2
+    assert one_line(into_a_file.stderr) == (
         f"sidecar trace import: error: cannot write {output}: {a_file} is a file, not a folder"
     )
-    done = sidecar(
-        "trace",
-        "import",
-        "--format",
-        "azure",
-        str(DATA / "azure_2023_sample.csv"),
-        "-o",
-        str(tmp_path),
-        "--force",
-    )
-    assert done.returncode == 2
-    assert one_line(done.stderr) == (
+    assert into_a_folder.returncode == 2
+    assert one_line(into_a_folder.stderr) == (
         f"sidecar trace import: error: -o {tmp_path} is a directory: give the file to write"
     )
     # A folder that is missing is made (as before), by import and merge alike.
-    made = tmp_path / "new" / "out.jsonl"
-    done = sidecar(
-        "trace", "import", "--format", "azure", str(DATA / "azure_2023_sample.csv"), "-o", str(made)
-    )
     assert done.returncode == 0 and made.is_file(), done.stderr
     merged = tmp_path / "newer" / "merged.jsonl"
     done = sidecar("trace", "merge", str(made), "-o", str(merged))
@@ -302,45 +295,34 @@ def test_trace_import_of_a_directory_says_it_is_one(tmp_path: Path) -> None:
 def test_every_command_exits_2_on_input_errors_and_1_when_it_ran_but_failed(tmp_path: Path) -> None:
     """The convention of `sidecar --help` (trace used to exit 1 on unreadable input)."""
     missing = str(tmp_path / "absent.jsonl")
-    for argv in (
+    exists = tmp_path / "exists.jsonl"
+    exists.write_text("")
+    imported = tmp_path / "mooncake.jsonl"
+    sample = str(DATA / "mooncake_sample.jsonl")
+    input_errors = (
         ("trace", "lint", missing),
         ("trace", "stats", missing),
         ("trace", "import", "--format", "mooncake", missing, "-o", str(tmp_path / "o.jsonl")),
         ("trace", "merge", missing, "-o", str(tmp_path / "m.jsonl")),
         ("replay", missing, "--target", "http://127.0.0.1:9"),
-    ):
-        done = sidecar(*argv)
+    )
+    # The commands are independent of each other (each writes, if anything, a file of its
+    # own): they run side by side, one process each as before, and are checked one by one.
+    *missing_runs, refused, imported_run, help_run = sidecars(
+        *input_errors,
+        ("trace", "import", "--format", "mooncake", sample, "-o", str(exists)),
+        ("trace", "import", "--format", "mooncake", sample, "-o", str(imported)),
+        ("--help",),
+    )
+    for argv, done in zip(input_errors, missing_runs, strict=True):
         assert done.returncode == 2, (argv, done.stderr)
         assert "absent.jsonl" in one_line(done.stderr)
-    exists = tmp_path / "exists.jsonl"
-    exists.write_text("")
-    done = sidecar(
-        "trace",
-        "import",
-        "--format",
-        "mooncake",
-        str(DATA / "mooncake_sample.jsonl"),
-        "-o",
-        str(exists),
-    )
-    assert done.returncode == 2 and "exists (use --force to overwrite)" in done.stderr
+    assert refused.returncode == 2 and "exists (use --force to overwrite)" in refused.stderr
     # Ran, and found errors: 1 (the Mooncake sample's hash lists are too short for n_in).
-    imported = tmp_path / "mooncake.jsonl"
-    assert (
-        sidecar(
-            "trace",
-            "import",
-            "--format",
-            "mooncake",
-            str(DATA / "mooncake_sample.jsonl"),
-            "-o",
-            str(imported),
-        ).returncode
-        == 0
-    )
+    assert imported_run.returncode == 0, imported_run.stderr
     done = sidecar("trace", "lint", str(imported))
     assert done.returncode == 1 and "error: prefix-size-mismatch" in done.stdout
-    help_text = sidecar("--help").stdout
+    help_text = help_run.stdout
     assert "exit status, every command:" in help_text
     assert "2    a usage or input error" in help_text and "1    it ran but failed" in help_text
 

@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -92,19 +93,27 @@ def test_the_cli_refuses_different_experiments_unless_forced(tmp_path: Path) -> 
             timeout=60,
         )
 
-    refused = sidecar("--variable", "target")
+    # Independent runs: one process each, side by side.
+    with ThreadPoolExecutor(4) as pool:
+        refused, forced, both_variables = pool.map(
+            lambda args: sidecar(*args),
+            [
+                ("--variable", "target"),
+                ("--variable", "target", "--force"),
+                ("--variable", "target", "--variable", "rate"),
+            ],
+        )
+        missing = subprocess.run(
+            [sys.executable, "-m", "sidecar", "compare", str(a), str(tmp_path / "nope.json")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert refused.returncode == 3 and "rate: 4.0 vs 8.0" in refused.stderr
-    forced = sidecar("--variable", "target", "--force")
     assert forced.returncode == 0
     assert "WARNING: different experiments" in forced.stdout
     assert "real: better" in forced.stdout
-    assert sidecar("--variable", "target", "--variable", "rate").returncode == 0
-    missing = subprocess.run(
-        [sys.executable, "-m", "sidecar", "compare", str(a), str(tmp_path / "nope.json")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    assert both_variables.returncode == 0
     assert missing.returncode == 2 and "not a readable report" in missing.stderr
 
 
@@ -179,27 +188,36 @@ def test_a_degraded_run_is_not_called_better_or_worse_without_force(tmp_path: Pa
             timeout=60,
         )
 
-    refused = sidecar(a, b)
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps(degraded(report({**BASE, "rate": 8.0}, runs([60], [4])), late)))
+    # The six comparisons are independent: one process each, side by side.
+    calls: list[tuple[Path, Path, tuple[str, ...]]] = [
+        (a, b, ()),
+        (b, b, ()),
+        (a, b, ("--force",)),
+        (a, b, ("--force", "--json")),
+        (a, c, ()),
+        (a, a, ()),
+    ]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        refused, both, forced, forced_json, two, plain = pool.map(
+            lambda call: sidecar(call[0], call[1], *call[2]), calls
+        )
     assert refused.returncode == 3 and refused.stdout == ""
     assert refused.stderr.splitlines() == [
         f"sidecar compare: refused: B ({b}) is degraded: {late}; a run that did not offer its "
         "load is not called better or worse (--force compares anyway)"
     ]
-    both = sidecar(b, b)
     assert both.returncode == 3
     assert f"refused: A ({b}) is degraded: {late}; B ({b}) is degraded: {late};" in both.stderr
-    forced = sidecar(a, b, "--force")
     assert forced.returncode == 0
     assert f"WARNING: degraded (--force): B ({b}) is degraded: {late}" in forced.stdout
     assert "real: better" in forced.stdout
-    as_json = json.loads(sidecar(a, b, "--force", "--json").stdout)
+    as_json = json.loads(forced_json.stdout)
     assert as_json["degraded"] == f"B ({b}) is degraded: {late}"
-    # Degraded and another experiment: both refusals are given.
-    c = tmp_path / "c.json"
-    c.write_text(json.dumps(degraded(report({**BASE, "rate": 8.0}, runs([60], [4])), late)))
-    two = sidecar(a, c)
+    # Degraded and another experiment (c): both refusals are given.
     assert two.returncode == 3 and "is degraded" in two.stderr and "rate: 4.0 vs 8.0" in two.stderr
-    assert sidecar(a, a).returncode == 0  # no flag at all: compared
+    assert plain.returncode == 0  # no flag at all: compared
 
 
 def step(load: float, passed: bool, ttft: list[float], goodput: list[float]) -> dict[str, Any]:
@@ -328,26 +346,35 @@ def test_the_cli_compares_sweeps_and_refuses_a_replay_against_a_sweep(tmp_path: 
             timeout=60,
         )
 
-    mixed = sidecar(replay, a_dir / "sweep.json")
+    # Another SLO is another experiment, even on the same loads.
+    c_dir = tmp_path / "c"
+    c_dir.mkdir()
+    (c_dir / "sweep.json").write_text(
+        json.dumps(sweep(steps_b, 6, 6, criteria="p90 ttft <= 200 ms"))
+    )
+    # The five comparisons are independent: one process each, side by side.
+    calls: list[tuple[Path, Path, tuple[str, ...]]] = [
+        (replay, a_dir / "sweep.json", ()),
+        (a_dir, b_dir, ()),
+        (a_dir, b_dir, ("--variable", "target")),
+        (a_dir, c_dir, ()),
+        (a_dir, c_dir, ("--force", "--json")),
+    ]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        mixed, refused, shown, other_slo, forced = pool.map(
+            lambda call: sidecar(call[0], call[1], *call[2]), calls
+        )
     assert mixed.returncode == 2 and "A is a replay and B a sweep" in mixed.stderr
-    refused = sidecar(a_dir, b_dir)
     assert (
         refused.returncode == 3 and "target: 'http://a:8000' vs 'http://b:8000'" in refused.stderr
     )
-    shown = sidecar(a_dir, b_dir, "--variable", "target")
     assert shown.returncode == 0, shown.stderr
     assert "capacity (req/s): A 4 [4, 8)  B 6 [6, open)" in shown.stdout
     assert "steps only A ran, not compared: 8 (fail)" in shown.stdout
     assert "steps only B ran, not compared: 6 (pass)" in shown.stdout
     assert "load 4 req/s: A pass, B pass" in shown.stdout
     assert "real: better" in shown.stdout
-    # Another SLO is another experiment, even on the same loads.
-    (b_dir / "sweep.json").write_text(
-        json.dumps(sweep(steps_b, 6, 6, criteria="p90 ttft <= 200 ms"))
-    )
-    other_slo = sidecar(a_dir, b_dir)
     assert other_slo.returncode == 3 and "criteria" in other_slo.stderr
-    forced = sidecar(a_dir, b_dir, "--force", "--json")
     assert forced.returncode == 0
     data = json.loads(forced.stdout)
     assert data["kind"] == "sweep" and data["envelope_differences"][0][0] == "criteria"

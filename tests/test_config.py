@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -79,14 +80,20 @@ def test_every_front_door_refuses_a_bare_slo(tmp_path: Path) -> None:
         (["demo", "--slo", "ttft=500"], {}),
         (["proxy", "--upstream", "http://127.0.0.1:9", "--idle-timeout", "30"], {}),
     ]
-    for argv, env in runs:
-        done = subprocess.run(
+
+    def run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, "-m", "sidecar", *argv],
             capture_output=True,
             text=True,
             timeout=60,
             env={**os.environ, **env},
         )
+
+    # Independent commands (each stops at its arguments): one process each, side by side.
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done_all = list(pool.map(lambda run_: run(*run_), runs))
+    for (argv, env), done in zip(runs, done_all, strict=True):
         assert done.returncode == 2, (argv, env, done.stderr)
         assert "needs a unit" in done.stderr and "Traceback" not in done.stderr, done.stderr
 

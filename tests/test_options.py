@@ -40,6 +40,7 @@ _BY_NAME: dict[str, tuple[str, Any]] = {
     "upstreams": ("http://10.0.0.9:8000/v1", ("http://10.0.0.9:8000",)),
     "route_policy": ("prefix", "prefix"),
     "histogram_buckets": ("e6", "e6"),
+    "server_stamps": ("read", "read"),
     "otel_endpoint": ("http://127.0.0.1:4318/", "http://127.0.0.1:4318"),
     "slo_classes": ("fast:ttft=100ms", {"fast": "ttft=100ms"}),
     "slo_model_classes": ("m=default", {"m": "default"}),

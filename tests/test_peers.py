@@ -359,17 +359,28 @@ def vllm_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "1",
             "--no-progress",
         ]
-        for name, extra in (
-            ("completions", ["--rate", "40", "--burstiness", "0.5", "--slo", "ttft=5s"]),
-            ("chat", ["--endpoint", "chat", "--max-concurrency", "2"]),
-        ):
-            done = subprocess.run(
+        # The two replays are independent (each its own export; the simulator serves both):
+        # they run side by side.
+        replays = [
+            subprocess.Popen(
                 [*common, *extra, "--export-vllm-bench", str(exports[name])],
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=120,
             )
-            assert done.returncode == 0, done.stderr
+            for name, extra in (
+                ("completions", ["--rate", "40", "--burstiness", "0.5", "--slo", "ttft=5s"]),
+                ("chat", ["--endpoint", "chat", "--max-concurrency", "2"]),
+            )
+        ]
+        for replay in replays:
+            try:
+                _, stderr = replay.communicate(timeout=120)
+            finally:
+                if replay.returncode is None:
+                    replay.kill()
+                    replay.communicate()
+            assert replay.returncode == 0, stderr
     finally:
         sim.terminate()
         sim.wait(timeout=15)

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from proxy_stack import FAST_ENGINE, stack
+from proxy_stack import FAST_ENGINE, proxy_to, scripted_upstream, stack
 from reliability_helpers import until
 
 from sidecar import stats
@@ -459,9 +459,6 @@ async def test_events_of_one_read_leave_in_one_write_with_one_stamp() -> None:
     read share the read's instant upstream and the single write's instant downstream."""
     from aiohttp import web
 
-    from sidecar.cli import build_proxy_server
-    from sidecar.config import build_config
-
     groups = [
         chat_chunk(None) + chat_chunk("a", tokens=1) + chat_chunk("b", tokens=2),
         chat_chunk("c", tokens=3),
@@ -478,49 +475,23 @@ async def test_events_of_one_read_leave_in_one_write_with_one_stamp() -> None:
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", scripted)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server, _window = build_proxy_server(
-        build_config(
-            {
-                "upstreams": [f"http://127.0.0.1:{port}"],
-                "listen": "127.0.0.1:0",
-                "metrics_listen": "127.0.0.1:0",
-                "health_interval": "0",
-            },
-            {},
-        )
-    )
-    records: list[Any] = []
-
-    class Keep:
-        name = "keep"
-
-        def on_record(self, record: Any) -> None:
-            records.append(record)
-
-    server.proxy.fanout.add(Keep())
-    await server.start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            body = {
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
-                "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-            }
-            status, got, _headers = await post(session, server.url, "/v1/chat/completions", body)
-    finally:
-        await server.close()
-        await runner.cleanup()
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    async with (
+        scripted_upstream("/v1/chat/completions", scripted) as upstream,
+        proxy_to(upstream) as (server, collected),
+        aiohttp.ClientSession() as session,
+    ):
+        status, got, _headers = await post(session, server.url, "/v1/chat/completions", body)
+        records = await collected.wait_for(1)
     assert status == 200 and got == b"".join(groups)  # the client asked for usage: unchanged
     (record,) = records
     assert record.outcome is Outcome.OK and record.n_out == 4
+    assert record.server is not None
     for timeline in (record.server, record.client):
         assert timeline.tokens == (1, 1, 1, 1)
         a, b, c, d = timeline.offsets_ns

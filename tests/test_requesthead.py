@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proxy_stack import proxy_to, scripted_upstream
 
 from sidecar.protocol.rewrite import plan_usage, request_with_usage
 from sidecar.proxy.requesthead import HEAD_MEMBERS, read_head, read_whole
@@ -100,9 +101,6 @@ async def test_the_upstream_gets_the_body_it_got_before_through_a_running_proxy(
     """Three bodies through a real proxy to an upstream that keeps what it received: options
     appended to the client's bytes, an existing stream_options edited with the long prompt kept,
     and a non-streaming body sent as it came."""
-    from sidecar.config import build_config
-    from sidecar.serve import build_proxy_server
-
     received: list[bytes] = []
     done = (
         b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
@@ -119,24 +117,6 @@ async def test_the_upstream_gets_the_body_it_got_before_through_a_running_proxy(
         await response.write_eof()
         return response
 
-    app = web.Application(client_max_size=4 << 20)
-    app.router.add_post("/v1/chat/completions", keep)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server, _window = build_proxy_server(
-        build_config(
-            {
-                "upstreams": [f"http://127.0.0.1:{port}"],
-                "listen": "127.0.0.1:0",
-                "metrics_listen": "127.0.0.1:0",
-                "health_interval": "0",
-            },
-            {},
-        )
-    )
     prompt = "é" + "word " * 100_000  # ~500 KB, not ASCII
     appended = json.dumps(
         {"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": True}
@@ -150,20 +130,19 @@ async def test_the_upstream_gets_the_body_it_got_before_through_a_running_proxy(
         }
     ).encode()
     whole = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]}).encode()
-    await server.start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            for raw in (appended, edited, whole):
-                async with session.post(
-                    server.url + "/v1/chat/completions",
-                    data=raw,
-                    headers={"Content-Type": "application/json"},
-                ) as response:
-                    assert response.status == 200
-                    await response.read()
-    finally:
-        await server.close()
-        await runner.cleanup()
+    async with (
+        scripted_upstream("/v1/chat/completions", keep) as upstream,
+        proxy_to(upstream) as (server, _records),
+        aiohttp.ClientSession() as session,
+    ):
+        for raw in (appended, edited, whole):
+            async with session.post(
+                server.url + "/v1/chat/completions",
+                data=raw,
+                headers={"Content-Type": "application/json"},
+            ) as response:
+                assert response.status == 200
+                await response.read()
     usage = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
     assert received[0] == appended[:-1] + b"," + usage + b"}"
     assert json.loads(received[1]) == {

@@ -17,12 +17,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from proxy_stack import proxy_to, scripted_upstream
 
 from sidecar import clock
 from sidecar.config import build_config
 from sidecar.proxy import rxstamp
 from sidecar.record import Outcome
-from sidecar.serve import build_proxy_server
 
 pytestmark = pytest.mark.skipif(not rxstamp.SUPPORTED, reason="kernel receive stamps: Linux")
 
@@ -83,6 +83,7 @@ async def connected() -> AsyncIterator[tuple[Reader, rxstamp.StampedTransport, s
     listener.listen()
     listener.setblocking(False)
     loop = asyncio.get_running_loop()
+    rxstamp.hold_timestamping()
     reader = Reader()
     accept = asyncio.ensure_future(loop.sock_accept(listener))
     opened = await rxstamp.open_stamped(
@@ -99,14 +100,33 @@ async def connected() -> AsyncIterator[tuple[Reader, rxstamp.StampedTransport, s
         listener.close()
 
 
+async def until_stamped(reader: Reader, transport: rxstamp.StampedTransport, peer: Any) -> None:
+    """Exchange bytes until a read carries the kernel's stamp: the host turns stamping on a
+    little after the first socket asks (`rxstamp.hold_timestamping`), and a test may be that
+    first socket."""
+    for _ in range(200):
+        unstamped = transport.unstamped_reads
+        size = len(reader.data)
+        peer.send(b"w")
+        await reader.wait_for(size + 1)
+        if transport.unstamped_reads == unstamped:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no read came with a kernel receive timestamp")
+
+
 async def test_a_read_is_stamped_when_it_arrived_not_when_the_busy_loop_read_it() -> None:
-    async with connected() as (reader, _transport, peer):
+    async with connected() as (reader, transport, peer):
+        await until_stamped(reader, transport, peer)
+        unstamped = transport.unstamped_reads
+        reader.reads.clear()
         peer.send(b"first")
         await reader.wait_for(5)
         peer.send(b"second")
         sent_ns = clock.monotonic_ns()
         spin(SPIN_NS)
         await reader.wait_for(11)
+        assert transport.unstamped_reads == unstamped  # both reads had the kernel's stamp
     (_, first_at, first_read), (data, at_ns, read_ns) = reader.reads
     assert data == b"second"
     assert first_at <= first_read
@@ -172,7 +192,9 @@ async def test_a_stamp_is_never_after_its_read_nor_before_the_previous_one(
 ) -> None:
     """A step of the calendar clock between the kernel's stamp and the conversion (simulated:
     the converted instant lands a second after the read, or at 0) is clamped."""
-    async with connected() as (reader, _transport, peer):
+    async with connected() as (reader, transport, peer):
+        await until_stamped(reader, transport, peer)
+        reader.reads.clear()
         peer.send(b"a")
         await reader.wait_for(1)
         shift = 10**9 if converted == "future" else None
@@ -224,47 +246,19 @@ async def test_the_server_vantage_keeps_the_arrival_while_the_proxy_was_busy(
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", scripted)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server, _window = build_proxy_server(
-        build_config(
-            {
-                "upstreams": [f"http://127.0.0.1:{port}"],
-                "listen": "127.0.0.1:0",
-                "metrics_listen": "127.0.0.1:0",
-                "health_interval": "0",
-                "server_stamps": server_stamps,
-            },
-            {},
-        )
-    )
-    records: list[Any] = []
-
-    class Keep:
-        name = "keep"
-
-        def on_record(self, record: Any) -> None:
-            records.append(record)
-
-    server.proxy.fanout.add(Keep())
-    await server.start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
-            url = server.url + "/v1/chat/completions"
-            async with session.post(url, json=body) as response:
-                assert response.status == 200
-                await response.read()
-    finally:
-        await server.close()
-        await runner.cleanup()
+    async with (
+        scripted_upstream("/v1/chat/completions", scripted) as upstream,
+        proxy_to(upstream, server_stamps=server_stamps) as (server, collected),
+        aiohttp.ClientSession() as session,
+    ):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        async with session.post(server.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            await response.read()
+        records = await collected.wait_for(1)
     (record,) = records
     assert record.outcome is Outcome.OK and record.n_out == 3
+    assert record.server is not None
     truth = [b - a for a, b in pairwise(written)]
     server_gaps = [b - a for a, b in pairwise(record.server.offsets_ns)]
     client_gaps = [b - a for a, b in pairwise(record.client.offsets_ns)]
@@ -288,3 +282,24 @@ def test_the_start_line_says_where_server_stamps_come_from() -> None:
         build_config({"upstreams": ["http://127.0.0.1:1", "https://10.0.0.1:443"]}, {})
     )
     assert mixed.endswith("; when read for the TLS upstreams https://10.0.0.1:443")
+
+
+async def test_a_protocol_that_fails_on_a_read_ends_its_connection() -> None:
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: logged.append(context))
+    try:
+        async with connected() as (reader, transport, peer):
+
+            def broken(data: bytes, at_ns: int) -> None:
+                raise ValueError("cannot take this")
+
+            reader.data_received_at = broken  # type: ignore[method-assign]
+            peer.send(b"x")
+            lost = await asyncio.wait_for(reader.lost, 5)
+            assert isinstance(lost, ValueError) and transport.is_closing()
+            assert await loop.sock_recv(peer, 10) == b""  # the connection was closed
+    finally:
+        loop.set_exception_handler(previous)
+    assert any(isinstance(c.get("exception"), ValueError) for c in logged)

@@ -145,8 +145,13 @@ async def test_sweep_finds_the_capacity_the_simulator_predicts(tmp_path: Path) -
             "--slo",
             "ttft=60ms",
             "--auto",
+            # From 16 (about 80% of the bound; where it fails the search halves to 8, which
+            # passes) to 32 (saturated, checked below), then two bisections: 24 and 20 (or 12
+            # and 10 or 14 when 16 failed). Lower starts only add passing steps.
             "--start",
-            "4",
+            "16",
+            "--bisect-steps",
+            "2",
             "--step-duration",
             "2s",
             "--min-requests",
@@ -231,7 +236,7 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
                 "--rates",
                 "10,20",
                 "--step-duration",
-                "1s",
+                "0.5s",
                 "--min-requests",
                 "10",
                 "--warmup",
@@ -514,7 +519,17 @@ async def test_a_sweep_as_a_user_runs_it_says_what_it_does(tmp_path: Path) -> No
         )
         assert code == 0, err
         quiet_code, quiet_out, quiet_err = await sidecar_async(
-            "sweep", *common, "--slo", "ttft=0.001ms", "--quiet"
+            # Every step fails whatever its size: shorter steps (the last --step-duration and
+            # --min-requests win) do for this run.
+            "sweep",
+            *common,
+            "--step-duration",
+            "0.5s",
+            "--min-requests",
+            "3",
+            "--slo",
+            "ttft=0.001ms",
+            "--quiet",
         )
     finally:
         await close_replicas(replicas)

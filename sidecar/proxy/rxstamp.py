@@ -27,6 +27,7 @@ the option cannot be set (not Linux, or a kernel that refuses it), reads are sta
 from __future__ import annotations
 
 import asyncio
+import atexit
 import platform
 import socket
 import struct
@@ -40,6 +41,8 @@ from sidecar import clock
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 SUPPORTED = sys.platform == "linux" and platform.machine() in {"x86_64", "aarch64", "riscv64"}
 _TIMESPEC = struct.Struct("@qq")  # struct timespec on a 64-bit Linux: tv_sec, tv_nsec
+_TIMESPEC_SIZE = _TIMESPEC.size
+_TIMESPEC_UNPACK = _TIMESPEC.unpack
 _ANCILLARY_SIZE = socket.CMSG_SPACE(_TIMESPEC.size) if SUPPORTED else 0
 _READ_SIZE = 256 * 1024  # uvloop's read size
 _WRITE_HIGH = 64 * 1024  # pause the protocol's writing above this many buffered bytes
@@ -58,6 +61,25 @@ class StampedProtocol(Protocol):
     def pause_writing(self) -> None: ...
 
     def resume_writing(self) -> None: ...
+
+
+_HELD: list[socket.socket] = []
+
+
+def hold_timestamping() -> None:
+    """Keep the host's receive timestamping on for this process's life. The kernel stamps
+    packets only while some socket asks for it, and switches that on a little after the first
+    one does (a deferred job): a process whose upstream connections all closed and a new one
+    opened would find the new connection's first reads unstamped (then stamped when read). One
+    idle UDP socket with the option set, held open, keeps it on. Idempotent; one descriptor."""
+    if _HELD or not SUPPORTED:
+        return
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if enable(sock):
+        _HELD.append(sock)
+        atexit.register(sock.close)
+    else:
+        sock.close()
 
 
 def enable(sock: socket.socket) -> bool:
@@ -99,6 +121,7 @@ class StampedTransport:
         "_closed",
         "_last_ns",
         "_extra",
+        "unstamped_reads",
     )
 
     def __init__(
@@ -120,6 +143,7 @@ class StampedTransport:
         self._closing = False
         self._closed = False
         self._last_ns = 0
+        self.unstamped_reads = 0  # reads that came without the kernel's stamp: stamped when read
         self._extra = {
             "socket": sock,
             "peername": sock.getpeername(),
@@ -146,18 +170,27 @@ class StampedTransport:
             self.close()  # the upstream's orderly end: connection_lost(None) follows
             return
         at_ns = now_ns
-        for _level, kind, payload in ancillary:
-            if kind == _SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
-                seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
+        if ancillary:  # the one message asked for (a socket without stamps has none)
+            _level, kind, payload = ancillary[0]
+            if kind == _SO_TIMESTAMPNS and len(payload) == _TIMESPEC_SIZE:
+                seconds, nanoseconds = _TIMESPEC_UNPACK(payload)
                 at_ns = clock.from_realtime_ns(seconds * 1_000_000_000 + nanoseconds, now_ns)
                 # Never after the read, never before the connection's previous stamp (a step
                 # of the calendar clock between the two readings would otherwise show).
                 if at_ns > now_ns:
                     at_ns = now_ns
-                if at_ns < self._last_ns:
+                elif at_ns < self._last_ns:
                     at_ns = self._last_ns
+        else:
+            self.unstamped_reads += 1
         self._last_ns = at_ns
-        self._protocol.data_received_at(read.view[:size].tobytes(), at_ns)
+        try:
+            self._protocol.data_received_at(read.view[:size].tobytes(), at_ns)
+        except Exception as exc:
+            # As uvloop's transports do: a protocol that failed on a read ends its connection
+            # (its exchange fails, so its request is still recorded); the loop logs the error.
+            self._fail(exc)
+            raise
 
     def pause_reading(self) -> None:
         if self._reading:

@@ -488,6 +488,8 @@ class UpstreamPool:
         self._arrivals: ArrivalBatch | None = None  # the loop's, made at the first connection
         self._read_buffer: rxstamp.ReadBuffer | None = None  # likewise, for stamped transports
         self.kernel_stamps = kernel_stamps and rxstamp.SUPPORTED
+        if self.kernel_stamps:
+            rxstamp.hold_timestamping()
 
     async def exchange(
         self,
