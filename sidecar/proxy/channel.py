@@ -66,7 +66,9 @@ class FrameProtocol(asyncio.Protocol):
         self._on_lost = on_lost
         self._buffer = bytearray()
         self.transport: asyncio.Transport | None = None
-        self.closed = asyncio.get_running_loop().create_future()
+        # Kept: each get_running_loop() is a getpid() syscall on CPython 3.11.
+        self._loop = asyncio.get_running_loop()
+        self.closed = self._loop.create_future()
         self.handler_errors = 0
         self._pending: list[bytes] = []
         self._pending_bytes = 0
@@ -131,7 +133,7 @@ class FrameProtocol(asyncio.Protocol):
         self._pending.append(data)
         self._pending_bytes += len(data)
         if self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_DELAY_S, self.flush)
+            self._flush_handle = self._loop.call_later(FLUSH_DELAY_S, self.flush)
         return True
 
     def flush(self) -> None:

@@ -630,7 +630,7 @@ class Proxy:
         """Other paths, relayed as they are, with the idle timeout as their read timeout."""
         builder.client_stream = builder.upstream_stream = False
         headers = self._upstream_headers(request, builder.request_id, parsed=False)
-        idle = Timeouts(idle_s=self.config.idle_timeout)
+        idle = Timeouts(idle_s=self.config.idle_timeout, loop=exchange.connection.loop)
         idle.start_idle()
         upstream: UpstreamExchange | None = None
         replica: Replica | None = None
@@ -822,7 +822,9 @@ class Proxy:
     ) -> None:
         config = self.config
         gen = self._prepare_generation(request, builder)
-        timeouts = Timeouts.for_generation(config, builder.upstream_stream)
+        timeouts = Timeouts.for_generation(
+            config, builder.upstream_stream, exchange.connection.loop
+        )
         upstream: UpstreamExchange | None = None
         replica: Replica | None = None
         completed = False

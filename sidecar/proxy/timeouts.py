@@ -43,11 +43,13 @@ class Timeouts:
         total_name: str = "total_timeout",
         ttft_s: float = 0.0,
         idle_s: float = 0.0,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         now = clock.monotonic_ns()
-        # Looked up once: every asyncio.get_running_loop() is a getpid() syscall on CPython
-        # 3.11 (its fork check), ~10 of them per request before this.
-        self._loop = asyncio.get_running_loop()
+        # Given by the caller where it has it, else looked up once: every
+        # asyncio.get_running_loop() is a getpid() syscall on CPython 3.11 (its fork check),
+        # ~1 % of a worker's CPU at short streams (py-spy).
+        self._loop = loop or asyncio.get_running_loop()
         self.task = asyncio.current_task(self._loop)
         self.total_at = now + int(total_s * 1e9) if total_s > 0 else NEVER
         self.total_name = total_name
@@ -61,7 +63,12 @@ class Timeouts:
         self._arm(now)
 
     @classmethod
-    def for_generation(cls, config: ProxyConfig, streaming: bool) -> Timeouts:
+    def for_generation(
+        cls,
+        config: ProxyConfig,
+        streaming: bool,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> Timeouts:
         total, name = config.total_timeout, "total_timeout"
         limit = config.nonstream_timeout
         if not streaming and limit > 0 and (total <= 0 or limit < total):
@@ -71,6 +78,7 @@ class Timeouts:
             total_name=name,
             ttft_s=config.ttft_timeout if streaming else 0.0,
             idle_s=config.idle_timeout if streaming else 0.0,
+            loop=loop,
         )
 
     def start_idle(self) -> None:
