@@ -420,13 +420,8 @@ def quantiles_ms(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-DIFFS = (
-    "ttft",
-    "e2e",
-    "tpot",
-    "server_ttft",
-    "server_ttft_upload",
-    "server_e2e",
+# Where tool − sidecar comes from, and the scale (the report's second table), in its order.
+BREAKDOWN = (
     "send",
     "first",
     "last",
@@ -436,6 +431,7 @@ DIFFS = (
     "sidecar_ttft",
     "sidecar_e2e",
 )
+DIFFS = ("ttft", "e2e", "tpot", "server_ttft", "server_ttft_upload", "server_e2e", *BREAKDOWN)
 
 
 def join(
@@ -972,16 +968,7 @@ def report(
     for res in results:
         st = res["stats"]
         cells = []
-        for key in (
-            "send",
-            "first",
-            "last",
-            "upload",
-            "up_leg",
-            "down_leg",
-            "sidecar_ttft",
-            "sidecar_e2e",
-        ):
+        for key in BREAKDOWN:
             s = st[key]
             cells.append(f"{s['p50']:.3f} / {s['p90']:.3f}" if s.get("n") else "–")
         add(f"| {TOOL_LABELS[res['tool']]} | {res['workload']} | " + " | ".join(cells) + " |")

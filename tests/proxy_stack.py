@@ -75,8 +75,22 @@ async def stack(
     replicas = await start_replicas(sim_config, n_replicas)
     # Started on its own so that it is "replica 0" too, with replica 0's seed.
     (spare,) = await start_replicas(sim_config, 1)
+    try:
+        async with running_proxy([r.url for r in replicas], settings) as (server, window, records):
+            stack = Stack(replicas, server, window, records)
+            stack.spare = spare
+            yield stack
+    finally:
+        await close_replicas([*replicas, spare])
+
+
+@asynccontextmanager
+async def running_proxy(
+    upstreams: list[str], settings: dict[str, Any]
+) -> AsyncIterator[tuple[ProxyServer, WindowSink, Collect]]:
+    """A proxy in this process (health checks off unless set), its live window, its records."""
     flags = {
-        "upstreams": [r.url for r in replicas],
+        "upstreams": upstreams,
         "listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",
         "health_interval": "0",
@@ -86,13 +100,10 @@ async def stack(
     records = Collect()
     server.proxy.fanout.add(records)
     await server.start()
-    stack = Stack(replicas, server, window, records)
-    stack.spare = spare
     try:
-        yield stack
+        yield server, window, records
     finally:
         await server.close()
-        await close_replicas([*replicas, spare])
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -116,20 +127,6 @@ async def scripted_upstream(path: str, handler: Handler) -> AsyncIterator[str]:
 
 @asynccontextmanager
 async def proxy_to(upstream: str, **settings: Any) -> AsyncIterator[tuple[ProxyServer, Collect]]:
-    """A proxy in this process in front of one upstream (health checks off), with its
-    records collected."""
-    flags = {
-        "upstreams": [upstream],
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "health_interval": "0",
-        **settings,
-    }
-    server, _window = build_proxy_server(build_config(flags, {}))
-    records = Collect()
-    server.proxy.fanout.add(records)
-    await server.start()
-    try:
+    """A proxy in this process in front of one upstream, with its records collected."""
+    async with running_proxy([upstream], settings) as (server, _window, records):
         yield server, records
-    finally:
-        await server.close()

@@ -22,10 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from proxy_stack import Collect
+from proxy_stack import Collect, running_proxy
 
-from sidecar.cli import build_proxy_server
-from sidecar.config import build_config
 from sidecar.proxy.app import ProxyServer
 from sidecar.record import RequestRecord
 from sidecar.sim.server import RunningReplica
@@ -365,18 +363,5 @@ class Proxied:
 @asynccontextmanager
 async def proxy_to(upstreams: Sequence[str], **settings: Any) -> AsyncIterator[Proxied]:
     """`sidecar proxy`'s wiring (build_proxy_server) on ephemeral ports, plus a collector."""
-    flags = {
-        "upstreams": list(upstreams),
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "health_interval": "0",
-        **settings,
-    }
-    server, window = build_proxy_server(build_config(flags, {}))
-    records = Collect()
-    server.proxy.fanout.add(records)
-    await server.start()
-    try:
+    async with running_proxy(list(upstreams), settings) as (server, window, records):
         yield Proxied(server, window, records)
-    finally:
-        await server.close()

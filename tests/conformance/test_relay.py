@@ -33,11 +33,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxy_stack import Collect
+from proxy_stack import Collect, running_proxy
 from wire import NAMED, TOOLS
 
-from sidecar.cli import build_proxy_server
-from sidecar.config import build_config
 from sidecar.engine_metrics import histogram_totals, parse_engine_metrics
 from sidecar.proxy.app import ProxyServer
 from sidecar.record import Outcome, RequestRecord, TokenSource
@@ -88,22 +86,9 @@ def by_choice(stream: bytes) -> dict[bytes, list[bytes]]:
 async def proxy_before(
     server: RealVLLM, **settings: str
 ) -> AsyncIterator[tuple[ProxyServer, Collect]]:
-    flags = {
-        "upstreams": [server.base_url],
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "health_interval": "0",
-        "engine_scrape_interval": "0",
-        **settings,
-    }
-    proxy, _window = build_proxy_server(build_config(flags, {}))
-    records = Collect()
-    proxy.proxy.fanout.add(records)
-    await proxy.start()
-    try:
+    flags = {"engine_scrape_interval": "0", **settings}
+    async with running_proxy([server.base_url], flags) as (proxy, _window, records):
         yield proxy, records
-    finally:
-        await proxy.close()
 
 
 @dataclass
