@@ -264,6 +264,10 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
             ),
         )
         assert replicas["requests_total"] == requests == replicas["records_received"]
+        # Reads that came without the kernel's stamp: summed over the workers, as counted.
+        assert replicas["upstream_reads_unstamped"] == sum(
+            w["upstream_reads_unstamped"] for w in settle(admin, lambda v: True, TOKEN)["workers"]
+        )
         assert replicas["replicas"][0]["requests_total"] == requests
         assert replicas["replicas"][0]["outstanding"] == 0
         # The admin listener keeps its bearer token; /healthz stays open for probes.

@@ -303,3 +303,32 @@ async def test_a_protocol_that_fails_on_a_read_ends_its_connection() -> None:
     finally:
         loop.set_exception_handler(previous)
     assert any(isinstance(c.get("exception"), ValueError) for c in logged)
+
+
+async def test_reads_without_the_kernels_stamp_are_stamped_when_read_and_counted() -> None:
+    """A socket without the option (as on a platform that drops the stamps): each read gets the
+    instant it was read, and the shared buffer counts it for the proxy's status."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+    reader, buffer = Reader(), rxstamp.ReadBuffer()
+    accept = asyncio.ensure_future(loop.sock_accept(listener))
+    sock = socket.create_connection(listener.getsockname())
+    sock.setblocking(False)
+    transport = rxstamp.StampedTransport(loop, sock, reader, buffer)  # no rxstamp.enable
+    peer, _ = await accept
+    try:
+        for i in range(3):
+            peer.send(b"x")
+            sent_ns = clock.monotonic_ns()
+            spin(SPIN_NS // 6)
+            await reader.wait_for(i + 1)
+            _, at_ns, _read_ns = reader.reads[-1]
+            assert at_ns - sent_ns >= SPIN_NS // 6  # the read's instant, after the hold
+        assert transport.unstamped_reads == buffer.unstamped_reads == 3
+    finally:
+        transport.abort()
+        peer.close()
+        listener.close()

@@ -84,6 +84,7 @@ def build_admin_app(proxy: Proxy, extra_routes: Sequence[web.RouteDef] = ()) -> 
                 "records_total": proxy.records_total,
                 "sink_errors": proxy.fanout.errors,
                 "rewritten_events": proxy.rewritten_events,
+                "upstream_reads_unstamped": proxy.pool.unstamped_reads,
             }
         )
 

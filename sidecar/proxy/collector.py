@@ -70,6 +70,7 @@ _STATUS_COUNTERS = (
     "dropped_closed",
     "encode_errors",
     "rewritten_events",
+    "upstream_reads_unstamped",
 )
 
 
@@ -653,6 +654,7 @@ class Collector:
             "records_received": totals["received"],
             "sink_errors": sink_errors,
             "rewritten_events": totals["rewritten_events"],
+            "upstream_reads_unstamped": totals["upstream_reads_unstamped"],
             "workers": len(self.slots),
             "workers_alive": self.workers_alive,
         }
@@ -682,6 +684,7 @@ class Collector:
             "lost": t["lost"],
             "buffered_bytes": int(status.get("buffered_bytes", 0)),
             "rewritten_events": t["rewritten_events"],
+            "upstream_reads_unstamped": t["upstream_reads_unstamped"],
             "replicas": [
                 {
                     "url": r.url,

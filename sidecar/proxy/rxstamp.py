@@ -94,13 +94,15 @@ def enable(sock: socket.socket) -> bool:
 
 
 class ReadBuffer:
-    """One receive buffer per loop: reads are handled one at a time, each copied out."""
+    """One receive buffer per loop: reads are handled one at a time, each copied out. It also
+    counts the reads of all its transports that came without the kernel's stamp."""
 
-    __slots__ = ("buffers", "view")
+    __slots__ = ("buffers", "view", "unstamped_reads")
 
     def __init__(self) -> None:
         self.view = memoryview(bytearray(_READ_SIZE))
         self.buffers = [self.view]
+        self.unstamped_reads = 0
 
 
 class StampedTransport:
@@ -183,6 +185,7 @@ class StampedTransport:
                     at_ns = self._last_ns
         else:
             self.unstamped_reads += 1
+            read.unstamped_reads += 1
         self._last_ns = at_ns
         try:
             self._protocol.data_received_at(read.view[:size].tobytes(), at_ns)

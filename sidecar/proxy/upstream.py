@@ -635,6 +635,12 @@ class UpstreamPool:
     def open_connections(self) -> int:
         return len(self._all)
 
+    @property
+    def unstamped_reads(self) -> int:
+        """Reads of kernel-stamped connections that came without the kernel's stamp (stamped
+        when read instead): a few right after start, many where the platform drops them."""
+        return self._read_buffer.unstamped_reads if self._read_buffer is not None else 0
+
     async def close(self) -> None:
         for connection in list(self._all):
             self._drop(connection)

@@ -322,6 +322,7 @@ class Worker:
             "encode_errors": sink.encode_errors,
             "buffered_bytes": self.protocol.buffered(),
             "rewritten_events": proxy.rewritten_events,
+            "upstream_reads_unstamped": proxy.pool.unstamped_reads,
             "sink_errors": dict(proxy.fanout.errors),
             # Per replica: outstanding, requests_total, ejections, consecutive_failures, healthy.
             "replicas": [
