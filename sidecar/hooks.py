@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar, runtime_checkable
@@ -34,6 +35,9 @@ LOG_EVERY_S = 10.0  # a failure repeated on every request must not flood the log
 # short enough that an orchestrator's grace period (30 s by default in Kubernetes) is not
 # spent waiting on a dead collector.
 SINK_TIMEOUT_S = 25.0
+# Records that may wait for a scrape before delivery waits for the lock (SinkFanout): at the
+# ~10k records/s a collector core takes (benchmarks/results/workers_scaling.md), 5 s of them.
+BACKLOG_MAX = 50_000
 
 # The vocabulary of `Sink.counters()`, so that /metrics reads every sink alike. A sink reports
 # the names that apply to it, and may add its own (the window's ``evicted_over_cap``).
@@ -121,7 +125,12 @@ class SinkFanout:
     """Delivers each record to every sink; failures are isolated per sink and counted.
 
     ``lock``: held while a record is delivered, when another thread reads the sinks (a
-    `ScrapeRunner` with a thread of its own).
+    `ScrapeRunner` with a thread of its own). A record that comes while that thread holds it
+    waits in a backlog, delivered in order before the next one or when the scrape ends
+    (`drain`): the scrape thread runs at the lowest CPU priority, and on a busy core it can
+    hold the lock for seconds; the loop that delivers records (and answers health checks)
+    must not wait that long behind it. Past `BACKLOG_MAX` waiting records the delivery waits
+    for the lock, as memory must stay bounded.
 
     `close` closes every sink once, the last registered first: the sinks that export (OTel,
     capture, added last) drain while the window and Prometheus, registered first, still hold
@@ -140,6 +149,7 @@ class SinkFanout:
         self._throttles: dict[str, LogThrottle] = {}
         self._closed = False
         self._close_lock = threading.Lock()
+        self._backlog: deque[RequestRecord] = deque()  # appended on the loop only
         for sink in sinks:
             self.add(sink)
 
@@ -162,11 +172,38 @@ class SinkFanout:
         self.errors[sink.name] = 0
 
     def on_record(self, record: RequestRecord) -> None:
-        if self.lock is None:
+        lock = self.lock
+        if lock is None:
             self._deliver(record)
-        else:
-            with self.lock:
-                self._deliver(record)
+            return
+        backlog = self._backlog
+        if not lock.acquire(blocking=len(backlog) >= BACKLOG_MAX):
+            backlog.append(record)  # a scrape holds the sinks: delivered after it
+            return
+        try:
+            while backlog:
+                self._deliver(backlog.popleft())
+            self._deliver(record)
+        finally:
+            lock.release()
+
+    @property
+    def waiting(self) -> int:
+        """Records waiting for a scrape to let go of the sinks."""
+        return len(self._backlog)
+
+    def drain(self, blocking: bool = False) -> None:
+        """Deliver the records that waited for a scrape; ``blocking``: wait for the lock (off
+        the loop: `flush`, `close`), else only if it is free now (after a scrape, on the
+        loop, where the next scrape may already hold it)."""
+        lock, backlog = self.lock, self._backlog
+        if lock is None or not backlog or not lock.acquire(blocking=blocking):
+            return
+        try:
+            while backlog:
+                self._deliver(backlog.popleft())
+        finally:
+            lock.release()
 
     def _deliver(self, record: RequestRecord) -> None:
         if self._closed:
@@ -194,6 +231,7 @@ class SinkFanout:
     def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
         """Flush every sink, within ``timeout_s`` in all; True when every one delivered all it
         took. A sink that raises is logged and counts as not flushed. Blocking."""
+        self.drain(blocking=True)
         deadline = time.monotonic() + timeout_s
         flushed = True
         for sink in self._lifecycles:
@@ -209,6 +247,7 @@ class SinkFanout:
         A sink that raises is logged and the others still close. Returns the names of those
         that failed (also in ``close_failures``); a second call does nothing and returns [].
         Blocking: call it off the event loop."""
+        self.drain(blocking=True)  # before the sinks close: what waited is theirs
         with self._close_lock:
             if self._closed:
                 return []
@@ -555,6 +594,8 @@ class ScrapeRunner:
 
     def __init__(self, threaded: bool = False) -> None:
         self.lock: threading.Lock | None = threading.Lock() if threaded else None
+        # Called on the loop once a threaded scrape let go of the lock (SinkFanout.drain).
+        self.on_released: list[Callable[[], None]] = []
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="scrape", initializer=_lower_priority)
             if threaded
@@ -570,7 +611,11 @@ class ScrapeRunner:
             with lock:
                 return work()
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, locked)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, locked)
+        finally:
+            for released in self.on_released:
+                released()
 
     def close(self) -> None:
         if self._executor is not None:

@@ -231,6 +231,7 @@ def _wire_sinks(
     registry.register(LiveCollector(window, fanout, slo_policy, replicas))
     runner = scrape or ScrapeRunner()
     fanout.lock = runner.lock
+    runner.on_released.append(fanout.drain)
 
     async def stats_handler(request: web.Request) -> web.Response:
         try:

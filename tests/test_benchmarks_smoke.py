@@ -478,3 +478,17 @@ def test_rx_stamps_smoke(tmp_path: Path) -> None:
     assert set(runs) == {"uvloop", "nostamp", "kernel"}
     assert all(len(v) == 1 and v[0] > 0 for v in runs.values())
     assert "| kernel |" in stdout
+
+
+def test_workers_scaling_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "scaling.json"
+    stdout = run_harness("workers_scaling.py", "--smoke", "--json-out", str(out))
+    if "SKIPPED" in stdout:  # no C compiler for its upstream and client: said, not hidden
+        pytest.skip(stdout.strip().splitlines()[-1])
+    result = json.loads(out.read_text())
+    assert {"runs", "summary", "cost_fit"} <= set(result)
+    assert {run["workers"] for run in result["runs"]} >= {1, 2}
+    for run in result["runs"]:
+        assert run["checks"] == [], run["checks"]  # the harness's own checks found nothing
+        for worker in run["accounting"]:  # every request a worker counted reached the collector
+            assert worker["requests_total"] == worker["records_received"] > 0, worker

@@ -121,6 +121,76 @@ async def test_a_threaded_scrape_runner_runs_below_the_traffic_and_holds_the_sin
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < nice  # ours unchanged
 
 
+async def test_records_that_come_during_a_threaded_scrape_wait_for_it_without_blocking() -> None:
+    """The scrape thread (nice +19) can hold the sinks' lock for seconds on a busy core; the
+    loop's deliveries meanwhile wait in order in a backlog instead of blocking the loop (a
+    collector at saturation: /metrics 15 s, /stats > 45 s, every record and health check
+    behind them). Delivered before the next record, or when the scrape lets go."""
+    from sidecar.hooks import ScrapeRunner
+
+    runner = ScrapeRunner(threaded=True)
+    sink = Collecting("window")
+    fanout = SinkFanout([sink], lock=runner.lock)
+    runner.on_released.append(fanout.drain)
+    holding, release = threading.Event(), threading.Event()
+    finished = threading.Event()
+
+    def slow_scrape() -> int:
+        holding.set()
+        release.wait(10)
+        finished.set()
+        return len(sink.records)
+
+    def made(i: int) -> RequestRecord:
+        return RequestRecord(
+            request_id=f"r{i}", wall_time_ns=i, outcome=Outcome.OK, endpoint="chat"
+        )
+
+    try:
+        fanout.on_record(made(0))
+        scrape = asyncio.ensure_future(runner.run(slow_scrape))
+        assert await asyncio.to_thread(holding.wait, 10)
+        fanout.on_record(made(1))
+        fanout.on_record(made(2))
+        # Returned while the scrape still held the sinks: the loop did not wait for it.
+        assert not finished.is_set()
+        assert fanout.waiting == 2 and [r.request_id for r in sink.records] == ["r0"]
+        release.set()
+        assert await scrape == 1  # the scrape saw what was delivered before it
+        # Drained when the scrape let go, in order, with no record after it.
+        assert [r.request_id for r in sink.records] == ["r0", "r1", "r2"]
+        assert fanout.waiting == 0
+        # And a backlog left by a scrape goes first when the next record comes.
+        for event in (holding, release, finished):
+            event.clear()
+        runner.on_released.clear()
+        scrape = asyncio.ensure_future(runner.run(slow_scrape))
+        assert await asyncio.to_thread(holding.wait, 10)
+        fanout.on_record(made(3))
+        release.set()
+        await scrape
+        fanout.on_record(made(4))
+        assert [r.request_id for r in sink.records][-2:] == ["r3", "r4"]
+    finally:
+        release.set()
+        await asyncio.to_thread(runner.close)
+
+
+def test_flush_and_close_deliver_what_waited_for_a_scrape() -> None:
+    lock = threading.Lock()
+    sink = Collecting("window")
+    fanout = SinkFanout([sink], lock=lock)
+    with lock:  # a scrape holds the sinks
+        fanout.on_record(record())
+    assert fanout.waiting == 1 and sink.records == []
+    assert fanout.flush()
+    assert fanout.waiting == 0 and len(sink.records) == 1
+    with lock:
+        fanout.on_record(record())
+    fanout.close()
+    assert len(sink.records) == 2
+
+
 async def test_an_inline_scrape_runner_runs_on_the_loop() -> None:
     import threading
 

@@ -1,0 +1,831 @@
+"""Do N workers relay N times the chunk rate? ``sidecar proxy --workers N`` at saturation.
+
+    python benchmarks/workers_scaling.py --nice -10 --workers 1,2,0 --repeats 2 \\
+        --json-out benchmarks/results/workers_scaling.json \\
+        --md-out benchmarks/results/workers_scaling.out.md   # the run (about 6 minutes)
+    python benchmarks/workers_scaling.py --smoke             # CI: ~6 s, no timing claims
+
+Results and their reading: benchmarks/results/workers_scaling.md.
+
+What runs (separate OS processes, real sockets on 127.0.0.1):
+
+- the upstream: ``workers_scaling_load.c upstream`` (C, epoll, built here with ``cc -O2``;
+  without a C compiler the harness prints SKIPPED and exits 0). It answers every request with
+  the same stream, captured once at start-up from the simulator (``sidecar sim``) asked as the
+  sidecar asks vLLM (``stream_options`` with ``include_usage`` and ``continuous_usage_stats``):
+  a role chunk, ``--tokens`` token chunks each carrying its ``usage`` (the shape the relay's
+  fast path matches, checked here), the finish, the usage chunk and ``[DONE]``. It paces like an
+  engine: every ``--step-us`` it writes the next chunk of every stream in progress, one write
+  each, so the relay gets one event per read while it keeps up; a few syscalls per event.
+- the sidecar: ``python -m sidecar proxy --workers N --health-interval 0`` (token accounting
+  on: the default usage injection, and the usage cut back out of every chunk). ``--workers 0``
+  is the one-process mode (relay and collector on one loop), for reference.
+- the client: ``workers_scaling_load.c client`` (C, epoll): ``--streams-per-worker`` x
+  max(N, 1) keep-alive connections, closed loop (the next request as soon as an answer ends),
+  counting answers, SSE events, token events, reads and bytes; SIGUSR1 prints its counters.
+
+The offered chunk rate is streams / step, per worker: ``--streams-per-worker`` is a list of load
+levels (default 10, 20, 40, 80 = 10k to 80k chunks/s per worker at the 1 ms step), each run for
+every N (the order of N reversed every other round). The lower levels show the cost at one
+event per read; the top one saturates a worker (its core full, less delivered than offered),
+and the relay is the bottleneck there when the other processes' cores are not full (N = 1).
+A relay that falls behind reads several events at once and pays less per event, so "at
+saturation" is compared with the batching printed beside it, and a fit per N separates the
+cost per read from the cost per event.
+
+Placement (``--placement pinned``, the default, on a 2-core host; every thread of a process is
+pinned, the workers after they start):
+
+- N = 0: the one sidecar process alone on core 1; upstream and client on core 0.
+- N = 1: the worker alone on core 1; the collector, the upstream and the client on core 0.
+- N = 2: worker 0 on core 0 with the upstream and the collector, worker 1 on core 1 with the
+  client (the upstream costs more per event than the client: its write does the loopback's
+  receive work too). Two cores cannot give two workers a core each *and* run the load: what
+  must hold is the CPU per event, not the doubling.
+
+``--placement float`` pins nothing (the kernel's scheduler places everything).
+
+Measured, per run, over the window (after ``--warmup-s``, ``--measure-s`` long): the client's
+events/s and token events/s; the CPU of every process (utime+stime from /proc/<pid>/stat: each
+worker, the collector, the upstream, the client, and the host's other CPU); each core's busy
+share (/proc/stat, tick-sampled: it reads low on a mostly idle core); per worker the client
+connections it holds (its sockets on the traffic port, at the window's start: how SO_REUSEPORT
+spread them), its requests (``/workers`` of the admin listener) and its CPU; the collector's
+records (``/workers``' records_received); the workers' write syscalls (/proc/<pid>/io syscw).
+Derived: **events per worker-CPU-second** (client events / summed worker CPU: the quantity that
+must stay constant for N workers to relay N times the rate given N cores), µs of worker CPU per
+event, the **collector's CPU per record** and the request rate at which it would fill one core
+(1 s / CPU per record), and events per relay write (client events / the workers' write
+syscalls; the relay writes once per upstream read it relays, plus a few writes per request and
+the channel's: 1.0 is one event per read, more means the relay fell behind and read several
+events at once, which makes each event cheaper; compare N's at a similar value; the client's
+events per read is printed beside it). Per N, over all its runs: worker µs/event = per_event +
+per_write / (events per relay write), least squares, and the events per worker-CPU-s that gives
+at one event per write.
+
+Reading the report: if events per worker-CPU-s is the same for N = 1 and N = 2, a worker's cost
+does not grow with the number of workers, and the rate scales with the CPU the workers get; the
+rate ratio N=2 / N=1 on this host is then the worker-CPU ratio (below 2 because the load shares
+the cores). What bounds it in general: cores (one per worker), the collector (one for all
+workers: its CPU per record sets a ceiling in requests/s), how SO_REUSEPORT spreads few
+connections (a hash per connection: with few, long-lived client connections one worker may get
+more of them), and the upstream.
+
+Checks printed per run: every answer complete, no error; the records' output tokens per request
+(``sidecar_request_generation_tokens`` sum / count from ``/metrics``) equal ``--tokens``, none
+estimated; requests_total == records_received for every worker (nothing dropped). ``/metrics``
+is read only once the load has stopped: it is computed on the collector's scrape thread at
+nice +19 holding the sinks' lock, and with the collector's core full (N = 2 here) a scrape
+during the load took 15 s (``/stats``: over 45 s), holding up the collector's loop meanwhile.
+``/workers`` alone (on the collector's loop) answers during the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import proxy_overhead as po  # noqa: E402  (the shared process and /proc helpers)
+
+HOST = po.HOST
+LOAD_SOURCE = Path(__file__).resolve().parent / "workers_scaling_load.c"
+CC_HINT = "install a C compiler (Debian: apt-get install gcc)"
+PROMPT = "Tell me a story about a lighthouse."
+
+
+# ---------------------------------------------------------------------------------------------
+# The load program and the stream it serves
+
+
+def build_load(workdir: Path) -> Path | None:
+    """Compile workers_scaling_load.c; None when no C compiler is here."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return None
+    out = workdir / "load"
+    subprocess.run([cc, "-O2", "-o", str(out), str(LOAD_SOURCE)], check=True, timeout=120)
+    return out
+
+
+def request_body(tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "model": po.MODEL,
+            "stream": True,
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": PROMPT}],
+        }
+    ).encode()
+
+
+def capture_stream(tokens: int, workdir: Path) -> list[bytes]:
+    """The SSE events the simulator sends for one request, asked as the sidecar asks vLLM
+    (usage on every chunk); each event with its ``\\n\\n``."""
+    port = po.free_port()
+    sim = po.start_sim(port, 0.0005, workdir / "sim.log", None)
+    try:
+        body = json.loads(request_body(tokens))
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        req = urllib.request.Request(
+            f"http://{HOST}:{port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read()
+    finally:
+        po.stop(sim)
+    return [event + b"\n\n" for event in raw.split(b"\n\n") if event.strip()]
+
+
+def check_stream(events: Sequence[bytes], tokens: int) -> dict[str, Any]:
+    """What the relay will see: token events carrying usage, and how many of them its fast
+    path (one regex per event, sidecar/protocol/fastchunk.py) matches."""
+    from sidecar.protocol.fastchunk import fast_token_chunk
+
+    token_events = [e for e in events if b'"delta":{"content":"' in e]
+    fast = sum(1 for e in token_events if fast_token_chunk(e) is not None)
+    with_usage = sum(1 for e in token_events if b'"usage":{' in e)
+    if len(token_events) != tokens or events[-1] != b"data: [DONE]\n\n":
+        raise RuntimeError(
+            f"the simulator's stream has {len(token_events)} token events, wanted {tokens}"
+        )
+    return {
+        "events": len(events),
+        "token_events": len(token_events),
+        "token_events_with_usage": with_usage,
+        "token_events_on_fast_path": fast,
+        "bytes": sum(map(len, events)),
+    }
+
+
+def write_units(events: Sequence[bytes], path: Path) -> int:
+    """The upstream's writes: the response head and the role chunk at once, then one token chunk
+    per step, the last token with the usage chunk, [DONE] and the chunked terminator (as vLLM's
+    end comes). Each as one HTTP/1.1 chunk."""
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n" % len(data) + data + b"\r\n"
+
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    units = [head + chunk(events[0])]
+    units += [chunk(e) for e in events[1:-3]]
+    units.append(b"".join(chunk(e) for e in events[-3:]) + b"0\r\n\r\n")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<I", len(units)))
+        for unit in units:
+            f.write(struct.pack("<I", len(unit)) + unit)
+    return len(units)
+
+
+def write_request(tokens: int, port: int, path: Path) -> None:
+    body = request_body(tokens)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    path.write_bytes(head + body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Readings
+
+
+def core_busy_ticks() -> dict[int, tuple[int, int]]:
+    """Per core (busy, total) ticks from /proc/stat."""
+    out: dict[int, tuple[int, int]] = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("cpu") and line[3].isdigit():
+                fields = line.split()
+                values = [int(v) for v in fields[1:9]]
+                busy = sum(values[i] for i in (0, 1, 2, 5, 6, 7))
+                out[int(fields[0][3:])] = (busy, sum(values))
+    return out
+
+
+def proc_syscw(pid: int) -> int:
+    """Write-family syscalls a process made (/proc/<pid>/io ``syscw``: write, writev, ...)."""
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("syscw:"):
+                return int(line.split()[1])
+    return 0
+
+
+def connections_per_process(pids: Sequence[int], port: int) -> list[int]:
+    """Established TCP connections on local ``port`` held by each process: the client's
+    connections as SO_REUSEPORT spread them over the workers (/proc/net/tcp's inodes matched
+    against each process's socket fds)."""
+    inodes: set[str] = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                inodes.add(fields[9])
+    counts = []
+    for pid in pids:
+        n = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    n += 1
+        counts.append(n)
+    return counts
+
+
+def admin_json(port: int, path: str) -> Any:
+    with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def metric_sums(port: int, names: Sequence[str]) -> dict[str, float]:
+    """Each named sample of /metrics, summed over its labels (classic text format)."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    sums = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+GEN_SUM = "sidecar_request_generation_tokens_sum"
+GEN_COUNT = "sidecar_request_generation_tokens_count"
+ESTIMATED = "sidecar_requests_with_estimated_tokens_total"
+
+
+def pin_process(pid: int, core: int | None) -> None:
+    """Every thread of ``pid`` on ``core`` (None: leave it)."""
+    if core is None:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), {core})
+
+
+def placement_for(workers: int, placement: str) -> dict[str, Any]:
+    """Cores per role: upstream, client, collector (or the one process), and each worker."""
+    if placement == "float" or not po.can_pin():
+        return {"upstream": None, "client": None, "collector": None, "workers": [None] * workers}
+    if workers == 0:
+        return {"upstream": 0, "client": 0, "collector": 1, "workers": []}
+    if workers == 1:
+        return {"upstream": 0, "client": 0, "collector": 0, "workers": [1]}
+    return {"upstream": 0, "client": 1, "collector": 0, "workers": [i % 2 for i in range(workers)]}
+
+
+def client_snap(proc: subprocess.Popen[bytes], out_path: Path, sig: int) -> dict[str, int]:
+    """Signal the client and read back the counters line it prints."""
+    before = out_path.read_text().count("\n")
+    proc.send_signal(sig)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = out_path.read_text().splitlines()
+        if len(lines) > before and out_path.read_text().endswith("\n"):
+            fields = lines[before].split()
+            keys = ("t_ns", "answers", "events", "tokens", "reads", "bytes", "errors")
+            return dict(zip(keys, map(int, fields[1:8]), strict=True))
+        time.sleep(0.002)
+    raise RuntimeError("the load client did not answer its signal")
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+
+
+def run_once(
+    args: argparse.Namespace,
+    load: Path,
+    units: Path,
+    workers: int,
+    streams: int,
+    workdir: Path,
+    tag: str,
+) -> dict[str, Any]:
+    place = placement_for(workers, args.placement)
+    conns = streams * max(workers, 1)
+    up_port, port, admin_port = po.free_port(), po.free_port(), po.free_port()
+    request = workdir / f"request-{tag}.bin"
+    write_request(args.tokens, port, request)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        upstream = po.spawn(
+            [str(load), "upstream", str(up_port), str(units), str(args.step_us)],
+            workdir / f"upstream-{tag}.log",
+            place["upstream"],
+        )
+        procs.append(upstream)
+        po.wait_port(up_port, upstream)
+        proxy = po.start_proxy(
+            up_port,
+            port,
+            admin_port,
+            workdir / f"proxy-{tag}.log",
+            None,
+            ["--workers", str(workers)],
+        )
+        procs.append(proxy)
+        pin_process(proxy.pid, place["collector"])
+        worker_pids: list[int] = []
+        if workers:
+            deadline = time.monotonic() + 20
+            while True:
+                view = admin_json(admin_port, "/workers")
+                if view["alive"] == workers or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            worker_pids = [w["pid"] for w in sorted(view["workers"], key=lambda w: w["worker"])]
+            for pid, core in zip(worker_pids, place["workers"], strict=True):
+                pin_process(pid, core)
+        client_out = workdir / f"client-{tag}.out"
+        client_out.write_text("")
+        log = open(client_out, "ab")  # noqa: SIM115 - handed to the child, closed after spawn
+        try:
+            client = subprocess.Popen(
+                [str(load), "client", HOST, str(port), str(conns), str(request)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=po._pinner(place["client"]),
+            )
+        finally:
+            log.close()
+        procs.append(client)
+        time.sleep(args.warmup_s)
+
+        roles: dict[str, int] = {"collector" if workers else "sidecar": proxy.pid}
+        for i, pid in enumerate(worker_pids):
+            roles[f"worker{i}"] = pid
+        roles["upstream"] = upstream.pid
+        roles["client"] = client.pid
+        roles["harness"] = os.getpid()
+
+        relay_roles = [r for r in roles if r.startswith("worker")] or ["sidecar"]
+
+        def readings() -> dict[str, Any]:
+            return {
+                "cpu_ns": {role: po.proc_cpu_ns(pid) for role, pid in roles.items()},
+                "relay_syscw": sum(proc_syscw(roles[r]) for r in relay_roles),
+                "host_busy_ns": po.host_busy_ns(),
+                "cores": core_busy_ticks(),
+            }
+
+        admin0 = admin_json(admin_port, "/workers") if workers else None
+        conns_per_worker = connections_per_process(worker_pids or [proxy.pid], port)
+        r0 = readings()
+        c0 = client_snap(client, client_out, signal.SIGUSR1)
+        time.sleep(args.measure_s)
+        c1 = client_snap(client, client_out, signal.SIGUSR1)
+        r1 = readings()
+        admin1 = admin_json(admin_port, "/workers") if workers else None
+        alive = client.poll() is None
+        po.stop(client)
+        time.sleep(0.5)  # the last records reach the collector
+        admin_end = admin_json(admin_port, "/workers") if workers else None
+        metrics_end = metric_sums(admin_port, (GEN_SUM, GEN_COUNT, ESTIMATED))
+    finally:
+        for proc in reversed(procs):
+            po.stop(proc)
+
+    wall_s = (c1["t_ns"] - c0["t_ns"]) / 1e9
+    cpu_s = {role: (r1["cpu_ns"][role] - r0["cpu_ns"][role]) / 1e9 for role in roles}
+    ours = sum(cpu_s.values())
+    other_s = (r1["host_busy_ns"] - r0["host_busy_ns"]) / 1e9 - ours
+    cores = {}
+    for core, (busy1, total1) in r1["cores"].items():
+        busy0, total0 = r0["cores"][core]
+        cores[f"core{core}"] = (busy1 - busy0) / max(1, total1 - total0)
+    delta = {k: c1[k] - c0[k] for k in ("answers", "events", "tokens", "reads", "bytes", "errors")}
+    worker_cpu_s = sum(v for k, v in cpu_s.items() if k.startswith("worker")) or cpu_s.get(
+        "sidecar", 0.0
+    )
+    sidecar_cpu_s = worker_cpu_s + cpu_s.get("collector", 0.0)
+    result: dict[str, Any] = {
+        "tag": tag,
+        "workers": workers,
+        "placement": {k: v for k, v in place.items()},
+        "streams_per_worker": streams,
+        "connections": conns,
+        "connections_per_worker": conns_per_worker,
+        "offered_events_per_s": conns / (args.step_us / 1e6),
+        "window_s": wall_s,
+        "client": delta,
+        "client_alive_at_end": alive,
+        "events_per_s": delta["events"] / wall_s,
+        "token_events_per_s": delta["tokens"] / wall_s,
+        "answers_per_s": delta["answers"] / wall_s,
+        "events_per_client_read": delta["events"] / max(1, delta["reads"]),
+        # The relay writes once per upstream read it relays (plus a few writes per request and
+        # the channel's): events per write is how batched its reads were, 1.0 = one event each.
+        "events_per_relay_write": delta["events"] / max(1, r1["relay_syscw"] - r0["relay_syscw"]),
+        "cpu_cores": {role: s / wall_s for role, s in cpu_s.items()},
+        "other_cpu_cores": other_s / wall_s,
+        "core_busy": cores,
+        "worker_cpu_cores": worker_cpu_s / wall_s,
+        "events_per_worker_cpu_s": delta["events"] / worker_cpu_s if worker_cpu_s else None,
+        "worker_us_per_event": 1e6 * worker_cpu_s / max(1, delta["events"]),
+        "sidecar_us_per_event": 1e6 * sidecar_cpu_s / max(1, delta["events"]),
+    }
+    gen_count = metrics_end[GEN_COUNT]
+    result["records"] = {
+        "n_out_mean": metrics_end[GEN_SUM] / gen_count if gen_count else None,
+        "estimated": metrics_end[ESTIMATED],
+        "total": gen_count,
+    }
+    if workers and admin0 and admin1 and admin_end:
+        per0 = {w["worker"]: w for w in admin0["workers"]}
+        per = []
+        for w in sorted(admin1["workers"], key=lambda w: w["worker"]):
+            w0 = per0[w["worker"]]
+            per.append(
+                {
+                    "worker": w["worker"],
+                    "pid": w["pid"],
+                    "requests": w["requests_total"] - w0["requests_total"],
+                    "records_received": w["records_received"] - w0["records_received"],
+                    "restarts": w["restarts"],
+                }
+            )
+        result["per_worker"] = per
+        records = sum(p["records_received"] for p in per)
+        collector_s = cpu_s["collector"]
+        result["collector_us_per_record"] = 1e6 * collector_s / max(1, records)
+        result["collector_saturates_at_records_per_s"] = (
+            records / collector_s if collector_s > 0 else None
+        )
+        result["accounting"] = [
+            {
+                "worker": w["worker"],
+                "requests_total": w["requests_total"],
+                "records_received": w["records_received"],
+                "dropped": sum(w["dropped"].values()),
+                "lost": w["lost"],
+            }
+            for w in admin_end["workers"]
+        ]
+        events_per_answer = delta["events"] / max(1, delta["answers"])
+        for i, p in enumerate(per):
+            cpu = cpu_s.get(f"worker{i}", 0.0)
+            p["cpu_cores"] = cpu / wall_s
+            # Its records x the client's events per answer: an estimate per worker.
+            p["events_per_cpu_s_est"] = (
+                p["records_received"] * events_per_answer / cpu if cpu > 0 else None
+            )
+    result["checks"] = checks(result, args.tokens)
+    return result
+
+
+def checks(result: dict[str, Any], tokens: int) -> list[str]:
+    """What went wrong in a run, in words (empty: nothing)."""
+    problems = []
+    if result["client"]["errors"]:
+        problems.append(f"{result['client']['errors']} client errors")
+    if not result["client_alive_at_end"]:
+        problems.append("the load client exited early")
+    n_out = result["records"]["n_out_mean"]
+    if n_out is None or abs(n_out - tokens) > 1e-9:
+        problems.append(f"records' mean output tokens {n_out}, wanted {tokens}")
+    if result["records"]["estimated"]:
+        problems.append(f"{result['records']['estimated']:.0f} records with estimated tokens")
+    for acc in result.get("accounting", []):
+        if acc["dropped"] or acc["lost"]:
+            problems.append(f"worker {acc['worker']}: dropped {acc['dropped']} lost {acc['lost']}")
+    for p in result.get("per_worker", []):
+        if p["restarts"]:
+            problems.append(f"worker {p['worker']} restarted {p['restarts']} times")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt(value: Any, spec: str = "{:.2f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def placement_words(workers: int, place: dict[str, Any]) -> str:
+    if place["upstream"] is None:
+        return "float"
+    if workers == 0:
+        return f"sidecar c{place['collector']}; up c{place['upstream']}, cl c{place['client']}"
+    ws = " ".join(f"w{i} c{c}" for i, c in enumerate(place["workers"]))
+    return f"{ws}; coll c{place['collector']}, up c{place['upstream']}, cl c{place['client']}"
+
+
+def report(meta: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "# workers_scaling: N workers at saturation",
+        "",
+        f"# {meta['command']}",
+        f"# {meta['machine']}",
+        f"# stream: {meta['stream']['token_events']} token events + "
+        f"{meta['stream']['events'] - meta['stream']['token_events']} others per request from "
+        f"the upstream, {meta['stream']['token_events_with_usage']} with usage, "
+        f"{meta['stream']['token_events_on_fast_path']} on the relay's fast path (the finish "
+        f"chunk takes the general one); "
+        f"step {meta['step_us']} µs, streams per worker "
+        f"{', '.join(map(str, meta['streams_per_worker']))} (offered events/s = streams / step), "
+        f"warm-up {meta['warmup_s']} s, window {meta['measure_s']} s",
+        "",
+        "## Runs",
+        "",
+        "| run | N | placement | conns | offered/s | events/s | worker CPU (cores) "
+        "| events per worker-CPU-s "
+        "| worker µs/event | sidecar µs/event | collector µs/record | collector core full at "
+        "req/s | events per relay write (client read) | CPU: "
+        + "upstream / client / collector / other | "
+        "core busy | per worker: connections, requests, CPU | checks |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|",
+    ]
+    for r in runs:
+        cpu = r["cpu_cores"]
+        per_worker = r.get("per_worker", [])
+        if per_worker:
+            spread = " / ".join(
+                f"{c} conns, {p['requests']} req, {fmt(p['cpu_cores'])} c"
+                for c, p in zip(r["connections_per_worker"], per_worker, strict=True)
+            )
+        else:
+            spread = f"{r['connections_per_worker'][0]} conns"
+        cores = " / ".join(f"{v:.2f}" for v in r["core_busy"].values())
+        others = (
+            " / ".join(fmt(cpu.get(k)) for k in ("upstream", "client", "collector"))
+            + f" / {r['other_cpu_cores']:.2f}"
+        )
+        worker_breakdown = " + ".join(
+            fmt(cpu[k]) for k in sorted(cpu) if k.startswith("worker")
+        ) or fmt(cpu.get("sidecar"))
+        lines.append(
+            f"| {r['tag']} | {r['workers']} | {placement_words(r['workers'], r['placement'])} "
+            f"| {r['connections']} | {r['offered_events_per_s']:,.0f} "
+            f"| {r['events_per_s']:,.0f} | {r['worker_cpu_cores']:.2f} "
+            f"({worker_breakdown}) | {fmt(r['events_per_worker_cpu_s'], '{:,.0f}')} "
+            f"| {r['worker_us_per_event']:.1f} | {r['sidecar_us_per_event']:.1f} "
+            f"| {fmt(r.get('collector_us_per_record'), '{:.0f}')} "
+            f"| {fmt(r.get('collector_saturates_at_records_per_s'), '{:,.0f}')} "
+            f"| {r['events_per_relay_write']:.2f} ({r['events_per_client_read']:.2f}) "
+            f"| {others} | {cores} | {spread} "
+            f"| {'; '.join(r['checks']) or 'ok'} |"
+        )
+    lines += ["", "## Summary (median [min-max] over the runs of each N and load)", ""]
+    lines += [
+        "| streams/worker | N | runs | events/s | worker CPU (cores) | events per worker-CPU-s "
+        "| rate / N=1 "
+        "| events per worker-CPU-s / N=1 | collector µs/record | events per relay write |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    summary = summarise(runs)
+    for (streams, n), s in summary.items():
+        lines.append(
+            f"| {streams} | {n} | {s['runs']} | {spread_text(s['events_per_s'], '{:,.0f}')} "
+            f"| {spread_text(s['worker_cpu_cores'])} "
+            f"| {spread_text(s['events_per_worker_cpu_s'], '{:,.0f}')} "
+            f"| {fmt(s.get('rate_vs_1'))} | {fmt(s.get('efficiency_vs_1'))} "
+            f"| {spread_text(s['collector_us_per_record'], '{:.0f}')} "
+            f"| {spread_text(s['events_per_relay_write'])} |"
+        )
+    fits = fit_costs(runs)
+    if fits:
+        lines += [
+            "",
+            "## Cost per event and per write, by N (least squares over every run of that N)",
+            "",
+            "worker µs/event = per_event + per_write x (writes per event): a relay pays per read"
+            " (the recv, the loop's wake-up and dispatch, the framing and the client write) and"
+            " per event (parsing, classifying, counting, cutting the usage); at saturation it"
+            " falls behind and reads several events at once, which is why µs/event falls with"
+            " the load. Events per worker-CPU-s at one event per write = 1e6 / (per_event +"
+            " per_write): the per-worker cost to compare across N at the same batching.",
+            "",
+            "| N | runs | per_event µs | per_write µs | events per worker-CPU-s at 1 event/write "
+            "| max abs residual µs |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for n, f in fits.items():
+            lines.append(
+                f"| {n} | {f['runs']} | {f['per_event_us']:.1f} | {f['per_write_us']:.1f} "
+                f"| {f['events_per_worker_cpu_s_at_1']:,.0f} | {f['max_abs_residual_us']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def fit_costs(runs: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per N, worker µs/event = a + b / (events per relay write), fitted over its runs (at
+    least two load levels)."""
+    import numpy as np
+
+    out: dict[int, dict[str, float]] = {}
+    for n in sorted({r["workers"] for r in runs}):
+        mine = [r for r in runs if r["workers"] == n and r["events_per_relay_write"] > 0]
+        if len({r["streams_per_worker"] for r in mine}) < 2:
+            continue
+        x = np.array([1.0 / r["events_per_relay_write"] for r in mine])
+        y = np.array([r["worker_us_per_event"] for r in mine])
+        b, a = np.polyfit(x, y, 1)
+        out[n] = {
+            "runs": len(mine),
+            "per_event_us": float(a),
+            "per_write_us": float(b),
+            "events_per_worker_cpu_s_at_1": 1e6 / float(a + b),
+            "max_abs_residual_us": float(np.max(np.abs(y - (a + b * x)))),
+        }
+    return out
+
+
+def spread_text(values: Sequence[float], spec: str = "{:.2f}") -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return spec.format(med)
+    return f"{spec.format(med)} [{spec.format(min(values))}-{spec.format(max(values))}]"
+
+
+def summarise(runs: Sequence[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    """Per (streams per worker, N): each quantity's values, and the medians' ratios to N = 1
+    at the same streams per worker."""
+    keys = (
+        "events_per_s",
+        "worker_cpu_cores",
+        "events_per_worker_cpu_s",
+        "collector_us_per_record",
+        "events_per_relay_write",
+    )
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in runs:
+        key = (r["streams_per_worker"], r["workers"])
+        s = out.setdefault(key, {"runs": 0, **{k: [] for k in keys}})
+        s["runs"] += 1
+        for k in keys:
+            if r.get(k) is not None:
+                s[k].append(r[k])
+    for (streams, _n), s in out.items():
+        base = out.get((streams, 1))
+        if base and s["events_per_s"] and base["events_per_s"]:
+            s["rate_vs_1"] = statistics.median(s["events_per_s"]) / statistics.median(
+                base["events_per_s"]
+            )
+            s["efficiency_vs_1"] = statistics.median(
+                s["events_per_worker_cpu_s"]
+            ) / statistics.median(base["events_per_worker_cpu_s"])
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def run(args: argparse.Namespace) -> int:
+    po.AUTOGROUP_NICE = args.nice
+    command = "python benchmarks/workers_scaling.py " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="workers-scaling-") as tmp:
+        workdir = Path(tmp)
+        load = build_load(workdir)
+        if load is None:
+            print(f"SKIPPED: no C compiler for the load program ({CC_HINT})")
+            if args.json_out:
+                Path(args.json_out).write_text(json.dumps({"skipped": CC_HINT}) + "\n")
+            return 0
+        events = capture_stream(args.tokens, workdir)
+        stream = check_stream(events, args.tokens)
+        units = workdir / "units.bin"
+        write_units(events, units)
+        meta: dict[str, Any] = {
+            "command": command,
+            "machine": po.machine_line(),
+            "stream": stream,
+            "step_us": args.step_us,
+            "streams_per_worker": args.streams_per_worker,
+            "tokens": args.tokens,
+            "warmup_s": args.warmup_s,
+            "measure_s": args.measure_s,
+            "placement": args.placement,
+            "nice": args.nice,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        runs: list[dict[str, Any]] = []
+        for rnd in range(args.repeats):
+            order = args.workers if rnd % 2 == 0 else list(reversed(args.workers))
+            for streams, n in ((st, n) for st in args.streams_per_worker for n in order):
+                background = (
+                    po.wait_quiet([], args.quiet_below, args.quiet_wait_s)
+                    if args.quiet_below > 0
+                    else None
+                )
+                tag = f"r{rnd + 1}-s{streams}-n{n}"
+                result = run_once(args, load, units, n, streams, workdir, tag)
+                result["round"] = rnd + 1
+                result["background_before_cores"] = background
+                runs.append(result)
+                print(
+                    f"# {tag}: {result['events_per_s']:,.0f} events/s, worker CPU "
+                    f"{result['worker_cpu_cores']:.2f} cores, "
+                    f"{fmt(result['events_per_worker_cpu_s'], '{:,.0f}')} events/worker-CPU-s, "
+                    f"background before {fmt(background)} cores, "
+                    f"checks: {'; '.join(result['checks']) or 'ok'}",
+                    flush=True,
+                )
+    text = report(meta, runs)
+    print(text, end="")
+    if args.json_out:
+        summary = {f"streams{k[0]}-n{k[1]}": v for k, v in summarise(runs).items()}
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "meta": meta,
+                    "runs": runs,
+                    "summary": summary,
+                    "cost_fit": {str(k): v for k, v in fit_costs(runs).items()},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+    if args.md_out:
+        Path(args.md_out).write_text(text)
+    failed = [r["tag"] for r in runs if r["checks"]]
+    if failed:
+        print(f"# runs with failed checks: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workers",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[1, 2],
+        help="worker counts to run, in this order (reversed every other round) [1,2]",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="rounds [2]")
+    parser.add_argument("--tokens", type=int, default=128, help="token chunks per stream [128]")
+    parser.add_argument(
+        "--streams-per-worker",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[10, 20, 40, 80],
+        help="client connections per worker, one load level each [10,20,40,80]",
+    )
+    parser.add_argument(
+        "--step-us", type=int, default=1000, help="the upstream's step: one chunk per stream [1000]"
+    )
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--measure-s", type=float, default=8.0)
+    parser.add_argument("--placement", choices=("pinned", "float"), default="pinned")
+    parser.add_argument(
+        "--nice", type=int, default=0, help="autogroup nice of every process (as proxy_overhead)"
+    )
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.3,
+        help="before each run wait until other processes use fewer cores than this [0.3]",
+    )
+    parser.add_argument("--quiet-wait-s", type=float, default=20.0)
+    parser.add_argument("--json-out", help="write every run and the summary as JSON")
+    parser.add_argument("--md-out", help="write the printed report here too")
+    parser.add_argument("--smoke", action="store_true", help="CI: seconds, tiny load")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        args.tokens, args.streams_per_worker, args.repeats = 8, [2], 1
+        args.warmup_s, args.measure_s, args.quiet_below = 0.5, 0.5, 0.0
+    po.exit_on_sigterm()
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
