@@ -490,5 +490,8 @@ def test_workers_scaling_smoke(tmp_path: Path) -> None:
     assert {run["workers"] for run in result["runs"]} >= {1, 2}
     for run in result["runs"]:
         assert run["checks"] == [], run["checks"]  # the harness's own checks found nothing
-        for worker in run["accounting"]:  # every request a worker counted reached the collector
-            assert worker["requests_total"] == worker["records_received"] > 0, worker
+        # Every request a worker counted reached the collector. (With the smoke's 4 connections
+        # SO_REUSEPORT may give one worker all of them: no per-worker minimum.)
+        for worker in run["accounting"]:
+            assert worker["requests_total"] == worker["records_received"], worker
+        assert sum(worker["records_received"] for worker in run["accounting"]) > 0
