@@ -744,7 +744,10 @@ async def test_a_full_disk_under_the_capture_never_touches_traffic(
         async with session.get(s.server.admin_url + "/metrics") as response:
             exposition = await response.text()
     assert all(status == 200 for status, _ in results)
-    assert all(r.outcome is Outcome.OK for r in records) and sink.written == 0
+    assert all(r.outcome is Outcome.OK for r in records), [
+        (r.request_id, r.outcome, r.error_type) for r in records if r.outcome is not Outcome.OK
+    ]
+    assert sink.written == 0
     assert 'sidecar_capture_records_dropped_total{reason="write_error"} 20.0' in exposition
     assert s.window.records() and len(s.window.records()) == 20
 

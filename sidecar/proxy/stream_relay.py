@@ -43,7 +43,10 @@ class MeteredRead:
 
     def on_read(self, data: bytes, t_up: int) -> None:
         timeouts = self.timeouts
-        timeouts.last_ns = t_up
+        # The idle deadline counts from when the proxy got to the read, not from ``t_up``
+        # (the kernel's arrival stamp): a loop that fell behind must not time out a stream
+        # whose bytes were waiting for it.
+        timeouts.last_ns = clock.monotonic_ns()
         meter = self.meter
         try:
             out, n_events, n_token_events = meter.feed(data, t_up)
