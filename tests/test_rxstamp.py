@@ -332,3 +332,77 @@ async def test_reads_without_the_kernels_stamp_are_stamped_when_read_and_counted
         transport.abort()
         peer.close()
         listener.close()
+
+
+async def test_a_deadline_that_passed_during_a_stall_waits_for_the_bytes_that_came_meanwhile() -> (
+    None
+):
+    """The proxy's loop is held for 400 ms (in an I/O callback) right after the first token,
+    while the replica (a thread of its own) keeps sending every 100 ms: the 200 ms idle
+    deadline passed during the hold, but the tokens were in the socket. On the next turn libuv
+    runs due timers before it polls, so the deadline is confirmed after one poll: the stream
+    ends well, not in an idle timeout (it did before)."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def replica() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            while len(body) < length:
+                body += conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            events = [chat_chunk(str(i), i + 1) for i in range(4)] + [b"data: [DONE]\n\n"]
+            for i, event in enumerate(events):
+                conn.sendall(b"%x\r\n%b\r\n" % (len(event), event))
+                if i < 3:
+                    clock_sleep(0.1)
+            conn.sendall(b"0\r\n\r\n")
+
+    def clock_sleep(seconds: float) -> None:
+        threading.Event().wait(seconds)  # this thread runs no loop
+
+    thread = threading.Thread(target=replica, daemon=True)
+    thread.start()
+    upstream = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        async with (
+            proxy_to(
+                upstream, idle_timeout="200ms", ttft_timeout="5s", engine_scrape_interval="0"
+            ) as (server, collected),
+            aiohttp.ClientSession() as session,
+        ):
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+            async with session.post(server.url + "/v1/chat/completions", json=body) as response:
+                assert response.status == 200
+                await response.content.readuntil(b"\n\n")  # the first token
+                # The loop is held inside an I/O callback (as a long read's work or a garbage
+                # collection there would hold it); the replica goes on.
+                loop = asyncio.get_running_loop()
+                trigger, held = socket.socketpair()
+
+                def hold() -> None:
+                    loop.remove_reader(held.fileno())
+                    spin(400_000_000)
+
+                loop.add_reader(held.fileno(), hold)
+                trigger.send(b"x")
+                rest = await response.read()
+                trigger.close()
+                held.close()
+            (record,) = await collected.wait_for(1)
+    finally:
+        await asyncio.to_thread(thread.join, 10)
+        listener.close()
+    assert rest.endswith(b"data: [DONE]\n\n"), rest[-200:]
+    assert record.outcome is Outcome.OK and record.n_out == 4, (record.outcome, record.error_type)

@@ -9,6 +9,8 @@ from sidecar.config import ProxyConfig
 
 # A deadline that never comes (ns; past any monotonic clock this process will read).
 NEVER = 1 << 62
+# A deadline found passed is confirmed this much later, after at least one poll of the sockets.
+CONFIRM_S = 0.001
 
 
 class Timeouts:
@@ -34,6 +36,7 @@ class Timeouts:
         "_handle",
         "_wake_at",
         "_loop",
+        "_confirming",
     )
 
     def __init__(
@@ -60,6 +63,7 @@ class Timeouts:
         self.fired: str | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._wake_at = NEVER
+        self._confirming = False
         self._arm(now)
 
     @classmethod
@@ -116,13 +120,23 @@ class Timeouts:
         now = clock.monotonic_ns()
         when, name = self._deadline()
         if when > now:
+            self._confirming = False
             self._arm(now)  # a deadline moved, or the loop's clock woke us a little early
+            return
+        if not self._confirming:
+            # Due; look once more after the loop has polled its sockets. After a stall (a
+            # long callback, a garbage collection) libuv runs due timers before it reads, so
+            # the token or read that would have moved this deadline may be waiting unread.
+            self._confirming = True
+            self._wake_at = now
+            self._handle = self._loop.call_later(CONFIRM_S, self._check)
             return
         if self.fired is None and self.task is not None:
             self.fired = name
             self.task.cancel()
 
     def disarm(self) -> None:
+        self._confirming = False
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
