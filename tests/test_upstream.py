@@ -214,7 +214,7 @@ async def test_a_read_held_for_an_exchange_that_ended_meanwhile_is_refused() -> 
 
     async with RawUpstream(answer) as url:
         port = int(url.rsplit(":", 1)[1])
-        pool = UpstreamPool()
+        pool = UpstreamPool(kernel_stamps=False)  # the read-stamped path ArrivalBatch serves
         head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
         first = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
         await first.response()
@@ -247,7 +247,7 @@ async def test_a_read_held_for_a_connection_aborted_meanwhile_is_dropped() -> No
 
     async with RawUpstream(answer) as url:
         port = int(url.rsplit(":", 1)[1])
-        pool = UpstreamPool()
+        pool = UpstreamPool(kernel_stamps=False)  # the read-stamped path ArrivalBatch serves
         head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
         exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
         await exchange.response()
