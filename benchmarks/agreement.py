@@ -6,7 +6,7 @@ joined per request with the sidecar's client vantage and the simulator's ground 
     python benchmarks/agreement.py --smoke     # CI: the SDK on tiny loads; vllm bench skipped
 
 Per (client tool, workload) run, fresh: the simulator (``sidecar sim --ground-truth FILE``,
-engine step ``--step-ms``), the sidecar in this process (``sidecar.cli.build_proxy_server``,
+engine step ``--step-ms``), the sidecar in this process (``sidecar.serve.build_proxy_server``,
 default settings, health checks off, plus a sink that keeps every record; as in
 ``proxy_accuracy.py``), and the client tool as a process of its own. Pinned on a 2-core host:
 the simulator and the tool on core 0, the proxy alone on core 1. Closed loop: the tool keeps
@@ -795,9 +795,9 @@ async def run_one(
     workdir: Path,
     pin: bool,
 ) -> dict[str, Any]:
-    from sidecar.cli import build_proxy_server, settle_gc
     from sidecar.config import build_config
     from sidecar.realvllm.install import child_env
+    from sidecar.serve import build_proxy_server, settle_gc
 
     name = f"{tool}-{workload}"
     prefix = f"agree-{name}-"

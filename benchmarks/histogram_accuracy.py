@@ -378,9 +378,9 @@ async def sim_workload(
     import aiohttp
 
     from sidecar import stats
-    from sidecar.cli import build_proxy_server
     from sidecar.config import build_config
     from sidecar.record import Outcome, RequestRecord, Vantage
+    from sidecar.serve import build_proxy_server
     from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 
     class Keep:

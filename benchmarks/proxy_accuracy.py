@@ -11,7 +11,7 @@ Processes (pinned on a 2-core host):
   to the socket), all ``time.perf_counter_ns()``;
 - the load client (``proxy_overhead.py client``, the same client as the overhead benchmark,
   sending ``X-Request-Id``): core 0;
-- the sidecar, *in this process* (``sidecar.cli.build_proxy_server`` with the default settings,
+- the sidecar, *in this process* (``sidecar.serve.build_proxy_server`` with the default settings,
   token accounting on, health checks off, plus a sink that keeps every record): core 1, alone.
   This process does nothing else while the load runs (it waits on the client's exit).
 
@@ -227,8 +227,8 @@ def compare(
 
 
 async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) -> dict[str, Any]:
-    from sidecar.cli import build_proxy_server, settle_gc
     from sidecar.config import build_config
+    from sidecar.serve import build_proxy_server, settle_gc
 
     step = po.step_s_for(c, args.min_step_ms, args.target_rate)
     request_s = step * (args.max_tokens + 1)

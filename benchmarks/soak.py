@@ -240,8 +240,8 @@ def run_proxy_child(upstreams: list[str], capture: str) -> None:
     import uvloop
     from aiohttp import web
 
-    from sidecar.cli import build_proxy_server, wait_for_shutdown_signal
     from sidecar.config import build_config
+    from sidecar.serve import build_proxy_server, wait_for_shutdown_signal
 
     async def main() -> None:
         config = build_config(

@@ -7,10 +7,9 @@ Each command lives in its own module, which exposes ``add_arguments(parser)`` an
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar import __version__
 from sidecar.config import (
@@ -22,17 +21,16 @@ from sidecar.config import (
     flag_settings,
     load_config_file,
 )
-from sidecar.proxy import rxstamp
-from sidecar.proxy.logs import install as install_logging
-from sidecar.serve import RunningProxy, ServeError, check_capture_dir, serve
 
-# The proxy's wiring lives in serve.py, which holds no command. The ``X as X`` names are
-# re-exported: tests, benchmarks and scripts import them from sidecar.cli.
-from sidecar.serve import build_collector as build_collector
-from sidecar.serve import build_proxy_server as build_proxy_server
-from sidecar.serve import settle_gc as settle_gc
-from sidecar.serve import slo_policy_of as slo_policy_of
-from sidecar.serve import wait_for_shutdown_signal as wait_for_shutdown_signal
+if TYPE_CHECKING:
+    from sidecar.serve import RunningProxy
+
+# The heavy modules (serve.py and through it aiohttp, numpy, prometheus_client, the proxy, the
+# sinks; every command's library) are imported by the function that runs a command, never at
+# import: `sidecar --help`, `sidecar COMMAND --help` and the parser load only what they need
+# (tests/test_cli_startup.py). The proxy's wiring (`build_proxy_server`, `build_collector`,
+# ...) lives in serve.py, which holds no command: import it from there.
+
 
 AsyncCommand = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -64,6 +62,8 @@ exit status, every command:
 
 def run_coroutine(command: AsyncCommand, args: argparse.Namespace) -> int:
     """Run an async command on uvloop when it is installed (it is, except on Windows)."""
+    import asyncio  # here, not at import: start-up time of the CLI
+
     try:
         import uvloop
     except ImportError:  # pragma: no cover - Windows, or a stripped install
@@ -106,6 +106,12 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def run_proxy(args: argparse.Namespace) -> int:
+    # Here, not at import: start-up time of the CLI (serve.py brings aiohttp, numpy, ...).
+    import asyncio
+
+    from sidecar.proxy.logs import install as install_logging
+    from sidecar.serve import ServeError, check_capture_dir, serve
+
     try:
         file_settings = load_config_file(args.config) if args.config else None
         config = build_config(flag_settings(args), file_settings=file_settings)
@@ -160,6 +166,8 @@ async def run_proxy(args: argparse.Namespace) -> int:
 def _print_listening(config: ProxyConfig, proxy: RunningProxy) -> None:
     """What this proxy measures and keeps, said once at start: where it listens, its SLO
     classes (goodput), its capture, its processes."""
+    from sidecar.serve import slo_policy_of  # imported by the caller already
+
     policy = slo_policy_of(config)
     slos = (
         (
@@ -200,6 +208,8 @@ def _print_listening(config: ProxyConfig, proxy: RunningProxy) -> None:
 
 def server_stamps_text(config: ProxyConfig) -> str:
     """Where the server vantage's instants come from, in this process (docs/metrics.md)."""
+    from sidecar.proxy import rxstamp  # here, not at import: start-up time of the CLI
+
     if config.server_stamps == "read":
         return "when the proxy reads them (--server-stamps read)"
     if not rxstamp.SUPPORTED:

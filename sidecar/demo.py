@@ -16,11 +16,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import aiohttp
-
-from sidecar import stats
 from sidecar.config import (
     ConfigError,
     ProxyConfig,
@@ -31,13 +28,18 @@ from sidecar.config import (
 from sidecar.realvllm import RealVLLMError, start_server
 from sidecar.realvllm.server import free_port
 from sidecar.record import RequestRecord, Vantage
-from sidecar.replay import load as replay_load
-from sidecar.replay import target as replay_target
 from sidecar.replay.options import ReplayOptions
-from sidecar.serve import build_proxy_server, wait_for_shutdown_signal
+from sidecar.sim.config import SimConfig
 from sidecar.sim.engine import EngineConfig
-from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceReader
+
+# aiohttp, numpy (stats), the proxy (serve), the simulator's server and the replay's load are
+# imported by the functions that use them: `sidecar --help` imports this module for its parser
+# (start-up time of the CLI).
+if TYPE_CHECKING:
+    import aiohttp
+
+    from sidecar import stats
 
 DESCRIPTION = """\
 Start simulated vLLM replicas, the measuring proxy in front of them, and an open-loop load
@@ -137,6 +139,8 @@ async def run(args: argparse.Namespace) -> int:
     if args.rate <= 0 or args.replicas < 1:
         print("sidecar demo: --rate must be > 0 and --replicas >= 1", file=sys.stderr)
         return 2
+    from sidecar import stats  # here, not at import: start-up time of the CLI (numpy)
+
     slo = stats.SLO(**slo_spec.slo_arguments())
     out = sys.stdout
     async with contextlib.AsyncExitStack() as upstream:
@@ -161,6 +165,12 @@ async def _upstreams(
 ) -> list[str]:
     """The replicas' base URLs: simulated ones (the default), or a real vLLM (started here, or
     given). Whatever is started is stopped when ``stack`` closes. Sets ``args.model``."""
+    # Here, not at import: start-up time of the CLI (aiohttp).
+    import aiohttp
+
+    from sidecar.replay import target as replay_target
+    from sidecar.sim.server import close_replicas, start_replicas
+
     if not args.real_vllm:
         args.model = args.model or "demo-model"
         replicas = await start_replicas(
@@ -220,6 +230,9 @@ async def measured_load(
 ) -> tuple[list[RequestRecord], bool]:
     """The built-in load through a capturing proxy, with the live table. Returns the records
     and whether the user interrupted it."""
+    # Here, not at import: start-up time of the CLI (aiohttp, numpy, ...).
+    from sidecar.serve import build_proxy_server, wait_for_shutdown_signal
+
     server, window = build_proxy_server(_proxy_config(upstreams, args, capture_dir))
     everything = RecordList()
     server.proxy.fanout.add(everything)
@@ -258,6 +271,13 @@ async def replay_capture(
 ) -> list[RequestRecord] | None:
     """Replay the capture, open loop on its own arrival times, through a fresh proxy in front
     of the same replicas, so both runs are measured at the same place."""
+    # Here, not at import: start-up time of the CLI (aiohttp, numpy, ...).
+    import aiohttp
+
+    from sidecar.replay import load as replay_load
+    from sidecar.replay import target as replay_target
+    from sidecar.serve import build_proxy_server
+
     files = sorted(Path(capture_dir).glob("capture-*.jsonl*"))
     if not files:
         print("\nno capture to replay", file=out)
@@ -291,6 +311,8 @@ async def replay_capture(
 def print_comparison(
     original: list[RequestRecord], replayed: list[RequestRecord], out: TextIO
 ) -> None:
+    from sidecar import stats  # here, not at import: start-up time of the CLI (numpy)
+
     print("\ncaptured run vs its replay (both measured by the proxy, client vantage; ms)", file=out)
     print(f"{'':16}{'original':>22}{'replay':>22}", file=out)
     print(f"{'':16}{'p50':>11}{'p99':>11}{'p50':>11}{'p99':>11}", file=out)
@@ -315,6 +337,8 @@ def print_comparison(
 
 
 async def send_load(url: str, args: argparse.Namespace, duration: float) -> None:
+    import aiohttp  # here, not at import: start-up time of the CLI
+
     rng = random.Random(args.seed)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
@@ -351,6 +375,8 @@ async def one_request(
         "ignore_eos": True,
         "messages": [{"role": "user", "content": prompt}],
     }
+    import aiohttp  # here, not at import: start-up time of the CLI
+
     with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
         async with session.post(url + "/v1/chat/completions", json=body) as response:
             async for _ in response.content.iter_any():
@@ -388,6 +414,8 @@ async def live_table(window: Any, out: TextIO, started: float) -> None:
 
 
 def print_summary(records: list[RequestRecord], slo: stats.SLO, out: TextIO) -> None:
+    from sidecar import stats  # here, not at import: start-up time of the CLI (numpy)
+
     generation = [r for r in records if r.endpoint in ("chat", "completions")]
     interval = stats.measured_interval_s(generation)
     print(

@@ -9,10 +9,10 @@ from typing import Any
 
 from aiohttp import web
 
-from sidecar.cli import build_proxy_server
 from sidecar.config import build_config
 from sidecar.proxy.app import ProxyServer
 from sidecar.record import RequestRecord
+from sidecar.serve import build_proxy_server
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import RunningReplica, SimConfig, close_replicas, start_replicas
 from sidecar.sinks.window import WindowSink

@@ -31,9 +31,9 @@ from otlp_receiver import OTLPReceiver
 from prometheus_helpers import Prometheus, free_port, require_module, running_prometheus
 from proxy_stack import FAST_ENGINE
 
-from sidecar.cli import build_collector
 from sidecar.config import build_config, load_config_file
 from sidecar.replay import replay_cli
+from sidecar.serve import build_collector
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
 

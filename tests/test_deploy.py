@@ -57,7 +57,7 @@ from proxy_stack import FAST_ENGINE, stack
 from reliability_helpers import until
 
 import sidecar
-from sidecar.cli import build_parser, slo_policy_of
+from sidecar.cli import build_parser
 from sidecar.config import (
     ConfigError,
     build_config,
@@ -65,6 +65,7 @@ from sidecar.config import (
     load_config_file,
     normalise_otel_endpoint,
 )
+from sidecar.serve import slo_policy_of
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceReader

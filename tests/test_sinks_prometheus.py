@@ -23,7 +23,6 @@ from prometheus_helpers import Prometheus, require_binary, running_prometheus
 from proxy_stack import stack
 
 from sidecar import stats
-from sidecar.cli import build_proxy_server
 from sidecar.config import build_config
 from sidecar.hooks import SINK_TIMEOUT_S, Sink, SinkFanout, ThreadedSink
 from sidecar.record import (
@@ -35,6 +34,7 @@ from sidecar.record import (
     TokenSource,
     Vantage,
 )
+from sidecar.serve import build_proxy_server
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
 from sidecar.sinks.prometheus import (

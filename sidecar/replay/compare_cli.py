@@ -10,19 +10,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sidecar.replay.compare import (
-    SWEEP,
-    Bracket,
-    CompareError,
-    CompareRefused,
-    Range,
-    Row,
-    SweepComparison,
-    compare_files,
-    degraded_refusal,
-)
+if TYPE_CHECKING:
+    from sidecar.replay.compare import Bracket, Range, Row, SweepComparison
 
 DESCRIPTION = """\
 Compare two runs of `sidecar replay --output-dir` (report.json), or two runs of `sidecar sweep
@@ -67,6 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
+    # Here, not at import: start-up time of the CLI (numpy).
+    from sidecar.replay.compare import (
+        SWEEP,
+        CompareError,
+        CompareRefused,
+        compare_files,
+        degraded_refusal,
+    )
+
     try:
         comparison = compare_files(
             args.run_a, args.run_b, variables=args.variable, force=args.force

@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sidecar.replay.report import console_table
-from sidecar.replay.shardmerge import MergeError, MergeRefused, merge_shards, write_outputs
-
 DESCRIPTION = """\
 Merge the output directories of a sharded replay (`sidecar replay --shard-index I --shard-count N
 --start-at T --output-dir DIR`) into one report: every metric recomputed over the union of the
@@ -51,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
+    # Here, not at import: start-up time of the CLI (aiohttp, numpy).
+    from sidecar.replay.report import console_table
+    from sidecar.replay.shardmerge import MergeError, MergeRefused, merge_shards, write_outputs
+
     try:
         merged = merge_shards(args.shards, slo=args.slo, force=args.force)
     except MergeRefused as exc:

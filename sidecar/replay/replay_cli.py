@@ -6,10 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from sidecar.replay import session
-from sidecar.replay.options import ReplayOptions, UsageError
+from sidecar.replay.options import DEFAULT_MAX_LATENESS_MS, ReplayOptions, UsageError
 from sidecar.replay.payload import PayloadError
-from sidecar.replay.report import DEFAULT_MAX_LATENESS_MS, console_table
 from sidecar.tracefile import TraceFormatError
 
 DESCRIPTION = """\
@@ -207,6 +205,10 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
+    # Here, not at import: start-up time of the CLI (aiohttp, numpy, rich, ...).
+    from sidecar.replay import session
+    from sidecar.replay.report import console_table
+
     options = ReplayOptions.from_namespace(args)
     # The llm-d report's native arguments are the command line as parsed.
     prepared = await session.prepare(options, native_args=vars(args))

@@ -28,11 +28,11 @@ import numpy.typing as npt
 
 from sidecar import stats
 from sidecar.record import Outcome, RequestRecord, Vantage
+from sidecar.replay.options import DEFAULT_MAX_LATENESS_MS as DEFAULT_MAX_LATENESS_MS
 from sidecar.replay.peers import vllm_bench_peaks
 from sidecar.replay.runner import SentRequest
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
-DEFAULT_MAX_LATENESS_MS = 50.0
 
 DEFINITIONS = {
     "ttft": "send -> first token-carrying chunk (client vantage); sample = request",

@@ -8,10 +8,7 @@ import sys
 from pathlib import Path
 
 from sidecar.config import ConfigError
-from sidecar.replay import sweep_session
-from sidecar.replay.admin import AdminError
 from sidecar.replay.options import SweepOptions, UsageError, admin_token_from_environment
-from sidecar.replay.sweep import console_report
 
 DESCRIPTION = """\
 Find the capacity of a target under a declared SLO: run replays at increasing offered load
@@ -146,6 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
+    from sidecar.replay.admin import AdminError  # here, not at import: start-up time of the CLI
+
     try:
         return await _run(args)
     except (ValueError, ConfigError, OSError, AdminError, UsageError) as exc:
@@ -154,6 +153,10 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
+    # Here, not at import: start-up time of the CLI (aiohttp, numpy, ...).
+    from sidecar.replay import sweep_session
+    from sidecar.replay.sweep import console_report
+
     options = SweepOptions.from_args(args)
     # The llm-d reports' native arguments are the command line as parsed.
     result = await sweep_session.run_sweep(options, native_args=vars(args))

@@ -7,7 +7,6 @@ Wired like every command: module-level DESCRIPTION and EPILOG, ``add_arguments(p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import tempfile
@@ -24,9 +23,6 @@ from sidecar.replay.importers import (
     TraceImportError,
     import_trace,
 )
-from sidecar.replay.tracelint import lint_trace
-from sidecar.replay.tracemerge import MergeRefused, merge_traces
-from sidecar.replay.tracestats import format_stats, stats_json, trace_stats
 from sidecar.tracefile import TraceFormatError
 
 DESCRIPTION = """\
@@ -334,6 +330,8 @@ def os_error(exc: OSError) -> str:
 
 
 def _run_lint(args: argparse.Namespace) -> int:
+    from sidecar.replay.tracelint import lint_trace  # here: start-up time of the CLI (numpy)
+
     try:
         report = lint_trace(args.trace, max_model_len=args.max_model_len)
     except TraceFormatError as exc:
@@ -347,6 +345,9 @@ def _run_lint(args: argparse.Namespace) -> int:
 
 
 def _run_stats(args: argparse.Namespace) -> int:
+    # Here, not at import: start-up time of the CLI (numpy).
+    from sidecar.replay.tracestats import format_stats, stats_json, trace_stats
+
     try:
         stats = trace_stats(args.trace)
     except TraceFormatError as exc:
@@ -360,6 +361,9 @@ def _run_stats(args: argparse.Namespace) -> int:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
+    # Here, not at import: start-up time of the CLI (aiohttp, numpy).
+    from sidecar.replay.tracemerge import MergeRefused, merge_traces
+
     output = Path(args.output)
     problem = _output_problem(output, args.overwrite, "use --overwrite to replace it")
     if problem is not None:
@@ -416,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import asyncio  # here, not at import: start-up time of the CLI
+
     return asyncio.run(run(args))
 
 

@@ -29,17 +29,11 @@ from collections.abc import Awaitable, Coroutine
 from pathlib import Path
 from typing import Any
 
+# What the parser needs, without aiohttp: the server (sidecar.sim.server, groundtruth) is
+# imported by the functions that serve (start-up time of `sidecar --help`).
+from sidecar.sim.config import VLLM_VERSION, SimConfig
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.faults import FAULT_HEADER, FaultSpecError, parse_fault_spec
-from sidecar.sim.groundtruth import GroundTruthWriter
-from sidecar.sim.server import (
-    VLLM_VERSION,
-    SimConfig,
-    bind,
-    close_replicas,
-    start_replica,
-    start_replicas,
-)
 from sidecar.sim.shapes import Profile
 
 # The GIL switch interval of a process serving replicas: a thread tokenizing a long prompt
@@ -300,6 +294,8 @@ async def run(args: argparse.Namespace) -> int:
     if args.replicas > 1 and not args.one_process:
         return await _run_processes(config, args)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    from sidecar.sim.server import close_replicas, start_replicas  # start-up time of the CLI
+
     try:
         replicas = await start_replicas(config, args.replicas, args.host, args.port)
     except OSError as exc:
@@ -362,6 +358,10 @@ _LENGTH = struct.Struct("!Q")
 
 
 async def _run_processes(config: SimConfig, args: argparse.Namespace) -> int:
+    # Here, not at import: start-up time of the CLI (aiohttp).
+    from sidecar.sim.groundtruth import GroundTruthWriter
+    from sidecar.sim.server import bind
+
     sockets: list[socket.socket] = []
     try:
         for index in range(args.replicas):
@@ -485,6 +485,10 @@ class _StdinClosed(asyncio.Protocol):
 
 
 async def _serve_child(payload: dict[str, Any]) -> int:
+    # Here, not at import: start-up time of the CLI (aiohttp).
+    from sidecar.sim.groundtruth import GroundTruthWriter
+    from sidecar.sim.server import start_replica
+
     config: SimConfig = payload["config"]
     sock = socket.socket(fileno=payload["fd"])
     ground_truth = GroundTruthWriter(config.ground_truth_path) if config.ground_truth_path else None

@@ -32,11 +32,8 @@ import http
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from aiohttp import web
-
-from sidecar.sim.groundtruth import GroundTruthRecord
 from sidecar.sim.requests import (
     BAD_REQUEST_ERROR,
     ENGINE_DEAD_MESSAGE,
@@ -45,6 +42,11 @@ from sidecar.sim.requests import (
     bad_request,
 )
 from sidecar.sim.shapes import DONE_EVENT, StreamFormatter
+
+if TYPE_CHECKING:  # annotations only: `sidecar sim --help` needs FAULT_HEADER, not aiohttp
+    from aiohttp import web
+
+    from sidecar.sim.groundtruth import GroundTruthRecord
 
 FAULT_HEADER = "X-Sim-Fault"
 
