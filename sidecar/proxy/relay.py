@@ -1185,6 +1185,9 @@ _VALIDATION_STATUSES = frozenset({400, 422})
 
 _CONNECT_ERROR_NAMES = {
     "connect_refused": "ClientConnectorError",
+    # A certificate that does not verify (SSL_CERT_FILE: docs/deploy.md), another TLS failure.
+    "tls_certificate": "ClientConnectorCertificateError",
+    "tls_handshake": "ClientConnectorSSLError",
     "connect_timeout": "ConnectionTimeoutError",
     "disconnected": "ServerDisconnectedError",
 }

@@ -42,8 +42,9 @@ _KEEPALIVE_S = 4.0
 
 
 class UpstreamError(Exception):
-    """The exchange failed at the connection level. ``kind``: connect_refused, connect_timeout
-    (no connection: the request never left), disconnected (the connection closed before or
+    """The exchange failed at the connection level. ``kind``: connect_refused, connect_timeout,
+    tls_certificate (the upstream's certificate did not verify), tls_handshake (no connection:
+    the request never left), disconnected (the connection closed before or
     during the answer), protocol_error (the answer was not valid HTTP/1.1), too_large (a body
     over the caller's limit). ``before_response``: no byte of the answer's head had arrived.
     ``reset``: the connection ended with a reset (RST), not an orderly close: what a server's
@@ -93,8 +94,12 @@ class ArrivalBatch:
         self._scheduled = False
         for exchange, data, at_ns in reads:
             connection = exchange.connection
-            if connection.closed:
+            if connection.aborted:
                 continue  # aborted meanwhile (the client left, a timeout): nothing more is read
+            # A connection the upstream closed after this read still owes it to its exchange:
+            # an answer ended by the close (`Connection: close`), or a TLS upstream whose
+            # close_notify came in the same read as its last bytes (uvloop then calls
+            # eof_received, and the transport is closing, in the callback that read them).
             if connection.exchange is exchange:
                 exchange.feed(data, at_ns)
             elif connection.exchange is not None:
@@ -102,6 +107,17 @@ class ArrivalBatch:
                 # connection went back to the pool and took a new request meanwhile): bytes
                 # after a response, as `UpstreamExchange.feed` would have refused them.
                 connection.abort()
+
+    def flush(self, connection: UpstreamConnection) -> None:
+        """Hand ``connection``'s waiting reads to its exchange now: the connection is ending,
+        and what it read comes before its end."""
+        reads = self._reads
+        if not any(read[0].connection is connection for read in reads):
+            return
+        self._reads = [read for read in reads if read[0].connection is not connection]
+        for exchange, data, at_ns in reads:
+            if exchange.connection is connection and connection.exchange is exchange:
+                exchange.feed(data, at_ns)
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -117,6 +133,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_idle_handle",
         "_closed",
         "_write_ready",
+        "aborted",
     )
 
     def __init__(self, key: tuple[str, int, bool], arrivals: ArrivalBatch) -> None:
@@ -131,6 +148,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._idle_handle: asyncio.TimerHandle | None = None
         self._closed = False
         self._write_ready: asyncio.Future[None] | None = None
+        self.aborted = False  # by the proxy (`abort`): whatever it still reads is not wanted
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
@@ -159,6 +177,8 @@ class UpstreamConnection(asyncio.Protocol):
         return None  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.aborted and self.exchange is not None:
+            self.arrivals.flush(self)  # its last reads, should the end come before their turn
         self._closed = True
         self.reusable = False
         if self._idle_handle is not None:
@@ -190,6 +210,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def abort(self) -> None:
         self.reusable = False
+        self.aborted = True
         if self.transport is not None:
             self.transport.abort()
 
@@ -578,6 +599,16 @@ class UpstreamPool:
             raise UpstreamError(
                 f"timed out connecting to {key[0]}:{key[1]}",
                 kind="connect_timeout",
+                before_response=True,
+            ) from None
+        except ssl.SSLError as exc:  # an OSError too: told apart, it is the operator's to fix
+            raise UpstreamError(
+                f"TLS with {key[0]}:{key[1]} failed: {exc.reason or exc}",
+                kind=(
+                    "tls_certificate"
+                    if isinstance(exc, ssl.SSLCertVerificationError)
+                    else "tls_handshake"
+                ),
                 before_response=True,
             ) from None
         except OSError as exc:
