@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from proxy_stack import stack
@@ -348,3 +348,120 @@ async def test_a_failure_inside_request_parsing_still_answers_and_records(
     assert status_of(answer) == 500
     assert record.outcome is Outcome.REJECTED
     assert record.error_type == "proxy_error:request_parsing"
+
+
+def _sse(*payloads: str) -> bytes:
+    """An HTTP/1.1 chunked event-stream body, one chunk per event, and its terminator."""
+    events = [f"data: {p}\n\n".encode() for p in payloads]
+    return b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
+def _one_chunk(*payloads: str) -> bytes:
+    """The same events as the proxy relays one read of them: one chunk, then the end."""
+    events = b"".join(f"data: {p}\n\n".encode() for p in payloads)
+    return b"%x\r\n%b\r\n0\r\n\r\n" % (len(events), events)
+
+
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    b"Connection: close\r\n\r\n"
+)
+_TOKEN = json.dumps(
+    {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}],
+    }
+)
+
+
+class WriteSpy:
+    """A client connection's real transport, with every ``write`` counted."""
+
+    def __init__(self, transport: Any) -> None:
+        self.inner = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.inner.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def _raw_upstream(
+    serve: Any,
+) -> tuple[asyncio.base_events.Server, str]:
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_stream_that_came_with_its_head_leaves_in_one_write() -> None:
+    """The replica's head, events and end arrive in one read: the client's head, events and
+    end go out in one write (the head is held for the events already here), byte for byte."""
+
+    async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_STREAM_HEAD + _sse(_TOKEN, "[DONE]"))
+        await close(writer)
+
+    server, url = await _raw_upstream(whole)
+    try:
+        from reliability_helpers import proxy_to
+
+        async with proxy_to([url]) as p:
+            reader, writer = await connect(p.url)
+            traffic = p.server.traffic
+            assert traffic is not None
+            await until(lambda: len(traffic.connections) == 1)
+            (connection,) = traffic.connections
+            spy = WriteSpy(connection.transport)
+            connection.transport = cast(asyncio.Transport, spy)  # counted, then passed on
+            writer.write(request_bytes("one-write"))
+            answer = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
+            await close(writer)
+            (record,) = await settle(p.server, p.records, 1)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert record.outcome is Outcome.OK and record.n_out == 1
+    assert len(spy.writes) == 1
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Transfer-Encoding: chunked" in head
+    assert body == _one_chunk(_TOKEN, "[DONE]")
+
+
+async def test_a_held_head_does_not_wait_for_the_first_event() -> None:
+    """The replica sends its head and only then, after the client has the head, its events:
+    holding the head for the events that came with it must not hold it for later ones."""
+    client_has_head = asyncio.Event()
+
+    async def head_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_STREAM_HEAD)
+        await writer.drain()
+        await client_has_head.wait()
+        writer.write(_sse(_TOKEN, "[DONE]"))
+        await close(writer)
+
+    server, url = await _raw_upstream(head_first)
+    try:
+        from reliability_helpers import proxy_to
+
+        async with proxy_to([url]) as p:
+            reader, writer = await connect(p.url)
+            writer.write(request_bytes("head-first"))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            client_has_head.set()
+            body = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
+            await close(writer)
+            (record,) = await settle(p.server, p.records, 1)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert body == _one_chunk(_TOKEN, "[DONE]")
+    assert record.outcome is Outcome.OK and record.n_out == 1

@@ -960,8 +960,9 @@ class Proxy:
         else:
             response_headers = list(filtered_headers(upstream.headers).items())
             response_headers.append((REQUEST_ID_HEADER, builder.request_id))
-            exchange.start(200, upstream.reason, response_headers, None)
-            # Sent: neither is read again, and a stream would hold both (~1.4 KiB).
+            # Held for the events that came with the upstream's head (`MeteredRead.body`).
+            exchange.start(200, upstream.reason, response_headers, None, hold=True)
+            # Rendered: neither is read again, and a stream would hold both (~1.4 KiB).
             del response_headers
             upstream.headers.clear()
             await self._relay_stream(upstream, exchange, builder, gen.plan, timeouts)

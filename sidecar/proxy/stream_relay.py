@@ -100,7 +100,11 @@ class MeteredRead:
         upstream, meter, builder = self.upstream, self.meter, self.builder
         try:
             try:
-                await upstream.stream_body(self.on_read)
+                done = upstream.stream_body(self.on_read)  # hands over the reads already here
+                if self.exchange is not None:
+                    # Its head was held for them (`ClientExchange.start`), and waits no longer.
+                    self.exchange.flush()
+                await done
             except UpstreamError:
                 if not (self.trouble is not None or meter.fatal is not None):
                     raise  # otherwise we aborted the upstream ourselves: the cause is below
