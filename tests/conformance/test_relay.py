@@ -869,7 +869,7 @@ def test_the_fast_path_takes_the_real_servers_token_chunks(
     from sidecar.protocol.sse import SSEParser
 
     for options in (None, {"include_usage": True, "continuous_usage_stats": True}):
-        body = make(max_tokens=8, stream=True)
+        body = make(max_tokens=32, stream=True)
         if options is not None:
             body["stream_options"] = options
         status, raw = post_json(real_vllm.base_url, path, body)
@@ -881,7 +881,10 @@ def test_the_fast_path_takes_the_real_servers_token_chunks(
             for event, info in infos
             if info.kind is ChunkKind.TOKEN and info.finish_reason is None
         ]
-        assert len(tokens) >= 5
+        # vLLM merges the tokens of a request whose stream it could not write in time into one
+        # event (its output collector), so a loaded host sees fewer events than tokens: 32
+        # tokens leave several whatever the load (8 left fewer than 5 once, under a benchmark).
+        assert len(tokens) >= 3, [event.raw for event, _ in infos]
         for event, info in tokens:
             fast = fast_token_chunk(event.raw)
             assert fast is not None, event.raw
