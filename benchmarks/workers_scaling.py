@@ -63,6 +63,18 @@ events per read is printed beside it). Per N, over all its runs: worker µs/even
 per_write / (events per relay write), least squares, and the events per worker-CPU-s that gives
 at one event per write.
 
+Per request: the worker's CPU per answer. ``--perf`` also counts worker 0's syscalls per request
+(``perf stat`` on the syscall tracepoints) and profiles it over each window (``perf record -F
+999 -g``; both skipped without perf): shares of its samples by
+object (the interpreter, the kernel, uvloop, httptools, ...), its top symbols, and the share
+spent in the loopback waking the reader (a local write does the receiver's TCP work and wakes
+it, on the writer's CPU: on a VM that wake-up's interrupt is dear). One event per read at 16
+streams x 32 tokens, and 1-token streams for the cost per request:
+
+    python benchmarks/workers_scaling.py --workers 1 --repeats 2 --tokens 32 \\
+        --streams-per-worker 4,16 --perf --md-out benchmarks/results/worker_profile_32.out.md \\
+        --json-out benchmarks/results/worker_profile_32.json   # and --tokens 1, ..._1.*
+
 Reading the report: if events per worker-CPU-s is the same for N = 1 and N = 2, a worker's cost
 does not grow with the number of workers, and the rate scales with the CPU the workers get; the
 rate ratio N=2 / N=1 on this host is then the worker-CPU ratio (below 2 because the load shares
@@ -86,6 +98,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import statistics
@@ -225,7 +238,8 @@ def core_busy_ticks() -> dict[int, tuple[int, int]]:
 
 
 def proc_syscw(pid: int) -> int:
-    """Write-family syscalls a process made (/proc/<pid>/io ``syscw``: write, writev, ...)."""
+    """write(2)-family calls a process made (/proc/<pid>/io ``syscw``: write, writev; a
+    socket's send, sendto and sendmsg are not counted there)."""
     with open(f"/proc/{pid}/io") as f:
         for line in f:
             if line.startswith("syscw:"):
@@ -313,6 +327,156 @@ def client_snap(proc: subprocess.Popen[bytes], out_path: Path, sig: int) -> dict
             return dict(zip(keys, map(int, fields[1:8]), strict=True))
         time.sleep(0.002)
     raise RuntimeError("the load client did not answer its signal")
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's profile (--perf)
+
+# Kernel functions that mark a sample as the loopback waking the reading process: a write to a
+# local socket does the receiver's TCP work and wakes it, on the writer's CPU (on a VM the
+# wake-up's interrupt is slow, and the writer pays it).
+WAKEUP_MARK = "sock_def_readable"
+
+
+# Syscalls counted per request (perf's tracepoints; the rest summed as "other").
+SYSCALLS = (
+    "read", "recvmsg", "recvfrom", "write", "writev", "sendto", "sendmsg", "epoll_pwait",
+    "getrandom", "getpid",
+)  # fmt: skip
+SYSCALL_EVENTS = ",".join(
+    [*(f"syscalls:sys_enter_{name}" for name in SYSCALLS), "raw_syscalls:sys_enter"]
+)
+
+
+def start_perf(argv: Sequence[str], pid: int, seconds: float) -> subprocess.Popen[bytes] | None:
+    """``perf ARGV -p pid`` (every thread) for ``seconds``; None without perf."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return None
+    return subprocess.Popen(
+        [perf, *argv, "-p", str(pid), "--", "sleep", f"{seconds:.3f}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def syscalls_per_request(counts_csv: Path, requests: float) -> dict[str, float] | None:
+    """`perf stat -x,` counts of the tracepoints in SYSCALL_EVENTS over ``requests``; None
+    when perf counted nothing (no tracepoints here) or no request was answered."""
+    if not counts_csv.exists() or requests <= 0:
+        return None
+    counts: dict[str, float] = {}
+    for line in counts_csv.read_text().splitlines():
+        fields = line.split(",")
+        if len(fields) < 3 or not fields[0].strip().isdigit():
+            continue
+        event = fields[2]
+        name = "all" if event == "raw_syscalls:sys_enter" else event.rsplit("_enter_", 1)[-1]
+        counts[name] = int(fields[0]) / requests
+    if not counts:
+        return None
+    counts["other"] = counts.get("all", 0.0) - sum(counts.get(n, 0.0) for n in SYSCALLS)
+    return counts
+
+
+def count_syscalls(
+    pid: int,
+    out_csv: Path,
+    seconds: float,
+    client: subprocess.Popen[bytes],
+    client_out: Path,
+    workdir: Path,
+) -> int:
+    """``perf stat`` of SYSCALL_EVENTS on ``pid`` for ``seconds``, counting switched on and off
+    through its control FIFOs right where the client's answers are read, so that counts and
+    answers cover the same time. Returns the answers (0: no perf)."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return 0
+    ctl, ack = workdir / "perf-ctl.fifo", workdir / "perf-ack.fifo"
+    for fifo in (ctl, ack):
+        fifo.unlink(missing_ok=True)
+        os.mkfifo(fifo)
+    argv = [perf, "stat", "-x", ",", "-o", str(out_csv), "-e", SYSCALL_EVENTS, "-D", "-1"]
+    argv += ["--control", f"fifo:{ctl},{ack}", "-p", str(pid)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    commands = acks = -1
+    try:
+        deadline = time.monotonic() + 15
+        while commands < 0:  # perf opens its end at start-up; never block on a perf that failed
+            try:
+                commands = os.open(ctl, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    return 0
+                time.sleep(0.01)
+        acks = os.open(ack, os.O_RDONLY | os.O_NONBLOCK)
+
+        def command(word: str) -> bool:
+            os.write(commands, word.encode() + b"\n")
+            ready, _, _ = select.select([acks], [], [], 10)
+            return bool(ready) and os.read(acks, 64).startswith(b"ack")
+
+        if not command("enable"):
+            return 0
+        before = client_snap(client, client_out, signal.SIGUSR1)["answers"]
+        time.sleep(seconds)
+        after = client_snap(client, client_out, signal.SIGUSR1)["answers"]
+        if not command("disable"):
+            return 0
+    finally:
+        for fd in (commands, acks):
+            if fd >= 0:
+                os.close(fd)
+        proc.send_signal(signal.SIGINT)  # perf writes its counts and exits
+        stop_perf(proc)
+    return after - before
+
+
+def stop_perf(recorder: subprocess.Popen[bytes]) -> None:
+    """Wait for a `start_perf` to end (it ends by itself), at most 30 s."""
+    try:
+        recorder.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        recorder.kill()
+        recorder.wait()
+
+
+def perf_profile(data: Path, top: int = 12) -> dict[str, Any] | None:
+    """Shares of the worker's samples: by object (libpython, the kernel, uvloop, ...), the
+    top symbols, and the samples whose kernel stack is the loopback waking the receiver."""
+    perf = shutil.which("perf")
+    if perf is None or not data.exists():
+        return None
+
+    def shares(sort: str) -> list[tuple[str, float]]:
+        done = subprocess.run(
+            [perf, "report", "-i", str(data), "--stdio", "--no-children", "-g", "none",
+             "--sort", sort],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        rows = []
+        for line in done.stdout.splitlines():
+            fields = line.split(None, 1)
+            if len(fields) == 2 and fields[0].endswith("%"):
+                rows.append((fields[1].strip(), float(fields[0][:-1])))
+        return rows
+
+    script = subprocess.run(
+        [perf, "script", "-i", str(data), "-F", "ip,sym"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    samples = wakeups = 0
+    for stack in script.stdout.split("\n\n"):
+        if stack.strip():
+            samples += 1
+            wakeups += WAKEUP_MARK in stack
+    return {
+        "by_object": shares("dso")[:top],
+        "top_symbols": shares("sym")[:top],
+        "samples": samples,
+        "wakeup_share": wakeups / samples if samples else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +568,21 @@ def run_once(
         c1 = client_snap(client, client_out, signal.SIGUSR1)
         r1 = readings()
         admin1 = admin_json(admin_port, "/workers") if workers else None
+        perf_data = workdir / f"perf-{tag}.data"
+        perf_counts = workdir / f"perf-{tag}.csv"
+        profiled_answers = 0
+        if args.perf:
+            # Windows of their own after the measured one (perf's sampling costs the worker a
+            # little CPU).
+            profiled = roles[relay_roles[0]]
+            profiled_answers = count_syscalls(
+                profiled, perf_counts, args.measure_s, client, client_out, workdir
+            )
+            recorder = start_perf(
+                ["record", "-F", "999", "-g", "-q", "-o", str(perf_data)], profiled, args.measure_s
+            )
+            if recorder is not None:
+                stop_perf(recorder)
         alive = client.poll() is None
         po.stop(client)
         time.sleep(0.5)  # the last records reach the collector
@@ -451,6 +630,7 @@ def run_once(
         "events_per_worker_cpu_s": delta["events"] / worker_cpu_s if worker_cpu_s else None,
         "worker_us_per_event": 1e6 * worker_cpu_s / max(1, delta["events"]),
         "sidecar_us_per_event": 1e6 * sidecar_cpu_s / max(1, delta["events"]),
+        "worker_us_per_request": 1e6 * worker_cpu_s / max(1, delta["answers"]),
     }
     gen_count = metrics_end[GEN_COUNT]
     result["records"] = {
@@ -497,6 +677,13 @@ def run_once(
             p["events_per_cpu_s_est"] = (
                 p["records_received"] * events_per_answer / cpu if cpu > 0 else None
             )
+    if args.perf:
+        # Worker 0's share of the answers: its share of the requests in the measured window
+        # (/workers' counts come with the workers' periodic status, too coarse for perf's).
+        per_worker = result.get("per_worker")
+        share = per_worker[0]["requests"] / max(1, delta["answers"]) if per_worker else 1.0
+        result["profile"] = perf_profile(perf_data)
+        result["syscalls_per_request"] = syscalls_per_request(perf_counts, share * profiled_answers)
     result["checks"] = checks(result, args.tokens)
     return result
 
@@ -594,6 +781,55 @@ def report(meta: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
             f"| {others} | {cores} | {spread} "
             f"| {'; '.join(r['checks']) or 'ok'} |"
         )
+    lines += [
+        "",
+        "## Per request",
+        "",
+        "A request's worker CPU (all of it: its events included) and, with --perf, worker "
+        "0's syscalls per request it answered (perf stat on the syscall tracepoints: the "
+        "request's read, the upstream request's send, the upstream's recvmsg, the client's "
+        "writes, the records' channel, the loop's epoll).",
+        "",
+        "| run | N | answers/s | worker µs/request | syscalls/request of worker 0 ("
+        + ", ".join(SYSCALLS)
+        + ", other; --perf) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in runs:
+        calls = r.get("syscalls_per_request")
+        per_call = (
+            f"{calls['all']:.2f}: "
+            + ", ".join(f"{n} {calls.get(n, 0.0):.2f}" for n in (*SYSCALLS, "other"))
+            if calls
+            else "-"
+        )
+        lines.append(
+            f"| {r['tag']} | {r['workers']} | {r['answers_per_s']:,.0f} "
+            f"| {r['worker_us_per_request']:.0f} | {per_call} |"
+        )
+    profiled = [r for r in runs if r.get("profile")]
+    if profiled:
+        lines += [
+            "",
+            "## Profile of worker 0 (perf record -F 999 -g, a window after the measured one)",
+            "",
+            f'Shares of the worker\'s CPU samples. "loopback wake-up": samples whose kernel '
+            f"stack holds `{WAKEUP_MARK}`: a write to a local socket does the receiving side's "
+            "TCP work and wakes the reader, on the writer's CPU.",
+        ]
+        for r in profiled:
+            prof = r["profile"]
+            objects = ", ".join(f"{name} {share:.1f} %" for name, share in prof["by_object"][:6])
+            symbols = ", ".join(
+                f"`{name}` {share:.1f} %" for name, share in prof["top_symbols"][:8]
+            )
+            wakeup = prof["wakeup_share"]
+            lines += [
+                "",
+                f"- {r['tag']} ({prof['samples']} samples): loopback wake-up "
+                f"{fmt(None if wakeup is None else 100 * wakeup, '{:.1f}')} %; by object: "
+                f"{objects}; top symbols: {symbols}",
+            ]
     lines += ["", "## Summary (median [min-max] over the runs of each N and load)", ""]
     lines += [
         "| streams/worker | N | runs | events/s | worker CPU (cores) | events per worker-CPU-s "
@@ -814,6 +1050,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quiet-wait-s", type=float, default=20.0)
     parser.add_argument("--json-out", help="write every run and the summary as JSON")
     parser.add_argument("--md-out", help="write the printed report here too")
+    parser.add_argument(
+        "--perf",
+        action="store_true",
+        help="profile the (first) worker with perf record over each window (report: shares "
+        "by object, top symbols, the loopback wake-up's share); skipped without perf",
+    )
     parser.add_argument("--smoke", action="store_true", help="CI: seconds, tiny load")
     return parser
 

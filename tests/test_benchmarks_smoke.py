@@ -495,3 +495,58 @@ def test_workers_scaling_smoke(tmp_path: Path) -> None:
         for worker in run["accounting"]:
             assert worker["requests_total"] == worker["records_received"], worker
         assert sum(worker["records_received"] for worker in run["accounting"]) > 0
+        assert run["worker_us_per_request"] > run["worker_us_per_event"] > 0
+
+
+def test_workers_scaling_reads_perfs_syscall_counts(tmp_path: Path) -> None:
+    """`--perf`'s syscalls per request, from `perf stat -x,` output as perf 6 writes it (a
+    hand-made file: CI has no perf): every counted syscall over the requests, the rest of all
+    syscalls as "other", comment and unsupported lines skipped."""
+    import workers_scaling as ws
+
+    counts = tmp_path / "perf.csv"
+    counts.write_text(
+        "# started on Wed Dec  2 04:30:00 2026\n\n"
+        "200,,syscalls:sys_enter_read,3000000000,100.00,,\n"
+        "1700,,syscalls:sys_enter_recvmsg,3000000000,100.00,,\n"
+        "1800,,syscalls:sys_enter_write,3000000000,100.00,,\n"
+        "<not supported>,,syscalls:sys_enter_getpid,0,100.00,,\n"
+        "4000,,raw_syscalls:sys_enter,3000000000,100.00,,\n"
+    )
+    per = ws.syscalls_per_request(counts, 200)
+    assert per is not None
+    assert (per["read"], per["recvmsg"], per["write"], per["all"]) == (1.0, 8.5, 9.0, 20.0)
+    assert per["other"] == 20.0 - 1.0 - 8.5 - 9.0
+    assert "getpid" not in per
+    assert ws.syscalls_per_request(tmp_path / "absent.csv", 200) is None
+    assert ws.syscalls_per_request(counts, 0) is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="kernel receive timestamps: Linux")
+def test_wakeup_latency_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "wakeup.json"
+    stdout = run_harness("wakeup_latency.py", "--smoke", "--json-out", str(out))
+    result = json.loads(out.read_text())
+    assert result["meta"]["checks"] == []  # every message stamped by the kernel, one per read
+    placements = result["meta"]["placements"]
+    assert placements[:2] == ["idle", "idle-protocol"]
+    assert set(placements) <= {"idle", "idle-protocol", "busy", "same-core"}
+    assert set(result["summary"]) == set(placements)
+    for placement, rows in result["summary"].items():
+        assert set(rows) == {"0.2", "1"}, placement
+        # uvloop's own transport (idle-protocol) gives no kernel stamp: no split there.
+        parts = placement != "idle-protocol"
+        for key, row in rows.items():
+            for quantity in ("total", "send_kernel", "kernel_callback", "quiet"):
+                stats = row[quantity]
+                if quantity in ("send_kernel", "kernel_callback") and not parts:
+                    assert stats["n"] == 0, (placement, key, quantity)
+                    continue
+                assert stats["n"] == 10, (placement, key, quantity)
+                assert all(finite(stats[q]) for q in ("p50", "p90", "p99", "max"))
+            assert row["total"]["p50"] > 0 and row["quiet"]["p50"] > 0
+    # The reference without a wake-up: each operation timed after each quiet interval.
+    cold = result["meta"]["cold"]
+    assert set(cold) == {"0.2", "1"}
+    assert all(finite(row[op]) for row in cold.values() for op in ("getppid", "json.dumps"))
+    assert "| placement | quiet ms | actual quiet p50 | n | p50 | p90 | p99 | max |" in stdout
