@@ -2,8 +2,8 @@
 
 The proxy reaches a TLS upstream through uvloop's TLS transport with the context of
 `ssl.create_default_context()`: the system's trust store, which OpenSSL lets an operator replace
-with ``SSL_CERT_FILE`` (how a private CA is trusted). The pool makes that context at its first
-TLS connection, so each test sets the variable (monkeypatch) before the proxy connects. Reads
+with ``SSL_CERT_FILE`` (how a private CA is trusted). The proxy makes that context when it is
+made (with an https:// upstream), so each test sets the variable (monkeypatch) before that. Reads
 of a TLS connection are stamped when the proxy reads them (`ArrivalBatch`), never by the kernel
 (`rxstamp.StampedTransport` is for plain TCP only), and are not counted as kernel reads that
 lost their stamp (``upstream_reads_unstamped``).
@@ -157,7 +157,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 def trust(monkeypatch: pytest.MonkeyPatch, ca: Path | None) -> None:
-    """The proxy's trust store: the system's with ``ca`` (None: the system's alone)."""
+    """The proxy's trust store from now on: ``ca`` alone (None: the system's)."""
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
     if ca is None:
         monkeypatch.delenv("SSL_CERT_FILE", raising=False)
@@ -367,6 +367,26 @@ async def test_an_upstream_certificate_that_does_not_verify_fails_before_the_req
     assert record.error_type == "connect_failed:ClientConnectorCertificateError"
     assert record.http_status == 502
     assert record.n_out is None and record.server is not None and not record.server.offsets_ns
+
+
+async def test_the_trust_store_is_read_when_the_proxy_starts(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CA bundle is read when the proxy is made, not at its first TLS connection (there,
+    on the event loop, the ~35-40 ms of reading it would stall every stream): a trust store
+    changed after the start is not seen (docs/deploy.md: a new CA needs a restart)."""
+    trust(monkeypatch, pki.ca)
+    upstream = TlsUpstream(streaming(INJECTED), pki.server)
+    async with (
+        upstream as url,
+        proxy_to([url], engine_scrape_interval="0") as p,
+        aiohttp.ClientSession() as session,
+    ):
+        trust(monkeypatch, pki.other_ca)  # read at the first connection, this would fail it
+        status, body = await post(session, p.url, "after-start")
+        (record,) = await settle(p.server, p.records, 1)
+    assert status == 200 and body == STREAM
+    assert record.outcome is Outcome.OK
 
 
 async def test_sequential_requests_to_an_https_upstream_share_one_tls_connection(

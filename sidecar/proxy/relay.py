@@ -173,6 +173,8 @@ class Proxy:
         self.pool = UpstreamPool(kernel_stamps=config.server_stamps == "kernel")
         # Each replica's (host, port, Host header, path prefix, TLS), parsed once.
         self._addresses = {r.index: _address(r.url) for r in self.router.replicas}
+        if any(tls for *_, tls in self._addresses.values()):
+            self.pool.prepare_tls()
         # The system_fingerprint each replica sent last (one entry per configured replica):
         # a finish chunk held for it must sometimes leave before the stream gives it (n > 1).
         self._fingerprints: dict[str | None, str] = {}

@@ -547,6 +547,12 @@ class UpstreamPool:
             await connection.drain()
         return exchange
 
+    def prepare_tls(self) -> None:
+        """Make the TLS context now (at start-up) rather than at the first TLS connection:
+        reading the system's CA bundle takes ~35-40 ms, and on the event loop every stream
+        would wait for it."""
+        self._tls_context()
+
     def _tls_context(self) -> ssl.SSLContext:
         if self._ssl is None:
             self._ssl = ssl.create_default_context()
