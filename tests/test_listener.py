@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import pytest
@@ -264,26 +266,20 @@ async def test_an_upstream_speaking_broken_http_is_a_502() -> None:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(broken, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        from reliability_helpers import proxy_to
+    from reliability_helpers import proxy_to
 
-        async with proxy_to([f"http://127.0.0.1:{port}"]) as p:
-            reader, writer = await connect(p.url)
-            writer.write(
-                request_bytes(
-                    "broken",
-                    body=BODY.replace(b'"stream": true', b'"stream": false'),
-                    extra="Connection: close\r\n",
-                )
+    async with raw_upstream(broken) as url, proxy_to([url]) as p:
+        reader, writer = await connect(p.url)
+        writer.write(
+            request_bytes(
+                "broken",
+                body=BODY.replace(b'"stream": true', b'"stream": false'),
+                extra="Connection: close\r\n",
             )
-            answer = await read_all(reader)
-            await close(writer)
-            (record,) = await settle(p.server, p.records, 1)
-    finally:
-        server.close()
-        await server.wait_closed()
+        )
+        answer = await read_all(reader)
+        await close(writer)
+        (record,) = await settle(p.server, p.records, 1)
     assert status_of(answer) == 502
     assert record.outcome is Outcome.UPSTREAM_ERROR
     assert record.error_type == "upstream_protocol_error"
@@ -392,11 +388,15 @@ class WriteSpy:
         return getattr(self.inner, name)
 
 
-async def _raw_upstream(
-    serve: Any,
-) -> tuple[asyncio.base_events.Server, str]:
+@asynccontextmanager
+async def raw_upstream(serve: Any) -> AsyncIterator[str]:
+    """An upstream that is ``serve(reader, writer)`` on a plain asyncio server: its URL."""
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_stream_that_came_with_its_head_leaves_in_one_write() -> None:
@@ -408,25 +408,20 @@ async def test_a_stream_that_came_with_its_head_leaves_in_one_write() -> None:
         writer.write(_STREAM_HEAD + _sse(_TOKEN, "[DONE]"))
         await close(writer)
 
-    server, url = await _raw_upstream(whole)
-    try:
-        from reliability_helpers import proxy_to
+    from reliability_helpers import proxy_to
 
-        async with proxy_to([url]) as p:
-            reader, writer = await connect(p.url)
-            traffic = p.server.traffic
-            assert traffic is not None
-            await until(lambda: len(traffic.connections) == 1)
-            (connection,) = traffic.connections
-            spy = WriteSpy(connection.transport)
-            connection.transport = cast(asyncio.Transport, spy)  # counted, then passed on
-            writer.write(request_bytes("one-write"))
-            answer = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
-            await close(writer)
-            (record,) = await settle(p.server, p.records, 1)
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_upstream(whole) as url, proxy_to([url]) as p:
+        reader, writer = await connect(p.url)
+        traffic = p.server.traffic
+        assert traffic is not None
+        await until(lambda: len(traffic.connections) == 1)
+        (connection,) = traffic.connections
+        spy = WriteSpy(connection.transport)
+        connection.transport = cast(asyncio.Transport, spy)  # counted, then passed on
+        writer.write(request_bytes("one-write"))
+        answer = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
+        await close(writer)
+        (record,) = await settle(p.server, p.records, 1)
     assert record.outcome is Outcome.OK and record.n_out == 1
     assert len(spy.writes) == 1
     head, body = answer.split(b"\r\n\r\n", 1)
@@ -447,21 +442,16 @@ async def test_a_held_head_does_not_wait_for_the_first_event() -> None:
         writer.write(_sse(_TOKEN, "[DONE]"))
         await close(writer)
 
-    server, url = await _raw_upstream(head_first)
-    try:
-        from reliability_helpers import proxy_to
+    from reliability_helpers import proxy_to
 
-        async with proxy_to([url]) as p:
-            reader, writer = await connect(p.url)
-            writer.write(request_bytes("head-first"))
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            client_has_head.set()
-            body = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
-            await close(writer)
-            (record,) = await settle(p.server, p.records, 1)
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_upstream(head_first) as url, proxy_to([url]) as p:
+        reader, writer = await connect(p.url)
+        writer.write(request_bytes("head-first"))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        client_has_head.set()
+        body = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
+        await close(writer)
+        (record,) = await settle(p.server, p.records, 1)
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert body == _one_chunk(_TOKEN, "[DONE]")
     assert record.outcome is Outcome.OK and record.n_out == 1
