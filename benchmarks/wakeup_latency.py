@@ -691,13 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.3,
         help="the sender spins this last part of each interval (idle, busy) [0.3]",
     )
-    parser.add_argument(
-        "--quiet-below",
-        type=float,
-        default=0.3,
-        help="before each run wait until other processes use fewer cores than this [0.3]",
-    )
-    parser.add_argument("--quiet-wait-s", type=float, default=20.0)
+    po.add_quiet_arguments(parser, 0.3, 20.0, "run")
     parser.add_argument(
         "--cold-n",
         type=int,

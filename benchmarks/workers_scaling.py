@@ -1041,13 +1041,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nice", type=int, default=0, help="autogroup nice of every process (as proxy_overhead)"
     )
-    parser.add_argument(
-        "--quiet-below",
-        type=float,
-        default=0.3,
-        help="before each run wait until other processes use fewer cores than this [0.3]",
-    )
-    parser.add_argument("--quiet-wait-s", type=float, default=20.0)
+    po.add_quiet_arguments(parser, 0.3, 20.0, "run")
     parser.add_argument("--json-out", help="write every run and the summary as JSON")
     parser.add_argument("--md-out", help="write the printed report here too")
     parser.add_argument(
