@@ -281,7 +281,10 @@ class ClientConnection(asyncio.Protocol):
         self.server = server
         self.limits = server.limits
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
+        # The parser holds bound methods of this connection, and it holds the parser: a cycle,
+        # which `connection_lost` breaks (None), so that a closed connection is freed at once
+        # by its reference count, not by a full collection (tests/test_gc_cycles.py).
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._url = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0
@@ -334,8 +337,11 @@ class ClientConnection(asyncio.Protocol):
             self._feed(data)
 
     def _feed(self, data: bytes) -> None:
+        parser = self.parser
+        if parser is None:
+            return  # closed (asyncio delivers no data after connection_lost; a guard anyway)
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             if not isinstance(exc.__context__, _Refused):
                 # A bug in a callback here: the request still ends in an answer and a record.
@@ -392,6 +398,7 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.parser = None  # the cycle through its callbacks (see __init__)
         self._disarm()
         ready, self._write_ready = self._write_ready, None
         if ready is not None and not ready.done():
@@ -472,7 +479,9 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
-        self._method = self.parser.get_method().decode("ascii", "replace")
+        parser = self.parser
+        assert parser is not None  # callbacks run inside `_feed`
+        self._method = parser.get_method().decode("ascii", "replace")
         headers: CIMultiDict[str] = CIMultiDict()
         for name, value in self._headers:
             headers.add(name.decode("latin-1"), value.decode("latin-1"))
@@ -537,7 +546,8 @@ class ClientConnection(asyncio.Protocol):
         if self._task is None:
             self._disarm()
         self._in_message = False
-        assert self._request_headers is not None and self._method is not None
+        parser = self.parser
+        assert parser is not None and self._request_headers is not None and self._method is not None
         target = _origin_form(self._url.decode("latin-1")) or "/"
         self._queue.append(
             IncomingRequest(
@@ -546,8 +556,8 @@ class ClientConnection(asyncio.Protocol):
                 path=target.split("?", 1)[0],
                 headers=self._request_headers,
                 body=b"".join(self._body),
-                http_version=self.parser.get_http_version(),
-                keep_alive=self.parser.should_keep_alive(),
+                http_version=parser.get_http_version(),
+                keep_alive=parser.should_keep_alive(),
                 peer=self._client_address,
                 began_ns=self._began_ns,
             )

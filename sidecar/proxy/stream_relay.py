@@ -119,6 +119,10 @@ class MeteredRead:
                     self._deliver(out, n_events, n_token_events)
         finally:
             builder.take_stream(meter)
+            # Not kept once raised (or overtaken by a cancellation): its traceback holds
+            # `on_read`'s frame, which holds this object, a cycle around the whole request that
+            # only a full collection would free.
+            self.trouble = None
 
 
 def write_paced(exchange: ClientExchange, upstream: UpstreamExchange, data: bytes) -> None:

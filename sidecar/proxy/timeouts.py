@@ -137,6 +137,10 @@ class Timeouts:
 
     def disarm(self) -> None:
         self._confirming = False
+        # Let go of the task: a handler that ends in an exception (a client that left, an
+        # upstream that broke) keeps it in its traceback, whose frames hold these timeouts,
+        # and the task held here would close a reference cycle around the whole request.
+        self.task = None
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None

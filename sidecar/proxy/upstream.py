@@ -189,6 +189,9 @@ class UpstreamConnection(asyncio.Protocol):
         exchange, self.exchange = self.exchange, None
         if exchange is not None:
             exchange.connection_lost(exc)
+        # The transport holds this protocol, and we hold it: let go, as asyncio's transports
+        # let go of their protocol, so that a closed connection is freed by its reference count.
+        self.transport = None
 
     def pause_writing(self) -> None:
         self._write_ready = self.loop.create_future()
@@ -260,7 +263,10 @@ class UpstreamExchange:
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
         self._raw_headers: list[tuple[bytes, bytes]] = []
-        self._parser = httptools.HttpResponseParser(self)
+        # The parser holds bound methods of this exchange (a cycle), and the sink is usually a
+        # bound method of an object that holds the exchange (another): `detach` breaks both
+        # when the pool takes the exchange back, so that it is freed by its reference count.
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         loop = connection.loop
         self._head: asyncio.Future[None] = loop.create_future()
         self._done: asyncio.Future[None] = loop.create_future()
@@ -294,6 +300,7 @@ class UpstreamExchange:
 
     def on_headers_complete(self) -> None:
         parser = self._parser
+        assert parser is not None  # callbacks run inside `feed`
         status = parser.get_status_code()
         if 100 <= status < 200:
             # An interim response (100 Continue, 103 Early Hints): the final one follows.
@@ -331,17 +338,22 @@ class UpstreamExchange:
             return
         # Asked here: once the callback returns, llhttp has reset for the next message and
         # says "no" whatever the response's headers said.
-        self._keep_alive = self._parser.should_keep_alive()
+        parser = self._parser
+        assert parser is not None
+        self._keep_alive = parser.should_keep_alive()
         self._finish()
 
     # -- fed by the connection ------------------------------------------------------------
 
     def feed(self, data: bytes, now_ns: int) -> None:
-        if self.complete:
-            self.connection.abort()  # bytes after the response: not a connection to reuse
+        parser = self._parser
+        if self.complete or parser is None:
+            # Bytes after the response, or for an exchange the pool took back (a read of the
+            # same turn, `ArrivalBatch`): not a connection to reuse.
+            self.connection.abort()
             return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except UpstreamError as exc:
             self._fail(exc)
             return
@@ -490,6 +502,22 @@ class UpstreamExchange:
     def failed(self) -> bool:
         return self._error is not None
 
+    def detach(self) -> None:
+        """The pool took the exchange back (`UpstreamPool.release`, `close_exchange`): drop
+        the parser and the sink, the two reference cycles through this exchange. Every
+        in-flight stream's objects would otherwise outlive it as cyclic garbage until a full
+        collection, and that collection's pause grows with them (105 ms measured with only
+        256 streams in flight: 2,300 finished requests' worth of objects were waiting)."""
+        self._parser = None
+        self._sink = None
+        self._pending.clear()
+        error = self._error
+        if error is not None:
+            # The failure was raised through the handler's coroutines, whose frames (kept by
+            # its traceback) hold this exchange, which holds the failure: a cycle. Handled by
+            # the time the pool has the exchange back; its frames are not needed any more.
+            error.__traceback__ = None
+
 
 class UpstreamPool:
     """Keep-alive connections per replica address; a connection is reused only after it
@@ -632,6 +660,7 @@ class UpstreamPool:
         connection = exchange.connection
         if connection.exchange is exchange:
             connection.exchange = None
+        exchange.detach()
         if not (
             exchange.complete
             and connection.reusable
@@ -653,6 +682,7 @@ class UpstreamPool:
         connection = exchange.connection
         if connection.exchange is exchange:
             connection.exchange = None
+        exchange.detach()
         self._drop(connection)
 
     def _expire(self, connection: UpstreamConnection) -> None:
