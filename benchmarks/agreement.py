@@ -796,8 +796,9 @@ async def run_one(
     pin: bool,
 ) -> dict[str, Any]:
     from sidecar.config import build_config
+    from sidecar.proxy.gcpolicy import settle as settle_gc
     from sidecar.realvllm.install import child_env
-    from sidecar.serve import build_proxy_server, settle_gc
+    from sidecar.serve import build_proxy_server
 
     name = f"{tool}-{workload}"
     prefix = f"agree-{name}-"

@@ -228,7 +228,8 @@ def compare(
 
 async def run_level(c: int, args: argparse.Namespace, workdir: Path, pin: bool) -> dict[str, Any]:
     from sidecar.config import build_config
-    from sidecar.serve import build_proxy_server, settle_gc
+    from sidecar.proxy.gcpolicy import settle as settle_gc
+    from sidecar.serve import build_proxy_server
 
     step = po.step_s_for(c, args.min_step_ms, args.target_rate)
     request_s = step * (args.max_tokens + 1)

@@ -289,6 +289,35 @@ def metric_sums(port: int, names: Sequence[str]) -> dict[str, float]:
     return sums
 
 
+def stall_readings(port: int) -> dict[str, float]:
+    """The workers' own stall figures (/metrics, sidecar/proxy/stalls.py), summed over the
+    workers: garbage-collection pauses per generation (count, seconds) and the largest pause
+    and loop lag since start (the largest over the workers)."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(("sidecar_gc_pause", "sidecar_loop_lag_max")):
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{", 1)[0]
+        generation = name.split('generation="', 1)[1][0] if 'generation="' in name else ""
+        if metric == "sidecar_gc_pause_seconds_count":
+            key = f"gc{generation}_count"
+        elif metric == "sidecar_gc_pause_seconds_sum":
+            key = f"gc{generation}_s"
+        elif metric == "sidecar_gc_pause_max_seconds":
+            out[f"gc{generation}_max_s"] = max(out.get(f"gc{generation}_max_s", 0.0), float(value))
+            continue
+        elif metric == "sidecar_loop_lag_max_seconds":
+            out["loop_lag_max_s"] = max(out.get("loop_lag_max_s", 0.0), float(value))
+            continue
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
 GEN_SUM = "sidecar_request_generation_tokens_sum"
 GEN_COUNT = "sidecar_request_generation_tokens_count"
 ESTIMATED = "sidecar_requests_with_estimated_tokens_total"
@@ -562,12 +591,16 @@ def run_once(
 
         admin0 = admin_json(admin_port, "/workers") if workers else None
         conns_per_worker = connections_per_process(worker_pids or [proxy.pid], port)
+        stalls0 = stall_readings(admin_port)
         r0 = readings()
         c0 = client_snap(client, client_out, signal.SIGUSR1)
         time.sleep(args.measure_s)
         c1 = client_snap(client, client_out, signal.SIGUSR1)
         r1 = readings()
         admin1 = admin_json(admin_port, "/workers") if workers else None
+        # Read after the window: the workers report every 0.25 s (a collection late in the
+        # window may come with the next report, and is then missed here).
+        stalls1 = stall_readings(admin_port)
         perf_data = workdir / f"perf-{tag}.data"
         perf_counts = workdir / f"perf-{tag}.csv"
         profiled_answers = 0
@@ -631,6 +664,15 @@ def run_once(
         "worker_us_per_event": 1e6 * worker_cpu_s / max(1, delta["events"]),
         "sidecar_us_per_event": 1e6 * sidecar_cpu_s / max(1, delta["events"]),
         "worker_us_per_request": 1e6 * worker_cpu_s / max(1, delta["answers"]),
+    }
+    result["stalls"] = {
+        **{
+            key: stalls1.get(key, 0.0) - stalls0.get(key, 0.0)
+            for key in ("gc0_count", "gc0_s", "gc1_count", "gc1_s", "gc2_count", "gc2_s")
+        },
+        # Largest since the worker started (warm-up included): a maximum has no window.
+        **{key: stalls1.get(key) for key in ("gc0_max_s", "gc1_max_s", "gc2_max_s")},
+        "loop_lag_max_s": stalls1.get("loop_lag_max_s"),
     }
     gen_count = metrics_end[GEN_COUNT]
     result["records"] = {
@@ -806,6 +848,32 @@ def report(meta: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['tag']} | {r['workers']} | {r['answers_per_s']:,.0f} "
             f"| {r['worker_us_per_request']:.0f} | {per_call} |"
+        )
+    lines += [
+        "",
+        "## Stalls (the workers' own figures, /metrics)",
+        "",
+        "Garbage-collection pauses per generation in the window (count, total ms) and the "
+        "longest since the worker started; the longest loop lag since start (warm-up "
+        "included). A pause stops every stream of the worker and is stamped into the gaps "
+        "of the events behind it.",
+        "",
+        "| run | N | gen 0: n, ms | gen 1: n, ms (longest) | gen 2: n, ms (longest) "
+        "| longest loop lag ms |",
+        "|---|---:|---|---|---|---:|",
+    ]
+    for r in runs:
+        st = r.get("stalls", {})
+
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{1e3 * value:.1f}"
+
+        lines.append(
+            f"| {r['tag']} | {r['workers']} "
+            f"| {st.get('gc0_count', 0):.0f}, {ms(st.get('gc0_s'))} "
+            f"| {st.get('gc1_count', 0):.0f}, {ms(st.get('gc1_s'))} ({ms(st.get('gc1_max_s'))}) "
+            f"| {st.get('gc2_count', 0):.0f}, {ms(st.get('gc2_s'))} ({ms(st.get('gc2_max_s'))}) "
+            f"| {ms(st.get('loop_lag_max_s'))} |"
         )
     profiled = [r for r in runs if r.get("profile")]
     if profiled:

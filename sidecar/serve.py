@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from sidecar.config import ConfigError, ProxyConfig, default_workers
 from sidecar.hooks import ScrapeRunner, SinkFanout, ThreadedSink
 from sidecar.proxy.app import ProxyServer, metrics_route
 from sidecar.proxy.collector import Collector, StartError
+from sidecar.proxy.gcpolicy import settle
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import (
     CaptureCollector,
@@ -71,16 +71,6 @@ def sink_error(exc: ValueError | OSError, config: ProxyConfig) -> str:
     if capture and exc.filename and str(exc.filename).startswith(str(capture)):
         return f"--capture {capture}: {exc.strerror}"
     return text
-
-
-def settle_gc() -> None:
-    """Move everything alive after start-up (modules, classes, the app) out of the collector's
-    reach, so that collections scan only what traffic created. A pause stalls every stream and
-    is stamped into every event behind it: in the accuracy benchmark (benchmarks/proxy.md) GC
-    time at 128 streams fell from 166 to 89 ms in 8 s, and a 14.5 ms full collection at one
-    stream went away."""
-    gc.collect()
-    gc.freeze()
 
 
 def capture_key_notes(key_id: str | None, shared: bool) -> dict[str, str]:
@@ -413,7 +403,7 @@ async def serve(
         fanout = server.fanout if isinstance(server, Collector) else server.proxy.fanout
         capture = next((sink for sink in fanout.sinks if isinstance(sink, CaptureSink)), None)
         try:
-            settle_gc()
+            settle()
             if isinstance(server, ProxyServer):
                 server.stalls.clear()  # that collection was ours, at start, with no traffic
             if on_ready is not None:

@@ -496,6 +496,28 @@ def test_workers_scaling_smoke(tmp_path: Path) -> None:
             assert worker["requests_total"] == worker["records_received"], worker
         assert sum(worker["records_received"] for worker in run["accounting"]) > 0
         assert run["worker_us_per_request"] > run["worker_us_per_event"] > 0
+        # The workers' own stall figures, read from their /metrics: counts over the window
+        # (a short smoke window may hold no collection), maxima since start (present).
+        stalls = run["stalls"]
+        for generation in "012":
+            assert stalls[f"gc{generation}_count"] >= 0 and stalls[f"gc{generation}_s"] >= 0
+            assert stalls[f"gc{generation}_max_s"] is not None, stalls
+        assert stalls["loop_lag_max_s"] is not None, stalls
+
+
+def test_gc_census_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "census.json"
+    run_harness("gc_census.py", "--smoke", "--json-out", str(out))
+    result = json.loads(out.read_text())
+    assert [row["scenario"] for row in result["requests"]] == ["stream", "client_leaves"]
+    for row in result["requests"]:
+        # A finished request leaves nothing of the proxy's for the cycle collector (as
+        # tests/test_gc_cycles.py asserts in-process).
+        assert row["proxy_garbage_per_request"] == 0, row
+    (held,) = result["streams"]
+    assert held["streams"] == held["in_flight"] == 20
+    assert 20 < held["tracked_per_stream"] < 200  # a stream's relay objects, not nothing
+    assert held["full_collection_ms"] >= 0
 
 
 def test_workers_scaling_reads_perfs_syscall_counts(tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -183,3 +185,25 @@ def test_the_count_sees_the_cycles_the_proxy_used_to_leave() -> None:
         asyncio.run(exchanges())
         found = proxy_objects_in_cycles()
     assert found["sidecar.proxy.upstream.UpstreamExchange"] == 1
+
+
+def test_a_serving_process_freezes_its_start_up_and_makes_full_collections_rarer() -> None:
+    """`gcpolicy.settle` (run by every worker, and by the proxy in one process): start-up out
+    of the collector's reach, the young thresholds kept, FULL_COLLECTION_AFTER generation-1
+    collections between full ones. In a process of its own: this one's collector is left as
+    it is."""
+    script = (
+        "import gc, json\n"
+        "before = gc.get_threshold()\n"
+        "from sidecar.proxy import gcpolicy\n"
+        "gcpolicy.settle()\n"
+        "print(json.dumps([before, gc.get_threshold(), gc.get_freeze_count()]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    before, after, frozen = json.loads(done.stdout)
+    from sidecar.proxy.gcpolicy import FULL_COLLECTION_AFTER
+
+    assert after == [before[0], before[1], FULL_COLLECTION_AFTER] != before
+    assert frozen > 1000  # the interpreter's and the modules' objects

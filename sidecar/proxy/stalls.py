@@ -1,8 +1,8 @@
 """How late the proxy's own stamps may be: event-loop lag and garbage-collection pauses.
 
 Every stamp the relay takes (a read's arrival, a write's return) is taken on the event loop,
-when the loop gets to the callback. While the loop is stalled (a generation-2 collection: 67 ms
-measured at 128 streams, 165 ms with 4,000 streams in flight; a burst of work; a slow sink),
+when the loop gets to the callback. While the loop is stalled (a full collection: ~35 ms with
+1,000 streams in flight, ~170 ms with 4,000, rare by `gcpolicy`; a burst of work; a slow sink),
 data that arrived meanwhile is stamped when the stall ends: late by what was left of the
 stall. A measurement tool must say when that happened. `StallMonitor` measures it, off the
 per-chunk path (nothing per read, nothing per request):
@@ -132,7 +132,7 @@ class StallMonitor:
 
     def clear(self) -> None:
         """Forget what was counted so far (start-up's own deliberate collection, which stalled
-        no traffic: `serve.settle_gc`)."""
+        no traffic: `gcpolicy.settle`)."""
         self.loop_lag = StallHistogram()
         self.gc_pause = {generation: StallHistogram() for generation in GC_GENERATIONS}
 

@@ -27,7 +27,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import enum
-import gc
 import logging
 import os
 import signal
@@ -40,7 +39,7 @@ from typing import Any
 
 from sidecar.config import ProxyConfig, RoutePolicy
 from sidecar.hooks import SINK_TIMEOUT_S, TAKEN, WRITTEN, LogThrottle, SinkFanout
-from sidecar.proxy import logs
+from sidecar.proxy import gcpolicy, logs
 from sidecar.proxy.app import build_traffic_server
 from sidecar.proxy.channel import FrameProtocol, Kind, frame, json_frame, parse_json
 from sidecar.proxy.listener import TrafficServer
@@ -391,8 +390,7 @@ class Worker:
             if self.logs is not None:
                 await asyncio.to_thread(self.logs.close)
             return 2
-        gc.collect()  # as cli.settle_gc: start-up objects out of the collector's reach
-        gc.freeze()
+        gcpolicy.settle()  # start-up out of the collector's reach; full collections rarer
         # From here on: the start-up (and its one full collection above) is not traffic's
         # stall, and would otherwise be every worker's largest.
         self.stalls.install()
