@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import gc
 import json
 import os
 import random
@@ -241,6 +242,7 @@ def run_proxy_child(upstreams: list[str], capture: str) -> None:
     from aiohttp import web
 
     from sidecar.config import build_config
+    from sidecar.proxy import gcpolicy
     from sidecar.serve import build_proxy_server, wait_for_shutdown_signal
 
     async def main() -> None:
@@ -273,11 +275,19 @@ def run_proxy_child(upstreams: list[str], capture: str) -> None:
                     "capture_dropped": capture_sink.dropped_queue_full
                     + capture_sink.dropped_write_errors,
                     "outstanding": sum(r.outstanding for r in proxy.router.replicas),
+                    # The collector's view (sidecar/proxy/gcpolicy.py): collections per
+                    # generation so far, and the objects it tracks beyond frozen start-up.
+                    **{
+                        f"gc_collections_{generation}": stats["collections"]
+                        for generation, stats in enumerate(gc.get_stats())
+                    },
+                    "gc_tracked": len(gc.get_objects()),
                 }
             )
 
         server.add_admin_routes([web.get("/soak", soak_state)])
         await server.start()
+        gcpolicy.settle()  # as `sidecar proxy` once it serves: full collections are rare
         print(f"proxy listening on {server.url}", flush=True)
         print(f"admin on {server.admin_url}", flush=True)
         try:
@@ -489,6 +499,13 @@ def summarise(soak: Soak, proxy_rc: int, capture_lines: int, wall_s: float) -> d
         "threads_quiet_range_after_warm": [
             min(r["threads"] for r in after),
             max(r["threads"] for r in after),
+        ],
+        "gc_tracked_quiet_range_after_warm": [
+            min(r["gc_tracked"] for r in after),
+            max(r["gc_tracked"] for r in after),
+        ],
+        "gc_collections_after_warm": [
+            last[f"gc_collections_{g}"] - warm[f"gc_collections_{g}"] for g in range(3)
         ],
         "window_records_max": max(r["window_records"] for r in soak.rows),
         "capture_queue_max": max(r["capture_queue"] for r in soak.rows),

@@ -379,6 +379,12 @@ def test_soak_smoke(tmp_path: Path) -> None:
         "rss_slope_kb_per_100k_requests",
     ):
         assert key in summary, key
+    # The collector's figures, as `sidecar proxy` runs it (gcpolicy.settle): young collections
+    # under load, objects tracked at the quiet checkpoints.
+    young, _middle, _full = summary["gc_collections_after_warm"]
+    assert young > 0
+    low, high = summary["gc_tracked_quiet_range_after_warm"]
+    assert 0 < low <= high
     header = (tmp_path / "soak.csv").read_text().splitlines()[0].split(",")
     assert {"phase", "t_s", "rss_kb", "fds", "requests_sent"} <= set(header)
 
