@@ -31,6 +31,7 @@ from sidecar.hooks import ScrapeRunner, SinkFanout, ThreadedSink
 from sidecar.proxy.app import ProxyServer, metrics_route
 from sidecar.proxy.collector import Collector, StartError
 from sidecar.proxy.gcpolicy import settle
+from sidecar.proxy.gcpolicy import thresholds as gc_thresholds
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import (
     CaptureCollector,
@@ -367,6 +368,10 @@ async def serve(
     ``on_stopping`` when the stop came and the closing begins. Raises ServeError when it
     cannot be built or started; a stop while it starts ends the start (``started`` False)."""
     workers = effective_workers(config)
+    try:
+        gc_thresholds()  # a bad SIDECAR_GC_THRESHOLDS stops the start, not a worker later
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     models = await upstream_models(config.upstreams) if config.capture_dir else ()
     server: ProxyServer | Collector
     try:

@@ -138,6 +138,28 @@ def test_a_capture_path_that_cannot_be_a_directory_is_one_line(
     )
 
 
+@pytest.mark.parametrize("value", ["700,2", "700,0,500", "a,b,c"])
+def test_garbage_collector_thresholds_that_are_not_three_positive_integers_are_one_line(
+    value: str,
+) -> None:
+    done = sidecar(
+        "proxy",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        env={**os.environ, "SIDECAR_GC_THRESHOLDS": value},
+    )
+    assert done.returncode == 2
+    assert one_line(done.stderr) == (
+        f"sidecar proxy: SIDECAR_GC_THRESHOLDS={value!r}: want three positive integers, "
+        "gc.set_threshold's generation 0, 1 and 2 thresholds (e.g. 700,2,500, the default; "
+        "700,10,10 is CPython's)"
+    )
+
+
 @pytest.mark.slow
 def test_trace_import_into_a_folder_that_cannot_be_is_one_line(tmp_path: Path) -> None:
     a_file = tmp_path / "results"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -24,9 +25,11 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import aiohttp
+import pytest
 from proxy_stack import Stack, stack
 from reliability_helpers import until
 
+from sidecar.proxy import gcpolicy
 from sidecar.proxy.upstream import ArrivalBatch, UpstreamConnection, UpstreamExchange
 from sidecar.record import Outcome
 from sidecar.sim.engine import EngineConfig
@@ -187,23 +190,42 @@ def test_the_count_sees_the_cycles_the_proxy_used_to_leave() -> None:
     assert found["sidecar.proxy.upstream.UpstreamExchange"] == 1
 
 
-def test_a_serving_process_freezes_its_start_up_and_makes_full_collections_rarer() -> None:
-    """`gcpolicy.settle` (run by every worker, and by the proxy in one process): start-up out
-    of the collector's reach, the young thresholds kept, FULL_COLLECTION_AFTER generation-1
-    collections between full ones. In a process of its own: this one's collector is left as
-    it is."""
+def settled_in_a_process_of_its_own(environ: dict[str, str]) -> tuple[list[int], int]:
+    """`gcpolicy.settle` in a fresh interpreter (this one's collector is left as it is): the
+    thresholds it set and how many objects it froze."""
     script = (
         "import gc, json\n"
-        "before = gc.get_threshold()\n"
         "from sidecar.proxy import gcpolicy\n"
         "gcpolicy.settle()\n"
-        "print(json.dumps([before, gc.get_threshold(), gc.get_freeze_count()]))\n"
+        "print(json.dumps([gc.get_threshold(), gc.get_freeze_count()]))\n"
     )
+    env = {k: v for k, v in os.environ.items() if k != "SIDECAR_GC_THRESHOLDS"}
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**env, **environ},
     )
-    before, after, frozen = json.loads(done.stdout)
-    from sidecar.proxy.gcpolicy import FULL_COLLECTION_AFTER
+    thresholds, frozen = json.loads(done.stdout)
+    return thresholds, frozen
 
-    assert after == [before[0], before[1], FULL_COLLECTION_AFTER] != before
+
+def test_a_serving_process_freezes_its_start_up_and_sets_the_thresholds() -> None:
+    """`gcpolicy.settle` (every worker, the collector, the proxy in one process): start-up out
+    of the collector's reach, and DEFAULT_THRESHOLDS (full collections ten times rarer than
+    CPython's, generation-1 collections a fifth as long), or SIDECAR_GC_THRESHOLDS."""
+    thresholds, frozen = settled_in_a_process_of_its_own({})
+    assert tuple(thresholds) == gcpolicy.DEFAULT_THRESHOLDS == (700, 2, 500)
     assert frozen > 1000  # the interpreter's and the modules' objects
+    thresholds, _ = settled_in_a_process_of_its_own({"SIDECAR_GC_THRESHOLDS": " 700,10,10 "})
+    assert thresholds == [700, 10, 10]
+
+
+def test_thresholds_that_are_not_three_positive_integers_are_refused() -> None:
+    assert gcpolicy.thresholds({}) == gcpolicy.DEFAULT_THRESHOLDS
+    assert gcpolicy.thresholds({"SIDECAR_GC_THRESHOLDS": "1000,5,200"}) == (1000, 5, 200)
+    for bad in ("700,2", "700,2,500,1", "700,0,500", "-1,2,3", "a,b,c", "700;2;500"):
+        with pytest.raises(ValueError, match="SIDECAR_GC_THRESHOLDS"):
+            gcpolicy.thresholds({"SIDECAR_GC_THRESHOLDS": bad})

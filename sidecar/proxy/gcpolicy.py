@@ -12,30 +12,62 @@ takes 27-35 ms here, with 4,000 165-172 ms.
 CPython's default thresholds (700, 10, 10) run a full collection after every 10 generation-1
 collections once the objects promoted since the last one reach a quarter of those that
 survived it: with streams living for seconds, each new stream's objects are promoted, and a
-worker holding 2,000 streams made a full collection every ~8 s. `settle` keeps the first two
-thresholds and asks for ``FULL_COLLECTION_AFTER`` generation-1 collections between full ones:
-at that load (8,000 events/s), none in a 40 s window instead of five (benchmarks/RESULTS.md,
-"Garbage-collection pauses"). What a full collection would have freed (cycles left by code
-outside the tested paths, or by libraries) waits that much longer: ten times CPython's
-default, bounded the same way.
+worker holding 2,000 streams made a full collection every ~8 s. `settle` sets
+``DEFAULT_THRESHOLDS`` instead (benchmarks/RESULTS.md, "Garbage-collection pauses"):
+
+- full collections after 1,000 generation-0 collections' worth (500 generation-1 ones of 2),
+  not 100: at 8,000 events/s with 256 or 2,000 streams, none in a 40 s window instead of four
+  or five. What one would have freed (cycles left by code outside the tested paths, or by
+  libraries) waits ten times longer than under CPython's default, bounded the same way;
+- a generation-1 collection after 2 generation-0 ones, not 10: it scans the survivors of the
+  generation-0 collections since the last one, so it is shorter (at 2,000 streams 1.7-2.1 ms
+  instead of 4.6-6.6 on average, the longest 6.4-7.7 ms instead of 9.4-25, three 40 s runs
+  each) and five times as frequent, for about the same work: each surviving object is scanned
+  once in each young generation either way.
+
+``SIDECAR_GC_THRESHOLDS`` (three positive integers, as `gc.set_threshold` takes them, e.g.
+``700,10,10`` for CPython's own) overrides them for every process of the proxy; a value that
+is not three positive integers stops the start (`thresholds`).
 """
 
 from __future__ import annotations
 
 import gc
+import os
+from collections.abc import Mapping
 from typing import Final
 
-# Generation-1 collections between two full collections (CPython's default: 10).
-FULL_COLLECTION_AFTER: Final = 100
+ENV: Final = "SIDECAR_GC_THRESHOLDS"
+# Generation 0 after 700 net new tracked objects (CPython's), generation 1 after 2 of those,
+# a full collection after 500 of those.
+DEFAULT_THRESHOLDS: Final = (700, 2, 500)
+
+
+def thresholds(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
+    """The thresholds `settle` sets: ``SIDECAR_GC_THRESHOLDS`` or ``DEFAULT_THRESHOLDS``.
+    Raises ValueError, naming the variable, for a value that is not three positive integers
+    (0 would switch the collector off)."""
+    text = (os.environ if environ is None else environ).get(ENV, "").strip()
+    if not text:
+        return DEFAULT_THRESHOLDS
+    try:
+        young, middle, full = (int(part) for part in text.split(","))
+    except ValueError:
+        young = middle = full = 0
+    if min(young, middle, full) < 1:
+        raise ValueError(
+            f"{ENV}={text!r}: want three positive integers, gc.set_threshold's generation 0, "
+            "1 and 2 thresholds (e.g. 700,2,500, the default; 700,10,10 is CPython's)"
+        )
+    return young, middle, full
 
 
 def settle() -> None:
     """Once the process is ready to serve: one full collection, everything alive after
     start-up (modules, classes, the app) moved out of the collector's reach (`gc.freeze`: the
-    collections that follow scan only what traffic made), and full collections made rarer.
+    collections that follow scan only what traffic made), and the thresholds set.
     In the accuracy benchmark (benchmarks/proxy.md) freezing took GC time at 128 streams
     from 166 to 89 ms in 8 s, and a 14.5 ms full collection at one stream went away."""
     gc.collect()
     gc.freeze()
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, FULL_COLLECTION_AFTER)
+    gc.set_threshold(*thresholds())
