@@ -159,7 +159,7 @@ def garbage_census() -> tuple[int, Counter[str]]:
         gc.garbage.clear()
 
 
-async def run_client(argv: Sequence[str], stdin: bool = False) -> subprocess.Popen[bytes]:
+def run_client(argv: Sequence[str], stdin: bool = False) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-c", *argv],
         stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
@@ -179,12 +179,12 @@ async def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> 
 
 
 async def per_request(port: int, scenario: str, n: int) -> dict[str, Any]:
-    await wait_exit(await run_client([REQUEST_CLIENT, str(port), scenario, "2"]))  # warm
+    await wait_exit(run_client([REQUEST_CLIENT, str(port), scenario, "2"]))  # warm
     await asyncio.sleep(0.2)
     gc.collect()
     gc.disable()
     try:
-        await wait_exit(await run_client([REQUEST_CLIENT, str(port), scenario, str(n)]))
+        await wait_exit(run_client([REQUEST_CLIENT, str(port), scenario, str(n)]))
         await asyncio.sleep(0.3)  # the connections' ends reach the proxy
         found, ours = garbage_census()
     finally:
@@ -206,7 +206,7 @@ async def held_streams(server: Any, port: int, levels: Sequence[int]) -> list[di
     held = 0
     try:
         for level in levels:
-            holder = await run_client([HOLDING_CLIENT, str(port), str(level - held)], stdin=True)
+            holder = run_client([HOLDING_CLIENT, str(port), str(level - held)], stdin=True)
             holders.append(holder)
             assert holder.stdout is not None
             line = await asyncio.get_running_loop().run_in_executor(None, holder.stdout.readline)

@@ -275,10 +275,15 @@ def admin_json(port: int, path: str) -> Any:
         return json.loads(resp.read())
 
 
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60) as resp:
+        text: str = resp.read().decode()
+    return text
+
+
 def metric_sums(port: int, names: Sequence[str]) -> dict[str, float]:
     """Each named sample of /metrics, summed over its labels (classic text format)."""
-    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60) as resp:
-        text = resp.read().decode()
+    text = metrics_text(port)
     sums = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         if line.startswith("#"):
@@ -293,8 +298,7 @@ def stall_readings(port: int) -> dict[str, float]:
     """The workers' own stall figures (/metrics, sidecar/proxy/stalls.py), summed over the
     workers: garbage-collection pauses per generation (count, seconds) and the largest pause
     and loop lag since start (the largest over the workers)."""
-    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=60) as resp:
-        text = resp.read().decode()
+    text = metrics_text(port)
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith(("sidecar_gc_pause", "sidecar_loop_lag_max")):
