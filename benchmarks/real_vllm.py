@@ -216,6 +216,20 @@ async def sidecar_tokens(admin: str) -> dict[str, float]:
     return totals
 
 
+async def settled_sidecar_tokens(admin: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """The sidecar's token totals once they stop moving: a worker's last records reach the
+    collector (and its /metrics) a moment after the clients have their answers."""
+    deadline = time.monotonic() + timeout_s
+    totals = await sidecar_tokens(admin)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.3)
+        again = await sidecar_tokens(admin)
+        if again == totals:
+            break
+        totals = again
+    return totals
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     target = args.target.rstrip("/")
     async with aiohttp.ClientSession() as session:
@@ -244,7 +258,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         url, model, c, args.requests, args.max_tokens, prefix
                     )
                     after = await vllm_snapshot(session, target)
-                    tokens_after = await sidecar_tokens(admin)
+                    tokens_after = await settled_sidecar_tokens(admin)
                     vllm = vllm_means(before, after)
                     entry = {
                         "sdk": sdk_summary(results),
