@@ -152,8 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         builder.replica = "10.0.0.5:8000"
         server = StreamMeter(0)  # the server-side columns, as the measuring core fills them
         for i in range(TOKENS):
-            server.offsets.append(50_000_000 + 8_000_000 * i)
-            server.tokens.append(1)
+            server.mark(50_000_000 + 8_000_000 * i, 1)
             builder.client_token_writes(50_020_000 + 8_000_000 * i, 1)
         builder.take_stream(server)
         builder.n_in, builder.n_out, builder.token_source = 512, TOKENS, TokenSource.USAGE

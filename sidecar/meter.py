@@ -42,6 +42,8 @@ from sidecar.protocol.rewrite import NO_CHANGE, UsagePlan, insert_member, withou
 from sidecar.protocol.sse import DEFAULT_MAX_EVENT_SIZE, SSEError, SSEEvent, SSEParser
 from sidecar.record import EngineTiming, Outcome, TokenSource
 
+_ONE = (1,)
+
 
 class StreamFailure(NamedTuple):
     """Why a request failed, in every form its consumers need: the record's outcome and short
@@ -128,7 +130,7 @@ class StreamMeter:
     __slots__ = (
         "origin_ns",
         "offsets",
-        "tokens",
+        "_counts",
         "events",
         "_parser",
         "_counter",
@@ -172,7 +174,12 @@ class StreamMeter:
     ) -> None:
         self.origin_ns = origin_ns
         self.offsets = array("q")  # token-carrying events: arrival offsets from origin_ns
-        self.tokens = array("q")  # ... and the output tokens each carried
+        # ... and the output tokens each carried (`token_counts`), from the first event that
+        # did not carry exactly one; None while every event carried one (one token per decode
+        # step, what vLLM streams unless it decodes speculatively): a stream in flight then
+        # holds one column fewer (8 bytes per event), and the common event costs a test
+        # instead of an append.
+        self._counts: array[int] | None = None
         # ... and the choice each belongs to, from the first event of a choice other than 0
         # (n > 1); None while every event is choice 0, so n = 1 costs one test per event.
         self.choices: array[int] | None = None
@@ -237,7 +244,9 @@ class StreamMeter:
                 info, usage_at, usage_end = fast
                 self.events += 1
                 self.offsets.append(now_ns - self.origin_ns)
-                self.tokens.append(self._counter.observe(info))
+                n_tokens = self._counter.observe(info)
+                if n_tokens != 1 or self._counts is not None:
+                    self._note_count(n_tokens)
                 index = info.choice_index
                 if index or self.choices is not None:
                     self._note_choice(index)
@@ -289,7 +298,8 @@ class StreamMeter:
             n_tokens = counter.observe(info)
             if kind is ChunkKind.TOKEN:
                 self.offsets.append(offset)
-                self.tokens.append(n_tokens)
+                if n_tokens != 1 or self._counts is not None:
+                    self._note_count(n_tokens)
                 index = info.choice_index
                 if index or self.choices is not None:
                     self._note_choice(index)
@@ -394,6 +404,27 @@ class StreamMeter:
             n_events += 1
             n_tokens += self._held_tokens
         return out, n_events, n_tokens
+
+    def token_counts(self) -> array[int]:
+        """The output tokens of each token-carrying event, in `offsets`' order (a new array
+        of ones when every event carried one)."""
+        if self._counts is None:
+            return array("q", _ONE) * len(self.offsets)
+        return self._counts
+
+    def mark(self, offset_ns: int, n_tokens: int) -> None:
+        """One token event at ``offset_ns`` from the origin carrying ``n_tokens`` (what `feed`
+        records per token event, inlined there; for callers that build a timeline by hand)."""
+        self.offsets.append(offset_ns)
+        if n_tokens != 1 or self._counts is not None:
+            self._note_count(n_tokens)
+
+    def _note_count(self, n_tokens: int) -> None:
+        """The count of the token event just appended, once one was not 1 (the column starts
+        then, with 1 for the events before it)."""
+        if self._counts is None:
+            self._counts = array("q", _ONE) * (len(self.offsets) - 1)
+        self._counts.append(n_tokens)
 
     def _note_choice(self, index: int | None) -> None:
         """The choice of the token event just appended (the first one other than 0 starts

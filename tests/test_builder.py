@@ -27,8 +27,7 @@ def meter_with(
     builder's t_arrive, tokens) per event, and every event block it read."""
     meter = StreamMeter(ARRIVE)
     for at, n in marks:
-        meter.offsets.append(at)
-        meter.tokens.append(n)
+        meter.mark(at, n)
     if choices is not None:
         meter.choices = array("q", choices)
     meter.events = len(marks) if events is None else events

@@ -229,9 +229,9 @@ def test_property_no_usage_count_breaks_a_stream_or_survives_into_the_clients_by
         out += meter.feed(event, i)[0]
     out += meter.feed(b"data: [DONE]\n\n", 99)[0] + meter.close(100)[0]
     assert b'"usage"' not in out
-    assert len(meter.tokens) == len(counts)
+    assert len(meter.token_counts()) == len(counts)
     n_in, n_out, _, source = meter.token_totals
-    for count in (n_in, n_out, *meter.tokens):
+    for count in (n_in, n_out, *meter.token_counts()):
         assert count is None or 0 <= count < 2**63  # fits the record's int64 columns
     if source in (TokenSource.USAGE, TokenSource.USAGE_TOTAL):
         assert n_out is not None and n_out <= MAX_TOKEN_COUNT  # believed only when believable

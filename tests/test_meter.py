@@ -103,7 +103,7 @@ def check_plain_split(k: int) -> None:
     # Token events: "Hello" (event 1) and "!" (event 2), each stamped by the read completing it.
     hello_end, bang_end = ends(PLAIN)[1], ends(PLAIN)[2]
     assert list(meter.offsets) == [100 if hello_end <= k else 200, 100 if bang_end <= k else 200]
-    assert list(meter.tokens) == [1, 1]  # no usage: one per token event, an estimate
+    assert list(meter.token_counts()) == [1, 1]  # no usage: one per token event, an estimate
     assert sum(written) == 2
     assert meter.token_totals == (None, 2, None, TokenSource.CHUNK_COUNT)
     assert meter.finish_reason == "stop"
@@ -122,7 +122,7 @@ def check_injected_split(k: int) -> None:
     # The client gets exactly the plain stream: usage members cut, the usage chunk dropped,
     # the fingerprint back on the finish chunk.
     assert forwarded == PLAIN_BYTES
-    assert list(meter.tokens) == [2, 1]  # from the cumulative counts 0 -> 2 -> 3
+    assert list(meter.token_counts()) == [2, 1]  # from the cumulative counts 0 -> 2 -> 3
     hello_end, bang_end = ends(INJECTED)[1], ends(INJECTED)[2]
     assert list(meter.offsets) == [100 if hello_end <= k else 200, 100 if bang_end <= k else 200]
     assert meter.token_totals == (12, 3, None, TokenSource.USAGE)
@@ -237,7 +237,7 @@ def test_oversized_event_relays_what_came_before_then_is_fatal() -> None:
     assert meter.fatal.status == 502
     # The finish chunk is not held back behind a failure.
     assert out.startswith(PLAIN[0] + PLAIN[1]) and n_tokens == 2
-    assert list(meter.tokens) == [2, 1]
+    assert list(meter.token_counts()) == [2, 1]
 
 
 def test_malformed_chunk_counts_and_the_stream_goes_on() -> None:
@@ -446,7 +446,7 @@ def test_one_token_event_per_read_skips_the_parser_and_changes_nothing(
     outs["general"].append(general.close())
     assert outs["lane"] == outs["general"]
     assert list(lane.offsets) == list(general.offsets) == [10, 20, 30, 40, 50, 60]
-    assert list(lane.tokens) == list(general.tokens) == [1] * 6
+    assert list(lane.token_counts()) == list(general.token_counts()) == [1] * 6
     assert lane.events == general.events == len(stream)
     assert lane.usage == general.usage and lane.token_totals == general.token_totals
     assert lane.finish_reason == general.finish_reason == "stop"
@@ -541,7 +541,7 @@ def test_events_after_done_are_neither_counted_nor_relayed() -> None:
         meter = StreamMeter(ORIGIN)
         forwarded, _ = feed_split(meter, data, k)
         assert forwarded == event(CHAT_HELLO) + DONE
-        assert list(meter.tokens) == [1] and meter.after_done == 2 and meter.events == 2
+        assert list(meter.token_counts()) == [1] and meter.after_done == 2 and meter.events == 2
         assert meter.failure is None
 
 
@@ -558,3 +558,28 @@ def test_n2_events_keep_their_choice_and_n1_keeps_none() -> None:
     plain = StreamMeter(ORIGIN)
     plain.feed(PLAIN_BYTES, ORIGIN + 1)
     assert plain.choices is None
+
+
+@pytest.mark.parametrize("one_read", [False, True])
+def test_the_token_column_starts_at_the_first_event_of_more_than_one_token(
+    one_read: bool,
+) -> None:
+    """Every event carried one token: no column is kept, and `token_counts` gives ones. The
+    first event with another count starts it, with 1 for the events before: cumulative
+    usage 1, 2, 4, 5 is [1, 1, 2, 1], on the one-event lane and in the general loop alike."""
+    ones = [event(with_usage(CHAT_HELLO, i)) for i in (1, 2, 3)]
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    for i, raw in enumerate(ones):
+        meter.feed(raw, ORIGIN + 10 * (i + 1))
+    assert meter._counts is None and list(meter.token_counts()) == [1, 1, 1]
+
+    stream = [event(with_usage(CHAT_HELLO, i)) for i in (1, 2, 4, 5)]
+    meter = StreamMeter(ORIGIN, ADDED_BOTH)
+    if one_read:
+        meter.feed(b"".join(stream), ORIGIN + 10)
+    else:
+        for i, raw in enumerate(stream):
+            meter.feed(raw, ORIGIN + 10 * (i + 1))
+    assert list(meter.token_counts()) == [1, 1, 2, 1]
+    assert len(meter.offsets) == 4
+    assert meter.token_totals[1] == 5

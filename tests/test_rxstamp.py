@@ -186,6 +186,19 @@ async def test_close_sends_what_was_written_first() -> None:
         assert await asyncio.wait_for(reader.lost, 5) is None
 
 
+async def test_extra_info_reads_the_sockets_addresses_when_asked() -> None:
+    async with connected() as (_reader, transport, peer):
+        assert transport.get_extra_info("peername") == peer.getsockname()
+        assert transport.get_extra_info("sockname") == peer.getpeername()
+        sock = transport.get_extra_info("socket")
+        assert isinstance(sock, socket.socket) and sock.getpeername() == peer.getsockname()
+        assert transport.get_extra_info("cipher", "none") == "none"
+        transport.abort()
+        # Closed: the addresses can no longer be read, and the default is what the caller gets.
+        assert transport.get_extra_info("peername", "gone") == "gone"
+        assert transport.get_extra_info("sockname", "gone") == "gone"
+
+
 @pytest.mark.parametrize("converted", ["future", "past"])
 async def test_a_stamp_is_never_after_its_read_nor_before_the_previous_one(
     monkeypatch: pytest.MonkeyPatch, converted: str

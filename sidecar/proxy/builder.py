@@ -73,9 +73,11 @@ class RecordBuilder:
         self.up_headers_ns: int | None = None
         self.up_end_ns: int | None = None
         self.down_end_ns: int | None = None
-        self._up_offsets = array("q")
+        # The server-side columns are the meter's (`take_stream`); until then none (a request
+        # that streamed nothing keeps these), and no empty arrays held for a stream's life.
+        self._up_offsets: array[int] | bytes = b""
         self._down_offsets = array("q")
-        self._tokens = array("q")
+        self._tokens: array[int] | bytes = b""
         self._choices: array[int] | None = None  # per token event, with n > 1 (the meter's)
         self.up_events = 0
         self.down_events = 0
@@ -111,7 +113,7 @@ class RecordBuilder:
         Called once when the stream ends, however it ends (a cancelled stream keeps the usage
         that had arrived)."""
         self._up_offsets = meter.offsets
-        self._tokens = meter.tokens
+        self._tokens = meter.token_counts()
         self._choices = meter.choices
         self.up_events = meter.events
         n_in, n_out, n_cached, source = meter.token_totals

@@ -5,9 +5,9 @@ meanwhile is taken late by what is left of it (`stalls.py` measures each pause).
 counting frees almost everything the moment it is no longer used; the cycle collector is only
 needed for objects in reference cycles, and a finished request leaves none
 (tests/test_gc_cycles.py, `benchmarks/gc_census.py`: 0 objects per request over eleven ways a
-request can end). What a collection costs is the scan of what is alive: about 70 tracked
+request can end). What a collection costs is the scan of what is alive: about 61 tracked
 objects per stream in flight, and a full (generation-2) collection with 1,000 streams in flight
-takes 27-35 ms here, with 4,000 165-172 ms.
+takes 9-35 ms on the reference VMs, with 4,000 115-172 ms.
 
 CPython's default thresholds (700, 10, 10) run a full collection after every 10 generation-1
 collections once the objects promoted since the last one reach a quarter of those that

@@ -288,7 +288,10 @@ class ClientConnection(asyncio.Protocol):
         self._url = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0
-        self._body: list[bytes] = []
+        # The body's pieces while a request is read; None between requests (a list per
+        # connection held for a whole stream otherwise), as is `_writable_callbacks` until a
+        # caller waits for the client's buffer.
+        self._body: list[bytes] | None = None
         self._body_size = 0
         self._in_message = False
         self._headers_done = False
@@ -299,7 +302,7 @@ class ClientConnection(asyncio.Protocol):
         self._queue: list[IncomingRequest] = []
         self._timer: asyncio.TimerHandle | None = None
         self._write_ready: asyncio.Future[None] | None = None
-        self._writable_callbacks: list[Callable[[], None]] = []
+        self._writable_callbacks: list[Callable[[], None]] | None = None
         self._rejected = False
         self._request_headers: CIMultiDictProxy[str] | None = None
         self._method: str | None = None
@@ -404,8 +407,8 @@ class ClientConnection(asyncio.Protocol):
         if ready is not None and not ready.done():
             ready.set_exception(ConnectionResetError("the client is gone"))
             ready.exception()
-        callbacks, self._writable_callbacks = self._writable_callbacks, []
-        for callback in callbacks:
+        callbacks, self._writable_callbacks = self._writable_callbacks, None
+        for callback in callbacks or ():
             callback()
         exchange = self._exchange
         if (
@@ -439,8 +442,8 @@ class ClientConnection(asyncio.Protocol):
         ready, self._write_ready = self._write_ready, None
         if ready is not None and not ready.done():
             ready.set_result(None)
-        callbacks, self._writable_callbacks = self._writable_callbacks, []
-        for callback in callbacks:
+        callbacks, self._writable_callbacks = self._writable_callbacks, None
+        for callback in callbacks or ():
             callback()
 
     # -- httptools callbacks --------------------------------------------------------------
@@ -540,6 +543,7 @@ class ClientConnection(asyncio.Protocol):
                 )
             )
             raise _Refused
+        assert self._body is not None  # set by on_message_begin
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -555,14 +559,14 @@ class ClientConnection(asyncio.Protocol):
                 target=target,
                 path=target.split("?", 1)[0],
                 headers=self._request_headers,
-                body=b"".join(self._body),
+                body=b"".join(self._body) if self._body else b"",
                 http_version=parser.get_http_version(),
                 keep_alive=parser.should_keep_alive(),
                 peer=self._client_address,
                 began_ns=self._began_ns,
             )
         )
-        self._body = []
+        self._body = None
         self._request_headers = None  # the request has them; a rejection now is not of it
 
     # -- dispatch and keep-alive ----------------------------------------------------------
@@ -720,6 +724,8 @@ class ClientConnection(asyncio.Protocol):
         connection is gone)."""
         if self._write_ready is None:
             callback()
+        elif self._writable_callbacks is None:
+            self._writable_callbacks = [callback]
         else:
             self._writable_callbacks.append(callback)
 

@@ -24,7 +24,7 @@ import logging
 import re
 import secrets
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -926,7 +926,7 @@ class Proxy:
             if replica is not None:
                 replica.outstanding -= 1
 
-    async def _relay_answer(
+    def _relay_answer(
         self,
         exchange: ClientExchange,
         upstream: UpstreamExchange,
@@ -934,10 +934,12 @@ class Proxy:
         builder: RecordBuilder,
         gen: _Generation,
         timeouts: Timeouts,
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
         """The replica's answer to a generation request, by its kind: an error or any body
         that is not a stream, relayed whole; a stream assembled into one JSON answer for a
-        client that did not ask to stream; a stream, relayed and measured read by read."""
+        client that did not ask to stream; a stream, relayed and measured read by read.
+        Returns the relay to await (a plain function choosing it, not a coroutine awaiting
+        it: every stream in flight holds one coroutine less, ~0.3 KiB)."""
         timeouts.start_idle()
         builder.http_status = upstream.status
         coding = upstream.headers.get("Content-Encoding")
@@ -954,20 +956,19 @@ class Proxy:
         content_type = upstream.headers.get("Content-Type", "")
         if upstream.status != 200 or not content_type.startswith("text/event-stream"):
             timeouts.first_token()  # no stream: the total timeout alone bounds it
-            await self._relay_whole(exchange, upstream, builder)
-        elif gen.assemble:
-            await self._assemble(
+            return self._relay_whole(exchange, upstream, builder)
+        if gen.assemble:
+            return self._assemble(
                 exchange, upstream, endpoint, builder, timeouts, gen.tools_required
             )
-        else:
-            response_headers = list(filtered_headers(upstream.headers).items())
-            response_headers.append((REQUEST_ID_HEADER, builder.request_id))
-            # Held for the events that came with the upstream's head (`MeteredRead.body`).
-            exchange.start(200, upstream.reason, response_headers, None, hold=True)
-            # Rendered: neither is read again, and a stream would hold both (~1.4 KiB).
-            del response_headers
-            upstream.headers.clear()
-            await self._relay_stream(upstream, exchange, builder, gen.plan, timeouts)
+        response_headers = list(filtered_headers(upstream.headers).items())
+        response_headers.append((REQUEST_ID_HEADER, builder.request_id))
+        # Held for the events that came with the upstream's head (`MeteredRead.start`).
+        exchange.start(200, upstream.reason, response_headers, None, hold=True)
+        # Rendered: neither is read again, and a stream would hold both (~1.4 KiB).
+        del response_headers
+        upstream.headers.clear()
+        return self._relay_stream(upstream, exchange, builder, gen.plan, timeouts)
 
     async def _answer_timeout(
         self, exchange: ClientExchange, endpoint: str, builder: RecordBuilder, fired: str
@@ -1104,8 +1105,15 @@ class Proxy:
         )
         run = MeteredRead(upstream, meter, builder, timeouts, exchange)
         try:
-            await run.body()
+            # `MeteredRead.body`'s steps, taken here: one coroutine fewer per stream in flight.
+            try:
+                await run.start()
+            except UpstreamError as exc:
+                run.end(exc)
+            else:
+                run.end(None)
         finally:
+            run.settle()
             self.rewritten_events += meter.rewritten
             if meter.fingerprint is not None:
                 self._fingerprints[builder.replica] = meter.fingerprint

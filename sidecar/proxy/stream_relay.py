@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from sidecar import clock
 from sidecar.meter import StreamMeter
 from sidecar.proxy.builder import RecordBuilder
@@ -15,9 +17,10 @@ class MeteredRead:
     ``data_received`` (`on_read`): the measuring core (`StreamMeter`) parses, classifies,
     counts and stamps each read (its instant is the server-side stamp of every event in it),
     and what the read yields for the client is written at once (``exchange``; None: the meter
-    forwards nothing). No task wakes up per read; `body` only waits for the end of the body,
-    then closes the meter (a stream cut short sets ``meter.fatal``). Whatever happens, the
-    builder takes what the meter counted; a failure inside the callback is raised by `body`.
+    forwards nothing). No task wakes up per read; the caller only waits for the end of the
+    body (`start`), then `end` closes the meter (a stream cut short sets ``meter.fatal``) and
+    raises a failure from inside the callback. Whatever happens, `settle` gives the builder
+    what the meter counted.
 
     An object with slots rather than closures in a coroutine: a stream in flight holds it
     for its whole life, and this is ~0.8 KiB smaller per stream (tracemalloc).
@@ -58,7 +61,7 @@ class MeteredRead:
             if out and self.exchange is not None:
                 self._deliver(out, n_events, n_token_events)
             if meter.fatal is not None:
-                self.upstream.connection.abort()  # stop reading; `body` raises the failure
+                self.upstream.connection.abort()  # stop reading; `end` raises the failure
         except BaseException as exc:  # never let a failure escape into the transport
             if self.trouble is None:
                 self.trouble = exc
@@ -87,7 +90,7 @@ class MeteredRead:
             out = out + tail if out else tail
             n_events += n_tail
             n_token_events += n_tail_tokens
-        if meter.fatal is not None:  # no [DONE]: `body` raises it, the handler ends the stream
+        if meter.fatal is not None:  # no [DONE]: the relay fails the request on `meter.fatal`
             if out:
                 self._deliver(out, n_events, n_token_events)
             return
@@ -96,33 +99,55 @@ class MeteredRead:
         if n_token_events:
             builder.client_token_writes(clock.monotonic_ns(), n_token_events)
 
+    def start(self) -> asyncio.Future[None]:
+        """Hand the upstream's reads to `on_read` (those already here first) and release the
+        client's held head; returns the future of the body's end, for the caller to await and
+        then call `end` (and `settle` in any case). Awaited by the relay itself rather than
+        inside a coroutine of this object: a stream in flight holds one coroutine less
+        (~0.3 KiB)."""
+        done = self.upstream.stream_body(self.on_read)
+        if self.exchange is not None:
+            # Its head was held for them (`ClientExchange.start`), and waits no longer.
+            self.exchange.flush()
+        return done
+
+    def end(self, failure: UpstreamError | None) -> None:
+        """The body ended (``failure``: how the upstream's connection failed, if it did).
+        Raises a failure of our own making (a read's trouble) or the upstream's; else closes
+        the meter (a stream cut short sets ``meter.fatal``) and forwards what it still held."""
+        meter = self.meter
+        if failure is not None and not (self.trouble is not None or meter.fatal is not None):
+            raise failure  # otherwise we aborted the upstream ourselves: the cause is below
+        if self.trouble is not None:
+            raise self.trouble
+        if self.ended:
+            return
+        self.builder.up_end_ns = self.builder.offset(clock.monotonic_ns())
+        if meter.fatal is None:
+            out, n_events, n_token_events = meter.close(clock.monotonic_ns())
+            if out and self.exchange is not None:
+                self._deliver(out, n_events, n_token_events)
+
+    def settle(self) -> None:
+        """However the stream ended (`end` raised, the caller was cancelled): the builder
+        takes what the meter counted."""
+        self.builder.take_stream(self.meter)
+        # Not kept once raised (or overtaken by a cancellation): its traceback holds
+        # `on_read`'s frame, which holds this object, a cycle around the whole request that
+        # only a full collection would free.
+        self.trouble = None
+
     async def body(self) -> None:
-        upstream, meter, builder = self.upstream, self.meter, self.builder
+        """`start`, await, `end`, `settle`, for a caller with nothing to do around them."""
         try:
             try:
-                done = upstream.stream_body(self.on_read)  # hands over the reads already here
-                if self.exchange is not None:
-                    # Its head was held for them (`ClientExchange.start`), and waits no longer.
-                    self.exchange.flush()
-                await done
-            except UpstreamError:
-                if not (self.trouble is not None or meter.fatal is not None):
-                    raise  # otherwise we aborted the upstream ourselves: the cause is below
-            if self.trouble is not None:
-                raise self.trouble
-            if self.ended:
-                return
-            builder.up_end_ns = builder.offset(clock.monotonic_ns())
-            if meter.fatal is None:
-                out, n_events, n_token_events = meter.close(clock.monotonic_ns())
-                if out and self.exchange is not None:
-                    self._deliver(out, n_events, n_token_events)
+                await self.start()
+            except UpstreamError as exc:
+                self.end(exc)
+            else:
+                self.end(None)
         finally:
-            builder.take_stream(meter)
-            # Not kept once raised (or overtaken by a cancellation): its traceback holds
-            # `on_read`'s frame, which holds this object, a cycle around the whole request that
-            # only a full collection would free.
-            self.trouble = None
+            self.settle()
 
 
 def write_paced(exchange: ClientExchange, upstream: UpstreamExchange, data: bytes) -> None:

@@ -270,7 +270,9 @@ class UpstreamExchange:
         loop = connection.loop
         self._head: asyncio.Future[None] = loop.create_future()
         self._done: asyncio.Future[None] = loop.create_future()
-        self._pending: list[tuple[bytes, int]] = []  # body reads not yet taken by a sink
+        # Body reads not yet taken by a sink; None while there are none (the common case: a
+        # list per stream in flight for nothing).
+        self._pending: list[tuple[bytes, int]] | None = None
         self._parts: list[bytes] = []  # de-chunked pieces of the read being parsed
         self._sink: BodySink | None = None
         self.complete = False
@@ -379,7 +381,10 @@ class UpstreamExchange:
         # Paused: a read of the same turn that came before the pause took effect (ArrivalBatch)
         # waits for `resume` like one that came before the sink.
         if sink is None or self._pending or self.paused:
-            self._pending.append((body, now_ns))
+            if self._pending is None:
+                self._pending = [(body, now_ns)]
+            else:
+                self._pending.append((body, now_ns))
         else:
             sink(body, now_ns)
 
@@ -510,7 +515,7 @@ class UpstreamExchange:
         256 streams in flight: 2,300 finished requests' worth of objects were waiting)."""
         self._parser = None
         self._sink = None
-        self._pending.clear()
+        self._pending = None
         error = self._error
         if error is not None:
             # The failure was raised through the handler's coroutines, whose frames (kept by

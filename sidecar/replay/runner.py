@@ -195,7 +195,7 @@ class _Answer:
             client = Timeline(
                 start_ns=0,
                 offsets_ns=Int64s(meter.offsets),
-                tokens=Int64s(meter.tokens),
+                tokens=Int64s(meter.token_counts()),
                 end_ns=elapsed_ns,
                 events_total=meter.events,
             )
