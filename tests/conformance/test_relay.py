@@ -991,6 +991,42 @@ SIM_GAPS: dict[str, str] = {
 }
 
 
+def test_an_event_of_merged_tokens_has_the_shape_of_one_token_event() -> None:
+    """vLLM merges outputs when its API server falls behind (checked against vLLM 0.32.0 here:
+    64 concurrent logprobs streams, every one with events of two or more ``content`` entries):
+    the shape is the same as one token per event; a token's alternatives keep their count."""
+
+    def event(tokens: int, alternatives: int = 2) -> str:
+        entry = {
+            "token": "a",
+            "logprob": -0.5,
+            "bytes": [97],
+            "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}] * alternatives,
+        }
+        choice = {
+            "index": 0,
+            "delta": {"content": "a" * tokens},
+            "logprobs": {"content": [entry] * tokens},
+            "finish_reason": None,
+        }
+        return "data: " + json.dumps({"id": "x", "choices": [choice]}) + "\n\n"
+
+    def shape(*events: str) -> Any:
+        body = ("".join(events) + "data: [DONE]\n\n").encode()
+        return answer_shape(Answer(200, "text/event-stream", body))
+
+    assert shape(event(1), event(1), event(1)) == shape(event(2), event(1))
+    assert shape(event(1)) != shape(event(1, alternatives=1))  # top_logprobs=2 is not 1
+    completions: dict[str, list[Any]] = {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": [{"a": -1.0}, {"b": -2.0}],
+        "text_offset": [0, 1],
+    }
+    one = {key: value[:1] for key, value in completions.items()}
+    assert skeleton(completions, "logprobs") == skeleton(one, "logprobs")
+
+
 @pytest.fixture
 async def sim_like_real(real_vllm: RealVLLM, per_request_metrics: bool) -> AsyncIterator[str]:
     from sidecar.sim.engine import EngineConfig
