@@ -29,7 +29,7 @@ import json
 from array import array
 from typing import Any, NamedTuple, Protocol
 
-from sidecar.protocol.fastchunk import fast_token_chunk
+from sidecar.protocol.fastchunk import USAGE_GROUP, fast_token_chunk, match_token_chunk
 from sidecar.protocol.openai import (
     ChunkInfo,
     ChunkKind,
@@ -43,6 +43,7 @@ from sidecar.protocol.sse import DEFAULT_MAX_EVENT_SIZE, SSEError, SSEEvent, SSE
 from sidecar.record import EngineTiming, Outcome, TokenSource
 
 _ONE = (1,)
+_new_tuple = tuple.__new__
 
 
 class StreamFailure(NamedTuple):
@@ -239,21 +240,28 @@ class StreamMeter:
             and self._parser.between_events
             and self.events < self._max_events
         ):
-            fast = fast_token_chunk(data)
-            if fast is not None:
-                info, usage_at, usage_end = fast
+            match = match_token_chunk(data)
+            if match is not None:
+                # What `fast_token_chunk` and `_consume` would do with it, without the ChunkInfo
+                # and the names the lane does not use (`response_model` is read off the
+                # general path): the lane's cost is mostly this block.
+                _id, _model, index, _usage, prompt, total, completion = match.groups()
+                choice = int(index)
                 self.events += 1
                 self.offsets.append(now_ns - self.origin_ns)
-                n_tokens = self._counter.observe(info)
+                if prompt is None:
+                    n_tokens = self._counter.token_event(choice, None)
+                else:
+                    cumulative = int(completion)
+                    self.usage = _new_tuple(Usage, (int(prompt), cumulative, int(total), None))
+                    n_tokens = self._counter.token_event(choice, cumulative)
                 if n_tokens != 1 or self._counts is not None:
                     self._note_count(n_tokens)
-                index = info.choice_index
-                if index or self.choices is not None:
-                    self._note_choice(index)
-                if info.usage is not None:
-                    self.usage = info.usage
-                    if self._strip:
-                        return data[:usage_at] + data[usage_end:], 1, 1
+                if choice or self.choices is not None:
+                    self._note_choice(choice)
+                if prompt is not None and self._strip:
+                    start, end = match.span(USAGE_GROUP)
+                    return data[:start] + data[end:], 1, 1
                 return data, 1, 1
         try:
             events = self._parser.feed(data)

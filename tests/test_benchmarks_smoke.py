@@ -313,6 +313,13 @@ def test_proxy_accuracy_smoke(tmp_path: Path) -> None:
     assert "| C | step ms | quantity | n | p1 | p50 | p99 |" in stdout
 
 
+def test_meter_instructions_smoke() -> None:
+    """The counted child runs on this tree (the lane's input, every event counted, the usage
+    cut); callgrind itself is not run here (about a minute)."""
+    stdout = run_harness("meter_instructions.py", "--smoke")
+    assert "fed 200 events through the lane" in stdout
+
+
 def test_hot_paths_smoke() -> None:
     stdout = run_harness("hot_paths.py", "--smoke")
     assert "| scope | operation | µs |" in stdout

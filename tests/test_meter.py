@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm_chunks import CHAT_BANG, CHAT_HELLO, CHAT_ROLE, CHAT_USAGE, ERROR_COMPACT
 
 from sidecar.meter import StreamMeter
@@ -583,3 +585,42 @@ def test_the_token_column_starts_at_the_first_event_of_more_than_one_token(
     assert list(meter.token_counts()) == [1, 1, 2, 1]
     assert len(meter.offsets) == 4
     assert meter.token_totals[1] == 5
+
+
+# One event of a generated stream: (choice, completion tokens so far or None, kind).
+_STEP = st.tuples(
+    st.integers(0, 2),
+    st.one_of(st.none(), st.integers(0, 40)),
+    st.sampled_from(["token", "token", "token", "role"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_STEP, max_size=12), strip=st.booleans())
+def test_the_lane_counts_and_forwards_as_the_general_loop_does(
+    steps: list[tuple[int, int | None, str]], strip: bool
+) -> None:
+    """Token events in vLLM's shape, one per read (the lane), against the same events through
+    the general loop (a text-keeping meter never takes the lane): choices other than 0, usage
+    that jumps, stands still or goes back, a role chunk whose usage is carried to the next
+    token event, usage on some events only. Forwarded bytes, stamps, counts, choices and
+    totals agree."""
+    stream: list[bytes] = []
+    for choice, completion, kind in steps:
+        payload = CHAT_HELLO if kind == "token" else CHAT_ROLE
+        if completion is not None:
+            payload = with_usage(payload, completion)
+        stream.append(event(payload.replace('"index":0', f'"index":{choice}')))
+    stream.append(DONE)
+    plan = ADDED_BOTH if strip else NO_CHANGE
+    lane = StreamMeter(ORIGIN, plan)
+    general = StreamMeter(ORIGIN, plan, keep_text=True)
+    for i, raw in enumerate(stream):
+        assert lane.feed(raw, ORIGIN + 10 * i) == general.feed(raw, ORIGIN + 10 * i)
+    assert lane.close() == general.close()
+    assert list(lane.offsets) == list(general.offsets)
+    assert list(lane.token_counts()) == list(general.token_counts())
+    assert (lane.choices is None) == (general.choices is None)
+    assert list(lane.choices or ()) == list(general.choices or ())
+    assert lane.token_totals == general.token_totals and lane.usage == general.usage
+    assert lane.events == general.events and lane.failure == general.failure

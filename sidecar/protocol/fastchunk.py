@@ -70,6 +70,17 @@ _TOKEN_CHUNK: Final = re.compile(
 )
 
 
+# For the meter's one-event lane, which needs neither the names nor a ChunkInfo: the match of
+# one whole event, whose ``groups()`` are (id, model, index, usage, prompt, total, completion)
+# as bytes (the last four None without usage), and the number of the usage member's group,
+# whose span is what `fast_token_chunk` returns. tests/test_fastchunk.py holds the order.
+match_token_chunk: Final = _TOKEN_CHUNK.fullmatch
+USAGE_GROUP: Final = _TOKEN_CHUNK.groupindex["usage"]
+assert tuple(_TOKEN_CHUNK.groupindex) == (
+    "id", "model", "index", "usage", "prompt", "total", "completion"
+)  # fmt: skip
+
+
 def fast_token_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
     """(what `classify_chunk` says of this event, start and end of its ``,"usage":{...}``
     member in ``raw``, or -1, -1 without one), or None when ``raw`` (one whole event, as the SSE

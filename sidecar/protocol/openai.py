@@ -395,31 +395,35 @@ class TokenCounter:
     def observe(self, info: ChunkInfo) -> int:
         """Return the number of output tokens the event described by ``info`` carried."""
         kind = info.kind
-        if (
-            kind is not ChunkKind.TOKEN
-            and kind is not ChunkKind.ROLE
-            and kind is not ChunkKind.EMPTY
-        ):
+        usage = info.usage
+        if kind is ChunkKind.TOKEN:
+            return self.token_event(
+                info.choice_index, None if usage is None else usage.completion_tokens
+            )
+        if (kind is not ChunkKind.ROLE and kind is not ChunkKind.EMPTY) or usage is None:
             return 0
         key = info.choice_index
-        usage = info.usage
-        if usage is not None:
-            cumulative = usage.completion_tokens
+        cumulative = usage.completion_tokens
+        last = self._last.get(key, 0)
+        if cumulative > last:
+            self._last[key] = cumulative
+            self._carry[key] = self._carry.get(key, 0) + cumulative - last
+        return 0
+
+    def token_event(self, key: int | None, cumulative: int | None) -> int:
+        """`observe` for a TOKEN event of choice ``key`` whose usage says ``cumulative``
+        completion tokens (None: no usage on it). Called as is by the meter's one-event lane,
+        which has the two numbers without a ChunkInfo."""
+        if cumulative is not None:
             last = self._last.get(key, 0)
             gained = 0
             if cumulative > last:
                 gained = cumulative - last
                 self._last[key] = cumulative
-            if kind is not ChunkKind.TOKEN:
-                if gained:
-                    self._carry[key] = self._carry.get(key, 0) + gained
-                return 0
-        elif kind is ChunkKind.TOKEN:
+        else:
             self._exact = False
             self._last[key] = self._last.get(key, 0) + 1
             gained = 1
-        else:
-            return 0
         if self._carry:
             gained += self._carry.pop(key, 0)
         self.total += gained

@@ -82,6 +82,61 @@ def by_choice(stream: bytes) -> dict[bytes, list[bytes]]:
     return groups
 
 
+def unchunked(body: bytes) -> Any:
+    """A stream as its client reads it, vLLM's chunking aside: per choice the concatenated
+    text, reasoning, tool calls' names and arguments and logprobs tokens, and its finish
+    reasons; the last usage; the set of event shapes (`skeleton`); whether [DONE] came. Every
+    event must parse. vLLM merges a request's deltas into fewer events when its API server
+    falls behind its engine, so two runs of one request may be chunked differently: this is
+    what stays equal then."""
+    choices: dict[Any, dict[str, list[str]]] = {}
+    shapes: set[str] = set()
+    usage: Any = None
+    done = False
+    for block in normalised(body).split(b"\n\n"):
+        if not block.startswith(b"data: "):
+            continue
+        payload = block[len(b"data: ") :]
+        if payload == b"[DONE]":
+            done = True
+            continue
+        obj = json.loads(payload)
+        shapes.add(json.dumps(skeleton(obj)))
+        usage = obj.get("usage") or usage
+        for choice in obj.get("choices") or []:
+            parts = choices.setdefault(choice.get("index"), {})
+
+            def add(key: str, value: Any, parts: dict[str, list[str]] = parts) -> None:
+                if isinstance(value, str):
+                    parts.setdefault(key, []).append(value)
+
+            delta = choice.get("delta") or {}
+            for key in ("content", "reasoning_content", "reasoning", "role"):
+                add(key, delta.get(key))
+            add("text", choice.get("text"))
+            add("finish_reason", choice.get("finish_reason"))
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                add(f"tool{call.get('index')}.name", function.get("name"))
+                add(f"tool{call.get('index')}.arguments", function.get("arguments"))
+            logprobs = choice.get("logprobs") or {}
+            for entry in logprobs.get("content") or []:
+                add("logprobs", entry.get("token"))
+            for token in logprobs.get("tokens") or []:
+                add("logprobs", token)
+    joined = {index: {k: "".join(v) for k, v in parts.items()} for index, parts in choices.items()}
+    return joined, usage, sorted(shapes), done
+
+
+def event_texts(body: bytes) -> list[bytes]:
+    """Each event's bytes with the numbers vLLM's merging changes cut out (continuous usage
+    counts): equal lists with unequal bodies mean the relay changed bytes, not vLLM's chunking."""
+    return [USAGE_COUNTS.sub(b"", event) for event in normalised(body).split(b"\n\n")]
+
+
+USAGE_COUNTS = re.compile(rb'"usage":\{[^{}]*\}')
+
+
 @asynccontextmanager
 async def proxy_before(
     server: RealVLLM, **settings: str
@@ -496,7 +551,15 @@ async def test_the_client_gets_what_vllm_sends_and_the_proxy_counts_what_vllm_co
                 break
     assert direct.status == case.status, needs_tools(direct)
     assert (proxied.status, proxied.content_type) == (direct.status, direct.content_type)
-    assert comparable(case, proxied.body) == comparable(case, direct.body)
+    if comparable(case, proxied.body) != comparable(case, direct.body):
+        # Three pairs chunked apart (a loaded host: vLLM merged deltas in one run and not the
+        # other; seen in CI). The client must still read the same answer, and the bodies must
+        # differ where the events' boundaries do, not inside events chunked alike.
+        assert case.streamed, (proxied.body[:600], direct.body[:600])
+        assert unchunked(proxied.body) == unchunked(direct.body)
+        assert sorted(event_texts(proxied.body)) != sorted(event_texts(direct.body)), (
+            "the same events, different bytes: the relay changed them"
+        )
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     generated = after["generation_tokens"] - before["generation_tokens"]
     assert record.outcome is Outcome.OK
@@ -1025,6 +1088,30 @@ def test_an_event_of_merged_tokens_has_the_shape_of_one_token_event() -> None:
     }
     one = {key: value[:1] for key, value in completions.items()}
     assert skeleton(completions, "logprobs") == skeleton(one, "logprobs")
+
+
+def test_two_chunkings_of_one_answer_read_the_same_and_a_changed_byte_does_not() -> None:
+    def stream(*texts: str, usage: bool = True) -> bytes:
+        events, total = [], 0
+        for text in texts:
+            total += len(text)
+            chunk: dict[str, Any] = {"id": "chatcmpl-1", "choices": [
+                {"index": 0, "delta": {"content": text}, "finish_reason": None}]}  # fmt: skip
+            if usage:
+                chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": total}
+            compact = json.dumps(chunk, separators=(",", ":"))  # as vLLM writes it
+            events.append(b"data: " + compact.encode() + b"\n\n")
+        return b"".join(events) + b"data: [DONE]\n\n"
+
+    one_by_one, merged = stream("a", "b", "c"), stream("ab", "c")
+    assert unchunked(one_by_one) == unchunked(merged)
+    assert sorted(event_texts(one_by_one)) != sorted(event_texts(merged))
+    assert unchunked(stream("a", "x", "c")) != unchunked(one_by_one)
+    # Chunked alike, a usage count changed: the events' texts agree, so the check that the
+    # bodies differ only where vLLM's chunking does refuses it.
+    changed = one_by_one.replace(b'"completion_tokens":2', b'"completion_tokens":7')
+    assert changed != one_by_one
+    assert sorted(event_texts(changed)) == sorted(event_texts(one_by_one))
 
 
 @pytest.fixture
