@@ -2,6 +2,7 @@
 
     python benchmarks/meter_instructions.py                        # this tree (~1 minute)
     python benchmarks/meter_instructions.py --tree /tmp/before     # another tree, for an A/B
+    python benchmarks/meter_instructions.py --scope read           # the whole per-read relay
     python benchmarks/meter_instructions.py --smoke                # CI: no valgrind, no claim
 
 Timing the measuring core (`hot_paths.py`) on a shared 2-vCPU VM moves by 30-50 % from run to
@@ -17,6 +18,13 @@ stream is). The process is run four times, N and 2N events, each with and withou
 so that neither the interpreter's start nor the events' making counts. Instructions are not
 time (a cache miss costs more than an add), but a change that removes instructions from this
 loop removes work from every read of every stream.
+
+``--scope read``: the relay's whole per-read path after the socket, in one process: each event
+arrives as one HTTP chunk (``<size>\r\n<event>\r\n``) fed to a real `UpstreamExchange`
+(httptools framing, the body callback), whose `MeteredRead` measures it (the same lane), stamps
+it and writes it, chunk-framed, to a real `ClientExchange` over a transport that only counts
+the bytes. Not counted: the socket reads and writes (`StampedTransport`, the kernel) and the
+event loop's dispatch.
 """
 
 from __future__ import annotations
@@ -57,16 +65,80 @@ if mode == "feed":
     assert b'"usage"' not in out, "the injected usage was not cut"
 """
 
+# The child of ``--scope read``: the same events as HTTP chunks through the relay's objects.
+READ_CHILD = r"""
+import asyncio, json, sys
+from multidict import CIMultiDict, CIMultiDictProxy
+from sidecar.meter import StreamMeter
+from sidecar.protocol.rewrite import UsagePlan
+from sidecar.proxy.builder import RecordBuilder
+from sidecar.proxy.listener import ClientExchange, IncomingRequest
+from sidecar.proxy.stream_relay import MeteredRead
+from sidecar.proxy.timeouts import Timeouts
+from sidecar.proxy.upstream import ArrivalBatch, UpstreamConnection, UpstreamExchange
+
+n, mode = int(sys.argv[1]), sys.argv[2]
+def event(i):
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": " hi"}, "logprobs": None,
+                          "finish_reason": None, "token_ids": None}],
+             "usage": {"prompt_tokens": 12, "total_tokens": 12 + i, "completion_tokens": i}}
+    data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    return b"%x\r\n%b\r\n" % (len(data), data)
+reads = [event(i) for i in range(1, n + 1)]
+
+class ClientTransport:  # takes the client's writes, counts their bytes
+    def __init__(self): self.written = 0
+    def write(self, data): self.written += len(data)
+    def get_write_buffer_size(self): return 0
+    def is_closing(self): return False
+class ClientConnection:
+    def __init__(self): self.transport = ClientTransport()
+class UpstreamTransport:
+    def is_closing(self): return False
+    def abort(self): raise AssertionError("the relay aborted the upstream")
+
+async def main():
+    loop = asyncio.get_running_loop()
+    request = IncomingRequest("POST", "/v1/chat/completions", "/v1/chat/completions",
+                              CIMultiDictProxy(CIMultiDict()), b"{}", "1.1", True)
+    client = ClientConnection()
+    exchange = ClientExchange(client, request)
+    exchange.start(200, "OK", [("Content-Type", "text/event-stream")], None)
+    connection = UpstreamConnection(("upstream", 8000, False), ArrivalBatch(loop))
+    connection.connection_made(UpstreamTransport())
+    upstream = UpstreamExchange(connection, False)
+    connection.exchange = upstream
+    upstream.feed(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                  b"transfer-encoding: chunked\r\n\r\n", 0)
+    await upstream.response()
+    builder = RecordBuilder("r", 0, 0, "chat")
+    meter = StreamMeter(0, UsagePlan(False, False, True, True))
+    run = MeteredRead(upstream, meter, builder, Timeouts(loop=loop), exchange)
+    if hasattr(run, "start"):
+        run.start()
+    else:  # a tree before 3da64c5: the relay's coroutine hands the reads over
+        body = asyncio.ensure_future(run.body())  # held: an unreferenced task may be collected
+        await asyncio.sleep(0)
+    if mode == "feed":
+        feed = upstream.feed
+        for at, raw in enumerate(reads):
+            feed(raw, at)
+        assert meter.events == n and builder.down_events == n, "the events were not all relayed"
+        assert client.transport.written < sum(map(len, reads)), "the injected usage was not cut"
+asyncio.run(main())
+"""
+
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 
-def count(tree: Path, n: int, mode: str) -> int:
+def count(tree: Path, child: str, n: int, mode: str) -> int:
     """Instructions the child executed (callgrind)."""
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
     proc = subprocess.run(
         [
             "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-            sys.executable, "-c", CHILD, str(n), mode,
+            sys.executable, "-c", child, str(n), mode,
         ],
         cwd=tree, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
@@ -80,21 +152,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", type=Path, default=REPO, help="the source tree to count [this]")
     parser.add_argument("--events", type=int, default=20_000, help="N [20000]")
+    parser.add_argument(
+        "--scope",
+        choices=("meter", "read"),
+        default="meter",
+        help="the measuring core alone, or the relay's per-read path [meter]",
+    )
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CI: run the child once, no count")
     args = parser.parse_args(argv)
     tree = args.tree.resolve()
+    child = CHILD if args.scope == "meter" else READ_CHILD
     if args.smoke:
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        subprocess.run([sys.executable, "-c", CHILD, "200", "feed"], env=env, check=True)
-        print("meter_instructions smoke: the child fed 200 events through the lane")
+        for smoke_child in (CHILD, READ_CHILD):
+            subprocess.run([sys.executable, "-c", smoke_child, "200", "feed"], env=env, check=True)
+        print("meter_instructions smoke: both children fed 200 events through the lane")
         return
     if shutil.which("valgrind") is None:
         print("SKIPPED: valgrind is not installed (apt-get install valgrind)")
         return
     n = args.events
     counts = {
-        (mode, size): count(tree, size, mode) for mode in ("feed", "setup") for size in (n, 2 * n)
+        (mode, size): count(tree, child, size, mode)
+        for mode in ("feed", "setup")
+        for size in (n, 2 * n)
     }
     fed = counts[("feed", 2 * n)] - counts[("feed", n)]
     setup = counts[("setup", 2 * n)] - counts[("setup", n)]
@@ -102,11 +184,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     result = {
         "tree": str(tree),
         "events": n,
+        "scope": args.scope,
         "python": sys.version.split()[0],
         "counts": {f"{mode}_{size}": value for (mode, size), value in counts.items()},
         "instructions_per_event": round(per_event),
     }
-    print(f"{tree}: {per_event:,.0f} instructions per event (StreamMeter.feed, one-event lane)")
+    what = "StreamMeter.feed, one-event lane" if args.scope == "meter" else "the per-read relay"
+    print(f"{tree}: {per_event:,.0f} instructions per event ({what})")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -314,10 +314,10 @@ def test_proxy_accuracy_smoke(tmp_path: Path) -> None:
 
 
 def test_meter_instructions_smoke() -> None:
-    """The counted child runs on this tree (the lane's input, every event counted, the usage
-    cut); callgrind itself is not run here (about a minute)."""
+    """Both counted children run on this tree (the lane's input, every event counted and
+    relayed, the usage cut); callgrind itself is not run here (about a minute)."""
     stdout = run_harness("meter_instructions.py", "--smoke")
-    assert "fed 200 events through the lane" in stdout
+    assert "both children fed 200 events through the lane" in stdout
 
 
 def test_hot_paths_smoke() -> None:
