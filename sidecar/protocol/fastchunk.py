@@ -73,7 +73,8 @@ _TOKEN_CHUNK: Final = re.compile(
 # For the meter's one-event lane, which needs neither the names nor a ChunkInfo: the match of
 # one whole event, whose ``groups()`` are (id, model, index, usage, prompt, total, completion)
 # as bytes (the last four None without usage), and the number of the usage member's group,
-# whose span is what `fast_token_chunk` returns. tests/test_fastchunk.py holds the order.
+# whose span is what `fast_token_chunk` returns. The assert below holds the order
+# (the meter unpacks it by position).
 match_token_chunk: Final = _TOKEN_CHUNK.fullmatch
 USAGE_GROUP: Final = _TOKEN_CHUNK.groupindex["usage"]
 assert tuple(_TOKEN_CHUNK.groupindex) == (
