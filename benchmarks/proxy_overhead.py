@@ -352,11 +352,17 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
         proc.wait(timeout_s)
 
 
-def spawn(argv: Sequence[str], log_path: Path, core: int | None) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: Sequence[str],
+    log_path: Path,
+    core: int | None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed right after spawn
     try:
         return subprocess.Popen(
             list(argv),
+            env=None if env is None else {**os.environ, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -412,9 +418,11 @@ def start_proxy(
     log_path: Path,
     core: int | None,
     extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """The sidecar as users start it: one worker process (unless ``extra`` says otherwise)
-    beside its collector process; `process_tree` lists both for CPU and memory."""
+    beside its collector process; `process_tree` lists both for CPU and memory. ``env``: set
+    in its environment on top of this process's."""
     workers = [] if any(a.startswith("--workers") for a in extra) else ["--workers", "1"]
     argv = [
         sys.executable,
@@ -432,7 +440,7 @@ def start_proxy(
         *workers,
         *extra,
     ]
-    proc = spawn(argv, log_path, core)
+    proc = spawn(argv, log_path, core, env)
     try:
         wait_port(port, proc)
     except BaseException:
@@ -1114,10 +1122,11 @@ def med_spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(med)} [{fmt.format(min(vals))} – {fmt.format(max(vals))}]"
 
 
-RELAY_MODES = ("sidecar", "bare", "pipe", "nginx", "envoy")
+RELAY_MODES = ("sidecar", "sidecar-regex", "bare", "pipe", "nginx", "envoy")
 MODE_LABELS = {
     "direct": "direct",
     "sidecar": "sidecar",
+    "sidecar-regex": "sidecar, regex token scanner",
     "bare": "bare relay (calibration)",
     "pipe": "TCP pipe (CPython floor)",
     "nginx": "nginx (1 worker, proxy_buffering off)",
@@ -1350,11 +1359,12 @@ def report(
 
 def code_line() -> str:
     """Which sidecar code was measured: the commit, whether sidecar/ differs from it, and a hash
-    of every sidecar/*.py as it was read (the tree changes under parallel work)."""
+    of every sidecar/*.py and *.c as it was read (the tree changes under parallel work)."""
     import hashlib
 
     digest = hashlib.sha256()
-    for path in sorted((REPO_ROOT / "sidecar").rglob("*.py")):
+    sources = [*(REPO_ROOT / "sidecar").rglob("*.py"), *(REPO_ROOT / "sidecar").rglob("*.c")]
+    for path in sorted(sources):
         digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
     head = dirty = "?"
     with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -1373,7 +1383,7 @@ def code_line() -> str:
             timeout=10,
         ).stdout.splitlines()
         dirty = f"{len(changed)} changed/untracked paths under sidecar/"
-    return f"code: HEAD {head}, {dirty}, sha256(sidecar/**/*.py) {digest.hexdigest()[:12]}"
+    return f"code: HEAD {head}, {dirty}, sha256(sidecar/**/*.{{py,c}}) {digest.hexdigest()[:12]}"
 
 
 def machine_line() -> str:
@@ -1418,8 +1428,11 @@ def start_relay(
     """Start one relay mode in front of the simulator: the Popen and every process id whose CPU
     and memory count as the relay's."""
     log = workdir / f"{mode}-{tag}.log"
-    if mode == "sidecar":
-        proc = start_proxy(sim_port, port, free_port(), log, core, proxy_args)
+    if mode in ("sidecar", "sidecar-regex"):
+        # sidecar-regex: the same sidecar on the regex token scanner instead of the C one
+        # (fastchunk.py), for an A/B of the two within one run.
+        env = {"SIDECAR_TOKEN_SCAN": "regex"} if mode == "sidecar-regex" else None
+        proc = start_proxy(sim_port, port, free_port(), log, core, proxy_args, env)
         return proc, process_tree(proc.pid)
     elif mode == "bare":
         proc = start_bare_relay(sim_port, port, log, core)

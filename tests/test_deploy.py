@@ -154,7 +154,7 @@ def test_dockerfile_copies_only_what_exists_and_dockerignore_lets_through() -> N
         assert any(source == a or source.startswith(a + "/") for a in allowed), (
             f"COPY {source} is excluded by .dockerignore"
         )
-    for needed in ("pyproject.toml", "sidecar", "deploy/docker/constraints.txt"):
+    for needed in ("pyproject.toml", "setup.py", "sidecar", "deploy/docker/constraints.txt"):
         assert needed in sources
     # What building pyproject.toml reads: its readme, its packages.
     project = pyproject()

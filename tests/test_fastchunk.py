@@ -1,13 +1,17 @@
 """The fast path for the common token chunk says exactly what the general path says: the same
-`ChunkInfo`, and the same bytes once the injected usage is cut, or nothing at all."""
+`ChunkInfo`, and the same bytes once the injected usage is cut, or nothing at all; and its C
+scanner (`_tokenscan.c`) says exactly what the regex it stands for says, on every input."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_helpers import require_module
 from vllm_chunks import (
     CHAT_BANG,
     CHAT_HELLO,
@@ -18,7 +22,13 @@ from vllm_chunks import (
     COMPLETION_TOKEN_032,
 )
 
-from sidecar.protocol.fastchunk import fast_token_chunk
+from sidecar.protocol.fastchunk import (
+    NATIVE_SCAN,
+    TokenScan,
+    fast_token_chunk,
+    scan_token_chunk,
+    scan_with_regex,
+)
 from sidecar.protocol.openai import ChunkKind, classify_chunk
 from sidecar.protocol.rewrite import without_usage
 from sidecar.protocol.sse import SSEParser
@@ -33,6 +43,8 @@ def event_of(payload: str) -> tuple[bytes, str]:
 def check(payload: str) -> bool:
     """Fast path == general path whenever the fast path answers; True if it answered."""
     raw, data = event_of(payload)
+    if NATIVE_SCAN:  # the scanner fast_token_chunk runs on says what its specification says
+        assert scan_token_chunk(raw) == scan_with_regex(raw)
     fast = fast_token_chunk(raw)
     if fast is None:
         return False
@@ -164,3 +176,124 @@ def test_a_byte_out_of_place_never_makes_the_paths_disagree(position: int, byte:
     if "\n" in payload or "\r" in payload:
         return  # no longer one event
     check(payload)
+
+
+# -- the C scanner against the regex ---------------------------------------------------------
+
+
+def native_scan() -> Callable[[bytes], TokenScan | None]:
+    """The C scanner: built by `pip install -e .` wherever a C compiler is (fails in CI, skips
+    elsewhere without it)."""
+    module = require_module("sidecar.protocol._tokenscan", "-e . (with a C compiler: gcc)")
+    scan: Callable[[bytes], TokenScan | None] = module.scan
+    return scan
+
+
+def event(payload: str) -> bytes:
+    return b"data: " + payload.encode("utf-8", "surrogatepass") + b"\n\n"
+
+
+BASES = [
+    event(payload)
+    for payload in (
+        CHAT_HELLO,
+        with_usage(CHAT_HELLO, 7),
+        with_usage(CHAT_HELLO, 123456, details=False),
+        COMPLETION_HELLO,
+        with_usage(COMPLETION_HELLO, 1, details=False),
+        CHAT_TOKEN_032,
+        COMPLETION_TOKEN_032,
+        CHAT_HELLO.replace('"Hello"', '"a\\u00e9\\n\\"b\\\\"'),  # every kind of escape
+        CHAT_HELLO.replace('"model":"M"', '"model":""').replace('"chatcmpl-abc123"', '""'),
+    )
+]
+
+
+def test_the_native_scanner_reads_vllms_chunks_as_the_regex_does() -> None:
+    scan = native_scan()
+    for data in BASES:
+        answer = scan(data)
+        assert answer is not None, data
+        assert answer == scan_with_regex(data), data
+    # Hand-worked: where each part is in a chunk with usage.
+    data = event(with_usage(CHAT_HELLO, 7))
+    index, prompt, total, completion, start, end, id_end, model_start, model_end = scan(data)  # type: ignore[misc]
+    assert (index, prompt, total, completion) == (0, 12, 19, 7)
+    assert data[start:end] == (
+        b',"usage":{"prompt_tokens":12,"total_tokens":19,"completion_tokens":7,'
+        b'"completion_tokens_details":null}'
+    )
+    assert data[13:id_end] == b"chatcmpl-abc123"
+    assert data[model_start:model_end] == b"M"
+    assert scan(event(CHAT_HELLO))[1:6] == (None, None, None, -1, -1)  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        CHAT_HELLO.replace('"index":0', '"index":' + "9" * 18),  # the longest index
+        CHAT_HELLO.replace('"index":0', '"index":' + "9" * 19),  # one digit too many
+        CHAT_HELLO.replace('"index":0', '"index":00'),
+        CHAT_HELLO.replace('"index":0', '"index":-1'),
+        CHAT_HELLO.replace('"created":1700000000', '"created":' + "1" * 18),
+        CHAT_HELLO.replace('"created":1700000000', '"created":' + "1" * 19),
+        CHAT_HELLO.replace('"created":1700000000', '"created":0'),
+        with_usage(CHAT_HELLO, 10**14),  # 15 digits: taken
+        with_usage(CHAT_HELLO, 10**15),  # 16: not
+        with_usage(CHAT_HELLO, 0),
+        CHAT_HELLO.replace('"Hello"', '""'),
+        CHAT_HELLO.replace('"Hello"', '"\\u00zz"'),
+        CHAT_HELLO.replace('"Hello"', '"\\u00e"'),
+        CHAT_HELLO.replace('"Hello"', '"\\x"'),
+        CHAT_HELLO.replace('"Hello"', '"\\"'),
+        CHAT_HELLO.replace('"Hello"', '"a\tb"'),  # a raw control byte
+        CHAT_HELLO.replace('"Hello"', '"\x7f\u00ff"'),  # DEL and UTF-8: plain bytes
+        CHAT_HELLO.replace('"model":"M"', '"model":"M\\/"'),
+        CHAT_HELLO.replace('"chat.completion.chunk"', '"text_completion"'),
+        CHAT_HELLO.replace('"chat.completion.chunk"', '"chat.completion"'),
+        CHAT_HELLO.replace(',"kv_transfer_params":null', ""),
+        CHAT_HELLO.replace(',"kv_transfer_params":null', ',"kv_transfer_params":{}'),
+        COMPLETION_HELLO.replace(',"weight_versions":null', ""),
+        COMPLETION_HELLO.replace('"text":"Hello"', '"delta":{"content":"Hello"}'),
+    ],
+)
+def test_the_native_scanner_agrees_on_the_edges(payload: str) -> None:
+    data = event(payload)
+    assert native_scan()(data) == scan_with_regex(data)
+
+
+def test_the_native_scanner_agrees_at_every_cut_and_every_byte_out_of_place() -> None:
+    """Every prefix and suffix of each base, every single byte deleted, and every position
+    overwritten with each byte the grammar cares about: the two scanners give one answer."""
+    scan = native_scan()
+    specials = b'"\\/{}[],:0123456789-eE.nul tabfrx\x00\x1f\n\x7f\x80\xff'
+    for data in BASES:
+        variants = [data[:n] for n in range(len(data))] + [data[n:] for n in range(1, 40)]
+        variants += [data[:n] + data[n + 1 :] for n in range(len(data))]
+        for n in range(len(data)):
+            for byte in specials:
+                variants.append(data[:n] + bytes((byte,)) + data[n + 1 :])
+        for variant in variants:
+            assert scan(variant) == scan_with_regex(variant), variant
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64), st.binary(max_size=64), st.integers(0, len(BASES) - 1))
+def test_the_native_scanner_agrees_with_junk_spliced_in(
+    head: bytes, tail: bytes, which: int
+) -> None:
+    data = BASES[which]
+    cut = len(head) % len(data)
+    for variant in (head + data, data + tail, data[:cut] + head + data[cut:], head, tail):
+        assert native_scan()(variant) == scan_with_regex(variant)
+
+
+def test_the_native_scanner_takes_any_bytes_like_and_refuses_the_rest() -> None:
+    native_scan()
+    from sidecar.protocol._tokenscan import scan
+
+    data = BASES[1]
+    assert scan(data) is not None
+    assert scan(bytearray(data)) == scan(memoryview(data)) == scan(data)
+    with pytest.raises(TypeError):
+        scan("data: {}")  # type: ignore[arg-type]

@@ -175,6 +175,8 @@ def test_the_start_up_lines_name_slos_capture_and_workers_and_sigterm_says_what_
         )
         stamps = read_url(proxy, r"^(server-side stamps: .*)$")
         assert stamps == "server-side stamps: the kernel's receive timestamps (SO_TIMESTAMPNS)"
+        scanner = read_url(proxy, r"^(token chunks: .*)$")
+        assert scanner == "token chunks: scanned in C (sidecar.protocol._tokenscan)"
         proxy.send_signal(signal.SIGTERM)
         assert proxy.wait(timeout=15) == 0
 

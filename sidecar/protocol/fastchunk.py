@@ -4,7 +4,9 @@ merged delta) of one choice, as vLLM writes it, with or without continuous usage
 `classify_chunk` parses every event with ``json.loads`` (~3 µs), and cutting the usage that the
 proxy injected back out takes a regex and a brace check (~2.5 µs). For an event whose bytes are
 exactly the common shape, one anchored regex over the raw bytes (~1.3 µs) gives the same answer
-and where the usage member is. Anything else (a role chunk, a finish chunk, logprobs, tool
+and where the usage member is; the same walk written in C (`_tokenscan.c`, built with the package
+where a C compiler is at hand) gives it in a tenth of the instructions, and the regex stays its
+specification and its fallback. Anything else (a role chunk, a finish chunk, logprobs, tool
 calls, an escape in the model name, a number longer than 18 digits, a byte out of place) is not
 matched, and the caller takes the general path. Whatever this returns equals what the general
 path gives for the same event, classification and cut alike: tests/test_fastchunk.py holds it
@@ -13,7 +15,9 @@ to that on vLLM's shapes, the simulator's output and generated variants.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 from typing import Final
 
 from sidecar.protocol.openai import ChunkInfo, ChunkKind, Usage
@@ -70,45 +74,77 @@ _TOKEN_CHUNK: Final = re.compile(
 )
 
 
-# For the meter's one-event lane, which needs neither the names nor a ChunkInfo: the match of
-# one whole event, whose ``groups()`` are (id, model, index, usage, prompt, total, completion)
-# as bytes (the last four None without usage), and the number of the usage member's group,
-# whose span is what `fast_token_chunk` returns. The assert below holds the order
-# (the meter unpacks it by position).
-match_token_chunk: Final = _TOKEN_CHUNK.fullmatch
-USAGE_GROUP: Final = _TOKEN_CHUNK.groupindex["usage"]
+ID_START: Final = len(b'data: {"id":"')
+
+# What a scan answers for the common token chunk: (choice index, prompt, total and completion
+# tokens of its usage or three None, start and end of its ``,"usage":{...}`` member or -1, -1,
+# end of the id, start and end of the model name); the id starts at ID_START.
+TokenScan = tuple[int, "int | None", "int | None", "int | None", int, int, int, int, int]
+
+
+def scan_with_regex(data: bytes) -> TokenScan | None:
+    """The common token chunk by the regex above: the specification, and the scanner wherever
+    the C one (`_tokenscan.c`) is not built. ``data``: one whole event, as the SSE parser gives
+    it."""
+    match = _TOKEN_CHUNK.fullmatch(data)
+    if match is None:
+        return None
+    _id, _model, index, _usage, prompt, total, completion = match.groups()
+    usage_start, usage_end = match.span(4)
+    return (
+        int(index),
+        None if prompt is None else int(prompt),
+        None if total is None else int(total),
+        None if completion is None else int(completion),
+        usage_start,
+        usage_end,
+        match.end(1),
+        match.start(2),
+        match.end(2),
+    )
+
+
+# The group numbers `scan_with_regex` reads by position.
 assert tuple(_TOKEN_CHUNK.groupindex) == (
     "id", "model", "index", "usage", "prompt", "total", "completion"
 )  # fmt: skip
+
+# The scanner the data path uses: the same walk in C where the package was built with it (one
+# token event in ~2k instructions instead of ~20k, benchmarks/meter_instructions.py), else the
+# regex. SIDECAR_TOKEN_SCAN=regex picks the regex anyway (to compare the two, or to rule the C
+# one out).
+scan_token_chunk: Callable[[bytes], TokenScan | None]
+if os.environ.get("SIDECAR_TOKEN_SCAN", "") == "regex":
+    scan_token_chunk, NATIVE_SCAN = scan_with_regex, False
+else:
+    try:
+        from sidecar.protocol._tokenscan import scan as scan_token_chunk
+
+        NATIVE_SCAN = True
+    except ImportError:  # built without a C compiler: correct, slower
+        scan_token_chunk, NATIVE_SCAN = scan_with_regex, False
 
 
 def fast_token_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
     """(what `classify_chunk` says of this event, start and end of its ``,"usage":{...}``
     member in ``raw``, or -1, -1 without one), or None when ``raw`` (one whole event, as the SSE
     parser gives it) is not the common token chunk."""
-    match = _TOKEN_CHUNK.fullmatch(raw)
-    if match is None:
+    scan = scan_token_chunk(raw)
+    if scan is None:
         return None
-    index, model, request_id, prompt, completion, total = match.group(
-        "index", "model", "id", "prompt", "completion", "total"
-    )  # one call, not six
-    if prompt is not None:
-        usage = _new_tuple(Usage, (int(prompt), int(completion), int(total), None))
-        start, end = match.span("usage")
-    else:
-        usage = None
-        start = end = -1
+    index, prompt, total, completion, start, end, id_end, model_start, model_end = scan
+    usage = None if prompt is None else _new_tuple(Usage, (prompt, completion, total, None))
     info = _new_tuple(
         ChunkInfo,
         (
             ChunkKind.TOKEN,
             usage,
             None,
-            int(index),
+            index,
             None,
             None,
-            model.decode("utf-8", "replace"),
-            request_id.decode("utf-8", "replace"),
+            raw[model_start:model_end].decode("utf-8", "replace"),
+            raw[ID_START:id_end].decode("utf-8", "replace"),
             None,
             False,
         ),
