@@ -91,7 +91,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -742,8 +742,9 @@ def run_tcp_pipe(args: argparse.Namespace) -> int:
             self.transport = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            assert isinstance(transport, asyncio.Transport)
-            self.transport = transport
+            # uvloop's TCPTransport is not an asyncio.Transport subclass (an isinstance
+            # assert here failed every connection of the pipe); it has the same methods.
+            self.transport = cast(asyncio.Transport, transport)
 
         def data_received(self, data: bytes) -> None:
             assert self.client.transport is not None
@@ -759,9 +760,8 @@ def run_tcp_pipe(args: argparse.Namespace) -> int:
             self.upstream: UpstreamSide | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            assert isinstance(transport, asyncio.Transport)
-            self.transport = transport
-            transport.pause_reading()
+            self.transport = cast(asyncio.Transport, transport)  # uvloop's: see UpstreamSide
+            self.transport.pause_reading()
             asyncio.get_running_loop().create_task(self._connect())
 
         async def _connect(self) -> None:

@@ -29,7 +29,7 @@ import json
 from array import array
 from typing import Any, NamedTuple, Protocol
 
-from sidecar.protocol.fastchunk import fast_token_chunk, scan_token_chunk
+from sidecar.protocol.fastchunk import TokenScan, cut_span, fast_token_chunk, scan_token_chunk
 from sidecar.protocol.openai import (
     ChunkInfo,
     ChunkKind,
@@ -141,7 +141,8 @@ class StreamMeter:
         "_held",
         "_held_cut",
         "_held_tokens",
-        "usage",
+        "_usage",
+        "_lane_usage",
         "saw_done",
         "finish_reason",
         "engine",
@@ -194,7 +195,11 @@ class StreamMeter:
         self._held: bytes | None = None  # a finish chunk waiting for the fingerprint
         self._held_cut: int | None = None
         self._held_tokens = 0
-        self.usage: Usage | None = None  # the last usage seen (cumulative, then final)
+        self._usage: Usage | None = None  # the last usage seen (cumulative, then final)
+        # ... or, when the lane saw it last, that event's scan (`usage` makes the Usage from
+        # it when asked): a stream's every token event carries usage (the proxy asks for it),
+        # and only the last is ever read.
+        self._lane_usage: TokenScan | None = None
         self.saw_done = False
         self.finish_reason: str | None = None
         self.engine: EngineTiming | None = None
@@ -249,14 +254,14 @@ class StreamMeter:
                 if prompt is None:
                     n_tokens = self._counter.token_event(choice, None)
                 else:
-                    self.usage = _new_tuple(Usage, (prompt, cumulative, total, None))
+                    self._lane_usage = scan
                     n_tokens = self._counter.token_event(choice, cumulative)
                 if n_tokens != 1 or self._counts is not None:
                     self._note_count(n_tokens)
                 if choice or self.choices is not None:
                     self._note_choice(choice)
                 if prompt is not None and self._strip:
-                    return data[:start] + data[end:], 1, 1
+                    return cut_span(data, start, end), 1, 1
                 return data, 1, 1
         try:
             events = self._parser.feed(data)
@@ -335,7 +340,7 @@ class StreamMeter:
                 self.response_model = _bounded_name(info.model)
                 self.response_id = None if info.id is None else _bounded_name(info.id)
             if info.usage is not None:
-                self.usage = info.usage
+                self._usage, self._lane_usage = info.usage, None
             if info.system_fingerprint is not None:
                 self.fingerprint = info.system_fingerprint
             if self.assembler is not None and kind is not ChunkKind.DONE:
@@ -352,7 +357,7 @@ class StreamMeter:
                 and kind is not ChunkKind.USAGE
             ):
                 if usage_at >= 0:  # the fast path found the member: cut it as text
-                    raw, cut = raw[:usage_at] + raw[usage_end:], usage_at
+                    raw, cut = cut_span(raw, usage_at, usage_end), usage_at
                 else:
                     raw, cut, reencoded = without_usage(raw, payload)
                     self.rewritten += reencoded
@@ -444,6 +449,20 @@ class StreamMeter:
         return insert_member(held, self._held_cut, "system_fingerprint", fingerprint)
 
     # -- the finish rules -----------------------------------------------------------------
+
+    @property
+    def usage(self) -> Usage | None:
+        """The last usage the stream carried (cumulative, then the final one), if any."""
+        scan = self._lane_usage
+        if scan is not None:
+            _, prompt, total, completion, _, _, _, _, _ = scan
+            self._usage = _new_tuple(Usage, (prompt, completion, total, None))
+            self._lane_usage = None
+        return self._usage
+
+    @usage.setter
+    def usage(self, usage: Usage | None) -> None:
+        self._usage, self._lane_usage = usage, None
 
     @property
     def token_totals(self) -> tuple[int | None, int | None, int | None, TokenSource]:

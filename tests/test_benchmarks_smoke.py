@@ -73,7 +73,7 @@ def overhead(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
         "proxy_overhead.py",
         "--smoke",
         "--modes",
-        "direct,sidecar,bare,nginx,envoy",
+        "direct,sidecar,bare,sidecar-regex,pipe,nginx,envoy",
         "--json-out",
         str(out),
     )
@@ -125,6 +125,15 @@ def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> N
     ):
         assert heading in stdout
     assert "| 4 | sidecar |" in stdout
+
+
+def test_overhead_regex_scanner_and_pipe_modes(overhead: tuple[dict[str, Any], str]) -> None:
+    """The sidecar on the regex token scanner (the A/B of the C one) and the CPython floor,
+    a bare TCP pipe (its every connection failed on uvloop's transports once, unseen)."""
+    result, stdout = overhead
+    for mode in ("sidecar-regex", "pipe"):
+        check_relay(result, mode)
+        assert f"| 4 | {po.MODE_LABELS[mode]} |" in stdout
 
 
 @pytest.mark.realparts

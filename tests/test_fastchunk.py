@@ -25,6 +25,7 @@ from vllm_chunks import (
 from sidecar.protocol.fastchunk import (
     NATIVE_SCAN,
     TokenScan,
+    cut_with_slices,
     fast_token_chunk,
     scan_token_chunk,
     scan_with_regex,
@@ -297,3 +298,26 @@ def test_the_native_scanner_takes_any_bytes_like_and_refuses_the_rest() -> None:
     assert scan(bytearray(data)) == scan(memoryview(data)) == scan(data)
     with pytest.raises(TypeError):
         scan("data: {}")  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.integers(0, 300), st.integers(0, 300))
+def test_the_native_cut_is_the_slices(data: bytes, a: int, b: int) -> None:
+    native_scan()
+    from sidecar.protocol._tokenscan import cut
+
+    start, end = sorted((a % (len(data) + 1), b % (len(data) + 1)))
+    assert cut(data, start, end) == cut_with_slices(data, start, end) == data[:start] + data[end:]
+
+
+def test_the_native_cut_refuses_a_span_outside_the_bytes() -> None:
+    native_scan()
+    from sidecar.protocol._tokenscan import cut
+
+    for start, end in ((-1, 2), (3, 2), (0, 6), (6, 6)):
+        with pytest.raises(ValueError, match="not within"):
+            cut(b"hello", start, end)
+    with pytest.raises(TypeError):
+        cut(bytearray(b"hello"), 0, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        cut(b"hello", 0)  # type: ignore[call-arg]
