@@ -543,13 +543,17 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
             # Every process of the relay (nginx: master + workers), summed.
             utime = stime = sched = 0
             mem = {"VmRSS": 0, "VmHWM": 0}
+            by_process = []
             for pid in args.watch_pid:
                 u, s = proc_cpu_split_ns(pid)
                 utime, stime, sched = utime + u, stime + s, sched + proc_sched_ns(pid)
+                by_process.append(u + s)
                 for key, kib in proc_mem_kib(pid).items():
                     mem[key] += kib
             snap["proxy_utime_ns"], snap["proxy_stime_ns"] = utime, stime
             snap["proxy_cpu_ns"] = utime + stime
+            # In --watch-pid's order: the sidecar's collector first, then its workers.
+            snap["proxy_cpu_ns_by_process"] = by_process
             snap["proxy_sched_ns"] = sched
             snap["proxy_mem_kib"] = mem
         if args.sim_pid:
@@ -1103,6 +1107,14 @@ def analyse_run(result: dict[str, Any]) -> dict[str, Any]:
         out.update(
             {
                 "proxy_us_event": cpu / 1e3 / events,
+                # The first process's share (the sidecar's collector; nginx's master; Envoy's
+                # only process) and the others' (the sidecar's workers; nginx's worker).
+                "proxy_us_event_first": (
+                    w["end"]["proxy_cpu_ns_by_process"][0]
+                    - w["start"]["proxy_cpu_ns_by_process"][0]
+                )
+                / 1e3
+                / events,
                 "proxy_us_event_sched": sched / 1e3 / events,
                 "proxy_us_token": cpu / 1e3 / max(1, result["window_tokens"]),
                 "proxy_sys_share": stime / cpu if cpu else float("nan"),
@@ -1296,6 +1308,25 @@ def report(
                 f"{med_spread([r['proxy_rss_mib'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_hwm_mib'] for r in rs], '{:.1f}')} |"
             )
+    split = [m for m in relays if m in ("sidecar", "sidecar-regex")]
+    if split:
+        add("")
+        add(
+            "The sidecar's CPU per event by process (`--workers 1`): its collector (decoding "
+            "records, the live window, Prometheus) and its worker (the traffic)."
+        )
+        add("")
+        add("| C | relay | collector µs/event | worker µs/event |")
+        add("|---:|---|---:|---:|")
+        for c in concurrencies:
+            for mode in split:
+                rs = runs[(c, mode)]
+                first = [r.get("proxy_us_event_first", float("nan")) for r in rs]
+                rest = [r["proxy_us_event"] - f for r, f in zip(rs, first, strict=True)]
+                add(
+                    f"| {c} | {MODE_LABELS[mode]} | {med_spread(first, '{:.1f}')} | "
+                    f"{med_spread(rest, '{:.1f}')} |"
+                )
     relative = relative_to_envoy(runs, concurrencies)
     if relative:
         add("")

@@ -125,6 +125,10 @@ def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> N
     ):
         assert heading in stdout
     assert "| 4 | sidecar |" in stdout
+    # The sidecar's CPU split between its collector and its worker, both counted.
+    assert "| C | relay | collector µs/event | worker µs/event |" in stdout
+    sidecar = [r["summary"] for r in result["runs"] if r["mode"] == "sidecar"][0]
+    assert 0 < sidecar["proxy_us_event_first"] < sidecar["proxy_us_event"]
 
 
 def test_overhead_regex_scanner_and_pipe_modes(overhead: tuple[dict[str, Any], str]) -> None:
