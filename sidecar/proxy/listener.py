@@ -211,9 +211,10 @@ class ClientExchange:
             if transport is not None and not transport.is_closing():
                 transport.write(head)
 
-    def write(self, data: bytes) -> None:
-        """One body write (framed as one chunk). Raises ConnectionResetError if the client
-        is gone."""
+    def write(self, data: bytes) -> int:
+        """One body write (framed as one chunk). Returns what the client's transport then
+        holds unsent (`write_buffer_size`, without a second call). Raises
+        ConnectionResetError if the client is gone."""
         transport = self.connection.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client is gone")
@@ -223,7 +224,7 @@ class ClientExchange:
             # micro-benchmark: 2.4-2.6 against 2.7-3.0 µs per write).
             if head is None:
                 transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-                return
+                return transport.get_write_buffer_size()
             self._held_head = None
             transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data))
         else:
@@ -233,6 +234,7 @@ class ClientExchange:
                 self._held_head = None
                 data = head + data
             transport.write(data)
+        return transport.get_write_buffer_size()
 
     async def drain(self) -> None:
         self.flush()

@@ -55,7 +55,14 @@ class MeteredRead:
             out, n_events, n_token_events = meter.feed(data, t_up)
             if timeouts.ttft_at != NEVER and meter.offsets:
                 timeouts.ttft_at = NEVER  # first_token(), inlined: this is per read
-            if self.upstream.last_read and meter.fatal is None and self.exchange is not None:
+            upstream = self.upstream
+            # `complete` first: a plain attribute, false for every read but the body's last.
+            if (
+                upstream.complete
+                and upstream.last_read
+                and meter.fatal is None
+                and self.exchange is not None
+            ):
                 self._end_in_read(t_up, out, n_events, n_token_events)
                 return
             if out and self.exchange is not None:
@@ -70,7 +77,10 @@ class MeteredRead:
     def _deliver(self, out: bytes, n_events: int, n_token_events: int) -> None:
         exchange = self.exchange
         assert exchange is not None
-        write_paced(exchange, self.upstream, out)
+        # `write_paced`, inlined: this is per read.
+        if exchange.write(out) > WRITE_HIGH_WATER and not self.upstream.complete:
+            self.upstream.pause()
+            exchange.connection.when_writable(self.upstream.resume)
         builder = self.builder
         builder.down_events += n_events
         if n_token_events:
@@ -153,7 +163,6 @@ class MeteredRead:
 def write_paced(exchange: ClientExchange, upstream: UpstreamExchange, data: bytes) -> None:
     """Write to the client; past the high-water mark of its buffer, stop reading the upstream
     until the client drained (TCP back-pressure to the upstream, bounded memory here)."""
-    exchange.write(data)
-    if exchange.write_buffer_size > WRITE_HIGH_WATER and not upstream.complete:
+    if exchange.write(data) > WRITE_HIGH_WATER and not upstream.complete:
         upstream.pause()
         exchange.connection.when_writable(upstream.resume)
