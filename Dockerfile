@@ -21,8 +21,9 @@ FROM ${PYTHON_IMAGE}@${PYTHON_DIGEST} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# A C compiler for the package's one extension (sidecar/protocol/_tokenscan.c, the common token
-# chunk recognised in C); the final stage gets the built wheel, never the compiler. Unpinned:
+# A C compiler for the package's two small extensions (sidecar/protocol/_tokenscan.c, the common
+# token chunk recognised in C; sidecar/proxy/_recvstamp.c, an upstream read with its kernel
+# stamp); the final stage gets the built wheel, never the compiler. Unpinned:
 # Debian's archive keeps only the current build of a package, so a pin would break the build
 # at the next point release; the base image's digest fixes the release.
 # hadolint ignore=DL3008
@@ -61,12 +62,12 @@ RUN groupadd --system --gid 10001 sidecar \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/sidecar/captures
 # Offline from the wheels just built, mounted from the build stage for this one step: no
 # layer of the image holds them (a COPY would keep them in its layer even after an rm).
-# Fail the build if uvloop (the event loop the proxy runs on), the C token scanner or the CLI
-# does not import (the scanner is optional for `pip install` on a host without a compiler, not
+# Fail the build if uvloop (the event loop the proxy runs on), the C extensions or the CLI do
+# not import (the extensions are optional for `pip install` on a host without a compiler, not
 # for the image).
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels /wheels/vllm_sidecar-*.whl \
-    && python -c "import uvloop, sidecar.cli, sidecar.protocol._tokenscan"
+    && python -c "import uvloop, sidecar.cli, sidecar.protocol._tokenscan, sidecar.proxy._recvstamp"
 # /var/lib/sidecar/captures belongs to this user: a named volume mounted there (compose)
 # starts as a copy of it, writable for the sidecar.
 USER 10001:10001

@@ -1,8 +1,9 @@
-"""The one thing pyproject.toml cannot say without an experimental table: the C extension.
+"""The one thing pyproject.toml cannot say without an experimental table: the C extensions.
 
-`sidecar.protocol._tokenscan` recognises the common token chunk in C (fastchunk.py says why).
-It is optional: where no C compiler is at hand the package installs without it and runs the
-same regex, slower (`sidecar proxy` logs which one it runs).
+`sidecar.protocol._tokenscan` recognises the common token chunk in C (fastchunk.py says why);
+`sidecar.proxy._recvstamp` reads an upstream socket with the kernel's receive timestamp
+(rxstamp.py). Both are optional: where no C compiler is at hand the package installs without
+them and runs the same logic in Python, slower (`sidecar proxy` logs which scanner it runs).
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,11 @@ setup(
             "sidecar.protocol._tokenscan",
             sources=["sidecar/protocol/_tokenscan.c"],
             optional=True,
-        )
+        ),
+        Extension(
+            "sidecar.proxy._recvstamp",
+            sources=["sidecar/proxy/_recvstamp.c"],
+            optional=True,
+        ),
     ]
 )

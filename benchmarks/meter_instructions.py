@@ -129,6 +129,45 @@ async def main():
 asyncio.run(main())
 """
 
+# The child of ``--scope receive``: N reads of one 300-byte event each from a TCP socket with
+# SO_TIMESTAMPNS (what an upstream connection's reads are), each sent just before; the mode
+# picks the read: "c" (`_recvstamp.receive`), "python" (`rxstamp.receive_with_python`) or
+# "recv" (a plain `socket.recv`, no stamp: what any reader pays).
+RECEIVE_CHILD = r"""
+import socket, sys, time
+from sidecar.proxy import rxstamp
+n, mode = int(sys.argv[1]), sys.argv[2]
+rxstamp.hold_timestamping()  # the kernel turns stamping on a little after it is first asked
+time.sleep(0.2)
+with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    sender = socket.create_connection(server.getsockname())
+    receiver, _ = server.accept()
+rxstamp.enable(receiver)
+sender.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+payload = b"x" * 300
+read = rxstamp.ReadBuffer()
+fd, view, send = receiver.fileno(), read.view, sender.send
+if mode == "c":
+    from sidecar.proxy._recvstamp import receive
+    for _ in range(n):
+        send(payload)
+        data, stamp = receive(fd, view)
+        assert len(data) == 300 and stamp > 0
+elif mode == "python":
+    receive = rxstamp.receive_with_python
+    for _ in range(n):
+        send(payload)
+        data, stamp = receive(receiver, read)
+        assert len(data) == 300 and stamp > 0
+else:
+    recv = receiver.recv
+    for _ in range(n):
+        send(payload)
+        assert len(recv(65536)) == 300
+"""
+
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 
@@ -154,9 +193,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--events", type=int, default=20_000, help="N [20000]")
     parser.add_argument(
         "--scope",
-        choices=("meter", "read"),
+        choices=("meter", "read", "receive"),
         default="meter",
-        help="the measuring core alone, or the relay's per-read path [meter]",
+        help="the measuring core alone, the relay's per-read path, or the upstream socket's "
+        "read with its kernel stamp, C and Python (and a plain recv) [meter]",
     )
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CI: run the child once, no count")
@@ -167,12 +207,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         for smoke_child in (CHILD, READ_CHILD):
             subprocess.run([sys.executable, "-c", smoke_child, "200", "feed"], env=env, check=True)
-        print("meter_instructions smoke: both children fed 200 events through the lane")
+        for mode in ("c", "python", "recv"):
+            subprocess.run([sys.executable, "-c", RECEIVE_CHILD, "200", mode], env=env, check=True)
+        print(
+            "meter_instructions smoke: both children fed 200 events through the lane; "
+            "the receive child read 200 events each way"
+        )
         return
     if shutil.which("valgrind") is None:
         print("SKIPPED: valgrind is not installed (apt-get install valgrind)")
         return
     n = args.events
+    if args.scope == "receive":
+        receive_instructions(tree, n, args.json_out)
+        return
     counts = {
         (mode, size): count(tree, child, size, mode)
         for mode in ("feed", "setup")
@@ -193,6 +241,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{tree}: {per_event:,.0f} instructions per event ({what})")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def receive_instructions(tree: Path, n: int, json_out: Path | None) -> None:
+    """``--scope receive``: instructions per read of each reader, (run(2N) - run(N)) / N, the
+    send before each read included alike (so compare the three, not one alone)."""
+    counts = {
+        (mode, size): count(tree, RECEIVE_CHILD, size, mode)
+        for mode in ("c", "python", "recv")
+        for size in (n, 2 * n)
+    }
+    per_read = {
+        mode: round((counts[(mode, 2 * n)] - counts[(mode, n)]) / n)
+        for mode in ("c", "python", "recv")
+    }
+    print(
+        f"{tree}: per read, the send before it included: C receive {per_read['c']:,}, "
+        f"Python receive {per_read['python']:,}, plain socket.recv {per_read['recv']:,} "
+        "instructions"
+    )
+    if json_out is not None:
+        result = {
+            "tree": str(tree),
+            "reads": n,
+            "scope": "receive",
+            "python": sys.version.split()[0],
+            "counts": {f"{mode}_{size}": value for (mode, size), value in counts.items()},
+            "instructions_per_read": per_read,
+        }
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ after the peer wrote, and checks the stamp against the instant of the write, not
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import socket
+import struct
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from itertools import pairwise
@@ -17,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_helpers import require_module
 from proxy_stack import proxy_to, scripted_upstream
 
 from sidecar import clock
@@ -419,3 +423,100 @@ async def test_a_deadline_that_passed_during_a_stall_waits_for_the_bytes_that_ca
         listener.close()
     assert rest.endswith(b"data: [DONE]\n\n"), rest[-200:]
     assert record.outcome is Outcome.OK and record.n_out == 4, (record.outcome, record.error_type)
+
+
+# -- the C read (`_recvstamp.c`) against the Python one -----------------------------------------
+
+
+def connected_pair(stamped: bool) -> tuple[socket.socket, socket.socket]:
+    """(sender, receiver) over TCP on 127.0.0.1, the receiver non-blocking and, if
+    ``stamped``, with SO_TIMESTAMPNS on."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+    sender.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if stamped:
+        assert rxstamp.enable(receiver)
+    receiver.setblocking(False)
+    if stamped:
+        # The kernel turns stamping on a little after it is first asked (rxstamp's
+        # `hold_timestamping`): read until a stamp comes, so that the reads compared are.
+        rxstamp.hold_timestamping()
+        read = rxstamp.ReadBuffer()
+        for _ in range(200):
+            sender.send(b"warm-up")
+            wait_readable(receiver)
+            if rxstamp.receive_with_python(receiver, read)[1] >= 0:
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the kernel never stamped a read")
+    return sender, receiver
+
+
+def wait_readable(sock: socket.socket) -> None:
+    import select
+
+    assert select.select([sock], [], [], 5)[0], "nothing arrived"
+
+
+def both_receivers(sock: socket.socket) -> list[Any]:
+    module = require_module("sidecar.proxy._recvstamp", "-e . (with a C compiler: gcc)")
+    read = rxstamp.ReadBuffer()
+    return [
+        lambda: module.receive(sock.fileno(), read.view),
+        lambda: rxstamp.receive_with_python(sock, read),
+    ]
+
+
+@pytest.mark.parametrize("stamped", [True, False])
+def test_the_c_read_gives_what_the_python_read_gives(stamped: bool) -> None:
+    if stamped and not rxstamp.SUPPORTED:
+        pytest.skip("no SO_TIMESTAMPNS on this platform")
+    sender, receiver = connected_pair(stamped)
+    with sender, receiver:
+        for n, receive in enumerate(both_receivers(receiver)):
+            payload = bytes([65 + n]) * (300 + n)
+            before = time.time_ns()
+            sender.send(payload)
+            wait_readable(receiver)
+            data, realtime_ns = receive()
+            assert data == payload and type(data) is bytes
+            if stamped:  # the kernel's stamp of the arrival, on the calendar clock
+                assert before - 10**9 < realtime_ns <= time.time_ns()
+            else:
+                assert realtime_ns == -1
+
+
+def test_the_c_read_fails_as_the_python_read_does() -> None:
+    sender, receiver = connected_pair(True)
+    with sender, receiver:
+        for receive in both_receivers(receiver):  # nothing there yet
+            with pytest.raises(BlockingIOError):
+                receive()
+    for which in range(2):  # the peer resets the connection (SO_LINGER 0)
+        sender, receiver = connected_pair(True)
+        with receiver:
+            sender.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sender.close()
+            wait_readable(receiver)
+            with pytest.raises(ConnectionResetError):
+                both_receivers(receiver)[which]()
+    sender, receiver = connected_pair(True)
+    with receiver:
+        sender.close()  # the orderly end: b"" for both
+        wait_readable(receiver)
+        for receive in both_receivers(receiver):
+            assert receive() == (b"", -1)
+    module = require_module("sidecar.proxy._recvstamp", "-e . (with a C compiler: gcc)")
+    with pytest.raises(ValueError, match="not a file descriptor"):
+        module.receive(receiver.fileno(), bytearray(16))  # closed: fileno() is -1
+    with open("/dev/null", "rb") as not_a_socket, pytest.raises(OSError) as failed:
+        module.receive(not_a_socket.fileno(), bytearray(16))
+    assert failed.value.errno == errno.ENOTSOCK
+    with pytest.raises((TypeError, BufferError)):
+        module.receive(0, b"read-only")
+    with pytest.raises(TypeError):
+        module.receive(0)

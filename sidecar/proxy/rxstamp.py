@@ -33,6 +33,7 @@ import platform
 import socket
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from sidecar import clock
@@ -106,6 +107,33 @@ class ReadBuffer:
         self.unstamped_reads = 0
 
 
+def receive_with_python(sock: socket.socket, read: ReadBuffer) -> tuple[bytes, int]:
+    """One read of ``sock`` into ``read``'s buffer: (a copy of the bytes read, b"" at the
+    peer's orderly end; the kernel's SO_TIMESTAMPNS stamp of them in CLOCK_REALTIME
+    nanoseconds, -1 without one). What `_recvstamp.c` does in C, where it is not built."""
+    size, ancillary, _flags, _address = sock.recvmsg_into(read.buffers, _ANCILLARY_SIZE)
+    # The one message asked for.
+    if (
+        ancillary
+        and ancillary[0][0] == socket.SOL_SOCKET
+        and ancillary[0][1] == _SO_TIMESTAMPNS
+        and len(ancillary[0][2]) == _TIMESPEC_SIZE
+    ):
+        seconds, nanoseconds = _TIMESPEC_UNPACK(ancillary[0][2])
+        return read.view[:size].tobytes(), seconds * 1_000_000_000 + nanoseconds
+    return read.view[:size].tobytes(), -1
+
+
+# The same read in C where the package was built with it (`_recvstamp.c`: none of the objects
+# `recvmsg_into` makes per read), else `receive_with_python`.
+_native_receive: Callable[[int, memoryview], tuple[bytes, int]] | None
+try:
+    from sidecar.proxy._recvstamp import receive as _native_receive
+except ImportError:  # built without a C compiler: correct, slower
+    _native_receive = None
+NATIVE_RECEIVE = _native_receive is not None
+
+
 class StampedTransport:
     """A TCP transport (the part of asyncio.Transport the upstream client uses) whose reads
     carry the kernel's receive instant. Made by `open_stamped`, reading at once."""
@@ -154,27 +182,23 @@ class StampedTransport:
     def _on_readable(self) -> None:
         read = self._read
         try:
-            size, ancillary, _flags, _address = self._sock.recvmsg_into(
-                read.buffers, _ANCILLARY_SIZE
-            )
+            if _native_receive is not None:
+                data, realtime_ns = _native_receive(self._fd, read.view)
+            else:
+                data, realtime_ns = receive_with_python(self._sock, read)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._fail(exc)
             return
         now_ns = clock.monotonic_ns()
-        if not size:
+        if not data:
             self.close()  # the upstream's orderly end: connection_lost(None) follows
             return
-        # The one message asked for; a socket without stamps (or a read the kernel did not
-        # stamp) has none, and is stamped when read.
-        if (
-            ancillary
-            and ancillary[0][1] == _SO_TIMESTAMPNS
-            and len(ancillary[0][2]) == _TIMESPEC_SIZE
-        ):
-            seconds, nanoseconds = _TIMESPEC_UNPACK(ancillary[0][2])
-            at_ns = clock.from_realtime_ns(seconds * 1_000_000_000 + nanoseconds, now_ns)
+        # A socket without stamps (or a read the kernel did not stamp) has none (-1), and is
+        # stamped when read.
+        if realtime_ns >= 0:
+            at_ns = clock.from_realtime_ns(realtime_ns, now_ns)
             # Never after the read, never before the connection's previous stamp (a step of the
             # calendar clock between the two readings would otherwise show).
             if at_ns > now_ns:
@@ -187,7 +211,7 @@ class StampedTransport:
             read.unstamped_reads += 1
         self._last_ns = at_ns
         try:
-            self._protocol.data_received_at(read.view[:size].tobytes(), at_ns)
+            self._protocol.data_received_at(data, at_ns)
         except Exception as exc:
             # As uvloop's transports do: a protocol that failed on a read ends its connection
             # (its exchange fails, so its request is still recorded); the loop logs the error.
