@@ -134,6 +134,8 @@ class StreamMeter:
         "_counts",
         "events",
         "_parser",
+        "_between",
+        "_max_event_bytes",
         "_counter",
         "_forward",
         "_strip",
@@ -188,6 +190,8 @@ class StreamMeter:
         self.events = 0  # every event block read, comments included
         self._max_events = max_events  # more: fatal (the record's arrays grow per event)
         self._parser = SSEParser(max_event_size=max_event_bytes)
+        self._max_event_bytes = max_event_bytes
+        self._between = False  # `_parser.between_events`, as of the parser's last feed
         self._counter = TokenCounter()
         self._forward = forward
         self._strip = plan.strip_chunk_usage
@@ -239,8 +243,8 @@ class StreamMeter:
             self._lane
             and self._held is None
             and self.fatal is None
-            and len(data) <= self._parser.max_event_size
-            and self._parser.between_events
+            and self._between
+            and len(data) <= self._max_event_bytes
             and self.events < self._max_events
         ):
             scan = scan_token_chunk(data)
@@ -263,12 +267,16 @@ class StreamMeter:
                 if prompt is not None and self._strip:
                     return cut_span(data, start, end), 1, 1
                 return data, 1, 1
+        parser = self._parser
         try:
-            events = self._parser.feed(data)
+            events = parser.feed(data)
         except SSEError as exc:
             # Measure and relay the events completed before the oversized one, then stop.
             events = exc.events
             self.fatal = oversized_event(exc)
+        # The parser's state changes only when it is fed or closed: kept here, the lane tests
+        # an attribute instead of calling the parser's property on every read.
+        self._between = parser.between_events
         return self._consume(events, now_ns)
 
     def _consume(self, events: list[SSEEvent], now_ns: int) -> tuple[bytes, int, int]:
@@ -400,6 +408,7 @@ class StreamMeter:
         self._closed = True
         out, n_events, n_tokens = b"", 0, 0
         last = self._parser.close()
+        self._between = False
         if last and self.fatal is None:
             out, n_events, n_tokens = self._consume(
                 last, self.origin_ns if now_ns is None else now_ns
