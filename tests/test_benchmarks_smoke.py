@@ -333,6 +333,25 @@ def test_meter_instructions_smoke() -> None:
     assert "both children fed 200 events through the lane" in stdout
 
 
+def test_request_instructions_smoke(tmp_path: Path) -> None:
+    """The per-request harness drives the real proxy (collector + worker) in front of the
+    simulator, and its bytecode mode reads both processes' counts back over its signals: the
+    worker's per-read path and the collector's record decoding show up by name. Callgrind
+    itself is not run here (a few minutes)."""
+    stdout = run_harness("request_instructions.py", "--smoke")
+    assert "8 requests, " in stdout and "events through the proxy" in stdout
+    out = tmp_path / "opcodes.json"
+    run_harness(
+        "request_instructions.py", "--opcodes", "--requests", "3", "--warmup", "2", "--top", "60",
+        "--json-out", str(out),
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    worker = {row["function"].split("(")[-1]: row["bytecodes"] for row in report["worker"]["top"]}
+    collector = {row["function"].split("(")[-1] for row in report["collector"]["top"]}
+    assert report["worker"]["bytecodes_per_request"] > 1000
+    assert worker.get("feed)", 0) > 0 and "_decode)" in collector
+
+
 def test_hot_paths_smoke() -> None:
     stdout = run_harness("hot_paths.py", "--smoke")
     assert "| scope | operation | µs |" in stdout

@@ -1,0 +1,522 @@
+"""Instructions per request of the sidecar's worker and collector, counted by callgrind.
+
+    python benchmarks/request_instructions.py                   # ~1 minute
+    python benchmarks/request_instructions.py --tree /tmp/before   # another tree, for an A/B
+    python benchmarks/request_instructions.py --top 25          # and the C functions that cost
+    python benchmarks/request_instructions.py --profile         # Python functions, no valgrind
+    python benchmarks/request_instructions.py --smoke           # CI: the harness, no valgrind
+
+`meter_instructions.py` counts one read's path in one process; this counts everything the
+proxy's two processes execute per request, as users run them: ``sidecar proxy --workers 1``
+(its collector and one worker; health checks and engine scrapes off, periodic work that is not
+per request; each under ``valgrind --tool=callgrind``, counting switched on
+only for the measured windows) in front of the simulator, a streaming chat client in this
+process (not counted) sending N requests with C in flight, ``max_tokens`` tokens each. Each
+window's count is dumped with ``callgrind_control``, and
+
+    per request = (count(2N) - count(N) - idle rate x (seconds(2N) - seconds(N))) / N
+
+for each process: the idle rate (instructions per second with no traffic: timers, status
+frames, the stall probe) comes from a third window, and is taken out because the 2N window
+runs longer than the N one (and everything runs ~50x slower under callgrind than at speed). The
+worker's count holds the per-read path (``meter_instructions.py --scope read``, plus the
+receive) times the reads of a request, and everything done once per request: the request's
+parsing, routing, the upstream request, the role, finish and usage chunks (the general path),
+the record, its encoding and hand-off. The collector's is the record's decoding, the live window
+and Prometheus. Not counted: the kernel (syscalls, loopback TCP), which no relay escapes.
+
+``--profile``: no valgrind; each process runs under cProfile (a ``sitecustomize`` on its path)
+for the same two windows, and the Python functions are ranked by their own time per request
+(second window minus first, / N) with their calls per request. cProfile's own cost inflates
+small functions, so read the calls (exact) first and the times as a ranking.
+
+User-space instructions are not time, but they are the same from run to run on a noisy host,
+and they predicted the end-to-end gains of the per-read work (RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import marshal
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+MODEL = "bench-model"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode}) before listening on {port}")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"nothing listened on {port} within {timeout_s:.0f} s")
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        found += [int(child) for child in text]
+    return found
+
+
+async def stream_requests(url: str, n: int, concurrency: int, max_tokens: int) -> int:
+    """N streamed chat requests, C at a time; returns the SSE events read (all must be 200)."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say something long."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events = 0
+    todo = iter(range(n))
+    async with aiohttp.ClientSession() as session:
+
+        async def one_worker() -> None:
+            nonlocal events
+            for _ in todo:
+                async with session.post(url, json=body) as response:
+                    if response.status != 200:
+                        raise RuntimeError(f"{response.status}: {await response.text()}")
+                    data = await response.read()
+                    events += data.count(b"\n\n")
+                    if not data.rstrip().endswith(b"data: [DONE]"):
+                        raise RuntimeError("a stream ended without [DONE]")
+
+        await asyncio.gather(*(one_worker() for _ in range(concurrency)))
+    return events
+
+
+def callgrind_control(*args: str) -> None:
+    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, text=True)
+
+
+_TOTALS = re.compile(r"^totals:\s+(\d+)", re.M)
+
+
+def dumped_total(out_dir: Path, pid: int, before: set[Path]) -> tuple[int, Path]:
+    """The newest dump of ``pid`` not in ``before`` (its instruction total, its path)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        fresh = sorted(set(out_dir.glob(f"callgrind.{pid}*")) - before)
+        for path in fresh:
+            found = _TOTALS.search(path.read_text(errors="replace"))
+            if found:
+                return int(found.group(1)), path
+        time.sleep(0.2)
+    raise RuntimeError(f"callgrind wrote no dump for {pid}")
+
+
+class Window:
+    """One counted window: each process's instructions and dump, the events read, and how
+    long counting was on for each process."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+        self.dumps: dict[str, Path] = {}
+        self.seconds: dict[str, float] = {}
+        self.events = 0
+
+
+async def scrape(metrics_url: str) -> int:
+    """One Prometheus scrape of the collector's /metrics; its size in bytes."""
+    async with aiohttp.ClientSession() as session, session.get(metrics_url) as response:
+        if response.status != 200:
+            raise RuntimeError(f"/metrics answered {response.status}")
+        return len(await response.read())
+
+
+def window(
+    out_dir: Path,
+    pids: dict[str, int],
+    url: str,
+    n: int,
+    concurrency: int,
+    max_tokens: int,
+    idle_s: float = 0.0,
+    metrics_url: str | None = None,
+) -> Window:
+    """Counting on for N requests (N = 0: ``idle_s`` of no traffic), then one scrape of
+    ``metrics_url``: what the histograms leave for the read (`BulkHistogram.flush`) is work
+    per request too. A scrape ends every window, so its fixed cost cancels out."""
+    result = Window()
+    started: dict[str, float] = {}
+    for name, pid in pids.items():
+        callgrind_control("--zero", str(pid))
+        callgrind_control("--instr=on", str(pid))
+        started[name] = time.monotonic()
+    if n:
+        result.events = asyncio.run(stream_requests(url, n, concurrency, max_tokens))
+        time.sleep(1.0)  # the last records reach the collector
+    else:
+        time.sleep(idle_s)
+    if metrics_url is not None:
+        asyncio.run(scrape(metrics_url))
+    for name, pid in pids.items():
+        callgrind_control("--instr=off", str(pid))
+        result.seconds[name] = time.monotonic() - started[name]
+        before = set(out_dir.glob(f"callgrind.{pid}*"))
+        callgrind_control("--dump", str(pid))
+        result.totals[name], result.dumps[name] = dumped_total(out_dir, pid, before)
+    return result
+
+
+def top_functions(first: Path, second: Path, n_requests: int, top: int) -> list[tuple[str, int]]:
+    """Self instructions per request by C function: the second window's minus the first's
+    (the idle rate not taken out: a ranking, not an account)."""
+
+    def self_costs(path: Path) -> dict[str, int]:
+        proc = subprocess.run(
+            ["callgrind_annotate", "--threshold=100", "--auto=no", str(path)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        costs: dict[str, int] = {}
+        for line in proc.stdout.splitlines():
+            found = re.match(r"^\s*([\d,]+)\s+\([\s\d.]+%\)\s+(\S.*)$", line)
+            if found and "PROGRAM TOTALS" not in line and "=>" not in line:
+                costs[found.group(2)] = int(found.group(1).replace(",", ""))
+        return costs
+
+    a, b = self_costs(first), self_costs(second)
+    per_request = {name: (b.get(name, 0) - a.get(name, 0)) / n_requests for name in set(a) | set(b)}
+    ranked = sorted(per_request.items(), key=lambda item: -item[1])[:top]
+    return [(name, round(value)) for name, value in ranked]
+
+
+# Put on the processes' path by ``--profile``: cProfile on from the start, switched per window
+# by signals (SIGUSR1: reset and enable; SIGUSR2: disable and dump to $PROFILE_DIR/<pid>.<n>).
+SITECUSTOMIZE = r"""
+import cProfile, collections, marshal, os, signal, sys
+_dumps = [0]
+if os.environ.get("PROFILE_OPCODES"):
+    # Bytecodes executed, by function (its own, not its callees'): exact, whatever the host.
+    _counts = collections.Counter()
+    def _local(frame, event, _arg):
+        if event == "opcode":
+            _counts[frame.f_code] += 1
+        return _local
+    def _global(frame, _event, _arg):
+        frame.f_trace_opcodes = True
+        return _local
+    def _start(*_):
+        _counts.clear()
+        sys.settrace(_global)
+    def _stop(*_):
+        sys.settrace(None)
+        _dumps[0] += 1
+        table = {f"{os.path.basename(c.co_filename)}:{c.co_firstlineno}({c.co_name})": (n, 0.0)
+                 for c, n in _counts.items()}
+        with open(os.path.join(os.environ["PROFILE_DIR"], f"{os.getpid()}.{_dumps[0]}"), "wb") as f:
+            marshal.dump(table, f)
+else:
+    _profile = cProfile.Profile()
+    def _start(*_):
+        _profile.disable()
+        _profile.clear()
+        _profile.enable()
+    def _stop(*_):
+        _profile.disable()
+        _dumps[0] += 1
+        _profile.dump_stats(os.path.join(os.environ["PROFILE_DIR"], f"{os.getpid()}.{_dumps[0]}"))
+signal.signal(signal.SIGUSR1, _start)
+signal.signal(signal.SIGUSR2, _stop)
+"""
+
+
+def profile_window(
+    out_dir: Path,
+    pids: dict[str, int],
+    url: str,
+    n: int,
+    concurrency: int,
+    max_tokens: int,
+    metrics_url: str,
+) -> dict[str, Path]:
+    """`window` under cProfile or the bytecode tracer, which see the main thread only (not
+    the collector's scrape thread)."""
+    for pid in pids.values():
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.2)
+    asyncio.run(stream_requests(url, n, concurrency, max_tokens))
+    time.sleep(1.0)
+    asyncio.run(scrape(metrics_url))
+    dumps: dict[str, Path] = {}
+    for name, pid in pids.items():
+        before = set(out_dir.glob(f"{pid}.*"))
+        os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 30
+        while not (fresh := set(out_dir.glob(f"{pid}.*")) - before):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no profile from {pid}")
+            time.sleep(0.1)
+        time.sleep(0.3)  # written whole
+        dumps[name] = fresh.pop()
+    return dumps
+
+
+def profile_rows(
+    first: Path, second: Path, n: int, top: int, opcodes: bool
+) -> list[tuple[str, float, float]]:
+    """(function, calls per request, own µs per request) by own time, second - first; with
+    ``opcodes``, (function, bytecodes per request, 0) by bytecodes."""
+    import pstats
+
+    def table(path: Path) -> dict[str, tuple[int, float]]:
+        if opcodes:
+            with path.open("rb") as file:
+                loaded: dict[str, tuple[int, float]] = marshal.load(file)
+            return loaded
+        stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+        return {
+            f"{Path(file).name}:{line}({name})": (calls, own)
+            for (file, line, name), (_prim, calls, own, _cum, _callers) in stats.items()
+        }
+
+    a, b = table(first), table(second)
+    rows = []
+    for key in set(a) | set(b):
+        calls = b.get(key, (0, 0.0))[0] - a.get(key, (0, 0.0))[0]
+        own = b.get(key, (0, 0.0))[1] - a.get(key, (0, 0.0))[1]
+        rows.append((key, calls / n, own * 1e6 / n))
+    rows.sort(key=lambda row: -row[1] if opcodes else -row[2])
+    return rows[:top]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--tree", type=Path, default=REPO, help="the source tree to run (its C extensions built)"
+    )
+    parser.add_argument("--requests", type=int, default=100, help="N [100]")
+    parser.add_argument(
+        "--warmup", type=int, default=50, help="requests before any window, not counted [50]"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="C [4]: streams in flight, each still read one event at a time at the default "
+        "step; more shortens the windows, and with them the share of the idle rate taken out",
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per stream [32]")
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=None,
+        help="the simulator's engine step [10 under callgrind and with --opcodes, 2 otherwise]: "
+        "long enough that a worker slowed ~50x by callgrind (more by --opcodes' tracing) reads "
+        "each event on its own, as it does at speed, instead of piling reads up by chance "
+        "(+-2 %% per request at 2 ms and C = 1, +-7 %% at C = 4)",
+    )
+    parser.add_argument(
+        "--idle-s", type=float, default=10.0, help="the idle window, no traffic [10 s]"
+    )
+    parser.add_argument("--top", type=int, default=0, help="list the costliest C functions")
+    parser.add_argument("--profile", action="store_true", help="cProfile, no valgrind")
+    parser.add_argument(
+        "--opcodes", action="store_true", help="bytecodes executed per function, no valgrind"
+    )
+    parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="CI: no valgrind, a few requests")
+    args = parser.parse_args(argv)
+    args.profile = args.profile or args.opcodes
+    if args.step_ms is None:
+        args.step_ms = 2.0 if args.smoke or (args.profile and not args.opcodes) else 10.0
+    if not (args.smoke or args.profile) and shutil.which("valgrind") is None:
+        print("SKIPPED: valgrind is not installed (apt-get install valgrind)")
+        return
+    work = Path(tempfile.mkdtemp(prefix="request-instructions-"))
+    sim_port, port, admin_port = free_port(), free_port(), free_port()
+    tree = args.tree.resolve()
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # No full collection in a window: one costs millions of instructions (it scans every live
+    # object) and falls in a window or not by chance (+-3 % per request at N = 100, measured);
+    # the young generations' collections, which do scale with requests, still run.
+    proxy_gc = {"SIDECAR_GC_THRESHOLDS": f"700,2,{10**9}"}
+    if args.profile:
+        (work / "site").mkdir()
+        (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        (work / "profiles").mkdir()
+        proxy_env = {
+            **env,
+            **proxy_gc,
+            "PYTHONPATH": f"{work / 'site'}:{tree}",
+            "PROFILE_DIR": str(work / "profiles"),
+        }
+        if args.opcodes:
+            proxy_env["PROFILE_OPCODES"] = "1"
+    else:
+        proxy_env = {**env, **proxy_gc}
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "sim", "--host", HOST, "--port", str(sim_port),
+         "--model", MODEL, "--step-floor-s", f"{args.step_ms / 1e3:.6f}", "--max-num-seqs", "1024"],
+        env=env, stdout=subprocess.DEVNULL, stderr=(work / "sim.log").open("wb"),
+    )  # fmt: skip
+    valgrind = [] if args.smoke or args.profile else [
+        "valgrind", "--tool=callgrind", "--trace-children=yes", "--instr-atstart=no",
+        f"--callgrind-out-file={work}/callgrind.%p",
+    ]  # fmt: skip
+    proxy = subprocess.Popen(
+        [*valgrind, sys.executable, "-m", "sidecar", "proxy",
+         "--upstream", f"http://{HOST}:{sim_port}", "--listen", f"{HOST}:{port}",
+         "--metrics-listen", f"{HOST}:{admin_port}", "--health-interval", "0",
+         "--engine-scrape-interval", "0", "--workers", "1"],
+        env=proxy_env,
+        stdout=(work / "proxy.out").open("wb"),
+        stderr=(work / "proxy.log").open("wb"),
+    )  # fmt: skip
+    url = f"http://{HOST}:{port}/v1/chat/completions"
+    try:
+        wait_port(sim_port, sim, 60)
+        wait_port(port, proxy, 600)
+        if args.smoke:
+            events = asyncio.run(stream_requests(url, 8, 2, args.max_tokens))
+            print(f"request_instructions smoke: 8 requests, {events} events through the proxy")
+            return
+        asyncio.run(stream_requests(url, args.warmup, args.concurrency, args.max_tokens))
+        worker_pids = [p for p in children(proxy.pid)]
+        # The worker is the collector's child that serves the traffic port.
+        if len(worker_pids) != 1:
+            raise RuntimeError(f"expected one worker process, found {worker_pids}")
+        pids = {"collector": proxy.pid, "worker": worker_pids[0]}
+        n = args.requests
+        if args.profile:
+            profiles = [
+                profile_window(
+                    work / "profiles",
+                    pids,
+                    url,
+                    size,
+                    args.concurrency,
+                    args.max_tokens,
+                    f"http://{HOST}:{admin_port}/metrics",
+                )
+                for size in (n, 2 * n)
+            ]
+            rows = {
+                name: profile_rows(profiles[0][name], profiles[1][name], n, 10**9, args.opcodes)
+                for name in pids
+            }
+            report: dict[str, object] = {"requests": n, "concurrency": args.concurrency}
+            for name, table in rows.items():
+                top = table[: args.top or 40]
+                if args.opcodes:
+                    total = sum(row[1] for row in table)
+                    print(f"\n{name}: bytecodes per request, by function ({total:,.0f} in all)")
+                    for function, count, _ in top:
+                        print(f"{count:>9,.0f}  {function}")
+                    report[name] = {
+                        "bytecodes_per_request": round(total),
+                        "top": [{"function": f, "bytecodes": round(c)} for f, c, _ in top],
+                    }
+                    continue
+                print(f"\n{name}: own µs per request under cProfile, calls per request")
+                for function, calls, own in top:
+                    print(f"{own:>9.1f}  {calls:>7.1f}  {function}")
+                report[name] = {
+                    "top": [
+                        {"function": f, "calls": round(c, 2), "own_us": round(o, 2)}
+                        for f, c, o in top
+                    ]
+                }
+            if args.json_out is not None:
+                args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+            return
+        metrics = f"http://{HOST}:{admin_port}/metrics"
+        asyncio.run(scrape(metrics))  # the warm-up's records binned before counting starts
+        idle = window(work, pids, url, 0, args.concurrency, args.max_tokens, args.idle_s, metrics)
+        first = window(work, pids, url, n, args.concurrency, args.max_tokens, 0.0, metrics)
+        second = window(work, pids, url, 2 * n, args.concurrency, args.max_tokens, 0.0, metrics)
+    finally:
+        for proc in (proxy, sim):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in (proxy, sim):
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    # What each process does per second with no traffic (timers, status frames, the stall
+    # probe: ~50x more per request under callgrind than at full speed) is taken out first.
+    idle_per_s = {name: idle.totals[name] / idle.seconds[name] for name in pids}
+    per_request = {
+        name: round(
+            (
+                second.totals[name]
+                - first.totals[name]
+                - idle_per_s[name] * (second.seconds[name] - first.seconds[name])
+            )
+            / n
+        )
+        for name in pids
+    }
+    events_per_request = (second.events - first.events) / n
+    result: dict[str, object] = {
+        "tree": str(tree),
+        "requests": n,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "events_per_request": events_per_request,
+        "python": sys.version.split()[0],
+        "counts": {"idle": idle.totals, "first": first.totals, "second": second.totals},
+        "seconds": {"idle": idle.seconds, "first": first.seconds, "second": second.seconds},
+        "idle_instructions_per_s": {name: round(value) for name, value in idle_per_s.items()},
+        "instructions_per_request": per_request,
+        "instructions_per_event": {
+            name: round(value / events_per_request) for name, value in per_request.items()
+        },
+    }
+    print(
+        f"per request ({args.max_tokens} tokens, {events_per_request:.1f} SSE events to the "
+        f"client): worker {per_request['worker']:,} instructions "
+        f"({per_request['worker'] / events_per_request:,.0f} per event), collector "
+        f"{per_request['collector']:,} ({per_request['collector'] / events_per_request:,.0f} "
+        "per event)"
+    )
+    if args.top:
+        tops = {
+            name: top_functions(first.dumps[name], second.dumps[name], n, args.top) for name in pids
+        }
+        result["top_self_per_request"] = tops
+        for name, ranked in tops.items():
+            print(f"\n{name}: self instructions per request, by C function")
+            for function, value in ranked:
+                print(f"{value:>10,}  {function}")
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if not os.environ.get("KEEP"):
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
