@@ -165,7 +165,7 @@ def window(
 ) -> Window:
     """Counting on for N requests (N = 0: ``idle_s`` of no traffic), then one scrape of
     ``metrics_url``: what the histograms leave for the read (`BulkHistogram.flush`) is work
-    per request too. A scrape ends every window, so its fixed cost cancels out."""
+    per request too. A scrape ends both traffic windows, so its fixed cost cancels out."""
     result = Window()
     started: dict[str, float] = {}
     for name, pid in pids.items():
@@ -453,7 +453,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             return
         metrics = f"http://{HOST}:{admin_port}/metrics"
         asyncio.run(scrape(metrics))  # the warm-up's records binned before counting starts
-        idle = window(work, pids, url, 0, args.concurrency, args.max_tokens, args.idle_s, metrics)
+        # No scrape after the idle window: its rate is what the processes do per second on
+        # their own; a scrape is a fixed cost of each traffic window, and cancels there.
+        idle = window(work, pids, url, 0, args.concurrency, args.max_tokens, args.idle_s)
         first = window(work, pids, url, n, args.concurrency, args.max_tokens, 0.0, metrics)
         second = window(work, pids, url, 2 * n, args.concurrency, args.max_tokens, 0.0, metrics)
     finally:

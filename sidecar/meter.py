@@ -31,8 +31,12 @@ from typing import Any, NamedTuple, Protocol
 
 from sidecar.protocol.fastchunk import TokenScan, cut_span, fast_token_chunk, scan_token_chunk
 from sidecar.protocol.openai import (
+    KIND_DONE,
+    KIND_ERROR,
+    KIND_MALFORMED,
+    KIND_TOKEN,
+    KIND_USAGE,
     ChunkInfo,
-    ChunkKind,
     TokenCounter,
     Usage,
     classify_chunk,
@@ -40,7 +44,15 @@ from sidecar.protocol.openai import (
 )
 from sidecar.protocol.rewrite import NO_CHANGE, UsagePlan, insert_member, without_usage
 from sidecar.protocol.sse import DEFAULT_MAX_EVENT_SIZE, SSEError, SSEEvent, SSEParser
-from sidecar.record import EngineTiming, Outcome, TokenSource
+from sidecar.record import (
+    SOURCE_CHUNK_COUNT,
+    SOURCE_NONE,
+    SOURCE_USAGE,
+    SOURCE_USAGE_TOTAL,
+    EngineTiming,
+    Outcome,
+    TokenSource,
+)
 
 _ONE = (1,)
 _new_tuple = tuple.__new__
@@ -312,7 +324,7 @@ class StreamMeter:
                 info, usage_at, usage_end = fast
             kind = info.kind
             n_tokens = counter.observe(info)
-            if kind is ChunkKind.TOKEN:
+            if kind is KIND_TOKEN:
                 self.offsets.append(offset)
                 if n_tokens != 1 or self._counts is not None:
                     self._note_count(n_tokens)
@@ -321,15 +333,15 @@ class StreamMeter:
                     self._note_choice(index)
                 if self.text_parts is not None:
                     self.text_parts.append(chunk_text(payload))
-            elif kind is ChunkKind.DONE:
+            elif kind is KIND_DONE:
                 self.saw_done = True
                 self._lane = False  # every later read must meet the check below
-            elif kind is ChunkKind.USAGE:
+            elif kind is KIND_USAGE:
                 self.engine = engine_timing(info) or self.engine
-            elif kind is ChunkKind.ERROR:
+            elif kind is KIND_ERROR:
                 if self.failure is None:
                     self.failure = error_event_failure(info)
-            elif kind is ChunkKind.MALFORMED:
+            elif kind is KIND_MALFORMED:
                 if self.failure is None:
                     self.failure = MALFORMED_CHUNK
                 if self.assembler is not None:
@@ -351,7 +363,7 @@ class StreamMeter:
                 self._usage, self._lane_usage = info.usage, None
             if info.system_fingerprint is not None:
                 self.fingerprint = info.system_fingerprint
-            if self.assembler is not None and kind is not ChunkKind.DONE:
+            if self.assembler is not None and kind is not KIND_DONE:
                 chunk = json.loads(payload)
                 if type(chunk) is dict:
                     self.assembler.feed(chunk)
@@ -362,7 +374,7 @@ class StreamMeter:
             if (
                 (info.usage is not None or info.usage_malformed)
                 and self._strip
-                and kind is not ChunkKind.USAGE
+                and kind is not KIND_USAGE
             ):
                 if usage_at >= 0:  # the fast path found the member: cut it as text
                     raw, cut = cut_span(raw, usage_at, usage_end), usage_at
@@ -375,17 +387,17 @@ class StreamMeter:
                 out.append(self._release_held(self.fingerprint))
                 out_tokens += self._held_tokens
             if self._drop_usage_chunk:
-                if kind is ChunkKind.USAGE:
+                if kind is KIND_USAGE:
                     continue  # the client did not ask for usage: it never sees this chunk
                 if info.finish_reason is not None:
                     # Without include_usage vLLM puts system_fingerprint on every finish chunk;
                     # with it, on the usage chunk only. Hold the finish chunk until the usage
                     # chunk (sent right after it for n = 1) gives the fingerprint back.
                     self._held, self._held_cut = raw, cut
-                    self._held_tokens = 1 if kind is ChunkKind.TOKEN else 0
+                    self._held_tokens = 1 if kind is KIND_TOKEN else 0
                     continue
             out.append(raw)
-            out_tokens += kind is ChunkKind.TOKEN
+            out_tokens += kind is KIND_TOKEN
         if self.fatal is not None:
             self.failure = self.failure or self.fatal
             if self._held is not None:
@@ -482,11 +494,11 @@ class StreamMeter:
         usage = self.usage
         counter = self._counter
         if usage is not None and not self.usage_malformed:
-            source = TokenSource.USAGE if counter.exact else TokenSource.USAGE_TOTAL
+            source = SOURCE_USAGE if counter.exact else SOURCE_USAGE_TOTAL
             return usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, source
         if counter.total:
-            return None, counter.total, None, TokenSource.CHUNK_COUNT
-        return None, None, None, TokenSource.NONE
+            return None, counter.total, None, SOURCE_CHUNK_COUNT
+        return None, None, None, SOURCE_NONE
 
     @property
     def text(self) -> str | None:

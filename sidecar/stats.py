@@ -27,7 +27,14 @@ from typing import Any, Final, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from sidecar.record import Outcome, RequestRecord, Timeline, Vantage
+from sidecar.record import (
+    VANTAGE_CLIENT,
+    VANTAGE_SERVER,
+    Outcome,
+    RequestRecord,
+    Timeline,
+    Vantage,
+)
 
 NS_PER_S = 1_000_000_000
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0, 99.9)
@@ -330,9 +337,9 @@ class Columns(NamedTuple):
 
 def columns_of(records: Sequence[RequestRecord], vantage: Vantage) -> Columns:
     n = len(records)
-    if vantage is Vantage.CLIENT:
+    if vantage is VANTAGE_CLIENT:
         timelines: list[Timeline | None] = [r.client for r in records]
-    elif vantage is Vantage.SERVER:
+    elif vantage is VANTAGE_SERVER:
         timelines = [r.server for r in records]
     else:
         timelines = [None] * n
@@ -1085,8 +1092,8 @@ class RecordTable:
         for name, column in self._engine.items():
             value = None if engine is None else getattr(engine, name)
             column.append(math.nan if value is None else value)
-        self._timelines[Vantage.CLIENT].append(record.client)
-        self._timelines[Vantage.SERVER].append(record.server)
+        self._timelines[VANTAGE_CLIENT].append(record.client)
+        self._timelines[VANTAGE_SERVER].append(record.server)
 
     def drop_front(self, count: int) -> None:
         """Forget the ``count`` oldest records."""

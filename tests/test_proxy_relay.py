@@ -6,10 +6,17 @@ timeouts in tests/test_relay_timeouts.py."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from sidecar.proxy.headers import filtered_headers, has_dot_segment, request_id_from
+from sidecar.proxy.headers import (
+    filtered_headers,
+    has_dot_segment,
+    new_request_id,
+    request_id_from,
+)
 from sidecar.proxy.relay import error_event, prompt_prefix_key
 from sidecar.proxy.shape import chat_text
 
@@ -46,6 +53,21 @@ def test_request_ids_are_honoured_when_sane_else_generated() -> None:
         generated = request_id_from(CIMultiDictProxy(CIMultiDict({"X-Request-Id": bad})))
         assert generated != bad and len(generated) == 32
     assert len(request_id_from(CIMultiDictProxy(CIMultiDict()))) == 32
+
+
+def test_generated_request_ids_are_random_version_4_uuids() -> None:
+    """What `uuid.uuid4().hex` gives (users may parse the id as a UUID), without the object:
+    the version and variant bits set, the other 122 bits random (none stuck across ids)."""
+    ids = [new_request_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    seen_ones = 0
+    for text in ids:
+        parsed = uuid.UUID(hex=text)
+        assert parsed.hex == text and len(text) == 32
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122
+        seen_ones |= parsed.int
+    random_bits = (1 << 128) - 1 ^ (0xF << 76) ^ (0x3 << 62)
+    assert seen_ones & random_bits == random_bits  # every random bit was 1 at least once
 
 
 def test_prefix_keys() -> None:

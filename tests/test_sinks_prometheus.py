@@ -28,6 +28,7 @@ from sidecar.hooks import SINK_TIMEOUT_S, Sink, SinkFanout, ThreadedSink
 from sidecar.record import (
     ChunkMark,
     EngineTiming,
+    Int64s,
     Outcome,
     RequestRecord,
     Timeline,
@@ -263,7 +264,7 @@ def test_junk_model_names_cannot_take_the_label_slots() -> None:
     )
 
 
-@pytest.mark.parametrize("repeat", [1, 40])  # 4 and 121 instants: bisect and numpy paths
+@pytest.mark.parametrize("repeat", [1, 40])  # 4 and 121 instants
 def test_itl_gaps_are_binned_by_hand(repeat: int) -> None:
     """Bounds 1, 10, 100 ms (+Inf). Gaps 0.5 ms, 10 ms (equal to a bound: le, so in 10 ms) and
     250 ms, repeated: per repetition one each in le=0.001, le=0.01 and +Inf; sum 260.5 ms."""
@@ -273,7 +274,6 @@ def test_itl_gaps_are_binned_by_hand(repeat: int) -> None:
     for _ in range(repeat):
         for gap_ms in (0.5, 10, 250):
             offsets.append(offsets[-1] + int(gap_ms * MS))
-    assert (len(offsets) < BulkHistogram.NUMPY_FROM) == (repeat == 1)
     histogram.observe_gaps(("x",), offsets)
     histogram.observe_gaps(("x",), offsets[:1])  # a single instant: no gap, nothing observed
     assert value(registry, "gaps_bucket", v="x", le="0.001") == repeat
@@ -282,6 +282,48 @@ def test_itl_gaps_are_binned_by_hand(repeat: int) -> None:
     assert value(registry, "gaps_bucket", v="x", le="+Inf") == 3 * repeat
     assert value(registry, "gaps_count", v="x") == 3 * repeat
     assert value(registry, "gaps_sum", v="x") == pytest.approx(0.2605 * repeat)
+
+
+def test_gaps_noted_apart_are_binned_apart_by_label_and_never_across_timelines() -> None:
+    """Three timelines under two label sets, binned together at the read: each set gets its
+    own gaps, and the step from one timeline's last instant to the next one's first (here
+    +1.695 s and -2.05 s, which would land in +Inf and le=0.001) is no gap. Bounds 1, 10, 100 ms.
+    x: [0, 5 ms, 305 ms] -> 5 ms (le=0.01), 300 ms (+Inf); then [0, 0.2 ms] -> 0.2 ms
+    (le=0.001). y: [2 s, 2.05 s] -> 50 ms (le=0.1). Packed columns (Int64s) and plain lists
+    alike."""
+    registry = CollectorRegistry()
+    histogram = BulkHistogram("gaps", "doc", ("v",), [0.001, 0.01, 0.1], registry)
+    histogram.observe_gaps(("x",), Int64s([0, 5 * MS, 305 * MS]))
+    histogram.observe_gaps(("y",), [2000 * MS, 2050 * MS])
+    histogram.observe_gaps(("x",), Int64s([0, MS // 5]))
+    expected = {
+        "x": {"0.001": 1, "0.01": 2, "0.1": 2, "+Inf": 3},
+        "y": {"0.001": 0, "0.01": 0, "0.1": 1, "+Inf": 1},
+    }
+    for label, buckets in expected.items():
+        for le, count in buckets.items():
+            assert value(registry, "gaps_bucket", v=label, le=le) == count, (label, le)
+    assert value(registry, "gaps_sum", v="x") == pytest.approx(0.3052)
+    assert value(registry, "gaps_sum", v="y") == pytest.approx(0.05)
+    # Read twice: binned once, not again.
+    assert value(registry, "gaps_count", v="x") == 3
+    assert value(registry, "gaps_count", v="x") == 3
+
+
+def test_waiting_gaps_are_binned_once_there_are_enough_without_a_read() -> None:
+    """Noted timelines wait for a read, but never more than FLUSH_GAPS gaps of them: memory
+    stays bounded on a sidecar nobody scrapes."""
+    registry = CollectorRegistry()
+    histogram = BulkHistogram("gaps", "doc", ("v",), [0.001, 0.01, 0.1], registry)
+    timeline = Int64s(range(0, 1001 * MS, MS))  # 1,000 gaps of 1 ms
+    noted = 0
+    while noted + 1000 < BulkHistogram.FLUSH_GAPS:
+        histogram.observe_gaps(("x",), timeline)
+        noted += 1000
+    assert histogram._pending_gaps == noted and histogram._counts[("x",)][0] == 0
+    histogram.observe_gaps(("x",), timeline)  # reaches FLUSH_GAPS: binned now
+    assert histogram._pending == [] and histogram._counts[("x",)][0] == noted + 1000
+    assert value(registry, "gaps_bucket", v="x", le="0.001") == noted + 1000
 
 
 @pytest.mark.parametrize(

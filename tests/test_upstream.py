@@ -8,8 +8,12 @@ import asyncio
 import json
 import socket
 import struct
+from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_helpers import require_module
 from reliability_helpers import RawUpstream, proxy_to, settle
 
 from sidecar.record import Outcome
@@ -260,4 +264,166 @@ async def test_a_read_held_for_a_connection_aborted_meanwhile_is_dropped() -> No
         exchange.connection.abort()  # then the relay let the connection go
         arrivals.run()
         assert fed == []
+        pool.close_exchange(exchange)
+
+
+# -- one whole chunk taken without llhttp (`UpstreamExchange.feed`, `_tokenscan.chunk_payload`)
+
+
+class _ChunkEvents:
+    """An httptools protocol that writes down what llhttp hands over of a chunked body."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def on_chunk_header(self) -> None:
+        self.events.append("header")
+
+    def on_body(self, body: bytes) -> None:
+        self.events.append(body)
+
+    def on_chunk_complete(self) -> None:
+        self.events.append("complete")
+
+    def on_message_complete(self) -> None:
+        self.events.append("end")
+
+
+def llhttp_events(read: bytes) -> list[object] | None:
+    """What llhttp makes of ``read`` arriving between two chunks of a chunked body (None: it
+    refused the bytes)."""
+    import httptools
+
+    recorder = _ChunkEvents()
+    parser = httptools.HttpResponseParser(recorder)
+    parser.feed_data(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    try:
+        parser.feed_data(read)
+    except httptools.HttpParserError:
+        return None
+    return recorder.events
+
+
+def native_chunk_payload() -> Callable[[bytes], bytes | None]:
+    module = require_module("sidecar.protocol._tokenscan", "-e . (with a C compiler: gcc)")
+    payload: Callable[[bytes], bytes | None] = module.chunk_payload
+    return payload
+
+
+def as_chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(payload), payload)  # how uvicorn (h11) frames a write
+
+
+CHUNKS = [as_chunk(SSE), as_chunk(b"x"), as_chunk(b"data: [DONE]\n\n"), as_chunk(b"\r\n" * 40)]
+CHUNKS += [as_chunk(bytes(range(256)) * 300)]  # a size with letters in it, 0x12c00
+
+
+def test_a_whole_chunk_is_read_in_c_exactly_as_llhttp_reads_it() -> None:
+    chunk_payload = native_chunk_payload()
+    for read in CHUNKS:
+        payload = chunk_payload(read)
+        assert payload is not None and read == as_chunk(payload)
+        assert llhttp_events(read) == ["header", payload, "complete"]
+    upper = b"A\r\n0123456789\r\n"
+    assert chunk_payload(upper) == b"0123456789" and llhttp_events(upper) is not None
+
+
+def test_anything_but_one_whole_plain_chunk_is_left_to_llhttp() -> None:
+    chunk_payload = native_chunk_payload()
+    for read in (
+        b"",
+        b"0\r\n\r\n",  # the last chunk
+        b"05\r\nhello\r\n",  # leading zero
+        b"5;name=value\r\nhello\r\n",  # an extension
+        b"5 \r\nhello\r\n",
+        b"5\r\nhello\r\n5\r\nhello\r\n",  # two chunks
+        b"5\r\nhello\r\n0\r\n\r\n",  # with the end of the body
+        b"5\r\nhell",  # cut short
+        b"5\r\nhelloX\r\n",
+        b"5\nhello\r\n",
+        b"123456789\r\n",  # more than 8 digits
+    ):
+        assert chunk_payload(read) is None, read
+    with pytest.raises(TypeError):
+        chunk_payload(bytearray(CHUNKS[0]))  # type: ignore[arg-type]
+
+
+def test_a_chunk_cut_or_with_a_byte_out_of_place_is_never_read_otherwise_than_by_llhttp() -> None:
+    chunk_payload = native_chunk_payload()
+    for chunk in (CHUNKS[1], as_chunk(b"hello"), CHUNKS[2]):
+        variants = [chunk[:i] for i in range(len(chunk))] + [chunk[i:] for i in range(len(chunk))]
+        for position in range(len(chunk)):
+            for byte in b"0aF\r\n; x\x00":
+                variants.append(chunk[:position] + bytes([byte]) + chunk[position + 1 :])
+                variants.append(chunk[:position] + bytes([byte]) + chunk[position:])
+                variants.append(chunk[:position] + chunk[position + 1 :])
+        for read in variants:
+            payload = chunk_payload(read)
+            if payload is not None:
+                assert llhttp_events(read) == ["header", payload, "complete"], read
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40), st.binary(max_size=40), st.integers(0, len(CHUNKS) - 2))
+def test_junk_spliced_into_a_chunk_never_makes_the_two_disagree(
+    head: bytes, tail: bytes, which: int
+) -> None:
+    chunk = CHUNKS[which]
+    cut = len(head) % len(chunk)
+    for read in (head + chunk, chunk + tail, chunk[:cut] + head + chunk[cut:], head, tail):
+        payload = native_chunk_payload()(read)
+        if payload is not None:
+            assert llhttp_events(read) == ["header", payload, "complete"]
+
+
+class _CountingParser:
+    """The exchange's httptools parser, counting the reads it is fed."""
+
+    def __init__(self, parser: object) -> None:
+        self.parser = parser
+        self.fed = 0
+
+    def feed_data(self, data: bytes) -> None:
+        self.fed += 1
+        self.parser.feed_data(data)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.parser, name)
+
+
+async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
+    """llhttp's own callbacks say when it is between chunks. A read that looks like a whole
+    chunk but is the middle of a larger one is body, and goes to llhttp."""
+    native_chunk_payload()
+    from sidecar.proxy.upstream import UpstreamPool
+
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        return True  # the body is fed below, read by read
+
+    async with RawUpstream(answer) as url:
+        port = int(url.rsplit(":", 1)[1])
+        pool = UpstreamPool(kernel_stamps=False)
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
+        exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        await exchange.response()
+        counting = _CountingParser(exchange._parser)
+        exchange._parser = counting  # type: ignore[assignment]
+        fed: list[bytes] = []
+        done = exchange.stream_body(lambda data, _at: fed.append(data))
+        steps = [
+            (b"5\r\nhello\r\n", b"hello", 0),  # whole, between chunks: not fed to llhttp
+            (b"10\r\n", None, 1),  # a 16-byte chunk begins
+            (b"5\r\nhello\r\n", b"5\r\nhello\r\n", 2),  # its first 10 bytes, whatever they say
+            (b"abcdef\r\n", b"abcdef", 3),  # its end
+            (b"3\r\nxyz\r\n", b"xyz", 3),  # whole, between chunks again
+            (b"0\r\n\r\n", None, 4),
+        ]
+        for read, handed, parser_reads in steps:
+            before = len(fed)
+            exchange.feed(read, 0)
+            assert fed[before:] == ([] if handed is None else [handed])
+            assert counting.fed == parser_reads
+        await asyncio.wait_for(done, 5)
+        assert b"".join(fed) == b"hello5\r\nhello\r\nabcdefxyz"
         pool.close_exchange(exchange)

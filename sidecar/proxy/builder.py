@@ -13,13 +13,14 @@ from dataclasses import replace
 
 from sidecar.meter import StreamMeter
 from sidecar.record import (
+    OUTCOME_OK,
+    SOURCE_NONE,
     EngineTiming,
     Int64s,
     Outcome,
     RequestRecord,
     RequestShape,
     Timeline,
-    TokenSource,
 )
 
 
@@ -84,7 +85,7 @@ class RecordBuilder:
         self.n_in: int | None = None
         self.n_out: int | None = None
         self.n_cached: int | None = None
-        self.token_source = TokenSource.NONE
+        self.token_source = SOURCE_NONE
         self.finish_reason: str | None = None
         self.http_status: int | None = None
         self.error_type: str | None = None
@@ -117,7 +118,7 @@ class RecordBuilder:
         self._choices = meter.choices
         self.up_events = meter.events
         n_in, n_out, n_cached, source = meter.token_totals
-        if source is not TokenSource.NONE:
+        if source is not SOURCE_NONE:
             self.n_in, self.n_out, self.n_cached, self.token_source = (
                 n_in,
                 n_out,
@@ -143,7 +144,7 @@ class RecordBuilder:
     def fail(self, outcome: Outcome, error_type: str, http_status: int | None = None) -> None:
         """Record the first failure; later ones (e.g. a write error after a timeout) don't
         overwrite the cause."""
-        if self.outcome is None or self.outcome is Outcome.OK:
+        if self.outcome is None or self.outcome is OUTCOME_OK:
             self.outcome = outcome
             self.error_type = error_type
             if http_status is not None:
@@ -189,7 +190,7 @@ class RecordBuilder:
         return RequestRecord(
             request_id=self.request_id,
             wall_time_ns=self.wall_time_ns,
-            outcome=self.outcome or Outcome.OK,
+            outcome=self.outcome or OUTCOME_OK,
             endpoint=self.endpoint,
             model=self.model,
             client_stream=self.client_stream,

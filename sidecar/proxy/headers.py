@@ -3,7 +3,7 @@ request id, X-Forwarded-For, paths that a server would normalise into another.""
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Mapping
 from typing import Final
 from urllib.parse import unquote
@@ -66,4 +66,13 @@ def request_id_from(headers: CIMultiDictProxy[str]) -> str:
     given = headers.get(REQUEST_ID_HEADER)
     if given and len(given) <= MAX_REQUEST_ID_LEN and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return new_request_id()
+
+
+def new_request_id() -> str:
+    """A random (version 4) UUID as 32 hex digits, what ``uuid.uuid4().hex`` gives, made
+    without the UUID object: its constructor was ~100 bytecodes of every request."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 9562 variant
+    return raw.hex()

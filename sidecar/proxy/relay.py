@@ -23,7 +23,6 @@ import json
 import logging
 import re
 import secrets
-import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,6 +59,7 @@ from sidecar.proxy.headers import (
     REQUEST_ID_HEADER,
     filtered_headers,
     has_dot_segment,
+    new_request_id,
     request_id_from,
 )
 from sidecar.proxy.listener import (
@@ -248,7 +248,7 @@ class Proxy:
         too slow, over the connection cap, or a client gone mid-request): its one record, and
         the answer's body and headers (None for a client that is gone)."""
         headers = rejection.headers
-        request_id = request_id_from(headers) if headers is not None else uuid.uuid4().hex
+        request_id = request_id_from(headers) if headers is not None else new_request_id()
         wall, arrive = clock.anchor()
         endpoint = None
         if rejection.method == "POST" and rejection.path is not None:

@@ -41,6 +41,15 @@ BodySink = Callable[[bytes, int], None]
 _KEEPALIVE_S = 4.0
 
 
+# One whole HTTP chunk recognised in C (`feed`); where the package was built without its C
+# extensions, every read goes through httptools.
+_chunk_payload: Callable[[bytes], bytes | None] | None
+try:
+    from sidecar.protocol._tokenscan import chunk_payload as _chunk_payload
+except ImportError:  # built without a C compiler: correct, slower
+    _chunk_payload = None
+
+
 class UpstreamError(Exception):
     """The exchange failed at the connection level. ``kind``: connect_refused, connect_timeout,
     tls_certificate (the upstream's certificate did not verify), tls_handshake (no connection:
@@ -252,6 +261,7 @@ class UpstreamExchange:
         "_interim",
         "_keep_alive",
         "reused",
+        "_between_chunks",
     )
 
     def __init__(
@@ -284,6 +294,9 @@ class UpstreamExchange:
         self._interim = False
         self._keep_alive = False
         self.reused = False  # sent on a pooled connection (which the server may have closed)
+        # llhttp is between two chunks of a chunked body (its own callbacks say so): a read
+        # that is exactly one whole chunk may then skip it (`feed`).
+        self._between_chunks = False
 
     # -- httptools callbacks --------------------------------------------------------------
 
@@ -324,6 +337,7 @@ class UpstreamExchange:
                 chunked = True
         self._raw_headers = []
         no_body = self.head_method or self.status in (204, 304)
+        self._between_chunks = chunked and not no_body
         self._eof_body = not (has_length or chunked or no_body)
         if not self._head.done():
             self._head.set_result(None)
@@ -333,6 +347,12 @@ class UpstreamExchange:
 
     def on_body(self, body: bytes) -> None:
         self._parts.append(body)
+
+    def on_chunk_header(self) -> None:
+        self._between_chunks = False
+
+    def on_chunk_complete(self) -> None:
+        self._between_chunks = True
 
     def on_message_complete(self) -> None:
         if self._interim:
@@ -354,6 +374,19 @@ class UpstreamExchange:
             # same turn, `ArrivalBatch`): not a connection to reuse.
             self.connection.abort()
             return
+        if self._between_chunks and _chunk_payload is not None:
+            # The read that makes up almost every read of a stream: one whole chunk, arriving
+            # while llhttp is between chunks. Fed to it, it would hand over exactly this payload
+            # and end where it began (`_tokenscan.chunk_payload` says why): taken here without
+            # its three callbacks into Python.
+            body = _chunk_payload(data)
+            if body is not None:
+                sink = self._sink
+                if sink is not None and not self._pending and not self.paused:
+                    sink(body, now_ns)
+                else:
+                    self._deliver(body, now_ns)
+                return
         try:
             parser.feed_data(data)
         except UpstreamError as exc:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -53,7 +54,15 @@ from sidecar.hooks import (
     SinkFanout,
     dropped_by_reason,
 )
-from sidecar.record import Int64s, Outcome, RequestRecord, TokenSource, Vantage
+from sidecar.record import (
+    OUTCOME_OK,
+    SOURCE_USAGE,
+    VANTAGE_CLIENT,
+    VANTAGE_ENGINE,
+    VANTAGE_SERVER,
+    Int64s,
+    RequestRecord,
+)
 from sidecar.sinks.labels import OTHER, BoundedLabel
 from sidecar.sinks.window import GENERATION_ENDPOINTS, WindowSink
 from sidecar.stats import NS_PER_S
@@ -136,14 +145,20 @@ class BulkHistogram(Collector):
 
     prometheus_client's Histogram costs about a microsecond per `observe`, and a streamed
     request brings one ITL observation per event (hundreds per request, on the event loop).
-    Here each label set's bucket counts are a plain list: `observe_gaps` bins a timeline's gaps
-    in one pass (bisect per gap below `NUMPY_FROM` gaps, where numpy's fixed cost per call would
-    dominate; one `searchsorted` + `bincount` above). It is exposed like any histogram
-    (`_bucket{le}`, `_sum`, `_count`). Observation and collection both run on the event loop's
-    thread, so no lock is needed.
+    Here each label set's bucket counts are a plain list, and `observe_gaps` only notes a
+    timeline's instants: the gaps of every timeline noted since are binned together, by one
+    numpy pass, when the histogram is read (`collect`) or once `FLUSH_GAPS` gaps wait. Binned
+    one timeline at a time (a bisect per gap), they were a fifth of the collector's
+    instructions per request at 32 tokens (benchmarks/request_instructions.py). It is exposed
+    like any histogram (`_bucket{le}`, `_sum`, `_count`). Observation and collection never
+    overlap: both run on the event loop's thread, or (a collector, `hooks.ScrapeRunner`) the
+    scrape's thread reads while it holds the lock the fan-out takes to deliver a record, so the
+    binning then runs there, off the loop.
     """
 
-    NUMPY_FROM = 64  # instants; where the two paths cost the same (~9 µs, measured)
+    # Gaps waiting at most (~0.5 MiB of instants held beyond the records' own columns, the
+    # longest pass ~10 ms) before they are binned without waiting for a scrape.
+    FLUSH_GAPS = 65_536
 
     def __init__(
         self,
@@ -161,6 +176,9 @@ class BulkHistogram(Collector):
         self._le = [_go_float(b) for b in self._bound_list] + ["+Inf"]
         self._counts: dict[tuple[str, ...], list[int]] = {}
         self._sums: dict[tuple[str, ...], float] = {}
+        # Timelines noted by `observe_gaps`, not yet binned, and how many gaps they hold.
+        self._pending: list[tuple[tuple[str, ...], bytes]] = []
+        self._pending_gaps = 0
         registry.register(self)
 
     def _series(self, labels: tuple[str, ...]) -> list[int]:
@@ -178,36 +196,53 @@ class BulkHistogram(Collector):
         self._sums[labels] += value
 
     def observe_gaps(self, labels: tuple[str, ...], offsets_ns: Sequence[int]) -> None:
-        """Observe every gap between consecutive instants (ns), in seconds."""
+        """Observe every gap between consecutive instants (ns), in seconds: noted now, binned
+        with the others before the histogram is read."""
         n = len(offsets_ns)
         if n < 2:
             return
-        counts = self._series(labels)
-        if n < self.NUMPY_FROM:
-            bounds = self._bound_list
-            instants = iter(offsets_ns)
-            previous = next(instants)
-            for current in instants:
-                counts[bisect.bisect_left(bounds, (current - previous) / NS_PER_S)] += 1
-                previous = current
-        else:
-            column = (
-                np.frombuffer(offsets_ns.data, dtype=np.int64)
-                if isinstance(offsets_ns, Int64s)
-                else np.array(offsets_ns, np.int64)
-            )
-            gaps = np.diff(column).astype(np.float64) / NS_PER_S
-            binned = np.bincount(
-                np.searchsorted(self.bounds, gaps, side="left"), minlength=len(counts)
-            ).tolist()
-            counts[:] = [a + b for a, b in zip(counts, binned, strict=True)]
+        self._series(labels)
         # The gaps telescope: their sum is last - first, exactly, in integer ns.
         self._sums[labels] += (offsets_ns[-1] - offsets_ns[0]) / NS_PER_S
+        # Int64s holds its values packed: kept as they are, no copy.
+        packed = offsets_ns.data if isinstance(offsets_ns, Int64s) else _packed(offsets_ns)
+        self._pending.append((labels, packed))
+        self._pending_gaps += n - 1
+        if self._pending_gaps >= self.FLUSH_GAPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Bin the gaps of every timeline noted since the last flush, in one numpy pass."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending, self._pending_gaps = [], 0
+        series: dict[tuple[str, ...], int] = {}
+        keys: list[int] = []
+        lengths: list[int] = []
+        for labels, packed in pending:
+            keys.append(series.setdefault(labels, len(series)))
+            lengths.append(len(packed) // 8)
+        instants = np.frombuffer(b"".join(packed for _, packed in pending), dtype=np.int64)
+        sizes = np.asarray(lengths, dtype=np.int64)
+        # np.diff over the timelines laid end to end; the gap from one timeline's last instant
+        # to the next one's first is not a gap of either, and is dropped.
+        keep = np.ones(len(instants) - 1, dtype=np.bool_)
+        keep[np.cumsum(sizes)[:-1] - 1] = False
+        gaps = np.diff(instants)[keep].astype(np.float64) / NS_PER_S
+        buckets = np.searchsorted(self.bounds, gaps, side="left")
+        width = len(self._bound_list) + 1
+        cells = np.repeat(np.asarray(keys, dtype=np.int64), sizes - 1) * width + buckets
+        binned = np.bincount(cells, minlength=len(series) * width).reshape(len(series), width)
+        for labels, row in zip(series, binned.tolist(), strict=True):
+            counts = self._counts[labels]
+            counts[:] = [a + b for a, b in zip(counts, row, strict=True)]
 
     def describe(self) -> Iterable[Metric]:
         return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
 
     def collect(self) -> Iterator[Metric]:
+        self.flush()
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labels, counts in self._counts.items():
             family.add_metric(
@@ -216,6 +251,10 @@ class BulkHistogram(Collector):
                 self._sums[labels],
             )
         yield family
+
+
+def _packed(values: Sequence[int]) -> bytes:
+    return array("q", values).tobytes()
 
 
 class ChildCache:
@@ -471,7 +510,7 @@ class PrometheusSink:
             return
         if self.slo_policy is not None:
             self._observe_slo(self.slo_policy, record)
-        if record.outcome is not Outcome.OK:
+        if record.outcome is not OUTCOME_OK:
             return
         if record.request_read_ns is not None:
             self.request_read.observe((model,), record.request_read_ns / 1e9)
@@ -491,7 +530,7 @@ class PrometheusSink:
 
     def _observe_latencies(self, record: RequestRecord, model: str, replica: str) -> None:
         """A successful request's TTFT, E2E, TPOT and ITL at each vantage it has."""
-        for vantage in (Vantage.CLIENT, Vantage.SERVER):
+        for vantage in (VANTAGE_CLIENT, VANTAGE_SERVER):
             timeline = record.timeline(vantage)
             if timeline is None:
                 continue
@@ -504,7 +543,7 @@ class PrometheusSink:
                 self.e2e.observe(labels, latency.e2e_s)
             if latency.tpot_s is not None:
                 self.tpot.observe(labels, latency.tpot_s)
-            elif vantage is Vantage.CLIENT and latency.n_out <= 1:
+            elif vantage is VANTAGE_CLIENT and latency.n_out <= 1:
                 self._no_tpot(model).inc()
             if timeline.choices is None:
                 self.itl.observe_gaps(labels, timeline.offsets_ns)
@@ -515,7 +554,7 @@ class PrometheusSink:
         if engine is not None:
             # The same intervals as at the other vantages (record.EngineTiming): TTFT and E2E
             # from queued in the engine, TPOT = vLLM's mean ITL.
-            labels = (model, replica, Vantage.ENGINE.value)
+            labels = (model, replica, VANTAGE_ENGINE.value)
             engine_ttft, engine_e2e = engine.ttft_ms, engine.e2e_ms
             if engine_ttft is not None:
                 self.ttft.observe(labels, engine_ttft / 1000)
@@ -536,7 +575,7 @@ class PrometheusSink:
         self._output_len(model).observe(n_out)
         if record.n_cached:
             self._cached_tokens(model, replica).inc(record.n_cached)
-        if record.token_source is not TokenSource.USAGE:
+        if record.token_source is not SOURCE_USAGE:
             self._estimated(model).inc()
 
 
