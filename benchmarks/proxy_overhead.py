@@ -357,6 +357,7 @@ def spawn(
     log_path: Path,
     core: int | None,
     env: dict[str, str] | None = None,
+    cwd: Path = REPO_ROOT,
 ) -> subprocess.Popen[bytes]:
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed right after spawn
     try:
@@ -366,7 +367,7 @@ def spawn(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            cwd=REPO_ROOT,
+            cwd=cwd,
             preexec_fn=_pinner(core),
         )
     finally:
@@ -419,10 +420,12 @@ def start_proxy(
     core: int | None,
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    tree: Path = REPO_ROOT,
 ) -> subprocess.Popen[bytes]:
     """The sidecar as users start it: one worker process (unless ``extra`` says otherwise)
     beside its collector process; `process_tree` lists both for CPU and memory. ``env``: set
-    in its environment on top of this process's."""
+    in its environment on top of this process's. ``tree``: the source tree it runs from (its
+    directory, first on ``python -m``'s path; its C extensions built in place)."""
     workers = [] if any(a.startswith("--workers") for a in extra) else ["--workers", "1"]
     argv = [
         sys.executable,
@@ -440,7 +443,7 @@ def start_proxy(
         *workers,
         *extra,
     ]
-    proc = spawn(argv, log_path, core, env)
+    proc = spawn(argv, log_path, core, env, tree)
     try:
         wait_port(port, proc)
     except BaseException:
@@ -1134,11 +1137,15 @@ def med_spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(med)} [{fmt.format(min(vals))} – {fmt.format(max(vals))}]"
 
 
-RELAY_MODES = ("sidecar", "sidecar-regex", "bare", "pipe", "nginx", "envoy")
+RELAY_MODES = ("sidecar", "sidecar-regex", "sidecar-base", "bare", "pipe", "nginx", "envoy")
+SIDECAR_MODES = ("sidecar", "sidecar-regex", "sidecar-base")
+# --base-tree: the other source tree `sidecar-base` runs, for an A/B within one run.
+BASE_TREE: Path | None = None
 MODE_LABELS = {
     "direct": "direct",
     "sidecar": "sidecar",
     "sidecar-regex": "sidecar, regex token scanner",
+    "sidecar-base": "sidecar, base tree (--base-tree)",
     "bare": "bare relay (calibration)",
     "pipe": "TCP pipe (CPython floor)",
     "nginx": "nginx (1 worker, proxy_buffering off)",
@@ -1308,7 +1315,7 @@ def report(
                 f"{med_spread([r['proxy_rss_mib'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_hwm_mib'] for r in rs], '{:.1f}')} |"
             )
-    split = [m for m in relays if m in ("sidecar", "sidecar-regex")]
+    split = [m for m in relays if m in SIDECAR_MODES]
     if split:
         add("")
         add(
@@ -1388,27 +1395,27 @@ def report(
     return "\n".join(lines)
 
 
-def code_line() -> str:
+def code_line(root: Path = REPO_ROOT) -> str:
     """Which sidecar code was measured: the commit, whether sidecar/ differs from it, and a hash
     of every sidecar/*.py and *.c as it was read (the tree changes under parallel work)."""
     import hashlib
 
     digest = hashlib.sha256()
-    sources = [*(REPO_ROOT / "sidecar").rglob("*.py"), *(REPO_ROOT / "sidecar").rglob("*.c")]
+    sources = [*(root / "sidecar").rglob("*.py"), *(root / "sidecar").rglob("*.c")]
     for path in sorted(sources):
-        digest.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes())
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     head = dirty = "?"
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
+            cwd=root,
             capture_output=True,
             text=True,
             timeout=10,
         ).stdout.strip()
         changed = subprocess.run(
             ["git", "status", "--porcelain", "--", "sidecar"],
-            cwd=REPO_ROOT,
+            cwd=root,
             capture_output=True,
             text=True,
             timeout=10,
@@ -1430,6 +1437,7 @@ def machine_line() -> str:
         f"nproc {os.cpu_count()}, CPU {model}, Python {platform.python_version()}, "
         f"aiohttp {aiohttp.__version__}, uvloop {importlib.metadata.version('uvloop')}, "
         f"numpy {np.__version__}, kernel {platform.release()}\n# {code_line()}"
+        + ("" if BASE_TREE is None else f"\n# base tree {BASE_TREE}: {code_line(BASE_TREE)}")
     )
 
 
@@ -1459,11 +1467,17 @@ def start_relay(
     """Start one relay mode in front of the simulator: the Popen and every process id whose CPU
     and memory count as the relay's."""
     log = workdir / f"{mode}-{tag}.log"
-    if mode in ("sidecar", "sidecar-regex"):
+    if mode in SIDECAR_MODES:
         # sidecar-regex: the same sidecar on the regex token scanner instead of the C one
-        # (fastchunk.py), for an A/B of the two within one run.
+        # (fastchunk.py); sidecar-base: the sidecar of another source tree (--base-tree). Each
+        # for an A/B within one run, its repeats alternating with the sidecar's.
         env = {"SIDECAR_TOKEN_SCAN": "regex"} if mode == "sidecar-regex" else None
-        proc = start_proxy(sim_port, port, free_port(), log, core, proxy_args, env)
+        tree = REPO_ROOT
+        if mode == "sidecar-base":
+            if BASE_TREE is None:
+                raise ValueError("mode sidecar-base needs --base-tree")
+            tree = BASE_TREE
+        proc = start_proxy(sim_port, port, free_port(), log, core, proxy_args, env, tree)
         return proc, process_tree(proc.pid)
     elif mode == "bare":
         proc = start_bare_relay(sim_port, port, log, core)
@@ -1485,6 +1499,8 @@ def select_modes(requested: Sequence[str]) -> tuple[list[str], dict[str, str]]:
         raise SystemExit(
             f"unknown mode(s) {', '.join(unknown)}: choose from direct, {', '.join(RELAY_MODES)}"
         )
+    if "sidecar-base" in requested and BASE_TREE is None:
+        raise SystemExit("mode sidecar-base runs the sidecar of --base-tree: give one")
     modes, skipped = ["direct"], {}
     for mode in requested:
         if mode == "direct" or mode in modes:
@@ -2018,9 +2034,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="direct plus relays to compare, in alternation order: sidecar, "
         "bare (a minimal aiohttp relay, for calibration), pipe (a TCP pipe of "
         "uvloop Protocols, the floor of any CPython relay; not in the default), "
-        "nginx, envoy; a relay "
+        "nginx, envoy; sidecar-regex (the sidecar on its regex token scanner) and "
+        "sidecar-base (the sidecar of --base-tree) for an A/B in one run; a relay "
         "whose binary is missing is skipped with a message "
         "[direct,sidecar,bare,nginx,envoy]",
+    )
+    parser.add_argument(
+        "--base-tree",
+        type=Path,
+        default=None,
+        help="another source tree of the sidecar (a `git archive` of a commit, its C "
+        "extensions built in place), run by mode sidecar-base",
     )
     parser.add_argument(
         "--proxy-arg",
@@ -2109,7 +2133,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global BASE_TREE
     args = build_parser().parse_args(argv)
+    if getattr(args, "base_tree", None) is not None:
+        BASE_TREE = args.base_tree.resolve()
+        if not (BASE_TREE / "sidecar" / "__main__.py").is_file():
+            raise SystemExit(f"--base-tree {BASE_TREE}: no sidecar/__main__.py there")
     if args.command == "client":
         return run_client(args)
     if args.command == "bare-relay":

@@ -73,7 +73,9 @@ def overhead(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
         "proxy_overhead.py",
         "--smoke",
         "--modes",
-        "direct,sidecar,bare,sidecar-regex,pipe,nginx,envoy",
+        "direct,sidecar,bare,sidecar-regex,sidecar-base,pipe,nginx,envoy",
+        "--base-tree",
+        str(REPO),  # a tree of its own in real use (a `git archive` of the commit before)
         "--json-out",
         str(out),
     )
@@ -131,13 +133,19 @@ def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> N
     assert 0 < sidecar["proxy_us_event_first"] < sidecar["proxy_us_event"]
 
 
-def test_overhead_regex_scanner_and_pipe_modes(overhead: tuple[dict[str, Any], str]) -> None:
-    """The sidecar on the regex token scanner (the A/B of the C one) and the CPython floor,
-    a bare TCP pipe (its every connection failed on uvloop's transports once, unseen)."""
+def test_overhead_regex_scanner_base_tree_and_pipe_modes(
+    overhead: tuple[dict[str, Any], str],
+) -> None:
+    """The sidecar on the regex token scanner (the A/B of the C one), the sidecar of another
+    tree (an A/B of two commits in one run), and the CPython floor, a bare TCP pipe (its every
+    connection failed on uvloop's transports once, unseen)."""
     result, stdout = overhead
-    for mode in ("sidecar-regex", "pipe"):
+    for mode in ("sidecar-regex", "sidecar-base", "pipe"):
         check_relay(result, mode)
         assert f"| 4 | {po.MODE_LABELS[mode]} |" in stdout
+    assert f"# base tree {REPO}: code: HEAD " in stdout
+    with pytest.raises(SystemExit, match="--base-tree"):
+        po.select_modes(["direct", "sidecar-base"])
 
 
 @pytest.mark.realparts
