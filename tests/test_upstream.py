@@ -412,12 +412,13 @@ async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
         fed: list[bytes] = []
         done = exchange.stream_body(lambda data, _at: fed.append(data))
         steps = [
-            (b"5\r\nhello\r\n", b"hello", 0),  # whole, between chunks: not fed to llhttp
-            (b"10\r\n", None, 1),  # a 16-byte chunk begins
-            (b"5\r\nhello\r\n", b"5\r\nhello\r\n", 2),  # its first 10 bytes, whatever they say
-            (b"abcdef\r\n", b"abcdef", 3),  # its end
-            (b"3\r\nxyz\r\n", b"xyz", 3),  # whole, between chunks again
-            (b"0\r\n\r\n", None, 4),
+            (b"5\r\nhello\r\n", b"hello", 1),  # the first chunk: llhttp's, as always
+            (b"3\r\nabc\r\n", b"abc", 1),  # whole, between chunks: not fed to llhttp
+            (b"10\r\n", None, 2),  # a 16-byte chunk begins
+            (b"5\r\nhello\r\n", b"5\r\nhello\r\n", 3),  # its first 10 bytes, whatever they say
+            (b"abcdef\r\n", b"abcdef", 4),  # its end
+            (b"3\r\nxyz\r\n", b"xyz", 4),  # whole, between chunks again
+            (b"0\r\n\r\n", None, 5),
         ]
         for read, handed, parser_reads in steps:
             before = len(fed)
@@ -425,5 +426,63 @@ async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
             assert fed[before:] == ([] if handed is None else [handed])
             assert counting.fed == parser_reads
         await asyncio.wait_for(done, 5)
-        assert b"".join(fed) == b"hello5\r\nhello\r\nabcdefxyz"
+        assert b"".join(fed) == b"helloabc5\r\nhello\r\nabcdefxyz"
+        pool.close_exchange(exchange)
+
+
+async def test_a_body_whose_transfer_coding_does_not_end_in_chunked_stays_raw() -> None:
+    """`Transfer-Encoding: chunked, gzip`: for a response, llhttp reads such a body to the
+    connection's end, unframed (RFC 9112 6.3). The headers name "chunked", but only llhttp's
+    own callbacks open the whole-chunk path, so bytes that look like chunks pass raw; and the
+    connection's end is the body's end, not a response cut short."""
+    native_chunk_payload()
+    from sidecar.proxy.upstream import UpstreamPool
+
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n")
+        return True
+
+    async with RawUpstream(answer) as url:
+        port = int(url.rsplit(":", 1)[1])
+        pool = UpstreamPool(kernel_stamps=False)
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
+        exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        await exchange.response()
+        fed: list[bytes] = []
+        done = exchange.stream_body(lambda data, _at: fed.append(data))
+        for read in (b"5\r\nhello\r\n", b"3\r\nabc\r\n", b"0\r\n\r\n"):
+            exchange.feed(read, 0)
+        assert fed == [b"5\r\nhello\r\n", b"3\r\nabc\r\n", b"0\r\n\r\n"]
+        assert not exchange.complete
+        exchange.connection_lost(None)  # the upstream closed: that was the body's end
+        await asyncio.wait_for(done, 5)
+        assert exchange.complete and not exchange.failed
+        pool.close_exchange(exchange)
+
+
+async def test_after_a_malformed_chunk_no_later_read_reaches_the_relay() -> None:
+    """A read whose second chunk is malformed fails the exchange although llhttp had just
+    said "between chunks" after its first; a whole chunk arriving after that (a read held for
+    the same turn) is llhttp's to refuse, not the relay's to take."""
+    native_chunk_payload()
+    from sidecar.proxy.upstream import UpstreamError, UpstreamPool
+
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        return True
+
+    async with RawUpstream(answer) as url:
+        port = int(url.rsplit(":", 1)[1])
+        pool = UpstreamPool(kernel_stamps=False)
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
+        exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        await exchange.response()
+        fed: list[bytes] = []
+        done = exchange.stream_body(lambda data, _at: fed.append(data))
+        exchange.feed(b"5\r\nhello\r\nzz\r\n", 0)  # a chunk, then a size that is no number
+        assert exchange.failed and fed == []  # a read that failed hands nothing over
+        exchange.feed(b"3\r\nabc\r\n", 0)  # looks whole, and llhttp was between chunks
+        assert fed == []
+        with pytest.raises(UpstreamError):
+            await done
         pool.close_exchange(exchange)

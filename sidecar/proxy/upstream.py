@@ -294,8 +294,11 @@ class UpstreamExchange:
         self._interim = False
         self._keep_alive = False
         self.reused = False  # sent on a pooled connection (which the server may have closed)
-        # llhttp is between two chunks of a chunked body (its own callbacks say so): a read
-        # that is exactly one whole chunk may then skip it (`feed`).
+        # llhttp is between two chunks of a chunked body: a read that is exactly one whole
+        # chunk may then skip it (`feed`). Only llhttp's own on_chunk_complete says so, never
+        # the headers read here: with `Transfer-Encoding: chunked, gzip` a response's body is
+        # not chunked at all (it runs to the connection's end), and its bytes must stay raw.
+        # The body's first chunk therefore always goes through llhttp.
         self._between_chunks = False
 
     # -- httptools callbacks --------------------------------------------------------------
@@ -333,11 +336,12 @@ class UpstreamExchange:
             lower = key.lower()
             if lower == "content-length":
                 has_length = True
-            elif lower == "transfer-encoding" and "chunked" in text.lower():
-                chunked = True
+            elif lower == "transfer-encoding":
+                # The final coding decides, as llhttp reads it (RFC 9112 6.3): a response with
+                # `chunked, gzip` has no chunked body; it runs to the connection's end.
+                chunked = text.rsplit(",", 1)[-1].strip().lower() == "chunked"
         self._raw_headers = []
         no_body = self.head_method or self.status in (204, 304)
-        self._between_chunks = chunked and not no_body
         self._eof_body = not (has_length or chunked or no_body)
         if not self._head.done():
             self._head.set_result(None)
@@ -458,6 +462,9 @@ class UpstreamExchange:
             self._done.set_result(None)
 
     def _fail(self, error: UpstreamError) -> None:
+        # Closed first, whatever else: a read still on its way (`ArrivalBatch`) goes to llhttp,
+        # which refuses it again, never around it to the sink.
+        self._between_chunks = False
         if self._error is not None:
             return
         self._error = error

@@ -156,8 +156,10 @@ class BulkHistogram(Collector):
     binning then runs there, off the loop.
     """
 
-    # Gaps waiting at most (~0.5 MiB of instants held beyond the records' own columns, the
-    # longest pass ~10 ms) before they are binned without waiting for a scrape.
+    # Gaps waiting at most before they are binned without waiting for a scrape: ~0.5 MiB of
+    # instants held (the records' own packed columns, not copies), and one pass of ~5 ms on
+    # the collector's loop (65,534 gaps of 2,114 timelines under 4 label sets, measured; the
+    # note itself ~1.7 µs per timeline).
     FLUSH_GAPS = 65_536
 
     def __init__(
