@@ -379,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sim = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "sim", "--host", HOST, "--port", str(sim_port),
          "--model", MODEL, "--step-floor-s", f"{args.step_ms / 1e3:.6f}", "--max-num-seqs", "1024"],
-        env=env, stdout=subprocess.DEVNULL, stderr=(work / "sim.log").open("wb"),
+        env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=(work / "sim.log").open("wb"),
     )  # fmt: skip
     valgrind = [] if args.smoke or args.profile else [
         "valgrind", "--tool=callgrind", "--trace-children=yes", "--instr-atstart=no",
@@ -391,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> None:
          "--metrics-listen", f"{HOST}:{admin_port}", "--health-interval", "0",
          "--engine-scrape-interval", "0", "--workers", "1"],
         env=proxy_env,
+        # `python -m` puts its working directory first on the path: run in the tree itself,
+        # or a sidecar/ in the caller's directory would be measured instead of --tree's.
+        cwd=tree,
         stdout=(work / "proxy.out").open("wb"),
         stderr=(work / "proxy.log").open("wb"),
     )  # fmt: skip
