@@ -5,10 +5,11 @@ body delimited by the connection's end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from prometheus_helpers import require_module
 from reliability_helpers import RawUpstream, proxy_to, settle
 
+from sidecar.proxy.upstream import UpstreamError, UpstreamExchange, UpstreamPool
 from sidecar.record import Outcome
 
 CHAT = "/v1/chat/completions"
@@ -391,15 +393,16 @@ class _CountingParser:
         return getattr(self.parser, name)
 
 
-async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
-    """llhttp's own callbacks say when it is between chunks. A read that looks like a whole
-    chunk but is the middle of a larger one is body, and goes to llhttp."""
+@contextlib.asynccontextmanager
+async def exchange_answered(transfer_encoding: bytes) -> AsyncIterator[UpstreamExchange]:
+    """An exchange with a raw upstream whose answer is only a 200 head with this
+    Transfer-Encoding: the body is the test's to feed, read by read (`UpstreamExchange.feed`,
+    what the transports call). Needs the C check (fails in CI without it)."""
     native_chunk_payload()
-    from sidecar.proxy.upstream import UpstreamPool
 
     async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        return True  # the body is fed below, read by read
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + transfer_encoding + b"\r\n\r\n")
+        return True
 
     async with RawUpstream(answer) as url:
         port = int(url.rsplit(":", 1)[1])
@@ -407,6 +410,16 @@ async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
         head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
         exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
         await exchange.response()
+        try:
+            yield exchange
+        finally:
+            pool.close_exchange(exchange)
+
+
+async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
+    """llhttp's own callbacks say when it is between chunks. A read that looks like a whole
+    chunk but is the middle of a larger one is body, and goes to llhttp."""
+    async with exchange_answered(b"chunked") as exchange:
         counting = _CountingParser(exchange._parser)
         exchange._parser = counting  # type: ignore[assignment]
         fed: list[bytes] = []
@@ -427,7 +440,6 @@ async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
             assert counting.fed == parser_reads
         await asyncio.wait_for(done, 5)
         assert b"".join(fed) == b"helloabc5\r\nhello\r\nabcdefxyz"
-        pool.close_exchange(exchange)
 
 
 async def test_a_body_whose_transfer_coding_does_not_end_in_chunked_stays_raw() -> None:
@@ -435,19 +447,7 @@ async def test_a_body_whose_transfer_coding_does_not_end_in_chunked_stays_raw() 
     connection's end, unframed (RFC 9112 6.3). The headers name "chunked", but only llhttp's
     own callbacks open the whole-chunk path, so bytes that look like chunks pass raw; and the
     connection's end is the body's end, not a response cut short."""
-    native_chunk_payload()
-    from sidecar.proxy.upstream import UpstreamPool
-
-    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n")
-        return True
-
-    async with RawUpstream(answer) as url:
-        port = int(url.rsplit(":", 1)[1])
-        pool = UpstreamPool(kernel_stamps=False)
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-        exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
-        await exchange.response()
+    async with exchange_answered(b"chunked, gzip") as exchange:
         fed: list[bytes] = []
         done = exchange.stream_body(lambda data, _at: fed.append(data))
         for read in (b"5\r\nhello\r\n", b"3\r\nabc\r\n", b"0\r\n\r\n"):
@@ -457,26 +457,13 @@ async def test_a_body_whose_transfer_coding_does_not_end_in_chunked_stays_raw() 
         exchange.connection_lost(None)  # the upstream closed: that was the body's end
         await asyncio.wait_for(done, 5)
         assert exchange.complete and not exchange.failed
-        pool.close_exchange(exchange)
 
 
 async def test_after_a_malformed_chunk_no_later_read_reaches_the_relay() -> None:
     """A read whose second chunk is malformed fails the exchange although llhttp had just
     said "between chunks" after its first; a whole chunk arriving after that (a read held for
     the same turn) is llhttp's to refuse, not the relay's to take."""
-    native_chunk_payload()
-    from sidecar.proxy.upstream import UpstreamError, UpstreamPool
-
-    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        return True
-
-    async with RawUpstream(answer) as url:
-        port = int(url.rsplit(":", 1)[1])
-        pool = UpstreamPool(kernel_stamps=False)
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-        exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
-        await exchange.response()
+    async with exchange_answered(b"chunked") as exchange:
         fed: list[bytes] = []
         done = exchange.stream_body(lambda data, _at: fed.append(data))
         exchange.feed(b"5\r\nhello\r\nzz\r\n", 0)  # a chunk, then a size that is no number
@@ -485,4 +472,3 @@ async def test_after_a_malformed_chunk_no_later_read_reaches_the_relay() -> None
         assert fed == []
         with pytest.raises(UpstreamError):
             await done
-        pool.close_exchange(exchange)
