@@ -3,35 +3,43 @@
     python benchmarks/request_instructions.py                   # ~1 minute
     python benchmarks/request_instructions.py --tree /tmp/before   # another tree, for an A/B
     python benchmarks/request_instructions.py --top 25          # and the C functions that cost
-    python benchmarks/request_instructions.py --profile         # Python functions, no valgrind
+    python benchmarks/request_instructions.py --opcodes         # Python bytecodes per function
+    python benchmarks/request_instructions.py --profile         # cProfile per function
     python benchmarks/request_instructions.py --smoke           # CI: the harness, no valgrind
 
 `meter_instructions.py` counts one read's path in one process; this counts everything the
 proxy's two processes execute per request, as users run them: ``sidecar proxy --workers 1``
 (its collector and one worker; health checks and engine scrapes off, periodic work that is not
-per request; each under ``valgrind --tool=callgrind``, counting switched on
-only for the measured windows) in front of the simulator, a streaming chat client in this
-process (not counted) sending N requests with C in flight, ``max_tokens`` tokens each. Each
-window's count is dumped with ``callgrind_control``, and
+per request; each under ``valgrind --tool=callgrind``, counting switched on only for the
+measured windows) in front of the simulator, a streaming chat client in this process (not
+counted) sending N requests with C in flight (4), ``max_tokens`` tokens each (32). Each window
+ends with one Prometheus scrape of the collector (what the histograms leave for the read is work
+per request too), and its count is dumped with ``callgrind_control``; then
 
     per request = (count(2N) - count(N) - idle rate x (seconds(2N) - seconds(N))) / N
 
 for each process: the idle rate (instructions per second with no traffic: timers, status
-frames, the stall probe) comes from a third window, and is taken out because the 2N window
-runs longer than the N one (and everything runs ~50x slower under callgrind than at speed). The
-worker's count holds the per-read path (``meter_instructions.py --scope read``, plus the
+frames, the stall probe) comes from a third window without a scrape, and is taken out because
+the 2N window runs longer than the N one (everything runs ~50x slower under callgrind than at
+speed); the scrape is a fixed cost of both traffic windows and cancels. Full collections are
+held off (``SIDECAR_GC_THRESHOLDS``: one falls in a window or not by chance), and the engine
+step is 10 ms, so that a worker slowed by callgrind still reads one event per read. So set, runs
+of one tree agree within 1.5-3.7 % (benchmarks/RESULTS.md, "Per request, counted").
+
+The worker's count holds the per-read path (``meter_instructions.py --scope read``, plus the
 receive) times the reads of a request, and everything done once per request: the request's
 parsing, routing, the upstream request, the role, finish and usage chunks (the general path),
 the record, its encoding and hand-off. The collector's is the record's decoding, the live window
 and Prometheus. Not counted: the kernel (syscalls, loopback TCP), which no relay escapes.
 
-``--profile``: no valgrind; each process runs under cProfile (a ``sitecustomize`` on its path)
-for the same two windows, and the Python functions are ranked by their own time per request
-(second window minus first, / N) with their calls per request. cProfile's own cost inflates
-small functions, so read the calls (exact) first and the times as a ranking.
+``--opcodes`` and ``--profile``: no valgrind; each process traces its main thread (a
+``sitecustomize`` on its path, switched per window by SIGUSR1/SIGUSR2) for the same two
+windows: the Python bytecodes each function executes per request (exact; the tracing slows the
+worker, hence the same 10 ms step), or cProfile's calls and own time per request (its own cost
+inflates small functions: read the calls first, the times as a ranking).
 
-User-space instructions are not time, but they are the same from run to run on a noisy host,
-and they predicted the end-to-end gains of the per-read work (RESULTS.md).
+``--tree``: the processes run in that directory (``python -m`` puts its working directory first
+on the path), with its C extensions built in place.
 """
 
 from __future__ import annotations
