@@ -378,37 +378,33 @@ class UpstreamExchange:
             # same turn, `ArrivalBatch`): not a connection to reuse.
             self.connection.abort()
             return
+        body: bytes | None = None
         if self._between_chunks and _chunk_payload is not None:
             # The read that makes up almost every read of a stream: one whole chunk, arriving
             # while llhttp is between chunks. Fed to it, it would hand over exactly this payload
             # and end where it began (`_tokenscan.chunk_payload` says why): taken here without
             # its three callbacks into Python.
             body = _chunk_payload(data)
-            if body is not None:
-                sink = self._sink
-                if sink is not None and not self._pending and not self.paused:
-                    sink(body, now_ns)
-                else:
-                    self._deliver(body, now_ns)
+        if body is None:
+            try:
+                parser.feed_data(data)
+            except UpstreamError as exc:
+                self._fail(exc)
                 return
-        try:
-            parser.feed_data(data)
-        except UpstreamError as exc:
-            self._fail(exc)
-            return
-        except httptools.HttpParserError as exc:
-            self._fail(
-                UpstreamError(
-                    f"the upstream sent a malformed HTTP response ({exc})",
-                    kind="protocol_error",
-                    before_response=not self._head.done(),
+            except httptools.HttpParserError as exc:
+                self._fail(
+                    UpstreamError(
+                        f"the upstream sent a malformed HTTP response ({exc})",
+                        kind="protocol_error",
+                        before_response=not self._head.done(),
+                    )
                 )
-            )
-            return
-        parts = self._parts
-        if parts:
-            body = parts[0] if len(parts) == 1 else b"".join(parts)
-            parts.clear()
+                return
+            parts = self._parts
+            if parts:
+                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                parts.clear()
+        if body is not None:
             sink = self._sink
             if sink is not None and not self._pending and not self.paused:
                 sink(body, now_ns)  # `_deliver`'s common case, inlined: this is per read
