@@ -57,7 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -129,17 +129,43 @@ def callgrind_control(*args: str) -> None:
 _TOTALS = re.compile(r"^totals:\s+(\d+)", re.M)
 
 
-def dumped_total(out_dir: Path, pid: int, before: set[Path]) -> tuple[int, Path]:
-    """The newest dump of ``pid`` not in ``before`` (its instruction total, its path)."""
+def fresh_file(
+    out_dir: Path, pattern: str, before: set[Path], ready: Callable[[Path], bool], what: str
+) -> Path:
+    """The first file matching ``pattern`` in ``out_dir``, not in ``before``, that is
+    ``ready``: what a process was just told to write (a minute at most)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        fresh = sorted(set(out_dir.glob(f"callgrind.{pid}*")) - before)
-        for path in fresh:
-            found = _TOTALS.search(path.read_text(errors="replace"))
-            if found:
-                return int(found.group(1)), path
-        time.sleep(0.2)
-    raise RuntimeError(f"callgrind wrote no dump for {pid}")
+        for path in sorted(set(out_dir.glob(pattern)) - before):
+            if ready(path):
+                return path
+        time.sleep(0.1)
+    raise RuntimeError(f"no {what} was written")
+
+
+def dumped_total(out_dir: Path, pid: int, before: set[Path]) -> tuple[int, Path]:
+    """The dump of ``pid`` not in ``before`` (its instruction total, its path), once callgrind
+    wrote it whole."""
+
+    def total(path: Path) -> re.Match[str] | None:
+        return _TOTALS.search(path.read_text(errors="replace"))
+
+    path = fresh_file(
+        out_dir, f"callgrind.{pid}*", before, lambda p: total(p) is not None, f"dump of {pid}"
+    )
+    found = total(path)
+    assert found is not None
+    return int(found.group(1)), path
+
+
+def traffic(url: str, n: int, concurrency: int, max_tokens: int, metrics_url: str | None) -> int:
+    """N requests, the time for their last records to reach the collector, then one scrape of
+    ``metrics_url`` (None: none): what every counted window holds. The events read."""
+    events = asyncio.run(stream_requests(url, n, concurrency, max_tokens))
+    time.sleep(1.0)
+    if metrics_url is not None:
+        asyncio.run(scrape(metrics_url))
+    return events
 
 
 class Window:
@@ -181,12 +207,9 @@ def window(
         callgrind_control("--instr=on", str(pid))
         started[name] = time.monotonic()
     if n:
-        result.events = asyncio.run(stream_requests(url, n, concurrency, max_tokens))
-        time.sleep(1.0)  # the last records reach the collector
+        result.events = traffic(url, n, concurrency, max_tokens, metrics_url)
     else:
         time.sleep(idle_s)
-    if metrics_url is not None:
-        asyncio.run(scrape(metrics_url))
     for name, pid in pids.items():
         callgrind_control("--instr=off", str(pid))
         result.seconds[name] = time.monotonic() - started[name]
@@ -225,6 +248,10 @@ def top_functions(first: Path, second: Path, n_requests: int, top: int) -> list[
 SITECUSTOMIZE = r"""
 import cProfile, collections, marshal, os, signal, sys
 _dumps = [0]
+def _part():
+    return os.path.join(os.environ["PROFILE_DIR"], f"part-{os.getpid()}")
+def _publish():  # the reader waits for the final name: it appears whole
+    os.replace(_part(), os.path.join(os.environ["PROFILE_DIR"], f"{os.getpid()}.{_dumps[0]}"))
 if os.environ.get("PROFILE_OPCODES"):
     # Bytecodes executed, by function (its own, not its callees'): exact, whatever the host.
     _counts = collections.Counter()
@@ -243,8 +270,9 @@ if os.environ.get("PROFILE_OPCODES"):
         _dumps[0] += 1
         table = {f"{os.path.basename(c.co_filename)}:{c.co_firstlineno}({c.co_name})": (n, 0.0)
                  for c, n in _counts.items()}
-        with open(os.path.join(os.environ["PROFILE_DIR"], f"{os.getpid()}.{_dumps[0]}"), "wb") as f:
+        with open(_part(), "wb") as f:
             marshal.dump(table, f)
+        _publish()
 else:
     _profile = cProfile.Profile()
     def _start(*_):
@@ -254,7 +282,8 @@ else:
     def _stop(*_):
         _profile.disable()
         _dumps[0] += 1
-        _profile.dump_stats(os.path.join(os.environ["PROFILE_DIR"], f"{os.getpid()}.{_dumps[0]}"))
+        _profile.dump_stats(_part())
+        _publish()
 signal.signal(signal.SIGUSR1, _start)
 signal.signal(signal.SIGUSR2, _stop)
 """
@@ -274,20 +303,13 @@ def profile_window(
     for pid in pids.values():
         os.kill(pid, signal.SIGUSR1)
     time.sleep(0.2)
-    asyncio.run(stream_requests(url, n, concurrency, max_tokens))
-    time.sleep(1.0)
-    asyncio.run(scrape(metrics_url))
+    traffic(url, n, concurrency, max_tokens, metrics_url)
     dumps: dict[str, Path] = {}
     for name, pid in pids.items():
         before = set(out_dir.glob(f"{pid}.*"))
         os.kill(pid, signal.SIGUSR2)
-        deadline = time.monotonic() + 30
-        while not (fresh := set(out_dir.glob(f"{pid}.*")) - before):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no profile from {pid}")
-            time.sleep(0.1)
-        time.sleep(0.3)  # written whole
-        dumps[name] = fresh.pop()
+        # Written under another name and renamed (SITECUSTOMIZE): there once it is whole.
+        dumps[name] = fresh_file(out_dir, f"{pid}.*", before, lambda _p: True, f"profile of {pid}")
     return dumps
 
 
