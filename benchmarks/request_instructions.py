@@ -364,8 +364,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="the simulator's engine step [10 under callgrind and with --opcodes, 2 otherwise]: "
         "long enough that a worker slowed ~50x by callgrind (more by --opcodes' tracing) reads "
-        "each event on its own, as it does at speed, instead of piling reads up by chance "
-        "(+-2 %% per request at 2 ms and C = 1, +-7 %% at C = 4)",
+        "each event on its own, as it does at speed, instead of piling reads up by chance",
     )
     parser.add_argument(
         "--idle-s", type=float, default=10.0, help="the idle window, no traffic [10 s]"
@@ -388,9 +387,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     sim_port, port, admin_port = free_port(), free_port(), free_port()
     tree = args.tree.resolve()
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    # No full collection in a window: one costs millions of instructions (it scans every live
-    # object) and falls in a window or not by chance (+-3 % per request at N = 100, measured);
-    # the young generations' collections, which do scale with requests, still run.
+    # No full collection in a window: one scans every live object, and falls in a window or
+    # not by chance; the young generations' collections, which do scale with requests, still
+    # run. (Runs with full collections allowed, at a 2 ms step and without the scrape, spread
+    # +-3 % at C = 1 and +-7 % at C = 4; which of the three did how much was not measured.)
     proxy_gc = {"SIDECAR_GC_THRESHOLDS": f"700,2,{10**9}"}
     if args.profile:
         (work / "site").mkdir()
