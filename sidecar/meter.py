@@ -291,6 +291,54 @@ class StreamMeter:
         self._between = parser.between_events
         return self._consume(events, now_ns)
 
+    def lane_settings(self) -> tuple[int, bool] | None:
+        """(the largest event, whether usage is cut out) for a C lane, when this meter may ever
+        have one: forwarding only, no text kept, no assembler (see `lane_start`)."""
+        if not self._lane:
+            return None
+        return self._max_event_bytes, self._strip
+
+    def lane_start(self) -> tuple[int, int] | None:
+        """(events the stream may still take, choice 0's cumulative count) when the C lane
+        (`_tokenscan.Lane`, armed by stream_relay.MeteredRead) may take reads for this meter:
+        in the state where `feed`'s own one-event lane would take them, with one column
+        (every event one token, choice 0, nothing carried) and a token seen; else None."""
+        if (
+            self._lane
+            and self._held is None
+            and self.fatal is None
+            and self._between
+            and self._counts is None
+            and self.choices is None
+            and self.offsets
+            and not self._closed
+        ):
+            last = self._counter.lane_state()
+            if last is not None and self.events < self._max_events:
+                return self._max_events - self.events, last
+        return None
+
+    def take_lane(
+        self,
+        up_offsets: bytes,
+        last_cumulative: int,
+        exact: bool,
+        usage: tuple[int, int, int] | None,
+    ) -> int:
+        """What the C lane counted since it was armed (`Lane.take`): its events' offsets (native
+        int64), choice 0's cumulative count after them, whether each carried usage, and the
+        last usage, (prompt, total, completion). Leaves the meter as `feed`'s one-event lane
+        would have. Returns the number of events."""
+        n_events = len(up_offsets) // 8
+        self.offsets.frombytes(up_offsets)
+        self.events += n_events
+        self._counter.take_lane(n_events, last_cumulative, exact)
+        if usage is not None:
+            prompt, total, completion = usage
+            self._usage = _new_tuple(Usage, (prompt, completion, total, None))
+            self._lane_usage = None
+        return n_events
+
     def _consume(self, events: list[SSEEvent], now_ns: int) -> tuple[bytes, int, int]:
         """What `feed` does with the events one read completed (see `feed`)."""
         forward = self._forward

@@ -173,7 +173,103 @@ result(long long index, int has_usage, long long prompt, long long total, long l
     return tuple;
 }
 
-static PyObject *scan_bytes(cursor start, cursor end);
+/* What `scan` finds in one token chunk (spans are offsets from its first byte). */
+struct token_chunk {
+    long long index;
+    int has_usage;
+    long long prompt, total, completion;
+    Py_ssize_t usage_start, usage_end, id_end, model_start, model_end;
+};
+
+/* The walk itself: 1 and ``out`` filled when [start, end) is one common token chunk, else 0. */
+static int
+scan_span(cursor start, cursor end, struct token_chunk *out)
+{
+    cursor p = start;
+    long long ignored;
+
+    out->has_usage = 0;
+    out->prompt = out->total = out->completion = 0;
+    out->usage_end = -1;
+    if (!LITERAL("data: {\"id\":\"") || !name(&p, end)) {
+        return 0;
+    }
+    out->id_end = p - start;
+    if (!LITERAL("\",\"object\":\"")) {
+        return 0;
+    }
+    if (!LITERAL("chat.completion.chunk") && !LITERAL("text_completion")) {
+        return 0;
+    }
+    if (!LITERAL("\",\"created\":") || !integer(&p, end, INT_DIGITS, &ignored)
+        || !LITERAL(",\"model\":\"")) {
+        return 0;
+    }
+    out->model_start = p - start;
+    if (!name(&p, end)) {
+        return 0;
+    }
+    out->model_end = p - start;
+    if (!LITERAL("\",\"choices\":[{\"index\":") || !integer(&p, end, INT_DIGITS, &out->index)
+        || !LITERAL(",")) {
+        return 0;
+    }
+    if (LITERAL("\"delta\":{\"content\":\"")) {
+        if (!text(&p, end)
+            || !LITERAL("\"},\"logprobs\":null,\"finish_reason\":null,\"token_ids\":null}]")) {
+            return 0;
+        }
+    }
+    else if (LITERAL("\"text\":\"")) {
+        if (!text(&p, end)
+            || !LITERAL("\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null,"
+                        "\"prompt_token_ids\":null,\"token_ids\":null")) {
+            return 0;
+        }
+        (void)LITERAL(",\"weight_versions\":null");
+        if (!LITERAL("}]")) {
+            return 0;
+        }
+    }
+    else {
+        return 0;
+    }
+    out->usage_start = p - start;
+    if (LITERAL(",\"usage\":{\"prompt_tokens\":")) {
+        if (!integer(&p, end, COUNT_DIGITS, &out->prompt) || !LITERAL(",\"total_tokens\":")
+            || !integer(&p, end, COUNT_DIGITS, &out->total)
+            || !LITERAL(",\"completion_tokens\":")
+            || !integer(&p, end, COUNT_DIGITS, &out->completion)) {
+            return 0;
+        }
+        (void)LITERAL(",\"completion_tokens_details\":null");
+        if (!LITERAL("}")) {
+            return 0;
+        }
+        out->usage_end = p - start;
+        out->has_usage = 1;
+    }
+    (void)LITERAL(",\"kv_transfer_params\":null");
+    if (!LITERAL("}\n\n") || p != end) {
+        return 0;
+    }
+    if (!out->has_usage) {
+        out->usage_start = -1;
+    }
+    return 1;
+}
+
+static PyObject *
+scan_bytes(cursor start, cursor end)
+{
+    struct token_chunk chunk;
+    if (!scan_span(start, end, &chunk)) {
+        Py_RETURN_NONE;
+    }
+    return result(chunk.index, chunk.has_usage, chunk.prompt, chunk.total, chunk.completion,
+                  chunk.usage_start, chunk.usage_end, chunk.id_end, chunk.model_start,
+                  chunk.model_end);
+}
 
 static PyObject *
 scan(PyObject *module, PyObject *arg)
@@ -190,83 +286,6 @@ scan(PyObject *module, PyObject *arg)
     PyObject *answer = scan_bytes((cursor)view.buf, (cursor)view.buf + view.len);
     PyBuffer_Release(&view);
     return answer;
-}
-
-static PyObject *
-scan_bytes(cursor start, cursor end)
-{
-    cursor p = start;
-    long long ignored, index, prompt = 0, total = 0, completion = 0;
-    Py_ssize_t id_end, model_start, model_end, usage_start, usage_end = -1;
-    int has_usage = 0;
-
-    if (!LITERAL("data: {\"id\":\"") || !name(&p, end)) {
-        Py_RETURN_NONE;
-    }
-    id_end = p - start;
-    if (!LITERAL("\",\"object\":\"")) {
-        Py_RETURN_NONE;
-    }
-    if (!LITERAL("chat.completion.chunk") && !LITERAL("text_completion")) {
-        Py_RETURN_NONE;
-    }
-    if (!LITERAL("\",\"created\":") || !integer(&p, end, INT_DIGITS, &ignored)
-        || !LITERAL(",\"model\":\"")) {
-        Py_RETURN_NONE;
-    }
-    model_start = p - start;
-    if (!name(&p, end)) {
-        Py_RETURN_NONE;
-    }
-    model_end = p - start;
-    if (!LITERAL("\",\"choices\":[{\"index\":") || !integer(&p, end, INT_DIGITS, &index)
-        || !LITERAL(",")) {
-        Py_RETURN_NONE;
-    }
-    if (LITERAL("\"delta\":{\"content\":\"")) {
-        if (!text(&p, end)
-            || !LITERAL("\"},\"logprobs\":null,\"finish_reason\":null,\"token_ids\":null}]")) {
-            Py_RETURN_NONE;
-        }
-    }
-    else if (LITERAL("\"text\":\"")) {
-        if (!text(&p, end)
-            || !LITERAL("\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null,"
-                        "\"prompt_token_ids\":null,\"token_ids\":null")) {
-            Py_RETURN_NONE;
-        }
-        (void)LITERAL(",\"weight_versions\":null");
-        if (!LITERAL("}]")) {
-            Py_RETURN_NONE;
-        }
-    }
-    else {
-        Py_RETURN_NONE;
-    }
-    usage_start = p - start;
-    if (LITERAL(",\"usage\":{\"prompt_tokens\":")) {
-        if (!integer(&p, end, COUNT_DIGITS, &prompt) || !LITERAL(",\"total_tokens\":")
-            || !integer(&p, end, COUNT_DIGITS, &total)
-            || !LITERAL(",\"completion_tokens\":")
-            || !integer(&p, end, COUNT_DIGITS, &completion)) {
-            Py_RETURN_NONE;
-        }
-        (void)LITERAL(",\"completion_tokens_details\":null");
-        if (!LITERAL("}")) {
-            Py_RETURN_NONE;
-        }
-        usage_end = p - start;
-        has_usage = 1;
-    }
-    (void)LITERAL(",\"kv_transfer_params\":null");
-    if (!LITERAL("}\n\n") || p != end) {
-        Py_RETURN_NONE;
-    }
-    if (!has_usage) {
-        usage_start = -1;
-    }
-    return result(index, has_usage, prompt, total, completion, usage_start, usage_end, id_end,
-                  model_start, model_end);
 }
 
 /* cut(data, start, end) -> data without data[start:end], in one copy (the slices and their
@@ -303,9 +322,40 @@ cut(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* One whole HTTP/1.1 chunk at *p as uvicorn (h11) writes them, `<size in hex>\r\n<payload>\r\n`,
+ * with a size > 0 of at most 8 digits, no leading zero and no extension: 1, its payload's span,
+ * and *p past it; else 0 (*p unmoved). */
+static int
+chunk_span(cursor *at, cursor end, cursor *payload, size_t *payload_size)
+{
+    cursor p = *at;
+    if (p == end || *p == '0') {
+        return 0; /* empty, the last chunk, or leading zeros */
+    }
+    size_t size = 0;
+    int digits = 0;
+    while (p < end && is_hex(*p)) {
+        if (++digits > 8) {
+            return 0;
+        }
+        unsigned char c = *p++;
+        size = size * 16 + (size_t)(c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10);
+    }
+    if (digits == 0 || end - p < 2 || p[0] != '\r' || p[1] != '\n') {
+        return 0;
+    }
+    p += 2;
+    if ((size_t)(end - p) < size + 2 || p[size] != '\r' || p[size + 1] != '\n') {
+        return 0;
+    }
+    *payload = p;
+    *payload_size = size;
+    *at = p + size + 2;
+    return 1;
+}
+
 /* chunk_payload(read) -> bytes | None: the payload of ``read`` when the read is exactly one
- * whole HTTP/1.1 chunk as uvicorn (h11) writes them, `<size in hex>\r\n<payload>\r\n`, with a
- * size > 0 of at most 8 digits, no leading zero, no extension and nothing after it; else None.
+ * whole HTTP/1.1 chunk (`chunk_span`'s shape) and nothing after it; else None.
  *
  * Not a parser of the chunked coding (llhttp, through httptools, stays that): the caller asks
  * only when llhttp itself said it is between chunks (its on_chunk_complete), and a read that
@@ -322,27 +372,432 @@ chunk_payload(PyObject *module, PyObject *arg)
     }
     cursor p = (cursor)PyBytes_AS_STRING(arg);
     cursor end = p + PyBytes_GET_SIZE(arg);
-    if (p == end || *p == '0') {
-        Py_RETURN_NONE; /* empty, the last chunk, or leading zeros */
-    }
-    size_t size = 0;
-    int digits = 0;
-    while (p < end && is_hex(*p)) {
-        if (++digits > 8) {
-            Py_RETURN_NONE;
-        }
-        unsigned char c = *p++;
-        size = size * 16 + (size_t)(c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10);
-    }
-    if (digits == 0 || end - p < 2 || p[0] != '\r' || p[1] != '\n') {
+    cursor payload;
+    size_t size;
+    if (!chunk_span(&p, end, &payload, &size) || p != end) {
         Py_RETURN_NONE;
     }
-    p += 2;
-    if ((size_t)(end - p) != size + 2 || p[size] != '\r' || p[size + 1] != '\n') {
-        Py_RETURN_NONE;
-    }
-    return PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)size);
+    return PyBytes_FromStringAndSize((const char *)payload, (Py_ssize_t)size);
 }
+
+/* -- Lane: the whole per-read path of a stream's common read, in one call ------------------
+ *
+ * Lane(write, buffer_size, is_closing, on_full, timeouts, origin_ns, high_water,
+ *      max_event_bytes, strip)
+ *
+ * The read that makes up almost every read of a streamed answer is one or a few whole HTTP
+ * chunks, each exactly one common token event of choice 0 carrying one token. In Python it
+ * went through ten frames (the connection, the exchange, the relay's callback, the meter, the
+ * token counter, the client's framing, the builder's stamps: ~390 bytecodes per read,
+ * benchmarks/request_instructions.py). `relay` does all of it for such a read: the chunk and
+ * token-chunk checks, the token count, the server-side stamp, the usage the proxy asked for cut
+ * back out, the client's chunk framing and write, the client-side stamp, the idle timeout's
+ * read instant and the back-pressure check. It keeps what it counted here, and the Python
+ * measuring core takes it (`take`) before it handles any read itself or ends the stream.
+ *
+ * It never decides anything the Python path would decide differently: a read it does not take
+ * whole (another shape, another choice, a count other than one token, the stream's event
+ * limit, a client that is going) is left untouched for the Python path (False), and the caller
+ * arms it (`arm`) only in the state where the Python path's own one-event lane would run
+ * (stream_relay.MeteredRead says when). tests/test_lane.py holds the two paths to the same
+ * client bytes and the same records.
+ *
+ * write / buffer_size / is_closing: the client transport's bound methods; on_full(): called
+ * once the client's buffer holds more than high_water bytes (the relay pauses the upstream),
+ * after which the lane is disarmed; timeouts: its `last_ns` is set to each taken read's
+ * instant; origin_ns: the request's arrival (every offset is from it). All instants are
+ * CLOCK_MONOTONIC nanoseconds, the clock of clock.monotonic_ns (time.perf_counter_ns on Linux).
+ */
+
+#include <time.h>
+
+#define LANE_MAX_CHUNKS 64 /* per read; more goes to the Python path */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *write;
+    PyObject *buffer_size;
+    PyObject *is_closing;
+    PyObject *on_full;
+    PyObject *timeouts;
+    long long origin_ns;
+    long long high_water;
+    Py_ssize_t max_event_bytes;
+    int strip;
+    int armed;
+    long long events_left;     /* events the stream may still take, from `arm` */
+    long long last_cumulative; /* choice 0's completion tokens so far, from `arm` */
+    /* Counted since the last `take`: */
+    long long *up;   /* server-side offsets, one per event */
+    long long *down; /* client-side offsets, one per event */
+    Py_ssize_t pending;
+    Py_ssize_t capacity;
+    int inexact; /* an event without usage (one token counted for it) */
+    int has_usage;
+    long long prompt, total, completion; /* the last usage seen */
+} Lane;
+
+static PyObject *last_ns_name; /* "last_ns", interned at import */
+
+static long long
+monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+static int
+lane_traverse(Lane *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->write);
+    Py_VISIT(self->buffer_size);
+    Py_VISIT(self->is_closing);
+    Py_VISIT(self->on_full);
+    Py_VISIT(self->timeouts);
+    return 0;
+}
+
+static int
+lane_clear(Lane *self)
+{
+    self->armed = 0;
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->buffer_size);
+    Py_CLEAR(self->is_closing);
+    Py_CLEAR(self->on_full);
+    Py_CLEAR(self->timeouts);
+    return 0;
+}
+
+static void
+lane_dealloc(Lane *self)
+{
+    PyObject_GC_UnTrack(self);
+    lane_clear(self);
+    PyMem_Free(self->up);
+    PyMem_Free(self->down);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"write", "buffer_size", "is_closing", "on_full", "timeouts",
+                            "origin_ns", "high_water", "max_event_bytes", "strip", NULL};
+    PyObject *write, *buffer_size, *is_closing, *on_full, *timeouts;
+    long long origin_ns, high_water;
+    Py_ssize_t max_event_bytes;
+    int strip;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOLLnp:Lane", names, &write,
+                                     &buffer_size, &is_closing, &on_full, &timeouts, &origin_ns,
+                                     &high_water, &max_event_bytes, &strip)) {
+        return NULL;
+    }
+    Lane *self = (Lane *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->write = Py_NewRef(write);
+    self->buffer_size = Py_NewRef(buffer_size);
+    self->is_closing = Py_NewRef(is_closing);
+    self->on_full = Py_NewRef(on_full);
+    self->timeouts = Py_NewRef(timeouts);
+    self->origin_ns = origin_ns;
+    self->high_water = high_water;
+    self->max_event_bytes = max_event_bytes;
+    self->strip = strip;
+    return (PyObject *)self;
+}
+
+/* Room for ``more`` events beyond those pending. */
+static int
+lane_reserve(Lane *self, Py_ssize_t more)
+{
+    if (self->pending + more <= self->capacity) {
+        return 0;
+    }
+    Py_ssize_t capacity = self->capacity ? self->capacity : 64;
+    while (capacity < self->pending + more) {
+        capacity *= 2;
+    }
+    long long *up = PyMem_Realloc(self->up, (size_t)capacity * sizeof(long long));
+    if (up == NULL) {
+        return -1;
+    }
+    self->up = up;
+    long long *down = PyMem_Realloc(self->down, (size_t)capacity * sizeof(long long));
+    if (down == NULL) {
+        return -1;
+    }
+    self->down = down;
+    self->capacity = capacity;
+    return 0;
+}
+
+/* relay(read, at_ns) -> bool: the read taken whole (True), or left untouched for the Python
+ * path (False). ``at_ns``: the read's instant (the kernel's receive stamp). */
+static PyObject *
+lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "relay() takes (bytes, at_ns)");
+        return NULL;
+    }
+    if (!self->armed) {
+        Py_RETURN_FALSE;
+    }
+    long long at_ns = PyLong_AsLongLong(args[1]);
+    if (at_ns == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    cursor p = (cursor)PyBytes_AS_STRING(args[0]);
+    cursor end = p + PyBytes_GET_SIZE(args[0]);
+    cursor payloads[LANE_MAX_CHUNKS];
+    size_t sizes[LANE_MAX_CHUNKS];
+    struct token_chunk chunks[LANE_MAX_CHUNKS];
+    int n = 0;
+    size_t out_size = 0;
+    long long last = self->last_cumulative;
+    /* Every check first: a read is taken whole or not at all. */
+    while (p < end) {
+        if (n == LANE_MAX_CHUNKS || !chunk_span(&p, end, &payloads[n], &sizes[n])
+            || sizes[n] > (size_t)self->max_event_bytes
+            || !scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n])
+            || chunks[n].index != 0) {
+            Py_RETURN_FALSE;
+        }
+        struct token_chunk *chunk = &chunks[n];
+        if (chunk->has_usage) {
+            if (chunk->completion != last + 1) {
+                Py_RETURN_FALSE; /* not one token: the Python path notes the count */
+            }
+            last = chunk->completion;
+            if (self->strip) {
+                out_size -= (size_t)(chunk->usage_end - chunk->usage_start);
+            }
+        }
+        else {
+            last += 1;
+        }
+        out_size += sizes[n];
+        n++;
+    }
+    if (n == 0 || self->pending + n > self->events_left) {
+        Py_RETURN_FALSE;
+    }
+    PyObject *closing = PyObject_CallNoArgs(self->is_closing);
+    if (closing == NULL) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    int gone = PyObject_IsTrue(closing);
+    Py_DECREF(closing);
+    if (gone != 0) { /* gone, or cannot tell: the Python path finds out and says so */
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    if (lane_reserve(self, n) < 0) {
+        Py_RETURN_FALSE; /* no memory now: the Python path will fail the read if it must */
+    }
+    long long read_ns = monotonic_ns();
+    /* The client's chunk: `<size in hex>\r\n<payloads>\r\n`, as ClientExchange.write frames. */
+    char head[24];
+    int head_size = snprintf(head, sizeof head, "%zx\r\n", out_size);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(head_size + out_size + 2));
+    if (out == NULL) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    char *to = PyBytes_AS_STRING(out);
+    memcpy(to, head, (size_t)head_size);
+    to += head_size;
+    for (int i = 0; i < n; i++) {
+        struct token_chunk *chunk = &chunks[i];
+        if (chunk->has_usage && self->strip) {
+            size_t before = (size_t)chunk->usage_start;
+            size_t after = sizes[i] - (size_t)chunk->usage_end;
+            memcpy(to, payloads[i], before);
+            memcpy(to + before, payloads[i] + chunk->usage_end, after);
+            to += before + after;
+        }
+        else {
+            memcpy(to, payloads[i], sizes[i]);
+            to += sizes[i];
+        }
+    }
+    to[0] = '\r';
+    to[1] = '\n';
+    PyObject *written = PyObject_CallOneArg(self->write, out);
+    Py_DECREF(out);
+    if (written == NULL) {
+        PyErr_Clear();
+        Py_RETURN_FALSE; /* nothing counted: the Python path writes again and meets it */
+    }
+    Py_DECREF(written);
+    long long down_ns = monotonic_ns() - self->origin_ns;
+    /* Committed: the read is this lane's. */
+    long long up_ns = at_ns - self->origin_ns;
+    for (int i = 0; i < n; i++) {
+        self->up[self->pending] = up_ns;
+        self->down[self->pending] = down_ns;
+        self->pending++;
+        struct token_chunk *chunk = &chunks[i];
+        if (chunk->has_usage) {
+            self->has_usage = 1;
+            self->prompt = chunk->prompt;
+            self->total = chunk->total;
+            self->completion = chunk->completion;
+        }
+        else {
+            self->inexact = 1;
+        }
+    }
+    self->last_cumulative = last;
+    PyObject *instant = PyLong_FromLongLong(read_ns);
+    if (instant == NULL || PyObject_SetAttr(self->timeouts, last_ns_name, instant) < 0) {
+        Py_XDECREF(instant);
+        return NULL;
+    }
+    Py_DECREF(instant);
+    PyObject *held = PyObject_CallNoArgs(self->buffer_size);
+    if (held == NULL) {
+        return NULL;
+    }
+    long long held_bytes = PyLong_AsLongLong(held);
+    Py_DECREF(held);
+    if (held_bytes == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (held_bytes > self->high_water) {
+        self->armed = 0; /* the upstream pauses; the Python path takes the reads after */
+        PyObject *paused = PyObject_CallNoArgs(self->on_full);
+        if (paused == NULL) {
+            return NULL;
+        }
+        Py_DECREF(paused);
+    }
+    Py_RETURN_TRUE;
+}
+
+/* arm(events_left, last_cumulative): take reads from now on; the stream may take
+ * ``events_left`` more events, and choice 0 has had ``last_cumulative`` completion tokens. */
+static PyObject *
+lane_arm(Lane *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "arm() takes (events_left, last_cumulative)");
+        return NULL;
+    }
+    long long events_left = PyLong_AsLongLong(args[0]);
+    if (events_left == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    long long last = PyLong_AsLongLong(args[1]);
+    if (last == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (self->write == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "arm(): the lane is closed");
+        return NULL;
+    }
+    self->events_left = events_left + self->pending;
+    self->last_cumulative = last;
+    self->armed = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+bytes_of(const long long *values, Py_ssize_t n)
+{
+    return PyBytes_FromStringAndSize((const char *)values, n * (Py_ssize_t)sizeof(long long));
+}
+
+/* take() -> None | (up: bytes, down: bytes, last_cumulative, exact, usage): disarms the lane
+ * and hands over what it counted since the last take (None: nothing). ``up`` and ``down`` are
+ * the events' offsets as native int64 (array('q').frombytes); ``exact``: every event carried
+ * usage; ``usage``: the last usage seen, (prompt, total, completion), or None. */
+static PyObject *
+lane_take(Lane *self, PyObject *unused)
+{
+    (void)unused;
+    self->armed = 0;
+    if (self->pending == 0) {
+        Py_RETURN_NONE;
+    }
+    PyObject *up = bytes_of(self->up, self->pending);
+    PyObject *down = bytes_of(self->down, self->pending);
+    PyObject *usage = self->has_usage
+                          ? Py_BuildValue("(LLL)", self->prompt, self->total, self->completion)
+                          : Py_NewRef(Py_None);
+    PyObject *answer = NULL;
+    if (up != NULL && down != NULL && usage != NULL) {
+        answer = Py_BuildValue("(OOLOO)", up, down, self->last_cumulative,
+                               self->inexact ? Py_False : Py_True, usage);
+    }
+    Py_XDECREF(up);
+    Py_XDECREF(down);
+    Py_XDECREF(usage);
+    if (answer != NULL) {
+        self->pending = 0;
+        self->inexact = 0;
+        self->has_usage = 0;
+    }
+    return answer;
+}
+
+/* close(): disarmed for good, its references let go (what it counted must have been taken). */
+static PyObject *
+lane_close(Lane *self, PyObject *unused)
+{
+    (void)unused;
+    lane_clear(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+lane_get_armed(Lane *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->armed);
+}
+
+static PyObject *
+lane_get_pending(Lane *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSsize_t(self->pending);
+}
+
+static PyMethodDef lane_methods[] = {
+    {"relay", (PyCFunction)(void (*)(void))lane_relay, METH_FASTCALL,
+     "relay(read, at_ns) -> bool: the read taken whole, or left untouched (False)."},
+    {"arm", (PyCFunction)(void (*)(void))lane_arm, METH_FASTCALL,
+     "arm(events_left, last_cumulative): take reads from now on."},
+    {"take", (PyCFunction)lane_take, METH_NOARGS,
+     "take() -> None | (up, down, last_cumulative, exact, usage): disarm, hand over the counts."},
+    {"close", (PyCFunction)lane_close, METH_NOARGS, "close(): disarmed for good."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef lane_getset[] = {
+    {"armed", (getter)lane_get_armed, NULL, "Whether `relay` takes reads.", NULL},
+    {"pending", (getter)lane_get_pending, NULL, "Events counted since the last `take`.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "sidecar.protocol._tokenscan.Lane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The per-read path of a stream's common read, in one call (see _tokenscan.c).",
+    .tp_new = lane_new,
+    .tp_dealloc = (destructor)lane_dealloc,
+    .tp_traverse = (traverseproc)lane_traverse,
+    .tp_clear = (inquiry)lane_clear,
+    .tp_methods = lane_methods,
+    .tp_getset = lane_getset,
+};
 
 static PyMethodDef methods[] = {
     {"chunk_payload", chunk_payload, METH_O,
@@ -371,5 +826,20 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__tokenscan(void)
 {
-    return PyModule_Create(&module_def);
+    if (PyType_Ready(&LaneType) < 0) {
+        return NULL;
+    }
+    last_ns_name = PyUnicode_InternFromString("last_ns");
+    if (last_ns_name == NULL) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -421,6 +421,21 @@ class TokenCounter:
             self._carry[key] = self._carry.get(key, 0) + cumulative - last
         return 0
 
+    def lane_state(self) -> int | None:
+        """Choice 0's cumulative count so far, when the C lane (`_tokenscan.Lane`) may count on
+        from it: nothing is carried, and no other choice has counted; else None."""
+        if self._carry or (self._last and self._last.keys() != {0}):
+            return None
+        return self._last.get(0, 0)
+
+    def take_lane(self, n_events: int, last_cumulative: int, exact: bool) -> None:
+        """``n_events`` token events of choice 0 the C lane counted, one token each (it takes no
+        other), ending at ``last_cumulative``: what `token_event` would have left."""
+        self._last[0] = last_cumulative
+        self.total += n_events
+        if not exact:
+            self._exact = False
+
     def token_event(self, key: int | None, cumulative: int | None) -> int:
         """`observe` for a TOKEN event of choice ``key`` whose usage says ``cumulative``
         completion tokens (None: no usage on it). Called as is by the meter's one-event lane,

@@ -108,6 +108,12 @@ class RecordBuilder:
         else:
             self._down_offsets.extend([offset] * count)
 
+    def client_token_offsets(self, offsets: bytes) -> None:
+        """Token events that left one per event, at these offsets (native int64; the C lane's
+        client-side stamps, `Lane.take`)."""
+        self._down_offsets.frombytes(offsets)
+        self.down_events += len(offsets) // 8
+
     def take_stream(self, meter: StreamMeter) -> None:
         """What the measuring core counted on the upstream stream: the server-side stamps and
         token column, the token totals, finish reason, engine timing and the first failure.

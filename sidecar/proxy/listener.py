@@ -151,6 +151,12 @@ class ClientExchange:
         return transport.get_write_buffer_size() if transport is not None else 0
 
     @property
+    def frames_chunks(self) -> bool:
+        """A body write now is exactly one chunk, `<size>\\r\\n<data>\\r\\n`, and nothing else
+        (chunked framing, no held head): what the C lane writes in `write`'s stead."""
+        return self._chunked and self._held_head is None and not self.finished
+
+    @property
     def client_gone(self) -> bool:
         transport = self.connection.transport
         return transport is None or transport.is_closing()

@@ -152,6 +152,7 @@ class StampedTransport:
         "_closed",
         "_last_ns",
         "unstamped_reads",
+        "lane",
     )
 
     def __init__(
@@ -174,6 +175,9 @@ class StampedTransport:
         self._closed = False
         self._last_ns = 0
         self.unstamped_reads = 0  # reads that came without the kernel's stamp: stamped when read
+        # The C lane of the stream this connection carries now (`_tokenscan.Lane`, set and
+        # cleared by stream_relay.MeteredRead): offered each read before the protocol.
+        self.lane: Any = None
         protocol.connection_made(self)
         self.resume_reading()
 
@@ -210,7 +214,10 @@ class StampedTransport:
             self.unstamped_reads += 1
             read.unstamped_reads += 1
         self._last_ns = at_ns
+        lane = self.lane
         try:
+            if lane is not None and lane.relay(data, at_ns):
+                return  # taken whole: parsed, counted, stamped and written to the client
             self._protocol.data_received_at(data, at_ns)
         except Exception as exc:
             # As uvloop's transports do: a protocol that failed on a read ends its connection

@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from sidecar import clock
 from sidecar.meter import StreamMeter
 from sidecar.proxy.builder import RecordBuilder
 from sidecar.proxy.listener import WRITE_HIGH_WATER, ClientExchange
+from sidecar.proxy.rxstamp import StampedTransport
 from sidecar.proxy.timeouts import NEVER, Timeouts
 from sidecar.proxy.upstream import UpstreamError, UpstreamExchange
+
+# The C lane (`_tokenscan.Lane`): the whole per-read path of a stream's common read in one call,
+# where the package was built with it. SIDECAR_C_LANE=off leaves every read to the Python path
+# (what the lane must agree with: tests/test_lane.py; an A/B of the two in the benchmarks).
+LaneType: type[Lane] | None
+try:
+    from sidecar.protocol._tokenscan import Lane
+
+    LaneType = Lane
+except ImportError:  # built without a C compiler: the Python path takes every read
+    LaneType = None
+if os.environ.get("SIDECAR_C_LANE", "on") == "off":
+    LaneType = None
 
 
 class MeteredRead:
@@ -26,7 +41,16 @@ class MeteredRead:
     for its whole life, and this is ~0.8 KiB smaller per stream (tracemalloc).
     """
 
-    __slots__ = ("upstream", "meter", "builder", "timeouts", "exchange", "trouble", "ended")
+    __slots__ = (
+        "upstream",
+        "meter",
+        "builder",
+        "timeouts",
+        "exchange",
+        "trouble",
+        "ended",
+        "lane",
+    )
 
     def __init__(
         self,
@@ -43,8 +67,17 @@ class MeteredRead:
         self.exchange = exchange
         self.trouble: BaseException | None = None  # what went wrong inside the callback
         self.ended = False  # the meter was closed in the callback (`_end_in_read`)
+        # The C lane, when this stream may have one (`start`): armed after a read of the
+        # Python path left the stream in the state it takes reads in, it takes the common read
+        # whole in the upstream transport's callback (`rxstamp.StampedTransport`) instead of
+        # `on_read`; what it counted comes back (`_take_lane`) before the Python path handles
+        # any read or ends the stream.
+        self.lane: Lane | None = None
 
     def on_read(self, data: bytes, t_up: int) -> None:
+        lane = self.lane
+        if lane is not None:
+            self._take_lane(lane)
         timeouts = self.timeouts
         # The idle deadline counts from when the proxy got to the read, not from ``t_up``
         # (the kernel's arrival stamp): a loop that fell behind must not time out a stream
@@ -69,6 +102,8 @@ class MeteredRead:
                 self._deliver(out, n_events, n_token_events)
             if meter.fatal is not None:
                 self.upstream.connection.abort()  # stop reading; `end` raises the failure
+            elif lane is not None:
+                self._arm_lane(lane)
         except BaseException as exc:  # never let a failure escape into the transport
             if self.trouble is None:
                 self.trouble = exc
@@ -109,6 +144,68 @@ class MeteredRead:
         if n_token_events:
             builder.client_token_writes(clock.monotonic_ns(), n_token_events)
 
+    def _arm_lane(self, lane: Lane) -> None:
+        """Let the C lane take the next reads, when the stream is where it can: the upstream
+        between whole chunks and read straight to us, the client framed chunk by chunk with
+        nothing held, the first token in (no TTFT deadline to clear) and the meter where its
+        own one-event lane would take a read (`StreamMeter.lane_start`)."""
+        exchange = self.exchange
+        if (
+            self.trouble is None
+            and exchange is not None
+            and exchange.frames_chunks
+            and self.timeouts.ttft_at == NEVER
+            and self.upstream.between_whole_chunks
+        ):
+            start = self.meter.lane_start()
+            if start is not None:
+                lane.arm(*start)
+
+    def _take_lane(self, lane: Lane) -> None:
+        """Disarm the C lane and give the meter and the builder what it counted meanwhile."""
+        taken = lane.take()
+        if taken is not None:
+            up, down, last_cumulative, exact, usage = taken
+            self.meter.take_lane(up, last_cumulative, exact, usage)
+            self.builder.client_token_offsets(down)
+
+    def _client_full(self) -> None:
+        """The C lane's write left more than the high-water mark in the client's buffer: what
+        `_deliver` does then (the lane has disarmed itself)."""
+        exchange = self.exchange
+        assert exchange is not None
+        self.upstream.pause()
+        exchange.connection.when_writable(self.upstream.resume)
+
+    def _open_lane(self, exchange: ClientExchange) -> None:
+        """The C lane for this stream, when it may have one: the package built with it, an
+        upstream read by `StampedTransport` (TLS and ``--server-stamps read`` are not), and a
+        meter that only forwards and counts."""
+        upstream_transport = self.upstream.connection.transport
+        client = exchange.connection.transport
+        settings = self.meter.lane_settings()
+        if (
+            LaneType is None
+            or settings is None
+            or client is None
+            or not isinstance(upstream_transport, StampedTransport)
+        ):
+            return
+        max_event_bytes, strip = settings
+        self.lane = LaneType(
+            client.write,
+            client.get_write_buffer_size,
+            client.is_closing,
+            self._client_full,
+            self.timeouts,
+            self.meter.origin_ns,
+            WRITE_HIGH_WATER,
+            max_event_bytes,
+            strip,
+        )
+        upstream_transport.lane = self.lane
+        self._arm_lane(self.lane)
+
     def start(self) -> asyncio.Future[None]:
         """Hand the upstream's reads to `on_read` (those already here first) and release the
         client's held head; returns the future of the body's end, for the caller to await and
@@ -119,6 +216,8 @@ class MeteredRead:
         if self.exchange is not None:
             # Its head was held for them (`ClientExchange.start`), and waits no longer.
             self.exchange.flush()
+            if not done.done():
+                self._open_lane(self.exchange)
         return done
 
     def end(self, failure: UpstreamError | None) -> None:
@@ -126,6 +225,8 @@ class MeteredRead:
         Raises a failure of our own making (a read's trouble) or the upstream's; else closes
         the meter (a stream cut short sets ``meter.fatal``) and forwards what it still held."""
         meter = self.meter
+        if self.lane is not None:
+            self._take_lane(self.lane)
         if failure is not None and not (self.trouble is not None or meter.fatal is not None):
             raise failure  # otherwise we aborted the upstream ourselves: the cause is below
         if self.trouble is not None:
@@ -141,6 +242,16 @@ class MeteredRead:
     def settle(self) -> None:
         """However the stream ended (`end` raised, the caller was cancelled): the builder
         takes what the meter counted."""
+        lane = self.lane
+        if lane is not None:
+            self.lane = None
+            try:
+                self._take_lane(lane)
+            finally:
+                lane.close()  # its references (this object among them) let go
+                transport = self.upstream.connection.transport
+                if isinstance(transport, StampedTransport) and transport.lane is lane:
+                    transport.lane = None
         self.builder.take_stream(self.meter)
         # Not kept once raised (or overtaken by a cancellation): its traceback holds
         # `on_read`'s frame, which holds this object, a cycle around the whole request that

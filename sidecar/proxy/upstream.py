@@ -478,6 +478,18 @@ class UpstreamExchange:
         await self._head
 
     @property
+    def between_whole_chunks(self) -> bool:
+        """The body is chunked, llhttp is between two chunks, and a read now goes straight to
+        the sink: a whole chunk read now may bypass the parser (`feed`; the C lane)."""
+        return (
+            self._between_chunks
+            and not self.complete
+            and not self.paused
+            and not self._pending
+            and self._sink is not None
+        )
+
+    @property
     def last_read(self) -> bool:
         """True inside the sink's call for the body's last read: the body ended, and no read
         that arrived earlier is still waiting to be handed over (`stream_body`)."""

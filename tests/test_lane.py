@@ -1,0 +1,310 @@
+"""The C lane (`_tokenscan.Lane`): a stream's common read taken whole in one call.
+
+Two parts. The lane on its own, fed vLLM's chunk bytes: what it takes, what it writes, what it
+hands back, and every read it must leave untouched for the Python path. Then the proxy in front
+of the simulator, the same requests with the lane on and off (`stream_relay.LaneType`): the
+client's bytes and the records must be the same, and the lane must have taken most reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from array import array
+from typing import Any
+
+import aiohttp
+import pytest
+from proxy_stack import stack
+from vllm_chunks import CHAT_HELLO, COMPLETION_HELLO
+
+from sidecar import clock
+from sidecar.proxy import stream_relay
+from sidecar.record import RequestRecord
+
+try:
+    from sidecar.protocol._tokenscan import Lane
+except ImportError:  # pragma: no cover - the package is built with its C modules in CI
+    pytest.skip("the C lane is not built", allow_module_level=True)
+
+ORIGIN = 1_000_000
+HIGH_WATER = 64 * 1024
+
+
+def event(chunk: str, completion: int | None = None, prompt: int = 12) -> bytes:
+    """One SSE event of ``chunk`` (a vLLM token chunk), with vLLM's continuous usage when
+    ``completion`` is given (its place in vLLM's member order: before kv_transfer_params)."""
+    if completion is not None:
+        usage = (
+            f',"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
+            f'"completion_tokens":{completion}}}'
+        )
+        chunk = chunk.replace(',"kv_transfer_params":null}', usage + ',"kv_transfer_params":null}')
+    return b"data: " + chunk.encode() + b"\n\n"
+
+
+def usage_cut(data: bytes) -> bytes:
+    return re.sub(rb',"usage":\{[^}]*\}', b"", data)
+
+
+def chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(payload), payload)
+
+
+class Timeouts:
+    def __init__(self) -> None:
+        self.last_ns = 0
+
+
+class Client:
+    """The client transport's three methods the lane calls, recorded."""
+
+    def __init__(self, held: int = 0, closing: bool = False) -> None:
+        self.writes: list[bytes] = []
+        self.held = held
+        self.closing = closing
+        self.full_calls = 0
+        self.fail_write = False
+
+    def write(self, data: bytes) -> None:
+        if self.fail_write:
+            raise RuntimeError("write failed")
+        self.writes.append(data)
+
+    def buffer_size(self) -> int:
+        return self.held
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def on_full(self) -> None:
+        self.full_calls += 1
+
+
+def new_lane(
+    client: Client, timeouts: Timeouts | None = None, strip: bool = True, max_event: int = 1 << 20
+) -> Lane:
+    return Lane(
+        client.write,
+        client.buffer_size,
+        client.is_closing,
+        client.on_full,
+        timeouts or Timeouts(),
+        ORIGIN,
+        HIGH_WATER,
+        max_event,
+        strip,
+    )
+
+
+def offsets(raw: bytes) -> list[int]:
+    values = array("q")
+    values.frombytes(raw)
+    return values.tolist()
+
+
+def test_a_token_chunk_is_counted_stamped_cut_and_written_as_one_client_chunk() -> None:
+    client, timeouts = Client(), Timeouts()
+    lane = new_lane(client, timeouts)
+    lane.arm(100, 4)
+    first, second = event(CHAT_HELLO, 5), event(COMPLETION_HELLO, 6)
+    before = clock.monotonic_ns()
+    assert lane.relay(chunk(first), ORIGIN + 500)
+    assert lane.relay(chunk(second), ORIGIN + 900)
+    after = clock.monotonic_ns()
+    # The usage the proxy asked for is cut back out, and each read leaves as one chunk.
+    assert client.writes == [chunk(usage_cut(first)), chunk(usage_cut(second))]
+    assert before <= timeouts.last_ns <= after  # the idle timeout's read instant
+    taken = lane.take()
+    assert taken is not None
+    up, down, last, exact, usage = taken
+    assert offsets(up) == [500, 900]
+    assert all(before - ORIGIN <= d <= after - ORIGIN for d in offsets(down))
+    assert (last, exact, usage) == (6, True, (12, 18, 6))
+    assert not lane.armed and lane.take() is None  # taking disarms; nothing counted twice
+
+
+def test_several_whole_chunks_in_one_read_leave_as_one_client_chunk() -> None:
+    client = Client()
+    lane = new_lane(client, strip=False)
+    lane.arm(100, 0)
+    events = [event(CHAT_HELLO, n) for n in (1, 2, 3)]
+    assert lane.relay(b"".join(chunk(e) for e in events), ORIGIN + 7)
+    assert client.writes == [chunk(b"".join(events))]  # kept whole: not asked to strip
+    taken = lane.take()
+    assert taken is not None and offsets(taken[0]) == [7, 7, 7] and taken[2] == 3
+
+
+def test_events_without_usage_count_one_token_each_and_are_not_exact() -> None:
+    client = Client()
+    lane = new_lane(client)
+    lane.arm(100, 2)
+    assert lane.relay(chunk(event(CHAT_HELLO)), ORIGIN)
+    assert client.writes == [chunk(event(CHAT_HELLO))]
+    taken = lane.take()
+    assert taken is not None and taken[2:] == (3, False, None)
+
+
+READS_LEFT_ALONE: dict[str, bytes] = {
+    "half a chunk": chunk(event(CHAT_HELLO, 1))[:-1],
+    "a chunk and more": chunk(event(CHAT_HELLO, 1)) + b"2",
+    "the last chunk": chunk(event(CHAT_HELLO, 1)) + b"0\r\n\r\n",
+    "a chunk extension": chunk(event(CHAT_HELLO, 1)).replace(b"\r\n", b";x=1\r\n", 1),
+    "a leading zero": b"0" + chunk(event(CHAT_HELLO, 1)),
+    "another choice": chunk(event(CHAT_HELLO.replace('"index":0', '"index":1'), 1)),
+    "two tokens at once": chunk(event(CHAT_HELLO, 2)),
+    "no new token": chunk(event(CHAT_HELLO, 0)),
+    "a finish chunk": chunk(
+        event(CHAT_HELLO.replace('"finish_reason":null', '"finish_reason":"stop"'), 1)
+    ),
+    "two events in one chunk": chunk(event(CHAT_HELLO, 1) + event(CHAT_HELLO, 2)),
+    "a token chunk then another shape": chunk(event(CHAT_HELLO, 1)) + chunk(b"data: [DONE]\n\n"),
+    "a comment": chunk(b": keep-alive\n\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(READS_LEFT_ALONE))
+def test_a_read_it_cannot_take_whole_is_left_untouched(name: str) -> None:
+    client, timeouts = Client(), Timeouts()
+    lane = new_lane(client, timeouts)
+    lane.arm(100, 0)
+    assert not lane.relay(READS_LEFT_ALONE[name], ORIGIN)
+    assert client.writes == [] and lane.pending == 0 and timeouts.last_ns == 0
+    assert lane.armed  # the caller's Python path takes this read, then `take` disarms
+
+
+def test_limits_and_a_leaving_client_leave_the_read_to_the_python_path() -> None:
+    read = chunk(event(CHAT_HELLO, 1))
+    size = len(event(CHAT_HELLO, 1))
+    refused = [
+        (new_lane(Client(), max_event=size - 1), 100),  # an event over --max-event-bytes
+        (new_lane(Client()), 0),  # the stream's event limit reached
+        (new_lane(Client(closing=True)), 100),  # the client is going
+    ]
+    for lane, events_left in refused:
+        lane.arm(events_left, 0)
+        assert not lane.relay(read, ORIGIN) and lane.pending == 0
+    exact = new_lane(Client(), max_event=size)
+    exact.arm(1, 0)
+    assert exact.relay(read, ORIGIN)
+    assert not exact.relay(chunk(event(CHAT_HELLO, 2)), ORIGIN)  # one event left, taken
+    failing = Client()
+    failing.fail_write = True
+    lane = new_lane(failing)
+    lane.arm(100, 0)
+    assert not lane.relay(read, ORIGIN) and lane.pending == 0  # the Python path writes again
+    unarmed = new_lane(Client())
+    assert not unarmed.relay(read, ORIGIN)
+
+
+def test_a_full_client_buffer_pauses_once_and_disarms() -> None:
+    client = Client(held=HIGH_WATER + 1)
+    lane = new_lane(client)
+    lane.arm(100, 0)
+    assert lane.relay(chunk(event(CHAT_HELLO, 1)), ORIGIN)  # written and counted, then full
+    assert client.full_calls == 1 and not lane.armed
+    assert not lane.relay(chunk(event(CHAT_HELLO, 2)), ORIGIN)
+    assert lane.pending == 1
+
+
+def test_a_closed_lane_takes_nothing_and_cannot_be_armed() -> None:
+    lane = new_lane(Client())
+    lane.arm(100, 0)
+    lane.close()
+    assert not lane.relay(chunk(event(CHAT_HELLO, 1)), ORIGIN)
+    with pytest.raises(RuntimeError):
+        lane.arm(100, 0)
+
+
+# -- the proxy with the lane on and off ------------------------------------------------------
+
+CREATED = re.compile(rb'"created": ?\d+')
+BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": (
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}]},
+    ),
+    "completions": ("/v1/completions", {"model": "m", "prompt": "Once upon a time"}),
+}
+OPTIONS: list[dict[str, Any] | None] = [
+    None,
+    {"include_usage": True},
+    {"include_usage": True, "continuous_usage_stats": True},
+]
+
+
+def record_view(record: RequestRecord) -> dict[str, Any]:
+    """What a record says, less its instants (two runs never share them) and its id."""
+    assert record.server is not None
+    return {
+        "outcome": record.outcome,
+        "n_in": record.n_in,
+        "n_out": record.n_out,
+        "token_source": record.token_source,
+        "finish_reason": record.finish_reason,
+        "server_tokens": list(record.server.tokens),
+        "client_tokens": list(record.client.tokens),
+        "server_events": record.server.events_total,
+        "client_events": record.client.events_total,
+    }
+
+
+async def run_requests(
+    lane_on: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[bytes], list[dict[str, Any]], int]:
+    monkeypatch.setattr(stream_relay, "LaneType", Lane if lane_on else None)
+    taken = 0
+    take = stream_relay.MeteredRead._take_lane
+
+    def counting_take(self: stream_relay.MeteredRead, lane: Lane) -> None:
+        nonlocal taken
+        taken += lane.pending
+        take(self, lane)
+
+    monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
+    bodies: list[bytes] = []
+    async with stack() as s, aiohttp.ClientSession() as session:
+        n = 0
+        for endpoint, (path, base) in BODIES.items():
+            for options in OPTIONS:
+                body = {**base, "stream": True, "max_tokens": 24, "ignore_eos": True}
+                if options is not None:
+                    body["stream_options"] = options
+                headers = {"X-Request-Id": f"{endpoint}-{n}"}
+                async with session.post(s.url + path, json=body, headers=headers) as response:
+                    assert response.status == 200
+                    bodies.append(CREATED.sub(b'"created":0', await response.read()))
+                n += 1
+        records = await s.records.wait_for(n)
+    return bodies, [record_view(r) for r in sorted(records, key=lambda r: r.request_id)], taken
+
+
+async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bodies_on, records_on, taken_on = await run_requests(True, monkeypatch)
+    bodies_off, records_off, taken_off = await run_requests(False, monkeypatch)
+    assert bodies_on == bodies_off
+    assert records_on == records_off
+    assert all(r["n_out"] == 24 and len(r["server_tokens"]) == 24 for r in records_on)
+    assert taken_off == 0
+    # Six streams of 24 token events: the first token of each goes through the Python path
+    # (the lane is armed after it), the rest whole chunks the lane takes, bar a coalesced read.
+    assert taken_on >= 6 * 20, taken_on
+
+
+async def test_records_hold_their_stamps_in_order_whichever_path_took_each_read() -> None:
+    async with stack() as s, aiohttp.ClientSession() as session:
+        path, base = BODIES["chat"]
+        body = {**base, "stream": True, "max_tokens": 40, "ignore_eos": True}
+        async with session.post(s.url + path, json=body) as response:
+            text = await response.text()
+        (record,) = await s.records.wait_for(1)
+    assert text.count("data: ") == 1 + 40 + 1  # role, tokens (the last one finishes), [DONE]
+    assert record.server is not None
+    server, client = list(record.server.offsets_ns), list(record.client.offsets_ns)
+    for instants in (server, client):
+        assert len(instants) == 40 and instants == sorted(instants)
+    # Both columns are offsets from the request's arrival: each token left after it came.
+    assert all(down >= up for down, up in zip(client, server, strict=True))
+    assert json.loads(text.split("data: ")[1])["choices"][0]["delta"]["role"] == "assistant"
