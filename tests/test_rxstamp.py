@@ -78,6 +78,16 @@ class Reader:
             await asyncio.wait_for(self.got.wait(), 5)
 
 
+@pytest.fixture(autouse=True, params=["c", "python"])
+def reader_callback(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every transport test twice: over the C reader callback (`_recvstamp.Reader`, what the
+    proxy runs where it is built) and over the Python one (`_on_readable`, the fallback)."""
+    if request.param == "c" and not rxstamp.NATIVE_READER:
+        pytest.skip("the C reader is not built")
+    monkeypatch.setattr(rxstamp, "NATIVE_READER", request.param == "c")
+    return str(request.param)
+
+
 @asynccontextmanager
 async def connected() -> AsyncIterator[tuple[Reader, rxstamp.StampedTransport, socket.socket]]:
     """A StampedTransport to a plain socket this test drives (blocking calls kept off the loop
@@ -205,10 +215,12 @@ async def test_extra_info_reads_the_sockets_addresses_when_asked() -> None:
 
 @pytest.mark.parametrize("converted", ["future", "past"])
 async def test_a_stamp_is_never_after_its_read_nor_before_the_previous_one(
-    monkeypatch: pytest.MonkeyPatch, converted: str
+    monkeypatch: pytest.MonkeyPatch, converted: str, reader_callback: str
 ) -> None:
     """A step of the calendar clock between the kernel's stamp and the conversion (simulated:
     the converted instant lands a second after the read, or at 0) is clamped."""
+    if reader_callback == "c":
+        pytest.skip("the step is simulated by replacing clock.from_realtime_ns: Python only")
     async with connected() as (reader, transport, peer):
         await until_stamped(reader, transport, peer)
         reader.reads.clear()
@@ -320,6 +332,83 @@ async def test_a_protocol_that_fails_on_a_read_ends_its_connection() -> None:
     finally:
         loop.set_exception_handler(previous)
     assert any(isinstance(c.get("exception"), ValueError) for c in logged)
+
+
+class FakeLane:
+    """A stream's lane as the transport sees it: takes the reads that start with "L"."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.taken: list[tuple[bytes, int]] = []
+        self.fail = fail
+
+    def relay(self, data: bytes, at_ns: int) -> bool:
+        if self.fail:
+            raise ValueError("the lane broke")
+        if data.startswith(b"L"):
+            self.taken.append((data, at_ns))
+            return True
+        return False
+
+
+async def test_each_read_is_offered_to_the_lane_first_and_the_rest_reach_the_protocol() -> None:
+    async with connected() as (reader, transport, peer):
+        await until_stamped(reader, transport, peer)
+        before = len(reader.data)
+        lane = FakeLane()
+        transport.lane = lane
+        for block in (b"L1", b"p2", b"L3", b"p4"):
+            peer.send(block)
+            sent = len(lane.taken) + len(reader.data)
+            for _ in range(500):  # one read per block: wait for each before the next
+                if len(lane.taken) + len(reader.data) > sent:
+                    break
+                await asyncio.sleep(0.002)
+        assert [d for d, _ in lane.taken] == [b"L1", b"L3"]
+        assert reader.data[before:] == b"p2p4"
+        # One clock for both: the lane's stamps sit between the protocol's, in read order.
+        stamps = [reader.reads[-2][1], lane.taken[1][1], reader.reads[-1][1]]
+        assert lane.taken[0][1] <= stamps[0] <= stamps[1] <= stamps[2]
+        transport.lane = None
+        peer.send(b"L5")
+        await reader.wait_for(len(reader.data) + 2)
+        assert reader.data.endswith(b"L5") and len(lane.taken) == 2
+
+
+async def test_a_lane_that_fails_on_a_read_ends_its_connection() -> None:
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: logged.append(context))
+    try:
+        async with connected() as (reader, transport, peer):
+            transport.lane = FakeLane(fail=True)
+            peer.send(b"x")
+            lost = await asyncio.wait_for(reader.lost, 5)
+            assert isinstance(lost, ValueError) and transport.is_closing()
+            assert reader.reads == []
+    finally:
+        loop.set_exception_handler(previous)
+    assert any(isinstance(c.get("exception"), ValueError) for c in logged)
+
+
+async def test_an_ended_transport_lets_go_of_its_reader_lane_and_protocol(
+    reader_callback: str,
+) -> None:
+    async with connected() as (reader, transport, peer):
+        lane = FakeLane()
+        transport.lane = lane
+        native = transport._reader
+        transport.abort()
+        assert transport.lane is None
+        if reader_callback == "c":
+            assert native.lane is None
+            with pytest.raises(RuntimeError):
+                native.lane = lane  # closed: nothing to hold any more
+            native()  # a callback the loop still had queued: nothing happens
+        else:
+            assert native is None
+        await asyncio.wait_for(reader.lost, 5)
+        assert peer.fileno() >= 0  # the peer is the test's to close
 
 
 async def test_reads_without_the_kernels_stamp_are_stamped_when_read_and_counted() -> None:

@@ -89,6 +89,313 @@ receive(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return answer;
 }
 
+/* -- Reader: the upstream socket's whole reader callback in C ---------------------------------
+ *
+ * Reader(fd, buffer, transport, protocol): a callable for the loop's add_reader that does what
+ * rxstamp.StampedTransport._on_readable does, without a Python frame per read: one recvmsg
+ * (`receive`'s), the kernel's stamp put on the monotonic clock by the offset between the two
+ * clocks now (clock.from_realtime_ns), never after the read nor before the connection's
+ * previous stamp, then the read offered to the stream's C lane (``lane``, settable: None or a
+ * `_tokenscan.Lane`) and, when the lane does not take it, handed to
+ * ``protocol.data_received_at(data, at_ns)``. What is rare stays in Python, on the transport:
+ * `close()` at the peer's orderly end, `_fail(exc)` on a socket error or when the lane or the
+ * protocol raised (then the exception goes on to the loop, as uvloop's transports do), and
+ * `_count_unstamped()` for a read the kernel did not stamp. `close()` lets go of the transport,
+ * the protocol and the lane (they hold this object: the transport ends it when it ends).
+ * tests/test_rxstamp.py runs the transport's tests over this and over the Python callback.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    PyObject *buffer;
+    PyObject *transport;
+    PyObject *protocol;
+    PyObject *lane;
+    long long last_ns;
+} Reader;
+
+static PyObject *data_received_at_name, *relay_name, *close_name, *fail_name,
+    *count_unstamped_name;
+
+static long long
+clock_ns(clockid_t which)
+{
+    struct timespec now;
+    clock_gettime(which, &now);
+    return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+static int
+reader_traverse(Reader *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->buffer);
+    Py_VISIT(self->transport);
+    Py_VISIT(self->protocol);
+    Py_VISIT(self->lane);
+    return 0;
+}
+
+static int
+reader_clear(Reader *self)
+{
+    Py_CLEAR(self->buffer);
+    Py_CLEAR(self->transport);
+    Py_CLEAR(self->protocol);
+    Py_CLEAR(self->lane);
+    return 0;
+}
+
+static void
+reader_dealloc(Reader *self)
+{
+    PyObject_GC_UnTrack(self);
+    reader_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+reader_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"fd", "buffer", "transport", "protocol", NULL};
+    int fd;
+    PyObject *buffer, *transport, *protocol;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOO:Reader", names, &fd, &buffer,
+                                     &transport, &protocol)) {
+        return NULL;
+    }
+    if (fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "Reader(): not a file descriptor");
+        return NULL;
+    }
+    Reader *self = (Reader *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->fd = fd;
+    self->buffer = Py_NewRef(buffer);
+    self->transport = Py_NewRef(transport);
+    self->protocol = Py_NewRef(protocol);
+    self->lane = NULL;
+    return (PyObject *)self;
+}
+
+/* transport.<name>(*arg): 0, or -1 with the exception set. */
+static int
+call_transport(PyObject *transport, PyObject *name, PyObject *arg)
+{
+    PyObject *call_args[2] = {transport, arg};
+    PyObject *answer =
+        PyObject_VectorcallMethod(name, call_args, (arg ? 2 : 1) | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                  NULL);
+    if (answer == NULL) {
+        return -1;
+    }
+    Py_DECREF(answer);
+    return 0;
+}
+
+/* An exception from the lane or the protocol: the transport fails with it (its exchange then
+ * fails, so the request is still recorded), and it goes on to the loop. */
+static void
+fail_with_current(PyObject *transport)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return; /* KeyboardInterrupt and the like: on as they are */
+    }
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL) {
+        PyException_SetTraceback(value, traceback);
+    }
+    if (call_transport(transport, fail_name, value) < 0) {
+        PyErr_WriteUnraisable(transport);
+    }
+    PyErr_Restore(type, value, traceback);
+}
+
+static PyObject *
+reader_call(Reader *self, PyObject *args, PyObject *kwargs)
+{
+    (void)args;
+    (void)kwargs;
+    if (self->transport == NULL) {
+        Py_RETURN_NONE; /* closed: a callback the loop still had queued */
+    }
+    /* Held for the call: `_fail` or `close` may end this reader (`reader_clear`) inside it. */
+    PyObject *transport = Py_NewRef(self->transport);
+    PyObject *protocol = Py_NewRef(self->protocol);
+    PyObject *lane = Py_XNewRef(self->lane);
+    PyObject *result = NULL, *data = NULL, *at_object = NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(self->buffer, &view, PyBUF_WRITABLE) < 0) {
+        goto done;
+    }
+    struct iovec iov = {view.buf, (size_t)view.len};
+    union {
+        char bytes[CMSG_SPACE(sizeof(struct timespec))];
+        struct cmsghdr align;
+    } control;
+    struct msghdr message;
+    memset(&message, 0, sizeof message);
+    message.msg_iov = &iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.bytes;
+    message.msg_controllen = sizeof control.bytes;
+    ssize_t size = recvmsg(self->fd, &message, 0);
+    if (size < 0) {
+        PyBuffer_Release(&view);
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        PyErr_SetFromErrno(PyExc_OSError);
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        int failed = call_transport(transport, fail_name, value);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        if (failed == 0) {
+            result = Py_NewRef(Py_None);
+        }
+        goto done;
+    }
+    long long now_ns = clock_ns(CLOCK_MONOTONIC);
+    if (size == 0) { /* the upstream's orderly end: connection_lost(None) follows */
+        PyBuffer_Release(&view);
+        if (call_transport(transport, close_name, NULL) == 0) {
+            result = Py_NewRef(Py_None);
+        }
+        goto done;
+    }
+    long long at_ns = now_ns;
+    int stamped = 0;
+    struct cmsghdr *first = message.msg_controllen ? CMSG_FIRSTHDR(&message) : NULL;
+    if (first != NULL && first->cmsg_level == SOL_SOCKET && first->cmsg_type == SCM_TIMESTAMPNS
+        && first->cmsg_len == CMSG_LEN(sizeof(struct timespec))) {
+        struct timespec stamp;
+        memcpy(&stamp, CMSG_DATA(first), sizeof stamp);
+        long long realtime_ns = (long long)stamp.tv_sec * 1000000000LL + stamp.tv_nsec;
+        /* clock.from_realtime_ns, then the transport's clamp. */
+        at_ns = realtime_ns - (clock_ns(CLOCK_REALTIME) - now_ns);
+        if (at_ns > now_ns) {
+            at_ns = now_ns;
+        }
+        else if (at_ns < self->last_ns) {
+            at_ns = self->last_ns;
+        }
+        stamped = 1;
+    }
+    self->last_ns = at_ns;
+    data = PyBytes_FromStringAndSize((const char *)view.buf, size);
+    PyBuffer_Release(&view);
+    if (data == NULL) {
+        goto done;
+    }
+    if (!stamped && call_transport(transport, count_unstamped_name, NULL) < 0) {
+        goto done;
+    }
+    at_object = PyLong_FromLongLong(at_ns);
+    if (at_object == NULL) {
+        goto done;
+    }
+    if (lane != NULL && lane != Py_None) {
+        PyObject *relay_args[3] = {lane, data, at_object};
+        PyObject *taken = PyObject_VectorcallMethod(
+            relay_name, relay_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (taken == NULL) {
+            fail_with_current(transport);
+            goto done;
+        }
+        int whole = taken == Py_True;
+        Py_DECREF(taken);
+        if (whole) { /* parsed, counted, stamped and written to the client */
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    PyObject *deliver_args[3] = {protocol, data, at_object};
+    PyObject *delivered = PyObject_VectorcallMethod(
+        data_received_at_name, deliver_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (delivered == NULL) {
+        fail_with_current(transport);
+        goto done;
+    }
+    Py_DECREF(delivered);
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(data);
+    Py_XDECREF(at_object);
+    Py_DECREF(transport);
+    Py_DECREF(protocol);
+    Py_XDECREF(lane);
+    return result;
+}
+
+static PyObject *
+reader_close(Reader *self, PyObject *unused)
+{
+    (void)unused;
+    reader_clear(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+reader_get_lane(Reader *self, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(self->lane ? self->lane : Py_None);
+}
+
+static int
+reader_set_lane(Reader *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    if (self->transport == NULL && value != NULL && value != Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "the reader is closed");
+        return -1;
+    }
+    Py_XSETREF(self->lane, value == NULL || value == Py_None ? NULL : Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+reader_get_last_ns(Reader *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLongLong(self->last_ns);
+}
+
+static PyMethodDef reader_methods[] = {
+    {"close", (PyCFunction)reader_close, METH_NOARGS,
+     "close(): read no more; let go of the transport, the protocol and the lane."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef reader_getset[] = {
+    {"lane", (getter)reader_get_lane, (setter)reader_set_lane,
+     "The stream's C lane, offered each read first (None: none).", NULL},
+    {"last_ns", (getter)reader_get_last_ns, NULL, "The previous read's stamp.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "sidecar.proxy._recvstamp.Reader",
+    .tp_basicsize = sizeof(Reader),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "An upstream socket's reader callback in C (see _recvstamp.c).",
+    .tp_new = reader_new,
+    .tp_dealloc = (destructor)reader_dealloc,
+    .tp_traverse = (traverseproc)reader_traverse,
+    .tp_clear = (inquiry)reader_clear,
+    .tp_call = (ternaryfunc)reader_call,
+    .tp_methods = reader_methods,
+    .tp_getset = reader_getset,
+};
+
 static PyMethodDef methods[] = {
     {"receive", (PyCFunction)(void (*)(void))receive, METH_FASTCALL,
      "receive(fd, buffer) -> (data, realtime_ns): one recvmsg with the kernel's SO_TIMESTAMPNS "
@@ -111,5 +418,25 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__recvstamp(void)
 {
-    return PyModule_Create(&module_def);
+    if (PyType_Ready(&ReaderType) < 0) {
+        return NULL;
+    }
+    data_received_at_name = PyUnicode_InternFromString("data_received_at");
+    relay_name = PyUnicode_InternFromString("relay");
+    close_name = PyUnicode_InternFromString("close");
+    fail_name = PyUnicode_InternFromString("_fail");
+    count_unstamped_name = PyUnicode_InternFromString("_count_unstamped");
+    if (data_received_at_name == NULL || relay_name == NULL || close_name == NULL
+        || fail_name == NULL || count_unstamped_name == NULL) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "Reader", (PyObject *)&ReaderType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

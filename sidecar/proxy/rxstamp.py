@@ -133,6 +133,18 @@ except ImportError:  # built without a C compiler: correct, slower
     _native_receive = None
 NATIVE_RECEIVE = _native_receive is not None
 
+# The whole reader callback in C (`_recvstamp.Reader`: `_on_readable` without a Python frame per
+# read), where built. A module setting rather than a constant so that tests can run the
+# transport over the Python callback too.
+_NativeReader: Any
+try:
+    from sidecar.proxy import _recvstamp
+
+    _NativeReader = _recvstamp.Reader
+except ImportError:  # built without a C compiler: `_on_readable`
+    _NativeReader = None
+NATIVE_READER = _NativeReader is not None
+
 
 class StampedTransport:
     """A TCP transport (the part of asyncio.Transport the upstream client uses) whose reads
@@ -152,7 +164,8 @@ class StampedTransport:
         "_closed",
         "_last_ns",
         "unstamped_reads",
-        "lane",
+        "_lane",
+        "_reader",
     )
 
     def __init__(
@@ -175,13 +188,36 @@ class StampedTransport:
         self._closed = False
         self._last_ns = 0
         self.unstamped_reads = 0  # reads that came without the kernel's stamp: stamped when read
-        # The C lane of the stream this connection carries now (`_tokenscan.Lane`, set and
-        # cleared by stream_relay.MeteredRead): offered each read before the protocol.
-        self.lane: Any = None
+        # The C lane of the stream this connection carries now (`lane`).
+        self._lane: Any = None
+        # What the loop calls when the socket is readable: the C reader, or None for
+        # `_on_readable`.
+        self._reader: Any = (
+            _NativeReader(self._fd, read_buffer.view, self, protocol)
+            if NATIVE_READER and _NativeReader is not None
+            else None
+        )
         protocol.connection_made(self)
         self.resume_reading()
 
     # -- reading ---------------------------------------------------------------------------
+
+    @property
+    def lane(self) -> Any:
+        """The C lane of the stream this connection carries now (`_tokenscan.Lane`, set and
+        cleared by stream_relay.MeteredRead), offered each read before the protocol; None."""
+        return self._lane
+
+    @lane.setter
+    def lane(self, lane: Any) -> None:
+        self._lane = lane
+        if self._reader is not None and not self._closed:
+            self._reader.lane = lane
+
+    def _count_unstamped(self) -> None:
+        """A read that came without the kernel's stamp (stamped when read): counted."""
+        self.unstamped_reads += 1
+        self._read.unstamped_reads += 1
 
     def _on_readable(self) -> None:
         read = self._read
@@ -211,10 +247,9 @@ class StampedTransport:
                 at_ns = self._last_ns
         else:
             at_ns = now_ns
-            self.unstamped_reads += 1
-            read.unstamped_reads += 1
+            self._count_unstamped()
         self._last_ns = at_ns
-        lane = self.lane
+        lane = self._lane
         try:
             if lane is not None and lane.relay(data, at_ns):
                 return  # taken whole: parsed, counted, stamped and written to the client
@@ -233,7 +268,7 @@ class StampedTransport:
     def resume_reading(self) -> None:
         if not self._reading and not self._closing:
             self._reading = True
-            self._loop.add_reader(self._fd, self._on_readable)
+            self._loop.add_reader(self._fd, self._reader or self._on_readable)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -312,6 +347,9 @@ class StampedTransport:
             self._writing = False
             self._loop.remove_writer(self._fd)
         self._sock.close()
+        self._lane = None
+        if self._reader is not None:
+            self._reader.close()  # it holds this transport and the protocol
         # Later, as asyncio's transports do: the protocol may be inside a call of its own.
         self._loop.call_soon(self._protocol.connection_lost, exc)
 

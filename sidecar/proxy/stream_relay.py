@@ -242,21 +242,21 @@ class MeteredRead:
     def settle(self) -> None:
         """However the stream ended (`end` raised, the caller was cancelled): the builder
         takes what the meter counted."""
-        lane = self.lane
-        if lane is not None:
-            self.lane = None
-            try:
+        lane, self.lane = self.lane, None
+        try:
+            if lane is not None:
                 self._take_lane(lane)
-            finally:
+        finally:
+            self.builder.take_stream(self.meter)
+            # Not kept once raised (or overtaken by a cancellation): its traceback holds
+            # `on_read`'s frame, which holds this object, a cycle around the whole request that
+            # only a full collection would free.
+            self.trouble = None
+            if lane is not None:
                 lane.close()  # its references (this object among them) let go
                 transport = self.upstream.connection.transport
                 if isinstance(transport, StampedTransport) and transport.lane is lane:
                     transport.lane = None
-        self.builder.take_stream(self.meter)
-        # Not kept once raised (or overtaken by a cancellation): its traceback holds
-        # `on_read`'s frame, which holds this object, a cycle around the whole request that
-        # only a full collection would free.
-        self.trouble = None
 
     async def body(self) -> None:
         """`start`, await, `end`, `settle`, for a caller with nothing to do around them."""

@@ -25,11 +25,13 @@ import argparse
 import asyncio
 import json
 import re
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -962,6 +964,99 @@ def test_the_fast_path_takes_the_real_servers_token_chunks(
             fast = fast_token_chunk(event.raw)
             assert fast is not None, event.raw
             assert fast[0] == info
+
+
+def raw_chunks(base_url: str, path: str, body: dict[str, Any]) -> list[bytes]:
+    """The HTTP/1.1 chunks of a streamed answer, framing included, as the server wrote them
+    (read off a plain socket: no client library between)."""
+    parts = urlsplit(base_url)
+    payload = json.dumps(body).encode()
+    with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), 60) as sock:
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+            % (path.encode(), len(payload), payload)
+        )
+        raw = b""
+        while block := sock.recv(65536):
+            raw += block
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    chunks: list[bytes] = []
+    while rest:
+        size_line, _, after = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        chunks.append(rest[: len(size_line) + 2 + size + 2])
+        rest = after[size + 2 :]
+        if size == 0:
+            break
+    return chunks
+
+
+@pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
+@pytest.mark.parametrize("strip", [True, False])
+def test_the_c_lane_takes_the_real_servers_token_chunks(
+    real_vllm: RealVLLM, path: str, make: Any, strip: bool
+) -> None:
+    """The C lane (`_tokenscan.Lane`, docs/architecture.md) is for vLLM's common read: every
+    HTTP chunk of the real server's stream that is one token event carrying one token (with the
+    continuous usage the proxy asks for) must be taken whole, and written as the Python path
+    writes it; every other chunk left to the Python path."""
+    try:
+        from sidecar.protocol._tokenscan import Lane
+    except ImportError:
+        pytest.skip("the C lane is not built")
+    from sidecar.protocol.openai import ChunkKind, classify_chunk
+
+    body = make(max_tokens=32, stream=True)
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = raw_chunks(real_vllm.base_url, path, body)
+    written: list[bytes] = []
+
+    class Timeouts:
+        last_ns = 0
+
+    lane = Lane(
+        written.append,
+        lambda: 0,
+        lambda: False,
+        lambda: None,
+        Timeouts(),
+        0,
+        1 << 16,
+        1 << 20,
+        strip,
+    )
+    lane.arm(1 << 20, 0)
+    expected_taken = 0
+    last = 0
+    for chunk in chunks:
+        payload = chunk[chunk.index(b"\r\n") + 2 : -2]
+        event = payload[len(b"data: ") : -2].decode() if payload.startswith(b"data: ") else ""
+        info = classify_chunk(event) if event and event != "[DONE]" else None
+        one_token = (
+            info is not None
+            and info.kind is ChunkKind.TOKEN
+            and info.finish_reason is None
+            and info.usage is not None
+            and info.usage.completion_tokens == last + 1
+            and info.choice_index == 0
+        )
+        if info is not None and info.usage is not None and info.kind is ChunkKind.TOKEN:
+            last = info.usage.completion_tokens
+        before = len(written)
+        assert lane.relay(chunk, 1) is one_token, chunk
+        if one_token:
+            expected_taken += 1
+            out = re.sub(rb',"usage":\{[^}]*\}', b"", payload) if strip else payload
+            assert written[before:] == [b"%x\r\n%b\r\n" % (len(out), out)]
+        else:
+            assert len(written) == before
+            lane.arm(1 << 20, last)  # as the relay re-arms after the Python path's read
+    taken = lane.take()
+    assert taken is not None
+    assert len(taken[0]) // 8 == expected_taken >= 3  # vLLM may merge deltas: some remain
+    assert taken[2] == last and taken[3] is True
 
 
 # ---------------------------------------------------------------------------------------------
