@@ -301,14 +301,13 @@ class StreamMeter:
     def lane_start(self) -> tuple[int, int] | None:
         """(events the stream may still take, choice 0's cumulative count) when the C lane
         (`_tokenscan.Lane`, armed by stream_relay.MeteredRead) may take reads for this meter:
-        in the state where `feed`'s own one-event lane would take them, with one column
-        (every event one token, choice 0, nothing carried) and a token seen; else None."""
+        in the state where `feed`'s own one-event lane would take them, with every event so far
+        of choice 0, nothing carried and a token seen; else None."""
         if (
             self._lane
             and self._held is None
             and self.fatal is None
             and self._between
-            and self._counts is None
             and self.choices is None
             and self.offsets
             and not self._closed
@@ -321,18 +320,28 @@ class StreamMeter:
     def take_lane(
         self,
         up_offsets: bytes,
+        tokens: bytes | None,
+        gained: int,
         last_cumulative: int,
         exact: bool,
         usage: tuple[int, int, int] | None,
     ) -> int:
-        """What the C lane counted since it was armed (`Lane.take`): its events' offsets (native
-        int64), choice 0's cumulative count after them, whether each carried usage, and the
-        last usage, (prompt, total, completion). Leaves the meter as `feed`'s one-event lane
-        would have. Returns the number of events."""
+        """What the C lane counted since it was armed (`Lane.take`): its events' offsets and
+        output tokens (native int64; None: one each), their sum, choice 0's cumulative count
+        after them, whether each carried usage, and the last usage, (prompt, total,
+        completion). Leaves the meter as `feed`'s one-event lane would have. Returns the
+        number of events."""
         n_events = len(up_offsets) // 8
+        if tokens is not None or self._counts is not None:
+            if self._counts is None:  # the column starts, with 1 for the events before
+                self._counts = array("q", _ONE) * len(self.offsets)
+            if tokens is None:
+                self._counts.extend(array("q", _ONE) * n_events)
+            else:
+                self._counts.frombytes(tokens)
         self.offsets.frombytes(up_offsets)
         self.events += n_events
-        self._counter.take_lane(n_events, last_cumulative, exact)
+        self._counter.take_lane(gained, last_cumulative, exact)
         if usage is not None:
             prompt, total, completion = usage
             self._usage = _new_tuple(Usage, (prompt, completion, total, None))

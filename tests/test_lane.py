@@ -21,6 +21,8 @@ from vllm_chunks import CHAT_HELLO, COMPLETION_HELLO
 from sidecar import clock
 from sidecar.proxy import stream_relay
 from sidecar.record import RequestRecord
+from sidecar.sim.engine import EngineConfig
+from sidecar.sim.server import SimConfig
 
 try:
     from sidecar.protocol._tokenscan import Lane
@@ -117,10 +119,10 @@ def test_a_token_chunk_is_counted_stamped_cut_and_written_as_one_client_chunk() 
     assert before <= timeouts.last_ns <= after  # the idle timeout's read instant
     taken = lane.take()
     assert taken is not None
-    up, down, last, exact, usage = taken
+    up, down, tokens, gained, last, exact, usage = taken
     assert offsets(up) == [500, 900]
     assert all(before - ORIGIN <= d <= after - ORIGIN for d in offsets(down))
-    assert (last, exact, usage) == (6, True, (12, 18, 6))
+    assert (tokens, gained, last, exact, usage) == (None, 2, 6, True, (12, 18, 6))
     assert not lane.armed and lane.take() is None  # taking disarms; nothing counted twice
 
 
@@ -132,7 +134,7 @@ def test_several_whole_chunks_in_one_read_leave_as_one_client_chunk() -> None:
     assert lane.relay(b"".join(chunk(e) for e in events), ORIGIN + 7)
     assert client.writes == [chunk(b"".join(events))]  # kept whole: not asked to strip
     taken = lane.take()
-    assert taken is not None and offsets(taken[0]) == [7, 7, 7] and taken[2] == 3
+    assert taken is not None and offsets(taken[0]) == [7, 7, 7] and taken[2:5] == (None, 3, 3)
 
 
 def test_events_without_usage_count_one_token_each_and_are_not_exact() -> None:
@@ -142,7 +144,27 @@ def test_events_without_usage_count_one_token_each_and_are_not_exact() -> None:
     assert lane.relay(chunk(event(CHAT_HELLO)), ORIGIN)
     assert client.writes == [chunk(event(CHAT_HELLO))]
     taken = lane.take()
-    assert taken is not None and taken[2:] == (3, False, None)
+    assert taken is not None and taken[2:] == (None, 1, 3, False, None)
+
+
+def test_events_of_several_tokens_or_none_are_counted_as_the_counter_counts_them() -> None:
+    """Speculative decoding: an event may carry several tokens (the cumulative count jumps), or
+    none (released text, the count unchanged): each event's count is kept, as
+    `TokenCounter.token_event` gives it."""
+    client = Client()
+    lane = new_lane(client)
+    lane.arm(100, 3)
+    counts = (4, 4, 7, 8)  # cumulative: +1, +0, +3, +1
+    assert lane.relay(b"".join(chunk(event(CHAT_HELLO, c)) for c in counts), ORIGIN)
+    taken = lane.take()
+    assert taken is not None
+    _up, _down, tokens, gained, last, exact, _usage = taken
+    assert tokens is not None and offsets(tokens) == [1, 0, 3, 1]
+    assert (gained, last, exact) == (5, 8, True)
+    lane.arm(100, 8)
+    assert lane.relay(chunk(event(CHAT_HELLO, 9)), ORIGIN)
+    taken = lane.take()
+    assert taken is not None and taken[2:5] == (None, 1, 9)  # a take starts a new column
 
 
 READS_LEFT_ALONE: dict[str, bytes] = {
@@ -152,8 +174,6 @@ READS_LEFT_ALONE: dict[str, bytes] = {
     "a chunk extension": chunk(event(CHAT_HELLO, 1)).replace(b"\r\n", b";x=1\r\n", 1),
     "a leading zero": b"0" + chunk(event(CHAT_HELLO, 1)),
     "another choice": chunk(event(CHAT_HELLO.replace('"index":0', '"index":1'), 1)),
-    "two tokens at once": chunk(event(CHAT_HELLO, 2)),
-    "no new token": chunk(event(CHAT_HELLO, 0)),
     "a finish chunk": chunk(
         event(CHAT_HELLO.replace('"finish_reason":null', '"finish_reason":"stop"'), 1)
     ),
@@ -195,6 +215,20 @@ def test_limits_and_a_leaving_client_leave_the_read_to_the_python_path() -> None
     assert not lane.relay(read, ORIGIN) and lane.pending == 0  # the Python path writes again
     unarmed = new_lane(Client())
     assert not unarmed.relay(read, ORIGIN)
+
+
+def test_it_hands_its_counts_over_every_128_events() -> None:
+    """A long stream's counts do not pile up in the lane: the read after 128 counted events is
+    left to the Python path, which takes them (and the lane frees its buffer)."""
+    lane = new_lane(Client())
+    lane.arm(10_000, 0)
+    for n in range(1, 129):
+        assert lane.relay(chunk(event(CHAT_HELLO, n)), ORIGIN + n)
+    assert not lane.relay(chunk(event(CHAT_HELLO, 129)), ORIGIN + 129)
+    taken = lane.take()
+    assert taken is not None and offsets(taken[0]) == list(range(1, 129))
+    lane.arm(10_000 - 128, 128)
+    assert lane.relay(chunk(event(CHAT_HELLO, 129)), ORIGIN + 129) and lane.pending == 1
 
 
 def test_a_full_client_buffer_pauses_once_and_disarms() -> None:
@@ -250,7 +284,7 @@ def record_view(record: RequestRecord) -> dict[str, Any]:
 
 
 async def run_requests(
-    lane_on: bool, monkeypatch: pytest.MonkeyPatch
+    lane_on: bool, monkeypatch: pytest.MonkeyPatch, sim: SimConfig | None = None
 ) -> tuple[list[bytes], list[dict[str, Any]], int]:
     monkeypatch.setattr(stream_relay, "LaneType", Lane if lane_on else None)
     taken = 0
@@ -263,7 +297,7 @@ async def run_requests(
 
     monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
     bodies: list[bytes] = []
-    async with stack() as s, aiohttp.ClientSession() as session:
+    async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
         n = 0
         for endpoint, (path, base) in BODIES.items():
             for options in OPTIONS:
@@ -291,6 +325,28 @@ async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
     # Six streams of 24 token events: the first token of each goes through the Python path
     # (the lane is armed after it), the rest whole chunks the lane takes, bar a coalesced read.
     assert taken_on >= 6 * 20, taken_on
+
+
+SPECULATIVE = SimConfig(
+    model="m",
+    engine=EngineConfig(step_floor_s=0.002, per_token_s=0.0, num_speculative_tokens=3),
+)
+
+
+async def test_speculative_decoding_streams_go_through_the_lane_and_count_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Events of several tokens (drafts accepted): the lane keeps each event's count, and the
+    records and bytes are those of the Python path."""
+    bodies_on, records_on, taken_on = await run_requests(True, monkeypatch, SPECULATIVE)
+    bodies_off, records_off, _ = await run_requests(False, monkeypatch, SPECULATIVE)
+    assert bodies_on == bodies_off
+    assert records_on == records_off
+    # The usage-carrying streams (the proxy asks for it on all of them) count exactly 24.
+    assert all(r["n_out"] == 24 == sum(r["server_tokens"]) for r in records_on)
+    assert any(n > 1 for r in records_on for n in r["server_tokens"])  # drafts were accepted
+    events = sum(len(r["server_tokens"]) for r in records_on)
+    assert taken_on >= events - 6 * 4, (taken_on, events)
 
 
 async def test_records_hold_their_stamps_in_order_whichever_path_took_each_read() -> None:

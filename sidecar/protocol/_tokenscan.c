@@ -18,6 +18,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <string.h>
 
 typedef const unsigned char *cursor;
@@ -386,7 +387,8 @@ chunk_payload(PyObject *module, PyObject *arg)
  *      max_event_bytes, strip)
  *
  * The read that makes up almost every read of a streamed answer is one or a few whole HTTP
- * chunks, each exactly one common token event of choice 0 carrying one token. In Python it
+ * chunks, each exactly one common token event of choice 0 (carrying one token, or several
+ * under speculative decoding). In Python it
  * went through ten frames (the connection, the exchange, the relay's callback, the meter, the
  * token counter, the client's framing, the builder's stamps: ~390 bytecodes per read,
  * benchmarks/request_instructions.py). `relay` does all of it for such a read: the chunk and
@@ -396,8 +398,8 @@ chunk_payload(PyObject *module, PyObject *arg)
  * measuring core takes it (`take`) before it handles any read itself or ends the stream.
  *
  * It never decides anything the Python path would decide differently: a read it does not take
- * whole (another shape, another choice, a count other than one token, the stream's event
- * limit, a client that is going) is left untouched for the Python path (False), and the caller
+ * whole (another shape, another choice, the stream's event limit, a client that is going) is
+ * left untouched for the Python path (False), and the caller
  * arms it (`arm`) only in the state where the Python path's own one-event lane would run
  * (stream_relay.MeteredRead says when). tests/test_lane.py holds the two paths to the same
  * client bytes and the same records.
@@ -412,6 +414,19 @@ chunk_payload(PyObject *module, PyObject *arg)
 #include <time.h>
 
 #define LANE_MAX_CHUNKS 64 /* per read; more goes to the Python path */
+/* Events counted before a take: past it, the next read goes to the Python path, which takes
+ * them (the Python columns hold them from then on) and frees the lane's buffer. What a stream in
+ * flight holds here stays small (at most 128 x 24 bytes, 8 x 24 for a slow stream), at the
+ * price of one read in 128 on the Python path. */
+#define LANE_MAX_PENDING 128
+#define LANE_FIRST_CAPACITY 8
+
+/* One counted event: its two instants and its output tokens. */
+struct lane_event {
+    long long up;     /* server-side offset */
+    long long down;   /* client-side offset */
+    long long tokens; /* TokenCounter.token_event's count */
+};
 
 typedef struct {
     PyObject_HEAD
@@ -428,8 +443,9 @@ typedef struct {
     long long events_left;     /* events the stream may still take, from `arm` */
     long long last_cumulative; /* choice 0's completion tokens so far, from `arm` */
     /* Counted since the last `take`: */
-    long long *up;   /* server-side offsets, one per event */
-    long long *down; /* client-side offsets, one per event */
+    struct lane_event *events;
+    int all_ones;     /* every event carried one token: `take` hands no token column */
+    long long gained; /* their tokens' sum */
     Py_ssize_t pending;
     Py_ssize_t capacity;
     int inexact; /* an event without usage (one token counted for it) */
@@ -475,8 +491,7 @@ lane_dealloc(Lane *self)
 {
     PyObject_GC_UnTrack(self);
     lane_clear(self);
-    PyMem_Free(self->up);
-    PyMem_Free(self->down);
+    PyMem_Free(self->events);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -507,6 +522,7 @@ lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->high_water = high_water;
     self->max_event_bytes = max_event_bytes;
     self->strip = strip;
+    self->all_ones = 1;
     return (PyObject *)self;
 }
 
@@ -517,20 +533,16 @@ lane_reserve(Lane *self, Py_ssize_t more)
     if (self->pending + more <= self->capacity) {
         return 0;
     }
-    Py_ssize_t capacity = self->capacity ? self->capacity : 64;
+    Py_ssize_t capacity = self->capacity ? self->capacity : LANE_FIRST_CAPACITY;
     while (capacity < self->pending + more) {
         capacity *= 2;
     }
-    long long *up = PyMem_Realloc(self->up, (size_t)capacity * sizeof(long long));
-    if (up == NULL) {
+    struct lane_event *events =
+        PyMem_Realloc(self->events, (size_t)capacity * sizeof(struct lane_event));
+    if (events == NULL) {
         return -1;
     }
-    self->up = up;
-    long long *down = PyMem_Realloc(self->down, (size_t)capacity * sizeof(long long));
-    if (down == NULL) {
-        return -1;
-    }
-    self->down = down;
+    self->events = events;
     self->capacity = capacity;
     return 0;
 }
@@ -556,6 +568,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     cursor payloads[LANE_MAX_CHUNKS];
     size_t sizes[LANE_MAX_CHUNKS];
     struct token_chunk chunks[LANE_MAX_CHUNKS];
+    long long gained[LANE_MAX_CHUNKS];
     int n = 0;
     size_t out_size = 0;
     long long last = self->last_cumulative;
@@ -568,22 +581,26 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
             Py_RETURN_FALSE;
         }
         struct token_chunk *chunk = &chunks[n];
+        /* TokenCounter.token_event: the rise of the cumulative count (0 when it did not
+         * rise: released text, no new token), else one token per event without usage. */
         if (chunk->has_usage) {
-            if (chunk->completion != last + 1) {
-                Py_RETURN_FALSE; /* not one token: the Python path notes the count */
+            gained[n] = chunk->completion > last ? chunk->completion - last : 0;
+            if (chunk->completion > last) {
+                last = chunk->completion;
             }
-            last = chunk->completion;
             if (self->strip) {
                 out_size -= (size_t)(chunk->usage_end - chunk->usage_start);
             }
         }
         else {
+            gained[n] = 1;
             last += 1;
         }
         out_size += sizes[n];
         n++;
     }
-    if (n == 0 || self->pending + n > self->events_left) {
+    if (n == 0 || self->pending + n > self->events_left
+        || self->pending + n > LANE_MAX_PENDING) {
         Py_RETURN_FALSE;
     }
     PyObject *closing = PyObject_CallNoArgs(self->is_closing);
@@ -639,8 +656,12 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     /* Committed: the read is this lane's. */
     long long up_ns = at_ns - self->origin_ns;
     for (int i = 0; i < n; i++) {
-        self->up[self->pending] = up_ns;
-        self->down[self->pending] = down_ns;
+        struct lane_event *counted = &self->events[self->pending];
+        counted->up = up_ns;
+        counted->down = down_ns;
+        counted->tokens = gained[i];
+        self->all_ones &= gained[i] == 1;
+        self->gained += gained[i];
         self->pending++;
         struct token_chunk *chunk = &chunks[i];
         if (chunk->has_usage) {
@@ -703,20 +724,35 @@ lane_arm(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->events_left = events_left + self->pending;
     self->last_cumulative = last;
+    if (self->pending == 0) {
+        self->all_ones = 1;
+        self->gained = 0;
+    }
     self->armed = 1;
     Py_RETURN_NONE;
 }
 
+/* One member of the pending events as native int64 bytes (array('q').frombytes). */
 static PyObject *
-bytes_of(const long long *values, Py_ssize_t n)
+column_of(const struct lane_event *events, Py_ssize_t n, size_t member)
 {
-    return PyBytes_FromStringAndSize((const char *)values, n * (Py_ssize_t)sizeof(long long));
+    PyObject *column = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(long long));
+    if (column == NULL) {
+        return NULL;
+    }
+    long long *to = (long long *)PyBytes_AS_STRING(column);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(&to[i], (const char *)&events[i] + member, sizeof(long long));
+    }
+    return column;
 }
 
-/* take() -> None | (up: bytes, down: bytes, last_cumulative, exact, usage): disarms the lane
- * and hands over what it counted since the last take (None: nothing). ``up`` and ``down`` are
- * the events' offsets as native int64 (array('q').frombytes); ``exact``: every event carried
- * usage; ``usage``: the last usage seen, (prompt, total, completion), or None. */
+/* take() -> None | (up: bytes, down: bytes, tokens: bytes | None, gained, last_cumulative,
+ * exact, usage): disarms the lane and hands over what it counted since the last take (None:
+ * nothing). ``up``, ``down`` and ``tokens`` are per event, native int64
+ * (array('q').frombytes); ``tokens`` is None when every event carried one token; ``gained``:
+ * their sum; ``exact``: every event carried usage; ``usage``: the last usage seen, (prompt,
+ * total, completion), or None. */
 static PyObject *
 lane_take(Lane *self, PyObject *unused)
 {
@@ -725,23 +761,34 @@ lane_take(Lane *self, PyObject *unused)
     if (self->pending == 0) {
         Py_RETURN_NONE;
     }
-    PyObject *up = bytes_of(self->up, self->pending);
-    PyObject *down = bytes_of(self->down, self->pending);
+    PyObject *up = column_of(self->events, self->pending, offsetof(struct lane_event, up));
+    PyObject *down = column_of(self->events, self->pending, offsetof(struct lane_event, down));
+    PyObject *tokens =
+        self->all_ones
+            ? Py_NewRef(Py_None)
+            : column_of(self->events, self->pending, offsetof(struct lane_event, tokens));
     PyObject *usage = self->has_usage
                           ? Py_BuildValue("(LLL)", self->prompt, self->total, self->completion)
                           : Py_NewRef(Py_None);
     PyObject *answer = NULL;
-    if (up != NULL && down != NULL && usage != NULL) {
-        answer = Py_BuildValue("(OOLOO)", up, down, self->last_cumulative,
-                               self->inexact ? Py_False : Py_True, usage);
+    if (up != NULL && down != NULL && tokens != NULL && usage != NULL) {
+        answer = Py_BuildValue("(OOOLLOO)", up, down, tokens, self->gained,
+                               self->last_cumulative, self->inexact ? Py_False : Py_True, usage);
     }
     Py_XDECREF(up);
     Py_XDECREF(down);
+    Py_XDECREF(tokens);
     Py_XDECREF(usage);
     if (answer != NULL) {
         self->pending = 0;
         self->inexact = 0;
         self->has_usage = 0;
+        self->all_ones = 1;
+        self->gained = 0;
+        /* Now in the Python columns: a stream in flight keeps no second copy here. */
+        PyMem_Free(self->events);
+        self->events = NULL;
+        self->capacity = 0;
     }
     return answer;
 }
@@ -775,7 +822,8 @@ static PyMethodDef lane_methods[] = {
     {"arm", (PyCFunction)(void (*)(void))lane_arm, METH_FASTCALL,
      "arm(events_left, last_cumulative): take reads from now on."},
     {"take", (PyCFunction)lane_take, METH_NOARGS,
-     "take() -> None | (up, down, last_cumulative, exact, usage): disarm, hand over the counts."},
+     "take() -> None | (up, down, tokens, gained, last_cumulative, exact, usage): disarm, hand "
+     "over the counts."},
     {"close", (PyCFunction)lane_close, METH_NOARGS, "close(): disarmed for good."},
     {NULL, NULL, 0, NULL},
 };

@@ -7,9 +7,10 @@ def scan(data: bytes | bytearray | memoryview, /) -> _Scan | None: ...
 def cut(data: bytes, start: int, end: int, /) -> bytes: ...
 def chunk_payload(read: bytes, /) -> bytes | None: ...
 
-# What `Lane.take` hands over: up offsets, down offsets (native int64 bytes), choice 0's
-# cumulative count, whether every event carried usage, the last usage (prompt, total, completion).
-_Taken = tuple[bytes, bytes, int, bool, tuple[int, int, int] | None]
+# What `Lane.take` hands over: up offsets, down offsets, tokens per event (native int64 bytes;
+# None: one each), their sum, choice 0's cumulative count, whether every event carried usage,
+# the last usage (prompt, total, completion).
+_Taken = tuple[bytes, bytes, bytes | None, int, int, bool, tuple[int, int, int] | None]
 
 class Lane:
     def __init__(

@@ -428,11 +428,11 @@ class TokenCounter:
             return None
         return self._last.get(0, 0)
 
-    def take_lane(self, n_events: int, last_cumulative: int, exact: bool) -> None:
-        """``n_events`` token events of choice 0 the C lane counted, one token each (it takes no
-        other), ending at ``last_cumulative``: what `token_event` would have left."""
+    def take_lane(self, gained: int, last_cumulative: int, exact: bool) -> None:
+        """Token events of choice 0 the C lane counted, ``gained`` tokens in all, ending at
+        ``last_cumulative``: what `token_event` would have left."""
         self._last[0] = last_cumulative
-        self.total += n_events
+        self.total += gained
         if not exact:
             self._exact = False
 

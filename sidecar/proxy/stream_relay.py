@@ -165,8 +165,8 @@ class MeteredRead:
         """Disarm the C lane and give the meter and the builder what it counted meanwhile."""
         taken = lane.take()
         if taken is not None:
-            up, down, last_cumulative, exact, usage = taken
-            self.meter.take_lane(up, last_cumulative, exact, usage)
+            up, down, tokens, gained, last_cumulative, exact, usage = taken
+            self.meter.take_lane(up, tokens, gained, last_cumulative, exact, usage)
             self.builder.client_token_offsets(down)
 
     def _client_full(self) -> None:
