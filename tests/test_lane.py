@@ -59,7 +59,8 @@ class Timeouts:
 
 
 class Client:
-    """The client transport's three methods the lane calls, recorded."""
+    """What the lane calls: the client transport's three methods, and the relay's
+    `on_client_full`; recorded."""
 
     def __init__(self, held: int = 0, closing: bool = False) -> None:
         self.writes: list[bytes] = []
@@ -73,30 +74,20 @@ class Client:
             raise RuntimeError("write failed")
         self.writes.append(data)
 
-    def buffer_size(self) -> int:
+    def get_write_buffer_size(self) -> int:
         return self.held
 
     def is_closing(self) -> bool:
         return self.closing
 
-    def on_full(self) -> None:
+    def on_client_full(self) -> None:
         self.full_calls += 1
 
 
 def new_lane(
     client: Client, timeouts: Timeouts | None = None, strip: bool = True, max_event: int = 1 << 20
 ) -> Lane:
-    return Lane(
-        client.write,
-        client.buffer_size,
-        client.is_closing,
-        client.on_full,
-        timeouts or Timeouts(),
-        ORIGIN,
-        HIGH_WATER,
-        max_event,
-        strip,
-    )
+    return Lane(client, client, timeouts or Timeouts(), ORIGIN, HIGH_WATER, max_event, strip)
 
 
 def offsets(raw: bytes) -> list[int]:

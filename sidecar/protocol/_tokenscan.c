@@ -383,8 +383,7 @@ chunk_payload(PyObject *module, PyObject *arg)
 
 /* -- Lane: the whole per-read path of a stream's common read, in one call ------------------
  *
- * Lane(write, buffer_size, is_closing, on_full, timeouts, origin_ns, high_water,
- *      max_event_bytes, strip)
+ * Lane(client, relay, timeouts, origin_ns, high_water, max_event_bytes, strip)
  *
  * The read that makes up almost every read of a streamed answer is one or a few whole HTTP
  * chunks, each exactly one common token event of choice 0 (carrying one token, or several
@@ -404,10 +403,11 @@ chunk_payload(PyObject *module, PyObject *arg)
  * (stream_relay.MeteredRead says when). tests/test_lane.py holds the two paths to the same
  * client bytes and the same records.
  *
- * write / buffer_size / is_closing: the client transport's bound methods; on_full(): called
- * once the client's buffer holds more than high_water bytes (the relay pauses the upstream),
- * after which the lane is disarmed; timeouts: its `last_ns` is set to each taken read's
- * instant; origin_ns: the request's arrival (every offset is from it). All instants are
+ * client: the client's transport (its write, get_write_buffer_size and is_closing are called
+ * by name: a stream in flight holds one reference, not three bound methods); relay: its
+ * on_client_full() is called once the client's buffer holds more than high_water bytes (the
+ * relay pauses the upstream), after which the lane is disarmed; timeouts: its `last_ns` is set
+ * to each taken read's instant; origin_ns: the request's arrival (every offset is from it). All instants are
  * CLOCK_MONOTONIC nanoseconds, the clock of clock.monotonic_ns (time.perf_counter_ns on Linux).
  */
 
@@ -419,21 +419,19 @@ chunk_payload(PyObject *module, PyObject *arg)
  * flight holds here stays small (at most 128 x 24 bytes, 8 x 24 for a slow stream), at the
  * price of one read in 128 on the Python path. */
 #define LANE_MAX_PENDING 128
-#define LANE_FIRST_CAPACITY 8
+#define LANE_FIRST_CAPACITY 4
 
-/* One counted event: its two instants and its output tokens. */
+/* One counted event: its two instants. Its output tokens go in a column of their own, made
+ * only from the first event that did not carry one (as the meter's own column). */
 struct lane_event {
-    long long up;     /* server-side offset */
-    long long down;   /* client-side offset */
-    long long tokens; /* TokenCounter.token_event's count */
+    long long up;   /* server-side offset */
+    long long down; /* client-side offset */
 };
 
 typedef struct {
     PyObject_HEAD
-    PyObject *write;
-    PyObject *buffer_size;
-    PyObject *is_closing;
-    PyObject *on_full;
+    PyObject *client;
+    PyObject *relay;
     PyObject *timeouts;
     long long origin_ns;
     long long high_water;
@@ -444,7 +442,8 @@ typedef struct {
     long long last_cumulative; /* choice 0's completion tokens so far, from `arm` */
     /* Counted since the last `take`: */
     struct lane_event *events;
-    int all_ones;     /* every event carried one token: `take` hands no token column */
+    long long *tokens; /* each event's output tokens, from the first that was not 1 */
+    int all_ones;      /* every event carried one token: no `tokens` column, and none handed */
     long long gained; /* their tokens' sum */
     Py_ssize_t pending;
     Py_ssize_t capacity;
@@ -453,7 +452,8 @@ typedef struct {
     long long prompt, total, completion; /* the last usage seen */
 } Lane;
 
-static PyObject *last_ns_name; /* "last_ns", interned at import */
+/* Interned at import. */
+static PyObject *last_ns_name, *write_name, *buffer_size_name, *is_closing_name, *full_name;
 
 static long long
 monotonic_ns(void)
@@ -466,10 +466,8 @@ monotonic_ns(void)
 static int
 lane_traverse(Lane *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->write);
-    Py_VISIT(self->buffer_size);
-    Py_VISIT(self->is_closing);
-    Py_VISIT(self->on_full);
+    Py_VISIT(self->client);
+    Py_VISIT(self->relay);
     Py_VISIT(self->timeouts);
     return 0;
 }
@@ -478,10 +476,8 @@ static int
 lane_clear(Lane *self)
 {
     self->armed = 0;
-    Py_CLEAR(self->write);
-    Py_CLEAR(self->buffer_size);
-    Py_CLEAR(self->is_closing);
-    Py_CLEAR(self->on_full);
+    Py_CLEAR(self->client);
+    Py_CLEAR(self->relay);
     Py_CLEAR(self->timeouts);
     return 0;
 }
@@ -492,31 +488,30 @@ lane_dealloc(Lane *self)
     PyObject_GC_UnTrack(self);
     lane_clear(self);
     PyMem_Free(self->events);
+    PyMem_Free(self->tokens);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *
 lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"write", "buffer_size", "is_closing", "on_full", "timeouts",
-                            "origin_ns", "high_water", "max_event_bytes", "strip", NULL};
-    PyObject *write, *buffer_size, *is_closing, *on_full, *timeouts;
+    static char *names[] = {"client",     "relay",           "timeouts", "origin_ns",
+                            "high_water", "max_event_bytes", "strip",    NULL};
+    PyObject *client, *relay, *timeouts;
     long long origin_ns, high_water;
     Py_ssize_t max_event_bytes;
     int strip;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOLLnp:Lane", names, &write,
-                                     &buffer_size, &is_closing, &on_full, &timeouts, &origin_ns,
-                                     &high_water, &max_event_bytes, &strip)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOLLnp:Lane", names, &client, &relay,
+                                     &timeouts, &origin_ns, &high_water, &max_event_bytes,
+                                     &strip)) {
         return NULL;
     }
     Lane *self = (Lane *)type->tp_alloc(type, 0);
     if (self == NULL) {
         return NULL;
     }
-    self->write = Py_NewRef(write);
-    self->buffer_size = Py_NewRef(buffer_size);
-    self->is_closing = Py_NewRef(is_closing);
-    self->on_full = Py_NewRef(on_full);
+    self->client = Py_NewRef(client);
+    self->relay = Py_NewRef(relay);
     self->timeouts = Py_NewRef(timeouts);
     self->origin_ns = origin_ns;
     self->high_water = high_water;
@@ -543,7 +538,29 @@ lane_reserve(Lane *self, Py_ssize_t more)
         return -1;
     }
     self->events = events;
+    if (self->tokens != NULL) {
+        long long *tokens = PyMem_Realloc(self->tokens, (size_t)capacity * sizeof(long long));
+        if (tokens == NULL) {
+            return -1;
+        }
+        self->tokens = tokens;
+    }
     self->capacity = capacity;
+    return 0;
+}
+
+/* The token column, with 1 for the events pending before the first that was not 1. */
+static int
+lane_start_column(Lane *self)
+{
+    long long *tokens = PyMem_Malloc((size_t)self->capacity * sizeof(long long));
+    if (tokens == NULL) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < self->pending; i++) {
+        tokens[i] = 1;
+    }
+    self->tokens = tokens;
     return 0;
 }
 
@@ -603,7 +620,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
         || self->pending + n > LANE_MAX_PENDING) {
         Py_RETURN_FALSE;
     }
-    PyObject *closing = PyObject_CallNoArgs(self->is_closing);
+    PyObject *closing = PyObject_CallMethodNoArgs(self->client, is_closing_name);
     if (closing == NULL) {
         PyErr_Clear();
         Py_RETURN_FALSE;
@@ -614,7 +631,12 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         Py_RETURN_FALSE;
     }
-    if (lane_reserve(self, n) < 0) {
+    int column_needed = 0;
+    for (int i = 0; i < n; i++) {
+        column_needed |= gained[i] != 1;
+    }
+    if (lane_reserve(self, n) < 0
+        || (column_needed && self->tokens == NULL && lane_start_column(self) < 0)) {
         Py_RETURN_FALSE; /* no memory now: the Python path will fail the read if it must */
     }
     long long read_ns = monotonic_ns();
@@ -645,7 +667,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     }
     to[0] = '\r';
     to[1] = '\n';
-    PyObject *written = PyObject_CallOneArg(self->write, out);
+    PyObject *written = PyObject_CallMethodOneArg(self->client, write_name, out);
     Py_DECREF(out);
     if (written == NULL) {
         PyErr_Clear();
@@ -659,7 +681,9 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
         struct lane_event *counted = &self->events[self->pending];
         counted->up = up_ns;
         counted->down = down_ns;
-        counted->tokens = gained[i];
+        if (self->tokens != NULL) {
+            self->tokens[self->pending] = gained[i];
+        }
         self->all_ones &= gained[i] == 1;
         self->gained += gained[i];
         self->pending++;
@@ -681,7 +705,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_DECREF(instant);
-    PyObject *held = PyObject_CallNoArgs(self->buffer_size);
+    PyObject *held = PyObject_CallMethodNoArgs(self->client, buffer_size_name);
     if (held == NULL) {
         return NULL;
     }
@@ -692,7 +716,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (held_bytes > self->high_water) {
         self->armed = 0; /* the upstream pauses; the Python path takes the reads after */
-        PyObject *paused = PyObject_CallNoArgs(self->on_full);
+        PyObject *paused = PyObject_CallMethodNoArgs(self->relay, full_name);
         if (paused == NULL) {
             return NULL;
         }
@@ -718,7 +742,7 @@ lane_arm(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     if (last == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (self->write == NULL) {
+    if (self->client == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "arm(): the lane is closed");
         return NULL;
     }
@@ -763,10 +787,10 @@ lane_take(Lane *self, PyObject *unused)
     }
     PyObject *up = column_of(self->events, self->pending, offsetof(struct lane_event, up));
     PyObject *down = column_of(self->events, self->pending, offsetof(struct lane_event, down));
-    PyObject *tokens =
-        self->all_ones
-            ? Py_NewRef(Py_None)
-            : column_of(self->events, self->pending, offsetof(struct lane_event, tokens));
+    PyObject *tokens = self->all_ones ? Py_NewRef(Py_None)
+                                      : PyBytes_FromStringAndSize(
+                                            (const char *)self->tokens,
+                                            self->pending * (Py_ssize_t)sizeof(long long));
     PyObject *usage = self->has_usage
                           ? Py_BuildValue("(LLL)", self->prompt, self->total, self->completion)
                           : Py_NewRef(Py_None);
@@ -787,7 +811,9 @@ lane_take(Lane *self, PyObject *unused)
         self->gained = 0;
         /* Now in the Python columns: a stream in flight keeps no second copy here. */
         PyMem_Free(self->events);
+        PyMem_Free(self->tokens);
         self->events = NULL;
+        self->tokens = NULL;
         self->capacity = 0;
     }
     return answer;
@@ -878,7 +904,12 @@ PyInit__tokenscan(void)
         return NULL;
     }
     last_ns_name = PyUnicode_InternFromString("last_ns");
-    if (last_ns_name == NULL) {
+    write_name = PyUnicode_InternFromString("write");
+    buffer_size_name = PyUnicode_InternFromString("get_write_buffer_size");
+    is_closing_name = PyUnicode_InternFromString("is_closing");
+    full_name = PyUnicode_InternFromString("on_client_full");
+    if (last_ns_name == NULL || write_name == NULL || buffer_size_name == NULL
+        || is_closing_name == NULL || full_name == NULL) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);

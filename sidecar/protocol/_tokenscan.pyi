@@ -1,4 +1,4 @@
-from collections.abc import Callable
+from typing import Protocol
 
 # The C scanner (_tokenscan.c); fastchunk.TokenScan names the parts of its answer.
 _Scan = tuple[int, int | None, int | None, int | None, int, int, int, int, int]
@@ -12,13 +12,19 @@ def chunk_payload(read: bytes, /) -> bytes | None: ...
 # the last usage (prompt, total, completion).
 _Taken = tuple[bytes, bytes, bytes | None, int, int, bool, tuple[int, int, int] | None]
 
+class _Client(Protocol):
+    def write(self, data: bytes, /) -> object: ...
+    def get_write_buffer_size(self) -> int: ...
+    def is_closing(self) -> bool: ...
+
+class _Relay(Protocol):
+    def on_client_full(self) -> object: ...
+
 class Lane:
     def __init__(
         self,
-        write: Callable[[bytes], object],
-        buffer_size: Callable[[], int],
-        is_closing: Callable[[], bool],
-        on_full: Callable[[], object],
+        client: _Client,
+        relay: _Relay,
         timeouts: object,
         origin_ns: int,
         high_water: int,

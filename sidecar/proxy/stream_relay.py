@@ -169,7 +169,7 @@ class MeteredRead:
             self.meter.take_lane(up, tokens, gained, last_cumulative, exact, usage)
             self.builder.client_token_offsets(down)
 
-    def _client_full(self) -> None:
+    def on_client_full(self) -> None:
         """The C lane's write left more than the high-water mark in the client's buffer: what
         `_deliver` does then (the lane has disarmed itself)."""
         exchange = self.exchange
@@ -193,10 +193,8 @@ class MeteredRead:
             return
         max_event_bytes, strip = settings
         self.lane = LaneType(
-            client.write,
-            client.get_write_buffer_size,
-            client.is_closing,
-            self._client_full,
+            client,
+            self,
             self.timeouts,
             self.meter.origin_ns,
             WRITE_HIGH_WATER,

@@ -1016,17 +1016,23 @@ def test_the_c_lane_takes_the_real_servers_token_chunks(
     class Timeouts:
         last_ns = 0
 
-    lane = Lane(
-        written.append,
-        lambda: 0,
-        lambda: False,
-        lambda: None,
-        Timeouts(),
-        0,
-        1 << 16,
-        1 << 20,
-        strip,
-    )
+    class Client:
+        """The client transport and the relay, as the lane calls them."""
+
+        def write(self, data: bytes) -> None:
+            written.append(data)
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+        def is_closing(self) -> bool:
+            return False
+
+        def on_client_full(self) -> None:
+            raise AssertionError("never full")
+
+    client = Client()
+    lane = Lane(client, client, Timeouts(), 0, 1 << 16, 1 << 20, strip)
     lane.arm(1 << 20, 0)
     expected_taken = 0
     last = 0
