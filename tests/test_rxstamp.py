@@ -313,21 +313,28 @@ def test_the_start_line_says_where_server_stamps_come_from() -> None:
     assert mixed.endswith("; when read for the TLS upstreams https://10.0.0.1:443")
 
 
-async def test_a_protocol_that_fails_on_a_read_ends_its_connection() -> None:
+@pytest.mark.parametrize("failing", ["protocol", "lane"])
+async def test_a_protocol_or_lane_that_fails_on_a_read_ends_its_connection(failing: str) -> None:
+    """The read's exception fails the transport (its connection closed, the protocol told) and
+    goes on to the loop, whether the protocol or the stream's lane raised it."""
     loop = asyncio.get_running_loop()
     logged: list[dict[str, Any]] = []
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: logged.append(context))
     try:
         async with connected() as (reader, transport, peer):
+            if failing == "lane":
+                transport.lane = FakeLane(fail=True)
+            else:
 
-            def broken(data: bytes, at_ns: int) -> None:
-                raise ValueError("cannot take this")
+                def broken(data: bytes, at_ns: int) -> None:
+                    raise ValueError("cannot take this")
 
-            reader.data_received_at = broken  # type: ignore[method-assign]
+                reader.data_received_at = broken  # type: ignore[method-assign]
             peer.send(b"x")
             lost = await asyncio.wait_for(reader.lost, 5)
             assert isinstance(lost, ValueError) and transport.is_closing()
+            assert reader.reads == []
             assert await loop.sock_recv(peer, 10) == b""  # the connection was closed
     finally:
         loop.set_exception_handler(previous)
@@ -372,23 +379,6 @@ async def test_each_read_is_offered_to_the_lane_first_and_the_rest_reach_the_pro
         peer.send(b"L5")
         await reader.wait_for(len(reader.data) + 2)
         assert reader.data.endswith(b"L5") and len(lane.taken) == 2
-
-
-async def test_a_lane_that_fails_on_a_read_ends_its_connection() -> None:
-    loop = asyncio.get_running_loop()
-    logged: list[dict[str, Any]] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: logged.append(context))
-    try:
-        async with connected() as (reader, transport, peer):
-            transport.lane = FakeLane(fail=True)
-            peer.send(b"x")
-            lost = await asyncio.wait_for(reader.lost, 5)
-            assert isinstance(lost, ValueError) and transport.is_closing()
-            assert reader.reads == []
-    finally:
-        loop.set_exception_handler(previous)
-    assert any(isinstance(c.get("exception"), ValueError) for c in logged)
 
 
 async def test_an_ended_transport_lets_go_of_its_reader_lane_and_protocol(

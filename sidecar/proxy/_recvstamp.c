@@ -27,6 +27,38 @@
 #define SCM_TIMESTAMPNS SO_TIMESTAMPNS
 #endif
 
+/* One recvmsg(2) of ``fd`` into [buf, buf + len): its size (-1 with errno set), and in *stamp
+ * the SO_TIMESTAMPNS stamp of the first control message when it is one of the right size, in
+ * CLOCK_REALTIME nanoseconds, else -1. */
+static ssize_t
+receive_stamped(int fd, void *buf, size_t len, long long *stamp)
+{
+    struct iovec iov = {buf, len};
+    union {
+        char bytes[CMSG_SPACE(sizeof(struct timespec))];
+        struct cmsghdr align;
+    } control;
+    struct msghdr message;
+    memset(&message, 0, sizeof message);
+    message.msg_iov = &iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.bytes;
+    message.msg_controllen = sizeof control.bytes;
+    *stamp = -1;
+    ssize_t size = recvmsg(fd, &message, 0);
+    if (size < 0) {
+        return size;
+    }
+    struct cmsghdr *first = message.msg_controllen ? CMSG_FIRSTHDR(&message) : NULL;
+    if (first != NULL && first->cmsg_level == SOL_SOCKET && first->cmsg_type == SCM_TIMESTAMPNS
+        && first->cmsg_len == CMSG_LEN(sizeof(struct timespec))) {
+        struct timespec at;
+        memcpy(&at, CMSG_DATA(first), sizeof at);
+        *stamp = (long long)at.tv_sec * 1000000000LL + (long long)at.tv_nsec;
+    }
+    return size;
+}
+
 static PyObject *
 receive(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -47,29 +79,13 @@ receive(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) < 0) {
         return NULL;
     }
-    struct iovec iov = {view.buf, (size_t)view.len};
-    union {
-        char bytes[CMSG_SPACE(sizeof(struct timespec))];
-        struct cmsghdr align;
-    } control;
-    struct msghdr message;
-    memset(&message, 0, sizeof message);
-    message.msg_iov = &iov;
-    message.msg_iovlen = 1;
-    message.msg_control = control.bytes;
-    message.msg_controllen = sizeof control.bytes;
-    ssize_t size = recvmsg((int)fd, &message, 0);
+    long long stamp;
+    ssize_t size = receive_stamped((int)fd, view.buf, (size_t)view.len, &stamp);
     if (size < 0) {
+        int error = errno; /* as recvmsg left it, whatever releasing the buffer does */
         PyBuffer_Release(&view);
+        errno = error;
         return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    long long stamp = -1;
-    struct cmsghdr *first = message.msg_controllen ? CMSG_FIRSTHDR(&message) : NULL;
-    if (first != NULL && first->cmsg_level == SOL_SOCKET && first->cmsg_type == SCM_TIMESTAMPNS
-        && first->cmsg_len == CMSG_LEN(sizeof(struct timespec))) {
-        struct timespec at;
-        memcpy(&at, CMSG_DATA(first), sizeof at);
-        stamp = (long long)at.tv_sec * 1000000000LL + (long long)at.tv_nsec;
     }
     PyObject *data = PyBytes_FromStringAndSize((const char *)view.buf, size);
     PyBuffer_Release(&view);
@@ -232,21 +248,13 @@ reader_call(Reader *self, PyObject *args, PyObject *kwargs)
     if (PyObject_GetBuffer(self->buffer, &view, PyBUF_WRITABLE) < 0) {
         goto done;
     }
-    struct iovec iov = {view.buf, (size_t)view.len};
-    union {
-        char bytes[CMSG_SPACE(sizeof(struct timespec))];
-        struct cmsghdr align;
-    } control;
-    struct msghdr message;
-    memset(&message, 0, sizeof message);
-    message.msg_iov = &iov;
-    message.msg_iovlen = 1;
-    message.msg_control = control.bytes;
-    message.msg_controllen = sizeof control.bytes;
-    ssize_t size = recvmsg(self->fd, &message, 0);
+    long long realtime_ns;
+    ssize_t size = receive_stamped(self->fd, view.buf, (size_t)view.len, &realtime_ns);
     if (size < 0) {
+        int error = errno; /* as recvmsg left it, whatever releasing the buffer does */
         PyBuffer_Release(&view);
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+        errno = error;
+        if (error == EAGAIN || error == EWOULDBLOCK || error == EINTR) {
             result = Py_NewRef(Py_None);
             goto done;
         }
@@ -273,12 +281,7 @@ reader_call(Reader *self, PyObject *args, PyObject *kwargs)
     }
     long long at_ns = now_ns;
     int stamped = 0;
-    struct cmsghdr *first = message.msg_controllen ? CMSG_FIRSTHDR(&message) : NULL;
-    if (first != NULL && first->cmsg_level == SOL_SOCKET && first->cmsg_type == SCM_TIMESTAMPNS
-        && first->cmsg_len == CMSG_LEN(sizeof(struct timespec))) {
-        struct timespec stamp;
-        memcpy(&stamp, CMSG_DATA(first), sizeof stamp);
-        long long realtime_ns = (long long)stamp.tv_sec * 1000000000LL + stamp.tv_nsec;
+    if (realtime_ns >= 0) {
         /* clock.from_realtime_ns, then the transport's clamp. */
         at_ns = realtime_ns - (clock_ns(CLOCK_REALTIME) - now_ns);
         if (at_ns > now_ns) {
