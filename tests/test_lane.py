@@ -232,6 +232,39 @@ def test_a_full_client_buffer_pauses_once_and_disarms() -> None:
     assert lane.pending == 1
 
 
+class ReentrantClient(Client):
+    """A client whose write takes the lane's counts or closes the lane, before returning."""
+
+    def __init__(self, action: str) -> None:
+        super().__init__()
+        self.action = action
+        self.lane: Lane | None = None
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        assert self.lane is not None
+        if len(self.writes) == 1:
+            return  # the first read is counted as usual: the second one's take frees a buffer
+        if self.action == "take":
+            self.lane.take()
+        else:
+            self.lane.close()
+
+
+@pytest.mark.parametrize("action", ["take", "close"])
+def test_a_lane_taken_or_closed_from_inside_its_write_still_counts_the_read(action: str) -> None:
+    """Whatever the client's write calls (nothing today) may take the lane's counts or close
+    it: the read it was relaying is still counted, and nothing it holds is freed under it."""
+    client = ReentrantClient(action)
+    lane = client.lane = new_lane(client)
+    lane.arm(100, 0)
+    assert lane.relay(chunk(event(CHAT_HELLO, 1)), ORIGIN)
+    assert lane.relay(chunk(event(CHAT_HELLO, 2)) + chunk(event(CHAT_HELLO, 3)), ORIGIN)
+    assert len(client.writes) == 2
+    # Taken inside the write: the first read's event went then; the second read's two remain.
+    assert lane.pending == (2 if action == "take" else 3)
+
+
 def test_a_closed_lane_takes_nothing_and_cannot_be_armed() -> None:
     lane = new_lane(Client())
     lane.arm(100, 0)

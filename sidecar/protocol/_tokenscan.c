@@ -605,15 +605,15 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
             if (chunk->completion > last) {
                 last = chunk->completion;
             }
-            if (self->strip) {
-                out_size -= (size_t)(chunk->usage_end - chunk->usage_start);
-            }
         }
         else {
             gained[n] = 1;
             last += 1;
         }
         out_size += sizes[n];
+        if (chunk->has_usage && self->strip) {
+            out_size -= (size_t)(chunk->usage_end - chunk->usage_start);
+        }
         n++;
     }
     if (n == 0 || self->pending + n > self->events_left
@@ -667,13 +667,25 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     }
     to[0] = '\r';
     to[1] = '\n';
-    PyObject *written = PyObject_CallMethodOneArg(self->client, write_name, out);
+    /* Held for the rest of the call: nothing the write calls may close this lane under it. */
+    PyObject *client = Py_NewRef(self->client);
+    PyObject *relay = Py_NewRef(self->relay);
+    PyObject *timeouts = Py_NewRef(self->timeouts);
+    PyObject *result = NULL;
+    PyObject *written = PyObject_CallMethodOneArg(client, write_name, out);
     Py_DECREF(out);
     if (written == NULL) {
         PyErr_Clear();
-        Py_RETURN_FALSE; /* nothing counted: the Python path writes again and meets it */
+        result = Py_NewRef(Py_False); /* nothing counted: the Python path writes again */
+        goto done;
     }
     Py_DECREF(written);
+    /* Room again, should anything the write called have taken the counts meanwhile. */
+    if (lane_reserve(self, n) < 0
+        || (column_needed && self->tokens == NULL && lane_start_column(self) < 0)) {
+        PyErr_NoMemory();
+        goto done;
+    }
     long long down_ns = monotonic_ns() - self->origin_ns;
     /* Committed: the read is this lane's. */
     long long up_ns = at_ns - self->origin_ns;
@@ -700,29 +712,34 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->last_cumulative = last;
     PyObject *instant = PyLong_FromLongLong(read_ns);
-    if (instant == NULL || PyObject_SetAttr(self->timeouts, last_ns_name, instant) < 0) {
+    if (instant == NULL || PyObject_SetAttr(timeouts, last_ns_name, instant) < 0) {
         Py_XDECREF(instant);
-        return NULL;
+        goto done;
     }
     Py_DECREF(instant);
-    PyObject *held = PyObject_CallMethodNoArgs(self->client, buffer_size_name);
+    PyObject *held = PyObject_CallMethodNoArgs(client, buffer_size_name);
     if (held == NULL) {
-        return NULL;
+        goto done;
     }
     long long held_bytes = PyLong_AsLongLong(held);
     Py_DECREF(held);
     if (held_bytes == -1 && PyErr_Occurred()) {
-        return NULL;
+        goto done;
     }
     if (held_bytes > self->high_water) {
         self->armed = 0; /* the upstream pauses; the Python path takes the reads after */
-        PyObject *paused = PyObject_CallMethodNoArgs(self->relay, full_name);
+        PyObject *paused = PyObject_CallMethodNoArgs(relay, full_name);
         if (paused == NULL) {
-            return NULL;
+            goto done;
         }
         Py_DECREF(paused);
     }
-    Py_RETURN_TRUE;
+    result = Py_NewRef(Py_True);
+done:
+    Py_DECREF(client);
+    Py_DECREF(relay);
+    Py_DECREF(timeouts);
+    return result;
 }
 
 /* arm(events_left, last_cumulative): take reads from now on; the stream may take
