@@ -341,11 +341,20 @@ async def test_upstream_refusing_connections(mode: str, endpoint: str) -> None:
     alive, concurrent requests are retried there and all succeed, and the dead one is ejected
     after its connect failures."""
     dead = []
-    for _ in range(2):
-        sock = socket.socket()
+    # Bound and never listening: connections to them are refused, and the ports stay taken (a
+    # port closed here was once given to the proxy's own admin listener, which answered 404).
+    holders = [socket.socket() for _ in range(2)]
+    for sock in holders:
         sock.bind(("127.0.0.1", 0))
         dead.append(f"http://127.0.0.1:{sock.getsockname()[1]}")
-        sock.close()  # nothing listens there now: connections are refused
+    try:
+        await refused_then_retried(dead, mode, endpoint)
+    finally:
+        for sock in holders:
+            sock.close()
+
+
+async def refused_then_retried(dead: list[str], mode: str, endpoint: str) -> None:
     async with proxy_to(dead, **settings_for(mode)) as p, aiohttp.ClientSession() as session:
         status, body = await post(
             session, p.url, body_for(endpoint, mode), {"X-Request-Id": "refused"}, endpoint
