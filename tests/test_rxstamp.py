@@ -384,7 +384,7 @@ async def test_each_read_is_offered_to_the_lane_first_and_the_rest_reach_the_pro
 async def test_an_ended_transport_lets_go_of_its_reader_lane_and_protocol(
     reader_callback: str,
 ) -> None:
-    async with connected() as (reader, transport, peer):
+    async with connected() as (reader, transport, _peer):
         lane = FakeLane()
         transport.lane = lane
         native = transport._reader
@@ -398,7 +398,6 @@ async def test_an_ended_transport_lets_go_of_its_reader_lane_and_protocol(
         else:
             assert native is None
         await asyncio.wait_for(reader.lost, 5)
-        assert peer.fileno() >= 0  # the peer is the test's to close
 
 
 async def test_reads_without_the_kernels_stamp_are_stamped_when_read_and_counted() -> None:

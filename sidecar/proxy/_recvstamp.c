@@ -365,13 +365,6 @@ reader_set_lane(Reader *self, PyObject *value, void *closure)
     return 0;
 }
 
-static PyObject *
-reader_get_last_ns(Reader *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromLongLong(self->last_ns);
-}
-
 static PyMethodDef reader_methods[] = {
     {"close", (PyCFunction)reader_close, METH_NOARGS,
      "close(): read no more; let go of the transport, the protocol and the lane."},
@@ -381,7 +374,6 @@ static PyMethodDef reader_methods[] = {
 static PyGetSetDef reader_getset[] = {
     {"lane", (getter)reader_get_lane, (setter)reader_set_lane,
      "The stream's C lane, offered each read first (None: none).", NULL},
-    {"last_ns", (getter)reader_get_last_ns, NULL, "The previous read's stamp.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
