@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from sidecar import stats
 from sidecar.hooks import SinkFanout, ThreadedSink
 from sidecar.meter import StreamMeter
-from sidecar.protocol.fastchunk import fast_token_chunk
+from sidecar.protocol.fastchunk import fast_chunk
 from sidecar.protocol.openai import TokenCounter, classify_chunk
 from sidecar.protocol.rewrite import UsagePlan, without_usage
 from sidecar.protocol.sse import SSEParser
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def fast() -> int:
         for raw in raws:
-            fast_token_chunk(raw)
+            fast_chunk(raw)
         return len(raws)
 
     def meter() -> int:
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ),
         (
             "per event",
-            "fast_token_chunk (the common chunk's classification + usage span)",
+            "fast_chunk (the common chunk's classification + usage span)",
             best_of(fast),
         ),
         ("per event", "SSE parse (one event per read)", best_of(parse)),

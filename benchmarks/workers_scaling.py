@@ -171,10 +171,10 @@ def capture_stream(tokens: int, workdir: Path) -> list[bytes]:
 def check_stream(events: Sequence[bytes], tokens: int) -> dict[str, Any]:
     """What the relay will see: token events carrying usage, and how many of them its fast
     path (one regex per event, sidecar/protocol/fastchunk.py) matches."""
-    from sidecar.protocol.fastchunk import fast_token_chunk
+    from sidecar.protocol.fastchunk import fast_chunk
 
     token_events = [e for e in events if b'"delta":{"content":"' in e]
-    fast = sum(1 for e in token_events if fast_token_chunk(e) is not None)
+    fast = sum(1 for e in token_events if fast_chunk(e) is not None)
     with_usage = sum(1 for e in token_events if b'"usage":{' in e)
     if len(token_events) != tokens or events[-1] != b"data: [DONE]\n\n":
         raise RuntimeError(

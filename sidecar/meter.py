@@ -29,7 +29,7 @@ import json
 from array import array
 from typing import Any, NamedTuple, Protocol
 
-from sidecar.protocol.fastchunk import TokenScan, cut_span, fast_token_chunk, scan_token_chunk
+from sidecar.protocol.fastchunk import TokenScan, cut_span, fast_chunk, scan_token_chunk
 from sidecar.protocol.openai import (
     KIND_DONE,
     KIND_ERROR,
@@ -261,7 +261,7 @@ class StreamMeter:
         ):
             scan = scan_token_chunk(data)
             if scan is not None:
-                # What `fast_token_chunk` and `_consume` would do with it, without the ChunkInfo
+                # What `fast_chunk` and `_consume` would do with it, without the ChunkInfo
                 # and the names the lane does not use (`response_model` is read off the
                 # general path): the lane's cost is mostly this block.
                 choice, prompt, total, cumulative, start, end, _, _, _ = scan
@@ -373,7 +373,7 @@ class StreamMeter:
                         out_tokens += self._held_tokens
                     out.append(event.raw)
                 continue
-            fast = fast_token_chunk(event.raw)
+            fast = fast_chunk(event.raw)
             if fast is None:
                 info = classify_chunk(payload)
                 usage_at = -1

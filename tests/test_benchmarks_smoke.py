@@ -370,7 +370,7 @@ def test_hot_paths_smoke() -> None:
         "TokenCounter.observe",
         "strip injected usage (text edit)",
         "RecordBuilder: client stamp (the server stamp is in StreamMeter.feed)",
-        "fast_token_chunk (the common chunk's classification + usage span)",
+        "fast_chunk (the common chunk's classification + usage span)",
         "build + freeze the record",
         "PrometheusSink.on_record",
         "WindowSink.on_record",

@@ -1,6 +1,8 @@
-"""The fast path for the common token chunk says exactly what the general path says: the same
-`ChunkInfo`, and the same bytes once the injected usage is cut, or nothing at all; and its C
-scanner (`_tokenscan.c`) says exactly what the regex it stands for says, on every input."""
+"""The fast path for vLLM's common chunks (the token chunk, and the finish, role and usage-only
+chunks every stream has) says exactly what the general path says: the same `ChunkInfo`, and the
+same bytes once the injected usage is cut, or nothing at all; and its C scanners (`_tokenscan.c`:
+`scan`, the token chunk alone, for the lanes; `scan_chunk`, all of them) say exactly what the
+regexes they stand for say, on every input."""
 
 from __future__ import annotations
 
@@ -14,19 +16,27 @@ from hypothesis import strategies as st
 from prometheus_helpers import require_module
 from vllm_chunks import (
     CHAT_BANG,
+    CHAT_FINISH_032,
+    CHAT_FINISH_USAGE_032,
     CHAT_HELLO,
     CHAT_ROLE,
+    CHAT_ROLE_USAGE_032,
     CHAT_TOKEN_032,
     CHAT_USAGE,
+    CHAT_USAGE_032,
+    COMPLETION_FINISH_032,
     COMPLETION_HELLO,
     COMPLETION_TOKEN_032,
 )
 
 from sidecar.protocol.fastchunk import (
     NATIVE_SCAN,
+    ChunkScan,
     TokenScan,
     cut_with_slices,
-    fast_token_chunk,
+    fast_chunk,
+    scan_common_chunk,
+    scan_common_with_regex,
     scan_token_chunk,
     scan_with_regex,
 )
@@ -44,9 +54,13 @@ def event_of(payload: str) -> tuple[bytes, str]:
 def check(payload: str) -> bool:
     """Fast path == general path whenever the fast path answers; True if it answered."""
     raw, data = event_of(payload)
-    if NATIVE_SCAN:  # the scanner fast_token_chunk runs on says what its specification says
+    if NATIVE_SCAN:  # the scanners the data path runs on say what their specifications say
         assert scan_token_chunk(raw) == scan_with_regex(raw)
-    fast = fast_token_chunk(raw)
+        assert scan_common_chunk(raw) == scan_common_with_regex(raw)
+    token, common = scan_with_regex(raw), scan_common_with_regex(raw)
+    if token is not None:  # a token chunk is a common chunk, read the same
+        assert common is not None and common[:10] == (0, *token) and common[10:] == (-1,) * 4
+    fast = fast_chunk(raw)
     if fast is None:
         return False
     info, start, end = fast
@@ -76,7 +90,7 @@ def with_usage(payload: str, completion: int, details: bool = True) -> str:
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
 
-def test_vllms_token_chunks_take_the_fast_path_and_agree() -> None:
+def test_vllms_chunks_take_the_fast_path_and_agree() -> None:
     assert check(CHAT_HELLO)
     assert check(with_usage(CHAT_HELLO, 2))
     assert check(COMPLETION_HELLO)
@@ -87,20 +101,73 @@ def test_vllms_token_chunks_take_the_fast_path_and_agree() -> None:
     assert check(with_usage(CHAT_TOKEN_032, 1))
     assert check(COMPLETION_TOKEN_032)
     assert check(with_usage(COMPLETION_TOKEN_032, 1, details=False))
+    # The other chunks of every stream: role, finish (with usage or with the fingerprint),
+    # usage-only, in 0.33's shapes (spec/vllm-protocol.md A1) and 0.32's (the real server).
+    for payload in (
+        CHAT_ROLE,
+        with_usage(CHAT_ROLE, 0),
+        CHAT_ROLE_USAGE_032,
+        CHAT_BANG,
+        with_usage(CHAT_BANG.replace(',"system_fingerprint":"vllm-0.33.0-1a2b3c4d"', ""), 3),
+        CHAT_FINISH_032,
+        CHAT_FINISH_USAGE_032,
+        COMPLETION_FINISH_032,
+        CHAT_USAGE,
+        CHAT_USAGE_032,
+        CHAT_BANG.replace('"!"', '""'),  # a finish without text: an EMPTY event
+        CHAT_BANG.replace('"stop_reason":null', '"stop_reason":128009'),  # a stop token
+        CHAT_BANG.replace('"stop_reason":null', '"stop_reason":"</s>"'),  # a stop string
+        CHAT_ROLE.replace('"assistant"', '""'),  # no role: EMPTY
+    ):
+        assert check(payload), payload
+
+
+def test_the_common_chunks_are_read_by_hand() -> None:
+    """Hand-worked: what the fast path says of each of 0.32's chunks."""
+    kinds = {
+        CHAT_ROLE_USAGE_032: (ChunkKind.ROLE, None, 0, 0, None),
+        CHAT_FINISH_032: (ChunkKind.TOKEN, "length", 0, None, "vllm-0.32.0-0384aa49"),
+        CHAT_FINISH_USAGE_032: (ChunkKind.TOKEN, "length", 0, 3, None),
+        COMPLETION_FINISH_032: (ChunkKind.TOKEN, "length", 0, None, "vllm-0.32.0-0384aa49"),
+        CHAT_USAGE_032: (ChunkKind.USAGE, None, None, 3, "vllm-0.32.0-0384aa49"),
+        CHAT_BANG.replace('"!"', '""'): (ChunkKind.EMPTY, "stop", 0, None, "vllm-0.33.0-1a2b3c4d"),
+    }
+    for payload, (kind, reason, index, completion, fingerprint) in kinds.items():
+        fast = fast_chunk(event(payload))
+        assert fast is not None, payload
+        info = fast[0]
+        assert (info.kind, info.finish_reason, info.choice_index) == (kind, reason, index)
+        assert (None if info.usage is None else info.usage.completion_tokens) == completion
+        assert info.system_fingerprint == fingerprint
 
 
 def test_everything_else_takes_the_general_path() -> None:
     for payload in (
-        CHAT_ROLE,
-        CHAT_BANG,
-        CHAT_USAGE,
-        with_usage(CHAT_BANG, 3),
-        CHAT_HELLO.replace('"Hello"', '""'),  # empty content: not a token
+        CHAT_HELLO.replace('"Hello"', '""'),  # empty content and no finish: not a token
         CHAT_HELLO.replace('"model":"M"', '"model":"a\\/b"'),  # an escaped name
         CHAT_HELLO.replace('"index":0', '"index":01'),  # not JSON
         CHAT_HELLO.replace('"Hello"', '"a\\qb"'),  # an escape JSON lacks
         with_usage(CHAT_HELLO, 10**19),  # beyond int64
         CHAT_HELLO + " ",
+        CHAT_USAGE.replace(
+            '"completion_tokens":3',
+            '"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}',
+        ),  # cached tokens
+        CHAT_USAGE.replace(
+            '"system_fingerprint"', '"metrics":{"queue_time_ms":1.5},"system_fingerprint"'
+        ),  # vLLM's per-request metrics
+        CHAT_USAGE.replace(
+            ',"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3}', ""
+        ),  # no choice, no usage
+        CHAT_BANG.replace('"stop_reason":null', '"stop_reason":"a\\"b"'),  # an escaped stop
+        CHAT_BANG.replace('"stop"', '"st\\u006fp"'),  # an escaped finish reason
+        CHAT_BANG.replace('"logprobs":null', '"logprobs":{"content":[]}'),
+        CHAT_ROLE.replace('"content":""', '"content":"x"'),  # a role chunk with text
+        CHAT_ROLE.replace(',"content":""', ""),
+        CHAT_HELLO.replace(
+            '"delta":{"content":"Hello"}',
+            '"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}',
+        ),
     ):
         assert not check(payload), payload
 
@@ -108,7 +175,7 @@ def test_everything_else_takes_the_general_path() -> None:
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=12)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(
     content=TEXT,
     model=TEXT,
@@ -117,6 +184,10 @@ TEXT = st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=12)
     completion=st.one_of(st.none(), st.integers(0, 2**70)),
     chat=st.booleans(),
     ascii_only=st.booleans(),
+    shape=st.sampled_from(["token", "finish", "role", "usage_only"]),
+    finish=TEXT,
+    stop=st.one_of(st.none(), st.integers(0, 2**70), TEXT),
+    fingerprint=st.one_of(st.none(), TEXT),
 )
 def test_generated_chunks_agree(
     content: str,
@@ -126,33 +197,49 @@ def test_generated_chunks_agree(
     completion: int | None,
     chat: bool,
     ascii_only: bool,
+    shape: str,
+    finish: str,
+    stop: int | str | None,
+    fingerprint: str | None,
 ) -> None:
+    """vLLM's shapes with generated names, texts and numbers: the fast path answers only what
+    the general path answers the same."""
+    reason = finish if shape == "finish" else None
     choice: dict[str, Any] = (
         {
             "index": index,
             "delta": {"content": content},
             "logprobs": None,
-            "finish_reason": None,
+            "finish_reason": reason,
+            **({"stop_reason": stop} if reason is not None else {}),
             "token_ids": None,
+            **({"weight_versions": None} if reason is not None else {}),
         }
         if chat
         else {
             "index": index,
             "text": content,
             "logprobs": None,
-            "finish_reason": None,
-            "stop_reason": None,
+            "finish_reason": reason,
+            "stop_reason": stop if reason is not None else None,
             "prompt_token_ids": None,
             "token_ids": None,
             "weight_versions": None,
         }
     )
+    if shape == "role":
+        choice = {
+            "index": index,
+            "delta": {"role": content, "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
     obj: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": 1,
         "model": model,
-        "choices": [choice],
+        "choices": [] if shape == "usage_only" else [choice],
     }
     if completion is not None:
         obj["usage"] = {
@@ -161,11 +248,38 @@ def test_generated_chunks_agree(
             "completion_tokens": completion,
             "completion_tokens_details": None,
         }
+    if fingerprint is not None:
+        obj["system_fingerprint"] = fingerprint
+    if shape == "role":
+        obj["prompt_token_ids"] = obj["prompt_text"] = None
     obj["kv_transfer_params"] = None
     payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=ascii_only)
     answered = check(payload)
-    if answered:
-        assert classify_chunk(event_of(payload)[1]).kind is ChunkKind.TOKEN
+
+    def plain(name: str) -> bool:  # written without an escape: the fast path reads it
+        return not any(c in '"\\' or c < " " or (ascii_only and c > "\x7f") for c in name)
+
+    # Whatever the fast path does not take must be something it is meant to leave alone.
+    expected = (
+        plain(rid)
+        and plain(model)
+        and index < 10**18
+        and (completion is None or completion < 10**15 - 3)
+        and (fingerprint is None or plain(fingerprint))
+    )
+    if shape == "token":
+        expected = expected and content != ""
+    elif shape == "finish":
+        expected = expected and plain(finish)
+        if isinstance(stop, int):
+            expected = expected and stop < 10**18
+        elif stop is not None:
+            expected = expected and plain(stop)
+    elif shape == "role":
+        expected = expected and plain(content)
+    else:
+        expected = expected and completion is not None
+    assert answered == expected, payload
 
 
 @settings(max_examples=400, deadline=None)
@@ -190,6 +304,21 @@ def native_scan() -> Callable[[bytes], TokenScan | None]:
     return scan
 
 
+Scanner = Callable[[bytes], "TokenScan | ChunkScan | None"]
+
+
+def native_and_regex(wide: bool) -> tuple[Scanner, Scanner]:
+    """A C scanner and the regex it stands for: the token chunk's (``scan``, the lanes'), or
+    the common chunks' (``scan_chunk``, the general path's fast path)."""
+    module = require_module("sidecar.protocol._tokenscan", "-e . (with a C compiler: gcc)")
+    if wide:
+        return module.scan_chunk, scan_common_with_regex
+    return module.scan, scan_with_regex
+
+
+SCANNERS = pytest.mark.parametrize("wide", [False, True], ids=["scan", "scan_chunk"])
+
+
 def event(payload: str) -> bytes:
     return b"data: " + payload.encode("utf-8", "surrogatepass") + b"\n\n"
 
@@ -206,16 +335,27 @@ BASES = [
         COMPLETION_TOKEN_032,
         CHAT_HELLO.replace('"Hello"', '"a\\u00e9\\n\\"b\\\\"'),  # every kind of escape
         CHAT_HELLO.replace('"model":"M"', '"model":""').replace('"chatcmpl-abc123"', '""'),
+        CHAT_ROLE,
+        CHAT_ROLE_USAGE_032,
+        CHAT_BANG,
+        CHAT_FINISH_USAGE_032,
+        COMPLETION_FINISH_032,
+        CHAT_USAGE_032,
+        CHAT_BANG.replace('"!"', '""').replace('"stop_reason":null', '"stop_reason":"</s>"'),
+        COMPLETION_FINISH_032.replace('"stop_reason":null', '"stop_reason":7'),
     )
 ]
 
 
 def test_the_native_scanner_reads_vllms_chunks_as_the_regex_does() -> None:
-    scan = native_scan()
+    scan, regex = native_and_regex(wide=False)
+    wide, wide_regex = native_and_regex(wide=True)
     for data in BASES:
-        answer = scan(data)
+        answer = wide(data)
         assert answer is not None, data
-        assert answer == scan_with_regex(data), data
+        assert answer == wide_regex(data), data
+        assert scan(data) == regex(data), data
+    assert sum(scan(data) is not None for data in BASES) == 9  # the token chunks
     # Hand-worked: where each part is in a chunk with usage.
     data = event(with_usage(CHAT_HELLO, 7))
     index, prompt, total, completion, start, end, id_end, model_start, model_end = scan(data)  # type: ignore[misc]
@@ -256,17 +396,50 @@ def test_the_native_scanner_reads_vllms_chunks_as_the_regex_does() -> None:
         CHAT_HELLO.replace(',"kv_transfer_params":null', ',"kv_transfer_params":{}'),
         COMPLETION_HELLO.replace(',"weight_versions":null', ""),
         COMPLETION_HELLO.replace('"text":"Hello"', '"delta":{"content":"Hello"}'),
+        # the other common chunks (scan_chunk's; scan refuses them all)
+        CHAT_BANG.replace('"stop"', '""'),
+        CHAT_BANG.replace('"stop_reason":null', '"stop_reason":' + "9" * 18),
+        CHAT_BANG.replace('"stop_reason":null', '"stop_reason":' + "9" * 19),
+        CHAT_BANG.replace('"stop_reason":null', '"stop_reason":-1'),
+        CHAT_BANG.replace('"stop_reason":null', '"stop_reason":""'),
+        CHAT_BANG.replace('"stop_reason":null', '"stop_reason":"\\n"'),
+        CHAT_BANG.replace(',"weight_versions":null', ""),
+        CHAT_BANG.replace(',"token_ids":null', ""),
+        CHAT_BANG.replace('"vllm-0.33.0-1a2b3c4d"', '""'),
+        CHAT_BANG.replace('"vllm-0.33.0-1a2b3c4d"', '"a\\/b"'),
+        CHAT_BANG.replace('"vllm-0.33.0-1a2b3c4d"', "null"),
+        CHAT_HELLO.replace('"finish_reason":null', '"finish_reason":"stop"'),  # no stop_reason
+        COMPLETION_HELLO.replace('"finish_reason":null', '"finish_reason":"length"'),
+        COMPLETION_HELLO.replace(
+            '"finish_reason":null,"stop_reason":null', '"finish_reason":"length","stop_reason":3'
+        ),
+        COMPLETION_FINISH_032.replace('"eature"', '""'),
+        CHAT_ROLE.replace('"assistant"', '"a\\u0062"'),
+        CHAT_ROLE.replace(',"prompt_token_ids":null,"prompt_text":null', ""),
+        CHAT_ROLE.replace(',"prompt_text":null', ""),
+        CHAT_ROLE_USAGE_032.replace('"completion_tokens":0', '"completion_tokens":' + "9" * 15),
+        CHAT_USAGE_032.replace('"choices":[]', '"choices":[ ]'),
+        CHAT_USAGE_032.replace(',"system_fingerprint":"vllm-0.32.0-0384aa49"', ""),
+        CHAT_USAGE_032.replace(
+            '"completion_tokens":3}', '"completion_tokens":3,"completion_tokens_details":null}'
+        ),
+        CHAT_USAGE_032.replace(
+            ',"usage":{"prompt_tokens":17,"total_tokens":20,"completion_tokens":3}', ""
+        ),
     ],
 )
-def test_the_native_scanner_agrees_on_the_edges(payload: str) -> None:
+@SCANNERS
+def test_the_native_scanner_agrees_on_the_edges(payload: str, wide: bool) -> None:
     data = event(payload)
-    assert native_scan()(data) == scan_with_regex(data)
+    scan, regex = native_and_regex(wide)
+    assert scan(data) == regex(data)
 
 
-def test_the_native_scanner_agrees_at_every_cut_and_every_byte_out_of_place() -> None:
+@SCANNERS
+def test_the_native_scanner_agrees_at_every_cut_and_every_byte_out_of_place(wide: bool) -> None:
     """Every prefix and suffix of each base, every single byte deleted, and every position
     overwritten with each byte the grammar cares about: the two scanners give one answer."""
-    scan = native_scan()
+    scan, scan_with_regex = native_and_regex(wide)
     specials = b'"\\/{}[],:0123456789-eE.nul tabfrx\x00\x1f\n\x7f\x80\xff'
     for data in BASES:
         variants = [data[:n] for n in range(len(data))] + [data[n:] for n in range(1, 40)]
@@ -279,25 +452,31 @@ def test_the_native_scanner_agrees_at_every_cut_and_every_byte_out_of_place() ->
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=64), st.binary(max_size=64), st.integers(0, len(BASES) - 1))
+@given(
+    st.binary(max_size=64), st.binary(max_size=64), st.integers(0, len(BASES) - 1), st.booleans()
+)
 def test_the_native_scanner_agrees_with_junk_spliced_in(
-    head: bytes, tail: bytes, which: int
+    head: bytes, tail: bytes, which: int, wide: bool
 ) -> None:
+    scan, regex = native_and_regex(wide)
     data = BASES[which]
     cut = len(head) % len(data)
     for variant in (head + data, data + tail, data[:cut] + head + data[cut:], head, tail):
-        assert native_scan()(variant) == scan_with_regex(variant)
+        assert scan(variant) == regex(variant)
 
 
 def test_the_native_scanner_takes_any_bytes_like_and_refuses_the_rest() -> None:
     native_scan()
-    from sidecar.protocol._tokenscan import scan
+    from sidecar.protocol._tokenscan import scan, scan_chunk
 
     data = BASES[1]
     assert scan(data) is not None
     assert scan(bytearray(data)) == scan(memoryview(data)) == scan(data)
+    assert scan_chunk(bytearray(data)) == scan_chunk(memoryview(data)) == scan_chunk(data)
     with pytest.raises(TypeError):
         scan("data: {}")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        scan_chunk("data: {}")  # type: ignore[arg-type]
 
 
 @settings(max_examples=200, deadline=None)

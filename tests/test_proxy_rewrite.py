@@ -202,6 +202,11 @@ def test_insert_fingerprint_where_usage_was() -> None:
     )
     # Without a cut position: before kv_transfer_params, else before the closing brace.
     assert insert_member(b'data: {"a":1}\n\n', None, "k", "v") == b'data: {"a":1,"k":"v"}\n\n'
+    # Non-ASCII goes back as UTF-8; a lone surrogate (no UTF-8 form: a hostile upstream's
+    # "\ud800") escaped as the upstream wrote it, where it once raised mid-stream.
+    one = b'data: {"a":1}\n\n'
+    assert insert_member(one, None, "k", "é") == 'data: {"a":1,"k":"é"}\n\n'.encode()
+    assert insert_member(one, None, "k", "\ud800") == b'data: {"a":1,"k":"\\ud800"}\n\n'
 
 
 @pytest.mark.parametrize(

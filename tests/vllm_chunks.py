@@ -56,3 +56,41 @@ COMPLETION_TOKEN_032 = (
     '"model":"tiny","choices":[{"index":0,"text":"directory","logprobs":null,'
     '"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}'
 )
+
+# ... and the other chunks of its streams (2026-12-02): the finish chunk without usage (the
+# fingerprint on it), with continuous usage (no fingerprint), the completions one, the role
+# chunk with usage, the usage-only chunk.
+CHAT_FINISH_032 = (
+    '{"id":"chatcmpl-ab12de41e6ea3128","object":"chat.completion.chunk","created":1796248996,'
+    '"model":"tiny","choices":[{"index":0,"delta":{"content":"turtle"},"logprobs":null,'
+    '"finish_reason":"length","stop_reason":null,"token_ids":null}],'
+    '"system_fingerprint":"vllm-0.32.0-0384aa49"}'
+)
+
+CHAT_FINISH_USAGE_032 = (
+    '{"id":"chatcmpl-8e67c8ed8bc6de79","object":"chat.completion.chunk","created":1796248996,'
+    '"model":"tiny","choices":[{"index":0,"delta":{"content":"rch"},"logprobs":null,'
+    '"finish_reason":"length","stop_reason":null,"token_ids":null}],"usage":{"prompt_tokens":17,'
+    '"total_tokens":20,"completion_tokens":3,"completion_tokens_details":null}}'
+)
+
+COMPLETION_FINISH_032 = (
+    '{"id":"cmpl-b1826f6feae19d54","object":"text_completion","created":1796248996,'
+    '"model":"tiny","choices":[{"index":0,"text":"eature","logprobs":null,'
+    '"finish_reason":"length","stop_reason":null,"prompt_token_ids":null,"token_ids":null}],'
+    '"system_fingerprint":"vllm-0.32.0-0384aa49"}'
+)
+
+CHAT_ROLE_USAGE_032 = (
+    '{"id":"chatcmpl-8e67c8ed8bc6de79","object":"chat.completion.chunk","created":1796248996,'
+    '"model":"tiny","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    '"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":17,"total_tokens":17,'
+    '"completion_tokens":0,"completion_tokens_details":null},"prompt_token_ids":null,'
+    '"prompt_text":null}'
+)
+
+CHAT_USAGE_032 = (
+    '{"id":"chatcmpl-8e67c8ed8bc6de79","object":"chat.completion.chunk","created":1796248996,'
+    '"model":"tiny","choices":[],"usage":{"prompt_tokens":17,"total_tokens":20,'
+    '"completion_tokens":3},"system_fingerprint":"vllm-0.32.0-0384aa49"}'
+)

@@ -15,6 +15,14 @@
  *                              id_end, model_start, model_end)
  *   data: one whole SSE event (`data: {...}\n\n`). prompt/total/completion are None and the
  *   usage span is (-1, -1) when the chunk carries no usage; the id starts at byte 13.
+ *
+ * scan_chunk(data: bytes) -> None | (kind, index, prompt, total, completion, usage_start,
+ *                                    usage_end, id_end, model_start, model_end, finish_start,
+ *                                    finish_end, fingerprint_start, fingerprint_end)
+ *   The same walk, wider: fastchunk.py's `_COMMON_CHUNK`, which adds the other chunks every
+ *   stream has (the finish chunk, the chat role chunk, the usage-only chunk), so that they too
+ *   skip json.loads, the classifier and the usage regex. kind: 0 token, 1 role, 2 empty,
+ *   3 usage; index None for the usage-only chunk; absent spans (-1, -1).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -61,16 +69,16 @@ is_hex(unsigned char c)
     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
 }
 
-/* A text: non-empty JSON string content (plain bytes but '"', '\\' and controls, and JSON's own
- * escapes), left at its closing quote (not consumed). */
+/* A text: JSON string content (plain bytes but '"', '\\' and controls, and JSON's own
+ * escapes), non-empty unless allow_empty, left at its closing quote (not consumed). */
 static inline int
-text(cursor *p, cursor end)
+text(cursor *p, cursor end, int allow_empty)
 {
     cursor q = *p;
     while (q < end) {
         unsigned char c = *q;
         if (c == '"') {
-            if (q == *p) {
+            if (q == *p && !allow_empty) {
                 return 0; /* empty: not a token */
             }
             *p = q;
@@ -132,59 +140,58 @@ integer(cursor *p, cursor end, int max_digits, long long *value)
 #define INT_DIGITS 18   /* fastchunk._INT: fits an int64 */
 #define COUNT_DIGITS 15 /* fastchunk._COUNT: below MAX_TOKEN_COUNT */
 
-/* The answer's tuple, built by hand: Py_BuildValue would parse its format on every event. */
-static PyObject *
-result(long long index, int has_usage, long long prompt, long long total, long long completion,
-       Py_ssize_t usage_start, Py_ssize_t usage_end, Py_ssize_t id_end, Py_ssize_t model_start,
-       Py_ssize_t model_end)
-{
-    PyObject *tuple = PyTuple_New(9);
-    if (tuple == NULL) {
-        return NULL;
-    }
-    PyObject *items[9];
-    items[0] = PyLong_FromLongLong(index);
-    if (has_usage) {
-        items[1] = PyLong_FromLongLong(prompt);
-        items[2] = PyLong_FromLongLong(total);
-        items[3] = PyLong_FromLongLong(completion);
-    }
-    else {
-        items[1] = Py_NewRef(Py_None);
-        items[2] = Py_NewRef(Py_None);
-        items[3] = Py_NewRef(Py_None);
-    }
-    items[4] = PyLong_FromSsize_t(usage_start);
-    items[5] = PyLong_FromSsize_t(usage_end);
-    items[6] = PyLong_FromSsize_t(id_end);
-    items[7] = PyLong_FromSsize_t(model_start);
-    items[8] = PyLong_FromSsize_t(model_end);
-    for (int i = 0; i < 9; i++) {
-        if (items[i] == NULL) {
-            for (int j = 0; j < 9; j++) {
-                Py_XDECREF(items[j]);
-            }
-            Py_DECREF(tuple);
-            return NULL;
-        }
-    }
-    for (int i = 0; i < 9; i++) {
-        PyTuple_SET_ITEM(tuple, i, items[i]);
-    }
-    return tuple;
-}
-
-/* What `scan` finds in one token chunk (spans are offsets from its first byte). */
+/* What `scan` finds in one token chunk (spans are offsets from its first byte); `scan_chunk`
+ * also the kind, the finish reason's span and the system fingerprint's ((-1, -1) absent). */
 struct token_chunk {
-    long long index;
+    long long index; /* -1: no choice (the usage-only chunk) */
     int has_usage;
     long long prompt, total, completion;
     Py_ssize_t usage_start, usage_end, id_end, model_start, model_end;
+    int kind; /* CHUNK_* */
+    Py_ssize_t finish_start, finish_end, fingerprint_start, fingerprint_end;
 };
 
-/* The walk itself: 1 and ``out`` filled when [start, end) is one common token chunk, else 0. */
+/* `scan_chunk`'s kinds: fastchunk._KINDS maps them to ChunkKind. */
+#define CHUNK_TOKEN 0
+#define CHUNK_ROLE 1
+#define CHUNK_EMPTY 2
+#define CHUNK_USAGE 3
+
+/* `"finish_reason":"<name>","stop_reason":(null|<int>|"<name>")` at *p (after the choice's
+ * logprobs), the reason's span noted. */
 static int
-scan_span(cursor start, cursor end, struct token_chunk *out)
+finish(cursor *at, cursor start, cursor end, struct token_chunk *out)
+{
+    cursor p = *at;
+    long long ignored;
+    if (!LITERAL("\"finish_reason\":\"")) {
+        return 0;
+    }
+    out->finish_start = p - start;
+    if (!name(&p, end)) {
+        return 0;
+    }
+    out->finish_end = p - start;
+    if (!LITERAL("\",\"stop_reason\":")) {
+        return 0;
+    }
+    if (LITERAL("\"")) {
+        if (!name(&p, end) || !LITERAL("\"")) {
+            return 0;
+        }
+    }
+    else if (!LITERAL("null") && !integer(&p, end, INT_DIGITS, &ignored)) {
+        return 0;
+    }
+    *at = p;
+    return 1;
+}
+
+/* The walk itself: 1 and ``out`` filled when [start, end) is one common token chunk, else 0.
+ * ``wide`` (`scan_chunk`): also the other chunks every stream has (fastchunk._COMMON_CHUNK):
+ * the finish chunk (its text may be empty), the chat role chunk and the usage-only chunk. */
+static int
+scan_span(cursor start, cursor end, struct token_chunk *out, int wide)
 {
     cursor p = start;
     long long ignored;
@@ -192,6 +199,9 @@ scan_span(cursor start, cursor end, struct token_chunk *out)
     out->has_usage = 0;
     out->prompt = out->total = out->completion = 0;
     out->usage_end = -1;
+    out->kind = CHUNK_TOKEN;
+    out->finish_start = out->finish_end = -1;
+    out->fingerprint_start = out->fingerprint_end = -1;
     if (!LITERAL("data: {\"id\":\"") || !name(&p, end)) {
         return 0;
     }
@@ -211,24 +221,82 @@ scan_span(cursor start, cursor end, struct token_chunk *out)
         return 0;
     }
     out->model_end = p - start;
-    if (!LITERAL("\",\"choices\":[{\"index\":") || !integer(&p, end, INT_DIGITS, &out->index)
-        || !LITERAL(",")) {
+    if (!LITERAL("\",\"choices\":[")) {
         return 0;
     }
-    if (LITERAL("\"delta\":{\"content\":\"")) {
-        if (!text(&p, end)
-            || !LITERAL("\"},\"logprobs\":null,\"finish_reason\":null,\"token_ids\":null}]")) {
+    if (wide && LITERAL("]")) {
+        out->kind = CHUNK_USAGE;
+        out->index = -1;
+    }
+    else if (!LITERAL("{\"index\":") || !integer(&p, end, INT_DIGITS, &out->index)
+             || !LITERAL(",")) {
+        return 0;
+    }
+    else if (LITERAL("\"delta\":{\"content\":\"")) {
+        cursor text_start = p;
+        if (!text(&p, end, wide)) {
+            return 0;
+        }
+        int empty = p == text_start;
+        if (!LITERAL("\"},\"logprobs\":null,")) {
+            return 0;
+        }
+        if (LITERAL("\"finish_reason\":null,")) {
+            if (empty) {
+                return 0; /* empty text, no finish: not a common chunk */
+            }
+        }
+        else if (!wide || !finish(&p, start, end, out) || !LITERAL(",")) {
+            return 0;
+        }
+        else if (empty) {
+            out->kind = CHUNK_EMPTY;
+        }
+        if (!LITERAL("\"token_ids\":null")) {
+            return 0;
+        }
+        if (out->finish_start >= 0) {
+            (void)LITERAL(",\"weight_versions\":null");
+        }
+        if (!LITERAL("}]")) {
             return 0;
         }
     }
     else if (LITERAL("\"text\":\"")) {
-        if (!text(&p, end)
-            || !LITERAL("\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null,"
-                        "\"prompt_token_ids\":null,\"token_ids\":null")) {
+        cursor text_start = p;
+        if (!text(&p, end, wide)) {
+            return 0;
+        }
+        int empty = p == text_start;
+        if (!LITERAL("\",\"logprobs\":null,")) {
+            return 0;
+        }
+        if (LITERAL("\"finish_reason\":null,\"stop_reason\":null,")) {
+            if (empty) {
+                return 0;
+            }
+        }
+        else if (!wide || !finish(&p, start, end, out) || !LITERAL(",")) {
+            return 0;
+        }
+        else if (empty) {
+            out->kind = CHUNK_EMPTY;
+        }
+        if (!LITERAL("\"prompt_token_ids\":null,\"token_ids\":null")) {
             return 0;
         }
         (void)LITERAL(",\"weight_versions\":null");
         if (!LITERAL("}]")) {
+            return 0;
+        }
+    }
+    else if (wide && LITERAL("\"delta\":{\"role\":\"")) {
+        cursor role_start = p;
+        if (!name(&p, end)) {
+            return 0;
+        }
+        out->kind = p == role_start ? CHUNK_EMPTY : CHUNK_ROLE;
+        if (!LITERAL("\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]")) {
             return 0;
         }
     }
@@ -250,6 +318,20 @@ scan_span(cursor start, cursor end, struct token_chunk *out)
         out->usage_end = p - start;
         out->has_usage = 1;
     }
+    else if (out->kind == CHUNK_USAGE) {
+        return 0; /* no choice and no usage: not a common chunk */
+    }
+    if (wide) {
+        if (LITERAL(",\"system_fingerprint\":\"")) {
+            out->fingerprint_start = p - start;
+            if (!name(&p, end)) {
+                return 0;
+            }
+            out->fingerprint_end = p - start;
+            p++; /* the closing quote `name` stopped at */
+        }
+        (void)LITERAL(",\"prompt_token_ids\":null,\"prompt_text\":null");
+    }
     (void)LITERAL(",\"kv_transfer_params\":null");
     if (!LITERAL("}\n\n") || p != end) {
         return 0;
@@ -260,33 +342,92 @@ scan_span(cursor start, cursor end, struct token_chunk *out)
     return 1;
 }
 
+/* The answer's tuple, built by hand: Py_BuildValue would parse its format on every event.
+ * `scan`: (index, prompt, total, completion, usage_start, usage_end, id_end, model_start,
+ * model_end); `scan_chunk` (wide): (kind, those nine with index None for no choice,
+ * finish_start, finish_end, fingerprint_start, fingerprint_end). */
 static PyObject *
-scan_bytes(cursor start, cursor end)
+scan_bytes(cursor start, cursor end, int wide)
 {
     struct token_chunk chunk;
-    if (!scan_span(start, end, &chunk)) {
+    if (!scan_span(start, end, &chunk, wide)) {
         Py_RETURN_NONE;
     }
-    return result(chunk.index, chunk.has_usage, chunk.prompt, chunk.total, chunk.completion,
-                  chunk.usage_start, chunk.usage_end, chunk.id_end, chunk.model_start,
-                  chunk.model_end);
+    Py_ssize_t size = wide ? 14 : 9;
+    PyObject *tuple = PyTuple_New(size);
+    if (tuple == NULL) {
+        return NULL;
+    }
+    PyObject *items[14] = {NULL};
+    PyObject **at = items;
+    if (wide) {
+        *at++ = PyLong_FromLong(chunk.kind);
+    }
+    *at++ = chunk.index < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(chunk.index);
+    if (chunk.has_usage) {
+        *at++ = PyLong_FromLongLong(chunk.prompt);
+        *at++ = PyLong_FromLongLong(chunk.total);
+        *at++ = PyLong_FromLongLong(chunk.completion);
+    }
+    else {
+        *at++ = Py_NewRef(Py_None);
+        *at++ = Py_NewRef(Py_None);
+        *at++ = Py_NewRef(Py_None);
+    }
+    *at++ = PyLong_FromSsize_t(chunk.usage_start);
+    *at++ = PyLong_FromSsize_t(chunk.usage_end);
+    *at++ = PyLong_FromSsize_t(chunk.id_end);
+    *at++ = PyLong_FromSsize_t(chunk.model_start);
+    *at++ = PyLong_FromSsize_t(chunk.model_end);
+    if (wide) {
+        *at++ = PyLong_FromSsize_t(chunk.finish_start);
+        *at++ = PyLong_FromSsize_t(chunk.finish_end);
+        *at++ = PyLong_FromSsize_t(chunk.fingerprint_start);
+        *at++ = PyLong_FromSsize_t(chunk.fingerprint_end);
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        if (items[i] == NULL) {
+            for (Py_ssize_t j = 0; j < size; j++) {
+                Py_XDECREF(items[j]);
+            }
+            Py_DECREF(tuple);
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyTuple_SET_ITEM(tuple, i, items[i]);
+    }
+    return tuple;
+}
+
+static PyObject *
+scan_any(PyObject *arg, int wide)
+{
+    if (PyBytes_CheckExact(arg)) { /* what the data path reads: no buffer to take and give back */
+        cursor start = (cursor)PyBytes_AS_STRING(arg);
+        return scan_bytes(start, start + PyBytes_GET_SIZE(arg), wide);
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *answer = scan_bytes((cursor)view.buf, (cursor)view.buf + view.len, wide);
+    PyBuffer_Release(&view);
+    return answer;
 }
 
 static PyObject *
 scan(PyObject *module, PyObject *arg)
 {
     (void)module;
-    if (PyBytes_CheckExact(arg)) { /* what the data path reads: no buffer to take and give back */
-        cursor start = (cursor)PyBytes_AS_STRING(arg);
-        return scan_bytes(start, start + PyBytes_GET_SIZE(arg));
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    PyObject *answer = scan_bytes((cursor)view.buf, (cursor)view.buf + view.len);
-    PyBuffer_Release(&view);
-    return answer;
+    return scan_any(arg, 0);
+}
+
+static PyObject *
+scan_chunk(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    return scan_any(arg, 1);
 }
 
 /* cut(data, start, end) -> data without data[start:end], in one copy (the slices and their
@@ -593,7 +734,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     while (p < end) {
         if (n == LANE_MAX_CHUNKS || !chunk_span(&p, end, &payloads[n], &sizes[n])
             || sizes[n] > (size_t)self->max_event_bytes
-            || !scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n])
+            || !scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 0)
             || chunks[n].index != 0) {
             Py_RETURN_FALSE;
         }
@@ -897,6 +1038,10 @@ static PyMethodDef methods[] = {
     {"scan", scan, METH_O,
      "scan(data) -> None | (index, prompt, total, completion, usage_start, usage_end, id_end, "
      "model_start, model_end): the common token chunk (fastchunk._TOKEN_CHUNK), or None."},
+    {"scan_chunk", scan_chunk, METH_O,
+     "scan_chunk(data) -> None | (kind, index, prompt, total, completion, usage_start, "
+     "usage_end, id_end, model_start, model_end, finish_start, finish_end, fingerprint_start, "
+     "fingerprint_end): a common chunk (fastchunk._COMMON_CHUNK), or None."},
     {"cut", (PyCFunction)(void (*)(void))cut, METH_FASTCALL,
      "cut(data, start, end) -> data without data[start:end], in one copy."},
     {NULL, NULL, 0, NULL},

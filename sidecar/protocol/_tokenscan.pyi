@@ -4,6 +4,13 @@ from typing import Protocol
 _Scan = tuple[int, int | None, int | None, int | None, int, int, int, int, int]
 
 def scan(data: bytes | bytearray | memoryview, /) -> _Scan | None: ...
+
+# fastchunk.ChunkScan names the parts of this one.
+_ChunkScan = tuple[
+    int, int | None, int | None, int | None, int | None, int, int, int, int, int, int, int, int, int
+]
+
+def scan_chunk(data: bytes | bytearray | memoryview, /) -> _ChunkScan | None: ...
 def cut(data: bytes, start: int, end: int, /) -> bytes: ...
 def chunk_payload(read: bytes, /) -> bytes | None: ...
 

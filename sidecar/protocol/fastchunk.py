@@ -1,16 +1,22 @@
-"""A fast path for the streamed chunk that makes up almost every event: one output token (or a
-merged delta) of one choice, as vLLM writes it, with or without continuous usage.
+"""A fast path for vLLM's common chunks: above all the one that makes up almost every event, one
+output token (or a merged delta) of one choice, with or without continuous usage; and the few
+others every stream has (the finish chunk, chat's role chunk, the usage-only chunk).
 
 `classify_chunk` parses every event with ``json.loads`` (~3 µs), and cutting the usage that the
 proxy injected back out takes a regex and a brace check (~2.5 µs). For an event whose bytes are
-exactly the common shape, one anchored regex over the raw bytes (~1.3 µs) gives the same answer
+exactly a common shape, one anchored regex over the raw bytes (~1.3 µs) gives the same answer
 and where the usage member is; the same walk written in C (`_tokenscan.c`, built with the package
-where a C compiler is at hand) gives it in a tenth of the instructions, and the regex stays its
-specification and its fallback. Anything else (a role chunk, a finish chunk, logprobs, tool
-calls, an escape in the model name, a number longer than 18 digits, a byte out of place) is not
-matched, and the caller takes the general path. Whatever this returns equals what the general
-path gives for the same event, classification and cut alike: tests/test_fastchunk.py holds it
-to that on vLLM's shapes, the simulator's output and generated variants.
+where a C compiler is at hand) gives it in a tenth of the instructions, and the regexes stay its
+specification and its fallback. Anything else (logprobs, tool calls, an escape in a name, a
+number longer than 18 digits, vLLM's per-request metrics, cached-token details, a byte out of
+place) is not matched, and the caller takes the general path. Whatever this returns equals what
+the general path gives for the same event, classification and cut alike: tests/test_fastchunk.py
+holds it to that on vLLM's shapes (the real 0.32 server's among them), the simulator's output and
+generated variants.
+
+Two scans: `scan_token_chunk` (`_TOKEN_CHUNK`) for the token chunk alone, what the per-read lanes
+take (meter.StreamMeter.feed, _tokenscan.Lane); `scan_common_chunk` (`_COMMON_CHUNK`) for all of
+them, what `fast_chunk` gives the general path.
 """
 
 from __future__ import annotations
@@ -25,14 +31,15 @@ from sidecar.protocol.openai import ChunkInfo, ChunkKind, Usage
 _new_tuple: Final = tuple.__new__
 
 # A JSON string's content as json.loads accepts it (no raw control characters, only the
-# escapes JSON defines), non-empty for the text; names (id, model) without escapes, so that their
-# bytes are their value.
+# escapes JSON defines), non-empty for a token's text; names (id, model, finish reason,
+# fingerprint) without escapes, so that their bytes are their value.
 # Written as an "unrolled loop" (runs of plain bytes between escapes, non-empty by the lookahead):
 # linear in the text's length and ~20% faster than one alternation per byte.
-_TEXT = (
-    rb'(?=[^"])[^"\\\x00-\x1f]*'
+_TEXT_OR_EMPTY = (
+    rb'[^"\\\x00-\x1f]*'
     rb'(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*'
 )
+_TEXT = rb'(?=[^"])' + _TEXT_OR_EMPTY
 _NAME = rb'[^"\\\x00-\x1f]*'
 _INT = rb"(?:0|[1-9][0-9]{0,17})"  # fits an int64; longer numbers take the general path
 # Token counts of at most 15 digits are below MAX_TOKEN_COUNT (2**53 - 1, 16 digits): longer
@@ -47,16 +54,11 @@ _USAGE = (
     + _COUNT
     + rb')(?:,"completion_tokens_details":null)?\})?'
 )
-_HEAD = (
+_PREFIX = (
     rb'data: \{"id":"(?P<id>' + _NAME + rb')","object":"(?:chat\.completion\.chunk|'
-    rb'text_completion)","created":'
-    + _INT
-    + rb',"model":"(?P<model>'
-    + _NAME
-    + rb')","choices":\[\{"index":(?P<index>'
-    + _INT
-    + rb"),"
+    rb'text_completion)","created":' + _INT + rb',"model":"(?P<model>' + _NAME + rb')","choices":\['
 )
+_HEAD = _PREFIX + rb'\{"index":(?P<index>' + _INT + rb"),"
 # vLLM 0.32 / 0.33 (spec/vllm-protocol.md A1): a chat content delta, and a completions text.
 _CHAT_CHOICE = (
     rb'"delta":\{"content":"' + _TEXT + rb'"\},"logprobs":null,"finish_reason":null,'
@@ -71,6 +73,58 @@ _TEXT_CHOICE = (
 _TAIL = rb'(?:,"kv_transfer_params":null)?\}\n\n'
 _TOKEN_CHUNK: Final = re.compile(
     _HEAD + rb"(?:" + _CHAT_CHOICE + rb"|" + _TEXT_CHOICE + rb")" + _USAGE + _TAIL
+)
+
+# The other chunks every stream has, for `scan_common_chunk` (the general path's fast path):
+# the finish chunk (its text may be empty: an EMPTY event), chat's role chunk and the
+# usage-only chunk, in vLLM 0.32 / 0.33's shapes (seen from the real server), with the
+# fingerprint vLLM puts on the finish chunk when there is no usage chunk and on the usage chunk.
+
+
+def _finish(tag: bytes) -> bytes:
+    return (
+        rb'"finish_reason":"(?P<finish_'
+        + tag
+        + rb">"
+        + _NAME
+        + rb')","stop_reason":(?:null|'
+        + _INT
+        + rb'|"'
+        + _NAME
+        + rb'")'
+    )
+
+
+_CHAT_FINISH = (
+    rb'"delta":\{"content":"(?P<chat_text>'
+    + _TEXT_OR_EMPTY
+    + rb')"\},"logprobs":null,'
+    + _finish(b"chat")
+    + rb',"token_ids":null(?:,"weight_versions":null)?\}\]'
+)
+_TEXT_FINISH = (
+    rb'"text":"(?P<text_text>'
+    + _TEXT_OR_EMPTY
+    + rb')","logprobs":null,'
+    + _finish(b"text")
+    + rb',"prompt_token_ids":null,"token_ids":null(?:,"weight_versions":null)?\}\]'
+)
+_ROLE_CHOICE = (
+    rb'"delta":\{"role":"(?P<role>' + _NAME + rb')","content":""\},"logprobs":null,'
+    rb'"finish_reason":null\}\]'
+)
+_COMMON_CHUNK: Final = re.compile(
+    _PREFIX
+    + rb'(?:(?P<no_choice>\])|\{"index":(?P<index>'
+    + _INT
+    + rb"),(?:"
+    + rb"|".join((_CHAT_CHOICE, _TEXT_CHOICE, _CHAT_FINISH, _TEXT_FINISH, _ROLE_CHOICE))
+    + rb"))"
+    + _USAGE
+    + rb'(?:,"system_fingerprint":"(?P<fingerprint>'
+    + _NAME
+    + rb')")?(?:,"prompt_token_ids":null,"prompt_text":null)?'
+    + _TAIL
 )
 
 
@@ -110,51 +164,129 @@ assert tuple(_TOKEN_CHUNK.groupindex) == (
 )  # fmt: skip
 
 
+# What `scan_common_chunk` answers: (kind, choice index or None for the usage-only chunk,
+# prompt, total, completion, usage span, id end, model span, as TokenScan, then the finish
+# reason's span and the system fingerprint's, (-1, -1) when absent). kind: 0 token, 1 role,
+# 2 empty, 3 usage (_KINDS).
+ChunkScan = tuple[
+    int, "int | None", "int | None", "int | None", "int | None", int, int, int, int, int,
+    int, int, int, int,
+]  # fmt: skip
+_KINDS: Final = (ChunkKind.TOKEN, ChunkKind.ROLE, ChunkKind.EMPTY, ChunkKind.USAGE)
+
+
+def _span(match: re.Match[bytes], group: str) -> tuple[int, int]:
+    return match.span(group) if match.group(group) is not None else (-1, -1)
+
+
+def scan_common_with_regex(data: bytes) -> ChunkScan | None:
+    """Any chunk `_COMMON_CHUNK` matches (the token chunk among them), by the regex: the
+    specification of `_tokenscan.scan_chunk`, and its stand-in where that is not built."""
+    match = _COMMON_CHUNK.fullmatch(data)
+    if match is None:
+        return None
+    prompt = match.group("prompt")
+    if match.group("no_choice") is not None:
+        if prompt is None:
+            return None  # no choice and no usage: left to the general path
+        kind, index = 3, None
+    else:
+        index = int(match.group("index"))
+        if match.group("role") is not None:
+            kind = 1 if match.group("role") else 2
+        elif match.group("finish_chat") is not None:
+            kind = 0 if match.group("chat_text") else 2
+        elif match.group("finish_text") is not None:
+            kind = 0 if match.group("text_text") else 2
+        else:
+            kind = 0
+    finish = _span(match, "finish_chat")
+    if finish[0] < 0:
+        finish = _span(match, "finish_text")
+    usage_start, usage_end = _span(match, "usage")
+    return (
+        kind,
+        index,
+        None if prompt is None else int(prompt),
+        None if prompt is None else int(match.group("total")),
+        None if prompt is None else int(match.group("completion")),
+        usage_start,
+        usage_end,
+        match.end("id"),
+        match.start("model"),
+        match.end("model"),
+        *finish,
+        *_span(match, "fingerprint"),
+    )
+
+
 def cut_with_slices(data: bytes, start: int, end: int) -> bytes:
     """``data`` without ``data[start:end]`` (what the C `cut` does in one copy)."""
     return data[:start] + data[end:]
 
 
-# The scanner the data path uses: the same walk in C where the package was built with it (one
-# token event in ~2k instructions instead of ~20k, benchmarks/meter_instructions.py), else the
-# regex; and the cut of the usage member, in one copy instead of two slices and their join.
-# SIDECAR_TOKEN_SCAN=regex picks the Python ones anyway (to compare the two, or to rule the C
-# one out).
+# The scanners the data path uses: the same walks in C where the package was built with them
+# (one token event in ~2k instructions instead of ~20k, benchmarks/meter_instructions.py), else
+# the regexes; and the cut of the usage member, in one copy instead of two slices and their
+# join. SIDECAR_TOKEN_SCAN=regex picks the Python ones anyway (to compare the two, or to rule
+# the C ones out).
 scan_token_chunk: Callable[[bytes], TokenScan | None]
+scan_common_chunk: Callable[[bytes], ChunkScan | None]
 cut_span: Callable[[bytes, int, int], bytes]
 if os.environ.get("SIDECAR_TOKEN_SCAN", "") == "regex":
-    scan_token_chunk, cut_span, NATIVE_SCAN = scan_with_regex, cut_with_slices, False
+    scan_token_chunk, scan_common_chunk = scan_with_regex, scan_common_with_regex
+    cut_span, NATIVE_SCAN = cut_with_slices, False
 else:
     try:
         from sidecar.protocol._tokenscan import cut as cut_span
         from sidecar.protocol._tokenscan import scan as scan_token_chunk
+        from sidecar.protocol._tokenscan import scan_chunk as scan_common_chunk
 
         NATIVE_SCAN = True
     except ImportError:  # built without a C compiler: correct, slower
-        scan_token_chunk, cut_span, NATIVE_SCAN = scan_with_regex, cut_with_slices, False
+        scan_token_chunk, scan_common_chunk = scan_with_regex, scan_common_with_regex
+        cut_span, NATIVE_SCAN = cut_with_slices, False
 
 
-def fast_token_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
+def fast_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
     """(what `classify_chunk` says of this event, start and end of its ``,"usage":{...}``
     member in ``raw``, or -1, -1 without one), or None when ``raw`` (one whole event, as the SSE
-    parser gives it) is not the common token chunk."""
-    scan = scan_token_chunk(raw)
+    parser gives it) is not one of vLLM's common chunks (`_COMMON_CHUNK`: a token chunk, a
+    finish chunk, a role chunk, a usage-only chunk)."""
+    scan = scan_common_chunk(raw)
     if scan is None:
         return None
-    index, prompt, total, completion, start, end, id_end, model_start, model_end = scan
+    (
+        kind,
+        index,
+        prompt,
+        total,
+        completion,
+        start,
+        end,
+        id_end,
+        model_start,
+        model_end,
+        finish_start,
+        finish_end,
+        fingerprint_start,
+        fingerprint_end,
+    ) = scan
     usage = None if prompt is None else _new_tuple(Usage, (prompt, completion, total, None))
     info = _new_tuple(
         ChunkInfo,
         (
-            ChunkKind.TOKEN,
+            _KINDS[kind],
             usage,
-            None,
+            None if finish_start < 0 else raw[finish_start:finish_end].decode("utf-8", "replace"),
             index,
             None,
             None,
             raw[model_start:model_end].decode("utf-8", "replace"),
             raw[ID_START:id_end].decode("utf-8", "replace"),
-            None,
+            None
+            if fingerprint_start < 0
+            else raw[fingerprint_start:fingerprint_end].decode("utf-8", "replace"),
             False,
         ),
     )

@@ -231,14 +231,23 @@ def without_usage(raw: bytes, data: str) -> tuple[bytes, int | None, bool]:
     return _encode_object(obj), None, True
 
 
+# json.dumps with any argument builds a JSONEncoder per call; this one is built once (a held
+# finish chunk gets its fingerprint back through it on every stream whose usage was injected).
+_encode_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_encode_compact_ascii = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def insert_member(raw: bytes, position: int | None, key: str, value: Any) -> bytes:
     """Insert ``"key":value`` into a one-line event's JSON object at byte ``position`` (where a
     member was cut), or before ``,"kv_transfer_params"``, or before the closing brace."""
     if not _editable(raw):
         return raw
-    member = (f',"{key}":' + json.dumps(value, ensure_ascii=False, separators=(",", ":"))).encode(
-        "utf-8"
-    )
+    try:
+        member = (f',"{key}":' + _encode_compact(value)).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate (the upstream escaped \ud800 without its pair) has no UTF-8 form:
+        # it goes back escaped, as the upstream sent it.
+        member = (f',"{key}":' + _encode_compact_ascii(value)).encode("ascii")
     if position is None:
         kv = raw.rfind(b',"kv_transfer_params"')
         position = kv if kv >= 0 else raw.rfind(b"}")

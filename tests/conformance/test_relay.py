@@ -933,13 +933,14 @@ def test_the_real_vllm_benchmark_harness_runs(real_vllm: RealVLLM, tmp_path: Pat
 
 
 @pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
-def test_the_fast_path_takes_the_real_servers_token_chunks(
+def test_the_fast_path_takes_the_real_servers_chunks(
     real_vllm: RealVLLM, path: str, make: Any
 ) -> None:
-    """The byte-level fast path (protocol/fastchunk.py) is for vLLM's common token chunk: it
-    must match the real server's, with and without the usage the proxy injects, and agree with
-    the general path on each (else the proxy pays json.loads on every event)."""
-    from sidecar.protocol.fastchunk import fast_token_chunk
+    """The byte-level fast path (protocol/fastchunk.py) is for vLLM's common chunks: every
+    chunk of the real server's streams but [DONE] (role, tokens, finish, usage-only) must take
+    it, with and without the usage the proxy injects, and agree with the general path on each
+    (else the proxy pays json.loads and the classifier on it)."""
+    from sidecar.protocol.fastchunk import fast_chunk
     from sidecar.protocol.openai import ChunkKind, classify_chunk
     from sidecar.protocol.sse import SSEParser
 
@@ -952,16 +953,19 @@ def test_the_fast_path_takes_the_real_servers_token_chunks(
         events = SSEParser().feed(raw)
         infos = [(event, classify_chunk(event.data)) for event in events if event.data]
         tokens = [
-            (event, info)
-            for event, info in infos
+            info
+            for _event, info in infos
             if info.kind is ChunkKind.TOKEN and info.finish_reason is None
         ]
         # vLLM merges the tokens of a request whose stream it could not write in time into one
         # event (its output collector), so a loaded host sees fewer events than tokens: 32
         # tokens leave several whatever the load (8 left fewer than 5 once, under a benchmark).
         assert len(tokens) >= 3, [event.raw for event, _ in infos]
-        for event, info in tokens:
-            fast = fast_token_chunk(event.raw)
+        assert sum(info.finish_reason is not None for _event, info in infos) == 1
+        assert infos[-1][1].kind is ChunkKind.DONE
+        assert (infos[-2][1].kind is ChunkKind.USAGE) == (options is not None)
+        for event, info in infos[:-1]:
+            fast = fast_chunk(event.raw)
             assert fast is not None, event.raw
             assert fast[0] == info
 
