@@ -35,6 +35,7 @@ from sidecar.protocol.fastchunk import (
     TokenScan,
     cut_with_slices,
     fast_chunk,
+    fast_chunk_from_scan,
     scan_common_chunk,
     scan_common_with_regex,
     scan_token_chunk,
@@ -57,6 +58,7 @@ def check(payload: str) -> bool:
     if NATIVE_SCAN:  # the scanners the data path runs on say what their specifications say
         assert scan_token_chunk(raw) == scan_with_regex(raw)
         assert scan_common_chunk(raw) == scan_common_with_regex(raw)
+        assert fast_chunk(raw) == fast_chunk_from_scan(raw)
     token, common = scan_with_regex(raw), scan_common_with_regex(raw)
     if token is not None:  # a token chunk is a common chunk, read the same
         assert common is not None and common[:10] == (0, *token) and common[10:] == (-1,) * 4
@@ -449,6 +451,8 @@ def test_the_native_scanner_agrees_at_every_cut_and_every_byte_out_of_place(wide
                 variants.append(data[:n] + bytes((byte,)) + data[n + 1 :])
         for variant in variants:
             assert scan(variant) == scan_with_regex(variant), variant
+            if wide:  # and the ChunkInfo built from it, in C and in Python
+                assert fast_chunk(variant) == fast_chunk_from_scan(variant), variant
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,4 +1,4 @@
-from typing import Protocol
+from typing import Any, Protocol
 
 # The C scanner (_tokenscan.c); fastchunk.TokenScan names the parts of its answer.
 _Scan = tuple[int, int | None, int | None, int | None, int, int, int, int, int]
@@ -11,6 +11,13 @@ _ChunkScan = tuple[
 ]
 
 def scan_chunk(data: bytes | bytearray | memoryview, /) -> _ChunkScan | None: ...
+def configure(
+    chunk_info: type[tuple[object, ...]],
+    usage: type[tuple[int, int, int, int | None]],
+    kinds: tuple[object, object, object, object],
+    /,
+) -> None: ...
+def fast_chunk(data: bytes, /) -> tuple[Any, int, int] | None: ...
 def cut(data: bytes, start: int, end: int, /) -> bytes: ...
 def chunk_payload(read: bytes, /) -> bytes | None: ...
 

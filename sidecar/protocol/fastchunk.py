@@ -225,34 +225,9 @@ def cut_with_slices(data: bytes, start: int, end: int) -> bytes:
     return data[:start] + data[end:]
 
 
-# The scanners the data path uses: the same walks in C where the package was built with them
-# (one token event in ~2k instructions instead of ~20k, benchmarks/meter_instructions.py), else
-# the regexes; and the cut of the usage member, in one copy instead of two slices and their
-# join. SIDECAR_TOKEN_SCAN=regex picks the Python ones anyway (to compare the two, or to rule
-# the C ones out).
-scan_token_chunk: Callable[[bytes], TokenScan | None]
-scan_common_chunk: Callable[[bytes], ChunkScan | None]
-cut_span: Callable[[bytes, int, int], bytes]
-if os.environ.get("SIDECAR_TOKEN_SCAN", "") == "regex":
-    scan_token_chunk, scan_common_chunk = scan_with_regex, scan_common_with_regex
-    cut_span, NATIVE_SCAN = cut_with_slices, False
-else:
-    try:
-        from sidecar.protocol._tokenscan import cut as cut_span
-        from sidecar.protocol._tokenscan import scan as scan_token_chunk
-        from sidecar.protocol._tokenscan import scan_chunk as scan_common_chunk
-
-        NATIVE_SCAN = True
-    except ImportError:  # built without a C compiler: correct, slower
-        scan_token_chunk, scan_common_chunk = scan_with_regex, scan_common_with_regex
-        cut_span, NATIVE_SCAN = cut_with_slices, False
-
-
-def fast_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
-    """(what `classify_chunk` says of this event, start and end of its ``,"usage":{...}``
-    member in ``raw``, or -1, -1 without one), or None when ``raw`` (one whole event, as the SSE
-    parser gives it) is not one of vLLM's common chunks (`_COMMON_CHUNK`: a token chunk, a
-    finish chunk, a role chunk, a usage-only chunk)."""
+def fast_chunk_from_scan(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
+    """`fast_chunk` in Python, over `scan_common_chunk`: what the C `fast_chunk` does in one
+    call, and the path wherever that is not built."""
     scan = scan_common_chunk(raw)
     if scan is None:
         return None
@@ -291,3 +266,33 @@ def fast_chunk(raw: bytes) -> tuple[ChunkInfo, int, int] | None:
         ),
     )
     return info, start, end
+
+
+# The scanners the data path uses: the same walks in C where the package was built with them
+# (one token event in ~2k instructions instead of ~20k, benchmarks/meter_instructions.py), else
+# the regexes; and the cut of the usage member, in one copy instead of two slices and their
+# join. SIDECAR_TOKEN_SCAN=regex picks the Python ones anyway (to compare the two, or to rule
+# the C ones out).
+#
+# fast_chunk(raw) -> (ChunkInfo, usage start, usage end) | None: what `classify_chunk` says of
+# this event, and where its ``,"usage":{...}`` member is in ``raw`` (-1, -1 without one); None
+# when ``raw`` (one whole event, as the SSE parser gives it) is not one of vLLM's common chunks
+# (`_COMMON_CHUNK`: a token chunk, a finish chunk, a role chunk, a usage-only chunk).
+scan_token_chunk: Callable[[bytes], TokenScan | None]
+scan_common_chunk: Callable[[bytes], ChunkScan | None]
+fast_chunk: Callable[[bytes], tuple[ChunkInfo, int, int] | None]
+cut_span: Callable[[bytes, int, int], bytes]
+if os.environ.get("SIDECAR_TOKEN_SCAN", "") == "regex":
+    scan_token_chunk, scan_common_chunk = scan_with_regex, scan_common_with_regex
+    fast_chunk, cut_span, NATIVE_SCAN = fast_chunk_from_scan, cut_with_slices, False
+else:
+    try:
+        from sidecar.protocol import _tokenscan
+
+        _tokenscan.configure(ChunkInfo, Usage, _KINDS)
+        scan_token_chunk, scan_common_chunk = _tokenscan.scan, _tokenscan.scan_chunk
+        fast_chunk, cut_span = _tokenscan.fast_chunk, _tokenscan.cut
+        NATIVE_SCAN = True
+    except ImportError:  # built without a C compiler: correct, slower
+        scan_token_chunk, scan_common_chunk = scan_with_regex, scan_common_with_regex
+        fast_chunk, cut_span, NATIVE_SCAN = fast_chunk_from_scan, cut_with_slices, False
