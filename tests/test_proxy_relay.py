@@ -13,6 +13,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar.proxy.headers import (
     filtered_headers,
+    filtered_items,
     has_dot_segment,
     new_request_id,
     request_id_from,
@@ -44,6 +45,14 @@ def test_hop_by_hop_headers_are_dropped_and_the_rest_forwarded() -> None:
         ["Authorization", "traceparent", "tracestate", "X-Session-ID", "Accept"]
     )
     assert out["traceparent"] == "00-abc-def-01"
+    assert filtered_items(headers) == list(out.items())  # in order
+    # Every Connection header names hop-by-hop headers (RFC 9110 7.6.1), not only the first.
+    headers.add("Connection", "X-Second-Hop")
+    headers.add("X-Second-Hop", "drop me too")
+    assert filtered_items(headers) == list(out.items())
+    # Without any Connection header, only the fixed hop-by-hop set goes.
+    plain = CIMultiDict([("Keep-Alive", "5"), ("X-Private-Hop", "kept"), ("accept", "*/*")])
+    assert filtered_items(plain) == [("X-Private-Hop", "kept"), ("accept", "*/*")]
 
 
 def test_request_ids_are_honoured_when_sane_else_generated() -> None:

@@ -4,7 +4,6 @@ request id, X-Forwarded-For, paths that a server would normalise into another.""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Final
 from urllib.parse import unquote
 
@@ -33,21 +32,28 @@ REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_LEN = 128
 
 
-def filtered_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    connection_tokens = {
-        token.strip().lower()
-        for value in (headers.get("Connection") or "").split(",")
-        for token in [value]
-        if token.strip()
-    }
-    out: CIMultiDict[str] = CIMultiDict()
-    items = headers.items()
-    for name, value in items:
-        lower = name.lower()
-        if lower in HOP_BY_HOP or lower in connection_tokens:
-            continue
-        out.add(name, value)
-    return out
+def filtered_items(headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> list[tuple[str, str]]:
+    """The end-to-end headers, in order: without the hop-by-hop ones and without those that a
+    ``Connection`` header names (every ``Connection`` header, as RFC 9110 7.6.1 allows several;
+    most requests have none, and then no set of tokens is built)."""
+    named: set[str] | tuple[()] = ()
+    if "Connection" in headers:
+        named = {
+            token.strip().lower()
+            for value in headers.getall("Connection")
+            for token in value.split(",")
+            if token.strip()
+        }
+    return [
+        (name, value)
+        for name, value in headers.items()
+        if (lower := name.lower()) not in HOP_BY_HOP and lower not in named
+    ]
+
+
+def filtered_headers(headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """`filtered_items` as a new multidict (the upstream request's, which the relay edits)."""
+    return CIMultiDict(filtered_items(headers))
 
 
 FORWARDED_FOR: Final = "X-Forwarded-For"

@@ -58,6 +58,7 @@ from sidecar.proxy.headers import (
     FORWARDED_FOR,
     REQUEST_ID_HEADER,
     filtered_headers,
+    filtered_items,
     has_dot_segment,
     new_request_id,
     request_id_from,
@@ -660,7 +661,7 @@ class Proxy:
                     "GatewayTimeout",
                 )
                 return
-            response_headers = list(filtered_headers(upstream.headers).items())
+            response_headers = filtered_items(upstream.headers)
             response_headers.append((REQUEST_ID_HEADER, builder.request_id))
             exchange.start(
                 upstream.status, upstream.reason, response_headers, upstream.content_length
@@ -961,7 +962,7 @@ class Proxy:
             return self._assemble(
                 exchange, upstream, endpoint, builder, timeouts, gen.tools_required
             )
-        response_headers = list(filtered_headers(upstream.headers).items())
+        response_headers = filtered_items(upstream.headers)
         response_headers.append((REQUEST_ID_HEADER, builder.request_id))
         # Held for the events that came with the upstream's head (`MeteredRead.start`).
         exchange.start(200, upstream.reason, response_headers, None, hold=True)
@@ -1054,7 +1055,7 @@ class Proxy:
                 502,
                 "The upstream sent a malformed response body.",
             )
-        response_headers = list(filtered_headers(upstream.headers).items())
+        response_headers = filtered_items(upstream.headers)
         response_headers.append((REQUEST_ID_HEADER, builder.request_id))
         exchange.start(upstream.status, upstream.reason, response_headers, len(data), data)
         exchange.end()
