@@ -549,8 +549,11 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
             by_process = []
             for pid in args.watch_pid:
                 u, s = proc_cpu_split_ns(pid)
-                utime, stime, sched = utime + u, stime + s, sched + proc_sched_ns(pid)
-                by_process.append(u + s)
+                run_ns = proc_sched_ns(pid)
+                utime, stime, sched = utime + u, stime + s, sched + run_ns
+                # Run time (ns resolution), for the split between processes: a collector's
+                # few ticks in a short window would round to nothing.
+                by_process.append(run_ns)
                 for key, kib in proc_mem_kib(pid).items():
                     mem[key] += kib
             snap["proxy_utime_ns"], snap["proxy_stime_ns"] = utime, stime
@@ -1112,12 +1115,19 @@ def analyse_run(result: dict[str, Any]) -> dict[str, Any]:
                 "proxy_us_event": cpu / 1e3 / events,
                 # The first process's share (the sidecar's collector; nginx's master; Envoy's
                 # only process) and the others' (the sidecar's workers; nginx's worker).
-                "proxy_us_event_first": (
-                    w["end"]["proxy_cpu_ns_by_process"][0]
-                    - w["start"]["proxy_cpu_ns_by_process"][0]
-                )
+                # (utime + stime, split by the processes' shares of run time.)
+                "proxy_us_event_first": cpu
                 / 1e3
-                / events,
+                / events
+                * (
+                    (
+                        w["end"]["proxy_cpu_ns_by_process"][0]
+                        - w["start"]["proxy_cpu_ns_by_process"][0]
+                    )
+                    / sched
+                    if sched > 0
+                    else float("nan")
+                ),
                 "proxy_us_event_sched": sched / 1e3 / events,
                 "proxy_us_token": cpu / 1e3 / max(1, result["window_tokens"]),
                 "proxy_sys_share": stime / cpu if cpu else float("nan"),
