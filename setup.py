@@ -2,7 +2,8 @@
 
 `sidecar.protocol._tokenscan` recognises the common token chunk in C (fastchunk.py says why);
 `sidecar.proxy._recvstamp` reads an upstream socket with the kernel's receive timestamp
-(rxstamp.py). Both are optional: where no C compiler is at hand the package installs without
+(rxstamp.py); `sidecar.proxy._recordwire` writes a record's wire form (recordwire.py). All are
+optional: where no C compiler is at hand the package installs without
 them and runs the same logic in Python, slower (`sidecar proxy` logs which scanner it runs).
 """
 
@@ -18,6 +19,11 @@ setup(
         Extension(
             "sidecar.proxy._recvstamp",
             sources=["sidecar/proxy/_recvstamp.c"],
+            optional=True,
+        ),
+        Extension(
+            "sidecar.proxy._recordwire",
+            sources=["sidecar/proxy/_recordwire.c"],
             optional=True,
         ),
     ]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_helpers import require_module
 
+from sidecar.proxy import recordwire
 from sidecar.proxy.recordwire import WIRE_VERSION, WireError, decode_record, encode_record
 from sidecar.record import (
     EngineTiming,
@@ -90,7 +93,52 @@ def records(draw: st.DrawFn) -> RequestRecord:
         route_policy=draw(st.none() | TEXT),
         attributes=draw(st.dictionaries(TEXT, TEXT, max_size=4)),
         shape=draw(st.none() | shapes),
+        request_read_ns=draw(st.none() | I64),
     )
+
+
+def native_encode() -> Any:
+    """The C encoder (_recordwire.c): built by `pip install -e .` wherever a C compiler is
+    (fails in CI, skips elsewhere without it)."""
+    module = require_module("sidecar.proxy._recordwire", "-e . (with a C compiler: gcc)")
+    assert recordwire._native_encode is module.encode  # the one encode_record runs
+    return module.encode
+
+
+@settings(max_examples=400, deadline=None)
+@given(records())
+def test_the_c_encoder_writes_the_python_encoders_bytes(record: RequestRecord) -> None:
+    """Byte for byte, or None (a record with a shape: the Python encoder's)."""
+    wire = native_encode()(record)
+    if record.shape is not None:
+        assert wire is None
+    else:
+        assert wire == recordwire._encode(record)
+
+
+def test_the_c_encoder_fails_as_the_python_one_does() -> None:
+    encode = native_encode()
+    big = RequestRecord(
+        request_id="big", wall_time_ns=0, outcome=Outcome.OK, endpoint="chat", n_in=2**63
+    )
+    with pytest.raises(OverflowError):
+        encode(big)
+    with pytest.raises(struct.error):
+        recordwire._encode(big)
+    plain = dataclasses.replace(streamed_record(), shape=None)
+    assert encode(plain) == recordwire._encode(plain)
+    unknown = dataclasses.replace(plain, outcome="no such outcome")  # type: ignore[arg-type]
+    with pytest.raises(KeyError):
+        encode(unknown)
+    with pytest.raises(KeyError):
+        recordwire._encode(unknown)
+    # What it leaves to the Python encoder: None, and encode_record still answers.
+    odd = dataclasses.replace(plain, request_id=b"not text")  # type: ignore[arg-type]
+    assert encode(odd) is None
+    with pytest.raises(AttributeError):
+        encode_record(odd)  # what the Python encoder raised before there was a C one
+    with pytest.raises(AttributeError):
+        encode("not a record")
 
 
 @settings(max_examples=300, deadline=None)
