@@ -187,11 +187,11 @@ finish(cursor *at, cursor start, cursor end, struct token_chunk *out)
     return 1;
 }
 
+#define ID_START 13 /* len('data: {"id":"'): fastchunk.ID_START */
+
 /* The walk itself: 1 and ``out`` filled when [start, end) is one common token chunk, else 0.
  * ``wide`` (`scan_chunk`): also the other chunks every stream has (fastchunk._COMMON_CHUNK):
  * the finish chunk (its text may be empty), the chat role chunk and the usage-only chunk. */
-#define ID_START 13 /* len('data: {"id":"'): fastchunk.ID_START */
-
 static int
 scan_span(cursor start, cursor end, struct token_chunk *out, int wide)
 {
@@ -475,7 +475,7 @@ named_tuple(PyTypeObject *type, PyObject **items, Py_ssize_t n)
             goto fail;
         }
     }
-    tuple = type->tp_alloc(type, n);
+    tuple = type == &PyTuple_Type ? PyTuple_New(n) : type->tp_alloc(type, n);
     if (tuple == NULL) {
         goto fail;
     }
