@@ -357,7 +357,7 @@ def test_request_instructions_smoke(tmp_path: Path) -> None:
     worker = {row["function"].split("(")[-1]: row["bytecodes"] for row in report["worker"]["top"]}
     collector = {row["function"].split("(")[-1] for row in report["collector"]["top"]}
     assert report["worker"]["bytecodes_per_request"] > 1000
-    assert worker.get("feed)", 0) > 0 and "_decode)" in collector
+    assert worker.get("feed)", 0) > 0 and "decode_record)" in collector
 
 
 def test_hot_paths_smoke() -> None:

@@ -170,6 +170,68 @@ def test_cut_or_damaged_bytes_raise_wire_error_never_something_else(
         pass  # either an error of its own kind, or some record: never a crash of another type
 
 
+def native_decode() -> Any:
+    module = require_module("sidecar.proxy._recordwire", "-e . (with a C compiler: gcc)")
+    assert recordwire._native_decode is module.decode  # the one decode_record runs
+    return module.decode
+
+
+def python_decode(data: bytes) -> RequestRecord:
+    """decode_record with the Python decoder: the C one's specification."""
+    saved = recordwire._native_decode
+    recordwire._native_decode = None
+    try:
+        return decode_record(data)
+    finally:
+        recordwire._native_decode = saved
+
+
+def same_answer(data: bytes) -> None:
+    """decode_record (the C decoder) and the Python one: the same record, or both WireError."""
+    try:
+        expected: RequestRecord | None = python_decode(data)
+    except WireError:
+        expected = None
+    if expected is None:
+        with pytest.raises(WireError):
+            decode_record(data)
+    else:
+        got = decode_record(data)
+        assert got == expected
+        # the same sharing: one token column for both sides when the Python decoder has one
+        if expected.server is not None:
+            assert (got.client.tokens is got.server.tokens) == (  # type: ignore[union-attr]
+                expected.client.tokens is expected.server.tokens
+            )
+
+
+@settings(max_examples=300, deadline=None)
+@given(records(), st.data())
+def test_the_c_decoder_reads_what_the_python_one_reads(
+    record: RequestRecord, data: st.DataObject
+) -> None:
+    """On whole frames, cut frames, a byte flipped anywhere, a byte added: one answer."""
+    decode = native_decode()
+    wire = encode_record(record)
+    if record.shape is None:
+        assert decode(wire) == record
+    else:
+        assert decode(wire) is None  # the Python decoder's
+    same_answer(wire)
+    same_answer(wire[: data.draw(st.integers(0, len(wire) - 1))])
+    same_answer(wire + b"\x00")
+    flipped = bytearray(wire)
+    for _ in range(data.draw(st.integers(1, 3))):
+        flipped[data.draw(st.integers(1, len(wire) - 1))] ^= data.draw(st.integers(1, 255))
+    same_answer(bytes(flipped))
+
+
+def test_the_c_decoder_refuses_what_is_not_bytes() -> None:
+    decode = native_decode()
+    with pytest.raises(TypeError):
+        decode(bytearray(encode_record(streamed_record())))
+
+
 def streamed_record() -> RequestRecord:
     tokens = Int64s([1, 1, 2, 1])
     return RequestRecord(

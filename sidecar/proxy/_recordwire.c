@@ -14,6 +14,14 @@
  * encode(record) -> bytes | None
  *   KeyError for an enum member without an index, OverflowError for an integer beyond its
  *   field (the caller maps both to ValueError, as for the Python encoder).
+ * configure_decoder(RequestRecord, Timeline, EngineTiming, Int64s, WireError, outcomes,
+ *                   token_sources)
+ * decode(data: bytes) -> RequestRecord | None
+ *   The collector's side: recordwire._decode's record (the version byte already checked by
+ *   the caller), or None for a record with a shape (the Python decoder's). Bytes cut short or
+ *   not UTF-8 raise WireError as there; an enum index out of range IndexError and columns that
+ *   do not agree the record types' ValueError, which the caller turns into WireError as it
+ *   does for the Python decoder.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -482,6 +490,442 @@ done:
     return answer;
 }
 
+/* -- decode: the collector's side ------------------------------------------------------- */
+
+/* Given by configure_decoder, once: the types a record is made of, the enums by wire index,
+ * and WireError. */
+static PyObject *record_type, *timeline_type, *engine_type, *int64s_type, *wire_error;
+static PyObject *outcomes, *sources; /* tuples */
+static PyObject *record_kwnames, *timeline_kwnames;
+
+static const char *const record_fields[] = {
+    "request_id", "wall_time_ns", "outcome", "endpoint", "model", "client_stream",
+    "upstream_stream", "client", "server", "engine", "n_in", "n_out", "n_cached",
+    "token_source", "finish_reason", "http_status", "error_type", "replica", "route_policy",
+    "attributes", "request_read_ns",
+};
+#define N_RECORD_FIELDS ((Py_ssize_t)(sizeof record_fields / sizeof record_fields[0]))
+static const char *const timeline_fields[] = {
+    "start_ns", "offsets_ns", "tokens", "end_ns", "events_total", "choices",
+};
+#define N_TIMELINE_FIELDS 6
+
+#define FIXED_SIZE 54    /* <IqBBqqqqq */
+#define TIMELINE_SIZE 29 /* <qqqBI */
+#define ENGINE_SIZE 41   /* <B5d */
+#define HAS_SHAPE (1u << 2)
+
+typedef struct {
+    const unsigned char *data;
+    Py_ssize_t size, pos;
+} reader;
+
+static int
+cut_short(void)
+{
+    PyErr_SetString(wire_error, "record bytes cut short");
+    return -1;
+}
+
+static int
+need(reader *r, Py_ssize_t n)
+{
+    return r->pos + n > r->size ? cut_short() : 0;
+}
+
+static long long
+i64_at(const unsigned char *p)
+{
+    int64_t v;
+    memcpy(&v, p, 8);
+    return (long long)v;
+}
+
+static uint32_t
+u32_at(const unsigned char *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* A string (u32 length + UTF-8, surrogates passed): new reference, or NULL and WireError. */
+static PyObject *
+text_at(reader *r)
+{
+    if (need(r, 4) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = (Py_ssize_t)u32_at(r->data + r->pos);
+    r->pos += 4;
+    if (need(r, n) < 0) {
+        return NULL;
+    }
+    PyObject *value =
+        PyUnicode_DecodeUTF8((const char *)r->data + r->pos, n, "surrogatepass");
+    if (value == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+            PyObject *type, *exc, *tb;
+            PyErr_Fetch(&type, &exc, &tb);
+            PyErr_NormalizeException(&type, &exc, &tb);
+            PyErr_Format(wire_error, "not UTF-8: %S", exc);
+            Py_XDECREF(type);
+            Py_XDECREF(exc);
+            Py_XDECREF(tb);
+        }
+        return NULL;
+    }
+    r->pos += n;
+    return value;
+}
+
+/* An Int64s of ``count`` values at the reader, new reference. */
+static PyObject *
+column_at(reader *r, Py_ssize_t count)
+{
+    if (count > (r->size - r->pos) / 8) {
+        cut_short();
+        return NULL;
+    }
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)r->data + r->pos, 8 * count);
+    if (raw == NULL) {
+        return NULL;
+    }
+    r->pos += 8 * count;
+    PyObject *column = PyObject_CallOneArg(int64s_type, raw);
+    Py_DECREF(raw);
+    return column;
+}
+
+typedef struct {
+    long long start, end, events_total;
+    unsigned bits;
+    uint32_t n;
+} timeline_head;
+
+static void
+head_at(reader *r, timeline_head *h)
+{
+    const unsigned char *p = r->data + r->pos;
+    h->start = i64_at(p);
+    h->end = i64_at(p + 8);
+    h->events_total = i64_at(p + 16);
+    h->bits = p[24];
+    h->n = u32_at(p + 25);
+    r->pos += TIMELINE_SIZE;
+}
+
+/* Timeline(start_ns=, offsets_ns=, tokens=, end_ns=, events_total=, choices=); steals the
+ * three columns (choices may be NULL: None). */
+static PyObject *
+make_timeline(const timeline_head *h, PyObject *offsets, PyObject *tokens, PyObject *choices)
+{
+    PyObject *args[N_TIMELINE_FIELDS] = {
+        PyLong_FromLongLong(h->start),
+        offsets,
+        tokens,
+        h->bits & TIMELINE_HAS_END ? PyLong_FromLongLong(h->end) : Py_NewRef(Py_None),
+        PyLong_FromLongLong(h->events_total),
+        choices ? choices : Py_NewRef(Py_None),
+    };
+    PyObject *timeline = NULL;
+    int ok = 1;
+    for (int i = 0; i < N_TIMELINE_FIELDS; i++) {
+        ok &= args[i] != NULL;
+    }
+    if (ok) {
+        timeline = PyObject_Vectorcall(timeline_type, args, 0, timeline_kwnames);
+    }
+    for (int i = 0; i < N_TIMELINE_FIELDS; i++) {
+        Py_XDECREF(args[i]);
+    }
+    return timeline;
+}
+
+/* decode(data: bytes) -> RequestRecord | None: recordwire._decode's record (None: one with a
+ * request shape, for the Python decoder); WireError for bytes cut short or not UTF-8; what the
+ * record's types raise (ValueError) for columns that do not agree. */
+static PyObject *
+decode(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    if (record_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "decode() before configure_decoder()");
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "decode() takes bytes");
+        return NULL;
+    }
+    reader r = {(const unsigned char *)PyBytes_AS_STRING(arg), PyBytes_GET_SIZE(arg), 0};
+    PyObject *values[N_RECORD_FIELDS] = {NULL};
+    PyObject *optional[5] = {NULL};
+    PyObject *attributes = NULL, *client_offsets = NULL, *client_tokens = NULL;
+    PyObject *client_choices = NULL, *server_offsets = NULL, *server_tokens = NULL;
+    PyObject *server_choices = NULL, *server = NULL, *client = NULL, *engine = NULL;
+    PyObject *answer = NULL;
+
+    r.pos = 1 + FIXED_SIZE;
+    if (need(&r, TIMELINE_SIZE) < 0) {
+        goto done;
+    }
+    const unsigned char *fixed = r.data + 1;
+    uint32_t flags = u32_at(fixed);
+    if (flags & HAS_SHAPE) {
+        answer = Py_NewRef(Py_None);
+        goto done;
+    }
+    long long wall = i64_at(fixed + 4);
+    unsigned outcome = fixed[12], source = fixed[13];
+    long long counts[5];
+    for (int i = 0; i < 5; i++) {
+        counts[i] = i64_at(fixed + 14 + 8 * i);
+    }
+    timeline_head client_head, server_head;
+    head_at(&r, &client_head);
+    int has_server = (flags & HAS_SERVER) != 0;
+    if (has_server) {
+        if (need(&r, TIMELINE_SIZE) < 0) {
+            goto done;
+        }
+        head_at(&r, &server_head);
+    }
+    if (flags & HAS_ENGINE) {
+        if (need(&r, ENGINE_SIZE) < 0) {
+            goto done;
+        }
+        const unsigned char *p = r.data + r.pos;
+        PyObject *fields[5] = {NULL};
+        int ok = 1;
+        for (int i = 0; i < 5; i++) {
+            double v;
+            memcpy(&v, p + 1 + 8 * i, 8);
+            fields[i] = p[0] & (1u << i) ? PyFloat_FromDouble(v) : Py_NewRef(Py_None);
+            ok &= fields[i] != NULL;
+        }
+        if (ok) {
+            engine = PyObject_Vectorcall(engine_type, fields, 5, NULL);
+        }
+        for (int i = 0; i < 5; i++) {
+            Py_XDECREF(fields[i]);
+        }
+        if (engine == NULL) {
+            goto done;
+        }
+        r.pos += ENGINE_SIZE;
+    }
+    PyObject *request_id = text_at(&r);
+    if (request_id == NULL) {
+        goto done;
+    }
+    values[0] = request_id;
+    if ((values[3] = text_at(&r)) == NULL) { /* endpoint */
+        goto done;
+    }
+    for (int i = 0; i < 5; i++) {
+        if (flags & STRING_BIT(i)) {
+            if ((optional[i] = text_at(&r)) == NULL) {
+                goto done;
+            }
+        }
+        else {
+            optional[i] = Py_NewRef(Py_None);
+        }
+    }
+    if (need(&r, 4) < 0) {
+        goto done;
+    }
+    uint32_t n_attributes = u32_at(r.data + r.pos);
+    r.pos += 4;
+    if ((attributes = PyDict_New()) == NULL) {
+        goto done;
+    }
+    for (uint32_t i = 0; i < n_attributes; i++) {
+        PyObject *key = text_at(&r);
+        if (key == NULL) {
+            goto done;
+        }
+        PyObject *value = text_at(&r);
+        if (value == NULL) {
+            Py_DECREF(key);
+            goto done;
+        }
+        int failed = PyDict_SetItem(attributes, key, value) < 0;
+        Py_DECREF(key);
+        Py_DECREF(value);
+        if (failed) {
+            goto done;
+        }
+    }
+    Py_ssize_t n_client = client_head.n;
+    if ((client_offsets = column_at(&r, n_client)) == NULL) {
+        goto done;
+    }
+    int shared = (flags & TOKENS_SHARED) && has_server;
+    if (!shared && (client_tokens = column_at(&r, n_client)) == NULL) {
+        goto done;
+    }
+    if ((client_head.bits & TIMELINE_HAS_CHOICES)
+        && (client_choices = column_at(&r, n_client)) == NULL) {
+        goto done;
+    }
+    if (has_server) {
+        Py_ssize_t n_server = server_head.n;
+        if ((server_offsets = column_at(&r, n_server)) == NULL
+            || (server_tokens = column_at(&r, n_server)) == NULL) {
+            goto done;
+        }
+        if ((server_head.bits & TIMELINE_HAS_CHOICES)
+            && (server_choices = column_at(&r, n_server)) == NULL) {
+            goto done;
+        }
+        if (client_tokens == NULL) {
+            if (n_client > n_server) {
+                PyErr_SetString(wire_error,
+                                "shared token column shorter than the client's events");
+                goto done;
+            }
+            if (n_client == n_server) { /* one object for both sides, as records keep it */
+                client_tokens = Py_NewRef(server_tokens);
+            }
+            else {
+                PyObject *data = PyObject_GetAttr(server_tokens, names[A_DATA]);
+                if (data == NULL) {
+                    goto done;
+                }
+                PyObject *prefix = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data),
+                                                             8 * n_client);
+                Py_DECREF(data);
+                if (prefix == NULL) {
+                    goto done;
+                }
+                client_tokens = PyObject_CallOneArg(int64s_type, prefix);
+                Py_DECREF(prefix);
+                if (client_tokens == NULL) {
+                    goto done;
+                }
+            }
+        }
+        server = make_timeline(&server_head, server_offsets, server_tokens, server_choices);
+        server_offsets = server_tokens = server_choices = NULL; /* stolen */
+        if (server == NULL) {
+            goto done;
+        }
+    }
+    client = make_timeline(&client_head, client_offsets, client_tokens, client_choices);
+    client_offsets = client_tokens = client_choices = NULL;
+    if (client == NULL) {
+        goto done;
+    }
+    if (r.pos != r.size) {
+        PyErr_Format(wire_error, "%zd bytes after the record", r.size - r.pos);
+        goto done;
+    }
+    if (outcome >= (unsigned)PyTuple_GET_SIZE(outcomes)
+        || source >= (unsigned)PyTuple_GET_SIZE(sources)) {
+        PyErr_SetString(PyExc_IndexError, "tuple index out of range");
+        goto done;
+    }
+    /* RequestRecord(request_id, wall_time_ns, outcome, endpoint, model, client_stream,
+     * upstream_stream, client, server, engine, n_in, n_out, n_cached, token_source,
+     * finish_reason, http_status, error_type, replica, route_policy, attributes,
+     * request_read_ns), by keyword */
+    values[1] = PyLong_FromLongLong(wall);
+    values[2] = Py_NewRef(PyTuple_GET_ITEM(outcomes, outcome));
+    values[4] = Py_NewRef(optional[0]);
+    values[5] = PyBool_FromLong(flags & CLIENT_STREAM);
+    values[6] = PyBool_FromLong(flags & UPSTREAM_STREAM);
+    values[7] = Py_NewRef(client);
+    values[8] = server ? Py_NewRef(server) : Py_NewRef(Py_None);
+    values[9] = engine ? Py_NewRef(engine) : Py_NewRef(Py_None);
+    static const uint32_t count_bits[] = {HAS_N_IN, HAS_N_OUT, HAS_N_CACHED};
+    for (int i = 0; i < 3; i++) {
+        values[10 + i] =
+            flags & count_bits[i] ? PyLong_FromLongLong(counts[i]) : Py_NewRef(Py_None);
+    }
+    values[13] = Py_NewRef(PyTuple_GET_ITEM(sources, source));
+    values[14] = Py_NewRef(optional[1]);
+    values[15] = flags & HAS_HTTP_STATUS ? PyLong_FromLongLong(counts[3]) : Py_NewRef(Py_None);
+    values[16] = Py_NewRef(optional[2]);
+    values[17] = Py_NewRef(optional[3]);
+    values[18] = Py_NewRef(optional[4]);
+    values[19] = Py_NewRef(attributes);
+    values[20] =
+        flags & HAS_REQUEST_READ ? PyLong_FromLongLong(counts[4]) : Py_NewRef(Py_None);
+    for (Py_ssize_t i = 0; i < N_RECORD_FIELDS; i++) {
+        if (values[i] == NULL) {
+            goto done;
+        }
+    }
+    answer = PyObject_Vectorcall(record_type, values, 0, record_kwnames);
+done:
+    for (Py_ssize_t i = 0; i < N_RECORD_FIELDS; i++) {
+        Py_XDECREF(values[i]);
+    }
+    for (int i = 0; i < 5; i++) {
+        Py_XDECREF(optional[i]);
+    }
+    Py_XDECREF(attributes);
+    Py_XDECREF(client_offsets);
+    Py_XDECREF(client_tokens);
+    Py_XDECREF(client_choices);
+    Py_XDECREF(server_offsets);
+    Py_XDECREF(server_tokens);
+    Py_XDECREF(server_choices);
+    Py_XDECREF(server);
+    Py_XDECREF(client);
+    Py_XDECREF(engine);
+    return answer;
+}
+
+static PyObject *
+names_tuple(const char *const *fields, Py_ssize_t n)
+{
+    PyObject *tuple = PyTuple_New(n);
+    if (tuple == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyUnicode_InternFromString(fields[i]);
+        if (name == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(tuple, i, name);
+    }
+    return tuple;
+}
+
+/* configure_decoder(RequestRecord, Timeline, EngineTiming, Int64s, WireError, outcomes,
+ * token_sources): recordwire's types and tables, once. */
+static PyObject *
+configure_decoder(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7 || !PyTuple_CheckExact(args[5]) || !PyTuple_CheckExact(args[6])
+        || !PyExceptionClass_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure_decoder() takes (RequestRecord, Timeline, EngineTiming, "
+                        "Int64s, WireError, outcomes, token_sources)");
+        return NULL;
+    }
+    if (record_kwnames == NULL) {
+        record_kwnames = names_tuple(record_fields, N_RECORD_FIELDS);
+        timeline_kwnames = names_tuple(timeline_fields, N_TIMELINE_FIELDS);
+        if (record_kwnames == NULL || timeline_kwnames == NULL) {
+            return NULL;
+        }
+    }
+    Py_XSETREF(record_type, Py_NewRef(args[0]));
+    Py_XSETREF(timeline_type, Py_NewRef(args[1]));
+    Py_XSETREF(engine_type, Py_NewRef(args[2]));
+    Py_XSETREF(int64s_type, Py_NewRef(args[3]));
+    Py_XSETREF(wire_error, Py_NewRef(args[4]));
+    Py_XSETREF(outcomes, Py_NewRef(args[5]));
+    Py_XSETREF(sources, Py_NewRef(args[6]));
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -507,6 +951,12 @@ static PyMethodDef methods[] = {
     {"encode", encode, METH_O,
      "encode(record) -> bytes | None: recordwire._encode's bytes, or None for a record the "
      "Python encoder must take (a shape, odd types)."},
+    {"decode", decode, METH_O,
+     "decode(data) -> RequestRecord | None: recordwire._decode's record, or None for one with "
+     "a request shape (the Python decoder's)."},
+    {"configure_decoder", (PyCFunction)(void (*)(void))configure_decoder, METH_FASTCALL,
+     "configure_decoder(RequestRecord, Timeline, EngineTiming, Int64s, WireError, outcomes, "
+     "token_sources): the record's types and the enums by wire index, once."},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
      "configure(outcome_index, source_index, version): recordwire's tables, once."},
     {NULL, NULL, 0, NULL},
