@@ -22,6 +22,9 @@ Integers must fit in 64 bits; a record that does not (a hostile upstream's usage
 raises `ValueError`, which the channel counts as an encode error.
 
 Any change of layout bumps `WIRE_VERSION`; `decode_record` refuses versions it does not know.
+The layout is written and read in C as well (`_recordwire.c`, where the package was built with
+it): a change here is made there too, and tests/test_recordwire.py, which holds the C codec to
+this one's bytes and answers, fails until it is.
 """
 
 from __future__ import annotations
