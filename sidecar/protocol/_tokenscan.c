@@ -507,10 +507,8 @@ fast_chunk(PyObject *module, PyObject *arg)
     if (!scan_span(start, start + PyBytes_GET_SIZE(arg), &chunk, 1)) {
         Py_RETURN_NONE;
     }
-    PyObject *usage = Py_None;
-    Py_INCREF(Py_None);
+    PyObject *usage;
     if (chunk.has_usage) {
-        Py_DECREF(Py_None);
         /* Usage(prompt_tokens, completion_tokens, total_tokens, cached_tokens) */
         PyObject *parts[4] = {PyLong_FromLongLong(chunk.prompt),
                               PyLong_FromLongLong(chunk.completion),
@@ -519,6 +517,9 @@ fast_chunk(PyObject *module, PyObject *arg)
         if (usage == NULL) {
             return NULL;
         }
+    }
+    else {
+        usage = Py_NewRef(Py_None);
     }
     /* ChunkInfo(kind, usage, finish_reason, choice_index, metrics, error, model, id,
      *           system_fingerprint, usage_malformed) */

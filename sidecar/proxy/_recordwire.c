@@ -144,6 +144,20 @@ as_i64(PyObject *value, long long *v)
     return 0;
 }
 
+/* u32 length + the bytes. */
+static int
+put_sized(out_buffer *out, const char *bytes, Py_ssize_t n)
+{
+    if (n > (Py_ssize_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "string longer than 4 GiB");
+        return -1;
+    }
+    if (put_u32(out, (uint32_t)n) < 0) {
+        return -1;
+    }
+    return put(out, bytes, n);
+}
+
 /* u32 length + UTF-8 (surrogates passed through). 1: not a str. */
 static int
 put_text(out_buffer *out, PyObject *value)
@@ -154,14 +168,7 @@ put_text(out_buffer *out, PyObject *value)
     Py_ssize_t n;
     const char *utf8 = PyUnicode_AsUTF8AndSize(value, &n);
     if (utf8 != NULL) {
-        if (n > (Py_ssize_t)UINT32_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "string longer than 4 GiB");
-            return -1;
-        }
-        if (put_u32(out, (uint32_t)n) < 0) {
-            return -1;
-        }
-        return put(out, utf8, n);
+        return put_sized(out, utf8, n);
     }
     /* A lone surrogate has no UTF-8 form: "surrogatepass", as recordwire._text. */
     PyErr_Clear();
@@ -169,14 +176,9 @@ put_text(out_buffer *out, PyObject *value)
     if (raw == NULL) {
         return -1;
     }
-    n = PyBytes_GET_SIZE(raw);
-    int failed = n > (Py_ssize_t)UINT32_MAX || put_u32(out, (uint32_t)n) < 0
-                 || put(out, PyBytes_AS_STRING(raw), n) < 0;
-    if (n > (Py_ssize_t)UINT32_MAX) {
-        PyErr_SetString(PyExc_OverflowError, "string longer than 4 GiB");
-    }
+    int status = put_sized(out, PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw));
     Py_DECREF(raw);
-    return failed ? -1 : 0;
+    return status;
 }
 
 /* The packed bytes of an Int64s (its `data`), new reference; NULL with no error: not bytes. */
