@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from itertools import pairwise
 
 import pytest
@@ -25,7 +26,28 @@ from sidecar.protocol import (
     SSEEvent,
     SSEParser,
     encode_data_event,
+    sse,
 )
+
+native_data_events: Callable[[bytes, int], tuple[list[SSEEvent], int]] | None
+try:
+    from sidecar.protocol._tokenscan import data_events as native_data_events
+except ImportError:  # built without a C compiler: the Python loop is the only one
+    native_data_events = None
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def common_read_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs with the parser's common-read loop in C and in Python (the two
+    must give the same events, split anywhere)."""
+    if request.param == "native":
+        if native_data_events is None:
+            pytest.skip("the package was built without its C extensions")
+        monkeypatch.setattr(sse, "_data_events", native_data_events)
+    else:
+        monkeypatch.setattr(sse, "_data_events", sse.data_events)
+    return str(request.param)
+
 
 # Chat with include_usage and keep-alives (sent while queued, in prefill and between tokens).
 CHAT_STREAM = (
@@ -449,3 +471,50 @@ def test_property_encoded_events_round_trip(
     assert [e.data for e in events] == payloads
     assert [e.comment for e in events] == ["keep-alive" if p is None else None for p in payloads]
     assert parser.pending_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("data", "max_size", "expected_data", "stop"),
+    [
+        (b"data: a\n\n", 100, ["a"], 9),
+        (b"data:a\n\ndata:  b\n\n", 100, ["a", " b"], 18),
+        (b"data:\n\n", 100, [""], 7),
+        (b"data: a\n\n: keep-alive\n\n", 100, ["a"], 9),  # a comment ends the run
+        (b"data: a\n\ndata: b\r\n\r\n", 100, ["a"], 9),  # so does a CR
+        (b"data: a\n\ndata: b\n", 100, ["a"], 9),  # and an event the read cut
+        (b"data: a\n\ndata", 100, ["a"], 9),
+        (b"data: a\nevent: x\n\n", 100, [], 0),  # a second line: the general parser's
+        (b"data: abc\n\n", 11, ["abc"], 11),  # exactly the limit
+        (b"data: abc\n\n", 10, [], 0),  # one byte over
+        (b"data: \xff\xc3\n\n", 100, ["\ufffd\ufffd"], 10),
+        (b"", 100, [], 0),
+        (b"dat", 100, [], 0),
+    ],
+)
+def test_the_common_read_loop_by_hand(
+    common_read_loop: str, data: bytes, max_size: int, expected_data: list[str], stop: int
+) -> None:
+    events, at = sse._data_events(data, max_size)
+    assert [e.data for e in events] == expected_data
+    assert at == stop
+    assert b"".join(e.raw for e in events) == data[:stop]
+    assert all(e[2:] == (None, None, None, None) for e in events)
+    if len(events) == 1 and stop == len(data):
+        assert events[0].raw is data  # the read itself, not a copy
+
+
+@settings(max_examples=300)
+@given(st.one_of(sse_stream, noisy_bytes), st.integers(1, 64))
+def test_the_native_common_read_loop_is_the_python_one(stream: bytes, max_size: int) -> None:
+    if native_data_events is None:
+        pytest.skip("the package was built without its C extensions")
+    assert native_data_events(stream, max_size) == sse.data_events(stream, max_size)
+
+
+def test_the_native_common_read_loop_refuses_what_is_not_bytes() -> None:
+    if native_data_events is None:
+        pytest.skip("the package was built without its C extensions")
+    with pytest.raises(TypeError):
+        native_data_events(bytearray(b"data: a\n\n"), 10)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        native_data_events(b"data: a\n\n")  # type: ignore[call-arg]

@@ -547,6 +547,82 @@ fast_chunk(PyObject *module, PyObject *arg)
     return named_tuple(&PyTuple_Type, answer, 3);
 }
 
+/* data_events(data, max_event_size) -> (events, stop): the whole `data:<payload>\n\n` events
+ * at the start of `data` as SSEEvent(payload, raw, None, None, None, None), in order, and where
+ * the first thing that is not one begins (len(data) when there is none). What the loop at the
+ * top of sse.SSEParser.feed does for a read while nothing is pending (the spec of this function,
+ * and the parser's answer where it is not built): an event stops the run when it has no LF LF
+ * end within `data`, holds a CR, or is over `max_event_size` bytes. The payload is decoded as
+ * UTF-8 with invalid bytes replaced; a read that is one event is its own `raw`. The type comes
+ * from `configure_events`, once, at import. */
+static PyTypeObject *sse_event_type;
+
+static PyObject *
+configure_events(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    if (!PyType_Check(arg) || !PyType_IsSubtype((PyTypeObject *)arg, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "configure_events() takes SSEEvent");
+        return NULL;
+    }
+    Py_XSETREF(sse_event_type, (PyTypeObject *)Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+data_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (sse_event_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "data_events() before configure_events()");
+        return NULL;
+    }
+    if (nargs != 2 || !PyBytes_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "data_events() takes (bytes, max_event_size)");
+        return NULL;
+    }
+    Py_ssize_t max_size = PyLong_AsSsize_t(args[1]);
+    if (max_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *data = args[0];
+    const char *base = PyBytes_AS_STRING(data);
+    Py_ssize_t n = PyBytes_GET_SIZE(data);
+    PyObject *events = PyList_New(0);
+    if (events == NULL) {
+        return NULL;
+    }
+    Py_ssize_t pos = 0;
+    while (n - pos >= 5 && memcmp(base + pos, "data:", 5) == 0) {
+        const char *nl = memchr(base + pos, '\n', (size_t)(n - pos));
+        if (nl == NULL) {
+            break;
+        }
+        Py_ssize_t at = nl - base;
+        Py_ssize_t end = at + 2;
+        if (end > n || base[at + 1] != '\n' || memchr(base + pos, '\r', (size_t)(at - pos)) != NULL
+            || end - pos > max_size) {
+            break;
+        }
+        Py_ssize_t value = base[pos + 5] == ' ' ? pos + 6 : pos + 5;
+        PyObject *raw = pos == 0 && end == n ? Py_NewRef(data)
+                                             : PyBytes_FromStringAndSize(base + pos, end - pos);
+        PyObject *fields[6] = {PyUnicode_DecodeUTF8(base + value, at - value, "replace"), raw,
+                               Py_NewRef(Py_None), Py_NewRef(Py_None), Py_NewRef(Py_None),
+                               Py_NewRef(Py_None)};
+        PyObject *event = named_tuple(sse_event_type, fields, 6);
+        if (event == NULL || PyList_Append(events, event) < 0) {
+            Py_XDECREF(event);
+            Py_DECREF(events);
+            return NULL;
+        }
+        Py_DECREF(event);
+        pos = end;
+    }
+    PyObject *answer[2] = {events, PyLong_FromSsize_t(pos)};
+    return named_tuple(&PyTuple_Type, answer, 2);
+}
+
 /* cut(data, start, end) -> data without data[start:end], in one copy (the slices and their
  * concatenation make three objects). 0 <= start <= end <= len(data), else ValueError. */
 static PyObject *
@@ -1185,6 +1261,11 @@ static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
      "configure(ChunkInfo, Usage, kinds): the types fast_chunk builds, and ChunkKind by the "
      "kind numbers of scan_chunk."},
+    {"configure_events", configure_events, METH_O,
+     "configure_events(SSEEvent): the type data_events builds."},
+    {"data_events", (PyCFunction)(void (*)(void))data_events, METH_FASTCALL,
+     "data_events(data, max_event_size) -> (events, stop): the whole one-line data events at "
+     "the start of data, and where the rest begins (sse.SSEParser.feed's common read)."},
     {"cut", (PyCFunction)(void (*)(void))cut, METH_FASTCALL,
      "cut(data, start, end) -> data without data[start:end], in one copy."},
     {NULL, NULL, 0, NULL},
