@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from sidecar import clock
-from sidecar.proxy.timeouts import Timeouts
+from sidecar.proxy.timeouts import Deadline, Timeouts
 
 
 async def _until_cancelled(make: Callable[[], Timeouts]) -> Timeouts:
@@ -83,3 +83,64 @@ async def test_no_deadline_means_no_timer() -> None:
     timeouts = Timeouts()
     timeouts.start_idle()
     assert timeouts._handle is None
+
+
+async def _wait_for(fired: list[int], timeout_s: float = 5.0) -> None:
+    deadline = clock.monotonic_ns() + int(timeout_s * 1e9)
+    while not fired and clock.monotonic_ns() < deadline:
+        await asyncio.sleep(0.005)
+
+
+async def test_a_deadline_fires_once_at_its_time() -> None:
+    fired: list[int] = []
+    deadline = Deadline(asyncio.get_running_loop())
+    set_at = clock.monotonic_ns()
+    deadline.set(0.03, lambda: fired.append(clock.monotonic_ns()))
+    assert deadline.armed
+    await _wait_for(fired)
+    assert len(fired) == 1 and fired[0] - set_at >= 30_000_000
+    assert not deadline.armed
+    await asyncio.sleep(0.05)
+    assert len(fired) == 1
+
+
+async def test_a_deadline_moved_later_keeps_its_timer_and_fires_at_the_new_time() -> None:
+    fired: list[tuple[str, int]] = []
+    deadline = Deadline(asyncio.get_running_loop())
+    deadline.set(0.02, lambda: fired.append(("first", clock.monotonic_ns())))
+    timer = deadline._handle
+    moved_at = clock.monotonic_ns()
+    deadline.set(0.08, lambda: fired.append(("second", clock.monotonic_ns())))
+    assert deadline._handle is timer  # no new timer: the old one wakes first and looks again
+    while not fired:
+        await asyncio.sleep(0.005)
+    # The timer woke at 20 ms, found the deadline moved, and slept again until it.
+    assert [name for name, _ in fired] == ["second"] and fired[0][1] - moved_at >= 80_000_000
+
+
+async def test_a_deadline_moved_earlier_gets_an_earlier_timer() -> None:
+    fired: list[int] = []
+    deadline = Deadline(asyncio.get_running_loop())
+    deadline.set(10.0, lambda: fired.append(1))
+    timer = deadline._handle
+    deadline.set(0.01, lambda: fired.append(2))
+    assert deadline._handle is not timer and timer is not None and timer.cancelled()
+    await _wait_for(fired)
+    assert fired == [2]
+    deadline.close()
+
+
+async def test_a_cleared_deadline_never_fires_and_a_closed_one_holds_no_timer() -> None:
+    fired: list[int] = []
+    deadline = Deadline(asyncio.get_running_loop())
+    deadline.set(0.01, lambda: fired.append(1))
+    deadline.clear()
+    assert not deadline.armed and deadline._handle is not None  # left to wake for nothing
+    await asyncio.sleep(0.05)
+    assert fired == [] and deadline._handle is None
+    deadline.set(0.01, lambda: fired.append(2))
+    timer = deadline._handle
+    deadline.close()
+    assert deadline._handle is None and timer is not None and timer.cancelled()
+    await asyncio.sleep(0.05)
+    assert fired == []

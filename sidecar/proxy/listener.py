@@ -38,6 +38,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar import clock
+from sidecar.proxy.timeouts import Deadline
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -308,7 +309,8 @@ class ClientConnection(asyncio.Protocol):
         # Complete requests not yet handled: a list, not a deque, since there is rarely more
         # than one (pipelining) and an empty deque costs ~0.7 KiB per connection.
         self._queue: list[IncomingRequest] = []
-        self._timer: asyncio.TimerHandle | None = None
+        # The head's, the body's or the idle keep-alive's deadline, whichever applies now.
+        self._deadline = Deadline(self.loop)
         self._write_ready: asyncio.Future[None] | None = None
         self._writable_callbacks: list[Callable[[], None]] | None = None
         self._rejected = False
@@ -410,7 +412,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self.parser = None  # the cycle through its callbacks (see __init__)
-        self._disarm()
+        self._deadline.close()
         ready, self._write_ready = self._write_ready, None
         if ready is not None and not ready.done():
             ready.set_exception(ConnectionResetError("the client is gone"))
@@ -659,17 +661,15 @@ class ClientConnection(asyncio.Protocol):
             transport.close()
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        self._disarm()
         if delay_s > 0:
-            self._timer = self.loop.call_later(delay_s, callback)
+            self._deadline.set(delay_s, callback)
+        else:
+            self._deadline.clear()
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.clear()
 
     def _head_timed_out(self) -> None:
-        self._timer = None
         if not self._in_message:
             # Connected and sent nothing: not a request, no record; just close.
             if self.transport is not None:
@@ -693,7 +693,6 @@ class ClientConnection(asyncio.Protocol):
         )
 
     def _body_timed_out(self) -> None:
-        self._timer = None
         log.warning(
             "request body from %s not complete within %.0f s: refused (408)",
             self._peer(),
@@ -712,7 +711,6 @@ class ClientConnection(asyncio.Protocol):
         )
 
     def _idle_timed_out(self) -> None:
-        self._timer = None
         if self.transport is not None and self._task is None and not self._in_message:
             self.transport.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from sidecar import clock
 from sidecar.config import ProxyConfig
@@ -151,3 +152,70 @@ class Timeouts:
         uncancel = getattr(self.task, "uncancel", None)
         if uncancel is not None:
             uncancel()
+
+
+class Deadline:
+    """One deadline on one loop timer, for a deadline that moves far more often than it passes:
+    a connection's header, body and keep-alive deadlines (three per request), a pooled
+    upstream connection's idle expiry (one per request). Arming and cancelling a uvloop timer
+    costs ~2 µs (a TimerHandle and a libuv timer each time); here the timer is lazy, as in
+    `Timeouts`: a deadline set later than the one the timer wakes for only moves a number,
+    and a deadline cleared leaves the timer to wake, find nothing due and stop. A connection
+    serving back-to-back requests then arms a timer about once per header timeout instead of
+    three per request. `close` cancels the timer for good (a connection that ended: what the
+    timer holds is then let go at once)."""
+
+    __slots__ = ("_loop", "_handle", "_wake_at", "_at", "_callback")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._handle: asyncio.TimerHandle | None = None
+        self._wake_at = NEVER  # when the timer (if any) wakes
+        self._at = NEVER  # the deadline; NEVER: none
+        self._callback: Callable[[], object] | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._at != NEVER
+
+    def set(self, delay_s: float, callback: Callable[[], object]) -> None:
+        """Call ``callback`` ``delay_s`` from now, instead of whatever was set before."""
+        at = clock.monotonic_ns() + int(delay_s * 1e9)
+        self._at = at
+        self._callback = callback
+        handle = self._handle
+        if handle is not None:
+            if self._wake_at <= at:
+                return  # it wakes first and looks again
+            handle.cancel()
+        self._wake_at = at
+        self._handle = self._loop.call_later(max(delay_s, 0.0), self._wake)
+
+    def clear(self) -> None:
+        """No deadline (the timer, if any, wakes for nothing: cheaper than cancelling it)."""
+        self._at = NEVER
+        self._callback = None
+
+    def close(self) -> None:
+        """No deadline, and no timer left waiting."""
+        self.clear()
+        handle, self._handle = self._handle, None
+        self._wake_at = NEVER
+        if handle is not None:
+            handle.cancel()
+
+    def _wake(self) -> None:
+        self._handle = None
+        self._wake_at = NEVER
+        at = self._at
+        if at == NEVER:
+            return
+        now = clock.monotonic_ns()
+        if now < at:  # moved since the timer was set, or the loop's clock woke us early
+            self._wake_at = at
+            self._handle = self._loop.call_later((at - now) / 1e9, self._wake)
+            return
+        callback = self._callback
+        self.clear()
+        if callback is not None:
+            callback()
