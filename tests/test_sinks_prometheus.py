@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_helpers import Prometheus, require_binary, running_prometheus
 from proxy_stack import stack
 
@@ -39,6 +40,7 @@ from sidecar.serve import build_proxy_server
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
 from sidecar.sinks.prometheus import (
+    BulkCounter,
     BulkHistogram,
     LiveCollector,
     PrometheusSink,
@@ -262,6 +264,42 @@ def test_junk_model_names_cannot_take_the_label_slots() -> None:
         )
         == 1
     )
+
+
+def _without_created_values(text: bytes) -> str:
+    return re.sub(r"(_created(\{[^}]*\})?) \S+", r"\1 T", text.decode())
+
+
+@pytest.mark.parametrize("exposition", [generate_latest, generate_openmetrics])
+def test_the_sinks_own_counter_and_token_histogram_read_as_prometheus_clients_do(
+    exposition: Any,
+) -> None:
+    """The sink counts requests and tokens with its own primitives (no lock, no checks per
+    increment): scraped, they must read exactly as prometheus_client's Counter and Histogram
+    did, `_created` series included (their values are instants, masked here)."""
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    counter = Counter("reqs", "Requests.", ("model", "outcome"), registry=theirs)
+    bulk_counter = BulkCounter("reqs", "Requests.", ("model", "outcome"), ours)
+    buckets = (1.0, 10.0, 100.0)
+    histogram = Histogram("toks", "Tokens.", ("model",), registry=theirs, buckets=buckets)
+    bulk_histogram = BulkHistogram("toks", "Tokens.", ("model",), buckets, ours, created=True)
+    counter.labels("m", "ok")  # a series made before its first increment reads 0
+    bulk_counter.touch(("m", "ok"))
+    for model, outcome, amount, tokens in [
+        ("m", "error", 1, 0),
+        ("m", "ok", 3, 10),
+        ("n", "ok", 2.5, 250),
+        ("m", "ok", 1, 1),
+    ]:
+        counter.labels(model, outcome).inc(amount)
+        bulk_counter.inc((model, outcome), amount)
+        histogram.labels(model).observe(tokens)
+        bulk_histogram.observe((model,), tokens)
+    assert bulk_counter.value(("m", "ok")) == 4.0 and bulk_counter.value(("x", "ok")) == 0.0
+    mine = _without_created_values(exposition(ours))
+    assert mine == _without_created_values(exposition(theirs))
+    assert 'reqs_total{model="m",outcome="ok"} 4.0' in mine
+    assert 'toks_bucket{le="10.0",model="m"} 3.0' in mine
 
 
 @pytest.mark.parametrize("repeat", [1, 40])  # 4 and 121 instants

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from itertools import accumulate
 from typing import Any, Protocol
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -44,6 +45,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString as _untyped_float_to_go_string
 
 from sidecar import stats
@@ -169,10 +171,14 @@ class BulkHistogram(Collector):
         labelnames: Sequence[str],
         buckets: Sequence[float],
         registry: CollectorRegistry,
+        created: bool = False,
     ) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        # `_created` per series, as prometheus_client's Histogram has (``created``): for the
+        # histograms that were those once, so that their exposition did not change.
+        self._created: dict[tuple[str, ...], float] | None = {} if created else None
         self.bounds = np.asarray(checked_buckets(buckets), dtype=np.float64)
         self._bound_list: list[float] = self.bounds.tolist()
         self._le = [_go_float(b) for b in self._bound_list] + ["+Inf"]
@@ -189,10 +195,14 @@ class BulkHistogram(Collector):
             counts = [0] * (len(self._bound_list) + 1)
             self._counts[labels] = counts
             self._sums[labels] = 0.0
+            if self._created is not None:
+                self._created[labels] = time.time()
         return counts
 
     def observe(self, labels: tuple[str, ...], value: float) -> None:
-        counts = self._series(labels)
+        counts = self._counts.get(labels)
+        if counts is None:
+            counts = self._series(labels)
         # bisect_left: a value equal to a bound belongs to that bound's bucket (le = <=).
         counts[bisect.bisect_left(self._bound_list, value)] += 1
         self._sums[labels] += value
@@ -246,12 +256,21 @@ class BulkHistogram(Collector):
     def collect(self) -> Iterator[Metric]:
         self.flush()
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        created = self._created
         for labels, counts in self._counts.items():
             family.add_metric(
                 list(labels),
                 list(zip(self._le, accumulate(counts), strict=True)),
                 self._sums[labels],
             )
+            if created is not None:
+                family.samples.append(
+                    Sample(
+                        self.name + "_created",
+                        dict(zip(self.labelnames, labels, strict=True)),
+                        created[labels],
+                    )
+                )
         yield family
 
 
@@ -259,23 +278,49 @@ def _packed(values: Sequence[int]) -> bytes:
     return array("q", values).tobytes()
 
 
-class ChildCache:
-    """prometheus_client's `labels()` validates its arguments and takes a lock on every call
-    (~2 µs); the sink calls it about ten times per request with label values that repeat. The
-    children are kept by label values here; the label limiters bound how many there can be,
-    exactly as they bound the series."""
+class BulkCounter(Collector):
+    """A labelled Prometheus counter, exposed as prometheus_client's Counter is (``_total``
+    and ``_created`` per series), for the sink's per-request increments: prometheus_client's
+    `labels()` validates its arguments and takes a lock, and each `inc` checks and takes a
+    lock again (~40 bytecodes and two locks per increment, ten increments per request in the
+    collector). Here a series is a dict entry. Increments and collection never overlap, as
+    for `BulkHistogram`."""
 
-    __slots__ = ("metric", "_children")
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._values: dict[tuple[str, ...], list[float]] = {}  # [value, created]
+        registry.register(self)
 
-    def __init__(self, metric: Any) -> None:
-        self.metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        cell = self._values.get(labels)
+        if cell is None:
+            cell = self._values[labels] = [0.0, time.time()]
+        cell[0] += amount
 
-    def __call__(self, *values: str) -> Any:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self.metric.labels(*values)
-        return child
+    def touch(self, labels: tuple[str, ...]) -> None:
+        """The series exists (at 0) from now on."""
+        self.inc(labels, 0.0)
+
+    def value(self, labels: tuple[str, ...]) -> float:
+        cell = self._values.get(labels)
+        return 0.0 if cell is None else cell[0]
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, (value, created) in self._values.items():
+            family.add_metric(list(labels), value, created=created)
+        yield family
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,18 +360,6 @@ class PrometheusSink:
         self._declare_latencies(registry, self.latency_buckets)
         self._declare_counts(registry)
         self._declare_slo(registry, slo_policy)
-        # The per-request path goes through these (see ChildCache).
-        self._requests = ChildCache(self.requests)
-        self._slo_requests = ChildCache(self.slo_requests)
-        self._slo_good = ChildCache(self.slo_good)
-        self._slo_good_tokens = ChildCache(self.slo_good_tokens)
-        self._no_tpot = ChildCache(self.no_tpot)
-        self._prompt_tokens = ChildCache(self.prompt_tokens)
-        self._prompt_len = ChildCache(self.prompt_len)
-        self._generation_tokens = ChildCache(self.generation_tokens)
-        self._output_len = ChildCache(self.output_len)
-        self._cached_tokens = ChildCache(self.cached_tokens)
-        self._estimated = ChildCache(self.estimated)
 
     def _declare_latencies(self, registry: CollectorRegistry, buckets: Sequence[float]) -> None:
         """The latency histograms: per vantage, the engine's queue, the request's upload."""
@@ -374,87 +407,89 @@ class PrometheusSink:
 
     def _declare_counts(self, registry: CollectorRegistry) -> None:
         """Request sizes (histograms), and requests and tokens (counters)."""
-        self.prompt_len = Histogram(
+        self.prompt_len = BulkHistogram(
             "sidecar_request_prompt_tokens",
             "Prompt tokens per successful request (usage).",
             ("model",),
-            registry=registry,
-            buckets=TOKEN_BUCKETS,
+            TOKEN_BUCKETS,
+            registry,
+            created=True,
         )
-        self.output_len = Histogram(
+        self.output_len = BulkHistogram(
             "sidecar_request_generation_tokens",
             "Output tokens per successful request (usage, else the estimate).",
             ("model",),
-            registry=registry,
-            buckets=TOKEN_BUCKETS,
+            TOKEN_BUCKETS,
+            registry,
+            created=True,
         )
-        self.requests = Counter(
+        self.requests = BulkCounter(
             "sidecar_requests",
             "Requests that reached the sidecar, by outcome.",
             ("model", "replica", "endpoint", "outcome"),
-            registry=registry,
+            registry,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = BulkCounter(
             "sidecar_prompt_tokens",
             "Prompt tokens of successful requests (upstream usage).",
             ("model", "replica"),
-            registry=registry,
+            registry,
         )
-        self.generation_tokens = Counter(
+        self.generation_tokens = BulkCounter(
             "sidecar_generation_tokens",
             "Output tokens of successful requests.",
             ("model", "replica"),
-            registry=registry,
+            registry,
         )
-        self.cached_tokens = Counter(
+        self.cached_tokens = BulkCounter(
             "sidecar_cached_prompt_tokens",
             "Prompt tokens the upstream served from its prefix cache (when it reports them).",
             ("model", "replica"),
-            registry=registry,
+            registry,
         )
-        self.estimated = Counter(
+        self.estimated = BulkCounter(
             "sidecar_requests_with_estimated_tokens",
             "Successful requests whose per-event or total token counts are estimates "
             "(no usage from the upstream).",
             ("model",),
-            registry=registry,
+            registry,
         )
-        self.no_tpot = Counter(
+        self.no_tpot = BulkCounter(
             "sidecar_requests_without_tpot",
             "Successful requests with N_out <= 1: no TPOT, excluded from its histogram.",
             ("model",),
-            registry=registry,
+            registry,
         )
 
     def _declare_slo(self, registry: CollectorRegistry, slo_policy: stats.SLOPolicy | None) -> None:
         """Goodput per SLO class, and the declared thresholds and objectives."""
         slo_labels = ("slo_class",)
-        self.slo_requests = Counter(
+        self.slo_requests = BulkCounter(
             "sidecar_slo_requests",
             "Goodput denominator: the chat/completions requests of the class, failures "
             "included, but those the class leaves out (see "
             "sidecar_slo_excluded_requests_total).",
             slo_labels,
-            registry=registry,
+            registry,
         )
-        self.slo_excluded = Counter(
+        self.slo_excluded = BulkCounter(
             "sidecar_slo_excluded_requests",
             "Requests left out of the class's denominator: client_error (4xx but 408/429), "
             "client_cancelled (gone before its first token).",
             ("slo_class", "reason"),
-            registry=registry,
+            registry,
         )
-        self.slo_good = Counter(
+        self.slo_good = BulkCounter(
             "sidecar_slo_good_requests",
             "Requests that succeeded and met every threshold of their SLO class (client vantage).",
             slo_labels,
-            registry=registry,
+            registry,
         )
-        self.slo_good_tokens = Counter(
+        self.slo_good_tokens = BulkCounter(
             "sidecar_slo_good_generation_tokens",
             "Output tokens of the requests counted in sidecar_slo_good_requests_total.",
             slo_labels,
-            registry=registry,
+            registry,
         )
         threshold = Gauge(
             "sidecar_slo_threshold_seconds",
@@ -472,11 +507,11 @@ class PrometheusSink:
         if slo_policy is not None:
             for name, slo in slo_policy.classes.items():
                 # Series exist (at 0) from the start, so rate() sees a class's first requests.
-                self.slo_requests.labels(name)
-                self.slo_good.labels(name)
-                self.slo_good_tokens.labels(name)
+                self.slo_requests.touch((name,))
+                self.slo_good.touch((name,))
+                self.slo_good_tokens.touch((name,))
                 for reason in slo.exclude:
-                    self.slo_excluded.labels(name, reason)
+                    self.slo_excluded.touch((name, reason))
                 objective.labels(name).set(slo.objective)
                 for metric, limit in (
                     ("ttft", slo.ttft_s),
@@ -507,7 +542,7 @@ class PrometheusSink:
         )
         replica = self._replica(record.replica) if record.replica else UNKNOWN
         endpoint = record.endpoint if generation else OTHER
-        self._requests(model, replica, endpoint, record.outcome.value).inc()
+        self.requests.inc((model, replica, endpoint, record.outcome.value))
         if not generation:
             return
         if self.slo_policy is not None:
@@ -522,13 +557,14 @@ class PrometheusSink:
     def _observe_slo(self, policy: stats.SLOPolicy, record: RequestRecord) -> None:
         """The request's SLO class: counted (or excluded), and good or not."""
         slo_class, good, excluded = policy.verdict(record)
+        labels = (slo_class,)
         if excluded is not None:
-            self.slo_excluded.labels(slo_class, excluded).inc()
+            self.slo_excluded.inc((slo_class, excluded))
         else:
-            self._slo_requests(slo_class).inc()
+            self.slo_requests.inc(labels)
         if good:
-            self._slo_good(slo_class).inc()
-            self._slo_good_tokens(slo_class).inc(stats.output_tokens(record, record.client))
+            self.slo_good.inc(labels)
+            self.slo_good_tokens.inc(labels, stats.output_tokens(record, record.client))
 
     def _observe_latencies(self, record: RequestRecord, model: str, replica: str) -> None:
         """A successful request's TTFT, E2E, TPOT and ITL at each vantage it has."""
@@ -546,7 +582,7 @@ class PrometheusSink:
             if latency.tpot_s is not None:
                 self.tpot.observe(labels, latency.tpot_s)
             elif vantage is VANTAGE_CLIENT and latency.n_out <= 1:
-                self._no_tpot(model).inc()
+                self.no_tpot.inc((model,))
             if timeline.choices is None:
                 self.itl.observe_gaps(labels, timeline.offsets_ns)
             else:  # n > 1: gaps within each choice's sequence, never across choices
@@ -569,16 +605,17 @@ class PrometheusSink:
 
     def _observe_tokens(self, record: RequestRecord, model: str, replica: str) -> None:
         """A successful request's prompt, output and cached tokens."""
+        pair, just_model = (model, replica), (model,)
         if record.n_in is not None:
-            self._prompt_tokens(model, replica).inc(record.n_in)
-            self._prompt_len(model).observe(record.n_in)
+            self.prompt_tokens.inc(pair, record.n_in)
+            self.prompt_len.observe(just_model, record.n_in)
         n_out = stats.output_tokens(record, record.server or record.client)
-        self._generation_tokens(model, replica).inc(n_out)
-        self._output_len(model).observe(n_out)
+        self.generation_tokens.inc(pair, n_out)
+        self.output_len.observe(just_model, n_out)
         if record.n_cached:
-            self._cached_tokens(model, replica).inc(record.n_cached)
+            self.cached_tokens.inc(pair, record.n_cached)
         if record.token_source is not SOURCE_USAGE:
-            self._estimated(model).inc()
+            self.estimated.inc(just_model)
 
 
 WINDOW_QUANTILES = (0.5, 0.9, 0.99)
