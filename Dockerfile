@@ -21,9 +21,10 @@ FROM ${PYTHON_IMAGE}@${PYTHON_DIGEST} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# A C compiler for the package's three small extensions (sidecar/protocol/_tokenscan.c, vLLM's
+# A C compiler for the package's four small extensions (sidecar/protocol/_tokenscan.c, vLLM's
 # common chunks recognised in C; sidecar/proxy/_recvstamp.c, an upstream read with its kernel
-# stamp; sidecar/proxy/_recordwire.c, a record's wire form); the final stage gets the built
+# stamp; sidecar/proxy/_recordwire.c, a record's wire form; sidecar/_recordtypes.c, a timeline's
+# packed column); the final stage gets the built
 # wheel, never the compiler. Unpinned:
 # Debian's archive keeps only the current build of a package, so a pin would break the build
 # at the next point release; the base image's digest fixes the release.
@@ -68,7 +69,7 @@ RUN groupadd --system --gid 10001 sidecar \
 # for the image).
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels /wheels/vllm_sidecar-*.whl \
-    && python -c "import uvloop, sidecar.cli, sidecar.protocol._tokenscan, sidecar.proxy._recvstamp, sidecar.proxy._recordwire"
+    && python -c "import uvloop, sidecar.cli, sidecar.protocol._tokenscan, sidecar.proxy._recvstamp, sidecar.proxy._recordwire, sidecar._recordtypes"
 # /var/lib/sidecar/captures belongs to this user: a named volume mounted there (compose)
 # starts as a copy of it, writable for the sidecar.
 USER 10001:10001

@@ -2,7 +2,9 @@
 
 `sidecar.protocol._tokenscan` recognises the common token chunk in C (fastchunk.py says why);
 `sidecar.proxy._recvstamp` reads an upstream socket with the kernel's receive timestamp
-(rxstamp.py); `sidecar.proxy._recordwire` writes a record's wire form (recordwire.py). All are
+(rxstamp.py); `sidecar.proxy._recordwire` writes a record's wire form (recordwire.py);
+`sidecar._recordtypes` holds a timeline's packed column type (record.Int64s) and builds the
+record's dataclasses without their per-field __init__ (record.slots_constructor). All are
 optional: where no C compiler is at hand the package installs without
 them and runs the same logic in Python, slower (`sidecar proxy` logs which scanner it runs).
 """
@@ -24,6 +26,11 @@ setup(
         Extension(
             "sidecar.proxy._recordwire",
             sources=["sidecar/proxy/_recordwire.c"],
+            optional=True,
+        ),
+        Extension(
+            "sidecar._recordtypes",
+            sources=["sidecar/_recordtypes.c"],
             optional=True,
         ),
     ]

@@ -18,11 +18,12 @@ the count of every other event is kept in ``events_total`` so nothing is silentl
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple, overload
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar, overload
 
 RECORD_VERSION = 1
 
@@ -79,9 +80,12 @@ class ChunkMark(NamedTuple):
     n_tokens: int
 
 
-class Int64s(Sequence[int]):
+class PyInt64s(Sequence[int]):
     """An immutable sequence of 64-bit ints, stored packed: 8 bytes per value in one bytes
     object, whatever the length (a tuple costs ~40 bytes per value and one int object each).
+    `Int64s` is this class's behaviour written in C (``sidecar/_recordtypes.c``) where the package
+    was built with it, else this class: this is the specification the C type is tested
+    against.
 
     A timeline's columns are these: a record kept in the live window, queued for the
     OpenTelemetry thread or for capture then costs 8 bytes per event per column, and gives the
@@ -116,11 +120,11 @@ class Int64s(Sequence[int]):
     def __getitem__(self, index: int) -> int: ...
 
     @overload
-    def __getitem__(self, index: slice) -> Int64s: ...
+    def __getitem__(self, index: slice) -> PyInt64s: ...
 
-    def __getitem__(self, index: int | slice) -> int | Int64s:
+    def __getitem__(self, index: int | slice) -> int | PyInt64s:
         if isinstance(index, slice):
-            return Int64s(self._view[index].tobytes())
+            return PyInt64s(self._view[index].tobytes())
         value: int = self._view[index]
         return value
 
@@ -132,7 +136,7 @@ class Int64s(Sequence[int]):
         return values
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Int64s):
+        if isinstance(other, PyInt64s):
             return self._data == other._data
         if isinstance(other, (tuple, list)):
             return self.tolist() == list(other)
@@ -144,8 +148,25 @@ class Int64s(Sequence[int]):
     def __repr__(self) -> str:
         return f"Int64s({self.tolist()!r})"
 
-    def __reduce__(self) -> tuple[type[Int64s], tuple[bytes]]:
-        return (Int64s, (self._data,))
+    def __reduce__(self) -> tuple[type[PyInt64s], tuple[bytes]]:
+        return (PyInt64s, (self._data,))
+
+
+# `int64s_from_bytes(data)`: an Int64s of exact packed bytes, without the constructor's
+# argument parsing where Int64s is the C type (the record's wire decoder makes three per record).
+_SlotsConstructor: Any = None
+if TYPE_CHECKING:
+    Int64s = PyInt64s
+    int64s_from_bytes: Callable[[bytes], PyInt64s] = PyInt64s
+else:
+    try:
+        from sidecar._recordtypes import Int64s
+        from sidecar._recordtypes import SlotsConstructor as _SlotsConstructor
+        from sidecar._recordtypes import from_bytes as int64s_from_bytes
+
+        Sequence.register(Int64s)
+    except ImportError:  # built without a C compiler
+        Int64s = int64s_from_bytes = PyInt64s
 
 
 EMPTY = Int64s()
@@ -477,3 +498,36 @@ class RequestRecord:
             shape=None if data.get("shape") is None else RequestShape.from_dict(data["shape"]),
             request_read_ns=opt_int("request_read_ns"),
         )
+
+
+_T = TypeVar("_T")
+
+
+def slots_constructor(cls: type[_T]) -> Callable[..., _T]:
+    """``cls`` (a dataclass with slots and no init-only or ``init=False`` fields) built as its
+    __init__ builds it, then its __post_init__ run: the same arguments, defaults, factories and
+    errors. In C (`_recordtypes.SlotsConstructor`) each field goes straight to its slot,
+    without the generated __init__'s ``object.__setattr__`` per field of a frozen class (a
+    record and its two timelines were ~190 bytecodes of each request in the worker, as many
+    in the collector); where that is not built, ``cls`` itself."""
+    if _SlotsConstructor is None:
+        return cls
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    every = getattr(cls, "__dataclass_fields__", {})
+    if len(every) != len(fields) or not all(f.init for f in fields):
+        return cls  # init-only or init=False fields: the dataclass's own __init__
+    constructor: Callable[..., _T] = _SlotsConstructor(
+        cls,
+        tuple(f.name for f in fields),
+        tuple(f.default for f in fields),
+        tuple(
+            None if f.default_factory is dataclasses.MISSING else f.default_factory for f in fields
+        ),
+        dataclasses.MISSING,
+    )
+    return constructor
+
+
+new_timeline = slots_constructor(Timeline)
+new_record = slots_constructor(RequestRecord)
+new_engine_timing = slots_constructor(EngineTiming)

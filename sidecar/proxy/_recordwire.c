@@ -14,8 +14,10 @@
  * encode(record) -> bytes | None
  *   KeyError for an enum member without an index, OverflowError for an integer beyond its
  *   field (the caller maps both to ValueError, as for the Python encoder).
- * configure_decoder(RequestRecord, Timeline, EngineTiming, Int64s, WireError, outcomes,
- *                   token_sources)
+ * configure_decoder(record, timeline, engine, column, WireError, outcomes, token_sources)
+ *   `record`, `timeline`, `engine`: RequestRecord, Timeline and EngineTiming or their
+ *   constructors (record.new_record, ...), called with their fields by name;
+ *   `column(bytes) -> Int64s`: the type, or the C type's factory (_recordtypes.from_bytes).
  * decode(data: bytes) -> RequestRecord | None
  *   The collector's side: recordwire._decode's record (the version byte already checked by
  *   the caller), or None for a record with a shape (the Python decoder's). Bytes cut short or
@@ -898,7 +900,7 @@ names_tuple(const char *const *fields, Py_ssize_t n)
     return tuple;
 }
 
-/* configure_decoder(RequestRecord, Timeline, EngineTiming, Int64s, WireError, outcomes,
+/* configure_decoder(RequestRecord, Timeline, EngineTiming, column, WireError, outcomes,
  * token_sources): recordwire's types and tables, once. */
 static PyObject *
 configure_decoder(PyObject *module, PyObject *const *args, Py_ssize_t nargs)

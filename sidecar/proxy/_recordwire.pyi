@@ -1,4 +1,6 @@
 # The C encoder of a record's wire form (_recordwire.c); recordwire.py is its specification.
+from collections.abc import Callable
+
 from sidecar.record import EngineTiming, Int64s, Outcome, RequestRecord, Timeline, TokenSource
 
 def configure(
@@ -6,10 +8,10 @@ def configure(
 ) -> None: ...
 def encode(record: RequestRecord, /) -> bytes | None: ...
 def configure_decoder(
-    record: type[RequestRecord],
-    timeline: type[Timeline],
-    engine: type[EngineTiming],
-    int64s: type[Int64s],
+    record: Callable[..., RequestRecord],
+    timeline: Callable[..., Timeline],
+    engine: Callable[..., EngineTiming],
+    column: Callable[[bytes], Int64s],
     wire_error: type[ValueError],
     outcomes: tuple[Outcome, ...],
     token_sources: tuple[TokenSource, ...],

@@ -21,6 +21,8 @@ from sidecar.record import (
     RequestRecord,
     RequestShape,
     Timeline,
+    new_record,
+    new_timeline,
 )
 
 
@@ -165,7 +167,7 @@ class RecordBuilder:
         choices = None if self._choices is None else Int64s(self._choices)
         server: Timeline | None = None
         if self.up_send_ns is not None:
-            server = Timeline(
+            server = new_timeline(
                 start_ns=self.up_send_ns,
                 offsets_ns=Int64s(self._up_offsets),
                 tokens=tokens,
@@ -174,7 +176,7 @@ class RecordBuilder:
                 choices=choices,
             )
         written = len(self._down_offsets)
-        client = Timeline(
+        client = new_timeline(
             start_ns=0,
             offsets_ns=Int64s(self._down_offsets),
             # The same events on both sides share one column; the client saw fewer when it left
@@ -193,7 +195,7 @@ class RecordBuilder:
         attributes = self.attributes
         if extra_attributes:
             attributes = {**attributes, **extra_attributes}
-        return RequestRecord(
+        return new_record(
             request_id=self.request_id,
             wall_time_ns=self.wall_time_ns,
             outcome=self.outcome or OUTCOME_OK,

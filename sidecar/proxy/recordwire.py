@@ -42,6 +42,10 @@ from sidecar.record import (
     RequestShape,
     Timeline,
     TokenSource,
+    int64s_from_bytes,
+    new_engine_timing,
+    new_record,
+    new_timeline,
 )
 
 WIRE_VERSION = 2  # 2: request_read_ns, choice columns
@@ -136,8 +140,15 @@ try:
     from sidecar.proxy import _recordwire
 
     _recordwire.configure(_OUTCOME_INDEX, _TOKEN_SOURCE_INDEX, WIRE_VERSION)
+    # The record's types built without their dataclass __init__ (record.slots_constructor).
     _recordwire.configure_decoder(
-        RequestRecord, Timeline, EngineTiming, Int64s, WireError, _OUTCOMES, _TOKEN_SOURCES
+        new_record,
+        new_timeline,
+        new_engine_timing,
+        int64s_from_bytes,
+        WireError,
+        _OUTCOMES,
+        _TOKEN_SOURCES,
     )
     _native_encode, _native_decode = _recordwire.encode, _recordwire.decode
 except ImportError:  # built without a C compiler (or on a big-endian host): the Python ones
