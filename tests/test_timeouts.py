@@ -144,3 +144,21 @@ async def test_a_cleared_deadline_never_fires_and_a_closed_one_holds_no_timer() 
     assert deadline._handle is None and timer is not None and timer.cancelled()
     await asyncio.sleep(0.05)
     assert fired == []
+
+
+async def test_a_deadline_timer_made_to_wake_early_is_kept_by_a_shorter_deadline() -> None:
+    """A connection's keep-alive deadline (long) wakes within the head's timeout (short), so
+    that the next request's head deadline, set no earlier than that, keeps the same timer;
+    and the long deadline still passes only at its own time."""
+    fired: list[tuple[str, int]] = []
+    deadline = Deadline(asyncio.get_running_loop())
+    set_at = clock.monotonic_ns()
+    deadline.set(0.08, lambda: fired.append(("idle", clock.monotonic_ns())), wake_within_s=0.02)
+    timer = deadline._handle
+    assert timer is not None and deadline._wake_at - set_at <= 20_000_000 + 1_000_000
+    deadline.set(0.05, lambda: fired.append(("head", clock.monotonic_ns())))
+    assert deadline._handle is timer  # the head's deadline is after the wake: timer kept
+    deadline.set(0.08, lambda: fired.append(("idle", clock.monotonic_ns())), wake_within_s=0.02)
+    while not fired:
+        await asyncio.sleep(0.005)
+    assert [name for name, _ in fired] == ["idle"] and fired[0][1] - set_at >= 80_000_000

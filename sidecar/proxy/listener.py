@@ -412,7 +412,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self.parser = None  # the cycle through its callbacks (see __init__)
-        self._deadline.close()
+        self._disarm()
         ready, self._write_ready = self._write_ready, None
         if ready is not None and not ready.done():
             ready.set_exception(ConnectionResetError("the client is gone"))
@@ -616,7 +616,13 @@ class ClientConnection(asyncio.Protocol):
                 self._body_timed_out if self._headers_done else self._head_timed_out,
             )
         else:
-            self._arm(self.limits.keepalive_timeout_s, self._idle_timed_out)
+            # Woken within the head's timeout: the next request's head deadline, set when its
+            # first byte comes, then keeps this timer instead of replacing it.
+            self._arm(
+                self.limits.keepalive_timeout_s,
+                self._idle_timed_out,
+                self.limits.header_timeout_s,
+            )
         transport.resume_reading()
 
     # -- refusals and timers --------------------------------------------------------------
@@ -660,14 +666,17 @@ class ClientConnection(asyncio.Protocol):
                 )
             transport.close()
 
-    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
+    def _arm(
+        self, delay_s: float, callback: Callable[[], None], wake_within_s: float = 0.0
+    ) -> None:
         if delay_s > 0:
-            self._deadline.set(delay_s, callback)
+            self._deadline.set(delay_s, callback, wake_within_s)
         else:
             self._deadline.clear()
 
     def _disarm(self) -> None:
-        self._deadline.clear()
+        """No deadline while a request is handled (or once refused): no timer either."""
+        self._deadline.close()
 
     def _head_timed_out(self) -> None:
         if not self._in_message:

@@ -31,7 +31,6 @@ from multidict import CIMultiDict
 
 from sidecar import clock
 from sidecar.proxy import rxstamp
-from sidecar.proxy.timeouts import Deadline
 
 BodySink = Callable[[bytes, int], None]
 
@@ -140,8 +139,7 @@ class UpstreamConnection(asyncio.Protocol):
         "exchange",
         "reusable",
         "arrivals",
-        "_idle",
-        "_on_idle_expired",
+        "_idle_handle",
         "_closed",
         "_write_ready",
         "aborted",
@@ -156,9 +154,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.exchange: UpstreamExchange | None = None
         self.reusable = False
-        # Its expiry while pooled (`park`); lazy, as it is set and cleared once per request.
-        self._idle = Deadline(self.loop)
-        self._on_idle_expired: Callable[[UpstreamConnection], None] | None = None
+        self._idle_handle: asyncio.TimerHandle | None = None
         self._closed = False
         self._write_ready: asyncio.Future[None] | None = None
         self.aborted = False  # by the proxy (`abort`): whatever it still reads is not wanted
@@ -194,7 +190,9 @@ class UpstreamConnection(asyncio.Protocol):
             self.arrivals.flush(self)  # its last reads, should the end come before their turn
         self._closed = True
         self.reusable = False
-        self.stop_idle_timer()
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
         if self._write_ready is not None and not self._write_ready.done():
             self._write_ready.set_exception(ConnectionResetError("upstream connection lost"))
         exchange, self.exchange = self.exchange, None
@@ -229,24 +227,13 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.abort()
 
     def park(self, idle_s: float, on_expire: Callable[[UpstreamConnection], None]) -> None:
-        """Pooled: ``on_expire(self)`` once ``idle_s`` pass unless `unpark` comes first."""
         self.exchange = None
-        self._on_idle_expired = on_expire
-        self._idle.set(idle_s, self._idle_expired)
+        self._idle_handle = self.loop.call_later(idle_s, on_expire, self)
 
     def unpark(self) -> None:
-        self._idle.clear()
-        self._on_idle_expired = None
-
-    def stop_idle_timer(self) -> None:
-        """`unpark`, and no timer left waiting (the connection is closing)."""
-        self._idle.close()
-        self._on_idle_expired = None
-
-    def _idle_expired(self) -> None:
-        on_expire, self._on_idle_expired = self._on_idle_expired, None
-        if on_expire is not None:
-            on_expire(self)
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
 
 
 class UpstreamExchange:
@@ -763,7 +750,7 @@ class UpstreamPool:
 
     def _drop(self, connection: UpstreamConnection) -> None:
         self._all.discard(connection)
-        connection.stop_idle_timer()
+        connection.unpark()
         transport = connection.transport
         if transport is not None and not transport.is_closing():
             transport.close()
