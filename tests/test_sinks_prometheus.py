@@ -18,7 +18,14 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    enable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_helpers import Prometheus, require_binary, running_prometheus
 from proxy_stack import stack
@@ -300,6 +307,14 @@ def test_the_sinks_own_counter_and_token_histogram_read_as_prometheus_clients_do
     assert mine == _without_created_values(exposition(theirs))
     assert 'reqs_total{model="m",outcome="ok"} 4.0' in mine
     assert 'toks_bucket{le="10.0",model="m"} 3.0' in mine
+    # prometheus_client's switch for `_created` series (PROMETHEUS_DISABLE_CREATED_SERIES)
+    # holds for the sink's own as for its metrics.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+    try:
+        mine = exposition(ours).decode()
+        assert "_created" not in mine and mine == exposition(theirs).decode()
+    finally:
+        enable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 @pytest.mark.parametrize("repeat", [1, 40])  # 4 and 121 instants

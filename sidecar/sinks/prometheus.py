@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -256,7 +257,7 @@ class BulkHistogram(Collector):
     def collect(self) -> Iterator[Metric]:
         self.flush()
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        created = self._created
+        created = self._created if _created_series() else None
         for labels, counts in self._counts.items():
             family.add_metric(
                 list(labels),
@@ -272,6 +273,13 @@ class BulkHistogram(Collector):
                     )
                 )
         yield family
+
+
+def _created_series() -> bool:
+    """Whether `_created` series are exposed: prometheus_client's own setting
+    (PROMETHEUS_DISABLE_CREATED_SERIES, `disable_created_metrics()`), read where it keeps it,
+    so that the sink's own counters and histograms follow it as its metrics do."""
+    return bool(getattr(_client_metrics, "_use_created", True))
 
 
 def _packed(values: Sequence[int]) -> bytes:
@@ -318,8 +326,9 @@ class BulkCounter(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with_created = _created_series()
         for labels, (value, created) in self._values.items():
-            family.add_metric(list(labels), value, created=created)
+            family.add_metric(list(labels), value, created=created if with_created else None)
         yield family
 
 
