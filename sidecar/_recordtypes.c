@@ -406,7 +406,7 @@ typedef struct {
 } SlotsConstructor;
 
 static PyObject *
-maker_vectorcall(SlotsConstructor *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+constructor_vectorcall(SlotsConstructor *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), n = self->n;
     const char *name = self->cls->tp_name;
@@ -492,7 +492,7 @@ maker_vectorcall(SlotsConstructor *self, PyObject *const *args, size_t nargsf, P
 }
 
 static void
-maker_dealloc(SlotsConstructor *self)
+constructor_dealloc(SlotsConstructor *self)
 {
     Py_XDECREF(self->cls);
     Py_XDECREF(self->names);
@@ -504,7 +504,7 @@ maker_dealloc(SlotsConstructor *self)
 }
 
 static PyObject *
-maker_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+constructor_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     PyObject *cls, *names, *defaults, *factories, *missing;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
@@ -527,7 +527,7 @@ maker_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (self == NULL) {
         return NULL;
     }
-    self->vectorcall = (vectorcallfunc)maker_vectorcall;
+    self->vectorcall = (vectorcallfunc)constructor_vectorcall;
     self->cls = (PyTypeObject *)Py_NewRef(cls);
     self->defaults = Py_NewRef(defaults);
     self->factories = Py_NewRef(factories);
@@ -571,20 +571,14 @@ fail:
     return NULL;
 }
 
-static PyObject *
-maker_call(PyObject *self, PyObject *args, PyObject *kwargs)
-{
-    return PyVectorcall_Call(self, args, kwargs);
-}
-
 static PyTypeObject SlotsConstructorType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "sidecar._recordtypes.SlotsConstructor",
     .tp_basicsize = sizeof(SlotsConstructor),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "Builds a slots dataclass as its __init__ would (see _recordtypes.c).",
-    .tp_new = maker_new,
-    .tp_dealloc = (destructor)maker_dealloc,
-    .tp_call = maker_call,
+    .tp_new = constructor_new,
+    .tp_dealloc = (destructor)constructor_dealloc,
+    .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(SlotsConstructor, vectorcall),
 };
 
