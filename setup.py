@@ -16,11 +16,13 @@ setup(
         Extension(
             "sidecar.protocol._tokenscan",
             sources=["sidecar/protocol/_tokenscan.c"],
+            depends=["sidecar/_methodcache.h", "sidecar/protocol/_laneapi.h"],
             optional=True,
         ),
         Extension(
             "sidecar.proxy._recvstamp",
             sources=["sidecar/proxy/_recvstamp.c"],
+            depends=["sidecar/_methodcache.h", "sidecar/protocol/_laneapi.h"],
             optional=True,
         ),
         Extension(

@@ -20,7 +20,7 @@ from vllm_chunks import CHAT_HELLO, COMPLETION_HELLO
 
 from sidecar import clock
 from sidecar.proxy import stream_relay
-from sidecar.record import RequestRecord
+from sidecar.record import Outcome, RequestRecord
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
 
@@ -53,11 +53,6 @@ def chunk(payload: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(payload), payload)
 
 
-class Timeouts:
-    def __init__(self) -> None:
-        self.last_ns = 0
-
-
 class Client:
     """What the lane calls: the client transport's three methods, and the relay's
     `on_client_full`; recorded."""
@@ -84,10 +79,8 @@ class Client:
         self.full_calls += 1
 
 
-def new_lane(
-    client: Client, timeouts: Timeouts | None = None, strip: bool = True, max_event: int = 1 << 20
-) -> Lane:
-    return Lane(client, client, timeouts or Timeouts(), ORIGIN, HIGH_WATER, max_event, strip)
+def new_lane(client: Client, strip: bool = True, max_event: int = 1 << 20) -> Lane:
+    return Lane(client, client, ORIGIN, HIGH_WATER, max_event, strip)
 
 
 def offsets(raw: bytes) -> list[int]:
@@ -97,8 +90,9 @@ def offsets(raw: bytes) -> list[int]:
 
 
 def test_a_token_chunk_is_counted_stamped_cut_and_written_as_one_client_chunk() -> None:
-    client, timeouts = Client(), Timeouts()
-    lane = new_lane(client, timeouts)
+    client = Client()
+    lane = new_lane(client)
+    assert lane.last_read_ns == 0
     lane.arm(100, 4)
     first, second = event(CHAT_HELLO, 5), event(COMPLETION_HELLO, 6)
     before = clock.monotonic_ns()
@@ -107,7 +101,7 @@ def test_a_token_chunk_is_counted_stamped_cut_and_written_as_one_client_chunk() 
     after = clock.monotonic_ns()
     # The usage the proxy asked for is cut back out, and each read leaves as one chunk.
     assert client.writes == [chunk(usage_cut(first)), chunk(usage_cut(second))]
-    assert before <= timeouts.last_ns <= after  # the idle timeout's read instant
+    assert before <= lane.last_read_ns <= after  # the idle timeout's read instant
     taken = lane.take()
     assert taken is not None
     up, down, tokens, gained, last, exact, usage = taken
@@ -176,11 +170,11 @@ READS_LEFT_ALONE: dict[str, bytes] = {
 
 @pytest.mark.parametrize("name", list(READS_LEFT_ALONE))
 def test_a_read_it_cannot_take_whole_is_left_untouched(name: str) -> None:
-    client, timeouts = Client(), Timeouts()
-    lane = new_lane(client, timeouts)
+    client = Client()
+    lane = new_lane(client)
     lane.arm(100, 0)
     assert not lane.relay(READS_LEFT_ALONE[name], ORIGIN)
-    assert client.writes == [] and lane.pending == 0 and timeouts.last_ns == 0
+    assert client.writes == [] and lane.pending == 0 and lane.last_read_ns == 0
     assert lane.armed  # the caller's Python path takes this read, then `take` disarms
 
 
@@ -272,6 +266,72 @@ def test_a_closed_lane_takes_nothing_and_cannot_be_armed() -> None:
     assert not lane.relay(chunk(event(CHAT_HELLO, 1)), ORIGIN)
     with pytest.raises(RuntimeError):
         lane.arm(100, 0)
+
+
+class SlotsClient:
+    """A client transport without an instance dict, as uvloop's is: the lane finds its methods
+    once per type (_methodcache.h) instead of by name on every read."""
+
+    __slots__ = ("writes",)
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def on_client_full(self) -> None:  # pragma: no cover - never full here
+        raise AssertionError
+
+
+def test_the_client_methods_it_finds_once_follow_the_type_and_its_changes() -> None:
+    """What `client.write(...)` by name would call, every read: the type's current method, the
+    other type's after a switch, an instance's own attribute where instances have a dict."""
+
+    class Patched(SlotsClient):
+        __slots__ = ()
+
+    first, second = Patched(), SlotsClient()
+    lanes = [new_lane(first), new_lane(second)]  # type: ignore[arg-type]
+    for lane in lanes:
+        lane.arm(100, 0)
+    read = chunk(event(CHAT_HELLO, 1))
+    for n in range(2):  # the two types take turns through the same cache
+        assert lanes[0].relay(read, ORIGIN + n) and lanes[1].relay(read, ORIGIN + n)
+    assert len(first.writes) == len(second.writes) == 2
+    assert lanes[0].relay(read, ORIGIN + 2) and len(first.writes) == 3  # the cache: Patched's
+    redirected: list[bytes] = []
+    Patched.write = lambda self, data: redirected.append(data)  # type: ignore[method-assign]
+    assert not first.is_closing()  # a lookup on the type: it has a version tag again, a new one
+    assert lanes[0].relay(read, ORIGIN + 3)
+    assert len(first.writes) == 3 and redirected == [first.writes[0]]
+    Patched.is_closing = lambda self: True  # type: ignore[method-assign]
+    assert first.is_closing()
+    assert not lanes[0].relay(read, ORIGIN + 4)  # left to the Python path: the client is going
+    assert lanes[1].relay(read, ORIGIN + 2) and len(second.writes) == 3
+
+    own = Client()
+    own_writes: list[bytes] = []
+    own.write = own_writes.append  # type: ignore[method-assign]
+    lane = new_lane(own)
+    lane.arm(100, 0)
+    assert lane.relay(read, ORIGIN) and own_writes and not own.writes
+
+
+def test_an_instant_that_does_not_fit_in_64_bits_is_an_error() -> None:
+    lane = new_lane(Client())
+    lane.arm(100, 0)
+    with pytest.raises(OverflowError):
+        lane.relay(chunk(event(CHAT_HELLO, 1)), 1 << 64)
+    assert lane.pending == 0
+    assert lane.relay(chunk(event(CHAT_HELLO, 1)), (1 << 62) + 3)
+    assert offsets(lane.take()[0]) == [(1 << 62) + 3 - ORIGIN]  # type: ignore[index]
 
 
 # -- the proxy with the lane on and off ------------------------------------------------------
@@ -388,3 +448,40 @@ async def test_records_hold_their_stamps_in_order_whichever_path_took_each_read(
     # Both columns are offsets from the request's arrival: each token left after it came.
     assert all(down >= up for down, up in zip(client, server, strict=True))
     assert json.loads(text.split("data: ")[1])["choices"][0]["delta"]["role"] == "assistant"
+
+
+PACED = SimConfig(model="m", engine=EngineConfig(step_floor_s=0.02, per_token_s=0.0))
+
+
+async def test_the_idle_timeout_counts_the_reads_the_lane_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream whose reads the lane takes, ~0.5 s long at a read every 20 ms, lives through
+    a 150 ms idle timeout (the timer reads the lane's last read when it wakes); a stream that
+    stalls after such reads is still cut by it."""
+    taken = 0
+    take = stream_relay.MeteredRead._take_lane
+
+    def counting_take(self: stream_relay.MeteredRead, lane: Lane) -> None:
+        nonlocal taken
+        taken += lane.pending
+        take(self, lane)
+
+    monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
+    path, base = BODIES["chat"]
+    body = {**base, "stream": True, "max_tokens": 24, "ignore_eos": True}
+    async with (
+        stack(sim=PACED, idle_timeout="150ms") as s,
+        aiohttp.ClientSession() as session,
+    ):
+        async with session.post(s.url + path, json=body) as response:
+            assert response.status == 200
+            assert (await response.read()).endswith(b"data: [DONE]\n\n")
+        stalled = {"X-Sim-Fault": "stall_ms=1000@after=10", "X-Request-Id": "stalled"}
+        async with session.post(s.url + path, json=body, headers=stalled) as response:
+            await response.read()
+        records = await s.records.wait_for(2)
+    ok, cut = sorted(records, key=lambda r: r.request_id == "stalled")
+    assert ok.outcome is Outcome.OK and ok.n_out == 24
+    assert cut.outcome is Outcome.TIMEOUT and cut.error_type == "idle_timeout"
+    assert taken >= 20 + 5, taken  # most of both streams' reads went through the lane

@@ -197,7 +197,9 @@ def same_answer(data: bytes) -> None:
             decode_record(data)
     else:
         got = decode_record(data)
-        assert got == expected
+        # A flipped byte can make a float NaN, which is unequal to itself: the two records
+        # then say the same when their reprs do (NaN's is "nan", and no field is left out).
+        assert got == expected or repr(got) == repr(expected)
         # the same sharing: one token column for both sides when the Python decoder has one
         if expected.server is not None:
             assert (got.client.tokens is got.server.tokens) == (  # type: ignore[union-attr]

@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 from prometheus_helpers import require_module
 from proxy_stack import proxy_to, scripted_upstream
+from vllm_chunks import CHAT_HELLO
 
 from sidecar import clock
 from sidecar.config import build_config
@@ -379,6 +380,85 @@ async def test_each_read_is_offered_to_the_lane_first_and_the_rest_reach_the_pro
         peer.send(b"L5")
         await reader.wait_for(len(reader.data) + 2)
         assert reader.data.endswith(b"L5") and len(lane.taken) == 2
+
+
+class LaneClient:
+    """The client transport and relay a real C lane writes to, recorded; ``broken``: its
+    buffer size cannot be read (the lane fails after its write)."""
+
+    def __init__(self, broken: bool = False) -> None:
+        self.writes: list[bytes] = []
+        self.broken = broken
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        if self.broken:
+            raise AttributeError("no buffer")
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def on_client_full(self) -> None:  # pragma: no cover - never full here
+        raise AssertionError
+
+
+def token_read(n: int) -> bytes:
+    """One read of a stream in vLLM's shape, as it comes off the upstream: a whole HTTP chunk
+    holding one token event with continuous usage."""
+    event = CHAT_HELLO.replace(
+        ',"kv_transfer_params":null}',
+        f',"usage":{{"prompt_tokens":3,"total_tokens":{3 + n},"completion_tokens":{n}}}'
+        ',"kv_transfer_params":null}',
+    )
+    payload = b"data: " + event.encode() + b"\n\n"
+    return b"%x\r\n%b\r\n" % (len(payload), payload)
+
+
+@pytest.mark.parametrize("failing", [False, True])
+async def test_a_c_lane_takes_its_reads_as_a_stand_in_does(failing: bool) -> None:
+    """The real lane (`_tokenscan.Lane`), which the C reader calls without the read's bytes
+    object: it takes the token reads, stamped on the reader's clock, and leaves the others to
+    the protocol; an exception it raises fails the connection as a stand-in's does."""
+    lane_type = pytest.importorskip("sidecar.protocol._tokenscan").Lane
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: logged.append(context))
+    try:
+        async with connected() as (reader, transport, peer):
+            await until_stamped(reader, transport, peer)
+            before = len(reader.data)
+            client = LaneClient(broken=failing)
+            lane = lane_type(client, client, 0, 1 << 16, 1 << 20, True)
+            lane.arm(100, 0)
+            transport.lane = lane
+            if failing:
+                peer.send(token_read(1))
+                lost = await asyncio.wait_for(reader.lost, 5)
+                assert isinstance(lost, AttributeError) and transport.is_closing()
+                assert len(client.writes) == 1 and reader.data[before:] == b""
+                return
+            for n, block in enumerate([token_read(1), b"p2", token_read(2), b"p4"]):
+                peer.send(block)
+                for _ in range(500):  # one read per block: wait for each before the next
+                    if len(client.writes) + len(reader.reads) > n + before:
+                        break
+                    await asyncio.sleep(0.002)
+            assert reader.data[before:] == b"p2p4" and len(client.writes) == 2
+            assert all(b'"usage"' not in write for write in client.writes)  # cut out
+            taken = lane.take()
+            assert taken is not None
+            up = struct.unpack("2q", taken[0])
+            # One clock: the lane's stamps sit between the protocol's, in read order.
+            p2, p4 = reader.reads[-2][1], reader.reads[-1][1]
+            assert up[0] <= p2 <= up[1] <= p4
+    finally:
+        loop.set_exception_handler(previous)
+    if failing:
+        assert any(isinstance(c.get("exception"), AttributeError) for c in logged)
 
 
 async def test_an_ended_transport_lets_go_of_its_reader_lane_and_protocol(

@@ -71,6 +71,42 @@ async def test_reads_postpone_the_idle_deadline_until_the_total_one_passes() -> 
     assert len(reads) > 5  # the idle timer woke, saw a recent read, and slept again
 
 
+class LaneReads:
+    """What the idle timeout reads of a stream's C lane: the instant of its last read."""
+
+    def __init__(self) -> None:
+        self.last_read_ns = 0
+
+
+async def test_reads_the_c_lane_takes_postpone_the_idle_deadline_too() -> None:
+    """The lane keeps its reads' instants itself (nothing stored per read here); the timer
+    reads the later of its own and the lane's when it wakes, and fires once neither moves."""
+    lane_reads: list[int] = []
+
+    def make() -> Timeouts:
+        timeouts = Timeouts(total_s=10, idle_s=0.1)
+        timeouts.start_idle()
+        lane = timeouts.lane = LaneReads()  # type: ignore[assignment]
+
+        async def lane_reads_for_300ms() -> None:
+            end = clock.monotonic_ns() + 300_000_000
+            while clock.monotonic_ns() < end:
+                lane.last_read_ns = clock.monotonic_ns()
+                lane_reads.append(lane.last_read_ns)
+                await asyncio.sleep(0.02)
+
+        asyncio.get_running_loop().create_task(lane_reads_for_300ms())
+        return timeouts
+
+    started = clock.monotonic_ns()
+    timeouts = await _until_cancelled(make)
+    assert timeouts.fired == "idle_timeout"
+    # Not before the lane's last read + 0.1 s: the lane's reads kept it off for ~0.3 s.
+    assert clock.monotonic_ns() - started >= 300_000_000
+    assert clock.monotonic_ns() >= lane_reads[-1] + 100_000_000
+    assert timeouts.last_ns < lane_reads[0]  # its own instant never moved
+
+
 async def test_disarmed_timeouts_never_fire() -> None:
     timeouts = Timeouts(total_s=0.02, ttft_s=0.01, idle_s=0.01)
     timeouts.start_idle()

@@ -717,7 +717,7 @@ chunk_payload(PyObject *module, PyObject *arg)
 
 /* -- Lane: the whole per-read path of a stream's common read, in one call ------------------
  *
- * Lane(client, relay, timeouts, origin_ns, high_water, max_event_bytes, strip)
+ * Lane(client, relay, origin_ns, high_water, max_event_bytes, strip)
  *
  * The read that makes up almost every read of a streamed answer is one or a few whole HTTP
  * chunks, each exactly one common token event of choice 0 (carrying one token, or several
@@ -737,15 +737,20 @@ chunk_payload(PyObject *module, PyObject *arg)
  * (stream_relay.MeteredRead says when). tests/test_lane.py holds the two paths to the same
  * client bytes and the same records.
  *
- * client: the client's transport (its write, get_write_buffer_size and is_closing are called
- * by name: a stream in flight holds one reference, not three bound methods); relay: its
- * on_client_full() is called once the client's buffer holds more than high_water bytes (the
- * relay pauses the upstream), after which the lane is disarmed; timeouts: its `last_ns` is set
- * to each taken read's instant; origin_ns: the request's arrival (every offset is from it). All instants are
+ * client: the client's transport (its write, get_write_buffer_size and is_closing are looked
+ * up once per transport type, _methodcache.h: a stream in flight holds one reference, not
+ * three bound methods); relay: its on_client_full() is called once the client's buffer holds
+ * more than high_water bytes (the relay pauses the upstream), after which the lane is
+ * disarmed; origin_ns: the request's arrival (every offset is from it). `last_read_ns` is
+ * the instant of the last read it took, which the request's idle timeout reads when its timer
+ * wakes (timeouts.Timeouts.lane), instead of an int stored per read. All instants are
  * CLOCK_MONOTONIC nanoseconds, the clock of clock.monotonic_ns (time.perf_counter_ns on Linux).
  */
 
 #include <time.h>
+
+#include "../_methodcache.h"
+#include "_laneapi.h"
 
 #define LANE_MAX_CHUNKS 64 /* per read; more goes to the Python path */
 /* Events counted before a take: past it, the next read goes to the Python path, which takes
@@ -766,8 +771,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *client;
     PyObject *relay;
-    PyObject *timeouts;
     long long origin_ns;
+    long long last_read_ns; /* when the last read it took was read; 0: none yet */
     long long high_water;
     Py_ssize_t max_event_bytes;
     int strip;
@@ -787,7 +792,9 @@ typedef struct {
 } Lane;
 
 /* Interned at import. */
-static PyObject *last_ns_name, *write_name, *buffer_size_name, *is_closing_name, *full_name;
+static PyObject *write_name, *buffer_size_name, *is_closing_name, *full_name;
+/* The client transport's three methods, found once per transport type (_methodcache.h). */
+static method_cache is_closing_method, write_method, buffer_size_method;
 
 static long long
 monotonic_ns(void)
@@ -802,7 +809,6 @@ lane_traverse(Lane *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->client);
     Py_VISIT(self->relay);
-    Py_VISIT(self->timeouts);
     return 0;
 }
 
@@ -812,7 +818,6 @@ lane_clear(Lane *self)
     self->armed = 0;
     Py_CLEAR(self->client);
     Py_CLEAR(self->relay);
-    Py_CLEAR(self->timeouts);
     return 0;
 }
 
@@ -829,15 +834,14 @@ lane_dealloc(Lane *self)
 static PyObject *
 lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"client",     "relay",           "timeouts", "origin_ns",
-                            "high_water", "max_event_bytes", "strip",    NULL};
-    PyObject *client, *relay, *timeouts;
+    static char *names[] = {"client",          "relay", "origin_ns", "high_water",
+                            "max_event_bytes", "strip", NULL};
+    PyObject *client, *relay;
     long long origin_ns, high_water;
     Py_ssize_t max_event_bytes;
     int strip;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOLLnp:Lane", names, &client, &relay,
-                                     &timeouts, &origin_ns, &high_water, &max_event_bytes,
-                                     &strip)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLLnp:Lane", names, &client, &relay,
+                                     &origin_ns, &high_water, &max_event_bytes, &strip)) {
         return NULL;
     }
     Lane *self = (Lane *)type->tp_alloc(type, 0);
@@ -846,7 +850,6 @@ lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     self->client = Py_NewRef(client);
     self->relay = Py_NewRef(relay);
-    self->timeouts = Py_NewRef(timeouts);
     self->origin_ns = origin_ns;
     self->high_water = high_water;
     self->max_event_bytes = max_event_bytes;
@@ -920,22 +923,19 @@ hex_line(char *head, size_t size)
     return n + 2;
 }
 
-static PyObject *
-lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
+/* The read [data, data + size) that arrived at ``at_ns``: 1 when taken whole (parsed,
+ * counted, stamped and written to the client), 0 when left untouched for the Python path, -1
+ * with an exception set. `relay` for Python; the upstream's C reader (_recvstamp.c) calls it
+ * through the `_lane_api` capsule, with the bytes still in its receive buffer and the instant
+ * as a C integer: no bytes object and no int per read. */
+static int
+lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
 {
-    if (nargs != 2 || !PyBytes_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "relay() takes (bytes, at_ns)");
-        return NULL;
-    }
     if (!self->armed) {
-        Py_RETURN_FALSE;
+        return 0;
     }
-    long long at_ns = PyLong_AsLongLong(args[1]);
-    if (at_ns == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    cursor p = (cursor)PyBytes_AS_STRING(args[0]);
-    cursor end = p + PyBytes_GET_SIZE(args[0]);
+    cursor p = (cursor)data;
+    cursor end = p + size;
     cursor payloads[LANE_MAX_CHUNKS];
     size_t sizes[LANE_MAX_CHUNKS];
     struct token_chunk chunks[LANE_MAX_CHUNKS];
@@ -949,7 +949,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
             || sizes[n] > (size_t)self->max_event_bytes
             || !scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 0)
             || chunks[n].index != 0) {
-            Py_RETURN_FALSE;
+            return 0;
         }
         struct token_chunk *chunk = &chunks[n];
         /* TokenCounter.token_event: the rise of the cumulative count (0 when it did not
@@ -972,18 +972,19 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (n == 0 || self->pending + n > self->events_left
         || self->pending + n > LANE_MAX_PENDING) {
-        Py_RETURN_FALSE;
+        return 0;
     }
-    PyObject *closing = PyObject_CallMethodNoArgs(self->client, is_closing_name);
+    PyObject *transport = self->client;
+    PyObject *closing = call_method_cached(&is_closing_method, is_closing_name, &transport, 1);
     if (closing == NULL) {
         PyErr_Clear();
-        Py_RETURN_FALSE;
+        return 0;
     }
     int gone = PyObject_IsTrue(closing);
     Py_DECREF(closing);
     if (gone != 0) { /* gone, or cannot tell: the Python path finds out and says so */
         PyErr_Clear();
-        Py_RETURN_FALSE;
+        return 0;
     }
     int column_needed = 0;
     for (int i = 0; i < n; i++) {
@@ -991,7 +992,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (lane_reserve(self, n) < 0
         || (column_needed && self->tokens == NULL && lane_start_column(self) < 0)) {
-        Py_RETURN_FALSE; /* no memory now: the Python path will fail the read if it must */
+        return 0; /* no memory now: the Python path will fail the read if it must */
     }
     long long read_ns = monotonic_ns();
     /* The client's chunk: `<size in hex>\r\n<payloads>\r\n`, as ClientExchange.write frames. */
@@ -1000,7 +1001,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(head_size + out_size + 2));
     if (out == NULL) {
         PyErr_Clear();
-        Py_RETURN_FALSE;
+        return 0;
     }
     char *to = PyBytes_AS_STRING(out);
     memcpy(to, head, (size_t)head_size);
@@ -1024,13 +1025,13 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     /* Held for the rest of the call: nothing the write calls may close this lane under it. */
     PyObject *client = Py_NewRef(self->client);
     PyObject *relay = Py_NewRef(self->relay);
-    PyObject *timeouts = Py_NewRef(self->timeouts);
-    PyObject *result = NULL;
-    PyObject *written = PyObject_CallMethodOneArg(client, write_name, out);
+    int result = -1;
+    PyObject *write_args[2] = {client, out};
+    PyObject *written = call_method_cached(&write_method, write_name, write_args, 2);
     Py_DECREF(out);
     if (written == NULL) {
         PyErr_Clear();
-        result = Py_NewRef(Py_False); /* nothing counted: the Python path writes again */
+        result = 0; /* nothing counted: the Python path writes again */
         goto done;
     }
     Py_DECREF(written);
@@ -1065,13 +1066,8 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     self->last_cumulative = last;
-    PyObject *instant = PyLong_FromLongLong(read_ns);
-    if (instant == NULL || PyObject_SetAttr(timeouts, last_ns_name, instant) < 0) {
-        Py_XDECREF(instant);
-        goto done;
-    }
-    Py_DECREF(instant);
-    PyObject *held = PyObject_CallMethodNoArgs(client, buffer_size_name);
+    self->last_read_ns = read_ns;
+    PyObject *held = call_method_cached(&buffer_size_method, buffer_size_name, &client, 1);
     if (held == NULL) {
         goto done;
     }
@@ -1088,12 +1084,36 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_DECREF(paused);
     }
-    result = Py_NewRef(Py_True);
+    result = 1;
 done:
     Py_DECREF(client);
     Py_DECREF(relay);
-    Py_DECREF(timeouts);
     return result;
+}
+
+static PyObject *
+lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "relay() takes (bytes, at_ns)");
+        return NULL;
+    }
+    /* An instant is a three-digit int, which PyLong_AsLongLong converts byte by byte. */
+    int overflow;
+    long long at_ns = PyLong_AsLongLongAndOverflow(args[1], &overflow);
+    if (overflow) {
+        PyErr_SetString(PyExc_OverflowError, "relay(): at_ns does not fit in 64 bits");
+        return NULL;
+    }
+    if (at_ns == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int taken =
+        lane_relay_read(self, PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]), at_ns);
+    if (taken < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(taken);
 }
 
 /* arm(events_left, last_cumulative): take reads from now on; the stream may take
@@ -1207,11 +1227,26 @@ lane_get_armed(Lane *self, void *closure)
 }
 
 static PyObject *
+lane_get_last_read_ns(Lane *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLongLong(self->last_read_ns);
+}
+
+static PyObject *
 lane_get_pending(Lane *self, void *closure)
 {
     (void)closure;
     return PyLong_FromSsize_t(self->pending);
 }
+
+static int
+lane_api_relay_read(PyObject *lane, const char *data, Py_ssize_t size, long long at_ns)
+{
+    return lane_relay_read((Lane *)lane, data, size, at_ns);
+}
+
+static lane_api lane_api_table; /* the `_lane_api` capsule's: filled at import */
 
 static PyMethodDef lane_methods[] = {
     {"relay", (PyCFunction)(void (*)(void))lane_relay, METH_FASTCALL,
@@ -1228,6 +1263,8 @@ static PyMethodDef lane_methods[] = {
 static PyGetSetDef lane_getset[] = {
     {"armed", (getter)lane_get_armed, NULL, "Whether `relay` takes reads.", NULL},
     {"pending", (getter)lane_get_pending, NULL, "Events counted since the last `take`.", NULL},
+    {"last_read_ns", (getter)lane_get_last_read_ns, NULL,
+     "When the last read it took was read (CLOCK_MONOTONIC ns; 0: none yet).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1289,12 +1326,13 @@ PyInit__tokenscan(void)
     if (PyType_Ready(&LaneType) < 0) {
         return NULL;
     }
-    last_ns_name = PyUnicode_InternFromString("last_ns");
+    lane_api_table.lane_type = &LaneType;
+    lane_api_table.relay_read = lane_api_relay_read;
     write_name = PyUnicode_InternFromString("write");
     buffer_size_name = PyUnicode_InternFromString("get_write_buffer_size");
     is_closing_name = PyUnicode_InternFromString("is_closing");
     full_name = PyUnicode_InternFromString("on_client_full");
-    if (last_ns_name == NULL || write_name == NULL || buffer_size_name == NULL
+    if (write_name == NULL || buffer_size_name == NULL
         || is_closing_name == NULL || full_name == NULL) {
         return NULL;
     }
@@ -1303,6 +1341,12 @@ PyInit__tokenscan(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    PyObject *api = PyCapsule_New(&lane_api_table, LANE_API_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObject(module, "_lane_api", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(module);
         return NULL;
     }

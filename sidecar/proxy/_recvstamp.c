@@ -23,6 +23,9 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "../_methodcache.h"
+#include "../protocol/_laneapi.h"
+
 #ifndef SCM_TIMESTAMPNS
 #define SCM_TIMESTAMPNS SO_TIMESTAMPNS
 #endif
@@ -133,6 +136,13 @@ typedef struct {
 
 static PyObject *data_received_at_name, *relay_name, *close_name, *fail_name,
     *count_unstamped_name;
+/* The lane's relay, found once per lane type (_methodcache.h): every read of a stream calls it
+ * (a lane of another type than _tokenscan's: the tests' stand-ins). */
+static method_cache relay_method;
+/* _tokenscan's lane entry (_laneapi.h), looked up when the first lane is set; NULL until then,
+ * or for good when it cannot be had (`lane_api_sought`). */
+static const lane_api *lane_api_found;
+static int lane_api_sought;
 
 static long long
 clock_ns(clockid_t which)
@@ -293,22 +303,37 @@ reader_call(Reader *self, PyObject *args, PyObject *kwargs)
         stamped = 1;
     }
     self->last_ns = at_ns;
+    if (!stamped && call_transport(transport, count_unstamped_name, NULL) < 0) {
+        PyBuffer_Release(&view);
+        goto done;
+    }
+    int direct = lane != NULL && lane_api_found != NULL && Py_TYPE(lane) == lane_api_found->lane_type;
+    if (direct) {
+        /* The read, from the buffer it arrived in; a bytes object is made only for a read the
+         * lane leaves to the Python path. */
+        int taken = lane_api_found->relay_read(lane, (const char *)view.buf, size, at_ns);
+        if (taken != 0) {
+            PyBuffer_Release(&view);
+            if (taken < 0) {
+                fail_with_current(transport);
+                goto done;
+            }
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
     data = PyBytes_FromStringAndSize((const char *)view.buf, size);
     PyBuffer_Release(&view);
     if (data == NULL) {
-        goto done;
-    }
-    if (!stamped && call_transport(transport, count_unstamped_name, NULL) < 0) {
         goto done;
     }
     at_object = PyLong_FromLongLong(at_ns);
     if (at_object == NULL) {
         goto done;
     }
-    if (lane != NULL && lane != Py_None) {
+    if (lane != NULL && !direct) {
         PyObject *relay_args[3] = {lane, data, at_object};
-        PyObject *taken = PyObject_VectorcallMethod(
-            relay_name, relay_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *taken = call_method_cached(&relay_method, relay_name, relay_args, 3);
         if (taken == NULL) {
             fail_with_current(transport);
             goto done;
@@ -360,6 +385,13 @@ reader_set_lane(Reader *self, PyObject *value, void *closure)
     if (self->transport == NULL && value != NULL && value != Py_None) {
         PyErr_SetString(PyExc_RuntimeError, "the reader is closed");
         return -1;
+    }
+    if (value != NULL && value != Py_None && !lane_api_sought) {
+        lane_api_sought = 1;
+        lane_api_found = PyCapsule_Import(LANE_API_CAPSULE, 0);
+        if (lane_api_found == NULL) {
+            PyErr_Clear(); /* no C lane entry: lanes are called by name */
+        }
     }
     Py_XSETREF(self->lane, value == NULL || value == Py_None ? NULL : Py_NewRef(value));
     return 0;

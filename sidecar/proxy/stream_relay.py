@@ -195,13 +195,13 @@ class MeteredRead:
         self.lane = LaneType(
             client,
             self,
-            self.timeouts,
             self.meter.origin_ns,
             WRITE_HIGH_WATER,
             max_event_bytes,
             strip,
         )
         upstream_transport.lane = self.lane
+        self.timeouts.lane = self.lane  # the idle timeout reads its reads' instants
         self._arm_lane(self.lane)
 
     def start(self) -> asyncio.Future[None]:
@@ -251,6 +251,7 @@ class MeteredRead:
             # only a full collection would free.
             self.trouble = None
             if lane is not None:
+                self.timeouts.lane = None
                 lane.close()  # its references (this object among them) let go
                 transport = self.upstream.connection.transport
                 if isinstance(transport, StampedTransport) and transport.lane is lane:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from sidecar import clock
 from sidecar.config import ProxyConfig
+
+if TYPE_CHECKING:
+    from sidecar.protocol._tokenscan import Lane
 
 # A deadline that never comes (ns; past any monotonic clock this process will read).
 NEVER = 1 << 62
@@ -23,7 +27,9 @@ class Timeouts:
     whole stream. The timer is lazy: it wakes at the earliest deadline known when it was set,
     and a deadline that moved since (the first token came, a read happened) only means it
     sleeps again until the next one. A read costs one attribute store (`last_ns`), the first
-    token one more (`ttft_at`).
+    token one more (`ttft_at`); a read the stream's C lane takes costs nothing here: the lane
+    keeps its last read's instant (`lane`, `Lane.last_read_ns`), and the timer reads it when
+    it wakes.
     """
 
     __slots__ = (
@@ -33,6 +39,7 @@ class Timeouts:
         "ttft_at",
         "idle_ns",
         "last_ns",
+        "lane",
         "fired",
         "_handle",
         "_wake_at",
@@ -61,6 +68,8 @@ class Timeouts:
         self.idle_ns = int(idle_s * 1e9) if idle_s > 0 else 0
         # The last upstream read; the idle deadline counts from it once `start_idle` ran.
         self.last_ns = NEVER
+        # The stream's C lane while it has one (stream_relay): its reads count as reads.
+        self.lane: Lane | None = None
         self.fired: str | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._wake_at = NEVER
@@ -100,8 +109,13 @@ class Timeouts:
         when, name = self.total_at, self.total_name
         if self.ttft_at < when:
             when, name = self.ttft_at, "ttft_timeout"
-        if self.idle_ns and self.last_ns != NEVER and self.last_ns + self.idle_ns < when:
-            when, name = self.last_ns + self.idle_ns, "idle_timeout"
+        last = self.last_ns
+        if self.idle_ns and last != NEVER:
+            lane = self.lane
+            if lane is not None and lane.last_read_ns > last:
+                last = lane.last_read_ns
+            if last + self.idle_ns < when:
+                when, name = last + self.idle_ns, "idle_timeout"
         return when, name
 
     def _arm(self, now: int) -> None:

@@ -1022,9 +1022,6 @@ def test_the_c_lane_takes_the_real_servers_token_chunks(
     chunks = raw_chunks(real_vllm.base_url, path, body)
     written: list[bytes] = []
 
-    class Timeouts:
-        last_ns = 0
-
     class Client:
         """The client transport and the relay, as the lane calls them."""
 
@@ -1041,7 +1038,7 @@ def test_the_c_lane_takes_the_real_servers_token_chunks(
             raise AssertionError("never full")
 
     client = Client()
-    lane = Lane(client, client, Timeouts(), 0, 1 << 16, 1 << 20, strip)
+    lane = Lane(client, client, 0, 1 << 16, 1 << 20, strip)
     lane.arm(1 << 20, 0)
     expected_taken = 0
     last = 0
