@@ -92,7 +92,7 @@ def _decode(b: bytes | bytearray) -> str:
 
 
 def data_events(data: bytes, max_event_size: int) -> tuple[list[SSEEvent], int]:
-    """The whole ``data:<payload>\n\n`` events at the start of ``data``, and where the first
+    r"""The whole ``data:<payload>\n\n`` events at the start of ``data``, and where the first
     thing that is not one begins (``len(data)`` when there is none): the common read while the
     parser holds nothing, taken without its general machinery. An event stops the run when its
     LF LF end is not in ``data``, when it holds a CR, or when it is over ``max_event_size``
