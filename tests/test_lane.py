@@ -318,7 +318,7 @@ def test_the_client_methods_it_finds_once_follow_the_type_and_its_changes() -> N
 
     own = Client()
     own_writes: list[bytes] = []
-    own.write = own_writes.append  # type: ignore[method-assign]
+    own.write = own_writes.append  # type: ignore[method-assign, assignment]
     lane = new_lane(own)
     lane.arm(100, 0)
     assert lane.relay(read, ORIGIN) and own_writes and not own.writes
@@ -367,19 +367,25 @@ def record_view(record: RequestRecord) -> dict[str, Any]:
     }
 
 
+def count_lane_events(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the events the lanes hand over (their `pending` at each take), summed in
+    the one-item list returned."""
+    taken = [0]
+    take = stream_relay.MeteredRead._take_lane
+
+    def counting_take(self: stream_relay.MeteredRead, lane: Lane) -> None:
+        taken[0] += lane.pending
+        take(self, lane)
+
+    monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
+    return taken
+
+
 async def run_requests(
     lane_on: bool, monkeypatch: pytest.MonkeyPatch, sim: SimConfig | None = None
 ) -> tuple[list[bytes], list[dict[str, Any]], int]:
     monkeypatch.setattr(stream_relay, "LaneType", Lane if lane_on else None)
-    taken = 0
-    take = stream_relay.MeteredRead._take_lane
-
-    def counting_take(self: stream_relay.MeteredRead, lane: Lane) -> None:
-        nonlocal taken
-        taken += lane.pending
-        take(self, lane)
-
-    monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
+    taken = count_lane_events(monkeypatch)
     bodies: list[bytes] = []
     async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
         n = 0
@@ -394,7 +400,7 @@ async def run_requests(
                     bodies.append(CREATED.sub(b'"created":0', await response.read()))
                 n += 1
         records = await s.records.wait_for(n)
-    return bodies, [record_view(r) for r in sorted(records, key=lambda r: r.request_id)], taken
+    return bodies, [record_view(r) for r in sorted(records, key=lambda r: r.request_id)], taken[0]
 
 
 async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
@@ -459,15 +465,7 @@ async def test_the_idle_timeout_counts_the_reads_the_lane_takes(
     """A stream whose reads the lane takes, ~0.5 s long at a read every 20 ms, lives through
     a 150 ms idle timeout (the timer reads the lane's last read when it wakes); a stream that
     stalls after such reads is still cut by it."""
-    taken = 0
-    take = stream_relay.MeteredRead._take_lane
-
-    def counting_take(self: stream_relay.MeteredRead, lane: Lane) -> None:
-        nonlocal taken
-        taken += lane.pending
-        take(self, lane)
-
-    monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
+    taken = count_lane_events(monkeypatch)
     path, base = BODIES["chat"]
     body = {**base, "stream": True, "max_tokens": 24, "ignore_eos": True}
     async with (
@@ -484,4 +482,4 @@ async def test_the_idle_timeout_counts_the_reads_the_lane_takes(
     ok, cut = sorted(records, key=lambda r: r.request_id == "stalled")
     assert ok.outcome is Outcome.OK and ok.n_out == 24
     assert cut.outcome is Outcome.TIMEOUT and cut.error_type == "idle_timeout"
-    assert taken >= 20 + 5, taken  # most of both streams' reads went through the lane
+    assert taken[0] >= 20 + 5, taken  # most of both streams' reads went through the lane

@@ -12,8 +12,8 @@ import json
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from itertools import pairwise
 from typing import Any
 
@@ -314,15 +314,25 @@ def test_the_start_line_says_where_server_stamps_come_from() -> None:
     assert mixed.endswith("; when read for the TLS upstreams https://10.0.0.1:443")
 
 
-@pytest.mark.parametrize("failing", ["protocol", "lane"])
-async def test_a_protocol_or_lane_that_fails_on_a_read_ends_its_connection(failing: str) -> None:
-    """The read's exception fails the transport (its connection closed, the protocol told) and
-    goes on to the loop, whether the protocol or the stream's lane raised it."""
+@contextmanager
+def loop_exceptions() -> Iterator[list[dict[str, Any]]]:
+    """What reaches the running loop's exception handler meanwhile, kept in the list given."""
     loop = asyncio.get_running_loop()
     logged: list[dict[str, Any]] = []
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: logged.append(context))
     try:
+        yield logged
+    finally:
+        loop.set_exception_handler(previous)
+
+
+@pytest.mark.parametrize("failing", ["protocol", "lane"])
+async def test_a_protocol_or_lane_that_fails_on_a_read_ends_its_connection(failing: str) -> None:
+    """The read's exception fails the transport (its connection closed, the protocol told) and
+    goes on to the loop, whether the protocol or the stream's lane raised it."""
+    loop = asyncio.get_running_loop()
+    with loop_exceptions() as logged:
         async with connected() as (reader, transport, peer):
             if failing == "lane":
                 transport.lane = FakeLane(fail=True)
@@ -337,8 +347,6 @@ async def test_a_protocol_or_lane_that_fails_on_a_read_ends_its_connection(faili
             assert isinstance(lost, ValueError) and transport.is_closing()
             assert reader.reads == []
             assert await loop.sock_recv(peer, 10) == b""  # the connection was closed
-    finally:
-        loop.set_exception_handler(previous)
     assert any(isinstance(c.get("exception"), ValueError) for c in logged)
 
 
@@ -423,14 +431,10 @@ async def test_a_c_lane_takes_its_reads_as_a_stand_in_does(failing: bool) -> Non
     object: it takes the token reads, stamped on the reader's clock, and leaves the others to
     the protocol; an exception it raises fails the connection as a stand-in's does."""
     lane_type = pytest.importorskip("sidecar.protocol._tokenscan").Lane
-    loop = asyncio.get_running_loop()
-    logged: list[dict[str, Any]] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: logged.append(context))
-    try:
+    with loop_exceptions() as logged:
         async with connected() as (reader, transport, peer):
             await until_stamped(reader, transport, peer)
-            before = len(reader.data)
+            before = len(reader.reads)
             client = LaneClient(broken=failing)
             lane = lane_type(client, client, 0, 1 << 16, 1 << 20, True)
             lane.arm(100, 0)
@@ -439,24 +443,23 @@ async def test_a_c_lane_takes_its_reads_as_a_stand_in_does(failing: bool) -> Non
                 peer.send(token_read(1))
                 lost = await asyncio.wait_for(reader.lost, 5)
                 assert isinstance(lost, AttributeError) and transport.is_closing()
-                assert len(client.writes) == 1 and reader.data[before:] == b""
-                return
-            for n, block in enumerate([token_read(1), b"p2", token_read(2), b"p4"]):
-                peer.send(block)
-                for _ in range(500):  # one read per block: wait for each before the next
-                    if len(client.writes) + len(reader.reads) > n + before:
-                        break
-                    await asyncio.sleep(0.002)
-            assert reader.data[before:] == b"p2p4" and len(client.writes) == 2
-            assert all(b'"usage"' not in write for write in client.writes)  # cut out
-            taken = lane.take()
-            assert taken is not None
-            up = struct.unpack("2q", taken[0])
-            # One clock: the lane's stamps sit between the protocol's, in read order.
-            p2, p4 = reader.reads[-2][1], reader.reads[-1][1]
-            assert up[0] <= p2 <= up[1] <= p4
-    finally:
-        loop.set_exception_handler(previous)
+                assert len(client.writes) == 1 and len(reader.reads) == before
+            else:
+                for n, block in enumerate([token_read(1), b"p2", token_read(2), b"p4"]):
+                    peer.send(block)
+                    for _ in range(500):  # one read per block: wait for each before the next
+                        if len(client.writes) + len(reader.reads) > n + before:
+                            break
+                        await asyncio.sleep(0.002)
+                assert [d for d, _, _ in reader.reads[before:]] == [b"p2", b"p4"]
+                assert len(client.writes) == 2
+                assert all(b'"usage"' not in write for write in client.writes)  # cut out
+                taken = lane.take()
+                assert taken is not None
+                up = struct.unpack("2q", taken[0])
+                # One clock: the lane's stamps sit between the protocol's, in read order.
+                p2, p4 = reader.reads[-2][1], reader.reads[-1][1]
+                assert up[0] <= p2 <= up[1] <= p4
     if failing:
         assert any(isinstance(c.get("exception"), AttributeError) for c in logged)
 
