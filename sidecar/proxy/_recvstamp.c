@@ -307,7 +307,8 @@ reader_call(Reader *self, PyObject *args, PyObject *kwargs)
         PyBuffer_Release(&view);
         goto done;
     }
-    int direct = lane != NULL && lane_api_found != NULL && Py_TYPE(lane) == lane_api_found->lane_type;
+    int direct =
+        lane != NULL && lane_api_found != NULL && Py_TYPE(lane) == lane_api_found->lane_type;
     if (direct) {
         /* The read, from the buffer it arrived in; a bytes object is made only for a read the
          * lane leaves to the Python path. */
