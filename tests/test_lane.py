@@ -260,12 +260,18 @@ def test_a_lane_taken_or_closed_from_inside_its_write_still_counts_the_read(acti
 
 
 def test_a_closed_lane_takes_nothing_and_cannot_be_armed() -> None:
+    """Closed, it still says when its last read came: the request's idle deadline counts
+    from it until the request ends (stream_relay keeps it on the timeouts)."""
     lane = new_lane(Client())
     lane.arm(100, 0)
+    assert lane.relay(chunk(event(CHAT_HELLO, 1)), ORIGIN)
+    last = lane.last_read_ns
+    assert last > 0
     lane.close()
-    assert not lane.relay(chunk(event(CHAT_HELLO, 1)), ORIGIN)
+    assert not lane.relay(chunk(event(CHAT_HELLO, 2)), ORIGIN)
     with pytest.raises(RuntimeError):
         lane.arm(100, 0)
+    assert lane.last_read_ns == last
 
 
 class SlotsClient:

@@ -251,7 +251,9 @@ class MeteredRead:
             # only a full collection would free.
             self.trouble = None
             if lane is not None:
-                self.timeouts.lane = None
+                # `self.timeouts.lane` is kept: the closed lane still says when its last read
+                # came, and the idle deadline counts from it until the request ends (a
+                # client's drain, an error's answer).
                 lane.close()  # its references (this object among them) let go
                 transport = self.upstream.connection.transport
                 if isinstance(transport, StampedTransport) and transport.lane is lane:
