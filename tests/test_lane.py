@@ -322,6 +322,22 @@ def test_the_client_methods_it_finds_once_follow_the_type_and_its_changes() -> N
     assert not lanes[0].relay(read, ORIGIN + 4)  # left to the Python path: the client is going
     assert lanes[1].relay(read, ORIGIN + 2) and len(second.writes) == 3
 
+    class StaticWrite(SlotsClient):
+        """`write` a staticmethod: called by name it takes the data alone."""
+
+        __slots__ = ()
+        static_writes: list[bytes] = []
+
+        @staticmethod
+        def write(data: bytes) -> None:
+            StaticWrite.static_writes.append(data)
+
+    static = StaticWrite()
+    lane = new_lane(static)  # type: ignore[arg-type]
+    lane.arm(100, 0)
+    assert lane.relay(read, ORIGIN) and lane.relay(read, ORIGIN + 1)
+    assert len(StaticWrite.static_writes) == 2 and static.writes == []
+
     own = Client()
     own_writes: list[bytes] = []
     own.write = own_writes.append  # type: ignore[method-assign, assignment]
