@@ -22,7 +22,7 @@ setup(
         Extension(
             "sidecar.proxy._recvstamp",
             sources=["sidecar/proxy/_recvstamp.c"],
-            depends=["sidecar/_methodcache.h", "sidecar/protocol/_laneapi.h"],
+            depends=["sidecar/protocol/_laneapi.h"],
             optional=True,
         ),
         Extension(

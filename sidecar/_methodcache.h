@@ -1,7 +1,7 @@
 /* A method of one type, found once and called unbound: what `obj.name(...)` does from C through
  * PyObject_VectorcallMethod (_PyObject_GetMethod: the type's method cache, then the
  * instance's dict), without the lookup on every call. The C relay calls three methods of the
- * client's transport and one of its lane per relayed event; the lookups were ~8 % of the
+ * client's transport per relayed event; the lookups were ~8 % of the
  * instructions an event costs (benchmarks/request_instructions.py, 32 against 96 tokens).
  *
  * The cache holds one type at a time, and is used only when a call by name would surely find
@@ -55,8 +55,8 @@ static inline PyObject *
 call_method_cached(method_cache *cache, PyObject *name, PyObject *const *args, size_t nargs)
 {
     PyTypeObject *type = Py_TYPE(args[0]);
-    if (cache->type != type || cache->version != type->tp_version_tag
-        || type->tp_version_tag == 0) {
+    /* A cached version is never 0, the tag of a type changed since its last lookup. */
+    if (cache->type != type || cache->version != type->tp_version_tag) {
         Py_CLEAR(cache->method);
         Py_CLEAR(cache->type);
         if (type->tp_dictoffset == 0) {

@@ -23,7 +23,6 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#include "../_methodcache.h"
 #include "../protocol/_laneapi.h"
 
 #ifndef SCM_TIMESTAMPNS
@@ -136,9 +135,6 @@ typedef struct {
 
 static PyObject *data_received_at_name, *relay_name, *close_name, *fail_name,
     *count_unstamped_name;
-/* The lane's relay, found once per lane type (_methodcache.h): every read of a stream calls it
- * (a lane of another type than _tokenscan's: the tests' stand-ins). */
-static method_cache relay_method;
 /* _tokenscan's lane entry (_laneapi.h), looked up when the first lane is set; NULL until then,
  * or for good when it cannot be had (`lane_api_sought`). */
 static const lane_api *lane_api_found;
@@ -334,7 +330,8 @@ reader_call(Reader *self, PyObject *args, PyObject *kwargs)
     }
     if (lane != NULL && !direct) {
         PyObject *relay_args[3] = {lane, data, at_object};
-        PyObject *taken = call_method_cached(&relay_method, relay_name, relay_args, 3);
+        PyObject *taken = PyObject_VectorcallMethod(
+            relay_name, relay_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (taken == NULL) {
             fail_with_current(transport);
             goto done;

@@ -190,9 +190,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.arrivals.flush(self)  # its last reads, should the end come before their turn
         self._closed = True
         self.reusable = False
-        if self._idle_handle is not None:
-            self._idle_handle.cancel()
-            self._idle_handle = None
+        self.unpark()
         if self._write_ready is not None and not self._write_ready.done():
             self._write_ready.set_exception(ConnectionResetError("upstream connection lost"))
         exchange, self.exchange = self.exchange, None
