@@ -5,6 +5,7 @@
     python benchmarks/request_instructions.py --top 25          # and the C functions that cost
     python benchmarks/request_instructions.py --opcodes         # Python bytecodes per function
     python benchmarks/request_instructions.py --profile         # cProfile per function
+    python benchmarks/request_instructions.py --by-function     # instructions per function
     python benchmarks/request_instructions.py --smoke           # CI: the harness, no valgrind
 
 `meter_instructions.py` counts one read's path in one process; this counts everything the
@@ -38,6 +39,15 @@ windows: the Python bytecodes each function executes per request (exact; the tra
 worker, hence the same 10 ms step), or cProfile's calls and own time per request (its own cost
 inflates small functions: read the calls first, the times as a ranking).
 
+``--by-function``: instructions per request spent in each Python function and what it calls
+(inclusive), which neither the bytecodes nor callgrind's C functions give: the windows run on a
+copy of the tree whose modules Cython compiled as they are (no types declared, so the code does
+what the interpreter does, through the same C API: per request within ~1 % of the interpreted
+tree's count, measured), each Python function then a C function callgrind can name. A ranking
+of where a request's instructions go, not an account: the idle rate is not taken out, and a
+coroutine's count is that of its steps, with what they awaited without suspending. Needs
+Cython (``pip install cython``, not a dependency of the project) and a C compiler.
+
 ``--tree``: the processes run in that directory (``python -m`` puts its working directory first
 on the path), with its C extensions built in place.
 """
@@ -55,9 +65,11 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -243,6 +255,119 @@ def top_functions(first: Path, second: Path, n_requests: int, top: int) -> list[
     return [(name, round(value)) for name, value in ranked]
 
 
+# --by-function: the modules compiled (paths under sidecar/), and those left to the
+# interpreter: package __init__ modules, app.py, whose aiohttp middlewares must be Python
+# functions (aiohttp sets an attribute on them; a compiled one has no __dict__), and worker.py,
+# which runs as ``python -m`` (runpy needs its code object).
+BY_FUNCTION_DIRS = ("proxy", "protocol", "sinks")
+BY_FUNCTION_FILES = ("meter.py", "stats.py", "hooks.py", "clock.py")
+BY_FUNCTION_SKIP = ("__init__.py", "app.py", "worker.py")
+
+
+def compiled_copy(tree: Path, dest: Path) -> list[Path]:
+    """``tree``'s sidecar package copied to ``dest`` (its built C extensions with it), the
+    per-request modules compiled there by Cython, untyped (`BY_FUNCTION_DIRS`); returns the
+    generated C files, which name each function's source line (`function_lines`)."""
+    shutil.copytree(
+        tree / "sidecar", dest / "sidecar", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    package = dest / "sidecar"
+    sources = [package / name for name in BY_FUNCTION_FILES]
+    for sub in BY_FUNCTION_DIRS:
+        sources += sorted((package / sub).glob("*.py"))
+    sources = [path for path in sources if path.name not in BY_FUNCTION_SKIP and path.exists()]
+    include = sysconfig.get_paths()["include"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()
+
+    def build(source: Path) -> Path:
+        module = ".".join(source.relative_to(dest).with_suffix("").parts)
+        c_file = source.with_suffix(".c")
+        subprocess.run(
+            [sys.executable, "-m", "cython", "-3", "--module-name", module,
+             "--directive", "annotation_typing=False,binding=False",
+             str(source), "-o", str(c_file)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        subprocess.run(
+            [*compiler, "-O2", "-fPIC", "-shared", "-fwrapv", "-DNDEBUG", f"-I{include}",
+             str(c_file), "-o", str(source.with_name(source.stem + suffix))],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        return c_file
+
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        return list(pool.map(build, sources))
+
+
+_SOURCE_COMMENT = re.compile(r'^/\* "([^"]+)":(\d+)$')
+_WRAPPER = re.compile(r"^static PyObject \*(__pyx_pw_\w+)\(")
+_BODY = re.compile(r"\(__pyx_coroutine_body_t\) (__pyx_gb_\w+),.*__PYX_ERR\(\d+, (\d+),")
+_DEF = re.compile(r"(?:async\s+)?def\s+(\w+)|(lambda)")
+
+
+def function_lines(c_files: Sequence[Path], root: Path) -> dict[str, str]:
+    """Cython's C function of each Python function (its wrapper, ``__pyx_pw_*``, and a
+    coroutine's or generator's body, ``__pyx_gb_*``) -> ``file.py:line(name)``, as --opcodes
+    names them."""
+    names: dict[str, str] = {}
+
+    def label(path: str, line: int) -> str:
+        source = (root / path).read_text().splitlines()
+        at = line
+        # A decorated function's wrapper is named by its first decorator's line.
+        while 0 < at < len(source) and source[at - 1].lstrip().startswith("@"):
+            at += 1
+        found = _DEF.search(source[at - 1]) if 0 < at <= len(source) else None
+        name = (found.group(1) or "<lambda>") if found else "<genexpr>"
+        return f"{Path(path).name}:{at}({name})"
+
+    for c_file in c_files:
+        module_path = str(c_file.relative_to(root).with_suffix(".py"))
+        where: tuple[str, int] | None = None
+        for text in c_file.read_text().splitlines():
+            comment = _SOURCE_COMMENT.match(text)
+            if comment:
+                where = (comment.group(1), int(comment.group(2)))
+                continue
+            wrapper = _WRAPPER.match(text)
+            if wrapper and where is not None and wrapper.group(1) not in names:
+                names[wrapper.group(1)] = label(*where)
+                continue
+            body = _BODY.search(text)
+            if body and body.group(1) not in names:
+                names[body.group(1)] = label(module_path, int(body.group(2)))
+    return names
+
+
+def inclusive_by_function(
+    first: Path, second: Path, n_requests: int, names: dict[str, str], top: int
+) -> list[tuple[str, int]]:
+    """Inclusive instructions per request of each compiled Python function: the second
+    window's minus the first's, over N (callgrind's level-1 entries: a recursion's deeper
+    levels are inside them)."""
+
+    def inclusive(path: Path) -> dict[str, int]:
+        proc = subprocess.run(
+            ["callgrind_annotate", "--inclusive=yes", "--threshold=100", "--auto=no", str(path)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        costs: dict[str, int] = {}
+        for line in proc.stdout.splitlines():
+            found = re.match(r"^\s*([\d,]+)\s+\([\s\d.]+%\)\s+\S*?:?(__pyx_[pg][wb]_\w+)\s", line)
+            if found and found.group(2) in names:
+                label = names[found.group(2)]
+                costs[label] = costs.get(label, 0) + int(found.group(1).replace(",", ""))
+        return costs
+
+    a, b = inclusive(first), inclusive(second)
+    per_request = {name: (b.get(name, 0) - a.get(name, 0)) / n_requests for name in set(a) | set(b)}
+    ranked = sorted(per_request.items(), key=lambda item: -item[1])[:top]
+    return [(name, round(value)) for name, value in ranked]
+
+
 # Put on the processes' path by ``--profile``: cProfile on from the start, switched per window
 # by signals (SIGUSR1: reset and enable; SIGUSR2: disable and dump to $PROFILE_DIR/<pid>.<n>).
 SITECUSTOMIZE = r"""
@@ -374,9 +499,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--opcodes", action="store_true", help="bytecodes executed per function, no valgrind"
     )
+    parser.add_argument(
+        "--by-function",
+        type=int,
+        nargs="?",
+        const=40,
+        default=0,
+        metavar="N",
+        help="list the N [40] Python functions with the most instructions, their callees' "
+        "included, on a copy of the tree compiled by Cython (pip install cython)",
+    )
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CI: no valgrind, a few requests")
     args = parser.parse_args(argv)
+    if args.by_function and (args.profile or args.opcodes or args.smoke):
+        parser.error("--by-function counts with callgrind: not with --profile, --opcodes, --smoke")
     args.profile = args.profile or args.opcodes
     if args.step_ms is None:
         args.step_ms = 2.0 if args.smoke or (args.profile and not args.opcodes) else 10.0
@@ -386,6 +523,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="request-instructions-"))
     sim_port, port, admin_port = free_port(), free_port(), free_port()
     tree = args.tree.resolve()
+    function_names: dict[str, str] = {}
+    if args.by_function:
+        try:
+            import Cython  # noqa: F401
+        except ImportError:
+            print("--by-function needs Cython: pip install cython")
+            raise SystemExit(2) from None
+        compiled = work / "compiled"
+        function_names = function_lines(compiled_copy(tree, compiled), compiled)
+        tree = compiled
     env = {**os.environ, "PYTHONPATH": str(tree)}
     # No full collection in a window: one scans every live object, and falls in a window or
     # not by chance; the young generations' collections, which do scale with requests, still
@@ -517,7 +664,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     events_per_request = (second.events - first.events) / n
     result: dict[str, object] = {
-        "tree": str(tree),
+        "tree": str(args.tree.resolve()),
+        "compiled_by_cython": bool(args.by_function),
         "requests": n,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
@@ -545,6 +693,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         result["top_self_per_request"] = tops
         for name, ranked in tops.items():
             print(f"\n{name}: self instructions per request, by C function")
+            for function, value in ranked:
+                print(f"{value:>10,}  {function}")
+    if args.by_function:
+        ranked_functions = {
+            name: inclusive_by_function(
+                first.dumps[name], second.dumps[name], n, function_names, args.by_function
+            )
+            for name in pids
+        }
+        result["inclusive_per_request_by_function"] = ranked_functions
+        for name, ranked in ranked_functions.items():
+            print(f"\n{name}: inclusive instructions per request, by Python function")
             for function, value in ranked:
                 print(f"{value:>10,}  {function}")
     if args.json_out is not None:

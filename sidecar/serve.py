@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -229,7 +230,10 @@ def _wire_sinks(
             selection = Selection.from_query(request.query)  # e.g. ?request_id_prefix=
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        return web.json_response(await runner.run(lambda: window.snapshot(slo_policy, selection)))
+        # Encoded where the summaries are computed (a collector's scrape thread, below the
+        # traffic), not on the loop, which runs at the workers' priority.
+        body = await runner.run(lambda: json.dumps(window.snapshot(slo_policy, selection)))
+        return web.Response(text=body, content_type="application/json")
 
     async def close_scrape() -> None:
         await asyncio.to_thread(runner.close)

@@ -360,6 +360,53 @@ def test_request_instructions_smoke(tmp_path: Path) -> None:
     assert worker.get("feed)", 0) > 0 and "decode_record)" in collector
 
 
+def test_request_instructions_names_cython_functions(tmp_path: Path) -> None:
+    """--by-function names each C function Cython made by its Python source line, as
+    --opcodes names functions: a method's wrapper by the comment above it, a coroutine's body
+    by the line its creation reports errors at (the text below has Cython 3's shapes)."""
+    import request_instructions as ri
+
+    source = tmp_path / "sidecar" / "proxy" / "mod.py"
+    source.parent.mkdir(parents=True)
+    source.write_text(
+        "class A:\n"
+        "    def feed(self, data):\n"
+        "        return [x for x in data]\n"
+        "\n"
+        "    async def handle(self):\n"
+        "        pass\n"
+        "\n"
+        "    @classmethod\n"
+        "    def make(cls):\n"
+        "        pass\n"
+    )
+    c_file = source.with_suffix(".c")
+    c_file.write_text(
+        '/* "sidecar/proxy/mod.py":2\n'
+        " *     def feed(self, data):             # <<<<<<<<<<<<<<\n"
+        "*/\n"
+        "/* Python wrapper */\n"
+        "static PyObject *__pyx_pw_7sidecar_5proxy_3mod_1A_1feed(PyObject *__pyx_self, \n"
+        "static PyObject *__pyx_pw_7sidecar_5proxy_3mod_1A_1feed(PyObject *__pyx_self, \n"
+        "    __pyx_CoroutineObject *gen = __Pyx_Coroutine_New((__pyx_coroutine_body_t) "
+        "__pyx_gb_7sidecar_5proxy_3mod_1A_4generator1, ((PyObject *)x), (PyObject *) s, n, q, "
+        "m); if (unlikely(!gen)) __PYX_ERR(0, 5, __pyx_L1_error)\n"
+        "    gen = __Pyx_Generator_New((__pyx_coroutine_body_t) "
+        "__pyx_gb_7sidecar_5proxy_3mod_1A_4feed_2generator2, NULL, (PyObject *) s, n, q, "
+        "m); if (unlikely(!gen)) __PYX_ERR(0, 3, __pyx_L1_error)\n"
+        '/* "sidecar/proxy/mod.py":8\n'
+        "*/\n"
+        "static PyObject *__pyx_pw_7sidecar_5proxy_3mod_1A_6make(PyObject *__pyx_self, \n"
+    )
+    names = ri.function_lines([c_file], tmp_path)
+    assert names == {
+        "__pyx_pw_7sidecar_5proxy_3mod_1A_1feed": "mod.py:2(feed)",
+        "__pyx_gb_7sidecar_5proxy_3mod_1A_4generator1": "mod.py:5(handle)",
+        "__pyx_gb_7sidecar_5proxy_3mod_1A_4feed_2generator2": "mod.py:3(<genexpr>)",
+        "__pyx_pw_7sidecar_5proxy_3mod_1A_6make": "mod.py:9(make)",
+    }
+
+
 def test_hot_paths_smoke() -> None:
     stdout = run_harness("hot_paths.py", "--smoke")
     assert "| scope | operation | µs |" in stdout
