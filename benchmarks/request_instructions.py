@@ -233,28 +233,43 @@ def window(
     return result
 
 
-def top_functions(first: Path, second: Path, n_requests: int, top: int) -> list[tuple[str, int]]:
-    """Self instructions per request by C function: the second window's minus the first's
-    (the idle rate not taken out: a ranking, not an account)."""
+def annotated(path: Path, inclusive: bool = False) -> list[tuple[int, str]]:
+    """callgrind_annotate's rows of a dump: (instructions, function), self or inclusive."""
+    flags = ["--inclusive=yes"] if inclusive else []
+    proc = subprocess.run(
+        ["callgrind_annotate", *flags, "--threshold=100", "--auto=no", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    rows = []
+    for line in proc.stdout.splitlines():
+        found = re.match(r"^\s*([\d,]+)\s+\([\s\d.]+%\)\s+(\S.*)$", line)
+        if found and "PROGRAM TOTALS" not in line and "=>" not in line:
+            rows.append((int(found.group(1).replace(",", "")), found.group(2)))
+    return rows
 
-    def self_costs(path: Path) -> dict[str, int]:
-        proc = subprocess.run(
-            ["callgrind_annotate", "--threshold=100", "--auto=no", str(path)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        costs: dict[str, int] = {}
-        for line in proc.stdout.splitlines():
-            found = re.match(r"^\s*([\d,]+)\s+\([\s\d.]+%\)\s+(\S.*)$", line)
-            if found and "PROGRAM TOTALS" not in line and "=>" not in line:
-                costs[found.group(2)] = int(found.group(1).replace(",", ""))
-        return costs
 
-    a, b = self_costs(first), self_costs(second)
-    per_request = {name: (b.get(name, 0) - a.get(name, 0)) / n_requests for name in set(a) | set(b)}
+def ranked_per_request(
+    first: dict[str, int], second: dict[str, int], n_requests: int, top: int
+) -> list[tuple[str, int]]:
+    """The second window's counts minus the first's, over N, largest first (the idle rate not
+    taken out: a ranking, not an account)."""
+    per_request = {
+        name: (second.get(name, 0) - first.get(name, 0)) / n_requests
+        for name in set(first) | set(second)
+    }
     ranked = sorted(per_request.items(), key=lambda item: -item[1])[:top]
     return [(name, round(value)) for name, value in ranked]
+
+
+def top_functions(first: Path, second: Path, n_requests: int, top: int) -> list[tuple[str, int]]:
+    """Self instructions per request by C function."""
+
+    def self_costs(path: Path) -> dict[str, int]:
+        return {function: count for count, function in annotated(path)}
+
+    return ranked_per_request(self_costs(first), self_costs(second), n_requests, top)
 
 
 # --by-function: the modules compiled (paths under sidecar/), and those left to the
@@ -282,19 +297,22 @@ def compiled_copy(tree: Path, dest: Path) -> list[Path]:
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     compiler = (sysconfig.get_config_var("CC") or "cc").split()
 
+    def run(argv: list[str]) -> None:
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
+
     def build(source: Path) -> Path:
         module = ".".join(source.relative_to(dest).with_suffix("").parts)
         c_file = source.with_suffix(".c")
-        subprocess.run(
+        run(
             [sys.executable, "-m", "cython", "-3", "--module-name", module,
              "--directive", "annotation_typing=False,binding=False",
-             str(source), "-o", str(c_file)],
-            check=True, capture_output=True, text=True,
+             str(source), "-o", str(c_file)]
         )  # fmt: skip
-        subprocess.run(
+        run(
             [*compiler, "-O2", "-fPIC", "-shared", "-fwrapv", "-DNDEBUG", f"-I{include}",
-             str(c_file), "-o", str(source.with_name(source.stem + suffix))],
-            check=True, capture_output=True, text=True,
+             str(c_file), "-o", str(source.with_name(source.stem + suffix))]
         )  # fmt: skip
         return c_file
 
@@ -350,24 +368,15 @@ def inclusive_by_function(
     levels are inside them)."""
 
     def inclusive(path: Path) -> dict[str, int]:
-        proc = subprocess.run(
-            ["callgrind_annotate", "--inclusive=yes", "--threshold=100", "--auto=no", str(path)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
         costs: dict[str, int] = {}
-        for line in proc.stdout.splitlines():
-            found = re.match(r"^\s*([\d,]+)\s+\([\s\d.]+%\)\s+\S*?:?(__pyx_[pg][wb]_\w+)\s", line)
-            if found and found.group(2) in names:
-                label = names[found.group(2)]
-                costs[label] = costs.get(label, 0) + int(found.group(1).replace(",", ""))
+        for count, function in annotated(path, inclusive=True):
+            found = re.match(r"\S*?:?(__pyx_[pg][wb]_\w+)(?:\s|$)", function)
+            if found and found.group(1) in names:
+                label = names[found.group(1)]
+                costs[label] = costs.get(label, 0) + count
         return costs
 
-    a, b = inclusive(first), inclusive(second)
-    per_request = {name: (b.get(name, 0) - a.get(name, 0)) / n_requests for name in set(a) | set(b)}
-    ranked = sorted(per_request.items(), key=lambda item: -item[1])[:top]
-    return [(name, round(value)) for name, value in ranked]
+    return ranked_per_request(inclusive(first), inclusive(second), n_requests, top)
 
 
 # Put on the processes' path by ``--profile``: cProfile on from the start, switched per window
@@ -522,16 +531,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not (args.smoke or args.profile) and shutil.which("valgrind") is None:
         print("SKIPPED: valgrind is not installed (apt-get install valgrind)")
         return
-    work = Path(tempfile.mkdtemp(prefix="request-instructions-"))
-    sim_port, port, admin_port = free_port(), free_port(), free_port()
-    tree = args.tree.resolve()
-    function_names: dict[str, str] = {}
     if args.by_function:
         try:
             import Cython  # noqa: F401
         except ImportError:
             print("--by-function needs Cython: pip install cython")
             raise SystemExit(2) from None
+    work = Path(tempfile.mkdtemp(prefix="request-instructions-"))
+    sim_port, port, admin_port = free_port(), free_port(), free_port()
+    tree = args.tree.resolve()
+    function_names: dict[str, str] = {}
+    if args.by_function:
         compiled = work / "compiled"
         function_names = function_lines(compiled_copy(tree, compiled), compiled)
         tree = compiled

@@ -20,8 +20,8 @@ picture):
    nice +19), so that its own CPU (reading ~30 answers a second) yields to the simulator and
    the load client it shares core 0 with. At nice 0 it took their core from them: the
    sidecar's server-side ITL p99, which is the simulator's bytes' arrival stamped by the
-   kernel, rose by 2.1 ms while scraped (one run, session 18; 0.0-0.3 ms in eight runs since),
-   a delay no relay can cause;
+   kernel, rose by 2.1 ms while scraped (one run, session 18; -0.1 to +0.6 ms in ten runs
+   since), a delay no relay can cause;
 5. steps 3 and 4 again, ``--repeats`` pairs in all (3): one pair's difference moves by more
    than the target from one pair to the next;
 6. the sidecar's own server-side ITL of each phase's requests (/stats, selected by request-id
@@ -109,7 +109,7 @@ async def scrape_forever(
 
 def start_scraper(
     admin: str, latencies: dict[str, list[float]], stop: threading.Event
-) -> threading.Thread:
+) -> tuple[threading.Thread, list[BaseException]]:
     """`scrape_forever` on a thread of its own, with its own event loop, as SCHED_IDLE, else at
     SCRAPER_NICE (a thread's policy and nice are its own on Linux: the load client, spawned
     from the main thread, keeps the main thread's)."""
@@ -121,11 +121,29 @@ def start_scraper(
         except (AttributeError, OSError):
             with contextlib.suppress(AttributeError, OSError):
                 os.setpriority(os.PRIO_PROCESS, tid, SCRAPER_NICE)
-        asyncio.run(scrape_forever(admin, latencies, stop))
+        try:
+            asyncio.run(scrape_forever(admin, latencies, stop))
+        except BaseException as exc:  # given to the caller by `stop_scraper`
+            failures.append(exc)
 
+    failures: list[BaseException] = []
     thread = threading.Thread(target=run, name="scraper", daemon=True)
     thread.start()
-    return thread
+    return thread, failures
+
+
+async def stop_scraper(
+    scraper: tuple[threading.Thread, list[BaseException]], stop: threading.Event
+) -> None:
+    """Stop `start_scraper`'s thread, and raise what ended it early, if anything did (a scrape
+    that failed)."""
+    thread, failures = scraper
+    stop.set()
+    await asyncio.to_thread(thread.join, 120)
+    if thread.is_alive():
+        raise RuntimeError("the scraper did not stop within 120 s")
+    if failures:
+        raise RuntimeError("the scraper failed") from failures[0]
 
 
 async def run_client(
@@ -188,8 +206,7 @@ async def run_setting(
             try:
                 scraped = await run_client(args, url, scraped_prefix, workdir, place)
             finally:
-                stop.set()
-                await asyncio.to_thread(scraper.join, 120)
+                await stop_scraper(scraper, stop)
             phases.append((quiet_prefix, scraped_prefix, quiet, scraped))
         repeats = []
         for quiet_prefix, scraped_prefix, quiet, scraped in phases:
