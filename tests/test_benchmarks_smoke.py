@@ -371,7 +371,7 @@ def test_request_instructions_names_cython_functions(tmp_path: Path) -> None:
     source.write_text(
         "class A:\n"
         "    def feed(self, data):\n"
-        "        return [x for x in data]\n"
+        "        return list(x for x in data)\n"
         "\n"
         "    async def handle(self):\n"
         "        pass\n"
