@@ -1,8 +1,9 @@
 /* A method of one type, found once and called unbound: what `obj.name(...)` does from C through
  * PyObject_VectorcallMethod (_PyObject_GetMethod: the type's method cache, then the
  * instance's dict), without the lookup on every call. The C relay calls three methods of the
- * client's transport per relayed event; the lookups were ~8 % of the
- * instructions an event costs (benchmarks/request_instructions.py, 32 against 96 tokens).
+ * client's transport per relayed event; these lookups, with the objects the read path made per
+ * read, were ~1.5k of the ~6.5k instructions an event cost (benchmarks/RESULTS.md, "Per event
+ * without objects"; request_instructions.py, 32 against 96 tokens).
  *
  * The cache holds one type at a time, and is used only when a call by name would surely find
  * the same object: the attribute is a method descriptor (a C method, a Cython one, a Python
