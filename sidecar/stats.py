@@ -431,7 +431,8 @@ def _tpot_ns(c: Columns, d: _Derived) -> tuple[npt.NDArray[np.float64], npt.NDAr
     if c.multi.any():
         index, request, begins = _multi_sequences(c)
         first = np.flatnonzero(begins)
-        last = np.append(first[1:], index.size) - 1
+        # (No event at all: `last` would be [-1].)
+        last = np.append(first[1:], index.size)[: first.size] - 1
         n_seq = np.add.reduceat(c.tokens[index], first)
         decoding = n_seq > 1
         owner = request[first][decoding]
@@ -457,7 +458,8 @@ class Samples:
 
     ``ttft_s``, ``tpot_s``, ``e2e_s`` and ``n_out``: one per request, in input order, NaN where
     the metric is undefined for it; ``itl_s`` and ``itl_tokens``: one per gap, request after
-    request (with n > 1, choice after choice)."""
+    request (with n > 1, choice after choice); ``itl_counts``: per request, how many of those
+    gaps are its own (so `np.repeat` gives each gap its request)."""
 
     ttft_s: npt.NDArray[np.float64]
     tpot_s: npt.NDArray[np.float64]
@@ -465,6 +467,7 @@ class Samples:
     n_out: npt.NDArray[np.int64]
     itl_s: npt.NDArray[np.float64]
     itl_tokens: npt.NDArray[np.int64]
+    itl_counts: npt.NDArray[np.int64]
     tpot_excluded: int  # requests with N_out <= 1 (or n > 1 with no choice past one token)
     no_first_token: int  # requests with no token-carrying event on this side
 
@@ -503,9 +506,13 @@ def samples_of(c: Columns) -> Samples:
     begins = np.zeros(c.offsets.size, dtype=np.bool_)
     begins[d.starts[d.has_events]] = True
     within = ~begins[1:]
+    itl_counts = np.where(d.has_events, c.counts - 1, 0)
     if c.multi.any():
         within &= ~np.repeat(c.multi, c.counts)[1:]
         index, request, seq_begins = _multi_sequences(c)
+        # One gap fewer than events per sequence (choice).
+        sequences = np.bincount(request[seq_begins], minlength=c.counts.size)
+        itl_counts[c.multi] = (c.counts - sequences)[c.multi]
         same = ~seq_begins[1:]
         # Request by request, as the per-request definition lists them (sums of floats are
         # exact only in one order).
@@ -526,6 +533,7 @@ def samples_of(c: Columns) -> Samples:
         n_out=d.n_out,
         itl_s=itl_s,
         itl_tokens=itl_tokens,
+        itl_counts=itl_counts,
         tpot_excluded=int(np.count_nonzero(~defined & (c.multi | (d.n_out <= 1)))),
         no_first_token=int(np.count_nonzero(~d.has_events)),
     )
@@ -1067,7 +1075,7 @@ class RecordTable:
         self._n_in = array("q")
         self._n_out_total = array("q")  # `output_tokens` from the server side if any (throughput)
         self._exact = array("B")
-        self._engine = {name: array("d") for name in _ENGINE_FIELDS}
+        self._engine = {name: array("d") for name in ENGINE_FIELDS}
         self._has_engine = array("B")
         self._timelines = {Vantage.CLIENT: _TimelineTable(), Vantage.SERVER: _TimelineTable()}
 
@@ -1162,6 +1170,16 @@ class RecordTable:
     def ok(self) -> npt.NDArray[np.bool_]:
         ok: npt.NDArray[np.bool_] = self._view(self._outcome, np.uint8) == _OUTCOME_CODE[Outcome.OK]
         return ok
+
+    @property
+    def n_out_total(self) -> npt.NDArray[np.int64]:
+        """Per record: `output_tokens` from the server side if it has one, else the client's."""
+        return self._view(self._n_out_total, np.int64)
+
+    def engine_ms(self, name: str) -> npt.NDArray[np.float64]:
+        """Per record: the engine's ``name`` field (one of `ENGINE_FIELDS`), NaN where vLLM
+        gave none (or the record has no engine timing)."""
+        return self._view(self._engine[name], np.float64)
 
     def ids(self) -> list[str]:
         return self.request_ids[self._head :]
@@ -1259,7 +1277,7 @@ class RecordTable:
         return out
 
 
-_ENGINE_FIELDS = ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms", "generation_time_ms")
+ENGINE_FIELDS = ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms", "generation_time_ms")
 
 
 # ---------------------------------------------------------------------------------------------

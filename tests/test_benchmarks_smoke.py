@@ -419,7 +419,7 @@ def test_hot_paths_smoke() -> None:
         "RecordBuilder: client stamp (the server stamp is in StreamMeter.feed)",
         "fast_chunk (the common chunk's classification + usage span)",
         "build + freeze the record",
-        "PrometheusSink.on_record",
+        "PrometheusSink.on_record + bin_held (a scrape per 200 records)",
         "WindowSink.on_record",
         "SinkFanout.on_record (window + Prometheus + threaded hand-off)",
         "CaptureSink: µs per record written (writer thread, JSONL, flushed)",

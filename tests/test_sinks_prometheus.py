@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import importlib.util
 import json
 import random
@@ -12,6 +13,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from prometheus_client import (
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_helpers import Prometheus, require_binary, running_prometheus
 from proxy_stack import stack
+from random_records import random_records
 
 from sidecar import stats
 from sidecar.config import build_config
@@ -51,6 +54,7 @@ from sidecar.sinks.prometheus import (
     BulkHistogram,
     LiveCollector,
     PrometheusSink,
+    _go_float,
     e6_buckets,
     latency_buckets,
     log_linear_buckets,
@@ -317,66 +321,248 @@ def test_the_sinks_own_counter_and_token_histogram_read_as_prometheus_clients_do
         enable_created_metrics()  # type: ignore[no-untyped-call]
 
 
-@pytest.mark.parametrize("repeat", [1, 40])  # 4 and 121 instants
-def test_itl_gaps_are_binned_by_hand(repeat: int) -> None:
-    """Bounds 1, 10, 100 ms (+Inf). Gaps 0.5 ms, 10 ms (equal to a bound: le, so in 10 ms) and
-    250 ms, repeated: per repetition one each in le=0.001, le=0.01 and +Inf; sum 260.5 ms."""
+@pytest.mark.parametrize("repeat", [1, 40])
+def test_a_batch_is_binned_by_hand(repeat: int) -> None:
+    """Bounds 1, 10, 100 ms (+Inf). Under x: 0.5 ms, 10 ms (equal to a bound: le, so in 10 ms)
+    and 250 ms, repeated: per repetition one each in le=0.001, le=0.01 and +Inf, sum 260.5 ms.
+    Under y, interleaved with x's: 50 ms each time (le=0.1). Label set z is named but gets
+    no value: it is not made."""
     registry = CollectorRegistry()
-    histogram = BulkHistogram("gaps", "doc", ("v",), [0.001, 0.01, 0.1], registry)
-    offsets = [0]
+    histogram = BulkHistogram("gaps", "doc", ("v",), [0.001, 0.01, 0.1], registry, created=True)
+    series = [("x",), ("z",), ("y",)]
+    keys, values = [], []
     for _ in range(repeat):
-        for gap_ms in (0.5, 10, 250):
-            offsets.append(offsets[-1] + int(gap_ms * MS))
-    histogram.observe_gaps(("x",), offsets)
-    histogram.observe_gaps(("x",), offsets[:1])  # a single instant: no gap, nothing observed
-    assert value(registry, "gaps_bucket", v="x", le="0.001") == repeat
-    assert value(registry, "gaps_bucket", v="x", le="0.01") == 2 * repeat
-    assert value(registry, "gaps_bucket", v="x", le="0.1") == 2 * repeat
-    assert value(registry, "gaps_bucket", v="x", le="+Inf") == 3 * repeat
-    assert value(registry, "gaps_count", v="x") == 3 * repeat
-    assert value(registry, "gaps_sum", v="x") == pytest.approx(0.2605 * repeat)
-
-
-def test_gaps_noted_apart_are_binned_apart_by_label_and_never_across_timelines() -> None:
-    """Three timelines under two label sets, binned together at the read: each set gets its
-    own gaps, and the step from one timeline's last instant to the next one's first (here
-    +1.695 s and -2.05 s, which would land in +Inf and le=0.001) is no gap. Bounds 1, 10, 100 ms.
-    x: [0, 5 ms, 305 ms] -> 5 ms (le=0.01), 300 ms (+Inf); then [0, 0.2 ms] -> 0.2 ms
-    (le=0.001). y: [2 s, 2.05 s] -> 50 ms (le=0.1). Packed columns (Int64s) and plain lists
-    alike."""
-    registry = CollectorRegistry()
-    histogram = BulkHistogram("gaps", "doc", ("v",), [0.001, 0.01, 0.1], registry)
-    histogram.observe_gaps(("x",), Int64s([0, 5 * MS, 305 * MS]))
-    histogram.observe_gaps(("y",), [2000 * MS, 2050 * MS])
-    histogram.observe_gaps(("x",), Int64s([0, MS // 5]))
+        for key, value_s in ((0, 0.0005), (2, 0.05), (0, 0.010), (0, 0.250)):
+            keys.append(key)
+            values.append(value_s)
+    histogram.observe_many(series, np.asarray(keys), np.asarray(values), created=12.5)
+    histogram.observe_many(series, np.asarray([], dtype=np.int64), np.asarray([]))  # nothing
     expected = {
         "x": {"0.001": 1, "0.01": 2, "0.1": 2, "+Inf": 3},
         "y": {"0.001": 0, "0.01": 0, "0.1": 1, "+Inf": 1},
     }
     for label, buckets in expected.items():
         for le, count in buckets.items():
-            assert value(registry, "gaps_bucket", v=label, le=le) == count, (label, le)
-    assert value(registry, "gaps_sum", v="x") == pytest.approx(0.3052)
-    assert value(registry, "gaps_sum", v="y") == pytest.approx(0.05)
-    # Read twice: binned once, not again.
-    assert value(registry, "gaps_count", v="x") == 3
-    assert value(registry, "gaps_count", v="x") == 3
+            assert value(registry, "gaps_bucket", v=label, le=le) == count * repeat, (label, le)
+    assert value(registry, "gaps_count", v="x") == 3 * repeat
+    assert value(registry, "gaps_sum", v="x") == pytest.approx(0.2605 * repeat)
+    assert value(registry, "gaps_sum", v="y") == pytest.approx(0.05 * repeat)
+    assert value(registry, "gaps_created", v="x") == 12.5
+    assert value(registry, "gaps_count", v="z") is None
+    # A second batch adds to the first; a series keeps its `_created`.
+    histogram.observe_many(series, np.asarray([0]), np.asarray([0.0001]), created=99.0)
+    assert value(registry, "gaps_bucket", v="x", le="0.001") == repeat + 1
+    assert value(registry, "gaps_created", v="x") == 12.5
 
 
-def test_waiting_gaps_are_binned_once_there_are_enough_without_a_read() -> None:
-    """Noted timelines wait for a read, but never more than FLUSH_GAPS gaps of them: memory
-    stays bounded on a sidecar nobody scrapes."""
+def test_counter_batches_make_series_on_their_first_increment_even_of_zero() -> None:
     registry = CollectorRegistry()
-    histogram = BulkHistogram("gaps", "doc", ("v",), [0.001, 0.01, 0.1], registry)
-    timeline = Int64s(range(0, 1001 * MS, MS))  # 1,000 gaps of 1 ms
-    noted = 0
-    while noted + 1000 < BulkHistogram.FLUSH_GAPS:
-        histogram.observe_gaps(("x",), timeline)
-        noted += 1000
-    assert histogram._pending_gaps == noted and histogram._counts[("x",)][0] == 0
-    histogram.observe_gaps(("x",), timeline)  # reaches FLUSH_GAPS: binned now
-    assert histogram._pending == [] and histogram._counts[("x",)][0] == noted + 1000
-    assert value(registry, "gaps_bucket", v="x", le="0.001") == noted + 1000
+    counter = BulkCounter("toks", "doc", ("m",), registry)
+    series = [("a",), ("b",), ("c",)]
+    counter.inc_many(series, np.asarray([0, 2, 0]), np.asarray([3, 0, 4]), created=7.0)
+    counter.inc_many(series, np.asarray([2, 2]))  # 1 each
+    assert value(registry, "toks_total", m="a") == 7
+    assert value(registry, "toks_total", m="c") == 2  # made by an increment of 0
+    assert value(registry, "toks_created", m="c") == 7.0
+    assert value(registry, "toks_total", m="b") is None
+
+
+def test_itl_gaps_never_span_two_requests_or_two_choices() -> None:
+    """Two requests under one label set, and one with n = 2, held and binned together at the
+    read. Client side (start 0): request 1's events at 100, 105, 405 ms: gaps 5 ms (le=0.005
+    of the bounds below) and 300 ms; request 2's at 50, 50.2 ms: gap 0.2 ms; the n = 2
+    request's choice 0 at 100, 110 ms and choice 1 at 101, 151 ms: gaps 10 and 50 ms, never
+    1 or 41 ms across the choices. The steps from one request's last event to the next one's
+    first (405 -> 50 ms) are no gap. 5 gaps in all; sum 365.2 ms."""
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    sink.on_record(record([(100, 1), (105, 1), (405, 1)], n_out=3))
+    sink.on_record(record([(50, 1), (50.2, 1)], n_out=2))
+    two = record([], n_out=4)
+    choices = Timeline(
+        start_ns=0,
+        offsets_ns=Int64s([100 * MS, 101 * MS, 110 * MS, 151 * MS]),
+        tokens=Int64s([1, 1, 1, 1]),
+        end_ns=152 * MS,
+        choices=Int64s([0, 1, 0, 1]),
+    )
+    sink.on_record(replace(two, client=choices))
+    client = {"model": "m", "replica": "127.0.0.1:8000", "vantage": "client"}
+    name = "sidecar_inter_token_latency_seconds"
+    assert value(registry, f"{name}_count", **client) == 5
+    assert value(registry, f"{name}_sum", **client) == pytest.approx(0.3652)
+    bounds = np.asarray(sink.latency_buckets)
+    for gap_s, below in ((0.0002, 1), (0.005, 2), (0.010, 3), (0.050, 4), (0.300, 5)):
+        le = _go_float(float(bounds[np.searchsorted(bounds, gap_s)]))
+        assert value(registry, f"{name}_bucket", le=le, **client) == below, gap_s
+
+
+def test_held_records_are_binned_once_enough_wait_without_a_read() -> None:
+    """Records wait for a read, but never more than HOLD_RECORDS of them (nor HOLD_EVENTS
+    token events): memory stays bounded on a sidecar nobody scrapes."""
+    sink = PrometheusSink(CollectorRegistry())
+    one = record([(100, 1)], n_out=1)
+    for _ in range(sink.HOLD_RECORDS - 1):
+        sink.on_record(one)
+    assert len(sink._held.pair) == sink.HOLD_RECORDS - 1 and not sink.ttft._counts
+    sink.on_record(one)  # reaches HOLD_RECORDS: binned now
+    assert not sink._held.pair
+    labels = ("m", "127.0.0.1:8000", "client")
+    assert sum(sink.ttft._counts[labels]) == sink.HOLD_RECORDS
+    long = record([(100 + i, 1) for i in range(sink.HOLD_EVENTS // 4)], n_out=sink.HOLD_EVENTS)
+    sink.on_record(long)  # client and server: half of HOLD_EVENTS
+    assert sink._held.events == sink.HOLD_EVENTS // 2
+    sink.on_record(long)
+    assert not sink._held.pair and sum(sink.ttft._counts[labels]) == sink.HOLD_RECORDS + 2
+
+
+def _reference_metrics(
+    records: list[RequestRecord], policy: stats.SLOPolicy, bounds: dict[str, list[float]]
+) -> tuple[dict[str, dict[tuple[str, ...], tuple[list[int], float]]], dict[str, dict[Any, float]]]:
+    """What the sink's histograms and counters must hold after ``records``, written record by
+    record from the per-request definitions (`stats.request_latency`, `stats.itl_ns`,
+    `SLOPolicy.verdict`), as the sink once observed them, each histogram's values bisected
+    into its ``bounds``. Labels uncapped."""
+    observed: dict[str, dict[tuple[str, ...], list[float]]] = {}
+    counted: dict[str, dict[Any, float]] = {}
+
+    def observe(metric: str, labels: tuple[str, ...], v: float) -> None:
+        observed.setdefault(metric, {}).setdefault(labels, []).append(v)
+
+    def count(metric: str, labels: tuple[str, ...], amount: float = 1) -> None:
+        series = counted.setdefault(metric, {})
+        series[labels] = series.get(labels, 0) + amount
+
+    for r in records:
+        if r.endpoint not in ("chat", "completions"):
+            continue
+        model, replica = r.model or "unknown", r.replica or "unknown"
+        name, good, excluded = policy.verdict(r)
+        if excluded is not None:
+            count("slo_excluded", (name, excluded))
+        else:
+            count("slo_requests", (name,))
+        if good:
+            count("slo_good", (name,))
+            count("slo_good_tokens", (name,), stats.output_tokens(r, r.client))
+        if not r.ok:
+            continue
+        if r.request_read_ns is not None:
+            observe("request_read", (model,), r.request_read_ns / 1e9)
+        for vantage in (Vantage.CLIENT, Vantage.SERVER):
+            timeline = r.timeline(vantage)
+            if timeline is None:
+                continue
+            latency = stats.request_latency(r, vantage)
+            assert latency is not None
+            labels = (model, replica, vantage.value)
+            for metric, v in (
+                ("ttft", latency.ttft_s),
+                ("e2e", latency.e2e_s),
+                ("tpot", latency.tpot_s),
+            ):
+                if v is not None:
+                    observe(metric, labels, v)
+            if latency.tpot_s is None and vantage is Vantage.CLIENT and latency.n_out <= 1:
+                count("no_tpot", (model,))
+            for gap in stats.itl_ns(timeline):
+                observe("itl", labels, gap / 1e9)
+        engine = r.engine
+        if engine is not None:
+            labels = (model, replica, "engine")
+            for metric, ms in (
+                ("ttft", engine.ttft_ms),
+                ("e2e", engine.e2e_ms),
+                ("tpot", engine.mean_itl_ms),
+            ):
+                if ms is not None:
+                    observe(metric, labels, ms / 1000)
+            if engine.queue_time_ms is not None:
+                observe("engine_queue", (model, replica), engine.queue_time_ms / 1000)
+        if r.n_in is not None:
+            count("prompt_tokens", (model, replica), r.n_in)
+            observe("prompt_len", (model,), r.n_in)
+        n_out = stats.output_tokens(r, r.server or r.client)
+        count("generation_tokens", (model, replica), n_out)
+        observe("output_len", (model,), n_out)
+        if r.n_cached:
+            count("cached_tokens", (model, replica), r.n_cached)
+        if r.token_source is not TokenSource.USAGE:
+            count("estimated", (model,))
+    histograms: dict[str, dict[tuple[str, ...], tuple[list[int], float]]] = {}
+    for metric, by_labels in observed.items():
+        metric_bounds = list(bounds[metric])
+        histograms[metric] = {}
+        for series, values in by_labels.items():
+            counts = [0] * (len(metric_bounds) + 1)
+            for v in values:
+                counts[bisect.bisect_left(metric_bounds, v)] += 1
+            histograms[metric][series] = (counts, sum(values))
+    return histograms, counted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_binned_in_bulk_equals_the_per_request_definitions(seed: int) -> None:
+    """Random records (failures, missing server sides, no token event, n > 1, unknown N_out,
+    partial engine timings, other endpoints, estimated counts, several models and replicas),
+    held and binned in batches of every size: every series holds what observing the
+    definitions record by record gives, bucket counts exactly, sums to float rounding."""
+    rng = random.Random(seed)
+    records = [
+        replace(
+            r,
+            model=rng.choice(["m1", "m2", None]),
+            replica=rng.choice(["10.0.0.1:8000", "10.0.0.2:8000", None]),
+            http_status=200,
+            n_cached=rng.choice([None, 0, rng.randint(1, 64)]),
+            token_source=rng.choice(list(TokenSource)),
+        )
+        for r in random_records(seed, 400)
+    ]
+    policy = stats.SLOPolicy(
+        {
+            "a": stats.SLO(ttft_s=0.5, tpot_s=0.02, exclude=frozenset({"client_error"})),
+            "b": stats.SLO(e2e_s=1.0),
+            "default": stats.SLO(ttft_s=0.3, tpot_s=0.01, e2e_s=0.9),
+        }
+    )
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry, policy)
+    at = 0
+    while at < len(records):  # batches of 1 .. 80 records, each binned as a scrape would
+        size = rng.randint(1, 80)
+        for r in records[at : at + size]:
+            sink.on_record(r)
+        sink.bin_held()
+        at += size
+    bounds = {
+        metric: getattr(sink, metric).bounds.tolist()
+        for metric in (
+            "ttft",
+            "e2e",
+            "tpot",
+            "itl",
+            "engine_queue",
+            "request_read",
+            "prompt_len",
+            "output_len",
+        )
+    }
+    histograms, counted = _reference_metrics(records, policy, bounds)
+    assert set(histograms) == set(bounds)  # the records reach every histogram
+    for metric, expected in histograms.items():
+        histogram = getattr(sink, metric)
+        assert set(histogram._counts) == set(expected), metric
+        for labels, (counts, total) in expected.items():
+            assert histogram._counts[labels] == counts, (metric, labels)
+            assert histogram._sums[labels] == pytest.approx(total, rel=1e-9, abs=1e-12)
+    for metric, expected_counts in counted.items():
+        counter = getattr(sink, metric)
+        for labels, amount in expected_counts.items():
+            assert counter.value(labels) == amount, (metric, labels)
+    # The SLO series exist from the start; the others only once something was counted.
+    for metric in ("no_tpot", "prompt_tokens", "generation_tokens", "cached_tokens", "estimated"):
+        assert set(getattr(sink, metric)._values) == set(counted.get(metric, {})), metric
 
 
 @pytest.mark.parametrize(

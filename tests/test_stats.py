@@ -509,6 +509,30 @@ def test_bulk_goodput_equals_the_per_request_verdicts(seed: int) -> None:
             assert dict(got.judged_without) == without
 
 
+def test_n2_requests_without_a_token_event_are_summarised() -> None:
+    """n = 2 requests that ended without a token-carrying event (and an n = 1 one beside
+    them): no TTFT, no ITL, no TPOT (excluded and counted), E2E to the stream's end. The bulk
+    TPOT once indexed the last event of no sequence and raised (found by the Prometheus sink,
+    which summarises small batches)."""
+    empty = Timeline(start_ns=0, end_ns=7 * MS, choices=Int64s([]))
+    n2 = RequestRecord(
+        request_id="n2",
+        wall_time_ns=0,
+        outcome=Outcome.OK,
+        endpoint="completions",
+        client=empty,
+        n_out=0,
+        token_source=TokenSource.USAGE,
+    )
+    for records in ([n2], [n2, replace(n2, client=Timeline(start_ns=0, end_ns=3 * MS))]):
+        report = stats.vantage_report(records, Vantage.CLIENT)
+        assert report.requests == len(records) and report.no_first_token == len(records)
+        assert report.ttft.count == report.itl.count == report.tpot.count == 0
+        assert report.tpot_excluded == len(records)
+        assert report.e2e.max == pytest.approx(0.007)
+        assert report == _reference_vantage_report(records, Vantage.CLIENT)
+
+
 def test_n2_choices_are_sequences_of_their_own() -> None:
     """n = 2, hand-worked. Choice 0 at 100, 110, 120 ms; choice 1 at 101, 111, 121, 131 ms
     (one token each), interleaved as they arrived. TTFT 100 ms (the first token of any

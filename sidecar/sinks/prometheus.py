@@ -37,6 +37,7 @@ from itertools import accumulate
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import (
@@ -63,7 +64,6 @@ from sidecar.record import (
     VANTAGE_CLIENT,
     VANTAGE_ENGINE,
     VANTAGE_SERVER,
-    Int64s,
     RequestRecord,
 )
 from sidecar.sinks.labels import OTHER, BoundedLabel
@@ -144,26 +144,18 @@ TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 6) for m in (1, 2, 5)) 
 
 
 class BulkHistogram(Collector):
-    """A labelled Prometheus histogram that takes a whole request's observations at once.
+    """A labelled Prometheus histogram that takes many observations at once.
 
-    prometheus_client's Histogram costs about a microsecond per `observe`, and a streamed
-    request brings one ITL observation per event (hundreds per request, on the event loop).
-    Here each label set's bucket counts are a plain list, and `observe_gaps` only notes a
-    timeline's instants: the gaps of every timeline noted since are binned together, by one
-    numpy pass, when the histogram is read (`collect`) or once `FLUSH_GAPS` gaps wait. Binned
-    one timeline at a time (a bisect per gap), they were a fifth of the collector's
-    instructions per request at 32 tokens (benchmarks/request_instructions.py). It is exposed
-    like any histogram (`_bucket{le}`, `_sum`, `_count`). Observation and collection never
-    overlap: both run on the event loop's thread, or (a collector, `hooks.ScrapeRunner`) the
-    scrape's thread reads while it holds the lock the fan-out takes to deliver a record, so the
-    binning then runs there, off the loop.
+    prometheus_client's Histogram costs about a microsecond per `observe` (a lock, a scan of
+    ~190 bounds), and a streamed request brings one ITL observation per event. Here each label
+    set's bucket counts are a plain list; `observe_many` bins a whole batch (many requests'
+    values under many label sets) in one numpy pass, which is how `PrometheusSink` feeds it,
+    from the columns of the records it holds until the next scrape. It is exposed like any
+    histogram (`_bucket{le}`, `_sum`, `_count`). Observation and collection never overlap: both
+    run on the event loop's thread, or (a collector, `hooks.ScrapeRunner`) the scrape's thread
+    reads while it holds the lock the fan-out takes to deliver a record, so a batch's binning
+    (``before_collect``) then runs there, off the loop.
     """
-
-    # Gaps waiting at most before they are binned without waiting for a scrape: ~0.5 MiB of
-    # instants held (the records' own packed columns, not copies), and one pass of ~5 ms on
-    # the collector's loop (65,534 gaps of 2,114 timelines under 4 label sets, measured; the
-    # note itself ~1.7 µs per timeline).
-    FLUSH_GAPS = 65_536
 
     def __init__(
         self,
@@ -185,19 +177,18 @@ class BulkHistogram(Collector):
         self._le = [_go_float(b) for b in self._bound_list] + ["+Inf"]
         self._counts: dict[tuple[str, ...], list[int]] = {}
         self._sums: dict[tuple[str, ...], float] = {}
-        # Timelines noted by `observe_gaps`, not yet binned, and how many gaps they hold.
-        self._pending: list[tuple[tuple[str, ...], bytes]] = []
-        self._pending_gaps = 0
+        # Called first by `collect`: whoever holds observations back bins them then.
+        self.before_collect: Callable[[], None] | None = None
         registry.register(self)
 
-    def _series(self, labels: tuple[str, ...]) -> list[int]:
+    def _series(self, labels: tuple[str, ...], created: float | None = None) -> list[int]:
         counts = self._counts.get(labels)
         if counts is None:
             counts = [0] * (len(self._bound_list) + 1)
             self._counts[labels] = counts
             self._sums[labels] = 0.0
             if self._created is not None:
-                self._created[labels] = time.time()
+                self._created[labels] = time.time() if created is None else created
         return counts
 
     def observe(self, labels: tuple[str, ...], value: float) -> None:
@@ -208,54 +199,37 @@ class BulkHistogram(Collector):
         counts[bisect.bisect_left(self._bound_list, value)] += 1
         self._sums[labels] += value
 
-    def observe_gaps(self, labels: tuple[str, ...], offsets_ns: Sequence[int]) -> None:
-        """Observe every gap between consecutive instants (ns), in seconds: noted now, binned
-        with the others before the histogram is read."""
-        n = len(offsets_ns)
-        if n < 2:
+    def observe_many(
+        self,
+        series: Sequence[tuple[str, ...]],
+        keys: npt.NDArray[np.int64],
+        values: npt.NDArray[Any],
+        created: float | None = None,
+    ) -> None:
+        """Observe ``values[i]`` under the label set ``series[keys[i]]``, for every i (the
+        values in order, as `observe` one by one would, but for the float rounding of _sum).
+        A label set is made when its first value arrives, with ``created`` as its `_created`
+        (now if None)."""
+        if not values.size:
             return
-        self._series(labels)
-        # The gaps telescope: their sum is last - first, exactly, in integer ns.
-        self._sums[labels] += (offsets_ns[-1] - offsets_ns[0]) / NS_PER_S
-        # Int64s holds its values packed: kept as they are, no copy.
-        packed = offsets_ns.data if isinstance(offsets_ns, Int64s) else _packed(offsets_ns)
-        self._pending.append((labels, packed))
-        self._pending_gaps += n - 1
-        if self._pending_gaps >= self.FLUSH_GAPS:
-            self.flush()
-
-    def flush(self) -> None:
-        """Bin the gaps of every timeline noted since the last flush, in one numpy pass."""
-        pending = self._pending
-        if not pending:
-            return
-        self._pending, self._pending_gaps = [], 0
-        series: dict[tuple[str, ...], int] = {}
-        keys: list[int] = []
-        lengths: list[int] = []
-        for labels, packed in pending:
-            keys.append(series.setdefault(labels, len(series)))
-            lengths.append(len(packed) // 8)
-        instants = np.frombuffer(b"".join(packed for _, packed in pending), dtype=np.int64)
-        sizes = np.asarray(lengths, dtype=np.int64)
-        # np.diff over the timelines laid end to end; the gap from one timeline's last instant
-        # to the next one's first is not a gap of either, and is dropped.
-        keep = np.ones(len(instants) - 1, dtype=np.bool_)
-        keep[np.cumsum(sizes)[:-1] - 1] = False
-        gaps = np.diff(instants)[keep].astype(np.float64) / NS_PER_S
-        buckets = np.searchsorted(self.bounds, gaps, side="left")
         width = len(self._bound_list) + 1
-        cells = np.repeat(np.asarray(keys, dtype=np.int64), sizes - 1) * width + buckets
-        binned = np.bincount(cells, minlength=len(series) * width).reshape(len(series), width)
-        for labels, row in zip(series, binned.tolist(), strict=True):
-            counts = self._counts[labels]
-            counts[:] = [a + b for a, b in zip(counts, row, strict=True)]
+        # side="left": a value equal to a bound belongs to that bound's bucket (le = <=).
+        buckets = np.searchsorted(self.bounds, values, side="left")
+        binned = np.bincount(keys * width + buckets, minlength=len(series) * width)
+        sums = np.bincount(keys, weights=values, minlength=len(series)).tolist()
+        rows = binned.reshape(len(series), width)
+        for key in np.flatnonzero(rows.any(axis=1)).tolist():
+            labels = series[key]
+            counts = self._series(labels, created)
+            counts[:] = [a + b for a, b in zip(counts, rows[key].tolist(), strict=True)]
+            self._sums[labels] += sums[key]
 
     def describe(self) -> Iterable[Metric]:
         return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
 
     def collect(self) -> Iterator[Metric]:
-        self.flush()
+        if self.before_collect is not None:
+            self.before_collect()
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         created = self._created if _created_series() else None
         for labels, counts in self._counts.items():
@@ -282,10 +256,6 @@ def _created_series() -> bool:
     return bool(getattr(_client_metrics, "_use_created", True))
 
 
-def _packed(values: Sequence[int]) -> bytes:
-    return array("q", values).tobytes()
-
-
 class BulkCounter(Collector):
     """A labelled Prometheus counter, exposed as prometheus_client's Counter is (``_total``
     and ``_created`` per series), for the sink's per-request increments: prometheus_client's
@@ -305,6 +275,8 @@ class BulkCounter(Collector):
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._values: dict[tuple[str, ...], list[float]] = {}  # [value, created]
+        # Called first by `collect` (as `BulkHistogram.before_collect`).
+        self.before_collect: Callable[[], None] | None = None
         registry.register(self)
 
     def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
@@ -312,6 +284,29 @@ class BulkCounter(Collector):
         if cell is None:
             cell = self._values[labels] = [0.0, time.time()]
         cell[0] += amount
+
+    def inc_many(
+        self,
+        series: Sequence[tuple[str, ...]],
+        keys: npt.NDArray[np.int64],
+        amounts: npt.NDArray[Any] | None = None,
+        created: float | None = None,
+    ) -> None:
+        """Add ``amounts[i]`` (1 each if None) to the label set ``series[keys[i]]``, for every
+        i. A label set is made when its first increment arrives (even of 0, as `inc`), with
+        ``created`` as its `_created` (now if None)."""
+        if not keys.size:
+            return
+        seen = np.bincount(keys, minlength=len(series))
+        totals = (
+            seen if amounts is None else np.bincount(keys, weights=amounts, minlength=len(series))
+        )
+        for key in np.flatnonzero(seen).tolist():
+            labels = series[key]
+            cell = self._values.get(labels)
+            if cell is None:
+                cell = self._values[labels] = [0.0, time.time() if created is None else created]
+            cell[0] += float(totals[key])
 
     def touch(self, labels: tuple[str, ...]) -> None:
         """The series exists (at 0) from now on."""
@@ -325,6 +320,8 @@ class BulkCounter(Collector):
         return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
 
     def collect(self) -> Iterator[Metric]:
+        if self.before_collect is not None:
+            self.before_collect()
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         with_created = _created_series()
         for labels, (value, created) in self._values.items():
@@ -340,11 +337,20 @@ class ReplicaState:
 
 
 class PrometheusSink:
-    """Turns each record into histogram observations and counter increments (synchronous,
-    a few microseconds plus ~1 µs per streamed event). A `hooks.Sink` with nothing to flush or
-    release: the registry is read when scraped."""
+    """Turns records into histogram observations and counter increments. A record is counted
+    in `sidecar_requests_total` at once; the rest waits as columns (`_Held`, a few array
+    appends per record) and is binned in bulk, by the definitions `stats` gives the live
+    window, just before the sink's metrics are read, or once ``HOLD_RECORDS`` records or
+    ``HOLD_EVENTS`` token events wait (memory stays bounded on a sidecar nobody scrapes).
+    Observed one by one, the latencies, token counts and SLO verdict were ~0.1M instructions
+    per 32-token request in the collector, half its cost. A `hooks.Sink` with nothing to
+    flush or release: the registry is read when scraped."""
 
     name = "prometheus"
+    # At most ~2 MiB of columns held (16 bytes per event, ~0.2 KiB per record) and one
+    # binning pass of a few ms on the loop when nobody scrapes.
+    HOLD_RECORDS = 4096
+    HOLD_EVENTS = 131_072
 
     def __init__(
         self,
@@ -369,6 +375,12 @@ class PrometheusSink:
         self._declare_latencies(registry, self.latency_buckets)
         self._declare_counts(registry)
         self._declare_slo(registry, slo_policy)
+        # (model, replica) label pairs in order of first use: the index each held record keeps.
+        self._pairs: dict[tuple[str, str], int] = {}
+        self._held = _Held()
+        for metric in vars(self).values():
+            if isinstance(metric, BulkHistogram | BulkCounter):
+                metric.before_collect = self.bin_held
 
     def _declare_latencies(self, registry: CollectorRegistry, buckets: Sequence[float]) -> None:
         """The latency histograms: per vantage, the engine's queue, the request's upload."""
@@ -552,79 +564,168 @@ class PrometheusSink:
         replica = self._replica(record.replica) if record.replica else UNKNOWN
         endpoint = record.endpoint if generation else OTHER
         self.requests.inc((model, replica, endpoint, record.outcome.value))
-        if not generation:
+        # The rest is held as columns and binned in bulk at the next scrape (`bin_held`): a
+        # failure is held only for the SLO counters, whose denominator counts it.
+        if not generation or (record.outcome is not OUTCOME_OK and self.slo_policy is None):
             return
+        pair = self._pairs.get((model, replica))
+        if pair is None:
+            pair = self._pairs[(model, replica)] = len(self._pairs)
+        held = self._held
+        held.append(record, pair)
+        if held.events >= self.HOLD_EVENTS or len(held.pair) >= self.HOLD_RECORDS:
+            self.bin_held()
+
+    def bin_held(self) -> None:
+        """Observe and count every record held since the last call, in one numpy pass over
+        their columns (the definitions are stats': `samples_of`, `goodput_of`, as record by
+        record). Called before any of the sink's metrics is read, and when enough wait."""
+        held = self._held
+        if not held.pair:
+            return
+        self._held = _Held()  # first: a failure below loses this batch once, not every scrape
+        pairs = list(self._pairs)
+        table, keys, created = held.table, np.frombuffer(held.pair, dtype=np.int64), held.since
         if self.slo_policy is not None:
-            self._observe_slo(self.slo_policy, record)
-        if record.outcome is not OUTCOME_OK:
+            self._bin_slo(self.slo_policy, table)
+        ok = table.ok
+        if not ok.any():
             return
-        if record.request_read_ns is not None:
-            self.request_read.observe((model,), record.request_read_ns / 1e9)
-        self._observe_latencies(record, model, replica)
-        self._observe_tokens(record, model, replica)
+        models: dict[str, int] = {}
+        model_of = np.asarray([models.setdefault(m, len(models)) for m, _ in pairs], dtype=np.int64)
+        by_model = _Series([(m,) for m in models], model_of[keys[ok]])
+        by_pair = _Series(pairs, keys[ok])
+        self._bin_latencies(table, ok, by_pair, by_model, created)
+        self._bin_tokens(held, table, ok, by_pair, by_model, created)
 
-    def _observe_slo(self, policy: stats.SLOPolicy, record: RequestRecord) -> None:
-        """The request's SLO class: counted (or excluded), and good or not."""
-        slo_class, good, excluded = policy.verdict(record)
-        labels = (slo_class,)
-        if excluded is not None:
-            self.slo_excluded.inc((slo_class, excluded))
-        else:
-            self.slo_requests.inc(labels)
-        if good:
-            self.slo_good.inc(labels)
-            self.slo_good_tokens.inc(labels, stats.output_tokens(record, record.client))
+    def _bin_slo(self, policy: stats.SLOPolicy, table: stats.RecordTable) -> None:
+        """Each held request's SLO class: counted (or excluded), and good or not (client
+        vantage), as `stats.SLOPolicy.verdict` says record by record."""
+        every = np.ones(len(table), dtype=np.bool_)
+        for name, verdict in table.goodput(every, policy, 0.0).items():
+            labels = (name,)
+            self.slo_requests.inc(labels, verdict.total_requests)
+            self.slo_good.inc(labels, verdict.good_requests)
+            self.slo_good_tokens.inc(labels, verdict.good_output_tokens)
+            for reason, count in verdict.excluded.items():
+                self.slo_excluded.inc((name, reason), count)
 
-    def _observe_latencies(self, record: RequestRecord, model: str, replica: str) -> None:
-        """A successful request's TTFT, E2E, TPOT and ITL at each vantage it has."""
+    def _bin_latencies(
+        self,
+        table: stats.RecordTable,
+        ok: npt.NDArray[np.bool_],
+        by_pair: _Series,
+        by_model: _Series,
+        created: float,
+    ) -> None:
+        """The successful requests' TTFT, E2E, TPOT and ITL at each vantage they have."""
         for vantage in (VANTAGE_CLIENT, VANTAGE_SERVER):
-            timeline = record.timeline(vantage)
-            if timeline is None:
-                continue
-            latency = stats.request_latency(record, vantage)
-            assert latency is not None
-            labels = (model, replica, vantage.value)
-            if latency.ttft_s is not None:
-                self.ttft.observe(labels, latency.ttft_s)
-            if latency.e2e_s is not None:
-                self.e2e.observe(labels, latency.e2e_s)
-            if latency.tpot_s is not None:
-                self.tpot.observe(labels, latency.tpot_s)
-            elif vantage is VANTAGE_CLIENT and latency.n_out <= 1:
-                self.no_tpot.inc((model,))
-            if timeline.choices is None:
-                self.itl.observe_gaps(labels, timeline.offsets_ns)
-            else:  # n > 1: gaps within each choice's sequence, never across choices
-                for offsets, _tokens in stats.sequences(timeline):
-                    self.itl.observe_gaps(labels, offsets)
-        engine = record.engine
-        if engine is not None:
-            # The same intervals as at the other vantages (record.EngineTiming): TTFT and E2E
-            # from queued in the engine, TPOT = vLLM's mean ITL.
-            labels = (model, replica, VANTAGE_ENGINE.value)
-            engine_ttft, engine_e2e = engine.ttft_ms, engine.e2e_ms
-            if engine_ttft is not None:
-                self.ttft.observe(labels, engine_ttft / 1000)
-            if engine_e2e is not None:
-                self.e2e.observe(labels, engine_e2e / 1000)
-            if engine.mean_itl_ms is not None:
-                self.tpot.observe(labels, engine.mean_itl_ms / 1000)
-            if engine.queue_time_ms is not None:
-                self.engine_queue.observe((model, replica), engine.queue_time_ms / 1000)
+            columns = table.columns(vantage, ok)
+            present = columns.present
+            samples = stats.samples_of(columns.select(present))
+            series = [(model, replica, vantage.value) for model, replica in by_pair.labels]
+            keys = by_pair.keys[present]
+            for histogram, values in (
+                (self.ttft, samples.ttft_s),
+                (self.e2e, samples.e2e_s),
+                (self.tpot, samples.tpot_s),
+            ):
+                defined = ~np.isnan(values)
+                histogram.observe_many(series, keys[defined], values[defined], created)
+            if vantage is VANTAGE_CLIENT:
+                untimed = np.isnan(samples.tpot_s) & (samples.n_out <= 1)
+                self.no_tpot.inc_many(
+                    by_model.labels, by_model.keys[present][untimed], created=created
+                )
+            # Gaps within each request (with n > 1 within each choice), never across them.
+            gap_keys = np.repeat(keys, samples.itl_counts)
+            self.itl.observe_many(series, gap_keys, samples.itl_s, created)
+        # The same intervals as at the other vantages (record.EngineTiming): TTFT and E2E
+        # from queued in the engine, TPOT = vLLM's mean ITL. NaN where vLLM left a part out
+        # (or sent no timing): that interval is unknown, not observed.
+        queue_ms = table.engine_ms("queue_time_ms")[ok]
+        ttft_ms = queue_ms + table.engine_ms("time_to_first_token_ms")[ok]
+        e2e_ms = ttft_ms + table.engine_ms("generation_time_ms")[ok]
+        itl_ms = table.engine_ms("mean_itl_ms")[ok]
+        series = [(model, replica, VANTAGE_ENGINE.value) for model, replica in by_pair.labels]
+        for histogram, values_ms, labels in (
+            (self.ttft, ttft_ms, series),
+            (self.e2e, e2e_ms, series),
+            (self.tpot, itl_ms, series),
+            (self.engine_queue, queue_ms, by_pair.labels),
+        ):
+            defined = ~np.isnan(values_ms)
+            histogram.observe_many(
+                labels, by_pair.keys[defined], values_ms[defined] / 1000, created
+            )
 
-    def _observe_tokens(self, record: RequestRecord, model: str, replica: str) -> None:
-        """A successful request's prompt, output and cached tokens."""
-        pair, just_model = (model, replica), (model,)
-        if record.n_in is not None:
-            self.prompt_tokens.inc(pair, record.n_in)
-            self.prompt_len.observe(just_model, record.n_in)
-        n_out = stats.output_tokens(record, record.server or record.client)
-        self.generation_tokens.inc(pair, n_out)
-        self.output_len.observe(just_model, n_out)
-        if record.n_cached:
-            self.cached_tokens.inc(pair, record.n_cached)
-        if record.token_source is not SOURCE_USAGE:
-            self.estimated.inc(just_model)
+    def _bin_tokens(
+        self,
+        held: _Held,
+        table: stats.RecordTable,
+        ok: npt.NDArray[np.bool_],
+        by_pair: _Series,
+        by_model: _Series,
+        created: float,
+    ) -> None:
+        """The successful requests' prompt, output and cached tokens, and their upload."""
+        n_in = np.frombuffer(held.n_in, dtype=np.int64)[ok]
+        known = n_in >= 0
+        self.prompt_tokens.inc_many(by_pair.labels, by_pair.keys[known], n_in[known], created)
+        self.prompt_len.observe_many(by_model.labels, by_model.keys[known], n_in[known], created)
+        n_out = table.n_out_total[ok]
+        self.generation_tokens.inc_many(by_pair.labels, by_pair.keys, n_out, created)
+        self.output_len.observe_many(by_model.labels, by_model.keys, n_out, created)
+        cached = np.frombuffer(held.cached, dtype=np.int64)[ok]
+        some = cached != 0
+        self.cached_tokens.inc_many(by_pair.labels, by_pair.keys[some], cached[some], created)
+        estimated = np.frombuffer(held.estimated, dtype=np.bool_)[ok]
+        self.estimated.inc_many(by_model.labels, by_model.keys[estimated], created=created)
+        read_ns = np.frombuffer(held.read_ns, dtype=np.int64)[ok]
+        read = read_ns >= 0
+        self.request_read.observe_many(
+            by_model.labels, by_model.keys[read], read_ns[read] / 1e9, created
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Series:
+    """Label sets, and per value the index of its own among them."""
+
+    labels: Sequence[tuple[str, ...]]
+    keys: npt.NDArray[np.int64]
+
+
+class _Held:
+    """The records a `PrometheusSink` holds until it bins them: their columns for the metric
+    math (`stats.RecordTable`), and beside them, one row per record, what only this sink reads:
+    the index of its (model, replica) label pair, its prompt tokens (-1: unknown), its upload
+    time (-1: not measured), its cached tokens, whether its token counts are estimates."""
+
+    __slots__ = ("table", "pair", "n_in", "read_ns", "cached", "estimated", "events", "since")
+
+    def __init__(self) -> None:
+        self.table = stats.RecordTable()
+        self.pair = array("q")
+        self.n_in = array("q")
+        self.read_ns = array("q")
+        self.cached = array("q")
+        self.estimated = array("B")
+        self.events = 0  # token events held, both sides
+        self.since = 0.0  # when the first record came: the `_created` of series it makes
+
+    def append(self, record: RequestRecord, pair: int) -> None:
+        if not self.pair:
+            self.since = time.time()
+        self.table.append(record, 0, True)
+        self.pair.append(pair)
+        n_in, read_ns = record.n_in, record.request_read_ns
+        self.n_in.append(-1 if n_in is None else n_in)
+        self.read_ns.append(-1 if read_ns is None else read_ns)
+        self.cached.append(record.n_cached or 0)
+        self.estimated.append(record.token_source is not SOURCE_USAGE)
+        server = record.server
+        self.events += record.client.n_marks + (0 if server is None else server.n_marks)
 
 
 WINDOW_QUANTILES = (0.5, 0.9, 0.99)
