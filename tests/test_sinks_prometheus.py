@@ -416,6 +416,33 @@ def test_held_records_are_binned_once_enough_wait_without_a_read() -> None:
     assert not sink._held.pair and sum(sink.ttft._counts[labels]) == sink.HOLD_RECORDS + 2
 
 
+def test_a_batch_that_cannot_be_held_is_dropped_and_counted_and_the_next_one_binned() -> None:
+    """A record the columns cannot hold (N_out past int64: none reaches the sink from the wire,
+    whose usage counts stop at 2**53) leaves the batch it joined with columns of unequal
+    length: the batch is dropped and its records counted (`dropped_error`, exposed as
+    sidecar_sink_records_dropped_total{reason="error"}); the record still counts in
+    sidecar_requests_total, and later records are binned as usual."""
+    registry = CollectorRegistry()
+    sink = PrometheusSink(registry)
+    fanout = SinkFanout([sink])
+    registry.register(LiveCollector(WindowSink(), fanout, None, lambda: []))
+    for _ in range(2):
+        fanout.on_record(record([(120, 1), (150, 1)], n_out=2))
+    fanout.on_record(record([(120, 1)], n_out=2**70))  # raises inside; the fan-out counts it
+    fanout.on_record(record([(300, 1)], n_out=1))
+    assert sink.counters() == {"taken": 4, "dropped_error": 3}
+    client = {"model": "m", "replica": "127.0.0.1:8000", "vantage": "client"}
+    assert value(registry, "sidecar_time_to_first_token_seconds_count", **client) == 1
+    assert value(registry, "sidecar_time_to_first_token_seconds_sum", **client) == 0.3
+    ok = {"model": "m", "replica": "127.0.0.1:8000", "endpoint": "chat", "outcome": "ok"}
+    assert value(registry, "sidecar_requests_total", **ok) == 4
+    assert (
+        value(registry, "sidecar_sink_records_dropped_total", sink="prometheus", reason="error")
+        == 3
+    )
+    assert value(registry, "sidecar_sink_errors_total", sink="prometheus") == 1
+
+
 def _reference_metrics(
     records: list[RequestRecord], policy: stats.SLOPolicy, bounds: dict[str, list[float]]
 ) -> tuple[dict[str, dict[tuple[str, ...], tuple[list[int], float]]], dict[str, dict[Any, float]]]:
@@ -626,7 +653,7 @@ def test_the_prometheus_sink_lifecycle() -> None:
     assert isinstance(sink, Sink)
     fanout = SinkFanout([sink])
     fanout.on_record(record([(120, 1), (150, 1)], n_out=2))
-    assert sink.counters() == {"taken": 1}
+    assert sink.counters() == {"taken": 1, "dropped_error": 0}
     assert sink.flush(0) is True
     assert fanout.close() == []
     sink.close()  # idempotent

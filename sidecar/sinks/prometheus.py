@@ -52,6 +52,7 @@ from prometheus_client.utils import floatToGoString as _untyped_float_to_go_stri
 
 from sidecar import stats
 from sidecar.hooks import (
+    DROPPED,
     SINK_TIMEOUT_S,
     TAKEN,
     WRITTEN,
@@ -347,8 +348,8 @@ class PrometheusSink:
     flush or release: the registry is read when scraped."""
 
     name = "prometheus"
-    # At most ~2 MiB of columns held (16 bytes per event, ~0.2 KiB per record) and one
-    # binning pass of a few ms on the loop when nobody scrapes.
+    # At most ~3 MiB held (16 bytes per token event, ~0.3 KiB per record) and one binning pass
+    # of a few ms on the loop when nobody scrapes.
     HOLD_RECORDS = 4096
     HOLD_EVENTS = 131_072
 
@@ -362,6 +363,7 @@ class PrometheusSink:
         self.registry = registry
         self.slo_policy = slo_policy
         self.taken = 0
+        self.dropped = 0
         self._model = BoundedLabel(label_cap)
         self._replica = BoundedLabel(label_cap)
         thresholds = [
@@ -550,7 +552,9 @@ class PrometheusSink:
         return None
 
     def counters(self) -> dict[str, int]:
-        return {TAKEN: self.taken}
+        # A record whose batch failed to be held or binned (a bug: records that reach the sink
+        # fit its columns) is dropped with its batch, and counted.
+        return {TAKEN: self.taken, DROPPED + "error": self.dropped}
 
     def on_record(self, record: RequestRecord) -> None:
         self.taken += 1
@@ -572,7 +576,13 @@ class PrometheusSink:
         if pair is None:
             pair = self._pairs[(model, replica)] = len(self._pairs)
         held = self._held
-        held.append(record, pair)
+        try:
+            held.append(record, pair)
+        except BaseException:
+            # Its columns may now disagree on the row count: the batch is lost, and counted.
+            self._held = _Held()
+            self.dropped += len(held.pair) + 1
+            raise
         if held.events >= self.HOLD_EVENTS or len(held.pair) >= self.HOLD_RECORDS:
             self.bin_held()
 
@@ -584,6 +594,13 @@ class PrometheusSink:
         if not held.pair:
             return
         self._held = _Held()  # first: a failure below loses this batch once, not every scrape
+        try:
+            self._bin(held)
+        except BaseException:
+            self.dropped += len(held.pair)  # (some of its metrics may have been counted)
+            raise
+
+    def _bin(self, held: _Held) -> None:
         pairs = list(self._pairs)
         table, keys, created = held.table, np.frombuffer(held.pair, dtype=np.int64), held.since
         if self.slo_policy is not None:
