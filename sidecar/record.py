@@ -64,6 +64,8 @@ class TokenSource(str, enum.Enum):
 # that __getattr__). protocol/openai.py does the same for ChunkKind.
 OUTCOME_OK: Final = Outcome.OK
 OUTCOME_REJECTED: Final = Outcome.REJECTED
+OUTCOME_HTTP_ERROR: Final = Outcome.HTTP_ERROR
+OUTCOME_CLIENT_CANCELLED: Final = Outcome.CLIENT_CANCELLED
 VANTAGE_CLIENT: Final = Vantage.CLIENT
 VANTAGE_SERVER: Final = Vantage.SERVER
 VANTAGE_ENGINE: Final = Vantage.ENGINE

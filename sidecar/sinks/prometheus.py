@@ -567,7 +567,8 @@ class PrometheusSink:
         )
         replica = self._replica(record.replica) if record.replica else UNKNOWN
         endpoint = record.endpoint if generation else OTHER
-        self.requests.inc((model, replica, endpoint, record.outcome.value))
+        # `_value_`, not `value` (a Python-level property on Enum: ~3x the time).
+        self.requests.inc((model, replica, endpoint, record.outcome._value_))
         # The rest is held as columns and binned in bulk at the next scrape (`bin_held`): a
         # failure is held only for the SLO counters, whose denominator counts it.
         if not generation or (record.outcome is not OUTCOME_OK and self.slo_policy is None):
