@@ -6,17 +6,18 @@ timeouts in tests/test_relay_timeouts.py."""
 
 from __future__ import annotations
 
+import random
 import uuid
 
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar.proxy.headers import (
-    filtered_headers,
     filtered_items,
     has_dot_segment,
     new_request_id,
     request_id_from,
+    upstream_header_block,
 )
 from sidecar.proxy.relay import error_event, prompt_prefix_key
 from sidecar.proxy.shape import chat_text
@@ -40,7 +41,7 @@ def test_hop_by_hop_headers_are_dropped_and_the_rest_forwarded() -> None:
             ("Accept", "text/event-stream"),
         ]
     )
-    out = filtered_headers(headers)
+    out = CIMultiDict(filtered_items(headers))
     assert sorted(out.keys()) == sorted(
         ["Authorization", "traceparent", "tracestate", "X-Session-ID", "Accept"]
     )
@@ -53,6 +54,114 @@ def test_hop_by_hop_headers_are_dropped_and_the_rest_forwarded() -> None:
     # Without any Connection header, only the fixed hop-by-hop set goes.
     plain = CIMultiDict([("Keep-Alive", "5"), ("X-Private-Hop", "kept"), ("accept", "*/*")])
     assert filtered_items(plain) == [("X-Private-Hop", "kept"), ("accept", "*/*")]
+
+
+def _reference_upstream_headers(
+    raw: list[tuple[bytes, bytes]],
+    request_id: str,
+    peer: str | None,
+    identity: bool,
+    traceparent: str | None,
+) -> list[tuple[bytes, bytes]]:
+    """The upstream's headers as the relay built them before its bytes path (a multidict of
+    `filtered_items`, edited): the specification `upstream_header_block` is held to."""
+    headers = CIMultiDict(
+        filtered_items(CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in raw))
+    )
+    headers["X-Request-Id"] = request_id
+    if peer is not None:
+        given = headers.getall("X-Forwarded-For", ())
+        headers.popall("X-Forwarded-For", None)
+        headers["X-Forwarded-For"] = ", ".join([*given, peer])
+    if identity:
+        headers["Accept-Encoding"] = "identity"
+    if traceparent is not None:
+        headers["traceparent"] = traceparent
+    return [(n.encode("latin-1"), v.encode("latin-1")) for n, v in headers.items()]
+
+
+def _lines(block: bytes) -> list[tuple[bytes, bytes]]:
+    assert block.endswith(b"\r\n")
+    pairs = [line.split(b": ", 1) for line in block[:-2].split(b"\r\n")]
+    return [(name, value) for name, value in pairs]
+
+
+def test_the_upstream_head_by_hand() -> None:
+    """An OpenAI client's headers through the proxy: hop-by-hop ones out (Host, Connection,
+    Content-Length are the serializer's or the proxy's), those a Connection header names
+    out, the client's X-Forwarded-For kept ahead of the peer, its X-Request-Id and
+    Accept-Encoding replaced; the rest byte for byte, in order (a latin-1 value included)."""
+    raw = [
+        (b"Host", b"127.0.0.1:8000"),
+        (b"Accept-Encoding", b"gzip, deflate"),
+        (b"Connection", b"keep-alive, X-Hop"),
+        (b"X-Hop", b"gone"),
+        (b"Authorization", b"Bearer sk-x"),
+        (b"x-forwarded-for", b"203.0.113.7"),
+        (b"X-Request-Id", b"client-1"),
+        (b"X-Note", b"caf\xe9"),
+        (b"Content-Length", b"180"),
+    ]
+    block = upstream_header_block(raw, "r1", "10.0.0.9", True)
+    assert block == (
+        b"Authorization: Bearer sk-x\r\n"
+        b"X-Note: caf\xe9\r\n"
+        b"X-Request-Id: r1\r\n"
+        b"X-Forwarded-For: 203.0.113.7, 10.0.0.9\r\n"
+        b"Accept-Encoding: identity\r\n"
+    )
+    # A pass-through (no identity), no peer, with the proxy's traceparent: the client's
+    # Accept-Encoding and X-Forwarded-For go as sent, its traceparent is replaced.
+    raw.append((b"traceparent", b"00-client"))
+    block = upstream_header_block(raw, "r1", None, False, "00-proxy")
+    assert _lines(block) == [
+        (b"Accept-Encoding", b"gzip, deflate"),
+        (b"Authorization", b"Bearer sk-x"),
+        (b"x-forwarded-for", b"203.0.113.7"),
+        (b"X-Note", b"caf\xe9"),
+        (b"X-Request-Id", b"r1"),
+        (b"traceparent", b"00-proxy"),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_upstream_head_equals_the_multidict_path(seed: int) -> None:
+    """Random header sets (hop-by-hop names in any case, Connection headers naming others,
+    with empty tokens and spaces, repeated X-Forwarded-For, the headers the proxy sets,
+    latin-1 values), every choice of peer, identity and traceparent: the same headers as the
+    multidict path gave, the client's own in the same order (those the proxy sets may move
+    to the end: order between different names carries no meaning, RFC 9110 5.3)."""
+    rng = random.Random(seed)
+    pool = [
+        b"Host", b"Connection", b"Keep-Alive", b"TE", b"Transfer-Encoding", b"Upgrade",
+        b"Content-Length", b"Expect", b"Proxy-Authorization", b"Trailer", b"X-Request-Id",
+        b"X-Forwarded-For", b"Accept-Encoding", b"traceparent", b"Authorization", b"Accept",
+        b"X-Custom-A", b"x-custom-b", b"User-Agent",
+    ]  # fmt: skip
+    for _ in range(50):
+        raw = []
+        for _ in range(rng.randint(0, 12)):
+            name = rng.choice(pool)
+            # Some letters' case flipped: names are case-insensitive.
+            name = bytes(
+                c ^ 32 if 97 <= (c | 32) <= 122 and rng.random() < 0.3 else c for c in name
+            )
+            if name.lower() == b"connection":
+                tokens = [rng.choice(pool).lower() for _ in range(rng.randint(0, 3))]
+                value = rng.choice([b",", b", "]).join(tokens + rng.choice([[], [b""], [b" "]]))
+            else:
+                value = rng.choice([b"v", b"a b", b"caf\xe9", b"10.1.1.1", b""])
+            raw.append((name, value))
+        peer = rng.choice([None, "10.0.0.9"])
+        identity = rng.random() < 0.5
+        traceparent = rng.choice([None, "00-" + "a" * 32 + "-" + "b" * 16 + "-01"])
+        new = _lines(upstream_header_block(raw, "rid", peer, identity, traceparent))
+        old = _reference_upstream_headers(raw, "rid", peer, identity, traceparent)
+        assert sorted(new) == sorted(old), raw
+        set_by_proxy = {b"x-request-id", b"x-forwarded-for", b"accept-encoding", b"traceparent"}
+        assert [h for h in new if h[0].lower() not in set_by_proxy] == [
+            h for h in old if h[0].lower() not in set_by_proxy
+        ], raw
 
 
 def test_request_ids_are_honoured_when_sane_else_generated() -> None:

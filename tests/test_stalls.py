@@ -68,7 +68,9 @@ def test_a_value_on_a_bound_is_in_that_bucket_and_the_rest_above() -> None:
 
 async def test_a_30_ms_stall_is_one_lag_sample_in_the_50_ms_bucket() -> None:
     # The probe is due 10 ms after install; the loop is held 40 ms from install: the probe
-    # runs ~30 ms late, once. Its next one is due 10 ms after that; we stop before.
+    # runs ~30 ms late, once. Its next one is due 10 ms after that; we stop before, unless
+    # this process lost its core for that long (the suite's other processes on a 2-core
+    # host): then that next one is a sample too, and no later than the stall's.
     monitor = StallMonitor(probe_interval_s=0.01)
     monitor.install()
     try:
@@ -77,9 +79,12 @@ async def test_a_30_ms_stall_is_one_lag_sample_in_the_50_ms_bucket() -> None:
     finally:
         monitor.uninstall()
     lag = monitor.snapshot()["loop_lag"]
-    assert sum(lag["counts"]) == 1
-    assert lag["counts"][bucket_of(0.05)] == 1, lag  # in (0.02, 0.05], not in le=0.01 or 0.02
-    assert 28 * MS <= lag["max_ns"] == lag["sum_ns"] <= 50 * MS
+    assert lag["counts"][bucket_of(0.05)] >= 1, lag  # in (0.02, 0.05], not le=0.01 or 0.02
+    assert sum(lag["counts"][bucket_of(0.05) + 1 :]) == 0, lag
+    assert 28 * MS <= lag["max_ns"] <= 50 * MS
+    assert sum(lag["counts"]) in (1, 2), lag
+    if sum(lag["counts"]) == 1:
+        assert lag["counts"][bucket_of(0.05)] == 1 and lag["sum_ns"] == lag["max_ns"]
 
 
 async def test_an_idle_loop_lags_about_nothing() -> None:

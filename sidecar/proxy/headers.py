@@ -4,6 +4,7 @@ request id, X-Forwarded-For, paths that a server would normalise into another.""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Final
 from urllib.parse import unquote
 
@@ -51,12 +52,77 @@ def filtered_items(headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> list[tu
     ]
 
 
-def filtered_headers(headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    """`filtered_items` as a new multidict (the upstream request's, which the relay edits)."""
-    return CIMultiDict(filtered_items(headers))
+# The same names as bytes, lower-case, for the upstream head built from the client's raw
+# header pairs (`upstream_header_block`).
+_HOP_BY_HOP_BYTES: Final = frozenset(name.encode("ascii") for name in HOP_BY_HOP)
+_CONNECTION: Final = b"connection"
+_X_FORWARDED_FOR: Final = b"x-forwarded-for"
+# What leaves the client's headers, by (identity, traceparent given, peer known): the
+# hop-by-hop ones and those the proxy sets itself (X-Forwarded-For is merged, not dropped).
+_DROPPED: Final = {
+    (identity, traced, merged): _HOP_BY_HOP_BYTES
+    | {b"x-request-id"}
+    | ({b"accept-encoding"} if identity else set())
+    | ({b"traceparent"} if traced else set())
+    | ({_X_FORWARDED_FOR} if merged else set())
+    for identity in (False, True)
+    for traced in (False, True)
+    for merged in (False, True)
+}
 
 
-FORWARDED_FOR: Final = "X-Forwarded-For"
+def upstream_header_block(
+    raw: Sequence[tuple[bytes, bytes]],
+    request_id: str,
+    peer: str | None,
+    identity: bool,
+    traceparent: str | None = None,
+) -> bytes:
+    """The upstream request's header lines (``Name: value\r\n`` each; Host and
+    Content-Length are the serializer's), from the client's header pairs as the parser gave
+    them: what `filtered_items` keeps, in order, names and values byte for byte, then those
+    the proxy sets: ``X-Request-Id`` (the client's replaced), ``X-Forwarded-For`` (the
+    client's values, then ``peer``: nginx's $proxy_add_x_forwarded_for; as sent when there is
+    no peer), ``Accept-Encoding: identity`` when ``identity`` (the proxy reads the answer) and
+    ``traceparent`` when given (the client's replaced). Bytes from the parser's bytes: no
+    multidict, no text round trip."""
+    dropped = _DROPPED[identity, traceparent is not None, peer is not None]
+    parts, forwarded, named = _kept_lines(raw, dropped)
+    extra = named - dropped
+    extra.discard(b"")
+    if extra:  # a Connection header named end-to-end headers: they go too (RFC 9110 7.6.1)
+        parts, forwarded, _ = _kept_lines(raw, dropped | extra)
+    if _X_FORWARDED_FOR in named:
+        forwarded = []
+    parts.append(b"X-Request-Id: %s\r\n" % request_id.encode("latin-1"))
+    if peer is not None:
+        forwarded.append(peer.encode("latin-1"))
+        parts.append(b"X-Forwarded-For: %s\r\n" % b", ".join(forwarded))
+    if identity:
+        parts.append(b"Accept-Encoding: identity\r\n")
+    if traceparent is not None:
+        parts.append(b"traceparent: %s\r\n" % traceparent.encode("latin-1"))
+    return b"".join(parts)
+
+
+def _kept_lines(
+    raw: Sequence[tuple[bytes, bytes]], dropped: frozenset[bytes]
+) -> tuple[list[bytes], list[bytes], set[bytes]]:
+    """(the kept headers' line parts, the X-Forwarded-For values when it is dropped to be
+    merged, the names every Connection header gives)."""
+    parts: list[bytes] = []
+    forwarded: list[bytes] = []
+    named: set[bytes] = set()
+    for name, value in raw:
+        lower = name.lower()
+        if lower in dropped:
+            if lower == _CONNECTION:
+                named.update(token.strip().lower() for token in value.split(b","))
+            elif lower == _X_FORWARDED_FOR:
+                forwarded.append(value)
+            continue
+        parts += (name, b": ", value, b"\r\n")
+    return parts, forwarded, named
 
 
 def has_dot_segment(path: str) -> bool:

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import cast
 
@@ -77,6 +77,9 @@ class IncomingRequest:
     http_version: str
     keep_alive: bool
     peer: str | None = None  # the client's address (IP), for X-Forwarded-For
+    # The header pairs as the parser gave them (bytes, in order): the upstream's head is built
+    # from these (`headers.upstream_header_block`), ``headers`` is for lookups.
+    raw_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     # Monotonic ns when the request's first byte was parsed (t_arrive: where the client's
     # wait began, its upload included); None for a request not read off a connection.
     began_ns: int | None = None
@@ -86,6 +89,7 @@ class IncomingRequest:
         let them go, so that a long stream does not hold its prompt for its whole life."""
         self.body = b""
         self.headers = _NO_HEADERS
+        self.raw_headers = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +300,8 @@ class ClientConnection(asyncio.Protocol):
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._url = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
+        # The request's header pairs from its head's end until the request is made.
+        self._raw_headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0
         # The body's pieces while a request is read; None between requests (a list per
         # connection held for a whole stream otherwise), as is `_writable_callbacks` until a
@@ -465,6 +471,7 @@ class ClientConnection(asyncio.Protocol):
         self._headers_done = False
         self._url.clear()
         self._headers = []
+        self._raw_headers = []
         self._header_bytes = 0
         self._body = []
         self._body_size = 0
@@ -498,7 +505,7 @@ class ClientConnection(asyncio.Protocol):
         headers: CIMultiDict[str] = CIMultiDict()
         for name, value in self._headers:
             headers.add(name.decode("latin-1"), value.decode("latin-1"))
-        self._headers = []
+        self._raw_headers, self._headers = self._headers, []
         self._request_headers = CIMultiDictProxy(headers)
         if _origin_form(self._url.decode("latin-1")) is None:
             log.warning(
@@ -569,6 +576,7 @@ class ClientConnection(asyncio.Protocol):
                 target=target,
                 path=target.split("?", 1)[0],
                 headers=self._request_headers,
+                raw_headers=self._raw_headers,
                 body=b"".join(self._body) if self._body else b"",
                 http_version=parser.get_http_version(),
                 keep_alive=parser.should_keep_alive(),
@@ -578,6 +586,7 @@ class ClientConnection(asyncio.Protocol):
         )
         self._body = None
         self._request_headers = None  # the request has them; a rejection now is not of it
+        self._raw_headers = []
 
     # -- dispatch and keep-alive ----------------------------------------------------------
 

@@ -28,7 +28,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict
 
 from sidecar import clock
 from sidecar.config import ProxyConfig, RoutePolicy, read_capture_key
@@ -55,13 +54,12 @@ from sidecar.proxy.basemetrics import CONTENT_TYPE as BASE_METRICS_CONTENT_TYPE
 from sidecar.proxy.basemetrics import merge_expositions
 from sidecar.proxy.builder import RecordBuilder
 from sidecar.proxy.headers import (
-    FORWARDED_FOR,
     REQUEST_ID_HEADER,
-    filtered_headers,
     filtered_items,
     has_dot_segment,
     new_request_id,
     request_id_from,
+    upstream_header_block,
 )
 from sidecar.proxy.listener import (
     ClientExchange,
@@ -419,27 +417,27 @@ class Proxy:
     # -- upstream connection with retry ---------------------------------------------------
 
     def _upstream_headers(
-        self, request: IncomingRequest, request_id: str, parsed: bool
-    ) -> CIMultiDict[str]:
-        headers = filtered_headers(request.headers)
-        headers[REQUEST_ID_HEADER] = request_id
-        if request.peer is not None:
-            # The de facto standard append (nginx's $proxy_add_x_forwarded_for): what a client
-            # wrote stays, and the address it connected from comes last, where a server that
-            # trusts this hop (uvicorn trusts 127.0.0.1 by default) reads the real client.
-            given = headers.getall(FORWARDED_FOR, ())
-            headers.popall(FORWARDED_FOR, None)
-            headers[FORWARDED_FOR] = ", ".join([*given, request.peer])
-        if parsed:
-            # The proxy reads these bodies; ask for them uncompressed.
-            headers["Accept-Encoding"] = "identity"
-        return headers
+        self,
+        request: IncomingRequest,
+        request_id: str,
+        parsed: bool,
+        traceparent: str | None = None,
+    ) -> bytes:
+        """The upstream request's header lines: the client's end-to-end headers, the request
+        id, X-Forwarded-For with the client's address last (the de facto standard append,
+        nginx's $proxy_add_x_forwarded_for: a server that trusts this hop, as uvicorn trusts
+        127.0.0.1 by default, reads the real client there), for a body the proxy reads
+        (``parsed``) ``Accept-Encoding: identity``, and the proxy's ``traceparent`` when
+        given."""
+        return upstream_header_block(
+            request.raw_headers, request_id, request.peer, parsed, traceparent
+        )
 
     async def _open_upstream(
         self,
         request: IncomingRequest,
         body: bytes,
-        headers: CIMultiDict[str],
+        headers: bytes,
         builder: RecordBuilder,
         *,
         session_key: str | None = None,
@@ -787,15 +785,15 @@ class Proxy:
             )
             if config.capture_text:
                 builder.text_parts = []
-        gen.headers = self._upstream_headers(request, builder.request_id, parsed=True)
-        self._trace_context(request, builder, gen.headers)
+        gen.headers = self._upstream_headers(
+            request, builder.request_id, True, self._trace_context(request, builder)
+        )
         return gen
 
-    def _trace_context(
-        self, request: IncomingRequest, builder: RecordBuilder, headers: CIMultiDict[str]
-    ) -> None:
+    def _trace_context(self, request: IncomingRequest, builder: RecordBuilder) -> str | None:
         """The client's W3C trace context, kept on the record (ids, not content), and with
-        OpenTelemetry on, the upstream's traceparent naming the sidecar's span."""
+        OpenTelemetry on, the upstream's traceparent naming the sidecar's span (returned;
+        None: the client's, if any, goes upstream as it came)."""
         traceparent = request.headers.get("traceparent")
         if traceparent is not None and _TRACEPARENT.fullmatch(traceparent):
             # Kept so that a tracing sink can parent its span; it is an id, not content.
@@ -813,8 +811,9 @@ class Proxy:
             trace_id = traceparent[3:35] if traceparent else secrets.token_hex(16)
             flags = traceparent[-2:] if traceparent else "01"
             span_id = secrets.token_hex(8)
-            headers["traceparent"] = f"00-{trace_id}-{span_id}-{flags}"
             builder.attributes["span_ids"] = f"{trace_id}-{span_id}"
+            return f"00-{trace_id}-{span_id}-{flags}"
+        return None
 
     async def _generate(
         self,
@@ -1179,7 +1178,7 @@ class _Generation:
         self.session_key: str | None = None
         self.prefix_key: bytes | None = None
         self.tools_required = False  # tool_choice "required" (the assembler's arguments)
-        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.headers = b""  # the upstream's header lines (`Proxy._upstream_headers`)
 
     @property
     def rewritten(self) -> bool:
@@ -1188,7 +1187,7 @@ class _Generation:
     def release(self) -> None:
         """Sent and answered: the body and headers are not needed any more."""
         self.upstream_body = b""
-        self.headers = CIMultiDict()
+        self.headers = b""
 
 
 # Statuses of a request refused for its content (vLLM answers validation errors 400; 422 is

@@ -24,7 +24,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import httptools
 from multidict import CIMultiDict
@@ -773,13 +773,15 @@ class UpstreamPool:
 
 
 def serialize_request_head(
-    method: str, target: str, host_header: str, headers: Any, content_length: int
+    method: str, target: str, host_header: str, header_block: bytes, content_length: int
 ) -> bytes:
-    """``method target HTTP/1.1`` with Host, the given headers and Content-Length. Header
-    names and values were checked by the listener's parser (no CR/LF can be in them)."""
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}"]
-    for name, value in headers.items():
-        lines.append(f"{name}: {value}")
-    if content_length or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-        lines.append(f"Content-Length: {content_length}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    """``method target HTTP/1.1`` with Host, the header lines given (`headers.
+    upstream_header_block`) and Content-Length. Header names and values were checked by the
+    listener's parser (no CR/LF can be in them)."""
+    length = (
+        b"Content-Length: %d\r\n" % content_length
+        if content_length or method not in ("GET", "HEAD", "DELETE", "OPTIONS")
+        else b""
+    )
+    start = f"{method} {target} HTTP/1.1\r\nHost: {host_header}\r\n".encode("latin-1")
+    return b"".join((start, header_block, length, b"\r\n"))
