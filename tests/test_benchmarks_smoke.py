@@ -421,6 +421,7 @@ def test_hot_paths_smoke() -> None:
         "build + freeze the record",
         "PrometheusSink.on_record + bin_held (a scrape per 200 records)",
         "WindowSink.on_record",
+        "upstream request head (an OpenAI client's 17 headers)",
         "SinkFanout.on_record (window + Prometheus + threaded hand-off)",
         "CaptureSink: µs per record written (writer thread, JSONL, flushed)",
         "summarize 1M samples (numpy)",

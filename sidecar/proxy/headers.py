@@ -78,7 +78,7 @@ def upstream_header_block(
     identity: bool,
     traceparent: str | None = None,
 ) -> bytes:
-    """The upstream request's header lines (``Name: value\r\n`` each; Host and
+    """The upstream request's header lines (``Name: value`` and CRLF each; Host and
     Content-Length are the serializer's), from the client's header pairs as the parser gave
     them: what `filtered_items` keeps, in order, names and values byte for byte, then those
     the proxy sets: ``X-Request-Id`` (the client's replaced), ``X-Forwarded-For`` (the
