@@ -305,7 +305,7 @@ def test_the_sinks_own_counter_and_token_histogram_read_as_prometheus_clients_do
         counter.labels(model, outcome).inc(amount)
         bulk_counter.inc((model, outcome), amount)
         histogram.labels(model).observe(tokens)
-        bulk_histogram.observe((model,), tokens)
+        bulk_histogram.observe_many([(model,)], np.asarray([0]), np.asarray([tokens]))
     assert bulk_counter.value(("m", "ok")) == 4.0 and bulk_counter.value(("x", "ok")) == 0.0
     mine = _without_created_values(exposition(ours))
     assert mine == _without_created_values(exposition(theirs))

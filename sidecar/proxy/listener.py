@@ -471,7 +471,6 @@ class ClientConnection(asyncio.Protocol):
         self._headers_done = False
         self._url.clear()
         self._headers = []
-        self._raw_headers = []
         self._header_bytes = 0
         self._body = []
         self._body_size = 0
