@@ -33,7 +33,7 @@ from sidecar.protocol.openai import TokenCounter, classify_chunk
 from sidecar.protocol.rewrite import UsagePlan, without_usage
 from sidecar.protocol.sse import SSEParser
 from sidecar.proxy.builder import RecordBuilder
-from sidecar.proxy.headers import upstream_header_block
+from sidecar.proxy.headers import response_header_block, upstream_header_block
 from sidecar.proxy.requesthead import read_head
 from sidecar.proxy.upstream import serialize_request_head
 from sidecar.record import Outcome, RequestShape, TokenSource
@@ -308,6 +308,28 @@ def main(argv: Sequence[str] | None = None) -> None:
             "per request",
             "upstream request head (an OpenAI client's 17 headers)",
             best_of(upstream_head),
+        )
+    )
+
+    # The client's response head from the upstream's header pairs: what vLLM's API server
+    # (uvicorn) sends with a stream, as the relay filters it for the client.
+    vllm_headers = [
+        (b"date", b"Thu, 03 Dec 2026 14:00:00 GMT"),
+        (b"server", b"uvicorn"),
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"transfer-encoding", b"chunked"),
+    ]
+
+    def client_head() -> int:
+        for _ in range(20_000):
+            response_header_block(vllm_headers, "0" * 32)
+        return 20_000
+
+    rows.append(
+        (
+            "per request",
+            "client response head lines (vLLM's 4 streaming headers)",
+            best_of(client_head),
         )
     )
 

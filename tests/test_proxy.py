@@ -82,6 +82,23 @@ async def test_streams_reach_the_client_byte_for_byte(
     assert record.finish_reason == "length"
 
 
+async def test_a_replica_that_echoes_the_request_id_is_not_echoed_twice() -> None:
+    """vLLM run with --enable-request-id-headers answers with the X-Request-Id it was sent
+    (the proxy's): the client reads it once, streamed, whole or refused, and it is the id
+    the record carries."""
+    sim = SimConfig(model="m", engine=FAST_ENGINE, enable_request_id_headers=True)
+    async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
+        bodies = [{**CHAT, "stream": True}, CHAT, {**CHAT, "max_tokens": -1}]
+        for i, body in enumerate(bodies):
+            status, _, headers = await post(
+                session, s.url, "/v1/chat/completions", body, {"X-Request-Id": f"echo-{i}"}
+            )
+            assert status == (400 if i == 2 else 200)
+            assert headers.getall("X-Request-Id") == [f"echo-{i}"]
+        records = await s.records.wait_for(3)
+    assert sorted(r.request_id for r in records) == ["echo-0", "echo-1", "echo-2"]
+
+
 @pytest.mark.parametrize(
     "path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
 )

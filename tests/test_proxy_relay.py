@@ -13,14 +13,32 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar.proxy.headers import (
-    filtered_items,
+    HOP_BY_HOP,
     has_dot_segment,
     new_request_id,
     request_id_from,
+    response_header_block,
     upstream_header_block,
 )
 from sidecar.proxy.relay import error_event, prompt_prefix_key
 from sidecar.proxy.shape import chat_text
+
+
+def filtered_items(headers: CIMultiDict[str]) -> list[tuple[str, str]]:
+    """The end-to-end headers, in order, as the relay kept them before its bytes paths (a
+    multidict's items): without the hop-by-hop ones and without those that any ``Connection``
+    header names. The specification both header blocks are held to."""
+    named = {
+        token.strip().lower()
+        for value in headers.getall("Connection", ())
+        for token in value.split(",")
+        if token.strip()
+    }
+    return [
+        (name, value)
+        for name, value in headers.items()
+        if (lower := name.lower()) not in HOP_BY_HOP and lower not in named
+    ]
 
 
 def test_hop_by_hop_headers_are_dropped_and_the_rest_forwarded() -> None:
@@ -54,6 +72,31 @@ def test_hop_by_hop_headers_are_dropped_and_the_rest_forwarded() -> None:
     # Without any Connection header, only the fixed hop-by-hop set goes.
     plain = CIMultiDict([("Keep-Alive", "5"), ("X-Private-Hop", "kept"), ("accept", "*/*")])
     assert filtered_items(plain) == [("X-Private-Hop", "kept"), ("accept", "*/*")]
+
+
+def test_the_client_head_by_hand() -> None:
+    """vLLM's streaming head through the proxy, with what a gateway in front of it may add:
+    hop-by-hop and framing headers out (the client exchange frames the body itself), those a
+    Connection header names out, the upstream's X-Request-Id replaced by the proxy's (vLLM
+    with --enable-request-id-headers echoes it), the rest byte for byte, in order."""
+    raw = [
+        (b"date", b"Thu, 03 Dec 2026 14:00:00 GMT"),
+        (b"server", b"uvicorn"),
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"Connection", b"keep-alive, X-Gateway-Hop"),
+        (b"X-Gateway-Hop", b"gone"),
+        (b"x-request-id", b"r1"),
+        (b"X-Note", b"caf\xe9"),
+        (b"transfer-encoding", b"chunked"),
+    ]
+    assert response_header_block(raw, "r1") == (
+        b"date: Thu, 03 Dec 2026 14:00:00 GMT\r\n"
+        b"server: uvicorn\r\n"
+        b"content-type: text/event-stream; charset=utf-8\r\n"
+        b"X-Note: caf\xe9\r\n"
+        b"X-Request-Id: r1\r\n"
+    )
+    assert response_header_block([], "r2") == b"X-Request-Id: r2\r\n"
 
 
 def _reference_upstream_headers(
@@ -162,6 +205,41 @@ def test_the_upstream_head_equals_the_multidict_path(seed: int) -> None:
         assert [h for h in new if h[0].lower() not in set_by_proxy] == [
             h for h in old if h[0].lower() not in set_by_proxy
         ], raw
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_client_head_equals_the_multidict_path(seed: int) -> None:
+    """Random upstream header sets (hop-by-hop names in any case, Connection headers naming
+    others, an upstream X-Request-Id, latin-1 values): `filtered_items` of the multidict with
+    the proxy's X-Request-Id in the upstream's place, line for line and in order."""
+    rng = random.Random(seed)
+    pool = [
+        b"Connection", b"Keep-Alive", b"Transfer-Encoding", b"Content-Length", b"Trailer",
+        b"Upgrade", b"X-Request-Id", b"Content-Type", b"Date", b"Server", b"X-Custom-A",
+        b"x-custom-b",
+    ]  # fmt: skip
+    for _ in range(50):
+        raw = []
+        for _ in range(rng.randint(0, 10)):
+            name = bytes(
+                c ^ 32 if 97 <= (c | 32) <= 122 and rng.random() < 0.3 else c
+                for c in rng.choice(pool)
+            )
+            if name.lower() == b"connection":
+                tokens = [rng.choice(pool).lower() for _ in range(rng.randint(0, 3))]
+                value = rng.choice([b",", b", "]).join(tokens + rng.choice([[], [b""], [b" "]]))
+            else:
+                value = rng.choice([b"v", b"a b", b"caf\xe9", b"text/event-stream", b""])
+            raw.append((name, value))
+        kept = filtered_items(
+            CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in raw)
+        )
+        expected = [
+            (n.encode("latin-1"), v.encode("latin-1"))
+            for n, v in kept
+            if n.lower() != "x-request-id"
+        ] + [(b"X-Request-Id", b"rid")]
+        assert _lines(response_header_block(raw, "rid")) == expected, raw
 
 
 def test_request_ids_are_honoured_when_sane_else_generated() -> None:

@@ -74,6 +74,53 @@ async def test_sequential_requests_share_one_upstream_connection() -> None:
     assert (upstream.connections, upstream.requests) == (1, 5)
 
 
+WHOLE = (
+    b'{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,'
+    b'"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],'
+    b'"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}'
+)
+
+
+@pytest.mark.parametrize(
+    "content_type,payload", [(b"text/event-stream", SSE), (b"application/json", WHOLE)]
+)
+async def test_the_client_gets_the_upstream_head_filtered_and_no_trailer(
+    content_type: bytes, payload: bytes
+) -> None:
+    """The client's head is the upstream's end-to-end headers byte for byte, in order (a
+    gateway's Connection-named header and the framing headers out, the upstream's
+    X-Request-Id replaced by the proxy's, which it echoed) and its own framing; a chunked
+    body's trailer reaches no head (a whole answer's goes out after its body is read), and
+    the answer is measured."""
+    chunk = b"%x\r\n%b\r\n" % (len(payload), payload)
+
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: %b; charset=utf-8\r\n"
+            % content_type
+            + b"Connection: keep-alive, X-Gateway-Hop\r\nX-Gateway-Hop: gone\r\n"
+            b"x-request-id: rid-7\r\nX-Note: caf\xe9\r\nTrailer: X-Tail\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + chunk + b"0\r\nX-Tail: t\r\n\r\n"
+        )
+        return True
+
+    async with RawUpstream(answer) as url, proxy_to([url], engine_scrape_interval="0") as p:
+        status, answered = await post_stream(p.url, "rid-7")
+        (record,) = await settle(p.server, p.records, 1)
+    head, _, body = answered.partition(b"\r\n\r\n")
+    framing = (
+        b"Transfer-Encoding: chunked"
+        if content_type == b"text/event-stream"
+        else b"Content-Length: %d" % len(WHOLE)
+    )
+    assert status == 200 and head == (
+        b"HTTP/1.1 200 OK\r\ncontent-type: %b; charset=utf-8\r\n" % content_type
+        + b"X-Note: caf\xe9\r\nX-Request-Id: rid-7\r\n%b\r\nConnection: close" % framing
+    )
+    assert b"X-Tail" not in body
+    assert record.outcome is Outcome.OK and record.n_out == 1
+
+
 async def test_a_connection_the_upstream_does_not_keep_is_not_reused() -> None:
     async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
         writer.write(sse_response(keep_alive=False))

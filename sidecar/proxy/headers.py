@@ -1,5 +1,5 @@
-"""What the relay reads and rewrites in a request's headers: hop-by-hop filtering, the
-request id, X-Forwarded-For, paths that a server would normalise into another."""
+"""What the relay reads and rewrites in a request's headers and a response's: hop-by-hop
+filtering, the request id, X-Forwarded-For, paths that a server would normalise into another."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Final
 from urllib.parse import unquote
 
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDictProxy
 
 # RFC 9110 section 7.6.1 hop-by-hop headers, plus those the proxy recomputes itself, and
 # Expect (the listener answered any 100-continue; the upstream gets the whole body at once).
@@ -31,25 +31,6 @@ HOP_BY_HOP = frozenset(
 )
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_LEN = 128
-
-
-def filtered_items(headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> list[tuple[str, str]]:
-    """The end-to-end headers, in order: without the hop-by-hop ones and without those that a
-    ``Connection`` header names (every ``Connection`` header, as RFC 9110 7.6.1 allows several;
-    most requests have none, and then no set of tokens is built)."""
-    named: set[str] | tuple[()] = ()
-    if "Connection" in headers:
-        named = {
-            token.strip().lower()
-            for value in headers.getall("Connection")
-            for token in value.split(",")
-            if token.strip()
-        }
-    return [
-        (name, value)
-        for name, value in headers.items()
-        if (lower := name.lower()) not in HOP_BY_HOP and lower not in named
-    ]
 
 
 # The same names as bytes, lower-case, for the upstream head built from the client's raw
@@ -80,7 +61,8 @@ def upstream_header_block(
 ) -> bytes:
     """The upstream request's header lines (``Name: value`` and CRLF each; Host and
     Content-Length are the serializer's), from the client's header pairs as the parser gave
-    them: what `filtered_items` keeps, in order, names and values byte for byte, then those
+    them: the end-to-end headers (RFC 9110 7.6.1: not the hop-by-hop ones, nor those a
+    ``Connection`` header names), in order, names and values byte for byte, then those
     the proxy sets: ``X-Request-Id`` (the client's replaced), ``X-Forwarded-For`` (the
     client's values, then ``peer``: nginx's $proxy_add_x_forwarded_for; as sent when there is
     no peer), ``Accept-Encoding: identity`` when ``identity`` (the proxy reads the answer) and
@@ -102,6 +84,24 @@ def upstream_header_block(
         parts.append(b"Accept-Encoding: identity\r\n")
     if traceparent is not None:
         parts.append(b"traceparent: %s\r\n" % traceparent.encode("latin-1"))
+    return b"".join(parts)
+
+
+_DROPPED_FROM_RESPONSE: Final = _HOP_BY_HOP_BYTES | {b"x-request-id"}
+
+
+def response_header_block(raw: Sequence[tuple[bytes, bytes]], request_id: str) -> bytes:
+    """The client's response header lines from the upstream's header pairs as llhttp gave
+    them: the end-to-end headers, as for the request (`upstream_header_block`), in order,
+    names and values byte for byte, then ``X-Request-Id`` (the upstream's replaced: vLLM run
+    with --enable-request-id-headers echoes the one the proxy sent, and a client must not read
+    it twice). The framing lines are the client exchange's (`ClientExchange.start_block`)."""
+    parts, _, named = _kept_lines(raw, _DROPPED_FROM_RESPONSE)
+    extra = named - _DROPPED_FROM_RESPONSE
+    extra.discard(b"")
+    if extra:  # a Connection header named end-to-end headers: they go too (RFC 9110 7.6.1)
+        parts, _, _ = _kept_lines(raw, _DROPPED_FROM_RESPONSE | extra)
+    parts.append(b"X-Request-Id: %s\r\n" % request_id.encode("latin-1"))
     return b"".join(parts)
 
 

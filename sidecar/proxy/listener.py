@@ -181,26 +181,46 @@ class ClientExchange:
         `abort` or `flush`, whichever comes first; the caller flushes it before it waits on
         anything (a stream whose first events came with the upstream's head then costs one
         write syscall fewer, and the head is not later than the bytes already here)."""
+        block = "".join([f"{name}: {value}\r\n" for name, value in headers])
+        self.start_block(status, reason, block.encode("latin-1"), content_length, body, hold)
+
+    def start_block(
+        self,
+        status: int,
+        reason: str | None,
+        header_block: bytes,
+        content_length: int | None,
+        body: bytes = b"",
+        hold: bool = False,
+    ) -> None:
+        """`start`, with the header lines already bytes (``Name: value`` and CRLF each, as
+        `headers.response_header_block` makes them from the upstream's): the framing lines
+        are this method's to add."""
         if self.prepared:
             raise RuntimeError("response already started")
         self.prepared = True
-        lines = list(headers)
+        framing = b""
         if status in (204, 304) or 100 <= status < 200:
             pass  # never a body, never framing (RFC 9110 6.4.1)
         elif self.request.method == "HEAD":
             if content_length is not None:  # the length a GET would have had; no body follows
-                lines.append(("Content-Length", str(content_length)))
+                framing = b"Content-Length: %d\r\n" % content_length
         elif content_length is not None:
-            lines.append(("Content-Length", str(content_length)))
+            framing = b"Content-Length: %d\r\n" % content_length
             self._remaining = content_length
         elif self.request.http_version == "1.1":
-            lines.append(("Transfer-Encoding", "chunked"))
+            framing = b"Transfer-Encoding: chunked\r\n"
             self._chunked = True
         else:
             self._close_after = True
         if self._close_after:
-            lines.append(("Connection", "close"))
-        head = response_head(status, reason, lines)
+            framing += b"Connection: close\r\n"
+        head = b"HTTP/1.1 %d %b\r\n%b%b\r\n" % (
+            status,
+            (reason or reason_phrase(status)).encode("latin-1"),
+            header_block,
+            framing,
+        )
         transport = self.connection.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client is gone")

@@ -55,10 +55,10 @@ from sidecar.proxy.basemetrics import merge_expositions
 from sidecar.proxy.builder import RecordBuilder
 from sidecar.proxy.headers import (
     REQUEST_ID_HEADER,
-    filtered_items,
     has_dot_segment,
     new_request_id,
     request_id_from,
+    response_header_block,
     upstream_header_block,
 )
 from sidecar.proxy.listener import (
@@ -659,10 +659,11 @@ class Proxy:
                     "GatewayTimeout",
                 )
                 return
-            response_headers = filtered_items(upstream.headers)
-            response_headers.append((REQUEST_ID_HEADER, builder.request_id))
-            exchange.start(
-                upstream.status, upstream.reason, response_headers, upstream.content_length
+            exchange.start_block(
+                upstream.status,
+                upstream.reason,
+                response_header_block(upstream.raw_headers, builder.request_id),
+                upstream.content_length,
             )
             builder.http_status = upstream.status
             body_done = upstream.stream_body(self._client_writer(exchange, upstream, idle))
@@ -942,7 +943,7 @@ class Proxy:
         it: every stream in flight holds one coroutine less, ~0.3 KiB)."""
         timeouts.start_idle()
         builder.http_status = upstream.status
-        coding = upstream.headers.get("Content-Encoding")
+        coding = upstream.header(b"content-encoding")
         if coding is not None and coding.strip().lower() not in ("", "identity"):
             # Asked for identity (`_upstream_headers`): a compressed answer can be neither
             # measured nor given an error event the client could read. Refused whole.
@@ -953,7 +954,7 @@ class Proxy:
                 f"The upstream answered with Content-Encoding: {coding[:32]!r} although "
                 "the sidecar asked for none; it cannot measure a compressed answer.",
             )
-        content_type = upstream.headers.get("Content-Type", "")
+        content_type = upstream.header(b"content-type") or ""
         if upstream.status != 200 or not content_type.startswith("text/event-stream"):
             timeouts.first_token()  # no stream: the total timeout alone bounds it
             return self._relay_whole(exchange, upstream, builder)
@@ -961,13 +962,15 @@ class Proxy:
             return self._assemble(
                 exchange, upstream, endpoint, builder, timeouts, gen.tools_required
             )
-        response_headers = filtered_items(upstream.headers)
-        response_headers.append((REQUEST_ID_HEADER, builder.request_id))
         # Held for the events that came with the upstream's head (`MeteredRead.start`).
-        exchange.start(200, upstream.reason, response_headers, None, hold=True)
-        # Rendered: neither is read again, and a stream would hold both (~1.4 KiB).
-        del response_headers
-        upstream.headers.clear()
+        exchange.start_block(
+            200,
+            upstream.reason,
+            response_header_block(upstream.raw_headers, builder.request_id),
+            None,
+            hold=True,
+        )
+        upstream.raw_headers = []  # rendered, not read again: a stream in flight lets go
         return self._relay_stream(upstream, exchange, builder, gen.plan, timeouts)
 
     async def _answer_timeout(
@@ -1054,9 +1057,13 @@ class Proxy:
                 502,
                 "The upstream sent a malformed response body.",
             )
-        response_headers = filtered_items(upstream.headers)
-        response_headers.append((REQUEST_ID_HEADER, builder.request_id))
-        exchange.start(upstream.status, upstream.reason, response_headers, len(data), data)
+        exchange.start_block(
+            upstream.status,
+            upstream.reason,
+            response_header_block(upstream.raw_headers, builder.request_id),
+            len(data),
+            data,
+        )
         exchange.end()
         builder.down_end_ns = builder.offset(clock.monotonic_ns())
         if upstream.status >= 400:

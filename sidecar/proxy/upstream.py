@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import cast
 
 import httptools
-from multidict import CIMultiDict
 
 from sidecar import clock
 from sidecar.proxy import rxstamp
@@ -242,8 +241,7 @@ class UpstreamExchange:
         "head_method",
         "status",
         "reason",
-        "headers",
-        "_raw_headers",
+        "raw_headers",
         "_parser",
         "_head",
         "_done",
@@ -269,8 +267,10 @@ class UpstreamExchange:
         self.head_method = head_method
         self.status = 0
         self.reason = ""
-        self.headers: CIMultiDict[str] = CIMultiDict()
-        self._raw_headers: list[tuple[bytes, bytes]] = []
+        # The response's header pairs as llhttp gave them (the final response's, once its
+        # head is complete): looked up by `header`, filtered into the client's head as bytes
+        # (`headers.response_header_block`), never made into a multidict.
+        self.raw_headers: list[tuple[bytes, bytes]] = []
         # The parser holds bound methods of this exchange (a cycle), and the sink is usually a
         # bound method of an object that holds the exchange (another): `detach` breaks both
         # when the pool takes the exchange back, so that it is freed by its reference count.
@@ -312,7 +312,8 @@ class UpstreamExchange:
                 kind="protocol_error",
                 before_response=True,
             )
-        self._raw_headers.append((name, value))
+        if not self._head.done():  # not a chunked body's trailer: the client never sees those
+            self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         parser = self._parser
@@ -321,24 +322,19 @@ class UpstreamExchange:
         if 100 <= status < 200:
             # An interim response (100 Continue, 103 Early Hints): the final one follows.
             self._interim = True
-            self._raw_headers = []
+            self.raw_headers = []
             return
         self.status = status
-        headers = self.headers
         chunked = False
         has_length = False
-        for name, value in self._raw_headers:
-            key = name.decode("latin-1")
-            text = value.decode("latin-1")
-            headers.add(key, text)
-            lower = key.lower()
-            if lower == "content-length":
+        for name, value in self.raw_headers:
+            lower = name.lower()
+            if lower == b"content-length":
                 has_length = True
-            elif lower == "transfer-encoding":
+            elif lower == b"transfer-encoding":
                 # The final coding decides, as llhttp reads it (RFC 9112 6.3): a response with
                 # `chunked, gzip` has no chunked body; it runs to the connection's end.
-                chunked = text.rsplit(",", 1)[-1].strip().lower() == "chunked"
-        self._raw_headers = []
+                chunked = value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
         no_body = self.head_method or self.status in (204, 304)
         self._eof_body = not (has_length or chunked or no_body)
         if not self._head.done():
@@ -493,9 +489,16 @@ class UpstreamExchange:
         that arrived earlier is still waiting to be handed over (`stream_body`)."""
         return self.complete and not self._pending
 
+    def header(self, name: bytes) -> str | None:
+        """The response's first ``name`` header (``name`` lower-case), as text; None if none."""
+        for key, value in self.raw_headers:
+            if key.lower() == name:
+                return value.decode("latin-1")
+        return None
+
     @property
     def content_length(self) -> int | None:
-        value = self.headers.get("Content-Length")
+        value = self.header(b"content-length")
         if value is None or not value.isdigit():
             return None
         return int(value)
