@@ -103,6 +103,10 @@ def too_many_events(limit: int) -> StreamFailure:
 
 # The default of --max-stream-events (config.py says why).
 DEFAULT_MAX_STREAM_EVENTS = 1_000_000
+# `StreamMeter.lane_start`'s end flags, as the C lane reads them (_tokenscan.c's LANE_END_*;
+# tests/test_lane.py holds the two to the same values).
+LANE_END_OK = 1
+LANE_END_FINGERPRINT_KNOWN = 2
 
 
 def oversized_event(exc: SSEError) -> StreamFailure:
@@ -291,18 +295,23 @@ class StreamMeter:
         self._between = parser.between_events
         return self._consume(events, now_ns)
 
-    def lane_settings(self) -> tuple[int, bool] | None:
-        """(the largest event, whether usage is cut out) for a C lane, when this meter may ever
-        have one: forwarding only, no text kept, no assembler (see `lane_start`)."""
+    def lane_settings(self) -> tuple[int, bool, bool] | None:
+        """(the largest event, whether usage is cut out, whether the usage chunk is dropped)
+        for a C lane, when this meter may ever have one: forwarding only, no text kept, no
+        assembler (see `lane_start`)."""
         if not self._lane:
             return None
-        return self._max_event_bytes, self._strip
+        return self._max_event_bytes, self._strip, self._drop_usage_chunk
 
-    def lane_start(self) -> tuple[int, int] | None:
-        """(events the stream may still take, choice 0's cumulative count) when the C lane
-        (`_tokenscan.Lane`, armed by stream_relay.MeteredRead) may take reads for this meter:
-        in the state where `feed`'s own one-event lane would take them, with every event so far
-        of choice 0, nothing carried and a token seen; else None."""
+    def lane_start(self) -> tuple[int, int, int] | None:
+        """(events the stream may still take, choice 0's cumulative count, end flags) when the
+        C lane (`_tokenscan.Lane`, armed by stream_relay.MeteredRead) may take reads for this
+        meter: in the state where `feed`'s own one-event lane would take them, with every event
+        so far of choice 0, nothing carried and a token seen; else None. The end flags
+        (LANE_END_*) say whether the lane may take the stream's end too (`end_in_lane`): once
+        the answer's model is known (the finish chunk would not give it), and whether a
+        fingerprint is known already (a dropped usage chunk without one then leaves the finish
+        chunk to get this one back, on the Python path)."""
         if (
             self._lane
             and self._held is None
@@ -314,8 +323,28 @@ class StreamMeter:
         ):
             last = self._counter.lane_state()
             if last is not None and self.events < self._max_events:
-                return self._max_events - self.events, last
+                flags = 0
+                if self.response_model is not None:
+                    flags = LANE_END_OK
+                    if self.fingerprint is not None:
+                        flags |= LANE_END_FINGERPRINT_KNOWN
+                return self._max_events - self.events, last, flags
         return None
+
+    def end_in_lane(self, finish_reason: str, fingerprint: str | None) -> None:
+        """The C lane took the stream's end (`_tokenscan.c`, "The end of a stream"): choice 0's
+        finish chunk (a token event, handed over with the lane's counts by `take_lane`), the
+        usage-only chunk (its usage too) and ``[DONE]``. What `_consume` and `close` leave
+        after those three events, but what `take_lane` brings: the finish reason, the usage
+        chunk's fingerprint when it had one, two events more, ``[DONE]`` seen, closed."""
+        self.events += 2
+        self.finish_reason = finish_reason
+        if fingerprint is not None:
+            self.fingerprint = fingerprint
+        self.saw_done = True
+        self._lane = False
+        self._closed = True
+        self._between = False
 
     def take_lane(
         self,

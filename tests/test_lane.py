@@ -1,9 +1,10 @@
 """The C lane (`_tokenscan.Lane`): a stream's common read taken whole in one call.
 
 Two parts. The lane on its own, fed vLLM's chunk bytes: what it takes, what it writes, what it
-hands back, and every read it must leave untouched for the Python path. Then the proxy in front
-of the simulator, the same requests with the lane on and off (`stream_relay.LaneType`): the
-client's bytes and the records must be the same, and the lane must have taken most reads.
+hands back, and every read it must leave untouched for the Python path (a stream's common reads
+and its end). Then the proxy in front of the simulator, the same requests with the lane on and
+off (`stream_relay.LaneType`): the client's bytes and the records must be the same, and the lane
+must have taken most reads and the ends.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from typing import Any
 import aiohttp
 import pytest
 from proxy_stack import stack
-from vllm_chunks import CHAT_HELLO, COMPLETION_HELLO
+from vllm_chunks import CHAT_BANG, CHAT_HELLO, CHAT_USAGE, COMPLETION_HELLO
 
-from sidecar import clock
+from sidecar import clock, meter
 from sidecar.proxy import stream_relay
 from sidecar.record import Outcome, RequestRecord
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
 
 try:
+    from sidecar.protocol import _tokenscan
     from sidecar.protocol._tokenscan import Lane
 except ImportError:  # pragma: no cover - the package is built with its C modules in CI
     pytest.skip("the C lane is not built", allow_module_level=True)
@@ -55,7 +57,7 @@ def chunk(payload: bytes) -> bytes:
 
 class Client:
     """What the lane calls: the client transport's three methods, and the relay's
-    `on_client_full`; recorded."""
+    `on_client_full` and `end_in_lane`; recorded."""
 
     def __init__(self, held: int = 0, closing: bool = False) -> None:
         self.writes: list[bytes] = []
@@ -63,6 +65,12 @@ class Client:
         self.closing = closing
         self.full_calls = 0
         self.fail_write = False
+        self.ends: list[tuple[bytes, int, str, str | None, bool]] = []
+
+    def end_in_lane(
+        self, out: bytes, at_ns: int, finish_reason: str, fingerprint: str | None, usage: bool
+    ) -> None:
+        self.ends.append((out, at_ns, finish_reason, fingerprint, usage))
 
     def write(self, data: bytes) -> None:
         if self.fail_write:
@@ -79,8 +87,10 @@ class Client:
         self.full_calls += 1
 
 
-def new_lane(client: Client, strip: bool = True, max_event: int = 1 << 20) -> Lane:
-    return Lane(client, client, ORIGIN, HIGH_WATER, max_event, strip)
+def new_lane(
+    client: Client, strip: bool = True, max_event: int = 1 << 20, drop: bool = False
+) -> Lane:
+    return Lane(client, client, ORIGIN, HIGH_WATER, max_event, strip, drop)
 
 
 def offsets(raw: bytes) -> list[int]:
@@ -224,6 +234,151 @@ def test_a_full_client_buffer_pauses_once_and_disarms() -> None:
     assert client.full_calls == 1 and not lane.armed
     assert not lane.relay(chunk(event(CHAT_HELLO, 2)), ORIGIN)
     assert lane.pending == 1
+
+
+# vLLM's end of a stream when the usage is asked for (continuous usage, as the proxy asks):
+# the terminal chunk without its system_fingerprint, which the usage chunk carries instead.
+FINISH = CHAT_BANG.replace(',"system_fingerprint":"vllm-0.33.0-1a2b3c4d"', "")
+DONE = b"data: [DONE]\n\n"
+LAST_CHUNK = b"0\r\n\r\n"
+END_OK = meter.LANE_END_OK
+FINGERPRINT_KNOWN = meter.LANE_END_FINGERPRINT_KNOWN
+
+
+def end_read(*events: bytes) -> bytes:
+    return b"".join(chunk(e) for e in events) + LAST_CHUNK
+
+
+def usage_event(payload: str = CHAT_USAGE) -> bytes:
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+def test_the_end_flags_are_the_c_lanes() -> None:
+    assert (END_OK, FINGERPRINT_KNOWN) == (
+        _tokenscan.LANE_END_OK,
+        _tokenscan.LANE_END_FINGERPRINT_KNOWN,
+    )
+
+
+def test_the_end_of_a_stream_whose_usage_the_client_did_not_ask_for() -> None:
+    """The proxy asked for usage (continuous): the finish chunk leaves with its usage member
+    cut and the usage chunk's fingerprint in its place, which is the terminal chunk vLLM sends
+    when nobody asks for usage (byte for byte); the usage chunk is dropped; [DONE] follows.
+    One relay call ends the stream with those bytes; the finish chunk is the read's last token
+    event, and the usage is the usage chunk's."""
+    client = Client()
+    lane = new_lane(client, drop=True)
+    lane.arm(100, 1, END_OK)
+    read = end_read(event(CHAT_HELLO, 2), event(FINISH, 3), usage_event(), DONE)
+    before = clock.monotonic_ns()
+    assert lane.relay(read, ORIGIN + 40)
+    after = clock.monotonic_ns()
+    assert client.writes == []  # the relay's end writes, framed and ended
+    expected = usage_cut(event(CHAT_HELLO, 2)) + b"data: " + CHAT_BANG.encode() + b"\n\n" + DONE
+    assert client.ends == [(expected, ORIGIN + 40, "stop", "vllm-0.33.0-1a2b3c4d", False)]
+    assert not lane.armed and not lane.relay(chunk(event(CHAT_HELLO, 4)), ORIGIN)
+    taken = lane.take()
+    assert taken is not None
+    up, down, tokens, gained, last, exact, usage = taken
+    assert offsets(up) == [40, 40]
+    assert all(before - ORIGIN <= d <= after - ORIGIN for d in offsets(down))
+    assert (tokens, gained, last, exact, usage) == (None, 2, 3, True, (12, 15, 3))
+
+
+def test_the_end_of_a_stream_whose_usage_the_client_asked_for() -> None:
+    """The client asked for the final usage, the proxy for the continuous one: the finish
+    chunk's usage member is cut, the usage chunk goes on as is. Asked for both: all as is."""
+    for strip in (True, False):
+        client = Client()
+        lane = new_lane(client, strip=strip)
+        lane.arm(100, 2, END_OK | FINGERPRINT_KNOWN)
+        finish = event(FINISH, 3)
+        assert lane.relay(end_read(finish, usage_event(), DONE), ORIGIN)
+        forwarded = usage_cut(finish) if strip else finish
+        assert client.ends == [
+            (forwarded + usage_event() + DONE, ORIGIN, "stop", "vllm-0.33.0-1a2b3c4d", True)
+        ]
+        taken = lane.take()
+        assert taken is not None and taken[3:] == (1, 3, True, (12, 15, 3))
+
+
+def test_a_dropped_usage_chunk_without_a_fingerprint() -> None:
+    """An older vLLM: no fingerprint on the usage chunk. The finish chunk leaves without one
+    when none is known; when the meter knows one, the Python path puts it back."""
+    bare_usage = usage_event(CHAT_USAGE.replace(',"system_fingerprint":"vllm-0.33.0-1a2b3c4d"', ""))
+    read = end_read(event(FINISH, 3), bare_usage, DONE)
+    client = Client()
+    lane = new_lane(client, drop=True)
+    lane.arm(100, 2, END_OK)
+    assert lane.relay(read, ORIGIN)
+    assert client.ends == [(usage_cut(event(FINISH, 3)) + DONE, ORIGIN, "stop", None, False)]
+    client = Client()
+    lane = new_lane(client, drop=True)
+    lane.arm(100, 2, END_OK | FINGERPRINT_KNOWN)
+    assert not lane.relay(read, ORIGIN) and client.ends == [] and lane.pending == 0
+
+
+FINISH_READ = [event(FINISH, 3), usage_event(), DONE]
+ENDS_LEFT_ALONE: dict[str, tuple[bytes, bool, int]] = {
+    "no last chunk": (end_read(*FINISH_READ)[: -len(LAST_CHUNK)], True, END_OK),
+    "a trailer": (end_read(*FINISH_READ)[:-2] + b"X-Tail: t\r\n\r\n", True, END_OK),
+    "more after the body": (end_read(*FINISH_READ) + b"HTTP/1.1", True, END_OK),
+    "no [DONE]": (end_read(*FINISH_READ[:2]), True, END_OK),
+    "no usage chunk": (end_read(FINISH_READ[0], DONE), True, END_OK),
+    "the end not allowed": (end_read(*FINISH_READ), True, 0),
+    "a finish chunk with a fingerprint": (
+        end_read(event(CHAT_BANG, 3), *FINISH_READ[1:]),
+        True,
+        END_OK,
+    ),
+    "another choice's finish": (
+        end_read(event(FINISH.replace('"index":0', '"index":1'), 3), *FINISH_READ[1:]),
+        True,
+        END_OK,
+    ),
+    "an empty finish": (
+        end_read(event(FINISH.replace('"content":"!"', '"content":""'), 3), *FINISH_READ[1:]),
+        True,
+        END_OK,
+    ),
+    "a finish chunk without usage, the usage chunk dropped": (
+        end_read(event(FINISH), *FINISH_READ[1:]),
+        True,
+        END_OK,
+    ),
+    "a fingerprint that is not ASCII": (
+        end_read(FINISH_READ[0], usage_event(CHAT_USAGE.replace("1a2b", "1a\u00e9")), DONE),
+        False,
+        END_OK,
+    ),
+    "the finish and usage chunks in one chunk": (
+        chunk(FINISH_READ[0] + FINISH_READ[1]) + chunk(DONE) + LAST_CHUNK,
+        True,
+        END_OK,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ENDS_LEFT_ALONE))
+def test_an_end_it_cannot_take_whole_is_left_untouched(name: str) -> None:
+    read, drop, flags = ENDS_LEFT_ALONE[name]
+    client = Client()
+    lane = new_lane(client, drop=drop)
+    lane.arm(100, 2, flags)
+    assert not lane.relay(read, ORIGIN)
+    assert client.ends == [] and client.writes == [] and lane.pending == 0 and lane.armed
+
+
+def test_an_end_past_the_streams_event_limit_is_left_to_the_python_path() -> None:
+    """The finish, usage and [DONE] events all count against the stream's limit."""
+    read = end_read(*FINISH_READ)
+    short = new_lane(Client())
+    short.arm(2, 2, END_OK)
+    assert not short.relay(read, ORIGIN)
+    client = Client()
+    exact = new_lane(client)
+    exact.arm(3, 2, END_OK)
+    assert exact.relay(read, ORIGIN) and len(client.ends) == 1
 
 
 class ReentrantClient(Client):
@@ -391,21 +546,27 @@ def record_view(record: RequestRecord) -> dict[str, Any]:
 
 def count_lane_events(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now on, the events the lanes hand over (their `pending` at each take), summed in
-    the one-item list returned."""
-    taken = [0]
+    the list returned's first item, and the stream ends they took in its second."""
+    taken = [0, 0]
     take = stream_relay.MeteredRead._take_lane
+    end = stream_relay.MeteredRead.end_in_lane
 
     def counting_take(self: stream_relay.MeteredRead, lane: Lane) -> None:
         taken[0] += lane.pending
         take(self, lane)
 
+    def counting_end(self: stream_relay.MeteredRead, *args: Any) -> None:
+        taken[1] += 1
+        end(self, *args)
+
     monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
+    monkeypatch.setattr(stream_relay.MeteredRead, "end_in_lane", counting_end)
     return taken
 
 
 async def run_requests(
     lane_on: bool, monkeypatch: pytest.MonkeyPatch, sim: SimConfig | None = None
-) -> tuple[list[bytes], list[dict[str, Any]], int]:
+) -> tuple[list[bytes], list[dict[str, Any]], list[int]]:
     monkeypatch.setattr(stream_relay, "LaneType", Lane if lane_on else None)
     taken = count_lane_events(monkeypatch)
     bodies: list[bytes] = []
@@ -422,7 +583,7 @@ async def run_requests(
                     bodies.append(CREATED.sub(b'"created":0', await response.read()))
                 n += 1
         records = await s.records.wait_for(n)
-    return bodies, [record_view(r) for r in sorted(records, key=lambda r: r.request_id)], taken[0]
+    return bodies, [record_view(r) for r in sorted(records, key=lambda r: r.request_id)], taken
 
 
 async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
@@ -433,10 +594,33 @@ async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
     assert bodies_on == bodies_off
     assert records_on == records_off
     assert all(r["n_out"] == 24 and len(r["server_tokens"]) == 24 for r in records_on)
-    assert taken_off == 0
+    assert taken_off == [0, 0]
     # Six streams of 24 token events: the first token of each goes through the Python path
     # (the lane is armed after it), the rest whole chunks the lane takes, bar a coalesced read.
-    assert taken_on >= 6 * 20, taken_on
+    assert taken_on[0] >= 6 * 20, taken_on
+    # And each stream's end (finish, usage and [DONE] chunks, the body's last chunk): the
+    # simulator runs on the proxy's loop and writes a stream's end in one turn, which the
+    # proxy then reads as one read.
+    assert taken_on[1] == 6, taken_on
+
+
+async def test_an_upstream_connection_whose_stream_the_lane_ended_is_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llhttp never sees the body's last chunk when the lane takes it: the exchange is still
+    complete, and the connection goes back to the pool as keep-alive (one connection for
+    five streams in a row), the client's too."""
+    taken = count_lane_events(monkeypatch)
+    path, base = BODIES["chat"]
+    body = {**base, "stream": True, "max_tokens": 8, "ignore_eos": True}
+    async with stack() as s, aiohttp.ClientSession() as session:
+        for _ in range(5):
+            async with session.post(s.url + path, json=body) as response:
+                assert (await response.read()).endswith(b"data: [DONE]\n\n")
+        records = await s.records.wait_for(5)
+        assert s.server.proxy.pool.open_connections == 1
+    assert taken[1] == 5, taken
+    assert all(r.outcome is Outcome.OK and r.n_out == 8 for r in records)
 
 
 SPECULATIVE = SimConfig(
@@ -458,7 +642,8 @@ async def test_speculative_decoding_streams_go_through_the_lane_and_count_the_sa
     assert all(r["n_out"] == 24 == sum(r["server_tokens"]) for r in records_on)
     assert any(n > 1 for r in records_on for n in r["server_tokens"])  # drafts were accepted
     events = sum(len(r["server_tokens"]) for r in records_on)
-    assert taken_on >= events - 6 * 4, (taken_on, events)
+    assert taken_on[0] >= events - 6 * 4, (taken_on, events)
+    assert taken_on[1] == 6, taken_on  # every end too
 
 
 async def test_records_hold_their_stamps_in_order_whichever_path_took_each_read() -> None:

@@ -167,6 +167,26 @@ def test_the_upstream_head_by_hand() -> None:
     ]
 
 
+def random_headers(
+    rng: random.Random, names: list[bytes], most: int, values: list[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """Up to ``most`` header pairs of these names (some letters' case flipped: names are
+    case-insensitive) and values; a Connection header names others from the pool, with empty
+    tokens and spaces."""
+    raw = []
+    for _ in range(rng.randint(0, most)):
+        name = bytes(
+            c ^ 32 if 97 <= (c | 32) <= 122 and rng.random() < 0.3 else c for c in rng.choice(names)
+        )
+        if name.lower() == b"connection":
+            tokens = [rng.choice(names).lower() for _ in range(rng.randint(0, 3))]
+            value = rng.choice([b",", b", "]).join(tokens + rng.choice([[], [b""], [b" "]]))
+        else:
+            value = rng.choice(values)
+        raw.append((name, value))
+    return raw
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_upstream_head_equals_the_multidict_path(seed: int) -> None:
     """Random header sets (hop-by-hop names in any case, Connection headers naming others,
@@ -182,19 +202,7 @@ def test_the_upstream_head_equals_the_multidict_path(seed: int) -> None:
         b"X-Custom-A", b"x-custom-b", b"User-Agent",
     ]  # fmt: skip
     for _ in range(50):
-        raw = []
-        for _ in range(rng.randint(0, 12)):
-            name = rng.choice(pool)
-            # Some letters' case flipped: names are case-insensitive.
-            name = bytes(
-                c ^ 32 if 97 <= (c | 32) <= 122 and rng.random() < 0.3 else c for c in name
-            )
-            if name.lower() == b"connection":
-                tokens = [rng.choice(pool).lower() for _ in range(rng.randint(0, 3))]
-                value = rng.choice([b",", b", "]).join(tokens + rng.choice([[], [b""], [b" "]]))
-            else:
-                value = rng.choice([b"v", b"a b", b"caf\xe9", b"10.1.1.1", b""])
-            raw.append((name, value))
+        raw = random_headers(rng, pool, 12, [b"v", b"a b", b"caf\xe9", b"10.1.1.1", b""])
         peer = rng.choice([None, "10.0.0.9"])
         identity = rng.random() < 0.5
         traceparent = rng.choice([None, "00-" + "a" * 32 + "-" + "b" * 16 + "-01"])
@@ -219,18 +227,7 @@ def test_the_client_head_equals_the_multidict_path(seed: int) -> None:
         b"x-custom-b",
     ]  # fmt: skip
     for _ in range(50):
-        raw = []
-        for _ in range(rng.randint(0, 10)):
-            name = bytes(
-                c ^ 32 if 97 <= (c | 32) <= 122 and rng.random() < 0.3 else c
-                for c in rng.choice(pool)
-            )
-            if name.lower() == b"connection":
-                tokens = [rng.choice(pool).lower() for _ in range(rng.randint(0, 3))]
-                value = rng.choice([b",", b", "]).join(tokens + rng.choice([[], [b""], [b" "]]))
-            else:
-                value = rng.choice([b"v", b"a b", b"caf\xe9", b"text/event-stream", b""])
-            raw.append((name, value))
+        raw = random_headers(rng, pool, 10, [b"v", b"a b", b"caf\xe9", b"text/event-stream", b""])
         kept = filtered_items(
             CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in raw)
         )

@@ -717,7 +717,7 @@ chunk_payload(PyObject *module, PyObject *arg)
 
 /* -- Lane: the whole per-read path of a stream's common read, in one call ------------------
  *
- * Lane(client, relay, origin_ns, high_water, max_event_bytes, strip)
+ * Lane(client, relay, origin_ns, high_water, max_event_bytes, strip, drop_usage_chunk=False)
  *
  * The read that makes up almost every read of a streamed answer is one or a few whole HTTP
  * chunks, each exactly one common token event of choice 0 (carrying one token, or several
@@ -741,7 +741,9 @@ chunk_payload(PyObject *module, PyObject *arg)
  * up once per transport type, _methodcache.h: a stream in flight holds one reference, not
  * three bound methods); relay: its on_client_full() is called once the client's buffer holds
  * more than high_water bytes (the relay pauses the upstream), after which the lane is
- * disarmed; origin_ns: the request's arrival (every offset is from it). `last_read_ns` is
+ * disarmed; origin_ns: the request's arrival (every offset is from it); strip: the usage
+ * member the proxy asked for is cut out of token chunks; drop_usage_chunk: the client did not
+ * ask for usage (a stream's end, below, leaves without the usage chunk). `last_read_ns` is
  * the instant of the last read it took, which the request's idle timeout reads when its timer
  * wakes (timeouts.Timeouts.lane), instead of an int stored per read. All instants are
  * CLOCK_MONOTONIC nanoseconds, the clock of clock.monotonic_ns (time.perf_counter_ns on Linux).
@@ -759,6 +761,12 @@ chunk_payload(PyObject *module, PyObject *arg)
  * price of one read in 128 on the Python path. */
 #define LANE_MAX_PENDING 128
 #define LANE_FIRST_CAPACITY 4
+/* `arm`'s end flags (StreamMeter.lane_start): the stream's end may be taken here (the meter
+ * has nothing the end's chunks could still give it but what the lane hands back), and the
+ * meter knows a system_fingerprint already (a held finish chunk would get it back from there
+ * when the usage chunk has none: left to the Python path). */
+#define LANE_END_OK 1
+#define LANE_END_FINGERPRINT_KNOWN 2
 
 /* One counted event: its two instants. Its output tokens go in a column of their own, made
  * only from the first event that did not carry one (as the meter's own column). */
@@ -776,7 +784,9 @@ typedef struct {
     long long high_water;
     Py_ssize_t max_event_bytes;
     int strip;
+    int drop_usage; /* the client did not ask for usage: the usage chunk is not forwarded */
     int armed;
+    int end_flags; /* LANE_END_*, from `arm`: whether the stream's end may be taken here */
     long long events_left;     /* events the stream may still take, from `arm` */
     long long last_cumulative; /* choice 0's completion tokens so far, from `arm` */
     /* Counted since the last `take`: */
@@ -792,7 +802,7 @@ typedef struct {
 } Lane;
 
 /* Interned at import. */
-static PyObject *write_name, *buffer_size_name, *is_closing_name, *full_name;
+static PyObject *write_name, *buffer_size_name, *is_closing_name, *full_name, *end_name;
 /* The client transport's three methods, found once per transport type (_methodcache.h). */
 static method_cache is_closing_method, write_method, buffer_size_method;
 
@@ -834,14 +844,15 @@ lane_dealloc(Lane *self)
 static PyObject *
 lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"client",          "relay", "origin_ns", "high_water",
-                            "max_event_bytes", "strip", NULL};
+    static char *names[] = {"client", "relay",           "origin_ns",        "high_water",
+                            "max_event_bytes", "strip", "drop_usage_chunk", NULL};
     PyObject *client, *relay;
     long long origin_ns, high_water;
     Py_ssize_t max_event_bytes;
-    int strip;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLLnp:Lane", names, &client, &relay,
-                                     &origin_ns, &high_water, &max_event_bytes, &strip)) {
+    int strip, drop_usage = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLLnp|p:Lane", names, &client, &relay,
+                                     &origin_ns, &high_water, &max_event_bytes, &strip,
+                                     &drop_usage)) {
         return NULL;
     }
     Lane *self = (Lane *)type->tp_alloc(type, 0);
@@ -854,6 +865,7 @@ lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->high_water = high_water;
     self->max_event_bytes = max_event_bytes;
     self->strip = strip;
+    self->drop_usage = drop_usage;
     self->all_ones = 1;
     return (PyObject *)self;
 }
@@ -901,6 +913,243 @@ lane_start_column(Lane *self)
     return 0;
 }
 
+/* -- The end of a stream, taken by the lane -------------------------------------------------
+ *
+ * vLLM ends a stream (with the usage the proxy asks for) with four writes that usually reach
+ * the proxy as one read: choice 0's last token chunk, which carries the finish reason; the
+ * usage-only chunk; `data: [DONE]`; and the chunked body's last chunk. The Python path gives
+ * them three events through llhttp, the SSE parser and `StreamMeter._consume`, holds the
+ * finish chunk for the usage chunk's system_fingerprint when the client did not ask for usage
+ * (the usage chunk is then dropped), and ends the client's answer in one write. A read that is
+ * exactly that sequence (after any common token chunks) is taken here: the finish chunk is
+ * counted as the token event it is, the client's bytes are made as `_consume` makes them, and
+ * the relay's `end_in_lane(out, at_ns, finish_reason, fingerprint, usage_forwarded)` ends
+ * both exchanges with them (MeteredRead). Anything else is left to the Python path. */
+
+static const char done_event[] = "data: [DONE]\n\n";
+static const char last_chunk[] = "0\r\n\r\n";
+static const char fingerprint_member[] = ",\"system_fingerprint\":\"";
+
+struct lane_end {
+    cursor finish_payload; /* the finish chunk's event */
+    size_t finish_size;
+    struct token_chunk finish;
+    cursor usage_payload; /* the usage chunk's event */
+    size_t usage_size;
+    struct token_chunk usage;
+};
+
+/* 1 and ``out`` filled when [p, end) is the end of a stream this lane takes (above), else 0. */
+static int
+end_span(const Lane *self, cursor p, cursor end, struct lane_end *out)
+{
+    size_t limit = (size_t)self->max_event_bytes;
+    cursor done;
+    size_t done_size;
+    if (!chunk_span(&p, end, &out->finish_payload, &out->finish_size)
+        || out->finish_size > limit
+        || !scan_span(out->finish_payload, out->finish_payload + out->finish_size, &out->finish,
+                      1)
+        || out->finish.kind != CHUNK_TOKEN || out->finish.index != 0
+        || out->finish.finish_start < 0 || out->finish.fingerprint_start >= 0) {
+        return 0;
+    }
+    if (!chunk_span(&p, end, &out->usage_payload, &out->usage_size) || out->usage_size > limit
+        || !scan_span(out->usage_payload, out->usage_payload + out->usage_size, &out->usage, 1)
+        || out->usage.kind != CHUNK_USAGE) {
+        return 0;
+    }
+    if (!chunk_span(&p, end, &done, &done_size) || done_size != sizeof(done_event) - 1
+        || done_size > limit || memcmp(done, done_event, done_size) != 0) {
+        return 0;
+    }
+    if ((size_t)(end - p) != sizeof(last_chunk) - 1
+        || memcmp(p, last_chunk, sizeof(last_chunk) - 1) != 0) {
+        return 0; /* a trailer, or more after the body: llhttp's */
+    }
+    if (self->drop_usage) {
+        /* The held finish chunk gets the fingerprint where its usage member was cut. */
+        if (!self->strip || !out->finish.has_usage) {
+            return 0;
+        }
+        if (out->usage.fingerprint_start < 0 && (self->end_flags & LANE_END_FINGERPRINT_KNOWN)) {
+            return 0;
+        }
+    }
+    /* The fingerprint's bytes are its JSON text only when ASCII (the scan already refused
+     * quotes, backslashes and control bytes): otherwise the Python path decodes and encodes
+     * it. */
+    for (Py_ssize_t i = out->usage.fingerprint_start; i < out->usage.fingerprint_end; i++) {
+        if (out->usage_payload[i] & 0x80) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The client's bytes for an end read (unframed: `ClientExchange.end` frames them): the
+ * token events before the finish chunk and the finish chunk, each with its usage member cut
+ * when the proxy asked for it (the finish chunk with the usage chunk's fingerprint in its
+ * place when the usage chunk is dropped), the usage chunk unless dropped, and `[DONE]`. */
+static PyObject *
+end_payload(const Lane *self, int n, cursor *payloads, const size_t *sizes,
+            const struct token_chunk *chunks, const struct lane_end *tail)
+{
+    Py_ssize_t fingerprint_size = tail->usage.fingerprint_end - tail->usage.fingerprint_start;
+    int insert = self->drop_usage && tail->usage.fingerprint_start >= 0;
+    size_t size = sizeof(done_event) - 1;
+    for (int i = 0; i < n; i++) {
+        size += sizes[i];
+        if (chunks[i].has_usage && self->strip) {
+            size -= (size_t)(chunks[i].usage_end - chunks[i].usage_start);
+        }
+    }
+    if (insert) {
+        size += sizeof(fingerprint_member) - 1 + (size_t)fingerprint_size + 1;
+    }
+    if (!self->drop_usage) {
+        size += tail->usage_size;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (out == NULL) {
+        return NULL;
+    }
+    char *to = PyBytes_AS_STRING(out);
+    for (int i = 0; i < n; i++) {
+        const struct token_chunk *chunk = &chunks[i];
+        if (chunk->has_usage && self->strip) {
+            size_t before = (size_t)chunk->usage_start;
+            size_t after = sizes[i] - (size_t)chunk->usage_end;
+            memcpy(to, payloads[i], before);
+            to += before;
+            if (insert && i == n - 1) { /* meter._release_held: rewrite.insert_member */
+                memcpy(to, fingerprint_member, sizeof(fingerprint_member) - 1);
+                to += sizeof(fingerprint_member) - 1;
+                memcpy(to, tail->usage_payload + tail->usage.fingerprint_start,
+                       (size_t)fingerprint_size);
+                to += fingerprint_size;
+                *to++ = '"';
+            }
+            memcpy(to, payloads[i] + chunk->usage_end, after);
+            to += after;
+        }
+        else {
+            memcpy(to, payloads[i], sizes[i]);
+            to += sizes[i];
+        }
+    }
+    if (!self->drop_usage) {
+        memcpy(to, tail->usage_payload, tail->usage_size);
+        to += tail->usage_size;
+    }
+    memcpy(to, done_event, sizeof(done_event) - 1);
+    return out;
+}
+
+/* The relay's `end_in_lane` for an end read: 0 when it returned, -1 with its exception. */
+static int
+call_end(Lane *self, PyObject *relay, PyObject *out, long long at_ns,
+         const struct lane_end *tail)
+{
+    const struct token_chunk *finish = &tail->finish;
+    PyObject *at = PyLong_FromLongLong(at_ns);
+    PyObject *reason = PyUnicode_DecodeUTF8(
+        (const char *)tail->finish_payload + finish->finish_start,
+        finish->finish_end - finish->finish_start, "replace");
+    PyObject *fingerprint =
+        tail->usage.fingerprint_start < 0
+            ? Py_NewRef(Py_None)
+            : PyUnicode_DecodeASCII(
+                  (const char *)tail->usage_payload + tail->usage.fingerprint_start,
+                  tail->usage.fingerprint_end - tail->usage.fingerprint_start, "strict");
+    PyObject *result = NULL;
+    if (at != NULL && reason != NULL && fingerprint != NULL) {
+        result = PyObject_CallMethodObjArgs(relay, end_name, out, at, reason, fingerprint,
+                                            self->drop_usage ? Py_False : Py_True, NULL);
+    }
+    Py_XDECREF(at);
+    Py_XDECREF(reason);
+    Py_XDECREF(fingerprint);
+    if (result == NULL) {
+        return -1;
+    }
+    Py_DECREF(result);
+    return 0;
+}
+
+/* The ``n`` token events of a read taken whole, in the pending columns: the server-side
+ * instant ``at_ns`` (the read's), the client-side one now (just after their write). Room for
+ * them was made (`lane_reserve`, and the token column when needed). */
+static void
+lane_commit(Lane *self, int n, const struct token_chunk *chunks, const long long *gained,
+            long long last, long long at_ns, long long read_ns)
+{
+    long long down_ns = monotonic_ns() - self->origin_ns;
+    long long up_ns = at_ns - self->origin_ns;
+    for (int i = 0; i < n; i++) {
+        struct lane_event *counted = &self->events[self->pending];
+        counted->up = up_ns;
+        counted->down = down_ns;
+        if (self->tokens != NULL) {
+            self->tokens[self->pending] = gained[i];
+        }
+        self->all_ones &= gained[i] == 1;
+        self->gained += gained[i];
+        self->pending++;
+        const struct token_chunk *chunk = &chunks[i];
+        if (chunk->has_usage) {
+            self->has_usage = 1;
+            self->prompt = chunk->prompt;
+            self->total = chunk->total;
+            self->completion = chunk->completion;
+        }
+        else {
+            self->inexact = 1;
+        }
+    }
+    self->last_cumulative = last;
+    self->last_read_ns = read_ns;
+}
+
+/* An end read (`end_span`), checked, with room made: its client bytes go to the relay's
+ * `end_in_lane`, which ends the client's answer with them in one write and the upstream's
+ * exchange; then its token events are committed (their client-side instant is after that
+ * write), with the usage chunk's usage as the last seen (the Python path's `usage` is the
+ * final one). The lane is disarmed for good: the stream has ended. */
+static int
+lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
+              const struct token_chunk *chunks, const long long *gained, long long last,
+              const struct lane_end *tail, long long at_ns, long long read_ns,
+              int column_needed)
+{
+    PyObject *out = end_payload(self, n, payloads, sizes, chunks, tail);
+    if (out == NULL) {
+        PyErr_Clear();
+        return 0; /* nothing done yet: the Python path takes the read */
+    }
+    self->armed = 0;
+    self->end_flags = 0;
+    PyObject *relay = Py_NewRef(self->relay);
+    int called = call_end(self, relay, out, at_ns, tail);
+    Py_DECREF(out);
+    Py_DECREF(relay);
+    if (called < 0) {
+        return -1;
+    }
+    /* Room again, should anything the call did have taken the counts meanwhile. */
+    if (lane_reserve(self, n) < 0
+        || (column_needed && self->tokens == NULL && lane_start_column(self) < 0)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    lane_commit(self, n, chunks, gained, last, at_ns, read_ns);
+    self->has_usage = 1;
+    self->prompt = tail->usage.prompt;
+    self->total = tail->usage.total;
+    self->completion = tail->usage.completion;
+    return 1;
+}
+
 /* relay(read, at_ns) -> bool: the read taken whole (True), or left untouched for the Python
  * path (False). ``at_ns``: the read's instant (the kernel's receive stamp). */
 /* `<size in lowercase hex>\r\n` into head (at least 19 bytes), what "%zx\r\n" gives: written
@@ -943,13 +1192,24 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     int n = 0;
     size_t out_size = 0;
     long long last = self->last_cumulative;
+    struct lane_end tail;
+    int ending = 0; /* the read ends the stream (`end_span`): its finish chunk is chunks[n - 1] */
     /* Every check first: a read is taken whole or not at all. */
-    while (p < end) {
+    while (p < end && !ending) {
+        cursor at = p;
         if (n == LANE_MAX_CHUNKS || !chunk_span(&p, end, &payloads[n], &sizes[n])
             || sizes[n] > (size_t)self->max_event_bytes
             || !scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 0)
             || chunks[n].index != 0) {
-            return 0;
+            if (n == LANE_MAX_CHUNKS || !(self->end_flags & LANE_END_OK)
+                || !end_span(self, at, end, &tail)) {
+                return 0;
+            }
+            /* The finish chunk is one more token event of choice 0, counted as they are. */
+            payloads[n] = tail.finish_payload;
+            sizes[n] = tail.finish_size;
+            chunks[n] = tail.finish;
+            ending = 1;
         }
         struct token_chunk *chunk = &chunks[n];
         /* TokenCounter.token_event: the rise of the cumulative count (0 when it did not
@@ -970,7 +1230,8 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         }
         n++;
     }
-    if (n == 0 || self->pending + n > self->events_left
+    /* The end's usage chunk and [DONE] are events of the stream too (StreamMeter.events). */
+    if (n == 0 || self->pending + n + (ending ? 2 : 0) > self->events_left
         || self->pending + n > LANE_MAX_PENDING) {
         return 0;
     }
@@ -995,6 +1256,10 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         return 0; /* no memory now: the Python path will fail the read if it must */
     }
     long long read_ns = monotonic_ns();
+    if (ending) {
+        return lane_end_read(self, n, payloads, sizes, chunks, gained, last, &tail, at_ns,
+                             read_ns, column_needed);
+    }
     /* The client's chunk: `<size in hex>\r\n<payloads>\r\n`, as ClientExchange.write frames. */
     char head[24];
     int head_size = hex_line(head, out_size);
@@ -1041,32 +1306,8 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         PyErr_NoMemory();
         goto done;
     }
-    long long down_ns = monotonic_ns() - self->origin_ns;
     /* Committed: the read is this lane's. */
-    long long up_ns = at_ns - self->origin_ns;
-    for (int i = 0; i < n; i++) {
-        struct lane_event *counted = &self->events[self->pending];
-        counted->up = up_ns;
-        counted->down = down_ns;
-        if (self->tokens != NULL) {
-            self->tokens[self->pending] = gained[i];
-        }
-        self->all_ones &= gained[i] == 1;
-        self->gained += gained[i];
-        self->pending++;
-        struct token_chunk *chunk = &chunks[i];
-        if (chunk->has_usage) {
-            self->has_usage = 1;
-            self->prompt = chunk->prompt;
-            self->total = chunk->total;
-            self->completion = chunk->completion;
-        }
-        else {
-            self->inexact = 1;
-        }
-    }
-    self->last_cumulative = last;
-    self->last_read_ns = read_ns;
+    lane_commit(self, n, chunks, gained, last, at_ns, read_ns);
     PyObject *held = call_method_cached(&buffer_size_method, buffer_size_name, &client, 1);
     if (held == NULL) {
         goto done;
@@ -1116,14 +1357,23 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(taken);
 }
 
-/* arm(events_left, last_cumulative): take reads from now on; the stream may take
- * ``events_left`` more events, and choice 0 has had ``last_cumulative`` completion tokens. */
+/* arm(events_left, last_cumulative[, end_flags]): take reads from now on; the stream may take
+ * ``events_left`` more events, and choice 0 has had ``last_cumulative`` completion tokens;
+ * ``end_flags`` (LANE_END_*): whether a read that ends the stream may be taken too. */
 static PyObject *
 lane_arm(Lane *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "arm() takes (events_left, last_cumulative)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError,
+                        "arm() takes (events_left, last_cumulative[, end_flags])");
         return NULL;
+    }
+    long end_flags = 0;
+    if (nargs == 3) {
+        end_flags = PyLong_AsLong(args[2]);
+        if (end_flags == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
     }
     long long events_left = PyLong_AsLongLong(args[0]);
     if (events_left == -1 && PyErr_Occurred()) {
@@ -1139,6 +1389,7 @@ lane_arm(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->events_left = events_left + self->pending;
     self->last_cumulative = last;
+    self->end_flags = (int)end_flags;
     if (self->pending == 0) {
         self->all_ones = 1;
         self->gained = 0;
@@ -1332,15 +1583,19 @@ PyInit__tokenscan(void)
     buffer_size_name = PyUnicode_InternFromString("get_write_buffer_size");
     is_closing_name = PyUnicode_InternFromString("is_closing");
     full_name = PyUnicode_InternFromString("on_client_full");
-    if (write_name == NULL || buffer_size_name == NULL
-        || is_closing_name == NULL || full_name == NULL) {
+    end_name = PyUnicode_InternFromString("end_in_lane");
+    if (write_name == NULL || buffer_size_name == NULL || is_closing_name == NULL
+        || full_name == NULL || end_name == NULL) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) {
         return NULL;
     }
-    if (PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0) {
+    if (PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0
+        || PyModule_AddIntConstant(module, "LANE_END_OK", LANE_END_OK) < 0
+        || PyModule_AddIntConstant(module, "LANE_END_FINGERPRINT_KNOWN",
+                                   LANE_END_FINGERPRINT_KNOWN) < 0) {
         Py_DECREF(module);
         return NULL;
     }

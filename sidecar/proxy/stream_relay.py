@@ -169,6 +169,31 @@ class MeteredRead:
             self.meter.take_lane(up, tokens, gained, last_cumulative, exact, usage)
             self.builder.client_token_offsets(down)
 
+    def end_in_lane(
+        self, out: bytes, at_ns: int, finish_reason: str, fingerprint: str | None, usage: bool
+    ) -> None:
+        """The C lane took the read that ends the stream (the finish, usage and [DONE] chunks
+        and the end of the chunked body, `_tokenscan.c`): what `on_read` and `_end_in_read`
+        do with it. ``out``: the client's last events, as `StreamMeter` would have made them
+        (they leave with the end of the client's answer, in one write); ``at_ns``: the read's
+        instant; ``usage``: the usage chunk is among them (the client asked for usage). The
+        lane counts the read's token events (the finish chunk's among them) once this returns,
+        with their client-side instant after the write."""
+        try:
+            self.ended = True
+            self.meter.end_in_lane(finish_reason, fingerprint)
+            builder = self.builder
+            builder.up_end_ns = builder.offset(at_ns)
+            exchange = self.exchange
+            assert exchange is not None  # the lane writes to it
+            exchange.end(out)
+            builder.down_events += 2 if usage else 1  # the usage chunk, [DONE]
+            self.upstream.end_in_lane()
+        except BaseException as exc:  # never let a failure escape into the transport
+            if self.trouble is None:
+                self.trouble = exc
+            self.upstream.connection.abort()
+
     def on_client_full(self) -> None:
         """The C lane's write left more than the high-water mark in the client's buffer: what
         `_deliver` does then (the lane has disarmed itself)."""
@@ -191,7 +216,7 @@ class MeteredRead:
             or not isinstance(upstream_transport, StampedTransport)
         ):
             return
-        max_event_bytes, strip = settings
+        max_event_bytes, strip, drop_usage_chunk = settings
         self.lane = LaneType(
             client,
             self,
@@ -199,6 +224,7 @@ class MeteredRead:
             WRITE_HIGH_WATER,
             max_event_bytes,
             strip,
+            drop_usage_chunk,
         )
         upstream_transport.lane = self.lane
         self.timeouts.lane = self.lane  # the idle timeout reads its reads' instants

@@ -442,6 +442,17 @@ class UpstreamExchange:
             )
         )
 
+    def end_in_lane(self) -> None:
+        """The body's last chunk (``0`` and no trailer) was taken by the stream's C lane with
+        the last events (stream_relay.MeteredRead.end_in_lane): llhttp never saw it. The
+        message is complete, and the connection kept alive as llhttp would have said at its
+        end (its flags, from the head, do not change within a chunked body)."""
+        parser = self._parser
+        self._keep_alive = parser is not None and parser.should_keep_alive()
+        self._between_chunks = False
+        self.complete = True
+        self._end()
+
     def _finish(self) -> None:
         self.complete = True
 

@@ -1002,6 +1002,32 @@ def raw_chunks(base_url: str, path: str, body: dict[str, Any]) -> list[bytes]:
     return chunks
 
 
+class LaneClient:
+    """The client transport and the relay, as the C lane calls them; what it writes and the
+    stream ends it hands over, recorded."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.ends: list[tuple[object, ...]] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def on_client_full(self) -> None:
+        raise AssertionError("never full")
+
+    def end_in_lane(
+        self, out: bytes, at_ns: int, finish_reason: str, fingerprint: str | None, usage: bool
+    ) -> None:
+        self.ends.append((out, at_ns, finish_reason, fingerprint, usage))
+
+
 @pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
 @pytest.mark.parametrize("strip", [True, False])
 def test_the_c_lane_takes_the_real_servers_token_chunks(
@@ -1020,24 +1046,8 @@ def test_the_c_lane_takes_the_real_servers_token_chunks(
     body = make(max_tokens=32, stream=True)
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     chunks = raw_chunks(real_vllm.base_url, path, body)
-    written: list[bytes] = []
-
-    class Client:
-        """The client transport and the relay, as the lane calls them."""
-
-        def write(self, data: bytes) -> None:
-            written.append(data)
-
-        def get_write_buffer_size(self) -> int:
-            return 0
-
-        def is_closing(self) -> bool:
-            return False
-
-        def on_client_full(self) -> None:
-            raise AssertionError("never full")
-
-    client = Client()
+    client = LaneClient()
+    written = client.written
     lane = Lane(client, client, 0, 1 << 16, 1 << 20, strip)
     lane.arm(1 << 20, 0)
     expected_taken = 0
@@ -1068,6 +1078,58 @@ def test_the_c_lane_takes_the_real_servers_token_chunks(
     assert taken is not None
     assert len(taken[0]) // 8 == expected_taken >= 3
     assert taken[4] == last and taken[5] is True
+    assert client.ends == []  # armed without the end
+
+
+@pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
+@pytest.mark.parametrize("client_usage", [False, True])
+def test_the_c_lane_takes_the_real_servers_end_of_stream(
+    real_vllm: RealVLLM, path: str, make: Any, client_usage: bool
+) -> None:
+    """The real server's last four HTTP chunks (the finish chunk, the usage chunk, [DONE],
+    the body's end) as one read, with the continuous usage the proxy asks for: the lane takes
+    them when the end is allowed, and hands the relay the client's bytes the measuring core
+    (`StreamMeter`, the Python path) makes of the same events, for a client that did not ask
+    for usage (the finish chunk gets the usage chunk's fingerprint, the usage chunk is dropped)
+    and for one that asked for the final usage."""
+    try:
+        from sidecar.protocol._tokenscan import Lane
+    except ImportError:
+        pytest.skip("the C lane is not built")
+    from sidecar.meter import StreamMeter
+    from sidecar.protocol.rewrite import UsagePlan
+
+    body = make(max_tokens=8, stream=True)
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = raw_chunks(real_vllm.base_url, path, body)
+    plan = UsagePlan(client_usage, False, not client_usage, True)
+    meter = StreamMeter(0, plan)
+    for chunk in chunks[:-4]:  # one read per chunk, as they came
+        meter.feed(chunk[chunk.index(b"\r\n") + 2 : -2], 1)
+    start = meter.lane_start()
+    assert start is not None and start[2] & 1, start  # the end may be taken
+    relay = LaneClient()
+    lane = Lane(relay, relay, 0, 1 << 16, 1 << 20, True, not client_usage)
+    lane.arm(*start)
+    end = b"".join(chunks[-4:])
+    assert chunks[-1] == b"0\r\n\r\n" and lane.relay(end, 5), chunks[-4:]
+    out, n_events, _ = meter.feed(
+        b"".join(chunk[chunk.index(b"\r\n") + 2 : -2] for chunk in chunks[-4:-1]), 5
+    )
+    tail, n_tail, _ = meter.close(5)
+    assert meter.saw_done and meter.fatal is None
+    assert relay.written == []  # an end read is written by the relay's end
+    ((lane_out, at_ns, reason, fingerprint, usage_forwarded),) = relay.ends
+    assert lane_out == out + tail and at_ns == 5
+    assert (reason, fingerprint, usage_forwarded) == (
+        meter.finish_reason,
+        meter.fingerprint,
+        client_usage,
+    )
+    assert n_events + n_tail == (3 if client_usage else 2)
+    taken, final = lane.take(), meter.usage
+    assert taken is not None and final is not None
+    assert taken[6] == (final.prompt_tokens, final.total_tokens, final.completion_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
