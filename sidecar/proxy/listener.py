@@ -118,11 +118,22 @@ def reason_phrase(status: int) -> str:
         return "Unknown"
 
 
-def response_head(status: int, reason: str | None, headers: list[tuple[str, str]]) -> bytes:
-    """``HTTP/1.1 status reason`` and the header lines, up to and with the blank line."""
-    lines = [f"HTTP/1.1 {status} {reason or reason_phrase(status)}"]
-    lines.extend(f"{name}: {value}" for name, value in headers)
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+def header_lines(headers: list[tuple[str, str]]) -> bytes:
+    """``Name: value`` and CRLF for each header, as bytes (latin-1)."""
+    return "".join([f"{name}: {value}\r\n" for name, value in headers]).encode("latin-1")
+
+
+def response_head(
+    status: int, reason: str | None, header_block: bytes, framing: bytes = b""
+) -> bytes:
+    """``HTTP/1.1 status reason``, the header lines (bytes, CRLF each; then the framing
+    lines), and the blank line."""
+    return b"HTTP/1.1 %d %b\r\n%b%b\r\n" % (
+        status,
+        (reason or reason_phrase(status)).encode("latin-1"),
+        header_block,
+        framing,
+    )
 
 
 class ClientExchange:
@@ -181,8 +192,7 @@ class ClientExchange:
         `abort` or `flush`, whichever comes first; the caller flushes it before it waits on
         anything (a stream whose first events came with the upstream's head then costs one
         write syscall fewer, and the head is not later than the bytes already here)."""
-        block = "".join([f"{name}: {value}\r\n" for name, value in headers])
-        self.start_block(status, reason, block.encode("latin-1"), content_length, body, hold)
+        self.start_block(status, reason, header_lines(headers), content_length, body, hold)
 
     def start_block(
         self,
@@ -215,12 +225,7 @@ class ClientExchange:
             self._close_after = True
         if self._close_after:
             framing += b"Connection: close\r\n"
-        head = b"HTTP/1.1 %d %b\r\n%b%b\r\n" % (
-            status,
-            (reason or reason_phrase(status)).encode("latin-1"),
-            header_block,
-            framing,
-        )
+        head = response_head(status, reason, header_block, framing)
         transport = self.connection.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client is gone")
@@ -688,7 +693,8 @@ class ClientConnection(asyncio.Protocol):
                     response_head(
                         rejection.status,
                         None,
-                        [*headers, ("Content-Length", str(len(body))), ("Connection", "close")],
+                        header_lines(headers),
+                        b"Content-Length: %d\r\nConnection: close\r\n" % len(body),
                     )
                     + body
                 )
