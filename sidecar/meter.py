@@ -107,6 +107,7 @@ DEFAULT_MAX_STREAM_EVENTS = 1_000_000
 # tests/test_lane.py holds the two to the same values).
 LANE_END_OK = 1
 LANE_END_FINGERPRINT_KNOWN = 2
+LANE_FIRST = 4  # ... and the stream's first read (no event yet): `first_in_lane`
 
 
 def oversized_event(exc: SSEError) -> StreamFailure:
@@ -304,32 +305,39 @@ class StreamMeter:
         return self._max_event_bytes, self._strip, self._drop_usage_chunk
 
     def lane_start(self) -> tuple[int, int, int] | None:
-        """(events the stream may still take, choice 0's cumulative count, end flags) when the
-        C lane (`_tokenscan.Lane`, armed by stream_relay.MeteredRead) may take reads for this
+        """(events the stream may still take, choice 0's cumulative count, flags) when the C
+        lane (`_tokenscan.Lane`, armed by stream_relay.MeteredRead) may take reads for this
         meter: in the state where `feed`'s own one-event lane would take them, with every event
-        so far of choice 0, nothing carried and a token seen; else None. The end flags
+        so far of choice 0, nothing carried and a token seen; or before any event (LANE_FIRST:
+        the lane may take the first read, `first_in_lane`); else None. The end flags
         (LANE_END_*) say whether the lane may take the stream's end too (`end_in_lane`): once
         the answer's model is known (the finish chunk would not give it), and whether a
         fingerprint is known already (a dropped usage chunk without one then leaves the finish
         chunk to get this one back, on the Python path)."""
-        if (
-            self._lane
-            and self._held is None
-            and self.fatal is None
-            and self._between
-            and self.choices is None
-            and self.offsets
-            and not self._closed
-        ):
-            last = self._counter.lane_state()
-            if last is not None and self.events < self._max_events:
-                flags = 0
-                if self.response_model is not None:
-                    flags = LANE_END_OK
-                    if self.fingerprint is not None:
-                        flags |= LANE_END_FINGERPRINT_KNOWN
-                return self._max_events - self.events, last, flags
+        if not self._lane or self._held is not None or self.fatal is not None or self._closed:
+            return None
+        known = LANE_END_FINGERPRINT_KNOWN if self.fingerprint is not None else 0
+        if self.offsets:
+            if self._between and self.choices is None:
+                last = self._counter.lane_state()
+                if last is not None and self.events < self._max_events:
+                    flags = 0 if self.response_model is None else LANE_END_OK | known
+                    return self._max_events - self.events, last, flags
+        elif self.events == 0 and self._parser.fresh and self._max_events:
+            return self._max_events, 0, LANE_FIRST | known
         return None
+
+    def first_in_lane(self, model: str | None, response_id: str | None, other_events: int) -> None:
+        """The C lane took the stream's first read (`_tokenscan.c`, "The first read"): what
+        `_consume` reads off it besides the counts `take_lane` brings: the answer's model and
+        id (from its first chunk, kept as `_bounded_name` keeps them; None: handed with an
+        earlier read), and the events that carried no token (chat's role chunk)."""
+        self.events += other_events
+        if model is not None:
+            self.response_model = model
+            self.response_id = response_id
+            self._parser.started_elsewhere()
+            self._between = True  # as a feed of those whole events would have left the parser
 
     def end_in_lane(self, finish_reason: str, fingerprint: str | None) -> None:
         """The C lane took the stream's end (`_tokenscan.c`, "The end of a stream"): choice 0's

@@ -17,9 +17,11 @@ from typing import Any
 import aiohttp
 import pytest
 from proxy_stack import stack
-from vllm_chunks import CHAT_BANG, CHAT_HELLO, CHAT_USAGE, COMPLETION_HELLO
+from vllm_chunks import CHAT_BANG, CHAT_HELLO, CHAT_ROLE, CHAT_USAGE, COMPLETION_HELLO
 
 from sidecar import clock, meter
+from sidecar.meter import StreamMeter
+from sidecar.protocol.rewrite import UsagePlan
 from sidecar.proxy import stream_relay
 from sidecar.record import Outcome, RequestRecord
 from sidecar.sim.engine import EngineConfig
@@ -57,7 +59,7 @@ def chunk(payload: bytes) -> bytes:
 
 class Client:
     """What the lane calls: the client transport's three methods, and the relay's
-    `on_client_full` and `end_in_lane`; recorded."""
+    `on_client_full`, `first_in_lane` and `end_in_lane`; recorded."""
 
     def __init__(self, held: int = 0, closing: bool = False) -> None:
         self.writes: list[bytes] = []
@@ -66,6 +68,12 @@ class Client:
         self.full_calls = 0
         self.fail_write = False
         self.ends: list[tuple[bytes, int, str, str | None, bool]] = []
+        self.firsts: list[tuple[str | None, str | None, int, bool]] = []
+
+    def first_in_lane(
+        self, model: str | None, response_id: str | None, other_events: int, first_token: bool
+    ) -> None:
+        self.firsts.append((model, response_id, other_events, first_token))
 
     def end_in_lane(
         self, out: bytes, at_ns: int, finish_reason: str, fingerprint: str | None, usage: bool
@@ -381,6 +389,218 @@ def test_an_end_past_the_streams_event_limit_is_left_to_the_python_path() -> Non
     assert exact.relay(read, ORIGIN) and len(client.ends) == 1
 
 
+# -- the first read of a stream -----------------------------------------------------------
+
+FIRST = meter.LANE_FIRST
+
+
+def role_event(completion: int | None = None, prompt: int = 12, role: str = CHAT_ROLE) -> bytes:
+    """Chat's role chunk, with vLLM's continuous usage when ``completion`` is given."""
+    if completion is not None:
+        usage = (
+            f',"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
+            f'"completion_tokens":{completion}}}'
+        )
+        role = role.replace(',"prompt_token_ids":null', usage + ',"prompt_token_ids":null')
+    return b"data: " + role.encode() + b"\n\n"
+
+
+def named(data: bytes, model: str = "M", response_id: str = "chatcmpl-abc123") -> bytes:
+    return data.replace(b'"model":"M"', b'"model":"%b"' % model.encode()).replace(
+        b'"chatcmpl-abc123"', b'"%b"' % response_id.encode()
+    )
+
+
+# First reads the lane takes: each checked against the Python path (`StreamMeter`).
+FIRST_READS: dict[str, list[bytes]] = {
+    "chat: the role chunk and the first token": [role_event(0), event(CHAT_HELLO, 1)],
+    "chat without usage": [role_event(), event(CHAT_HELLO)],
+    "completions: the first token": [event(COMPLETION_HELLO, 1)],
+    "several tokens after the role chunk": [
+        role_event(0),
+        event(CHAT_HELLO, 1),
+        event(CHAT_HELLO, 3),
+    ],
+    "the first token alone (chat's role chunk came first, read by the Python path)": [
+        event(CHAT_HELLO, 2)
+    ],
+    "a model of 256 characters": [named(role_event(0), "m" * 256), event(CHAT_HELLO, 1)],
+    "an id the meter does not keep (too long)": [
+        named(role_event(0), response_id="c" * 257),
+        event(CHAT_HELLO, 1),
+    ],
+    "an id the meter does not keep (DEL)": [
+        named(role_event(0), response_id="c\x7fd"),
+        event(CHAT_HELLO, 1),
+    ],
+    "an empty model": [named(event(CHAT_HELLO, 1), "")],
+}
+
+
+@pytest.mark.parametrize("name", list(FIRST_READS))
+@pytest.mark.parametrize("client_usage", [None, "final", "continuous"])
+def test_a_streams_first_read_is_taken_as_the_python_path_takes_it(
+    name: str, client_usage: str | None
+) -> None:
+    """Armed before any event (`StreamMeter.lane_start`'s LANE_FIRST), the lane takes the
+    first token with chat's role chunk before it: the client's bytes, the counts and what it
+    hands the relay (`first_in_lane`: the answer's model and id as the meter keeps them, the
+    role chunk as an event without a token) are what the Python path makes of the same read.
+    After it, the stream's end may be taken (the model is known)."""
+    plan = UsagePlan(client_usage is not None, client_usage == "continuous", True, True)
+    events = FIRST_READS[name]
+    python = StreamMeter(ORIGIN, plan)
+    out, n_events, n_token_events = python.feed(b"".join(events), ORIGIN + 30)
+    lane_meter = StreamMeter(ORIGIN, plan)
+    start = lane_meter.lane_start()
+    assert start is not None and start[2] == FIRST, start
+    client = Client()
+    lane = Lane(
+        client, client, ORIGIN, HIGH_WATER, 1 << 20, plan.strip_chunk_usage, plan.drop_usage_chunk
+    )
+    lane.arm(*start)
+    assert lane.relay(b"".join(chunk(e) for e in events), ORIGIN + 30)
+    assert client.writes == [chunk(out)]
+    names = (python.response_model, python.response_id)
+    assert client.firsts == [(*names, n_events - n_token_events, True)]
+    model, response_id, other, _ = client.firsts[0]
+    lane_meter.first_in_lane(model, response_id, other)
+    taken = lane.take()
+    assert taken is not None
+    up, _, tokens, gained, last, exact, usage = taken
+    lane_meter.take_lane(up, tokens, gained, last, exact, usage)
+    assert list(lane_meter.offsets) == list(python.offsets) == [30] * n_token_events
+    assert lane_meter.events == python.events == n_events
+    assert lane_meter.token_totals == python.token_totals
+    assert lane_meter.token_counts().tolist() == python.token_counts().tolist()
+    assert (lane_meter.response_model, lane_meter.response_id) == (
+        python.response_model,
+        python.response_id,
+    )
+    # Both meters now stand where the next reads are the lane's, the end among them: the lane
+    # took the first read and may take the end without being armed again.
+    assert lane_meter.lane_start() == python.lane_start() is not None
+    ender = Client()
+    lane = Lane(ender, ender, ORIGIN, HIGH_WATER, 1 << 20, True, False)
+    lane.arm(*start)
+    assert lane.relay(b"".join(chunk(e) for e in events), ORIGIN)
+    assert lane.relay(end_read(event(FINISH, last + 1), usage_event(), DONE), ORIGIN)
+    assert len(ender.ends) == 1
+
+
+def test_the_first_flag_is_the_c_lanes() -> None:
+    assert FIRST == _tokenscan.LANE_FIRST and FIRST & (END_OK | FINGERPRINT_KNOWN) == 0
+
+
+# First reads it leaves to the Python path, armed with LANE_FIRST.
+FIRST_READS_LEFT_ALONE: dict[str, list[bytes]] = {
+    "a role chunk after a token": [event(CHAT_HELLO, 1), role_event(1)],
+    "two role chunks": [role_event(0), role_event(0), event(CHAT_HELLO, 1)],
+    "a role chunk with a fingerprint": [
+        role_event(0, role=CHAT_ROLE.replace('}],"prompt', '}],"system_fingerprint":"fp","prompt')),
+        event(CHAT_HELLO, 1),
+    ],
+    "a role chunk with completion tokens (carried)": [role_event(1), event(CHAT_HELLO, 2)],
+    "an empty role": [
+        role_event(0, role=CHAT_ROLE.replace('"assistant"', '""')),
+        event(CHAT_HELLO, 1),
+    ],
+    "another choice's role chunk": [
+        role_event(0, role=CHAT_ROLE.replace('"index":0', '"index":1')),
+        event(CHAT_HELLO, 1),
+    ],
+    "a model the meter does not keep (too long)": [named(event(CHAT_HELLO, 1), "m" * 257)],
+    "a model the meter does not keep (DEL)": [named(event(CHAT_HELLO, 1), "m\x7f")],
+    "a model outside ASCII": [named(event(CHAT_HELLO, 1), "mod\u00e8le")],
+    "an id outside ASCII": [named(event(CHAT_HELLO, 1), response_id="\u00e9")],
+    "the whole stream in one read": [role_event(0), event(FINISH, 1), usage_event(), DONE],
+}
+
+
+@pytest.mark.parametrize("name", list(FIRST_READS_LEFT_ALONE))
+def test_a_first_read_it_cannot_take_whole_is_left_untouched(name: str) -> None:
+    client = Client()
+    lane = new_lane(client)
+    lane.arm(100, 0, FIRST | END_OK)
+    read = b"".join(chunk(e) for e in FIRST_READS_LEFT_ALONE[name])
+    if name == "the whole stream in one read":
+        read += LAST_CHUNK
+    assert not lane.relay(read, ORIGIN)
+    assert client.writes == [] and client.firsts == [] and client.ends == []
+    assert lane.pending == 0
+    assert lane.armed and lane.last_read_ns == 0
+
+
+def test_without_the_first_flag_a_role_chunk_is_left_alone_and_no_names_are_handed() -> None:
+    client = Client()
+    lane = new_lane(client)
+    lane.arm(100, 0)
+    assert not lane.relay(chunk(role_event(0)) + chunk(event(CHAT_HELLO, 1)), ORIGIN)
+    assert lane.relay(chunk(event(CHAT_HELLO, 1)), ORIGIN)
+    assert client.firsts == [] and client.writes == [chunk(usage_cut(event(CHAT_HELLO, 1)))]
+
+
+def test_the_role_chunk_counts_against_the_streams_event_limit() -> None:
+    read = chunk(role_event(0)) + chunk(event(CHAT_HELLO, 1))
+    short = new_lane(Client())
+    short.arm(1, 0, FIRST)
+    assert not short.relay(read, ORIGIN)  # two events, one left
+    client = Client()
+    lane = new_lane(client)
+    lane.arm(3, 0, FIRST)
+    assert lane.relay(read, ORIGIN)
+    assert lane.relay(chunk(event(CHAT_HELLO, 2)), ORIGIN)  # the third event
+    assert not lane.relay(chunk(event(CHAT_HELLO, 3)), ORIGIN)  # a fourth is past the limit
+    assert client.firsts == [("M", "chatcmpl-abc123", 1, True)]
+
+
+def test_a_role_chunk_read_alone_then_the_first_token() -> None:
+    """vLLM's role chunk can reach the proxy alone, its first token in the next read: the lane
+    takes both, hands the names and the role chunk with the first (no token yet: the TTFT
+    deadline stands, and the end is not the lane's) and the first token with the second; the
+    role chunk's usage is handed over even with no token event to go with it."""
+    client = Client()
+    lane = new_lane(client, drop=True)
+    lane.arm(100, 0, FIRST | FINGERPRINT_KNOWN)
+    role = role_event(0, prompt=7)
+    assert lane.relay(chunk(role), ORIGIN + 10)
+    assert client.firsts == [("M", "chatcmpl-abc123", 1, False)]
+    assert client.writes == [chunk(usage_cut(role))]
+    end = end_read(event(FINISH, 1, prompt=7), usage_event(), DONE)
+    assert not lane.relay(end, ORIGIN + 20)  # the first token ends the stream: Python's
+    assert lane.relay(chunk(event(CHAT_HELLO, 1, prompt=7)), ORIGIN + 20)
+    assert client.firsts[1:] == [(None, None, 0, True)]
+    assert lane.relay(chunk(event(CHAT_HELLO, 2, prompt=7)), ORIGIN + 30)
+    assert len(client.firsts) == 2  # the first token only
+    assert lane.relay(end_read(event(FINISH, 3, prompt=7), usage_event(), DONE), ORIGIN + 40)
+    assert len(client.ends) == 1
+    taken = lane.take()
+    assert taken is not None and offsets(taken[0]) == [20, 30, 40]
+    # Read alone, then the Python path: the role chunk's usage reaches the meter.
+    alone = new_lane(Client())
+    alone.arm(100, 0, FIRST)
+    assert alone.relay(chunk(role), ORIGIN)
+    assert alone.take() == (b"", b"", None, 0, 0, True, (7, 7, 0))
+    assert alone.take() is None
+    python = StreamMeter(ORIGIN, UsagePlan(False, False, True, True))
+    python.feed(role, ORIGIN)
+    lane_meter = StreamMeter(ORIGIN, UsagePlan(False, False, True, True))
+    lane_meter.first_in_lane("M", "chatcmpl-abc123", 1)
+    lane_meter.take_lane(b"", None, 0, 0, True, (7, 7, 0))
+    assert lane_meter.token_totals == python.token_totals
+    assert lane_meter.events == python.events == 1
+    assert lane_meter.lane_start() is python.lane_start() is None  # Python's, to a token
+
+
+def test_the_role_chunks_usage_is_the_last_seen_when_no_token_chunk_carries_one() -> None:
+    lane = new_lane(Client())
+    lane.arm(100, 0, FIRST)
+    assert lane.relay(chunk(role_event(0, prompt=7)) + chunk(event(CHAT_HELLO)), ORIGIN)
+    taken = lane.take()
+    assert taken is not None
+    assert taken[3:] == (1, 1, False, (7, 7, 0))  # one token, estimated; the role's usage
+
+
 class ReentrantClient(Client):
     """A client whose write takes the lane's counts or closes the lane, before returning."""
 
@@ -546,10 +766,16 @@ def record_view(record: RequestRecord) -> dict[str, Any]:
 
 def count_lane_events(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now on, the events the lanes hand over (their `pending` at each take), summed in
-    the list returned's first item, and the stream ends they took in its second."""
-    taken = [0, 0]
+    the list returned's first item, the stream ends they took in its second, and the streams'
+    first reads in its third."""
+    taken = [0, 0, 0]
     take = stream_relay.MeteredRead._take_lane
     end = stream_relay.MeteredRead.end_in_lane
+    first = stream_relay.MeteredRead.first_in_lane
+
+    def counting_first(self: stream_relay.MeteredRead, *args: Any) -> None:
+        taken[2] += 1
+        first(self, *args)
 
     def counting_take(self: stream_relay.MeteredRead, lane: Lane) -> None:
         taken[0] += lane.pending
@@ -561,6 +787,7 @@ def count_lane_events(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
     monkeypatch.setattr(stream_relay.MeteredRead, "end_in_lane", counting_end)
+    monkeypatch.setattr(stream_relay.MeteredRead, "first_in_lane", counting_first)
     return taken
 
 
@@ -594,14 +821,15 @@ async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
     assert bodies_on == bodies_off
     assert records_on == records_off
     assert all(r["n_out"] == 24 and len(r["server_tokens"]) == 24 for r in records_on)
-    assert taken_off == [0, 0]
-    # Six streams of 24 token events: the first token of each goes through the Python path
-    # (the lane is armed after it), the rest whole chunks the lane takes, bar a coalesced read.
-    assert taken_on[0] >= 6 * 20, taken_on
-    # And each stream's end (finish, usage and [DONE] chunks, the body's last chunk): the
+    assert taken_off == [0, 0, 0]
+    # Six streams of 24 token events, each read by the lane: the first (chat's role chunk and
+    # the first token; the simulator's head leaves before its prefill, alone), the token
+    # chunks, and the end (finish, usage and [DONE] chunks, the body's last chunk: the
     # simulator runs on the proxy's loop and writes a stream's end in one turn, which the
-    # proxy then reads as one read.
-    assert taken_on[1] == 6, taken_on
+    # proxy then reads as one read).
+    # (A read that split a chunk, which loopback does not do to these, would be the Python
+    # path's: one in each stream is allowed for.)
+    assert taken_on[1:] == [6, 6] and taken_on[0] >= 6 * 23, taken_on
 
 
 async def test_an_upstream_connection_whose_stream_the_lane_ended_is_reused(
@@ -642,8 +870,8 @@ async def test_speculative_decoding_streams_go_through_the_lane_and_count_the_sa
     assert all(r["n_out"] == 24 == sum(r["server_tokens"]) for r in records_on)
     assert any(n > 1 for r in records_on for n in r["server_tokens"])  # drafts were accepted
     events = sum(len(r["server_tokens"]) for r in records_on)
-    assert taken_on[0] >= events - 6 * 4, (taken_on, events)
-    assert taken_on[1] == 6, taken_on  # every end too
+    # Every read, the first and the end too (bar one read a stream, as above).
+    assert taken_on[1:] == [6, 6] and taken_on[0] >= events - 6, (taken_on, events)
 
 
 async def test_records_hold_their_stamps_in_order_whichever_path_took_each_read() -> None:
@@ -690,3 +918,30 @@ async def test_the_idle_timeout_counts_the_reads_the_lane_takes(
     assert ok.outcome is Outcome.OK and ok.n_out == 24
     assert cut.outcome is Outcome.TIMEOUT and cut.error_type == "idle_timeout"
     assert taken[0] >= 20 + 5, taken  # most of both streams' reads went through the lane
+
+
+async def test_the_ttft_deadline_is_met_by_a_first_token_the_lane_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream whose first read the lane takes (`first_in_lane` clears the TTFT deadline)
+    outlives a 150 ms TTFT timeout by far (~0.5 s at a read every 20 ms); a stream whose first
+    token is late is still cut by it, the lane armed and waiting."""
+    taken = count_lane_events(monkeypatch)
+    path, base = BODIES["chat"]
+    body = {**base, "stream": True, "max_tokens": 24, "ignore_eos": True}
+    async with (
+        stack(sim=PACED, ttft_timeout="150ms") as s,
+        aiohttp.ClientSession() as session,
+    ):
+        async with session.post(s.url + path, json=body) as response:
+            assert response.status == 200
+            assert (await response.read()).endswith(b"data: [DONE]\n\n")
+        late = {"X-Sim-Fault": "stall_ms=1000", "X-Request-Id": "late"}
+        async with session.post(s.url + path, json=body, headers=late) as response:
+            await response.read()
+        records = await s.records.wait_for(2)
+    ok, cut = sorted(records, key=lambda r: r.request_id == "late")
+    assert ok.outcome is Outcome.OK and ok.n_out == 24
+    assert cut.outcome is Outcome.TIMEOUT and cut.error_type == "ttft_timeout"
+    assert cut.server is not None and len(cut.server.offsets_ns) == 0
+    assert taken[1:] == [1, 1], taken  # the first stream's first read and end were the lane's

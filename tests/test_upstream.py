@@ -441,14 +441,18 @@ class _CountingParser:
 
 
 @contextlib.asynccontextmanager
-async def exchange_answered(transfer_encoding: bytes) -> AsyncIterator[UpstreamExchange]:
+async def exchange_answered(
+    transfer_encoding: bytes, head: bytes | None = None
+) -> AsyncIterator[UpstreamExchange]:
     """An exchange with a raw upstream whose answer is only a 200 head with this
-    Transfer-Encoding: the body is the test's to feed, read by read (`UpstreamExchange.feed`,
-    what the transports call). Needs the C check (fails in CI without it)."""
+    Transfer-Encoding (or this whole ``head``): the body is the test's to feed, read by read
+    (`UpstreamExchange.feed`, what the transports call). Needs the C check (fails in CI
+    without it)."""
     native_chunk_payload()
+    answer_head = head or b"HTTP/1.1 200 OK\r\nTransfer-Encoding: %b\r\n\r\n" % transfer_encoding
 
     async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + transfer_encoding + b"\r\n\r\n")
+        writer.write(answer_head)
         return True
 
     async with RawUpstream(answer) as url:
@@ -464,21 +468,22 @@ async def exchange_answered(transfer_encoding: bytes) -> AsyncIterator[UpstreamE
 
 
 async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
-    """llhttp's own callbacks say when it is between chunks. A read that looks like a whole
-    chunk but is the middle of a larger one is body, and goes to llhttp."""
+    """llhttp's own callbacks say when it is between chunks (and a head that says plainly
+    `Transfer-Encoding: chunked` before the first). A read that looks like a whole chunk but
+    is the middle of a larger one is body, and goes to llhttp."""
     async with exchange_answered(b"chunked") as exchange:
         counting = _CountingParser(exchange._parser)
         exchange._parser = counting  # type: ignore[assignment]
         fed: list[bytes] = []
         done = exchange.stream_body(lambda data, _at: fed.append(data))
         steps = [
-            (b"5\r\nhello\r\n", b"hello", 1),  # the first chunk: llhttp's, as always
-            (b"3\r\nabc\r\n", b"abc", 1),  # whole, between chunks: not fed to llhttp
-            (b"10\r\n", None, 2),  # a 16-byte chunk begins
-            (b"5\r\nhello\r\n", b"5\r\nhello\r\n", 3),  # its first 10 bytes, whatever they say
-            (b"abcdef\r\n", b"abcdef", 4),  # its end
-            (b"3\r\nxyz\r\n", b"xyz", 4),  # whole, between chunks again
-            (b"0\r\n\r\n", None, 5),
+            (b"5\r\nhello\r\n", b"hello", 0),  # the first chunk, after a plain head
+            (b"3\r\nabc\r\n", b"abc", 0),  # whole, between chunks: not fed to llhttp
+            (b"10\r\n", None, 1),  # a 16-byte chunk begins
+            (b"5\r\nhello\r\n", b"5\r\nhello\r\n", 2),  # its first 10 bytes, whatever they say
+            (b"abcdef\r\n", b"abcdef", 3),  # its end
+            (b"3\r\nxyz\r\n", b"xyz", 3),  # whole, between chunks again
+            (b"0\r\n\r\n", None, 4),
         ]
         for read, handed, parser_reads in steps:
             before = len(fed)
@@ -487,6 +492,62 @@ async def test_only_a_whole_chunk_read_between_chunks_skips_llhttp() -> None:
             assert counting.fed == parser_reads
         await asyncio.wait_for(done, 5)
         assert b"".join(fed) == b"helloabc5\r\nhello\r\nabcdefxyz"
+
+
+# Heads whose first body chunk may skip llhttp (True) or must not: the head says plainly, once,
+# that the body is chunked, or it says something else, or two things, or has no body.
+HEADS = [
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", True),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\nX-A: b\r\n\r\n", True),
+    (b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n", True),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n", False),
+    (b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n", False),
+    (b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n", False),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", True),
+]
+
+
+@pytest.mark.parametrize("head,skips", HEADS, ids=range(len(HEADS)))
+async def test_the_first_chunk_skips_llhttp_only_after_a_plain_chunked_head(
+    head: bytes, skips: bool
+) -> None:
+    """The body's first chunk bypasses llhttp only where the head leaves no doubt, and the
+    body handed over is then llhttp's own reading of the same bytes, read by read."""
+    import httptools
+
+    reads = [b"5\r\nhello\r\n", b"3\r\nabc\r\n", b"0\r\n\r\n"]
+    recorder = _ChunkEvents()
+    reference = httptools.HttpResponseParser(recorder)
+    reference.feed_data(head)
+    expected: list[bytes] = []
+    for read in reads:
+        before = len(recorder.events)
+        try:
+            reference.feed_data(read)
+        except httptools.HttpParserError:
+            break
+        body = b"".join(e for e in recorder.events[before:] if isinstance(e, bytes))
+        if body:
+            expected.append(body)
+    async with exchange_answered(b"", head) as exchange:
+        counting = _CountingParser(exchange._parser)
+        exchange._parser = counting  # type: ignore[assignment]
+        fed: list[bytes] = []
+        exchange.stream_body(lambda data, _at: fed.append(data))
+        first_skipped = False  # 204 and 304 end with their head: nothing is fed after it
+        for i, read in enumerate(reads):
+            if exchange.complete or exchange.failed:
+                break
+            exchange.feed(read, 0)
+            first_skipped = first_skipped or (i == 0 and counting.fed == 0)
+        assert first_skipped is skips
+        assert fed == expected
 
 
 async def test_a_body_whose_transfer_coding_does_not_end_in_chunked_stays_raw() -> None:

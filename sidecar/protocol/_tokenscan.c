@@ -767,6 +767,10 @@ chunk_payload(PyObject *module, PyObject *arg)
  * when the usage chunk has none: left to the Python path). */
 #define LANE_END_OK 1
 #define LANE_END_FINGERPRINT_KNOWN 2
+/* ... and the stream's first read (StreamMeter.lane_start, before any event): it may begin
+ * with chat's role chunk, and its first chunk names the answer (model and id), which the
+ * relay's `first_in_lane` hands to the meter (below, "The first read"). */
+#define LANE_FIRST 4
 
 /* One counted event: its two instants. Its output tokens go in a column of their own, made
  * only from the first event that did not carry one (as the meter's own column). */
@@ -797,12 +801,15 @@ typedef struct {
     Py_ssize_t pending;
     Py_ssize_t capacity;
     int inexact; /* an event without usage (one token counted for it) */
+    int token_awaited; /* the first read was chat's role chunk alone: the next token is the
+                        * stream's first (`first_in_lane` says so) */
     int has_usage;
     long long prompt, total, completion; /* the last usage seen */
 } Lane;
 
 /* Interned at import. */
-static PyObject *write_name, *buffer_size_name, *is_closing_name, *full_name, *end_name;
+static PyObject *write_name, *buffer_size_name, *is_closing_name, *full_name, *end_name,
+    *first_name;
 /* The client transport's three methods, found once per transport type (_methodcache.h). */
 static method_cache is_closing_method, write_method, buffer_size_method;
 
@@ -1150,6 +1157,88 @@ lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
     return 1;
 }
 
+/* -- The first read of a stream, taken by the lane -----------------------------------------
+ *
+ * A stream's first read after its head is its first token: for chat, vLLM's role chunk (the
+ * role, no content) and choice 0's first token chunk, written in the same turn of its loop
+ * (and read together, or the role chunk first and alone); for completions, the first token
+ * chunk. Armed before any event (LANE_FIRST), the lane takes such a read as it takes any
+ * other, the role chunk forwarded (its usage cut as the token chunks' is) and counted as an
+ * event but not a token event, and hands the relay what `StreamMeter._consume` would have
+ * read off it besides the counts (`first_in_lane(model, response_id, other_events,
+ * first_token)`): the answer's model and id from its first chunk, the role chunk, and whether
+ * the stream's first token came (the TTFT deadline is met). A role chunk read alone leaves the
+ * lane awaiting the first token, whose read says so (`first_in_lane(None, None, 0, True)`);
+ * until then the stream's end is not taken here. A role chunk with a system_fingerprint or
+ * with completion tokens (which the meter would carry to the next token event), and names the
+ * meter decodes or would not keep are left to the Python path. */
+
+/* The longest name the meter keeps (meter._bounded_name). */
+#define ANSWER_NAME_MAX 256
+
+/* What meter._bounded_name makes of the name at [start, end) (a `name` span: no quote,
+ * backslash or control byte): 1 when kept (at most 256 characters, all printable), 0 when
+ * not, -1 when the Python path must decide (a byte outside ASCII, which it decodes first). */
+static int
+kept_name(cursor start, cursor end)
+{
+    int kept = end - start <= ANSWER_NAME_MAX;
+    for (cursor p = start; p < end; p++) {
+        if (*p & 0x80) {
+            return -1;
+        }
+        kept &= *p != 0x7f; /* DEL, the one ASCII byte `name` lets through that is not printable */
+    }
+    return kept;
+}
+
+/* The answer's model and id off the stream's first chunk, as StreamMeter keeps them: 1 with
+ * *model and *response_id made (the id None when not kept), 0 when the Python path must read
+ * them (a byte outside ASCII; a model the meter would not keep, when it would look at the next
+ * chunk's), -1 with an exception set. */
+static int
+answer_names(cursor payload, const struct token_chunk *chunk, PyObject **model,
+             PyObject **response_id)
+{
+    cursor model_start = payload + chunk->model_start, model_end = payload + chunk->model_end;
+    cursor id_start = payload + ID_START, id_end = payload + chunk->id_end;
+    int model_kept = kept_name(model_start, model_end);
+    int id_kept = kept_name(id_start, id_end);
+    if (model_kept != 1 || id_kept < 0) {
+        return 0;
+    }
+    *model = PyUnicode_DecodeASCII((const char *)model_start, model_end - model_start, "strict");
+    *response_id = id_kept ? PyUnicode_DecodeASCII((const char *)id_start, id_end - id_start,
+                                                   "strict")
+                           : Py_NewRef(Py_None);
+    if (*model == NULL || *response_id == NULL) {
+        Py_CLEAR(*model);
+        Py_CLEAR(*response_id);
+        return -1;
+    }
+    return 1;
+}
+
+/* The relay's `first_in_lane` (names NULL: None): 0 when it returned, -1 with its exception. */
+static int
+call_first(PyObject *relay, PyObject *model, PyObject *response_id, int other_events,
+           int first_token)
+{
+    PyObject *other = PyLong_FromLong(other_events);
+    if (other == NULL) {
+        return -1;
+    }
+    PyObject *result = PyObject_CallMethodObjArgs(
+        relay, first_name, model ? model : Py_None, response_id ? response_id : Py_None, other,
+        first_token ? Py_True : Py_False, NULL);
+    Py_DECREF(other);
+    if (result == NULL) {
+        return -1;
+    }
+    Py_DECREF(result);
+    return 0;
+}
+
 /* relay(read, at_ns) -> bool: the read taken whole (True), or left untouched for the Python
  * path (False). ``at_ns``: the read's instant (the kernel's receive stamp). */
 /* `<size in lowercase hex>\r\n` into head (at least 19 bytes), what "%zx\r\n" gives: written
@@ -1194,14 +1283,25 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     long long last = self->last_cumulative;
     struct lane_end tail;
     int ending = 0; /* the read ends the stream (`end_span`): its finish chunk is chunks[n - 1] */
+    int first = (self->end_flags & LANE_FIRST) != 0; /* the stream's first read (above) */
+    int role = 0; /* chunks[0] is chat's role chunk (a first read's only) */
     /* Every check first: a read is taken whole or not at all. */
     while (p < end && !ending) {
         cursor at = p;
-        if (n == LANE_MAX_CHUNKS || !chunk_span(&p, end, &payloads[n], &sizes[n])
-            || sizes[n] > (size_t)self->max_event_bytes
-            || !scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 0)
-            || chunks[n].index != 0) {
-            if (n == LANE_MAX_CHUNKS || !(self->end_flags & LANE_END_OK)
+        int whole = n < LANE_MAX_CHUNKS && chunk_span(&p, end, &payloads[n], &sizes[n])
+                    && sizes[n] <= (size_t)self->max_event_bytes;
+        int taken = whole && scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 0)
+                    && chunks[n].index == 0;
+        if (whole && !taken && first && n == 0) {
+            /* TokenCounter.observe carries a role chunk's completion tokens to the next token
+             * event, and the meter keeps a fingerprint off any chunk: the Python path's. */
+            role = taken = scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 1)
+                           && chunks[n].kind == CHUNK_ROLE && chunks[n].index == 0
+                           && chunks[n].fingerprint_start < 0
+                           && !(chunks[n].has_usage && chunks[n].completion != 0);
+        }
+        if (!taken) {
+            if (n == LANE_MAX_CHUNKS || first || !(self->end_flags & LANE_END_OK)
                 || !end_span(self, at, end, &tail)) {
                 return 0;
             }
@@ -1214,7 +1314,10 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         struct token_chunk *chunk = &chunks[n];
         /* TokenCounter.token_event: the rise of the cumulative count (0 when it did not
          * rise: released text, no new token), else one token per event without usage. */
-        if (chunk->has_usage) {
+        if (role && n == 0) {
+            gained[n] = 1; /* not a token event: never committed as one */
+        }
+        else if (chunk->has_usage) {
             gained[n] = chunk->completion > last ? chunk->completion - last : 0;
             if (chunk->completion > last) {
                 last = chunk->completion;
@@ -1230,7 +1333,8 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         }
         n++;
     }
-    /* The end's usage chunk and [DONE] are events of the stream too (StreamMeter.events). */
+    /* The end's usage chunk and [DONE] are events of the stream too (StreamMeter.events), as
+     * is a role chunk. */
     if (n == 0 || self->pending + n + (ending ? 2 : 0) > self->events_left
         || self->pending + n > LANE_MAX_PENDING) {
         return 0;
@@ -1248,12 +1352,20 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         return 0;
     }
     int column_needed = 0;
-    for (int i = 0; i < n; i++) {
+    for (int i = role; i < n; i++) {
         column_needed |= gained[i] != 1;
     }
     if (lane_reserve(self, n) < 0
         || (column_needed && self->tokens == NULL && lane_start_column(self) < 0)) {
         return 0; /* no memory now: the Python path will fail the read if it must */
+    }
+    PyObject *model = NULL, *response_id = NULL;
+    if (first) {
+        int named = answer_names(payloads[0], &chunks[0], &model, &response_id);
+        if (named <= 0) {
+            PyErr_Clear();
+            return 0;
+        }
     }
     long long read_ns = monotonic_ns();
     if (ending) {
@@ -1266,6 +1378,8 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(head_size + out_size + 2));
     if (out == NULL) {
         PyErr_Clear();
+        Py_XDECREF(model);
+        Py_XDECREF(response_id);
         return 0;
     }
     char *to = PyBytes_AS_STRING(out);
@@ -1307,7 +1421,27 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         goto done;
     }
     /* Committed: the read is this lane's. */
-    lane_commit(self, n, chunks, gained, last, at_ns, read_ns);
+    if (role && chunks[0].has_usage) { /* the last usage seen, unless a token chunk's follows */
+        self->has_usage = 1;
+        self->prompt = chunks[0].prompt;
+        self->total = chunks[0].total;
+        self->completion = chunks[0].completion;
+    }
+    lane_commit(self, n - role, chunks + role, gained + role, last, at_ns, read_ns);
+    int first_token = n > role && (first || self->token_awaited);
+    if (first || first_token) {
+        self->end_flags &= ~LANE_FIRST;
+        self->events_left -= role;
+        self->token_awaited = !first_token;
+        if (first_token) {
+            /* The meter knows the answer's model, and its TTFT deadline is met: the stream's
+             * end may be taken here. */
+            self->end_flags |= LANE_END_OK;
+        }
+        if (call_first(relay, model, response_id, role, first_token) < 0) {
+            goto done;
+        }
+    }
     PyObject *held = call_method_cached(&buffer_size_method, buffer_size_name, &client, 1);
     if (held == NULL) {
         goto done;
@@ -1329,6 +1463,8 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
 done:
     Py_DECREF(client);
     Py_DECREF(relay);
+    Py_XDECREF(model);
+    Py_XDECREF(response_id);
     return result;
 }
 
@@ -1390,6 +1526,7 @@ lane_arm(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     self->events_left = events_left + self->pending;
     self->last_cumulative = last;
     self->end_flags = (int)end_flags;
+    self->token_awaited = 0; /* the meter's flags say where the stream is */
     if (self->pending == 0) {
         self->all_ones = 1;
         self->gained = 0;
@@ -1415,7 +1552,8 @@ column_of(const struct lane_event *events, Py_ssize_t n, size_t member)
 
 /* take() -> None | (up: bytes, down: bytes, tokens: bytes | None, gained, last_cumulative,
  * exact, usage): disarms the lane and hands over what it counted since the last take (None:
- * nothing). ``up``, ``down`` and ``tokens`` are per event, native int64
+ * nothing, and no usage seen: a role chunk read alone has no token event, but its usage).
+ * ``up``, ``down`` and ``tokens`` are per event, native int64
  * (array('q').frombytes); ``tokens`` is None when every event carried one token; ``gained``:
  * their sum; ``exact``: every event carried usage; ``usage``: the last usage seen, (prompt,
  * total, completion), or None. */
@@ -1424,7 +1562,7 @@ lane_take(Lane *self, PyObject *unused)
 {
     (void)unused;
     self->armed = 0;
-    if (self->pending == 0) {
+    if (self->pending == 0 && !self->has_usage) {
         Py_RETURN_NONE;
     }
     PyObject *up = column_of(self->events, self->pending, offsetof(struct lane_event, up));
@@ -1584,8 +1722,9 @@ PyInit__tokenscan(void)
     is_closing_name = PyUnicode_InternFromString("is_closing");
     full_name = PyUnicode_InternFromString("on_client_full");
     end_name = PyUnicode_InternFromString("end_in_lane");
+    first_name = PyUnicode_InternFromString("first_in_lane");
     if (write_name == NULL || buffer_size_name == NULL || is_closing_name == NULL
-        || full_name == NULL || end_name == NULL) {
+        || full_name == NULL || end_name == NULL || first_name == NULL) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);
@@ -1595,7 +1734,8 @@ PyInit__tokenscan(void)
     if (PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0
         || PyModule_AddIntConstant(module, "LANE_END_OK", LANE_END_OK) < 0
         || PyModule_AddIntConstant(module, "LANE_END_FINGERPRINT_KNOWN",
-                                   LANE_END_FINGERPRINT_KNOWN) < 0) {
+                                   LANE_END_FINGERPRINT_KNOWN) < 0
+        || PyModule_AddIntConstant(module, "LANE_FIRST", LANE_FIRST) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -37,12 +37,16 @@ class _Client(Protocol):
 
 class _Relay(Protocol):
     def on_client_full(self) -> object: ...
+    def first_in_lane(
+        self, model: str | None, response_id: str | None, other_events: int, first_token: bool, /
+    ) -> object: ...
     def end_in_lane(
         self, out: bytes, at_ns: int, finish_reason: str, fingerprint: str | None, usage: bool, /
     ) -> object: ...
 
 LANE_END_OK: int
 LANE_END_FINGERPRINT_KNOWN: int
+LANE_FIRST: int
 
 class Lane:
     def __init__(

@@ -178,6 +178,16 @@ class SSEParser:
         return not self._buf and not self._at_start and not self._closed and not self._failed
 
     @property
+    def fresh(self) -> bool:
+        """Nothing fed yet (or only nothing): the stream's start, where a BOM may come."""
+        return self._at_start and not self._buf and not self._closed and not self._failed
+
+    def started_elsewhere(self) -> None:
+        """The stream's first events were read by another reader (the proxy's C lane: whole
+        `data:` events, which begin with no BOM): from here on, as if it had read them."""
+        self._at_start = False
+
+    @property
     def pending_bytes(self) -> int:
         """Bytes received but not part of any returned event."""
         return len(self._buf)

@@ -147,14 +147,13 @@ class MeteredRead:
     def _arm_lane(self, lane: Lane) -> None:
         """Let the C lane take the next reads, when the stream is where it can: the upstream
         between whole chunks and read straight to us, the client framed chunk by chunk with
-        nothing held, the first token in (no TTFT deadline to clear) and the meter where its
-        own one-event lane would take a read (`StreamMeter.lane_start`)."""
+        nothing held, and the meter before its first event or where its own one-event lane
+        would take a read (`StreamMeter.lane_start`)."""
         exchange = self.exchange
         if (
             self.trouble is None
             and exchange is not None
             and exchange.frames_chunks
-            and self.timeouts.ttft_at == NEVER
             and self.upstream.between_whole_chunks
         ):
             start = self.meter.lane_start()
@@ -168,6 +167,25 @@ class MeteredRead:
             up, down, tokens, gained, last_cumulative, exact, usage = taken
             self.meter.take_lane(up, tokens, gained, last_cumulative, exact, usage)
             self.builder.client_token_offsets(down)
+
+    def first_in_lane(
+        self, model: str | None, response_id: str | None, other_events: int, first_token: bool
+    ) -> None:
+        """The C lane took the stream's first read (its first token, chat's role chunk before
+        it or alone; `_tokenscan.c`, "The first read"), or after a role chunk alone the read of
+        the first token (``model`` None): the meter gets what it would have read off the read
+        besides the counts (`StreamMeter.first_in_lane`), ``other_events`` (the role chunk) were
+        forwarded too, and with the ``first_token`` the TTFT deadline is met. Called after the
+        lane's write, before it returns."""
+        try:
+            if first_token:
+                self.timeouts.ttft_at = NEVER
+            self.meter.first_in_lane(model, response_id, other_events)
+            self.builder.down_events += other_events
+        except BaseException as exc:  # never let a failure escape into the transport
+            if self.trouble is None:
+                self.trouble = exc
+            self.upstream.connection.abort()
 
     def end_in_lane(
         self, out: bytes, at_ns: int, finish_reason: str, fingerprint: str | None, usage: bool

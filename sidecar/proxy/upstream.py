@@ -293,10 +293,10 @@ class UpstreamExchange:
         self._keep_alive = False
         self.reused = False  # sent on a pooled connection (which the server may have closed)
         # llhttp is between two chunks of a chunked body: a read that is exactly one whole
-        # chunk may then skip it (`feed`). Only llhttp's own on_chunk_complete says so, never
-        # the headers read here: with `Transfer-Encoding: chunked, gzip` a response's body is
-        # not chunked at all (it runs to the connection's end), and its bytes must stay raw.
-        # The body's first chunk therefore always goes through llhttp.
+        # chunk may then skip it (`feed`). llhttp's own on_chunk_complete says so, and the head
+        # only where it cannot be read two ways (`on_headers_complete`): with
+        # `Transfer-Encoding: chunked, gzip` a response's body is not chunked at all (it runs
+        # to the connection's end), and its bytes must stay raw.
         self._between_chunks = False
 
     # -- httptools callbacks --------------------------------------------------------------
@@ -327,6 +327,7 @@ class UpstreamExchange:
         self.status = status
         chunked = False
         has_length = False
+        codings = 0
         for name, value in self.raw_headers:
             lower = name.lower()
             if lower == b"content-length":
@@ -335,8 +336,15 @@ class UpstreamExchange:
                 # The final coding decides, as llhttp reads it (RFC 9112 6.3): a response with
                 # `chunked, gzip` has no chunked body; it runs to the connection's end.
                 chunked = value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+                codings += 1 if value.lower() == b"chunked" else 2
         no_body = self.head_method or self.status in (204, 304)
         self._eof_body = not (has_length or chunked or no_body)
+        # A head that says plainly, once, that the body is chunked (`Transfer-Encoding:
+        # chunked`, as uvicorn writes it, without a Content-Length) leaves llhttp where it is
+        # between two chunks: the body's first chunk may skip it too (`feed`, the C lane).
+        # Any other head (two codings, a coding after `chunked`, a length beside it, no body)
+        # keeps llhttp on the first chunk, which then says so itself (`on_chunk_complete`).
+        self._between_chunks = codings == 1 and not has_length and not no_body
         if not self._head.done():
             self._head.set_result(None)
         if self.head_method:

@@ -1009,6 +1009,7 @@ class LaneClient:
     def __init__(self) -> None:
         self.written: list[bytes] = []
         self.ends: list[tuple[object, ...]] = []
+        self.firsts: list[tuple[object, ...]] = []
 
     def write(self, data: bytes) -> None:
         self.written.append(data)
@@ -1021,6 +1022,11 @@ class LaneClient:
 
     def on_client_full(self) -> None:
         raise AssertionError("never full")
+
+    def first_in_lane(
+        self, model: str | None, response_id: str | None, other_events: int, first_token: bool
+    ) -> None:
+        self.firsts.append((model, response_id, other_events, first_token))
 
     def end_in_lane(
         self, out: bytes, at_ns: int, finish_reason: str, fingerprint: str | None, usage: bool
@@ -1079,6 +1085,47 @@ def test_the_c_lane_takes_the_real_servers_token_chunks(
     assert len(taken[0]) // 8 == expected_taken >= 3
     assert taken[4] == last and taken[5] is True
     assert client.ends == []  # armed without the end
+
+
+@pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
+@pytest.mark.parametrize("client_usage", [False, True])
+def test_the_c_lane_takes_the_real_servers_first_read(
+    real_vllm: RealVLLM, path: str, make: Any, client_usage: bool
+) -> None:
+    """The real server's first HTTP chunks (chat: the role chunk and the first token chunk;
+    completions: the first token chunk) as one read, with the continuous usage the proxy asks
+    for: a lane armed before any event (`StreamMeter.lane_start`, LANE_FIRST) takes them, writes
+    what the measuring core (the Python path) makes of the same events, and hands the relay the
+    answer's model and id as the meter keeps them, and the role chunk as an event without a
+    token."""
+    try:
+        from sidecar.protocol._tokenscan import LANE_FIRST, Lane
+    except ImportError:
+        pytest.skip("the C lane is not built")
+    from sidecar.meter import StreamMeter
+    from sidecar.protocol.rewrite import UsagePlan
+
+    body = make(max_tokens=8, stream=True)
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = raw_chunks(real_vllm.base_url, path, body)
+    n_first = 2 if path == CHAT_PATH else 1
+    plan = UsagePlan(client_usage, False, not client_usage, True)
+    python = StreamMeter(0, plan)
+    out, n_events, n_token_events = python.feed(
+        b"".join(c[c.index(b"\r\n") + 2 : -2] for c in chunks[:n_first]), 5
+    )
+    assert (n_events, n_token_events) == (n_first, 1), chunks[:n_first]
+    start = StreamMeter(0, plan).lane_start()
+    assert start is not None and start[2] & LANE_FIRST, start
+    relay = LaneClient()
+    lane = Lane(relay, relay, 0, 1 << 16, 1 << 20, True, not client_usage)
+    lane.arm(*start)
+    assert lane.relay(b"".join(chunks[:n_first]), 5), chunks[:n_first]
+    assert relay.written == [b"%x\r\n%b\r\n" % (len(out), out)]
+    assert relay.firsts == [(python.response_model, python.response_id, n_first - 1, True)]
+    assert python.response_model == real_vllm.model
+    taken = lane.take()
+    assert taken is not None and taken[3] == 1 and taken[5] is True  # one token, exact
 
 
 @pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
