@@ -14,6 +14,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar.proxy.headers import (
     HOP_BY_HOP,
+    RequestHeaders,
     has_dot_segment,
     new_request_id,
     request_id_from,
@@ -239,6 +240,26 @@ def test_the_client_head_equals_the_multidict_path(seed: int) -> None:
         assert _lines(response_header_block(raw, "rid")) == expected, raw
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_request_header_lookups_answer_as_a_multidict_does(seed: int) -> None:
+    """`RequestHeaders.get` (the parser's pairs, looked up by name) against the multidict the
+    listener used to build: any case of a name, repeated names (the first value), latin-1
+    values, names that are not there (None, or the default), and a name outside latin-1."""
+    rng = random.Random(seed)
+    pool = [b"X-Request-Id", b"traceparent", b"X-Session", b"Content-Length", b"Expect", b"A"]
+    for _ in range(50):
+        raw = random_headers(rng, pool, 8, [b"v", b"a b", b"caf\xe9", b"", b"100-continue"])
+        multi = CIMultiDictProxy(
+            CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in raw)
+        )
+        headers = RequestHeaders(raw)
+        for name in ["x-request-id", "TRACEPARENT", "x-session", "Content-Length", "expect"]:
+            assert headers.get(name) == multi.get(name), (name, raw)
+            assert headers.get(name, "") == multi.get(name, ""), (name, raw)
+        assert headers.get("X-Not-There") is None and headers.get("Ünïcode\u0100") is None
+        assert len(headers) == len(raw)
+
+
 def test_request_ids_are_honoured_when_sane_else_generated() -> None:
     given = CIMultiDictProxy(CIMultiDict({"X-Request-Id": "abc-123"}))
     assert request_id_from(given) == "abc-123"
@@ -246,6 +267,7 @@ def test_request_ids_are_honoured_when_sane_else_generated() -> None:
         generated = request_id_from(CIMultiDictProxy(CIMultiDict({"X-Request-Id": bad})))
         assert generated != bad and len(generated) == 32
     assert len(request_id_from(CIMultiDictProxy(CIMultiDict()))) == 32
+    assert request_id_from(RequestHeaders([(b"x-request-ID", b"from-pairs")])) == "from-pairs"
 
 
 def test_generated_request_ids_are_random_version_4_uuids() -> None:

@@ -35,9 +35,9 @@ from http import HTTPStatus
 from typing import cast
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar import clock
+from sidecar.proxy.headers import NO_HEADERS, HeaderLookup, RequestHeaders
 from sidecar.proxy.timeouts import Deadline
 
 log = logging.getLogger("sidecar.proxy")
@@ -61,9 +61,6 @@ class ListenerLimits:
     max_connections: int = 10_000
 
 
-_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
-
-
 @dataclass(slots=True)
 class IncomingRequest:
     """A complete request as parsed (the body read whole). Not frozen for one reason:
@@ -72,7 +69,7 @@ class IncomingRequest:
     method: str
     target: str  # path and query as sent
     path: str
-    headers: CIMultiDictProxy[str]
+    headers: RequestHeaders  # looked up by name; its pairs are ``raw_headers``
     body: bytes
     http_version: str
     keep_alive: bool
@@ -88,7 +85,7 @@ class IncomingRequest:
         """The handler will not read the body or the headers again (the upstream answered):
         let them go, so that a long stream does not hold its prompt for its whole life."""
         self.body = b""
-        self.headers = _NO_HEADERS
+        self.headers = NO_HEADERS
         self.raw_headers = []
 
 
@@ -102,7 +99,7 @@ class Rejection:
     err_type: str
     method: str | None = None
     path: str | None = None
-    headers: CIMultiDictProxy[str] | None = None
+    headers: HeaderLookup | None = None
 
 
 Handler = Callable[["IncomingRequest", "ClientExchange"], Awaitable[None]]
@@ -345,7 +342,7 @@ class ClientConnection(asyncio.Protocol):
         self._write_ready: asyncio.Future[None] | None = None
         self._writable_callbacks: list[Callable[[], None]] | None = None
         self._rejected = False
-        self._request_headers: CIMultiDictProxy[str] | None = None
+        self._request_headers: RequestHeaders | None = None
         self._method: str | None = None
         self._client_address: str | None = None
         self._began_ns: int | None = None
@@ -463,7 +460,7 @@ class ClientConnection(asyncio.Protocol):
             # has resumed to record it).
             self._task.cancel()
         # Requests that reached us and will never be handled still end in one record each.
-        gone: list[tuple[str | None, str | None, CIMultiDictProxy[str] | None]] = [
+        gone: list[tuple[str | None, str | None, RequestHeaders | None]] = [
             (r.method, r.path, r.headers) for r in self._queue
         ]
         self._queue.clear()
@@ -526,11 +523,8 @@ class ClientConnection(asyncio.Protocol):
         parser = self.parser
         assert parser is not None  # callbacks run inside `_feed`
         self._method = parser.get_method().decode("ascii", "replace")
-        headers: CIMultiDict[str] = CIMultiDict()
-        for name, value in self._headers:
-            headers.add(name.decode("latin-1"), value.decode("latin-1"))
         self._raw_headers, self._headers = self._headers, []
-        self._request_headers = CIMultiDictProxy(headers)
+        headers = self._request_headers = RequestHeaders(self._raw_headers)
         if _origin_form(self._url.decode("latin-1")) is None:
             log.warning(
                 "request from %s with a target that is not a path refused (400)", self._peer()
