@@ -12,6 +12,7 @@ import uuid
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar.proxy import headers as headers_module
 from sidecar.proxy.headers import (
     HOP_BY_HOP,
     RequestHeaders,
@@ -258,6 +259,15 @@ def test_request_header_lookups_answer_as_a_multidict_does(seed: int) -> None:
             assert headers.get(name, "") == multi.get(name, ""), (name, raw)
         assert headers.get("X-Not-There") is None and headers.get("Ünïcode\u0100") is None
         assert len(headers) == len(raw)
+
+
+def test_request_header_lookups_keep_a_bounded_memo_of_names() -> None:
+    """Each name looked up is lowered once and kept, up to a bound: a process that looks up
+    many distinct names (a header configured per deployment, tests) keeps no more."""
+    headers = RequestHeaders([(b"X-Name-7", b"seven"), (b"x-name-150", b"150")])
+    for i in range(200):
+        assert headers.get(f"x-NAME-{i}") == {7: "seven", 150: "150"}.get(i)
+    assert len(headers_module._LOOKUP_KEYS) <= headers_module._MAX_LOOKUP_KEYS
 
 
 def test_request_ids_are_honoured_when_sane_else_generated() -> None:
