@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from proxy_overhead import free_port
 
 from sidecar.replay import load
 from sidecar.replay.options import ReplayOptions
@@ -43,22 +44,6 @@ STREAM = (
     '"usage":{"prompt_tokens":8,"total_tokens":9,"completion_tokens":1}}\\n\\n'
     "data: [DONE]\\n\\n"
 )
-
-
-# Ports this process was handed: the kernel may give the same free port to two binds in a row
-# (bound, closed, bound again), and two servers of one run must not be told the same one.
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now, and not one `free_port` returned before in this process."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def find_nginx() -> str | None:

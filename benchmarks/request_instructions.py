@@ -75,26 +75,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
+from proxy_overhead import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 MODEL = "bench-model"
-
-
-# Ports this process was handed: the kernel may give the same free port to two binds in a row
-# (bound, closed, bound again), and two servers of one run must not be told the same one.
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now, and not one `free_port` returned before in this process."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((HOST, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
