@@ -67,11 +67,11 @@ class MeteredRead:
         self.exchange = exchange
         self.trouble: BaseException | None = None  # what went wrong inside the callback
         self.ended = False  # the meter was closed in the callback (`_end_in_read`)
-        # The C lane, when this stream may have one (`start`): armed after a read of the
-        # Python path left the stream in the state it takes reads in, it takes the common read
-        # whole in the upstream transport's callback (`rxstamp.StampedTransport`) instead of
-        # `on_read`; what it counted comes back (`_take_lane`) before the Python path handles
-        # any read or ends the stream.
+        # The C lane, when this stream may have one (`start`): armed for the stream's first
+        # read, and again whenever a read of the Python path left the stream in the state it
+        # takes reads in, it takes the common read whole in the upstream transport's callback
+        # (`rxstamp.StampedTransport`) instead of `on_read`; what it counted comes back
+        # (`_take_lane`) before the Python path handles any read or ends the stream.
         self.lane: Lane | None = None
 
     def on_read(self, data: bytes, t_up: int) -> None:
