@@ -140,7 +140,8 @@ class HeaderLookup(Protocol):
 
 # A name as callers look it up -> its lowered bytes: the few names a request reads (constants
 # and the configured session and SLO class headers), kept once rather than lowered and encoded
-# per lookup (~0.8 µs of a request's ~6). Bounded: past it, names are lowered per lookup.
+# per lookup (6.8 -> 5.8 µs for a request's head and five lookups, timeit). Bounded: past it,
+# names are lowered per lookup.
 _LOOKUP_KEYS: dict[str, bytes] = {}
 _MAX_LOOKUP_KEYS = 64
 
@@ -178,9 +179,6 @@ class RequestHeaders:
                 _LOOKUP_KEYS[name] = key
         raw = index.get(key)
         return default if raw is None else raw.decode("latin-1")
-
-    def __len__(self) -> int:
-        return len(self.pairs)
 
 
 NO_HEADERS: Final = RequestHeaders([])
