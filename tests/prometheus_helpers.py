@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# One free_port for every test: it never hands out the same port twice in a process.
+from sidecar.realvllm.server import free_port as free_port
 
 
 def require_binary(name: str, hint: str = "apt-get install prometheus") -> str:
@@ -42,12 +44,6 @@ def require_module(name: str, package: str) -> Any:
         if os.environ.get("CI"):
             pytest.fail(f"{name} is not importable: .ci/run must `pip install {package}`")
         pytest.skip(f"{name} not installed (pip install {package})")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Prometheus:

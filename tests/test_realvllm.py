@@ -242,6 +242,20 @@ def test_a_port_in_use_is_one_clear_line(listening: int) -> None:
     check_port_free(free_port())
 
 
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel may give a port just closed to the next bind (seen: a proxy's admin listener
+    # told the simulator's port); two servers of one test must not both be told it.
+    first = free_port()
+    kernel_answers = iter([first, first, first + 1_000_000])
+
+    class KernelRepeating(socket.socket):
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", next(kernel_answers))
+
+    monkeypatch.setattr(socket, "socket", KernelRepeating)  # as the module sees it
+    assert free_port() == first + 1_000_000
+
+
 FAKE_SERVER = """\
 import json, subprocess, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer

@@ -84,11 +84,21 @@ def check_port_free(port: int, host: str = HOST) -> None:
             raise PortInUse(f"port {port} on {host} {reason}: choose another with --port") from None
 
 
+# Ports `free_port` handed out in this process: the kernel may give the same free port to two
+# binds in a row (bound, closed, bound again), and two servers of one test must not get it both.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = HOST) -> int:
-    """A port the kernel says is free now (for tests that start their own server)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A port the kernel says is free now, never one handed out before in this process (for
+    tests that start their own server)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
