@@ -7,6 +7,7 @@
     python benchmarks/request_instructions.py --profile         # cProfile per function
     python benchmarks/request_instructions.py --by-function     # instructions per function
     python benchmarks/request_instructions.py --smoke           # CI: the harness, no valgrind
+    python benchmarks/request_instructions.py --sim-fault split_end_ms=20   # ends over 4 reads
 
 `meter_instructions.py` counts one read's path in one process; this counts everything the
 proxy's two processes execute per request, as users run them: ``sidecar proxy --workers 1``
@@ -500,6 +501,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--idle-s", type=float, default=10.0, help="the idle window, no traffic [10 s]"
     )
+    parser.add_argument(
+        "--sim-fault",
+        metavar="SPEC",
+        help="the simulator's fault for every request (sidecar sim --fault), e.g. "
+        "split_end_ms=20: each stream's end in four writes, as a real vLLM's often comes",
+    )
     parser.add_argument("--top", type=int, default=0, help="list the costliest C functions")
     parser.add_argument("--profile", action="store_true", help="cProfile, no valgrind")
     parser.add_argument(
@@ -560,9 +567,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             proxy_env["PROFILE_OPCODES"] = "1"
     else:
         proxy_env = {**env, **proxy_gc}
+    fault = ["--fault", args.sim_fault, "--fault-rate", "1"] if args.sim_fault else []
     sim = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "sim", "--host", HOST, "--port", str(sim_port),
-         "--model", MODEL, "--step-floor-s", f"{args.step_ms / 1e3:.6f}", "--max-num-seqs", "1024"],
+         "--model", MODEL, "--step-floor-s", f"{args.step_ms / 1e3:.6f}", "--max-num-seqs", "1024",
+         *fault],
         env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=(work / "sim.log").open("wb"),
     )  # fmt: skip
     valgrind = [] if args.smoke or args.profile else [
@@ -676,6 +685,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "requests": n,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
+        "sim_fault": args.sim_fault,
         "events_per_request": events_per_request,
         "python": sys.version.split()[0],
         "counts": {"idle": idle.totals, "first": first.totals, "second": second.totals},

@@ -108,6 +108,11 @@ DEFAULT_MAX_STREAM_EVENTS = 1_000_000
 LANE_END_OK = 1
 LANE_END_FINGERPRINT_KNOWN = 2
 LANE_FIRST = 4  # ... and the stream's first read (no event yet): `first_in_lane`
+# How far the C lane took a stream's end that came over several reads (its END_*):
+# `take_end_in_lane`.
+LANE_END_FINISH = 1
+LANE_END_USAGE = 2
+LANE_END_DONE = 3
 
 
 def oversized_event(exc: SSEError) -> StreamFailure:
@@ -353,6 +358,38 @@ class StreamMeter:
         self._lane = False
         self._closed = True
         self._between = False
+
+    def take_end_in_lane(
+        self,
+        stage: int,
+        finish_reason: str,
+        fingerprint: str | None,
+        held: bytes | None,
+        held_cut: int,
+    ) -> int:
+        """The C lane took a part of the stream's end, read by read, and the Python path takes
+        the rest (`_tokenscan.c`, "An end over several reads"; after `take_lane`, which brought
+        the finish chunk's token event and the usage chunk's usage): what `_consume` leaves
+        after the finish chunk (``stage`` LANE_END_FINISH), the usage chunk (LANE_END_USAGE)
+        and ``[DONE]`` (LANE_END_DONE), with ``held`` the finish chunk it holds for the usage
+        chunk's fingerprint (its usage member cut at ``held_cut``: `_release_held` puts the
+        fingerprint there). Returns how many of those events without a token were forwarded
+        to the client (the usage chunk when not dropped, ``[DONE]``)."""
+        self.finish_reason = finish_reason
+        if held is not None:
+            self._held, self._held_cut, self._held_tokens = held, held_cut, 1
+        forwarded = 0
+        if stage >= LANE_END_USAGE:
+            self.events += 1
+            if fingerprint is not None:
+                self.fingerprint = fingerprint
+            forwarded += not self._drop_usage_chunk
+        if stage >= LANE_END_DONE:
+            self.events += 1
+            self.saw_done = True
+            self._lane = False
+            forwarded += 1
+        return forwarded
 
     def take_lane(
         self,

@@ -328,7 +328,6 @@ def test_a_dropped_usage_chunk_without_a_fingerprint() -> None:
 
 FINISH_READ = [event(FINISH, 3), usage_event(), DONE]
 ENDS_LEFT_ALONE: dict[str, tuple[bytes, bool, int]] = {
-    "no last chunk": (end_read(*FINISH_READ)[: -len(LAST_CHUNK)], True, END_OK),
     "a trailer": (end_read(*FINISH_READ)[:-2] + b"X-Tail: t\r\n\r\n", True, END_OK),
     "more after the body": (end_read(*FINISH_READ) + b"HTTP/1.1", True, END_OK),
     "no [DONE]": (end_read(*FINISH_READ[:2]), True, END_OK),
@@ -513,7 +512,6 @@ FIRST_READS_LEFT_ALONE: dict[str, list[bytes]] = {
     "a model the meter does not keep (DEL)": [named(event(CHAT_HELLO, 1), "m\x7f")],
     "a model outside ASCII": [named(event(CHAT_HELLO, 1), "mod\u00e8le")],
     "an id outside ASCII": [named(event(CHAT_HELLO, 1), response_id="\u00e9")],
-    "the whole stream in one read": [role_event(0), event(FINISH, 1), usage_event(), DONE],
 }
 
 
@@ -523,8 +521,6 @@ def test_a_first_read_it_cannot_take_whole_is_left_untouched(name: str) -> None:
     lane = new_lane(client)
     lane.arm(100, 0, FIRST | END_OK)
     read = b"".join(chunk(e) for e in FIRST_READS_LEFT_ALONE[name])
-    if name == "the whole stream in one read":
-        read += LAST_CHUNK
     assert not lane.relay(read, ORIGIN)
     assert client.writes == [] and client.firsts == [] and client.ends == []
     assert lane.pending == 0
@@ -557,8 +553,8 @@ def test_the_role_chunk_counts_against_the_streams_event_limit() -> None:
 def test_a_role_chunk_read_alone_then_the_first_token() -> None:
     """vLLM's role chunk can reach the proxy alone, its first token in the next read: the lane
     takes both, hands the names and the role chunk with the first (no token yet: the TTFT
-    deadline stands, and the end is not the lane's) and the first token with the second; the
-    role chunk's usage is handed over even with no token event to go with it."""
+    deadline stands) and the first token with the second; the role chunk's usage is handed
+    over even with no token event to go with it."""
     client = Client()
     lane = new_lane(client, drop=True)
     lane.arm(100, 0, FIRST | FINGERPRINT_KNOWN)
@@ -566,8 +562,6 @@ def test_a_role_chunk_read_alone_then_the_first_token() -> None:
     assert lane.relay(chunk(role), ORIGIN + 10)
     assert client.firsts == [("M", "chatcmpl-abc123", 1, False)]
     assert client.writes == [chunk(usage_cut(role))]
-    end = end_read(event(FINISH, 1, prompt=7), usage_event(), DONE)
-    assert not lane.relay(end, ORIGIN + 20)  # the first token ends the stream: Python's
     assert lane.relay(chunk(event(CHAT_HELLO, 1, prompt=7)), ORIGIN + 20)
     assert client.firsts[1:] == [(None, None, 0, True)]
     assert lane.relay(chunk(event(CHAT_HELLO, 2, prompt=7)), ORIGIN + 30)
@@ -733,6 +727,293 @@ def test_an_instant_that_does_not_fit_in_64_bits_is_an_error() -> None:
 
 # -- the proxy with the lane on and off ------------------------------------------------------
 
+# -- a stream's end over several reads ---------------------------------------------------
+
+
+def dechunk(read: bytes) -> tuple[bytes, bool, bytes]:
+    """The body bytes of the whole HTTP/1.1 chunks a read begins with (what llhttp hands
+    `on_read`), whether it ended the body (its last chunk), and the rest (a chunk cut short)."""
+    body, at = b"", 0
+    while at < len(read):
+        line_end = read.find(b"\r\n", at)
+        if line_end < 0:
+            break
+        size = int(read[at:line_end], 16)
+        if size == 0:
+            assert read[line_end:] == b"\r\n\r\n"
+            return body, True, b""
+        if line_end + 2 + size + 2 > len(read):
+            break
+        body += read[line_end + 2 : line_end + 2 + size]
+        at = line_end + 2 + size + 2
+    return body, False, read[at:]
+
+
+class Stream:
+    """A stream read by read, as `MeteredRead` reads it without its sockets: each read the
+    lane takes, or the Python path (`StreamMeter.feed`, after the lane's counts and what it
+    took of the end were handed over), the lane armed again after it; the client's bytes,
+    events and token writes as the relay counts them."""
+
+    def __init__(self, plan: UsagePlan, lane_on: bool, fingerprint: str | None = None) -> None:
+        self.meter = StreamMeter(ORIGIN, plan, fingerprint=fingerprint)
+        self.client = Client()
+        self.lane = Lane(
+            self.client,
+            self.client,
+            ORIGIN,
+            HIGH_WATER,
+            1 << 20,
+            plan.strip_chunk_usage,
+            plan.drop_usage_chunk,
+        )
+        self.lane_on = lane_on
+        self.body = b""  # what the client got, unframed
+        self.down_events = 0
+        self.down_tokens = 0
+        self.lane_reads = 0
+        self.ended = False
+        self._cut_short = b""  # a chunk the last read cut: the lane waits for its rest
+        self._arm()
+
+    def _arm(self) -> None:
+        start = self.meter.lane_start()
+        if self.lane_on and start is not None and not self._cut_short:
+            self.lane.arm(*start)
+
+    def _take(self) -> None:
+        taken = self.lane.take()
+        if taken is not None:
+            up, down, tokens, gained, last, exact, usage = taken
+            self.meter.take_lane(up, tokens, gained, last, exact, usage)
+            self.down_events += len(down) // 8
+            self.down_tokens += len(down) // 8
+        if self.lane.end_stage:
+            end = self.lane.take_end()
+            assert end is not None
+            self.down_events += self.meter.take_end_in_lane(*end)
+
+    def _written(self) -> None:
+        for write in self.client.writes:
+            self.body += dechunk(write)[0]
+        self.client.writes.clear()
+        for model, response_id, other, _ in self.client.firsts:
+            self.meter.first_in_lane(model, response_id, other)
+            self.down_events += other
+        self.client.firsts.clear()
+        for out, _, reason, fingerprint, usage in self.client.ends:
+            self.meter.end_in_lane(reason, fingerprint)
+            self.body += out
+            self.down_events += 2 if usage else 1
+            self.ended = True
+        self.client.ends.clear()
+
+    def read(self, read: bytes, at_ns: int) -> None:
+        if self.lane.armed and self.lane.relay(read, at_ns):
+            self.lane_reads += 1
+            self._written()
+            return
+        self._take()
+        body, ended, self._cut_short = dechunk(self._cut_short + read)
+        out, n_events, n_token_events = self.meter.feed(body, at_ns)
+        if ended:
+            tail, n_tail, n_tail_tokens = self.meter.close(at_ns)
+            out += tail
+            n_events += n_tail
+            n_token_events += n_tail_tokens
+            self.ended = True
+        self.body += out
+        self.down_events += n_events
+        self.down_tokens += n_token_events
+        if not ended:
+            self._arm()
+
+    def finish(self) -> dict[str, Any]:
+        """The body's end (when no read brought it: the stream was cut), and what it counted."""
+        self._take()
+        if not self.ended:
+            out, n_events, n_token_events = self.meter.close(ORIGIN + 10_000)
+            self.body += out
+            self.down_events += n_events
+            self.down_tokens += n_token_events
+        meter = self.meter
+        return {
+            "body": self.body,
+            "events": meter.events,
+            "offsets": list(meter.offsets),
+            "tokens": meter.token_counts().tolist(),
+            "totals": meter.token_totals,
+            "finish_reason": meter.finish_reason,
+            "fingerprint": meter.fingerprint,
+            "saw_done": meter.saw_done,
+            "fatal": meter.fatal,
+            "down_events": self.down_events,
+            "down_tokens": self.down_tokens,
+        }
+
+
+def read_both(
+    plan: UsagePlan, reads: list[bytes], fingerprint: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The same reads with the lane on and off: what each counted, and the reads the lane
+    took."""
+    streams = [Stream(plan, lane_on, fingerprint) for lane_on in (True, False)]
+    for stream in streams:
+        for i, read in enumerate(reads):
+            stream.read(read, ORIGIN + 10 * (i + 1))
+    return streams[0].finish(), streams[1].finish(), streams[0].lane_reads
+
+
+END_PARTS = [event(CHAT_HELLO, 2), event(FINISH, 3), usage_event(), DONE]
+PLANS = {
+    "the client asked for no usage": UsagePlan(False, False, True, True),
+    "the client asked for the final usage": UsagePlan(True, False, False, True),
+    "the client asked for continuous usage": UsagePlan(True, True, False, False),
+}
+# Where a stream's end is split into reads: after the finish chunk (1), the usage chunk (2),
+# [DONE] (3); every combination (the empty one: the end in one read).
+SPLITS = [tuple(point for point in (1, 2, 3) if mask & (1 << (point - 1))) for mask in range(8)]
+
+
+def end_reads(splits: tuple[int, ...], parts: list[bytes] = END_PARTS) -> list[bytes]:
+    """The stream's first read, then its end (a token chunk, the finish, usage and [DONE]
+    chunks, the body's last chunk) split into reads after the parts ``splits`` names."""
+    first = chunk(role_event(0)) + chunk(event(CHAT_HELLO, 1))
+    reads, current = [first], b""
+    for i, part in enumerate(parts):
+        current += chunk(part)
+        if i in splits:
+            reads.append(current)
+            current = b""
+    return [*reads, current + LAST_CHUNK]
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_an_end_over_several_reads_is_taken_as_the_python_path_takes_it(
+    plan_name: str, splits: tuple[int, ...]
+) -> None:
+    """Every read of the end the lane's, wherever the end is split: the client's bytes (a held
+    finish chunk leaves with the usage chunk's fingerprint), the counts, the finish reason and
+    fingerprint, the events the client got and their token writes are the Python path's."""
+    reads = end_reads(splits)
+    on, off, lane_reads = read_both(PLANS[plan_name], reads)
+    assert on == off
+    assert lane_reads == len(reads)
+    assert on["saw_done"] and on["fatal"] is None and on["finish_reason"] == "stop"
+    assert on["fingerprint"] == "vllm-0.33.0-1a2b3c4d"
+
+
+def test_the_end_stages_are_the_c_lanes() -> None:
+    assert (meter.LANE_END_FINISH, meter.LANE_END_USAGE, meter.LANE_END_DONE) == (
+        _tokenscan.END_FINISH,
+        _tokenscan.END_USAGE,
+        _tokenscan.END_DONE,
+    )
+
+
+def test_a_finish_chunk_read_alone_is_held_for_the_fingerprint_then_leaves_with_it() -> None:
+    """The client did not ask for usage: the finish chunk read alone is counted (its server
+    instant the read's) and held, nothing written; the usage chunk's read writes it with the
+    fingerprint, and its client instant is that write's. Handed over before: the meter holds
+    it (`take_end`), and `take`'s client instants stop before it."""
+    client = Client()
+    lane = new_lane(client, drop=True)
+    lane.arm(100, 2, END_OK)
+    assert lane.relay(chunk(event(FINISH, 3)), ORIGIN + 40)
+    assert client.writes == [] and lane.end_stage == _tokenscan.END_FINISH and lane.pending == 1
+    before = clock.monotonic_ns()
+    assert lane.relay(chunk(usage_event()), ORIGIN + 50)
+    after = clock.monotonic_ns()
+    finish = b"data: " + CHAT_BANG.encode() + b"\n\n"
+    assert client.writes == [chunk(finish)] and lane.end_stage == _tokenscan.END_USAGE
+    taken = lane.take()
+    assert taken is not None
+    up, down, _, gained, last, exact, usage = taken
+    assert offsets(up) == [40] and before - ORIGIN <= offsets(down)[0] <= after - ORIGIN
+    assert (gained, last, exact, usage) == (1, 3, True, (12, 15, 3))
+    assert lane.take_end() == (_tokenscan.END_USAGE, "stop", "vllm-0.33.0-1a2b3c4d", None, 0)
+    assert lane.end_stage == 0 and lane.take_end() is None
+
+    held = Lane(client, client, ORIGIN, HIGH_WATER, 1 << 20, True, True)
+    held.arm(100, 2, END_OK)
+    assert held.relay(chunk(event(FINISH, 3)), ORIGIN + 40)
+    taken = held.take()
+    assert taken is not None and offsets(taken[0]) == [40] and taken[1] == b""
+    cut = usage_cut(event(FINISH, 3))
+    assert held.take_end() == (_tokenscan.END_FINISH, "stop", None, cut, cut.index(b"}],") + 2)
+
+
+# Streams whose first token and end come in one read: a short answer written whole before the
+# proxy first read its body.
+ROLE, FIRST_TOKEN, ONLY_TOKEN = chunk(role_event(0)), chunk(event(CHAT_HELLO, 1)), event(FINISH, 1)
+FIRST_AND_END_READS: dict[str, list[bytes]] = {
+    "the whole stream": [ROLE + FIRST_TOKEN + end_read(event(FINISH, 2), usage_event(), DONE)],
+    "a one-token stream": [ROLE + end_read(ONLY_TOKEN, usage_event(), DONE)],
+    "the first read ends with the finish chunk": [
+        ROLE + FIRST_TOKEN + chunk(event(FINISH, 2)),
+        end_read(usage_event(), DONE),
+    ],
+    "the role chunk alone, then the rest": [
+        ROLE,
+        FIRST_TOKEN + end_read(event(FINISH, 2), usage_event(), DONE),
+    ],
+    "the role chunk alone, then a one-token end": [ROLE, end_read(ONLY_TOKEN, usage_event(), DONE)],
+}
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("name", list(FIRST_AND_END_READS))
+def test_a_read_with_the_first_token_may_end_the_stream(name: str, plan_name: str) -> None:
+    """The lane takes a read that brings the stream's first token and (a part of) its end:
+    the meter learns of the first token and the answer's names (`first_in_lane`) before the
+    end; bytes, counts and events are the Python path's."""
+    reads = FIRST_AND_END_READS[name]
+    on, off, lane_reads = read_both(PLANS[plan_name], reads)
+    assert on == off
+    assert lane_reads == len(reads)
+    assert on["saw_done"] and on["fatal"] is None
+
+
+# Reads after a part of the end that the lane leaves to the Python path, which then takes the
+# rest of the stream from what `take_end` handed over.
+INTERRUPTIONS: dict[str, Any] = {
+    "a keep-alive comment": lambda rest: [chunk(b": keep-alive\n\n"), rest],
+    "a read that splits a chunk": lambda rest: [rest[: len(rest) // 2], rest[len(rest) // 2 :]],
+    "the body's end before the rest (a stream cut short)": lambda rest: [LAST_CHUNK],
+    "nothing more (the connection broke)": lambda rest: [],
+    "a usage chunk without a fingerprint when one is known": lambda rest: [
+        rest.replace(b',"system_fingerprint":"vllm-0.33.0-1a2b3c4d"', b"")
+    ],
+}
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize(
+    ("interruption", "stage"),
+    [
+        (interruption, stage)
+        for interruption in INTERRUPTIONS
+        for stage in (1, 2, 3)
+        # (only a read after the finish chunk alone brings the usage chunk)
+        if stage == 1 or "when one is known" not in interruption
+    ],
+)
+def test_the_python_path_takes_over_an_end_the_lane_began(
+    interruption: str, stage: int, plan_name: str
+) -> None:
+    """After the finish, usage or [DONE] chunk the lane took, a read it does not take: the
+    Python path goes on from what the lane handed over (`take_end`: the held finish chunk,
+    the usage chunk's fingerprint, [DONE] seen), and the stream ends as it would have without
+    the lane: same bytes, counts, failure."""
+    reads = end_reads((stage,))
+    reads += INTERRUPTIONS[interruption](reads.pop())
+    known = "fp-known" if "when one is known" in interruption else None
+    on, off, lane_reads = read_both(PLANS[plan_name], reads, fingerprint=known)
+    assert on == off
+    assert lane_reads >= 2  # the first read and the end's first part at least
+
+
 CREATED = re.compile(rb'"created": ?\d+')
 BODIES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": (
@@ -792,12 +1073,27 @@ def count_lane_events(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 async def run_requests(
-    lane_on: bool, monkeypatch: pytest.MonkeyPatch, sim: SimConfig | None = None
+    lane_on: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    sim: SimConfig | None = None,
+    fault: str | None = None,
+    proxy_settings: dict[str, Any] | None = None,
 ) -> tuple[list[bytes], list[dict[str, Any]], list[int]]:
+    """Six streams through the proxy (chat and completions, three usage options), with the
+    lane on or off: their bodies, records and `count_lane_events`' counts, then the reads of
+    the Python path."""
     monkeypatch.setattr(stream_relay, "LaneType", Lane if lane_on else None)
     taken = count_lane_events(monkeypatch)
+    on_read = stream_relay.MeteredRead.on_read
+
+    def counting_read(self: stream_relay.MeteredRead, data: bytes, t_up: int) -> None:
+        taken[3] += 1
+        on_read(self, data, t_up)
+
+    taken.append(0)
+    monkeypatch.setattr(stream_relay.MeteredRead, "on_read", counting_read)
     bodies: list[bytes] = []
-    async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
+    async with stack(sim=sim, **(proxy_settings or {})) as s, aiohttp.ClientSession() as session:
         n = 0
         for endpoint, (path, base) in BODIES.items():
             for options in OPTIONS:
@@ -805,6 +1101,8 @@ async def run_requests(
                 if options is not None:
                     body["stream_options"] = options
                 headers = {"X-Request-Id": f"{endpoint}-{n}"}
+                if fault is not None:
+                    headers["X-Sim-Fault"] = fault
                 async with session.post(s.url + path, json=body, headers=headers) as response:
                     assert response.status == 200
                     bodies.append(CREATED.sub(b'"created":0', await response.read()))
@@ -821,7 +1119,7 @@ async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
     assert bodies_on == bodies_off
     assert records_on == records_off
     assert all(r["n_out"] == 24 and len(r["server_tokens"]) == 24 for r in records_on)
-    assert taken_off == [0, 0, 0]
+    assert taken_off[:3] == [0, 0, 0]
     # Six streams of 24 token events, each read by the lane: the first (chat's role chunk and
     # the first token; the simulator's head leaves before its prefill, alone), the token
     # chunks, and the end (finish, usage and [DONE] chunks, the body's last chunk: the
@@ -829,7 +1127,48 @@ async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
     # proxy then reads as one read).
     # (A read that split a chunk, which loopback does not do to these, would be the Python
     # path's: one in each stream is allowed for.)
-    assert taken_on[1:] == [6, 6] and taken_on[0] >= 6 * 23, taken_on
+    assert taken_on[1:3] == [6, 6] and taken_on[0] >= 6 * 23, taken_on
+
+
+async def test_the_lane_takes_an_end_that_comes_over_several_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulator writes each stream's end in four turns (`split_end_ms`), as a real vLLM's
+    often reaches the proxy: the lane takes all four reads (the Python path reads none of
+    them), and the bodies and records are those of the Python path."""
+    bodies_on, records_on, taken_on = await run_requests(True, monkeypatch, fault="split_end_ms=5")
+    taken_on = taken_on.copy()  # (the second run's counting wraps the first's)
+    bodies_off, records_off, taken_off = await run_requests(
+        False, monkeypatch, fault="split_end_ms=5"
+    )
+    assert bodies_on == bodies_off
+    assert records_on == records_off
+    assert all(r["n_out"] == 24 and r["outcome"] is Outcome.OK for r in records_on)
+    # Without the lane, each stream's end came in four reads: the Python path read 24 token
+    # chunks, the usage chunk and [DONE] apart (the body's end is llhttp's, no read of the
+    # meter's; an end in one read would make it 24).
+    assert taken_off[3] >= 6 * 26, taken_off
+    # With it, every read but (as above) one that split a chunk was the lane's.
+    assert taken_on[1:3] == [6, 6] and taken_on[3] <= 6, taken_on
+
+
+async def test_a_stream_that_times_out_in_the_middle_of_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulator pauses 400 ms after each part of a stream's end; the idle timeout is
+    150 ms: every stream times out after its finish chunk, which the lane took (and held, for a
+    client that did not ask for usage). The Python path ends it from what the lane handed over:
+    the same bodies (the held finish chunk and the error event) and records as without the
+    lane."""
+    fault, settings = "split_end_ms=400", {"idle_timeout": "150ms"}
+    bodies_on, records_on, taken_on = await run_requests(True, monkeypatch, None, fault, settings)
+    taken_on = taken_on.copy()
+    bodies_off, records_off, _ = await run_requests(False, monkeypatch, None, fault, settings)
+    assert bodies_on == bodies_off
+    assert records_on == records_off
+    assert all(r["outcome"] is Outcome.TIMEOUT and r["n_out"] == 24 for r in records_on)
+    assert all(r["finish_reason"] == "length" for r in records_on)
+    assert taken_on[1] == 0 and taken_on[0] >= 6 * 23, taken_on  # no end was the lane's
 
 
 async def test_an_upstream_connection_whose_stream_the_lane_ended_is_reused(
@@ -871,7 +1210,7 @@ async def test_speculative_decoding_streams_go_through_the_lane_and_count_the_sa
     assert any(n > 1 for r in records_on for n in r["server_tokens"])  # drafts were accepted
     events = sum(len(r["server_tokens"]) for r in records_on)
     # Every read, the first and the end too (bar one read a stream, as above).
-    assert taken_on[1:] == [6, 6] and taken_on[0] >= events - 6, (taken_on, events)
+    assert taken_on[1:3] == [6, 6] and taken_on[0] >= events - 6, (taken_on, events)
 
 
 async def test_records_hold_their_stamps_in_order_whichever_path_took_each_read() -> None:

@@ -1150,6 +1150,7 @@ def test_fault_spec_syntax() -> None:
         5,
         10.0,
     )
+    assert parse_fault_spec("split_end_ms=2.5").split_end_ms == 2.5
     assert parse_fault_spec("none").is_empty and parse_fault_spec("").is_empty
     for bad in (
         "bogus=1",
@@ -1313,6 +1314,31 @@ async def test_fault_slow_headers(sim_url: str, session: aiohttp.ClientSession) 
         body = await response.read()
     assert headers_after >= 0.14
     assert data_payloads(body)[-1] == "[DONE]"
+
+
+async def test_fault_split_end(sim_url: str, session: aiohttp.ClientSession) -> None:
+    """The stream's last token chunk, usage chunk, [DONE] and the body's end leave in four
+    turns, ``split_end_ms`` apart (each arrives as a chunk of its own, after the pause)."""
+    body = {
+        "messages": HELLO,
+        "stream": True,
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    arrivals: list[tuple[float, bytes]] = []
+    async with session.post(
+        sim_url + CHAT, json=body, headers=fault("split_end_ms=60")
+    ) as response:
+        async for data, _ in response.content.iter_chunks():
+            arrivals.append((time.perf_counter(), data))
+        ended = time.perf_counter()
+    last_token, usage, done = (
+        next(at for at, data in arrivals if marker in data)
+        for marker in (b'"finish_reason":"length"', b'"choices":[]', b"[DONE]")
+    )
+    assert usage - last_token >= 0.05 and done - usage >= 0.05 and ended - done >= 0.05
+    assert data_payloads(b"".join(data for _, data in arrivals))[-1] == "[DONE]"
 
 
 async def test_global_fault_rate_is_seeded(start_sim: Any, session: aiohttp.ClientSession) -> None:

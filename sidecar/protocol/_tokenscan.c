@@ -771,6 +771,13 @@ chunk_payload(PyObject *module, PyObject *arg)
  * with chat's role chunk, and its first chunk names the answer (model and id), which the
  * relay's `first_in_lane` hands to the meter (below, "The first read"). */
 #define LANE_FIRST 4
+/* How far the lane took a stream's end that came over several reads (below, "An end over
+ * several reads"): the finish chunk, then the usage chunk, then [DONE]; a read's `to` is
+ * END_BODY when it brought the body's last chunk too (the stream ended). */
+#define END_FINISH 1
+#define END_USAGE 2
+#define END_DONE 3
+#define END_BODY 4
 
 /* One counted event: its two instants. Its output tokens go in a column of their own, made
  * only from the first event that did not carry one (as the meter's own column). */
@@ -805,6 +812,13 @@ typedef struct {
                         * stream's first (`first_in_lane` says so) */
     int has_usage;
     long long prompt, total, completion; /* the last usage seen */
+    /* A stream's end taken over several reads, until its last read or a `take_end`: */
+    int end_stage;           /* END_*: how far; 0: not begun */
+    PyObject *finish_reason; /* the finish chunk's reason (a str) */
+    PyObject *fingerprint;   /* the usage chunk's system_fingerprint (a str), or NULL */
+    char *held;              /* drop_usage, END_FINISH: the finish chunk's event, usage cut, */
+    Py_ssize_t held_size;    /* held for the usage chunk's fingerprint (the pending event */
+    Py_ssize_t held_cut;     /* last counted, not yet written); where the usage was cut */
 } Lane;
 
 /* Interned at import. */
@@ -829,12 +843,25 @@ lane_traverse(Lane *self, visitproc visit, void *arg)
     return 0;
 }
 
+/* Forget the part of a stream's end taken so far (handed over, ended, or the lane closed). */
+static void
+lane_forget_end(Lane *self)
+{
+    self->end_stage = 0;
+    Py_CLEAR(self->finish_reason);
+    Py_CLEAR(self->fingerprint);
+    PyMem_Free(self->held);
+    self->held = NULL;
+    self->held_size = self->held_cut = 0;
+}
+
 static int
 lane_clear(Lane *self)
 {
     self->armed = 0;
     Py_CLEAR(self->client);
     Py_CLEAR(self->relay);
+    lane_forget_end(self);
     return 0;
 }
 
@@ -922,167 +949,308 @@ lane_start_column(Lane *self)
 
 /* -- The end of a stream, taken by the lane -------------------------------------------------
  *
- * vLLM ends a stream (with the usage the proxy asks for) with four writes that usually reach
- * the proxy as one read: choice 0's last token chunk, which carries the finish reason; the
- * usage-only chunk; `data: [DONE]`; and the chunked body's last chunk. The Python path gives
- * them three events through llhttp, the SSE parser and `StreamMeter._consume`, holds the
- * finish chunk for the usage chunk's system_fingerprint when the client did not ask for usage
- * (the usage chunk is then dropped), and ends the client's answer in one write. A read that is
+ * vLLM ends a stream (with the usage the proxy asks for) with four writes: choice 0's last
+ * token chunk, which carries the finish reason; the usage-only chunk; `data: [DONE]`; and the
+ * chunked body's last chunk. The Python path gives them three events through llhttp, the SSE
+ * parser and `StreamMeter._consume`, holds the finish chunk for the usage chunk's
+ * system_fingerprint when the client did not ask for usage (the usage chunk is then dropped),
+ * and ends the client's answer with the last read's events in one write. A read that is
  * exactly that sequence (after any common token chunks) is taken here: the finish chunk is
  * counted as the token event it is, the client's bytes are made as `_consume` makes them, and
- * the relay's `end_in_lane(out, at_ns, finish_reason, fingerprint, usage_forwarded)` ends
- * both exchanges with them (MeteredRead). Anything else is left to the Python path. */
+ * the relay's `end_in_lane(out, at_ns, finish_reason, fingerprint, usage_forwarded)` ends both
+ * exchanges with them (MeteredRead).
+ *
+ * An end over several reads. The four writes often reach the proxy in more than one read (a
+ * real vLLM on a busy host: the finish chunk alone, or with the usage chunk, then the rest): a
+ * read that begins the end and stops after its finish, usage or [DONE] chunk is taken too, and
+ * so is each read that brings the next part of it in order, written to the client as the
+ * Python path writes that read (a finish chunk held for the fingerprint is held here, in
+ * `held`, and leaves with the usage chunk's read). The relay hears of the end at its last read
+ * only, by the same `end_in_lane`. A read that brings anything else is left to the Python
+ * path, as is the rest of a stream that ends or fails meanwhile: `take_end` then hands the
+ * meter what the lane took of the end (`StreamMeter.take_end_in_lane`), the held finish chunk
+ * among it. */
 
 static const char done_event[] = "data: [DONE]\n\n";
 static const char last_chunk[] = "0\r\n\r\n";
 static const char fingerprint_member[] = ",\"system_fingerprint\":\"";
 
 struct lane_end {
-    cursor finish_payload; /* the finish chunk's event */
+    int from, to;          /* END_*: how far the end was taken before this read, and after */
+    cursor finish_payload; /* the finish chunk's event (from 0) */
     size_t finish_size;
     struct token_chunk finish;
-    cursor usage_payload; /* the usage chunk's event */
+    cursor usage_payload; /* the usage chunk's event (from < END_USAGE <= to) */
     size_t usage_size;
     struct token_chunk usage;
 };
 
-/* 1 and ``out`` filled when [p, end) is the end of a stream this lane takes (above), else 0. */
+/* 1 and ``out`` filled when [p, end) is, whole, the next part of a stream's end that this lane
+ * takes (above), after the part ``from`` (0: none) it took already; else 0. */
 static int
-end_span(const Lane *self, cursor p, cursor end, struct lane_end *out)
+end_span(const Lane *self, int from, cursor p, cursor end, struct lane_end *out)
 {
     size_t limit = (size_t)self->max_event_bytes;
     cursor done;
     size_t done_size;
-    if (!chunk_span(&p, end, &out->finish_payload, &out->finish_size)
-        || out->finish_size > limit
-        || !scan_span(out->finish_payload, out->finish_payload + out->finish_size, &out->finish,
-                      1)
-        || out->finish.kind != CHUNK_TOKEN || out->finish.index != 0
-        || out->finish.finish_start < 0 || out->finish.fingerprint_start >= 0) {
-        return 0;
-    }
-    if (!chunk_span(&p, end, &out->usage_payload, &out->usage_size) || out->usage_size > limit
-        || !scan_span(out->usage_payload, out->usage_payload + out->usage_size, &out->usage, 1)
-        || out->usage.kind != CHUNK_USAGE) {
-        return 0;
-    }
-    if (!chunk_span(&p, end, &done, &done_size) || done_size != sizeof(done_event) - 1
-        || done_size > limit || memcmp(done, done_event, done_size) != 0) {
-        return 0;
-    }
-    if ((size_t)(end - p) != sizeof(last_chunk) - 1
-        || memcmp(p, last_chunk, sizeof(last_chunk) - 1) != 0) {
-        return 0; /* a trailer, or more after the body: llhttp's */
-    }
-    if (self->drop_usage) {
-        /* The held finish chunk gets the fingerprint where its usage member was cut. */
-        if (!self->strip || !out->finish.has_usage) {
+    int stage = from;
+    out->from = from;
+    if (stage == 0) {
+        if (!chunk_span(&p, end, &out->finish_payload, &out->finish_size)
+            || out->finish_size > limit
+            || !scan_span(out->finish_payload, out->finish_payload + out->finish_size,
+                          &out->finish, 1)
+            || out->finish.kind != CHUNK_TOKEN || out->finish.index != 0
+            || out->finish.finish_start < 0 || out->finish.fingerprint_start >= 0) {
             return 0;
         }
-        if (out->usage.fingerprint_start < 0 && (self->end_flags & LANE_END_FINGERPRINT_KNOWN)) {
+        /* A finish chunk held for the fingerprint gets it where its usage member was cut. */
+        if (self->drop_usage && (!self->strip || !out->finish.has_usage)) {
             return 0;
         }
+        stage = END_FINISH;
     }
-    /* The fingerprint's bytes are its JSON text only when ASCII (the scan already refused
-     * quotes, backslashes and control bytes): otherwise the Python path decodes and encodes
-     * it. */
-    for (Py_ssize_t i = out->usage.fingerprint_start; i < out->usage.fingerprint_end; i++) {
-        if (out->usage_payload[i] & 0x80) {
+    if (stage == END_FINISH && p < end) {
+        if (!chunk_span(&p, end, &out->usage_payload, &out->usage_size)
+            || out->usage_size > limit
+            || !scan_span(out->usage_payload, out->usage_payload + out->usage_size, &out->usage,
+                          1)
+            || out->usage.kind != CHUNK_USAGE) {
             return 0;
         }
+        if (self->drop_usage && out->usage.fingerprint_start < 0
+            && (self->end_flags & LANE_END_FINGERPRINT_KNOWN)) {
+            return 0; /* the held finish chunk gets the one the meter knows: the Python path */
+        }
+        /* The fingerprint's bytes are its JSON text only when ASCII (the scan already refused
+         * quotes, backslashes and control bytes): otherwise the Python path decodes and
+         * encodes it. */
+        for (Py_ssize_t i = out->usage.fingerprint_start; i < out->usage.fingerprint_end; i++) {
+            if (out->usage_payload[i] & 0x80) {
+                return 0;
+            }
+        }
+        stage = END_USAGE;
     }
-    return 1;
+    if (stage == END_USAGE && p < end) {
+        if (!chunk_span(&p, end, &done, &done_size) || done_size != sizeof(done_event) - 1
+            || done_size > limit || memcmp(done, done_event, done_size) != 0) {
+            return 0;
+        }
+        stage = END_DONE;
+    }
+    if (stage == END_DONE && p < end) {
+        if ((size_t)(end - p) != sizeof(last_chunk) - 1
+            || memcmp(p, last_chunk, sizeof(last_chunk) - 1) != 0) {
+            return 0; /* a trailer, or more after the body: llhttp's */
+        }
+        p = end;
+        stage = END_BODY;
+    }
+    out->to = stage;
+    return p == end && stage > from;
 }
 
-/* The client's bytes for an end read (unframed: `ClientExchange.end` frames them): the
- * token events before the finish chunk and the finish chunk, each with its usage member cut
- * when the proxy asked for it (the finish chunk with the usage chunk's fingerprint in its
- * place when the usage chunk is dropped), the usage chunk unless dropped, and `[DONE]`. */
-static PyObject *
-end_payload(const Lane *self, int n, cursor *payloads, const size_t *sizes,
-            const struct token_chunk *chunks, const struct lane_end *tail)
+/* `<size in lowercase hex>\r\n` into head (at least 19 bytes), what "%zx\r\n" gives: written
+ * by hand, as snprintf's format parsing was a tenth of this call's instructions. */
+static int
+hex_line(char *head, size_t size)
 {
-    Py_ssize_t fingerprint_size = tail->usage.fingerprint_end - tail->usage.fingerprint_start;
-    int insert = self->drop_usage && tail->usage.fingerprint_start >= 0;
-    size_t size = sizeof(done_event) - 1;
+    static const char digits[] = "0123456789abcdef";
+    char reversed[16];
+    int n = 0;
+    do {
+        reversed[n++] = digits[size & 0xf];
+        size >>= 4;
+    } while (size != 0);
     for (int i = 0; i < n; i++) {
-        size += sizes[i];
-        if (chunks[i].has_usage && self->strip) {
-            size -= (size_t)(chunks[i].usage_end - chunks[i].usage_start);
+        head[i] = reversed[n - 1 - i];
+    }
+    head[n] = '\r';
+    head[n + 1] = '\n';
+    return n + 2;
+}
+
+/* A span of the client's bytes for an end read, and at most how many one read makes: two per
+ * token event (its usage member cut), the fingerprint's three twice, the usage chunk, [DONE]. */
+struct piece {
+    const char *at;
+    size_t size;
+};
+#define END_PIECES (2 * LANE_MAX_CHUNKS + 12)
+
+/* A finish chunk's event (usage cut at ``cut``) with the fingerprint put where its usage was
+ * (meter._release_held: rewrite.insert_member) when there is one: pieces from *k on. */
+static size_t
+finish_pieces(struct piece *pieces, int *k, const char *event, size_t size, size_t cut,
+              size_t resume, const char *fingerprint, size_t fingerprint_size)
+{
+    int i = *k;
+    pieces[i++] = (struct piece){event, cut};
+    size_t total = cut + (size - resume);
+    if (fingerprint != NULL) {
+        pieces[i++] = (struct piece){fingerprint_member, sizeof(fingerprint_member) - 1};
+        pieces[i++] = (struct piece){fingerprint, fingerprint_size};
+        pieces[i++] = (struct piece){"\"", 1};
+        total += sizeof(fingerprint_member) - 1 + fingerprint_size + 1;
+    }
+    pieces[i++] = (struct piece){event + resume, size - resume};
+    *k = i;
+    return total;
+}
+
+/* The client's bytes for a read that takes (a part of) the end (`end_span`), as `_consume`
+ * makes them: the read's token events, the finish chunk last among them when the read begins
+ * the end, each with its usage member cut when the proxy asked for it, but for a finish chunk
+ * held (the usage chunk dropped and not in this read: the caller keeps it); a held finish
+ * chunk (`held`, or this read's) with the usage chunk's fingerprint in place of its usage
+ * member, when the usage chunk is in the read; the usage chunk unless dropped; [DONE]. Framed
+ * as one client chunk (`<size>\r\n...\r\n`, as ClientExchange.write frames) when ``framed``
+ * and not empty, else bare (`ClientExchange.end` frames them). */
+static PyObject *
+end_bytes(const Lane *self, int n, cursor *payloads, const size_t *sizes,
+          const struct token_chunk *chunks, const struct lane_end *tail, int framed)
+{
+    struct piece pieces[END_PIECES];
+    int k = 0;
+    size_t size = 0;
+    int usage_here = tail->from < END_USAGE && tail->to >= END_USAGE;
+    int held_here = self->drop_usage && tail->from == 0 && tail->to == END_FINISH;
+    const char *fingerprint = NULL;
+    size_t fingerprint_size = 0;
+    if (self->drop_usage && usage_here && tail->usage.fingerprint_start >= 0) {
+        fingerprint = (const char *)tail->usage_payload + tail->usage.fingerprint_start;
+        fingerprint_size = (size_t)(tail->usage.fingerprint_end - tail->usage.fingerprint_start);
+    }
+    for (int i = 0; i < n - held_here; i++) {
+        const struct token_chunk *chunk = &chunks[i];
+        const char *event = (const char *)payloads[i];
+        if (chunk->has_usage && self->strip) {
+            int finish = tail->from == 0 && i == n - 1 && self->drop_usage;
+            size += finish_pieces(pieces, &k, event, sizes[i], (size_t)chunk->usage_start,
+                                  (size_t)chunk->usage_end, finish ? fingerprint : NULL,
+                                  fingerprint_size);
+        }
+        else {
+            pieces[k++] = (struct piece){event, sizes[i]};
+            size += sizes[i];
         }
     }
-    if (insert) {
-        size += sizeof(fingerprint_member) - 1 + (size_t)fingerprint_size + 1;
+    if (self->held != NULL && usage_here) { /* the finish chunk held since an earlier read */
+        size += finish_pieces(pieces, &k, self->held, (size_t)self->held_size,
+                              (size_t)self->held_cut, (size_t)self->held_cut, fingerprint,
+                              fingerprint_size);
     }
-    if (!self->drop_usage) {
+    if (usage_here && !self->drop_usage) {
+        pieces[k++] = (struct piece){(const char *)tail->usage_payload, tail->usage_size};
         size += tail->usage_size;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (tail->from < END_DONE && tail->to >= END_DONE) {
+        pieces[k++] = (struct piece){done_event, sizeof(done_event) - 1};
+        size += sizeof(done_event) - 1;
+    }
+    char head[24];
+    int head_size = framed && size ? hex_line(head, size) : 0;
+    size_t frame = head_size ? (size_t)head_size + 2 : 0;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(size + frame));
     if (out == NULL) {
         return NULL;
     }
     char *to = PyBytes_AS_STRING(out);
-    for (int i = 0; i < n; i++) {
-        const struct token_chunk *chunk = &chunks[i];
-        if (chunk->has_usage && self->strip) {
-            size_t before = (size_t)chunk->usage_start;
-            size_t after = sizes[i] - (size_t)chunk->usage_end;
-            memcpy(to, payloads[i], before);
-            to += before;
-            if (insert && i == n - 1) { /* meter._release_held: rewrite.insert_member */
-                memcpy(to, fingerprint_member, sizeof(fingerprint_member) - 1);
-                to += sizeof(fingerprint_member) - 1;
-                memcpy(to, tail->usage_payload + tail->usage.fingerprint_start,
-                       (size_t)fingerprint_size);
-                to += fingerprint_size;
-                *to++ = '"';
-            }
-            memcpy(to, payloads[i] + chunk->usage_end, after);
-            to += after;
-        }
-        else {
-            memcpy(to, payloads[i], sizes[i]);
-            to += sizes[i];
-        }
+    memcpy(to, head, (size_t)head_size);
+    to += head_size;
+    for (int i = 0; i < k; i++) {
+        memcpy(to, pieces[i].at, pieces[i].size);
+        to += pieces[i].size;
     }
-    if (!self->drop_usage) {
-        memcpy(to, tail->usage_payload, tail->usage_size);
-        to += tail->usage_size;
+    if (frame) {
+        to[0] = '\r';
+        to[1] = '\n';
     }
-    memcpy(to, done_event, sizeof(done_event) - 1);
     return out;
 }
 
-/* The relay's `end_in_lane` for an end read: 0 when it returned, -1 with its exception. */
+/* The relay's `end_in_lane` for the end's last read: 0 when it returned, -1 with its
+ * exception. ``fingerprint`` NULL: None. */
 static int
-call_end(Lane *self, PyObject *relay, PyObject *out, long long at_ns,
-         const struct lane_end *tail)
+call_end(Lane *self, PyObject *relay, PyObject *out, long long at_ns, PyObject *reason,
+         PyObject *fingerprint)
 {
-    const struct token_chunk *finish = &tail->finish;
     PyObject *at = PyLong_FromLongLong(at_ns);
-    PyObject *reason = PyUnicode_DecodeUTF8(
-        (const char *)tail->finish_payload + finish->finish_start,
-        finish->finish_end - finish->finish_start, "replace");
-    PyObject *fingerprint =
-        tail->usage.fingerprint_start < 0
-            ? Py_NewRef(Py_None)
-            : PyUnicode_DecodeASCII(
-                  (const char *)tail->usage_payload + tail->usage.fingerprint_start,
-                  tail->usage.fingerprint_end - tail->usage.fingerprint_start, "strict");
-    PyObject *result = NULL;
-    if (at != NULL && reason != NULL && fingerprint != NULL) {
-        result = PyObject_CallMethodObjArgs(relay, end_name, out, at, reason, fingerprint,
-                                            self->drop_usage ? Py_False : Py_True, NULL);
+    if (at == NULL) {
+        return -1;
     }
-    Py_XDECREF(at);
-    Py_XDECREF(reason);
-    Py_XDECREF(fingerprint);
+    PyObject *result = PyObject_CallMethodObjArgs(
+        relay, end_name, out, at, reason, fingerprint ? fingerprint : Py_None,
+        self->drop_usage ? Py_False : Py_True, NULL);
+    Py_DECREF(at);
     if (result == NULL) {
         return -1;
     }
     Py_DECREF(result);
     return 0;
 }
+
+/* ``out`` written to the client: 1, or 0 when the write raised (cleared: nothing was done). */
+static int
+lane_write(PyObject *client, PyObject *out)
+{
+    PyObject *write_args[2] = {client, out};
+    PyObject *written = call_method_cached(&write_method, write_name, write_args, 2);
+    if (written == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(written);
+    return 1;
+}
+
+/* After a write: past the high-water mark of the client's buffer, the lane disarms (the
+ * upstream pauses; the Python path takes the reads after) and tells the relay
+ * (`on_client_full`). 0, or -1 with an exception. */
+static int
+lane_check_full(Lane *self, PyObject *client, PyObject *relay)
+{
+    PyObject *held = call_method_cached(&buffer_size_method, buffer_size_name, &client, 1);
+    if (held == NULL) {
+        return -1;
+    }
+    long long held_bytes = PyLong_AsLongLong(held);
+    Py_DECREF(held);
+    if (held_bytes == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (held_bytes > self->high_water) {
+        self->armed = 0;
+        PyObject *paused = PyObject_CallMethodNoArgs(relay, full_name);
+        if (paused == NULL) {
+            return -1;
+        }
+        Py_DECREF(paused);
+    }
+    return 0;
+}
+
+/* Whether the client's transport is open (1), or closing or cannot tell (0: the Python path
+ * finds out and says so). */
+static int
+client_open(Lane *self)
+{
+    PyObject *transport = self->client;
+    PyObject *closing = call_method_cached(&is_closing_method, is_closing_name, &transport, 1);
+    if (closing == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int gone = PyObject_IsTrue(closing);
+    Py_DECREF(closing);
+    if (gone != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
 
 /* The ``n`` token events of a read taken whole, in the pending columns: the server-side
  * instant ``at_ns`` (the read's), the client-side one now (just after their write). Room for
@@ -1118,43 +1286,168 @@ lane_commit(Lane *self, int n, const struct token_chunk *chunks, const long long
     self->last_read_ns = read_ns;
 }
 
-/* An end read (`end_span`), checked, with room made: its client bytes go to the relay's
- * `end_in_lane`, which ends the client's answer with them in one write and the upstream's
- * exchange; then its token events are committed (their client-side instant is after that
- * write), with the usage chunk's usage as the last seen (the Python path's `usage` is the
- * final one). The lane is disarmed for good: the stream has ended. */
+static int call_first(PyObject *relay, PyObject *model, PyObject *response_id, int other_events,
+                      int first_token);
+
+/* A read that takes (a part of) the stream's end (`end_span`), checked, with room made for
+ * its ``n`` token events (none but in the read that begins the end, whose last is the finish
+ * chunk): 1 when taken, 0 when left to the Python path (nothing done), -1 with an exception.
+ * Its client bytes are written; or, when it brings the body's last chunk, they go to the
+ * relay's `end_in_lane`, which ends the client's answer with them in one write and the
+ * upstream's exchange, and the lane is disarmed for good. Then its token events are committed
+ * (their client-side instant after that write; a held finish chunk's is set when it leaves),
+ * the usage chunk's usage is the last seen (the Python path's `usage` is the final one), and
+ * what the lane took of the end is kept for the end's next read. */
 static int
 lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
               const struct token_chunk *chunks, const long long *gained, long long last,
               const struct lane_end *tail, long long at_ns, long long read_ns,
-              int column_needed)
+              int column_needed, int role, int first_token, PyObject *model,
+              PyObject *response_id)
 {
-    PyObject *out = end_payload(self, n, payloads, sizes, chunks, tail);
-    if (out == NULL) {
+    int ended = tail->to == END_BODY;
+    int usage_here = tail->from < END_USAGE && tail->to >= END_USAGE;
+    int held_here = self->drop_usage && tail->from == 0 && tail->to == END_FINISH;
+    /* The pending event of a finish chunk held since an earlier read, leaving with this one. */
+    Py_ssize_t released = self->held != NULL && usage_here ? self->pending - 1 : -1;
+    PyObject *reason, *fingerprint = NULL, *out;
+    char *held = NULL;
+    size_t held_size = 0;
+    int failed = 0;
+    if (tail->from == 0) {
+        const struct token_chunk *finish = &tail->finish;
+        reason = PyUnicode_DecodeUTF8((const char *)tail->finish_payload + finish->finish_start,
+                                      finish->finish_end - finish->finish_start, "replace");
+    }
+    else {
+        reason = Py_NewRef(self->finish_reason);
+    }
+    if (!usage_here) {
+        fingerprint = Py_XNewRef(self->fingerprint);
+    }
+    else if (tail->usage.fingerprint_start >= 0) {
+        fingerprint = PyUnicode_DecodeASCII(
+            (const char *)tail->usage_payload + tail->usage.fingerprint_start,
+            tail->usage.fingerprint_end - tail->usage.fingerprint_start, "strict");
+        failed |= fingerprint == NULL;
+    }
+    if (held_here) { /* the finish chunk's event without its usage member */
+        const struct token_chunk *finish = &tail->finish;
+        size_t before = (size_t)finish->usage_start;
+        size_t after = tail->finish_size - (size_t)finish->usage_end;
+        held_size = before + after;
+        held = PyMem_Malloc(held_size);
+        if (held != NULL) {
+            memcpy(held, tail->finish_payload, before);
+            memcpy(held + before, tail->finish_payload + finish->usage_end, after);
+        }
+        failed |= held == NULL;
+    }
+    out = end_bytes(self, n, payloads, sizes, chunks, tail, !ended);
+    if (failed || reason == NULL || out == NULL) {
         PyErr_Clear();
+        Py_XDECREF(reason);
+        Py_XDECREF(fingerprint);
+        Py_XDECREF(out);
+        PyMem_Free(held);
         return 0; /* nothing done yet: the Python path takes the read */
     }
-    self->armed = 0;
-    self->end_flags = 0;
+    /* Held for the rest of the call: nothing the calls may close this lane under it. */
+    PyObject *client = Py_NewRef(self->client);
     PyObject *relay = Py_NewRef(self->relay);
-    int called = call_end(self, relay, out, at_ns, tail);
-    Py_DECREF(out);
-    Py_DECREF(relay);
-    if (called < 0) {
-        return -1;
+    int result = -1;
+    if (ended) {
+        self->armed = 0;
+        self->end_flags = 0;
+        lane_forget_end(self); /* all of it goes to the relay's `end_in_lane` */
+        /* The meter learns of the stream's first token (and names) before its end. */
+        if ((first_token && call_first(relay, model, response_id, role, 1) < 0)
+            || call_end(self, relay, out, at_ns, reason, fingerprint) < 0) {
+            goto done;
+        }
     }
-    /* Room again, should anything the call did have taken the counts meanwhile. */
-    if (lane_reserve(self, n) < 0
-        || (column_needed && self->tokens == NULL && lane_start_column(self) < 0)) {
+    else if (PyBytes_GET_SIZE(out) != 0 && !lane_write(client, out)) {
+        result = 0; /* nothing counted: the Python path writes again */
+        goto done;
+    }
+    /* Room again, should anything the call or the write did have taken the counts meanwhile. */
+    if (n != 0
+        && (lane_reserve(self, n) < 0
+            || (column_needed && self->tokens == NULL && lane_start_column(self) < 0))) {
         PyErr_NoMemory();
-        return -1;
+        goto done;
     }
-    lane_commit(self, n, chunks, gained, last, at_ns, read_ns);
-    self->has_usage = 1;
-    self->prompt = tail->usage.prompt;
-    self->total = tail->usage.total;
-    self->completion = tail->usage.completion;
-    return 1;
+    if (role && chunks[0].has_usage) { /* the last usage seen, unless a token chunk's follows */
+        self->has_usage = 1;
+        self->prompt = chunks[0].prompt;
+        self->total = chunks[0].total;
+        self->completion = chunks[0].completion;
+    }
+    lane_commit(self, n - role, chunks + role, gained + role, last, at_ns, read_ns);
+    if (released >= 0 && self->pending == released + 1) {
+        self->events[released].down = monotonic_ns() - self->origin_ns;
+    }
+    if (usage_here) {
+        self->has_usage = 1;
+        self->prompt = tail->usage.prompt;
+        self->total = tail->usage.total;
+        self->completion = tail->usage.completion;
+    }
+    if (ended) {
+        result = 1;
+        goto done;
+    }
+    if (first_token) { /* as for any read with the stream's first token (lane_relay_read) */
+        self->end_flags &= ~LANE_FIRST;
+        self->events_left -= role;
+        self->token_awaited = 0;
+        self->end_flags |= LANE_END_OK;
+        if (call_first(relay, model, response_id, role, 1) < 0) {
+            goto done;
+        }
+    }
+    if (self->end_stage == tail->from) { /* (not handed over by a call meanwhile) */
+        self->end_stage = tail->to;
+        if (tail->from == 0) {
+            self->finish_reason = Py_NewRef(reason);
+        }
+        if (usage_here) {
+            Py_XSETREF(self->fingerprint, Py_XNewRef(fingerprint));
+        }
+        if (released >= 0) {
+            PyMem_Free(self->held);
+            self->held = NULL;
+            self->held_size = self->held_cut = 0;
+        }
+        if (held_here) {
+            self->held = held;
+            self->held_size = (Py_ssize_t)held_size;
+            self->held_cut = tail->finish.usage_start;
+            held = NULL;
+        }
+    }
+    result = lane_check_full(self, client, relay) < 0 ? -1 : 1;
+done:
+    Py_DECREF(client);
+    Py_DECREF(relay);
+    Py_DECREF(out);
+    Py_DECREF(reason);
+    Py_XDECREF(fingerprint);
+    PyMem_Free(held);
+    return result;
+}
+
+/* A read after the lane took a part of the stream's end: 1 when it is the end's next part
+ * (taken), else 0. */
+static int
+lane_end_next(Lane *self, cursor p, cursor end, long long at_ns)
+{
+    struct lane_end tail;
+    if (!end_span(self, self->end_stage, p, end, &tail) || !client_open(self)) {
+        return 0;
+    }
+    return lane_end_read(self, 0, NULL, NULL, NULL, NULL, self->last_cumulative, &tail, at_ns,
+                         monotonic_ns(), 0, 0, 0, NULL, NULL);
 }
 
 /* -- The first read of a stream, taken by the lane -----------------------------------------
@@ -1168,9 +1461,11 @@ lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
  * read off it besides the counts (`first_in_lane(model, response_id, other_events,
  * first_token)`): the answer's model and id from its first chunk, the role chunk, and whether
  * the stream's first token came (the TTFT deadline is met). A role chunk read alone leaves the
- * lane awaiting the first token, whose read says so (`first_in_lane(None, None, 0, True)`);
- * until then the stream's end is not taken here. A role chunk with a system_fingerprint or
- * with completion tokens (which the meter would carry to the next token event), and names the
+ * lane awaiting the first token, whose read says so (`first_in_lane(None, None, 0, True)`).
+ * The read with the first token may bring (a part of) the stream's end too (a short answer
+ * written before the proxy first read its body): `first_in_lane` is then called before the
+ * relay hears of the end (`lane_end_read`). A role chunk with a system_fingerprint or with
+ * completion tokens (which the meter would carry to the next token event), and names the
  * meter decodes or would not keep are left to the Python path. */
 
 /* The longest name the meter keeps (meter._bounded_name). */
@@ -1239,28 +1534,6 @@ call_first(PyObject *relay, PyObject *model, PyObject *response_id, int other_ev
     return 0;
 }
 
-/* relay(read, at_ns) -> bool: the read taken whole (True), or left untouched for the Python
- * path (False). ``at_ns``: the read's instant (the kernel's receive stamp). */
-/* `<size in lowercase hex>\r\n` into head (at least 19 bytes), what "%zx\r\n" gives: written
- * by hand, as snprintf's format parsing was a tenth of this call's instructions. */
-static int
-hex_line(char *head, size_t size)
-{
-    static const char digits[] = "0123456789abcdef";
-    char reversed[16];
-    int n = 0;
-    do {
-        reversed[n++] = digits[size & 0xf];
-        size >>= 4;
-    } while (size != 0);
-    for (int i = 0; i < n; i++) {
-        head[i] = reversed[n - 1 - i];
-    }
-    head[n] = '\r';
-    head[n + 1] = '\n';
-    return n + 2;
-}
-
 /* The read [data, data + size) that arrived at ``at_ns``: 1 when taken whole (parsed,
  * counted, stamped and written to the client), 0 when left untouched for the Python path, -1
  * with an exception set. `relay` for Python; the upstream's C reader (_recvstamp.c) calls it
@@ -1274,6 +1547,9 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     }
     cursor p = (cursor)data;
     cursor end = p + size;
+    if (self->end_stage) {
+        return lane_end_next(self, p, end, at_ns);
+    }
     cursor payloads[LANE_MAX_CHUNKS];
     size_t sizes[LANE_MAX_CHUNKS];
     struct token_chunk chunks[LANE_MAX_CHUNKS];
@@ -1301,8 +1577,11 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
                            && !(chunks[n].has_usage && chunks[n].completion != 0);
         }
         if (!taken) {
-            if (n == LANE_MAX_CHUNKS || first || !(self->end_flags & LANE_END_OK)
-                || !end_span(self, at, end, &tail)) {
+            /* The end needs the answer's model known: by the meter (END_OK), or from this
+             * read's first chunk (a stream whose first read is also its end: a short answer
+             * written before the proxy first read its body). */
+            int named = (self->end_flags & LANE_END_OK) || first || self->token_awaited;
+            if (n == LANE_MAX_CHUNKS || !named || !end_span(self, 0, at, end, &tail)) {
                 return 0;
             }
             /* The finish chunk is one more token event of choice 0, counted as they are. */
@@ -1339,16 +1618,7 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         || self->pending + n > LANE_MAX_PENDING) {
         return 0;
     }
-    PyObject *transport = self->client;
-    PyObject *closing = call_method_cached(&is_closing_method, is_closing_name, &transport, 1);
-    if (closing == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int gone = PyObject_IsTrue(closing);
-    Py_DECREF(closing);
-    if (gone != 0) { /* gone, or cannot tell: the Python path finds out and says so */
-        PyErr_Clear();
+    if (!client_open(self)) {
         return 0;
     }
     int column_needed = 0;
@@ -1369,8 +1639,12 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     }
     long long read_ns = monotonic_ns();
     if (ending) {
-        return lane_end_read(self, n, payloads, sizes, chunks, gained, last, &tail, at_ns,
-                             read_ns, column_needed);
+        int taken = lane_end_read(self, n, payloads, sizes, chunks, gained, last, &tail, at_ns,
+                                  read_ns, column_needed, role,
+                                  first || self->token_awaited, model, response_id);
+        Py_XDECREF(model);
+        Py_XDECREF(response_id);
+        return taken;
     }
     /* The client's chunk: `<size in hex>\r\n<payloads>\r\n`, as ClientExchange.write frames. */
     char head[24];
@@ -1405,15 +1679,12 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     PyObject *client = Py_NewRef(self->client);
     PyObject *relay = Py_NewRef(self->relay);
     int result = -1;
-    PyObject *write_args[2] = {client, out};
-    PyObject *written = call_method_cached(&write_method, write_name, write_args, 2);
+    int written = lane_write(client, out);
     Py_DECREF(out);
-    if (written == NULL) {
-        PyErr_Clear();
+    if (!written) {
         result = 0; /* nothing counted: the Python path writes again */
         goto done;
     }
-    Py_DECREF(written);
     /* Room again, should anything the write called have taken the counts meanwhile. */
     if (lane_reserve(self, n) < 0
         || (column_needed && self->tokens == NULL && lane_start_column(self) < 0)) {
@@ -1442,22 +1713,8 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
             goto done;
         }
     }
-    PyObject *held = call_method_cached(&buffer_size_method, buffer_size_name, &client, 1);
-    if (held == NULL) {
+    if (lane_check_full(self, client, relay) < 0) {
         goto done;
-    }
-    long long held_bytes = PyLong_AsLongLong(held);
-    Py_DECREF(held);
-    if (held_bytes == -1 && PyErr_Occurred()) {
-        goto done;
-    }
-    if (held_bytes > self->high_water) {
-        self->armed = 0; /* the upstream pauses; the Python path takes the reads after */
-        PyObject *paused = PyObject_CallMethodNoArgs(relay, full_name);
-        if (paused == NULL) {
-            goto done;
-        }
-        Py_DECREF(paused);
     }
     result = 1;
 done:
@@ -1468,6 +1725,8 @@ done:
     return result;
 }
 
+/* relay(read, at_ns) -> bool: the read taken whole (True), or left untouched for the Python
+ * path (False). ``at_ns``: the read's instant (the kernel's receive stamp). */
 static PyObject *
 lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1527,6 +1786,7 @@ lane_arm(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     self->last_cumulative = last;
     self->end_flags = (int)end_flags;
     self->token_awaited = 0; /* the meter's flags say where the stream is */
+    lane_forget_end(self);   /* (handed over by `take_end` before the Python path's read) */
     if (self->pending == 0) {
         self->all_ones = 1;
         self->gained = 0;
@@ -1556,7 +1816,8 @@ column_of(const struct lane_event *events, Py_ssize_t n, size_t member)
  * ``up``, ``down`` and ``tokens`` are per event, native int64
  * (array('q').frombytes); ``tokens`` is None when every event carried one token; ``gained``:
  * their sum; ``exact``: every event carried usage; ``usage``: the last usage seen, (prompt,
- * total, completion), or None. */
+ * total, completion), or None. A finish chunk held (`take_end`) has no ``down`` yet: it is the
+ * last event, and ``down`` stops before it. */
 static PyObject *
 lane_take(Lane *self, PyObject *unused)
 {
@@ -1566,7 +1827,8 @@ lane_take(Lane *self, PyObject *unused)
         Py_RETURN_NONE;
     }
     PyObject *up = column_of(self->events, self->pending, offsetof(struct lane_event, up));
-    PyObject *down = column_of(self->events, self->pending, offsetof(struct lane_event, down));
+    Py_ssize_t written = self->pending - (self->held != NULL && self->pending > 0);
+    PyObject *down = column_of(self->events, written, offsetof(struct lane_event, down));
     PyObject *tokens = self->all_ones ? Py_NewRef(Py_None)
                                       : PyBytes_FromStringAndSize(
                                             (const char *)self->tokens,
@@ -1599,6 +1861,36 @@ lane_take(Lane *self, PyObject *unused)
     return answer;
 }
 
+/* take_end() -> None | (stage, finish_reason, fingerprint, held, held_cut): disarms the lane
+ * and hands over what it took of a stream's end that came over several reads ("An end over
+ * several reads"), and forgets it (None: nothing of it). ``stage``: END_FINISH, END_USAGE or
+ * END_DONE (the finish chunk, the usage chunk, [DONE] taken); ``fingerprint``: the usage
+ * chunk's (None: none, or not taken); ``held``: the finish chunk's event held for it, its
+ * usage member cut at ``held_cut`` (None: none held). Called after `take`. */
+static PyObject *
+lane_take_end(Lane *self, PyObject *unused)
+{
+    (void)unused;
+    self->armed = 0;
+    if (self->end_stage == 0) {
+        Py_RETURN_NONE;
+    }
+    PyObject *held = self->held == NULL
+                         ? Py_NewRef(Py_None)
+                         : PyBytes_FromStringAndSize(self->held, self->held_size);
+    if (held == NULL) {
+        return NULL;
+    }
+    PyObject *answer = Py_BuildValue("(iOOOn)", self->end_stage, self->finish_reason,
+                                     self->fingerprint ? self->fingerprint : Py_None, held,
+                                     self->held_cut);
+    Py_DECREF(held);
+    if (answer != NULL) {
+        lane_forget_end(self);
+    }
+    return answer;
+}
+
 /* close(): disarmed for good, its references let go (what it counted must have been taken). */
 static PyObject *
 lane_close(Lane *self, PyObject *unused)
@@ -1620,6 +1912,13 @@ lane_get_last_read_ns(Lane *self, void *closure)
 {
     (void)closure;
     return PyLong_FromLongLong(self->last_read_ns);
+}
+
+static PyObject *
+lane_get_end_stage(Lane *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(self->end_stage);
 }
 
 static PyObject *
@@ -1645,6 +1944,9 @@ static PyMethodDef lane_methods[] = {
     {"take", (PyCFunction)lane_take, METH_NOARGS,
      "take() -> None | (up, down, tokens, gained, last_cumulative, exact, usage): disarm, hand "
      "over the counts."},
+    {"take_end", (PyCFunction)lane_take_end, METH_NOARGS,
+     "take_end() -> None | (stage, finish_reason, fingerprint, held, held_cut): disarm, hand "
+     "over what was taken of a stream's end that came over several reads."},
     {"close", (PyCFunction)lane_close, METH_NOARGS, "close(): disarmed for good."},
     {NULL, NULL, 0, NULL},
 };
@@ -1652,6 +1954,9 @@ static PyMethodDef lane_methods[] = {
 static PyGetSetDef lane_getset[] = {
     {"armed", (getter)lane_get_armed, NULL, "Whether `relay` takes reads.", NULL},
     {"pending", (getter)lane_get_pending, NULL, "Events counted since the last `take`.", NULL},
+    {"end_stage", (getter)lane_get_end_stage, NULL,
+     "How far it took a stream's end that came over several reads (END_*; 0: not begun).",
+     NULL},
     {"last_read_ns", (getter)lane_get_last_read_ns, NULL,
      "When the last read it took was read (CLOCK_MONOTONIC ns; 0: none yet).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -1735,7 +2040,10 @@ PyInit__tokenscan(void)
         || PyModule_AddIntConstant(module, "LANE_END_OK", LANE_END_OK) < 0
         || PyModule_AddIntConstant(module, "LANE_END_FINGERPRINT_KNOWN",
                                    LANE_END_FINGERPRINT_KNOWN) < 0
-        || PyModule_AddIntConstant(module, "LANE_FIRST", LANE_FIRST) < 0) {
+        || PyModule_AddIntConstant(module, "LANE_FIRST", LANE_FIRST) < 0
+        || PyModule_AddIntConstant(module, "END_FINISH", END_FINISH) < 0
+        || PyModule_AddIntConstant(module, "END_USAGE", END_USAGE) < 0
+        || PyModule_AddIntConstant(module, "END_DONE", END_DONE) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -161,12 +161,17 @@ class MeteredRead:
                 lane.arm(*start)
 
     def _take_lane(self, lane: Lane) -> None:
-        """Disarm the C lane and give the meter and the builder what it counted meanwhile."""
+        """Disarm the C lane and give the meter and the builder what it counted meanwhile,
+        and what it took of a stream's end that came over several reads."""
         taken = lane.take()
         if taken is not None:
             up, down, tokens, gained, last_cumulative, exact, usage = taken
             self.meter.take_lane(up, tokens, gained, last_cumulative, exact, usage)
             self.builder.client_token_offsets(down)
+        if lane.end_stage:
+            end = lane.take_end()
+            assert end is not None
+            self.builder.down_events += self.meter.take_end_in_lane(*end)
 
     def first_in_lane(
         self, model: str | None, response_id: str | None, other_events: int, first_token: bool
@@ -191,12 +196,14 @@ class MeteredRead:
         self, out: bytes, at_ns: int, finish_reason: str, fingerprint: str | None, usage: bool
     ) -> None:
         """The C lane took the read that ends the stream (the finish, usage and [DONE] chunks
-        and the end of the chunked body, `_tokenscan.c`): what `on_read` and `_end_in_read`
-        do with it. ``out``: the client's last events, as `StreamMeter` would have made them
-        (they leave with the end of the client's answer, in one write); ``at_ns``: the read's
-        instant; ``usage``: the usage chunk is among them (the client asked for usage). The
-        lane counts the read's token events (the finish chunk's among them) once this returns,
-        with their client-side instant after the write."""
+        and the end of the chunked body, `_tokenscan.c`; or the last of the reads they came
+        in, the lane having written the others): what `on_read` and `_end_in_read` do with
+        it. ``out``: the read's events for the client, as `StreamMeter` would have made them
+        (they leave with the end of the client's answer, in one write; none when [DONE] came
+        in an earlier read); ``at_ns``: the read's instant; ``usage``: the client gets the
+        usage chunk (it asked for usage). The lane counts the read's token events (the finish
+        chunk's among them) once this returns, with their client-side instant after the
+        write."""
         try:
             self.ended = True
             self.meter.end_in_lane(finish_reason, fingerprint)

@@ -527,7 +527,11 @@ class _Stream:
                     token_chunks += 1
                     if finished:
                         remaining -= 1
+            if injector is not None:
+                await injector.end_gap()
             await self._write_tail(response)
+            if injector is not None:
+                await injector.end_gap()
             await response.write_eof()
             return response
         except ResetConnection:
@@ -643,6 +647,8 @@ class _Stream:
             )
             if record is not None:
                 record.stamp(0, "usage")
+            if self.injector is not None:
+                await self.injector.end_gap()
         await response.write(DONE_EVENT)
         if record is not None:
             record.stamp(0, "done")

@@ -74,6 +74,7 @@ faults (per request with the header "{FAULT_HEADER}: SPEC", or for a share of al
   stall_ms=MS[@after=K]   write nothing for MS ms before token chunk K+1 (default K=0)
   malformed_after=K       one event with cut-off JSON before token chunk K+1, then go on
   slow_headers_ms=MS      send the response headers MS ms late
+  split_end_ms=MS         write a stream's end (last token, usage, [DONE], body end) MS ms apart
 """
 
 _ENGINE_HELP: dict[str, str] = {

@@ -16,6 +16,10 @@ Syntax (one header value or one ``--fault`` flag): faults separated by ``;``, ea
                              short, then carry on normally
     slow_headers_ms=MS       hold the response headers back MS milliseconds (the engine starts
                              at once; outputs produced meanwhile are flushed after the headers)
+    split_end_ms=MS          write a stream's end in four turns MS milliseconds apart: the last
+                             token chunk, the usage chunk, ``[DONE]``, the body's last chunk
+                             (a real vLLM's end often reaches a proxy in several reads; the
+                             simulator otherwise writes it in one turn)
 
 K counts chunks that carry at least one token (role chunks, keep-alives and usage chunks are not
 counted). Example: ``X-Sim-Fault: stall_ms=500@after=2; error_event_after=5``.
@@ -72,6 +76,7 @@ class FaultSpec:
     stall_after: int = 0
     malformed_after: int | None = None
     slow_headers_ms: float | None = None
+    split_end_ms: float | None = None
     text: str = ""
 
     @property
@@ -135,7 +140,7 @@ def parse_fault_spec(text: str) -> FaultSpec:
                 if after_name.strip().lower() != "after" or not eq:
                     raise FaultSpecError(f"stall_ms takes MS or MS@after=K, got {value!r}")
                 values["stall_after"] = _parse_count("stall_ms@after", count_text.strip())
-        elif name == "slow_headers_ms":
+        elif name in ("slow_headers_ms", "split_end_ms"):
             values[name] = _parse_ms(name, value)
         else:
             raise FaultSpecError(f"unknown fault {name!r}")
@@ -236,6 +241,11 @@ class FaultInjector:
     async def delay_headers(self) -> None:
         if self.spec.slow_headers_ms:
             await asyncio.sleep(self.spec.slow_headers_ms / 1000)
+
+    async def end_gap(self) -> None:
+        """``split_end_ms``: a pause between two of a stream's last writes."""
+        if self.spec.split_end_ms is not None:
+            await asyncio.sleep(self.spec.split_end_ms / 1000)
 
     async def stall(self, written: int) -> None:
         if self._stall_pending and written >= self.spec.stall_after:

@@ -1188,6 +1188,61 @@ def test_the_c_lane_takes_the_real_servers_end_of_stream(
     assert taken[6] == (final.prompt_tokens, final.total_tokens, final.completion_tokens)
 
 
+@pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
+@pytest.mark.parametrize("client_usage", [False, True])
+def test_the_c_lane_takes_the_real_servers_end_read_by_read(
+    real_vllm: RealVLLM, path: str, make: Any, client_usage: bool
+) -> None:
+    """The real server's last four HTTP chunks as four reads (as they often reach the proxy
+    from a real server): the lane takes each, and writes what the measuring core (the Python
+    path) writes of the same reads (the finish chunk held until the usage chunk's read for a
+    client that did not ask for usage), the last through the relay's end. With vLLM's
+    per-request metrics on the usage chunk, the lane takes the finish chunk and leaves the
+    usage chunk's read (and what it took, `take_end`) to the Python path."""
+    try:
+        from sidecar.protocol._tokenscan import Lane
+    except ImportError:
+        pytest.skip("the C lane is not built")
+    from sidecar.meter import StreamMeter
+    from sidecar.protocol.fastchunk import fast_chunk
+    from sidecar.protocol.rewrite import UsagePlan
+
+    body = make(max_tokens=8, stream=True)
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = raw_chunks(real_vllm.base_url, path, body)
+    plan = UsagePlan(client_usage, False, not client_usage, True)
+    meter = StreamMeter(0, plan)
+    for chunk in chunks[:-4]:
+        meter.feed(chunk[chunk.index(b"\r\n") + 2 : -2], 1)
+    start = meter.lane_start()
+    assert start is not None and start[2] & 1, start
+    relay = LaneClient()
+    lane = Lane(relay, relay, 0, 1 << 16, 1 << 20, True, not client_usage)
+    lane.arm(*start)
+    assert chunks[-1] == b"0\r\n\r\n", chunks[-4:]
+    assert lane.relay(chunks[-4], 5) and lane.end_stage == 1
+    python_out = meter.feed(chunks[-4][chunks[-4].index(b"\r\n") + 2 : -2], 5)[0]
+    if fast_chunk(chunks[-3][chunks[-3].index(b"\r\n") + 2 : -2]) is None:
+        assert b'"metrics":{' in chunks[-3], chunks[-3]
+        assert not lane.relay(chunks[-3], 6) and relay.ends == []
+        assert lane.take_end() is not None
+        return
+    for chunk in chunks[-3:-1]:
+        assert lane.relay(chunk, 6), chunk
+        python_out += meter.feed(chunk[chunk.index(b"\r\n") + 2 : -2], 6)[0]
+    assert lane.relay(chunks[-1], 7) and lane.end_stage == 0
+    python_out += meter.close(7)[0]
+    assert meter.saw_done and meter.fatal is None
+    ((lane_out, _, reason, fingerprint, usage_forwarded),) = relay.ends
+    written = b"".join(w[w.index(b"\r\n") + 2 : -2] for w in relay.written)
+    assert lane_out == b"" and written == python_out  # [DONE] left with its own read
+    assert (reason, fingerprint, usage_forwarded) == (
+        meter.finish_reason,
+        meter.fingerprint,
+        client_usage,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The simulator held to the real server: the same requests to `sidecar sim` speaking 0.32
 
