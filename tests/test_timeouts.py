@@ -121,6 +121,37 @@ async def test_no_deadline_means_no_timer() -> None:
     assert timeouts._handle is None
 
 
+async def test_a_stream_arms_one_timer_for_its_ttft_and_idle_deadlines() -> None:
+    """The idle deadline begins at the answer's head (`start_idle`), never sooner than the
+    timeouts were made: the one timer is set to wake by then, and `start_idle` keeps it. A
+    stream whose first token never comes is still cut at its TTFT deadline, after the idle
+    wake found nothing due."""
+    holder: list[Timeouts] = []
+    timers: list[object] = []
+
+    def make() -> Timeouts:
+        made_at = clock.monotonic_ns()
+        timeouts = Timeouts(total_s=10, ttft_s=0.25, idle_s=0.1)
+        assert timeouts._wake_at <= made_at + 100_000_000 + 1_000_000
+        timers.append(timeouts._handle)
+        timeouts.start_idle()
+        timers.append(timeouts._handle)
+        holder.append(timeouts)
+        return timeouts
+
+    async def reading() -> None:
+        timeouts = make()
+        while True:  # a read every 20 ms: the idle deadline never passes
+            await asyncio.sleep(0.02)
+            timeouts.last_ns = clock.monotonic_ns()
+
+    task = asyncio.ensure_future(reading())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert timers[0] is not None and timers[1] is timers[0]
+    assert holder[0].fired == "ttft_timeout"
+
+
 async def _wait_for(fired: list[int], timeout_s: float = 5.0) -> None:
     deadline = clock.monotonic_ns() + int(timeout_s * 1e9)
     while not fired and clock.monotonic_ns() < deadline:

@@ -74,7 +74,11 @@ class Timeouts:
         self._handle: asyncio.TimerHandle | None = None
         self._wake_at = NEVER
         self._confirming = False
-        self._arm(now)
+        # The idle deadline begins at `start_idle` (the answer's head), no sooner than now, so
+        # it is never before now + idle_s: a timer set to wake by then at the latest is one
+        # `start_idle` finds waking first, and leaves as it is (one timer armed per request
+        # instead of two and a cancel; waking early costs a look and a re-arm, after idle_s).
+        self._arm(now, now + self.idle_ns if self.idle_ns else NEVER)
 
     @classmethod
     def for_generation(
@@ -118,8 +122,8 @@ class Timeouts:
                 when, name = last + self.idle_ns, "idle_timeout"
         return when, name
 
-    def _arm(self, now: int) -> None:
-        when = self._deadline()[0]
+    def _arm(self, now: int, wake_by: int = NEVER) -> None:
+        when = min(self._deadline()[0], wake_by)
         if when >= NEVER or self.task is None or self.fired is not None:
             return
         if self._handle is not None:
