@@ -399,12 +399,15 @@ class StreamMeter:
         last_cumulative: int,
         exact: bool,
         usage: tuple[int, int, int] | None,
+        other_events: int = 0,
+        carry: int = 0,
     ) -> int:
-        """What the C lane counted since it was armed (`Lane.take`): its events' offsets and
-        output tokens (native int64; None: one each), their sum, choice 0's cumulative count
-        after them, whether each carried usage, and the last usage, (prompt, total,
-        completion). Leaves the meter as `feed`'s one-event lane would have. Returns the
-        number of events."""
+        """What the C lane counted since it was armed (`Lane.take`): its token events' offsets
+        and output tokens (native int64; None: one each), their sum, choice 0's cumulative
+        count after them, whether each carried usage, the last usage, (prompt, total,
+        completion), its events without a token (empty texts) and the tokens they carry to
+        the next token event. Leaves the meter as `feed` would have. Returns the number of
+        token events."""
         n_events = len(up_offsets) // 8
         if tokens is not None or self._counts is not None:
             if self._counts is None:  # the column starts, with 1 for the events before
@@ -414,8 +417,8 @@ class StreamMeter:
             else:
                 self._counts.frombytes(tokens)
         self.offsets.frombytes(up_offsets)
-        self.events += n_events
-        self._counter.take_lane(gained, last_cumulative, exact)
+        self.events += n_events + other_events
+        self._counter.take_lane(gained, last_cumulative, exact, carry)
         if usage is not None:
             prompt, total, completion = usage
             self._usage = _new_tuple(Usage, (prompt, completion, total, None))

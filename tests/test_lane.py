@@ -122,7 +122,7 @@ def test_a_token_chunk_is_counted_stamped_cut_and_written_as_one_client_chunk() 
     assert before <= lane.last_read_ns <= after  # the idle timeout's read instant
     taken = lane.take()
     assert taken is not None
-    up, down, tokens, gained, last, exact, usage = taken
+    up, down, tokens, gained, last, exact, usage, _, _ = taken
     assert offsets(up) == [500, 900]
     assert all(before - ORIGIN <= d <= after - ORIGIN for d in offsets(down))
     assert (tokens, gained, last, exact, usage) == (None, 2, 6, True, (12, 18, 6))
@@ -147,7 +147,7 @@ def test_events_without_usage_count_one_token_each_and_are_not_exact() -> None:
     assert lane.relay(chunk(event(CHAT_HELLO)), ORIGIN)
     assert client.writes == [chunk(event(CHAT_HELLO))]
     taken = lane.take()
-    assert taken is not None and taken[2:] == (None, 1, 3, False, None)
+    assert taken is not None and taken[2:] == (None, 1, 3, False, None, 0, 0)
 
 
 def test_events_of_several_tokens_or_none_are_counted_as_the_counter_counts_them() -> None:
@@ -161,7 +161,7 @@ def test_events_of_several_tokens_or_none_are_counted_as_the_counter_counts_them
     assert lane.relay(b"".join(chunk(event(CHAT_HELLO, c)) for c in counts), ORIGIN)
     taken = lane.take()
     assert taken is not None
-    _up, _down, tokens, gained, last, exact, _usage = taken
+    _up, _down, tokens, gained, last, exact, _usage, _, _ = taken
     assert tokens is not None and offsets(tokens) == [1, 0, 3, 1]
     assert (gained, last, exact) == (5, 8, True)
     lane.arm(100, 8)
@@ -287,7 +287,7 @@ def test_the_end_of_a_stream_whose_usage_the_client_did_not_ask_for() -> None:
     assert not lane.armed and not lane.relay(chunk(event(CHAT_HELLO, 4)), ORIGIN)
     taken = lane.take()
     assert taken is not None
-    up, down, tokens, gained, last, exact, usage = taken
+    up, down, tokens, gained, last, exact, usage, _, _ = taken
     assert offsets(up) == [40, 40]
     assert all(before - ORIGIN <= d <= after - ORIGIN for d in offsets(down))
     assert (tokens, gained, last, exact, usage) == (None, 2, 3, True, (12, 15, 3))
@@ -307,7 +307,7 @@ def test_the_end_of_a_stream_whose_usage_the_client_asked_for() -> None:
             (forwarded + usage_event() + DONE, ORIGIN, "stop", "vllm-0.33.0-1a2b3c4d", True)
         ]
         taken = lane.take()
-        assert taken is not None and taken[3:] == (1, 3, True, (12, 15, 3))
+        assert taken is not None and taken[3:7] == (1, 3, True, (12, 15, 3))
 
 
 def test_a_dropped_usage_chunk_without_a_fingerprint() -> None:
@@ -343,8 +343,8 @@ ENDS_LEFT_ALONE: dict[str, tuple[bytes, bool, int]] = {
         True,
         END_OK,
     ),
-    "an empty finish": (
-        end_read(event(FINISH.replace('"content":"!"', '"content":""'), 3), *FINISH_READ[1:]),
+    "an empty finish to hold for the fingerprint (held only as a token event)": (
+        chunk(event(FINISH.replace('"content":"!"', '"content":""'), 3)),
         True,
         END_OK,
     ),
@@ -466,7 +466,7 @@ def test_a_streams_first_read_is_taken_as_the_python_path_takes_it(
     lane_meter.first_in_lane(model, response_id, other)
     taken = lane.take()
     assert taken is not None
-    up, _, tokens, gained, last, exact, usage = taken
+    up, _, tokens, gained, last, exact, usage, _, _ = taken
     lane_meter.take_lane(up, tokens, gained, last, exact, usage)
     assert list(lane_meter.offsets) == list(python.offsets) == [30] * n_token_events
     assert lane_meter.events == python.events == n_events
@@ -512,6 +512,12 @@ FIRST_READS_LEFT_ALONE: dict[str, list[bytes]] = {
     "a model the meter does not keep (DEL)": [named(event(CHAT_HELLO, 1), "m\x7f")],
     "a model outside ASCII": [named(event(CHAT_HELLO, 1), "mod\u00e8le")],
     "an id outside ASCII": [named(event(CHAT_HELLO, 1), response_id="\u00e9")],
+    "an end at end-of-sequence before any token": [
+        role_event(0),
+        event(FINISH.replace('"content":"!"', '"content":""'), 1),
+        usage_event(),
+        DONE,
+    ],
 }
 
 
@@ -574,7 +580,7 @@ def test_a_role_chunk_read_alone_then_the_first_token() -> None:
     alone = new_lane(Client())
     alone.arm(100, 0, FIRST)
     assert alone.relay(chunk(role), ORIGIN)
-    assert alone.take() == (b"", b"", None, 0, 0, True, (7, 7, 0))
+    assert alone.take() == (b"", b"", None, 0, 0, True, (7, 7, 0), 0, 0)
     assert alone.take() is None
     python = StreamMeter(ORIGIN, UsagePlan(False, False, True, True))
     python.feed(role, ORIGIN)
@@ -592,7 +598,7 @@ def test_the_role_chunks_usage_is_the_last_seen_when_no_token_chunk_carries_one(
     assert lane.relay(chunk(role_event(0, prompt=7)) + chunk(event(CHAT_HELLO)), ORIGIN)
     taken = lane.take()
     assert taken is not None
-    assert taken[3:] == (1, 1, False, (7, 7, 0))  # one token, estimated; the role's usage
+    assert taken[3:7] == (1, 1, False, (7, 7, 0))  # one token, estimated; the role's usage
 
 
 class ReentrantClient(Client):
@@ -784,9 +790,9 @@ class Stream:
     def _take(self) -> None:
         taken = self.lane.take()
         if taken is not None:
-            up, down, tokens, gained, last, exact, usage = taken
-            self.meter.take_lane(up, tokens, gained, last, exact, usage)
-            self.down_events += len(down) // 8
+            up, down, tokens, gained, last, exact, usage, other, carry = taken
+            self.meter.take_lane(up, tokens, gained, last, exact, usage, other, carry)
+            self.down_events += len(down) // 8 + other
             self.down_tokens += len(down) // 8
         if self.lane.end_stage:
             end = self.lane.take_end()
@@ -929,7 +935,7 @@ def test_a_finish_chunk_read_alone_is_held_for_the_fingerprint_then_leaves_with_
     assert client.writes == [chunk(finish)] and lane.end_stage == _tokenscan.END_USAGE
     taken = lane.take()
     assert taken is not None
-    up, down, _, gained, last, exact, usage = taken
+    up, down, _, gained, last, exact, usage, _, _ = taken
     assert offsets(up) == [40] and before - ORIGIN <= offsets(down)[0] <= after - ORIGIN
     assert (gained, last, exact, usage) == (1, 3, True, (12, 15, 3))
     assert lane.take_end() == (_tokenscan.END_USAGE, "stop", "vllm-0.33.0-1a2b3c4d", None, 0)
@@ -973,6 +979,149 @@ def test_a_read_with_the_first_token_may_end_the_stream(name: str, plan_name: st
     assert on == off
     assert lane_reads == len(reads)
     assert on["saw_done"] and on["fatal"] is None
+
+
+# Text chunks whose text is empty (vLLM holds back a character whose UTF-8 bytes span two
+# tokens and sends its text with the next token): events without a token, whose tokens the
+# meter carries to choice 0's next token event.
+CHAT_EMPTY = CHAT_HELLO.replace('"content":"Hello"', '"content":""')
+COMPLETION_EMPTY = COMPLETION_HELLO.replace('"text":"Hello"', '"text":""')
+COMPLETION_FINISH = COMPLETION_HELLO.replace(
+    '"finish_reason":null,"stop_reason":null', '"finish_reason":"length","stop_reason":null'
+)
+COMPLETION_USAGE = CHAT_USAGE.replace("chatcmpl-", "cmpl-").replace(
+    "chat.completion.chunk", "text_completion"
+)
+CHAT_FIRST = chunk(role_event(0)) + chunk(event(CHAT_HELLO, 1))
+CHAT_END = end_read(event(FINISH, 6), usage_event(), DONE)
+COMPLETION_END = end_read(event(COMPLETION_FINISH, 6), usage_event(COMPLETION_USAGE), DONE)
+EMPTY_TEXT_READS: dict[str, list[bytes]] = {
+    "chat: an empty text, then its token, read by read": [
+        CHAT_FIRST,
+        chunk(event(CHAT_EMPTY, 2)),
+        chunk(event(CHAT_HELLO, 3)),
+        chunk(event(CHAT_HELLO, 4)),
+        CHAT_END,
+    ],
+    "chat: the empty text and its token in one read": [
+        CHAT_FIRST,
+        chunk(event(CHAT_EMPTY, 2)) + chunk(event(CHAT_HELLO, 3)) + chunk(event(CHAT_HELLO, 4)),
+        CHAT_END,
+    ],
+    "chat: two empty texts, the finish chunk next": [
+        CHAT_FIRST,
+        chunk(event(CHAT_HELLO, 2)) + chunk(event(CHAT_EMPTY, 3)),
+        chunk(event(CHAT_EMPTY, 4)),
+        end_read(event(FINISH, 5), usage_event(), DONE),
+    ],
+    "chat: an empty text without usage": [
+        CHAT_FIRST,
+        chunk(event(CHAT_EMPTY)),
+        chunk(event(CHAT_HELLO, 3)),
+        CHAT_END,
+    ],
+    "chat: an empty text the Python path's next read follows": [
+        CHAT_FIRST,
+        chunk(event(CHAT_EMPTY, 2)),
+        chunk(b": keep-alive\n\n"),
+        chunk(event(CHAT_HELLO, 3)),
+        chunk(event(CHAT_HELLO, 4)),
+        CHAT_END,
+    ],
+    "completions: an empty text first, then the first token": [
+        chunk(event(COMPLETION_EMPTY, 1)),
+        chunk(event(COMPLETION_HELLO, 2)),
+        COMPLETION_END,
+    ],
+    "completions: an empty text and the first token in the first read": [
+        chunk(event(COMPLETION_EMPTY, 1)) + chunk(event(COMPLETION_HELLO, 2)),
+        COMPLETION_END,
+    ],
+    "chat: the role chunk, an empty text and the first token in the first read": [
+        chunk(role_event(0)) + chunk(event(CHAT_EMPTY, 1)) + chunk(event(CHAT_HELLO, 2)),
+        CHAT_END,
+    ],
+    "completions: empty texts, then the token and the end": [
+        chunk(event(COMPLETION_HELLO, 1)),
+        chunk(event(COMPLETION_EMPTY, 2)),
+        chunk(event(COMPLETION_EMPTY, 3)),
+        chunk(event(COMPLETION_HELLO, 5)),
+        COMPLETION_END,
+    ],
+}
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("name", list(EMPTY_TEXT_READS))
+def test_an_empty_text_is_taken_as_the_python_path_takes_it(name: str, plan_name: str) -> None:
+    """The lane takes a text chunk whose text is empty as an event without a token: forwarded
+    (its usage cut as a token chunk's), counted at the next `take`, and its tokens carried to
+    the next token event (handed over with `take` when the Python path reads that one); the
+    bytes, counts, events and token writes are the Python path's."""
+    reads = EMPTY_TEXT_READS[name]
+    on, off, lane_reads = read_both(PLANS[plan_name], reads)
+    assert on == off
+    python_reads = 2 if "the Python path's next read" in name else 0  # the comment, the token
+    assert lane_reads == len(reads) - python_reads
+
+
+def test_an_empty_text_with_a_finish_reason_or_of_another_choice_is_left_alone() -> None:
+    for read, flags in [
+        (chunk(event(CHAT_EMPTY.replace('"finish_reason":null', '"finish_reason":"stop"'), 2)), 0),
+        (chunk(event(CHAT_EMPTY.replace('"index":0', '"index":1'), 2)), 0),
+        (chunk(event(CHAT_EMPTY.replace('"kv_transfer', '"system_fingerprint":"f","kv_t'))), 0),
+    ]:
+        client = Client()
+        lane = new_lane(client)
+        lane.arm(100, 1, flags)
+        assert not lane.relay(read, ORIGIN) and client.writes == [] and lane.take() is None
+
+
+def test_an_empty_texts_tokens_are_carried_and_handed_over() -> None:
+    client = Client()
+    lane = new_lane(client)
+    lane.arm(100, 1)
+    assert lane.relay(chunk(event(CHAT_EMPTY, 3)), ORIGIN + 10)
+    assert client.writes == [chunk(usage_cut(event(CHAT_EMPTY, 3)))]
+    assert lane.take() == (b"", b"", None, 0, 3, True, (12, 15, 3), 1, 2)
+    lane.arm(100, 3)
+    assert lane.relay(chunk(event(CHAT_EMPTY, 4)) + chunk(event(CHAT_HELLO, 6)), ORIGIN + 20)
+    taken = lane.take()
+    assert taken is not None and taken[2:] == (
+        array("q", [3]).tobytes(),  # the empty text's token and its own two
+        3,
+        6,
+        True,
+        (12, 18, 6),
+        1,
+        0,
+    )
+
+
+# An end at the model's end-of-sequence token: the finish chunk's text is empty (an event
+# without a token; its token carried, as an empty text's).
+EOS_FINISH = event(FINISH.replace('"content":"!"', '"content":""'), 6)
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_an_end_whose_finish_chunk_has_no_text_is_taken_as_the_python_path_takes_it(
+    plan_name: str, splits: tuple[int, ...]
+) -> None:
+    """The finish chunk of an end at end-of-sequence has no text: the lane takes it as an
+    event without a token, wherever the end is split, but holds no such chunk across reads
+    (when the client did not ask for usage and the usage chunk is not in its read, that read
+    is the Python path's); the same bytes, counts and events as the Python path."""
+    reads = end_reads(splits, [event(CHAT_HELLO, 5), EOS_FINISH, usage_event(), DONE])
+    plan = PLANS[plan_name]
+    on, off, lane_reads = read_both(plan, reads)
+    assert on == off
+    assert on["saw_done"] and on["finish_reason"] == "stop" and len(on["offsets"]) == 2
+    held_alone = plan.drop_usage_chunk and 1 in splits
+    if held_alone:
+        assert lane_reads < len(reads)
+    else:
+        assert lane_reads == len(reads)
 
 
 # Reads after a part of the end that the lane leaves to the Python path, which then takes the

@@ -191,7 +191,8 @@ finish(cursor *at, cursor start, cursor end, struct token_chunk *out)
 
 /* The walk itself: 1 and ``out`` filled when [start, end) is one common token chunk, else 0.
  * ``wide`` (`scan_chunk`): also the other chunks every stream has (fastchunk._COMMON_CHUNK):
- * the finish chunk (its text may be empty), the chat role chunk and the usage-only chunk. */
+ * the finish chunk (its text may be empty), the chat role chunk and the usage-only chunk;
+ * ``wide`` 2 (the lane's): and a text chunk whose text is empty without a finish (EMPTY). */
 static int
 scan_span(cursor start, cursor end, struct token_chunk *out, int wide)
 {
@@ -245,7 +246,10 @@ scan_span(cursor start, cursor end, struct token_chunk *out, int wide)
         }
         if (LITERAL("\"finish_reason\":null,")) {
             if (empty) {
-                return 0; /* empty text, no finish: not a common chunk */
+                if (wide < 2) {
+                    return 0; /* empty text, no finish: not a common chunk */
+                }
+                out->kind = CHUNK_EMPTY;
             }
         }
         else if (!wide || !finish(&p, start, end, out) || !LITERAL(",")) {
@@ -275,7 +279,10 @@ scan_span(cursor start, cursor end, struct token_chunk *out, int wide)
         }
         if (LITERAL("\"finish_reason\":null,\"stop_reason\":null,")) {
             if (empty) {
-                return 0;
+                if (wide < 2) {
+                    return 0;
+                }
+                out->kind = CHUNK_EMPTY;
             }
         }
         else if (!wide || !finish(&p, start, end, out) || !LITERAL(",")) {
@@ -296,6 +303,9 @@ scan_span(cursor start, cursor end, struct token_chunk *out, int wide)
         cursor role_start = p;
         if (!name(&p, end)) {
             return 0;
+        }
+        if (p == role_start && wide == 2) {
+            return 0; /* the lane's: an empty role is no empty text (the Python path's) */
         }
         out->kind = p == role_start ? CHUNK_EMPTY : CHUNK_ROLE;
         if (!LITERAL("\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]")) {
@@ -812,6 +822,8 @@ typedef struct {
                         * stream's first (`first_in_lane` says so) */
     int has_usage;
     long long prompt, total, completion; /* the last usage seen */
+    long long other_events; /* events without a token taken since the last `take` */
+    long long carry; /* choice 0's tokens an empty text carried, for its next token event */
     /* A stream's end taken over several reads, until its last read or a `take_end`: */
     int end_stage;           /* END_*: how far; 0: not begun */
     PyObject *finish_reason; /* the finish chunk's reason (a str) */
@@ -996,12 +1008,15 @@ end_span(const Lane *self, int from, cursor p, cursor end, struct lane_end *out)
     int stage = from;
     out->from = from;
     if (stage == 0) {
+        /* Its text may be empty (an end at the model's end-of-sequence token): then it is an
+         * event without a token, which `lane_relay_read` counts as such. */
         if (!chunk_span(&p, end, &out->finish_payload, &out->finish_size)
             || out->finish_size > limit
             || !scan_span(out->finish_payload, out->finish_payload + out->finish_size,
                           &out->finish, 1)
-            || out->finish.kind != CHUNK_TOKEN || out->finish.index != 0
-            || out->finish.finish_start < 0 || out->finish.fingerprint_start >= 0) {
+            || (out->finish.kind != CHUNK_TOKEN && out->finish.kind != CHUNK_EMPTY)
+            || out->finish.index != 0 || out->finish.finish_start < 0
+            || out->finish.fingerprint_start >= 0) {
             return 0;
         }
         /* A finish chunk held for the fingerprint gets it where its usage member was cut. */
@@ -1257,11 +1272,12 @@ client_open(Lane *self)
  * them was made (`lane_reserve`, and the token column when needed). */
 static void
 lane_commit(Lane *self, int n, const struct token_chunk *chunks, const long long *gained,
-            long long last, long long at_ns, long long read_ns)
+            const int *index, long long last, long long at_ns, long long read_ns)
 {
     long long down_ns = monotonic_ns() - self->origin_ns;
     long long up_ns = at_ns - self->origin_ns;
-    for (int i = 0; i < n; i++) {
+    for (int k = 0; k < n; k++) {
+        int i = index != NULL ? index[k] : k; /* (index: the token events among the chunks) */
         struct lane_event *counted = &self->events[self->pending];
         counted->up = up_ns;
         counted->down = down_ns;
@@ -1289,6 +1305,32 @@ lane_commit(Lane *self, int n, const struct token_chunk *chunks, const long long
 static int call_first(PyObject *relay, PyObject *model, PyObject *response_id, int other_events,
                       int first_token);
 
+/* A read's token events among its chunks, and what its events without a token leave. */
+struct read_tokens {
+    int n;            /* token events */
+    const int *index; /* their chunks' indices (NULL: chunks 0 to n - 1) */
+    int empties;      /* chunks whose text is empty (events without a token; not the role's) */
+    int last_usage;   /* the last chunk with usage (-1: none) */
+    long long carry;  /* choice 0's tokens carried to its next token event, after the read */
+};
+
+/* After a read's token events were committed: the last usage seen when it was an event's
+ * without a token (chat's role chunk, an empty text), the empty texts counted (handed over by
+ * `take`), and what they carry. */
+static void
+lane_note_others(Lane *self, const struct token_chunk *chunks, const struct read_tokens *tokens)
+{
+    int u = tokens->last_usage;
+    if (u >= 0 && chunks[u].kind != CHUNK_TOKEN) {
+        self->has_usage = 1;
+        self->prompt = chunks[u].prompt;
+        self->total = chunks[u].total;
+        self->completion = chunks[u].completion;
+    }
+    self->other_events += tokens->empties;
+    self->carry = tokens->carry;
+}
+
 /* A read that takes (a part of) the stream's end (`end_span`), checked, with room made for
  * its ``n`` token events (none but in the read that begins the end, whose last is the finish
  * chunk): 1 when taken, 0 when left to the Python path (nothing done), -1 with an exception.
@@ -1302,8 +1344,8 @@ static int
 lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
               const struct token_chunk *chunks, const long long *gained, long long last,
               const struct lane_end *tail, long long at_ns, long long read_ns,
-              int column_needed, int role, int first_token, PyObject *model,
-              PyObject *response_id)
+              int column_needed, int role, const struct read_tokens *tokens, int first_token,
+              PyObject *model, PyObject *response_id)
 {
     int ended = tail->to == END_BODY;
     int usage_here = tail->from < END_USAGE && tail->to >= END_USAGE;
@@ -1377,13 +1419,8 @@ lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
         PyErr_NoMemory();
         goto done;
     }
-    if (role && chunks[0].has_usage) { /* the last usage seen, unless a token chunk's follows */
-        self->has_usage = 1;
-        self->prompt = chunks[0].prompt;
-        self->total = chunks[0].total;
-        self->completion = chunks[0].completion;
-    }
-    lane_commit(self, n - role, chunks + role, gained + role, last, at_ns, read_ns);
+    lane_commit(self, tokens->n, chunks, gained, tokens->index, last, at_ns, read_ns);
+    lane_note_others(self, chunks, tokens);
     if (released >= 0 && self->pending == released + 1) {
         self->events[released].down = monotonic_ns() - self->origin_ns;
     }
@@ -1446,8 +1483,9 @@ lane_end_next(Lane *self, cursor p, cursor end, long long at_ns)
     if (!end_span(self, self->end_stage, p, end, &tail) || !client_open(self)) {
         return 0;
     }
+    struct read_tokens none = {0, NULL, 0, -1, self->carry};
     return lane_end_read(self, 0, NULL, NULL, NULL, NULL, self->last_cumulative, &tail, at_ns,
-                         monotonic_ns(), 0, 0, 0, NULL, NULL);
+                         monotonic_ns(), 0, 0, &none, 0, NULL, NULL);
 }
 
 /* -- The first read of a stream, taken by the lane -----------------------------------------
@@ -1561,6 +1599,8 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     int ending = 0; /* the read ends the stream (`end_span`): its finish chunk is chunks[n - 1] */
     int first = (self->end_flags & LANE_FIRST) != 0; /* the stream's first read (above) */
     int role = 0; /* chunks[0] is chat's role chunk (a first read's only) */
+    int token_index[LANE_MAX_CHUNKS]; /* the token events among the chunks */
+    struct read_tokens tokens = {0, token_index, 0, -1, self->carry};
     /* Every check first: a read is taken whole or not at all. */
     while (p < end && !ending) {
         cursor at = p;
@@ -1576,6 +1616,15 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
                            && chunks[n].fingerprint_start < 0
                            && !(chunks[n].has_usage && chunks[n].completion != 0);
         }
+        int empty = 0;
+        if (whole && !taken) {
+            /* A text chunk whose text is empty (vLLM holds back a character whose UTF-8 bytes
+             * span two tokens, and sends its text with the next): an event without a token,
+             * whose tokens TokenCounter.observe carries to choice 0's next token event. */
+            empty = taken = scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 2)
+                            && chunks[n].kind == CHUNK_EMPTY && chunks[n].index == 0
+                            && chunks[n].finish_start < 0 && chunks[n].fingerprint_start < 0;
+        }
         if (!taken) {
             /* The end needs the answer's model known: by the meter (END_OK), or from this
              * read's first chunk (a stream whose first read is also its end: a short answer
@@ -1584,7 +1633,15 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
             if (n == LANE_MAX_CHUNKS || !named || !end_span(self, 0, at, end, &tail)) {
                 return 0;
             }
-            /* The finish chunk is one more token event of choice 0, counted as they are. */
+            /* The finish chunk is one more token event of choice 0, counted as they are; or,
+             * its text empty, an event without a token (as an empty text: its token carried),
+             * taken only where the meter knows the stream's first token, and not held across
+             * reads (the held chunk is a token event). */
+            empty = tail.finish.kind == CHUNK_EMPTY;
+            if (empty && (first || self->token_awaited || !(self->end_flags & LANE_END_OK)
+                          || (self->drop_usage && tail.to == END_FINISH))) {
+                return 0;
+            }
             payloads[n] = tail.finish_payload;
             sizes[n] = tail.finish_size;
             chunks[n] = tail.finish;
@@ -1593,18 +1650,31 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         struct token_chunk *chunk = &chunks[n];
         /* TokenCounter.token_event: the rise of the cumulative count (0 when it did not
          * rise: released text, no new token), else one token per event without usage. */
-        if (role && n == 0) {
-            gained[n] = 1; /* not a token event: never committed as one */
-        }
-        else if (chunk->has_usage) {
-            gained[n] = chunk->completion > last ? chunk->completion - last : 0;
-            if (chunk->completion > last) {
+        if ((role && n == 0) || empty) { /* events without a token: never committed as one */
+            gained[n] = 0;
+            if (empty && chunk->has_usage && chunk->completion > last) {
+                tokens.carry += chunk->completion - last; /* TokenCounter.observe */
                 last = chunk->completion;
             }
+            tokens.empties += empty;
         }
         else {
-            gained[n] = 1;
-            last += 1;
+            if (chunk->has_usage) {
+                gained[n] = chunk->completion > last ? chunk->completion - last : 0;
+                if (chunk->completion > last) {
+                    last = chunk->completion;
+                }
+            }
+            else {
+                gained[n] = 1;
+                last += 1;
+            }
+            gained[n] += tokens.carry;
+            tokens.carry = 0;
+            token_index[tokens.n++] = n;
+        }
+        if (chunk->has_usage) {
+            tokens.last_usage = n;
         }
         out_size += sizes[n];
         if (chunk->has_usage && self->strip) {
@@ -1614,16 +1684,19 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     }
     /* The end's usage chunk and [DONE] are events of the stream too (StreamMeter.events), as
      * is a role chunk. */
-    if (n == 0 || self->pending + n + (ending ? 2 : 0) > self->events_left
+    if (n == 0 || self->pending + self->other_events + n + (ending ? 2 : 0) > self->events_left
         || self->pending + n > LANE_MAX_PENDING) {
         return 0;
+    }
+    if (tokens.n == n) {
+        tokens.index = NULL; /* every chunk a token event: the common read */
     }
     if (!client_open(self)) {
         return 0;
     }
     int column_needed = 0;
-    for (int i = role; i < n; i++) {
-        column_needed |= gained[i] != 1;
+    for (int k = 0; k < tokens.n; k++) {
+        column_needed |= gained[tokens.index != NULL ? tokens.index[k] : k] != 1;
     }
     if (lane_reserve(self, n) < 0
         || (column_needed && self->tokens == NULL && lane_start_column(self) < 0)) {
@@ -1640,7 +1713,7 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     long long read_ns = monotonic_ns();
     if (ending) {
         int taken = lane_end_read(self, n, payloads, sizes, chunks, gained, last, &tail, at_ns,
-                                  read_ns, column_needed, role,
+                                  read_ns, column_needed, role, &tokens,
                                   first || self->token_awaited, model, response_id);
         Py_XDECREF(model);
         Py_XDECREF(response_id);
@@ -1692,14 +1765,9 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         goto done;
     }
     /* Committed: the read is this lane's. */
-    if (role && chunks[0].has_usage) { /* the last usage seen, unless a token chunk's follows */
-        self->has_usage = 1;
-        self->prompt = chunks[0].prompt;
-        self->total = chunks[0].total;
-        self->completion = chunks[0].completion;
-    }
-    lane_commit(self, n - role, chunks + role, gained + role, last, at_ns, read_ns);
-    int first_token = n > role && (first || self->token_awaited);
+    lane_commit(self, tokens.n, chunks, gained, tokens.index, last, at_ns, read_ns);
+    lane_note_others(self, chunks, &tokens);
+    int first_token = tokens.n > 0 && (first || self->token_awaited);
     if (first || first_token) {
         self->end_flags &= ~LANE_FIRST;
         self->events_left -= role;
@@ -1782,7 +1850,7 @@ lane_arm(Lane *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_RuntimeError, "arm(): the lane is closed");
         return NULL;
     }
-    self->events_left = events_left + self->pending;
+    self->events_left = events_left + self->pending + self->other_events;
     self->last_cumulative = last;
     self->end_flags = (int)end_flags;
     self->token_awaited = 0; /* the meter's flags say where the stream is */
@@ -1811,19 +1879,21 @@ column_of(const struct lane_event *events, Py_ssize_t n, size_t member)
 }
 
 /* take() -> None | (up: bytes, down: bytes, tokens: bytes | None, gained, last_cumulative,
- * exact, usage): disarms the lane and hands over what it counted since the last take (None:
- * nothing, and no usage seen: a role chunk read alone has no token event, but its usage).
+ * exact, usage, other_events, carry): disarms the lane and hands over what it counted since
+ * the last take (None: nothing, and no usage seen: a role chunk read alone has no token event,
+ * but its usage).
  * ``up``, ``down`` and ``tokens`` are per event, native int64
  * (array('q').frombytes); ``tokens`` is None when every event carried one token; ``gained``:
  * their sum; ``exact``: every event carried usage; ``usage``: the last usage seen, (prompt,
- * total, completion), or None. A finish chunk held (`take_end`) has no ``down`` yet: it is the
+ * total, completion), or None; ``other_events``: the empty texts (events without a token);
+ * ``carry``: the tokens they carry that no token event took yet. A finish chunk held (`take_end`) has no ``down`` yet: it is the
  * last event, and ``down`` stops before it. */
 static PyObject *
 lane_take(Lane *self, PyObject *unused)
 {
     (void)unused;
     self->armed = 0;
-    if (self->pending == 0 && !self->has_usage) {
+    if (self->pending == 0 && !self->has_usage && self->other_events == 0 && self->carry == 0) {
         Py_RETURN_NONE;
     }
     PyObject *up = column_of(self->events, self->pending, offsetof(struct lane_event, up));
@@ -1838,8 +1908,9 @@ lane_take(Lane *self, PyObject *unused)
                           : Py_NewRef(Py_None);
     PyObject *answer = NULL;
     if (up != NULL && down != NULL && tokens != NULL && usage != NULL) {
-        answer = Py_BuildValue("(OOOLLOO)", up, down, tokens, self->gained,
-                               self->last_cumulative, self->inexact ? Py_False : Py_True, usage);
+        answer = Py_BuildValue("(OOOLLOOLL)", up, down, tokens, self->gained,
+                               self->last_cumulative, self->inexact ? Py_False : Py_True, usage,
+                               self->other_events, self->carry);
     }
     Py_XDECREF(up);
     Py_XDECREF(down);
@@ -1849,6 +1920,8 @@ lane_take(Lane *self, PyObject *unused)
         self->pending = 0;
         self->inexact = 0;
         self->has_usage = 0;
+        self->other_events = 0;
+        self->carry = 0;
         self->all_ones = 1;
         self->gained = 0;
         /* Now in the Python columns: a stream in flight keeps no second copy here. */
@@ -1942,8 +2015,8 @@ static PyMethodDef lane_methods[] = {
     {"arm", (PyCFunction)(void (*)(void))lane_arm, METH_FASTCALL,
      "arm(events_left, last_cumulative): take reads from now on."},
     {"take", (PyCFunction)lane_take, METH_NOARGS,
-     "take() -> None | (up, down, tokens, gained, last_cumulative, exact, usage): disarm, hand "
-     "over the counts."},
+     "take() -> None | (up, down, tokens, gained, last_cumulative, exact, usage, other_events, "
+     "carry): disarm, hand over the counts."},
     {"take_end", (PyCFunction)lane_take_end, METH_NOARGS,
      "take_end() -> None | (stage, finish_reason, fingerprint, held, held_cut): disarm, hand "
      "over what was taken of a stream's end that came over several reads."},

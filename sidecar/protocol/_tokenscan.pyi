@@ -27,8 +27,9 @@ def chunk_payload(read: bytes, /) -> bytes | None: ...
 
 # What `Lane.take` hands over: up offsets, down offsets, tokens per event (native int64 bytes;
 # None: one each), their sum, choice 0's cumulative count, whether every event carried usage,
-# the last usage (prompt, total, completion).
-_Taken = tuple[bytes, bytes, bytes | None, int, int, bool, tuple[int, int, int] | None]
+# the last usage (prompt, total, completion), the events without a token (empty texts), the
+# tokens they carry to the next token event.
+_Taken = tuple[bytes, bytes, bytes | None, int, int, bool, tuple[int, int, int] | None, int, int]
 # What `Lane.take_end` hands over: how far it took a stream's end (END_*), the finish reason,
 # the usage chunk's fingerprint, the finish chunk held for it (usage cut) and where it was cut.
 _TakenEnd = tuple[int, str, str | None, bytes | None, int]

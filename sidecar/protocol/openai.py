@@ -428,13 +428,16 @@ class TokenCounter:
             return None
         return self._last.get(0, 0)
 
-    def take_lane(self, gained: int, last_cumulative: int, exact: bool) -> None:
+    def take_lane(self, gained: int, last_cumulative: int, exact: bool, carry: int = 0) -> None:
         """Token events of choice 0 the C lane counted, ``gained`` tokens in all, ending at
-        ``last_cumulative``: what `token_event` would have left."""
+        ``last_cumulative``, and ``carry`` tokens of its empty texts after the last of them:
+        what `token_event` and `observe` would have left."""
         self._last[0] = last_cumulative
         self.total += gained
         if not exact:
             self._exact = False
+        if carry:
+            self._carry[0] = carry
 
     def token_event(self, key: int | None, cumulative: int | None) -> int:
         """`observe` for a TOKEN event of choice ``key`` whose usage says ``cumulative``

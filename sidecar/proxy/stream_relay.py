@@ -165,9 +165,10 @@ class MeteredRead:
         and what it took of a stream's end that came over several reads."""
         taken = lane.take()
         if taken is not None:
-            up, down, tokens, gained, last_cumulative, exact, usage = taken
-            self.meter.take_lane(up, tokens, gained, last_cumulative, exact, usage)
+            up, down, tokens, gained, last_cumulative, exact, usage, other, carry = taken
+            self.meter.take_lane(up, tokens, gained, last_cumulative, exact, usage, other, carry)
             self.builder.client_token_offsets(down)
+            self.builder.down_events += other
         if lane.end_stage:
             end = lane.take_end()
             assert end is not None
