@@ -369,12 +369,14 @@ class StreamMeter:
     ) -> int:
         """The C lane took a part of the stream's end, read by read, and the Python path takes
         the rest (`_tokenscan.c`, "An end over several reads"; after `take_lane`, which brought
-        the finish chunk's token event and the usage chunk's usage): what `_consume` leaves
+        the finish chunk's event, a token event or, its text empty, one without a token, and
+        the usage chunk's usage): what `_consume` leaves
         after the finish chunk (``stage`` LANE_END_FINISH), the usage chunk (LANE_END_USAGE)
         and ``[DONE]`` (LANE_END_DONE), with ``held`` the finish chunk it holds for the usage
         chunk's fingerprint (its usage member cut at ``held_cut``: `_release_held` puts the
-        fingerprint there). Returns how many of those events without a token were forwarded
-        to the client (the usage chunk when not dropped, ``[DONE]``)."""
+        fingerprint there; the lane holds only a token event's). Returns how many of those
+        events without a token were forwarded to the client (the usage chunk when not dropped,
+        ``[DONE]``)."""
         self.finish_reason = finish_reason
         if held is not None:
             self._held, self._held_cut, self._held_tokens = held, held_cut, 1
