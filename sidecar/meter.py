@@ -366,6 +366,7 @@ class StreamMeter:
         fingerprint: str | None,
         held: bytes | None,
         held_cut: int,
+        held_token: int = 1,
     ) -> int:
         """The C lane took a part of the stream's end, read by read, and the Python path takes
         the rest (`_tokenscan.c`, "An end over several reads"; after `take_lane`, which brought
@@ -374,12 +375,15 @@ class StreamMeter:
         after the finish chunk (``stage`` LANE_END_FINISH), the usage chunk (LANE_END_USAGE)
         and ``[DONE]`` (LANE_END_DONE), with ``held`` the finish chunk it holds for the usage
         chunk's fingerprint (its usage member cut at ``held_cut``: `_release_held` puts the
-        fingerprint there; the lane holds only a token event's). Returns how many of those
-        events without a token were forwarded to the client (the usage chunk when not dropped,
+        fingerprint there), a token event (``held_token``: `take_lane` brought it) or, its
+        text empty, an event without a token (counted here). Returns how many of those events
+        without a token were forwarded to the client (the usage chunk when not dropped,
         ``[DONE]``)."""
         self.finish_reason = finish_reason
         if held is not None:
-            self._held, self._held_cut, self._held_tokens = held, held_cut, 1
+            self._held, self._held_cut, self._held_tokens = held, held_cut, int(held_token)
+            if not held_token:
+                self.events += 1
         forwarded = 0
         if stage >= LANE_END_USAGE:
             self.events += 1

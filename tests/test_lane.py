@@ -343,11 +343,6 @@ ENDS_LEFT_ALONE: dict[str, tuple[bytes, bool, int]] = {
         True,
         END_OK,
     ),
-    "an empty finish to hold for the fingerprint (held only as a token event)": (
-        chunk(event(FINISH.replace('"content":"!"', '"content":""'), 3)),
-        True,
-        END_OK,
-    ),
     "a finish chunk without usage, the usage chunk dropped": (
         end_read(event(FINISH), *FINISH_READ[1:]),
         True,
@@ -938,7 +933,7 @@ def test_a_finish_chunk_read_alone_is_held_for_the_fingerprint_then_leaves_with_
     up, down, _, gained, last, exact, usage, _, _ = taken
     assert offsets(up) == [40] and before - ORIGIN <= offsets(down)[0] <= after - ORIGIN
     assert (gained, last, exact, usage) == (1, 3, True, (12, 15, 3))
-    assert lane.take_end() == (_tokenscan.END_USAGE, "stop", "vllm-0.33.0-1a2b3c4d", None, 0)
+    assert lane.take_end() == (_tokenscan.END_USAGE, "stop", "vllm-0.33.0-1a2b3c4d", None, 0, 0)
     assert lane.end_stage == 0 and lane.take_end() is None
 
     held = Lane(client, client, ORIGIN, HIGH_WATER, 1 << 20, True, True)
@@ -947,7 +942,7 @@ def test_a_finish_chunk_read_alone_is_held_for_the_fingerprint_then_leaves_with_
     taken = held.take()
     assert taken is not None and offsets(taken[0]) == [40] and taken[1] == b""
     cut = usage_cut(event(FINISH, 3))
-    assert held.take_end() == (_tokenscan.END_FINISH, "stop", None, cut, cut.index(b"}],") + 2)
+    assert held.take_end() == (_tokenscan.END_FINISH, "stop", None, cut, cut.index(b"}],") + 2, 1)
 
 
 # Streams whose first token and end come in one read: a short answer written whole before the
@@ -1101,6 +1096,7 @@ def test_an_empty_texts_tokens_are_carried_and_handed_over() -> None:
 # An end at the model's end-of-sequence token: the finish chunk's text is empty (an event
 # without a token; its token carried, as an empty text's).
 EOS_FINISH = event(FINISH.replace('"content":"!"', '"content":""'), 6)
+EOS_PARTS = [event(CHAT_HELLO, 5), EOS_FINISH, usage_event(), DONE]
 
 
 @pytest.mark.parametrize("splits", SPLITS, ids=str)
@@ -1109,19 +1105,14 @@ def test_an_end_whose_finish_chunk_has_no_text_is_taken_as_the_python_path_takes
     plan_name: str, splits: tuple[int, ...]
 ) -> None:
     """The finish chunk of an end at end-of-sequence has no text: the lane takes it as an
-    event without a token, wherever the end is split, but holds no such chunk across reads
-    (when the client did not ask for usage and the usage chunk is not in its read, that read
-    is the Python path's); the same bytes, counts and events as the Python path."""
-    reads = end_reads(splits, [event(CHAT_HELLO, 5), EOS_FINISH, usage_event(), DONE])
-    plan = PLANS[plan_name]
-    on, off, lane_reads = read_both(plan, reads)
+    event without a token, wherever the end is split (held for the fingerprint when the
+    client did not ask for usage, and counted when it leaves); the same bytes, counts and
+    events as the Python path."""
+    reads = end_reads(splits, EOS_PARTS)
+    on, off, lane_reads = read_both(PLANS[plan_name], reads)
     assert on == off
     assert on["saw_done"] and on["finish_reason"] == "stop" and len(on["offsets"]) == 2
-    held_alone = plan.drop_usage_chunk and 1 in splits
-    if held_alone:
-        assert lane_reads < len(reads)
-    else:
-        assert lane_reads == len(reads)
+    assert lane_reads == len(reads)
 
 
 # Reads after a part of the end that the lane leaves to the Python path, which then takes the
@@ -1137,6 +1128,7 @@ INTERRUPTIONS: dict[str, Any] = {
 }
 
 
+@pytest.mark.parametrize("finish", ["a token", "no text (end-of-sequence)"])
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize(
     ("interruption", "stage"),
@@ -1149,13 +1141,14 @@ INTERRUPTIONS: dict[str, Any] = {
     ],
 )
 def test_the_python_path_takes_over_an_end_the_lane_began(
-    interruption: str, stage: int, plan_name: str
+    interruption: str, stage: int, plan_name: str, finish: str
 ) -> None:
     """After the finish, usage or [DONE] chunk the lane took, a read it does not take: the
     Python path goes on from what the lane handed over (`take_end`: the held finish chunk,
     the usage chunk's fingerprint, [DONE] seen), and the stream ends as it would have without
     the lane: same bytes, counts, failure."""
-    reads = end_reads((stage,))
+    # The end read part by part up to the stage (a held finish chunk released on the way).
+    reads = end_reads(tuple(range(1, stage + 1)), END_PARTS if finish == "a token" else EOS_PARTS)
     reads += INTERRUPTIONS[interruption](reads.pop())
     known = "fp-known" if "when one is known" in interruption else None
     on, off, lane_reads = read_both(PLANS[plan_name], reads, fingerprint=known)

@@ -829,8 +829,9 @@ typedef struct {
     PyObject *finish_reason; /* the finish chunk's reason (a str) */
     PyObject *fingerprint;   /* the usage chunk's system_fingerprint (a str), or NULL */
     char *held;              /* drop_usage, END_FINISH: the finish chunk's event, usage cut, */
-    Py_ssize_t held_size;    /* held for the usage chunk's fingerprint (the pending event */
-    Py_ssize_t held_cut;     /* last counted, not yet written); where the usage was cut */
+    Py_ssize_t held_size;    /* held for the usage chunk's fingerprint; where the usage was */
+    Py_ssize_t held_cut;     /* cut; and whether it is a token event (the pending event last */
+    int held_token;          /* counted, not yet written) or, its text empty, one without */
 } Lane;
 
 /* Interned at import. */
@@ -865,6 +866,7 @@ lane_forget_end(Lane *self)
     PyMem_Free(self->held);
     self->held = NULL;
     self->held_size = self->held_cut = 0;
+    self->held_token = 0;
 }
 
 static int
@@ -1350,8 +1352,10 @@ lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
     int ended = tail->to == END_BODY;
     int usage_here = tail->from < END_USAGE && tail->to >= END_USAGE;
     int held_here = self->drop_usage && tail->from == 0 && tail->to == END_FINISH;
-    /* The pending event of a finish chunk held since an earlier read, leaving with this one. */
-    Py_ssize_t released = self->held != NULL && usage_here ? self->pending - 1 : -1;
+    /* A finish chunk held since an earlier read leaves with this one: its pending event (a
+     * token event's), or one more event without a token. */
+    int releasing = self->held != NULL && usage_here;
+    Py_ssize_t released = releasing && self->held_token ? self->pending - 1 : -1;
     PyObject *reason, *fingerprint = NULL, *out;
     char *held = NULL;
     size_t held_size = 0;
@@ -1424,6 +1428,9 @@ lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
     if (released >= 0 && self->pending == released + 1) {
         self->events[released].down = monotonic_ns() - self->origin_ns;
     }
+    else if (releasing && released < 0) {
+        self->other_events += 1;
+    }
     if (usage_here) {
         self->has_usage = 1;
         self->prompt = tail->usage.prompt;
@@ -1451,15 +1458,17 @@ lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
         if (usage_here) {
             Py_XSETREF(self->fingerprint, Py_XNewRef(fingerprint));
         }
-        if (released >= 0) {
+        if (releasing) {
             PyMem_Free(self->held);
             self->held = NULL;
             self->held_size = self->held_cut = 0;
+            self->held_token = 0;
         }
         if (held_here) {
             self->held = held;
             self->held_size = (Py_ssize_t)held_size;
             self->held_cut = tail->finish.usage_start;
+            self->held_token = tail->finish.kind == CHUNK_TOKEN;
             held = NULL;
         }
     }
@@ -1634,12 +1643,11 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
                 return 0;
             }
             /* The finish chunk is one more token event of choice 0, counted as they are; or,
-             * its text empty, an event without a token (as an empty text: its token carried),
-             * taken only where the meter knows the stream's first token, and not held across
-             * reads (the held chunk is a token event). */
+             * its text empty, an event without a token (as an empty text: its token carried;
+             * held, it is counted when it leaves), taken only where the meter knows the
+             * stream's first token. */
             empty = tail.finish.kind == CHUNK_EMPTY;
-            if (empty && (first || self->token_awaited || !(self->end_flags & LANE_END_OK)
-                          || (self->drop_usage && tail.to == END_FINISH))) {
+            if (empty && (first || self->token_awaited || !(self->end_flags & LANE_END_OK))) {
                 return 0;
             }
             payloads[n] = tail.finish_payload;
@@ -1656,7 +1664,8 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
                 tokens.carry += chunk->completion - last; /* TokenCounter.observe */
                 last = chunk->completion;
             }
-            tokens.empties += empty;
+            /* (counted when it leaves, if it is a finish chunk held for the fingerprint) */
+            tokens.empties += empty && !(ending && self->drop_usage && tail.to == END_FINISH);
         }
         else {
             if (chunk->has_usage) {
@@ -1897,7 +1906,8 @@ lane_take(Lane *self, PyObject *unused)
         Py_RETURN_NONE;
     }
     PyObject *up = column_of(self->events, self->pending, offsetof(struct lane_event, up));
-    Py_ssize_t written = self->pending - (self->held != NULL && self->pending > 0);
+    Py_ssize_t written =
+        self->pending - (self->held != NULL && self->held_token && self->pending > 0);
     PyObject *down = column_of(self->events, written, offsetof(struct lane_event, down));
     PyObject *tokens = self->all_ones ? Py_NewRef(Py_None)
                                       : PyBytes_FromStringAndSize(
@@ -1934,12 +1944,15 @@ lane_take(Lane *self, PyObject *unused)
     return answer;
 }
 
-/* take_end() -> None | (stage, finish_reason, fingerprint, held, held_cut): disarms the lane
+/* take_end() -> None | (stage, finish_reason, fingerprint, held, held_cut, held_token):
+ * disarms the lane
  * and hands over what it took of a stream's end that came over several reads ("An end over
  * several reads"), and forgets it (None: nothing of it). ``stage``: END_FINISH, END_USAGE or
  * END_DONE (the finish chunk, the usage chunk, [DONE] taken); ``fingerprint``: the usage
  * chunk's (None: none, or not taken); ``held``: the finish chunk's event held for it, its
- * usage member cut at ``held_cut`` (None: none held). Called after `take`. */
+ * usage member cut at ``held_cut`` (None: none held), a token event (``held_token``: the last
+ * one `take` gave, without its client instant) or one without a token (not counted yet).
+ * Called after `take`. */
 static PyObject *
 lane_take_end(Lane *self, PyObject *unused)
 {
@@ -1954,9 +1967,9 @@ lane_take_end(Lane *self, PyObject *unused)
     if (held == NULL) {
         return NULL;
     }
-    PyObject *answer = Py_BuildValue("(iOOOn)", self->end_stage, self->finish_reason,
+    PyObject *answer = Py_BuildValue("(iOOOni)", self->end_stage, self->finish_reason,
                                      self->fingerprint ? self->fingerprint : Py_None, held,
-                                     self->held_cut);
+                                     self->held_cut, self->held_token);
     Py_DECREF(held);
     if (answer != NULL) {
         lane_forget_end(self);
@@ -2018,8 +2031,8 @@ static PyMethodDef lane_methods[] = {
      "take() -> None | (up, down, tokens, gained, last_cumulative, exact, usage, other_events, "
      "carry): disarm, hand over the counts."},
     {"take_end", (PyCFunction)lane_take_end, METH_NOARGS,
-     "take_end() -> None | (stage, finish_reason, fingerprint, held, held_cut): disarm, hand "
-     "over what was taken of a stream's end that came over several reads."},
+     "take_end() -> None | (stage, finish_reason, fingerprint, held, held_cut, held_token): "
+     "disarm, hand over what was taken of a stream's end that came over several reads."},
     {"close", (PyCFunction)lane_close, METH_NOARGS, "close(): disarmed for good."},
     {NULL, NULL, 0, NULL},
 };

@@ -31,8 +31,9 @@ def chunk_payload(read: bytes, /) -> bytes | None: ...
 # tokens they carry to the next token event.
 _Taken = tuple[bytes, bytes, bytes | None, int, int, bool, tuple[int, int, int] | None, int, int]
 # What `Lane.take_end` hands over: how far it took a stream's end (END_*), the finish reason,
-# the usage chunk's fingerprint, the finish chunk held for it (usage cut) and where it was cut.
-_TakenEnd = tuple[int, str, str | None, bytes | None, int]
+# the usage chunk's fingerprint, the finish chunk held for it (usage cut), where it was cut,
+# and whether it is a token event (else its text is empty).
+_TakenEnd = tuple[int, str, str | None, bytes | None, int, int]
 
 class _Client(Protocol):
     def write(self, data: bytes, /) -> object: ...
