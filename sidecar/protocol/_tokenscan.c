@@ -1945,14 +1945,13 @@ lane_take(Lane *self, PyObject *unused)
 }
 
 /* take_end() -> None | (stage, finish_reason, fingerprint, held, held_cut, held_token):
- * disarms the lane
- * and hands over what it took of a stream's end that came over several reads ("An end over
- * several reads"), and forgets it (None: nothing of it). ``stage``: END_FINISH, END_USAGE or
- * END_DONE (the finish chunk, the usage chunk, [DONE] taken); ``fingerprint``: the usage
- * chunk's (None: none, or not taken); ``held``: the finish chunk's event held for it, its
- * usage member cut at ``held_cut`` (None: none held), a token event (``held_token``: the last
- * one `take` gave, without its client instant) or one without a token (not counted yet).
- * Called after `take`. */
+ * disarms the lane and hands over what it took of a stream's end that came over several reads
+ * ("An end over several reads"), and forgets it (None: nothing of it). ``stage``: END_FINISH,
+ * END_USAGE or END_DONE (the finish chunk, the usage chunk, [DONE] taken); ``fingerprint``:
+ * the usage chunk's (None: none, or not taken); ``held``: the finish chunk's event held for
+ * it, its usage member cut at ``held_cut`` (None: none held), a token event (``held_token``:
+ * the last one `take` gave, without its client instant) or one without a token (not counted
+ * yet). Called after `take`. */
 static PyObject *
 lane_take_end(Lane *self, PyObject *unused)
 {
