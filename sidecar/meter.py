@@ -381,7 +381,7 @@ class StreamMeter:
         ``[DONE]``)."""
         self.finish_reason = finish_reason
         if held is not None:
-            self._held, self._held_cut, self._held_tokens = held, held_cut, int(held_token)
+            self._held, self._held_cut, self._held_tokens = held, held_cut, held_token
             if not held_token:
                 self.events += 1
         forwarded = 0

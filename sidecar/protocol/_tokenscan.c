@@ -1307,6 +1307,23 @@ lane_commit(Lane *self, int n, const struct token_chunk *chunks, const long long
 static int call_first(PyObject *relay, PyObject *model, PyObject *response_id, int other_events,
                       int first_token);
 
+/* The stream's first read, or the read with its first token, taken: the lane's state after it
+ * and the relay's `first_in_lane` (0 when it returned, -1 with its exception). */
+static int
+lane_first_taken(Lane *self, PyObject *relay, PyObject *model, PyObject *response_id, int role,
+                 int first_token)
+{
+    self->end_flags &= ~LANE_FIRST;
+    self->events_left -= role;
+    self->token_awaited = !first_token;
+    if (first_token) {
+        /* The meter knows the answer's model, and its TTFT deadline is met: the stream's end
+         * may be taken here. */
+        self->end_flags |= LANE_END_OK;
+    }
+    return call_first(relay, model, response_id, role, first_token);
+}
+
 /* A read's token events among its chunks, and what its events without a token leave. */
 struct read_tokens {
     int n;            /* token events */
@@ -1441,14 +1458,8 @@ lane_end_read(Lane *self, int n, cursor *payloads, const size_t *sizes,
         result = 1;
         goto done;
     }
-    if (first_token) { /* as for any read with the stream's first token (lane_relay_read) */
-        self->end_flags &= ~LANE_FIRST;
-        self->events_left -= role;
-        self->token_awaited = 0;
-        self->end_flags |= LANE_END_OK;
-        if (call_first(relay, model, response_id, role, 1) < 0) {
-            goto done;
-        }
+    if (first_token && lane_first_taken(self, relay, model, response_id, role, 1) < 0) {
+        goto done;
     }
     if (self->end_stage == tail->from) { /* (not handed over by a call meanwhile) */
         self->end_stage = tail->to;
@@ -1777,18 +1788,9 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     lane_commit(self, tokens.n, chunks, gained, tokens.index, last, at_ns, read_ns);
     lane_note_others(self, chunks, &tokens);
     int first_token = tokens.n > 0 && (first || self->token_awaited);
-    if (first || first_token) {
-        self->end_flags &= ~LANE_FIRST;
-        self->events_left -= role;
-        self->token_awaited = !first_token;
-        if (first_token) {
-            /* The meter knows the answer's model, and its TTFT deadline is met: the stream's
-             * end may be taken here. */
-            self->end_flags |= LANE_END_OK;
-        }
-        if (call_first(relay, model, response_id, role, first_token) < 0) {
-            goto done;
-        }
+    if ((first || first_token)
+        && lane_first_taken(self, relay, model, response_id, role, first_token) < 0) {
+        goto done;
     }
     if (lane_check_full(self, client, relay) < 0) {
         goto done;

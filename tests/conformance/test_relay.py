@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -45,6 +45,10 @@ from sidecar.replay import replay_cli
 from sidecar.tracefile import PrefixBlocks, TraceHeader, TraceRequest, write_trace
 
 from .real_server import RealVLLM, post_json
+
+if TYPE_CHECKING:
+    from sidecar.meter import StreamMeter
+    from sidecar.protocol._tokenscan import Lane
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -1141,6 +1145,39 @@ def test_the_c_lane_takes_the_real_servers_first_read(
     assert taken is not None and taken[3] == 1 and taken[5] is True  # one token, exact
 
 
+def chunk_body(chunk: bytes) -> bytes:
+    """An HTTP/1.1 chunk's payload (what llhttp hands the meter)."""
+    return chunk[chunk.index(b"\r\n") + 2 : -2]
+
+
+def before_the_end(
+    real_vllm: RealVLLM, path: str, make: Any, client_usage: bool
+) -> tuple[list[bytes], StreamMeter, LaneClient, Lane]:
+    """A real stream's HTTP chunks (continuous usage asked for, as the proxy asks), a meter
+    that read all but its last four one by one (the Python path, for a client that asked for
+    usage or not), and a lane armed where that meter stands: allowed to take the end."""
+    try:
+        from sidecar.protocol._tokenscan import Lane
+    except ImportError:
+        pytest.skip("the C lane is not built")
+    from sidecar.meter import StreamMeter
+    from sidecar.protocol.rewrite import UsagePlan
+
+    body = make(max_tokens=8, stream=True)
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = raw_chunks(real_vllm.base_url, path, body)
+    meter = StreamMeter(0, UsagePlan(client_usage, False, not client_usage, True))
+    for chunk in chunks[:-4]:  # one read per chunk, as they came
+        meter.feed(chunk_body(chunk), 1)
+    start = meter.lane_start()
+    assert start is not None and start[2] & 1, start  # the end may be taken
+    relay = LaneClient()
+    lane = Lane(relay, relay, 0, 1 << 16, 1 << 20, True, not client_usage)
+    lane.arm(*start)
+    assert chunks[-1] == b"0\r\n\r\n", chunks[-4:]
+    return chunks, meter, relay, lane
+
+
 @pytest.mark.parametrize("path,make", [(CHAT_PATH, chat), (COMPLETIONS_PATH, completion)])
 @pytest.mark.parametrize("client_usage", [False, True])
 def test_the_c_lane_takes_the_real_servers_end_of_stream(
@@ -1154,37 +1191,17 @@ def test_the_c_lane_takes_the_real_servers_end_of_stream(
     and for one that asked for the final usage. A server run with
     --enable-per-request-metrics puts its `metrics` object on the usage chunk: the engine's
     view, which the Python path reads, so the lane must leave that end alone."""
-    try:
-        from sidecar.protocol._tokenscan import Lane
-    except ImportError:
-        pytest.skip("the C lane is not built")
-    from sidecar.meter import StreamMeter
     from sidecar.protocol.fastchunk import fast_chunk
-    from sidecar.protocol.rewrite import UsagePlan
 
-    body = make(max_tokens=8, stream=True)
-    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = raw_chunks(real_vllm.base_url, path, body)
-    plan = UsagePlan(client_usage, False, not client_usage, True)
-    meter = StreamMeter(0, plan)
-    for chunk in chunks[:-4]:  # one read per chunk, as they came
-        meter.feed(chunk[chunk.index(b"\r\n") + 2 : -2], 1)
-    start = meter.lane_start()
-    assert start is not None and start[2] & 1, start  # the end may be taken
-    relay = LaneClient()
-    lane = Lane(relay, relay, 0, 1 << 16, 1 << 20, True, not client_usage)
-    lane.arm(*start)
+    chunks, meter, relay, lane = before_the_end(real_vllm, path, make, client_usage)
     end = b"".join(chunks[-4:])
-    assert chunks[-1] == b"0\r\n\r\n", chunks[-4:]
-    usage = fast_chunk(chunks[-3][chunks[-3].index(b"\r\n") + 2 : -2])
+    usage = fast_chunk(chunk_body(chunks[-3]))
     if usage is None:  # not the common usage chunk: vLLM's per-request metrics on it
         assert b'"metrics":{' in chunks[-3], chunks[-3]
         assert not lane.relay(end, 5) and relay.ends == [] and relay.written == []
         return
     assert lane.relay(end, 5), chunks[-4:]
-    out, n_events, _ = meter.feed(
-        b"".join(chunk[chunk.index(b"\r\n") + 2 : -2] for chunk in chunks[-4:-1]), 5
-    )
+    out, n_events, _ = meter.feed(b"".join(chunk_body(chunk) for chunk in chunks[-4:-1]), 5)
     tail, n_tail, _ = meter.close(5)
     assert meter.saw_done and meter.fatal is None
     assert relay.written == []  # an end read is written by the relay's end
@@ -1212,42 +1229,24 @@ def test_the_c_lane_takes_the_real_servers_end_read_by_read(
     client that did not ask for usage), the last through the relay's end. With vLLM's
     per-request metrics on the usage chunk, the lane takes the finish chunk and leaves the
     usage chunk's read (and what it took, `take_end`) to the Python path."""
-    try:
-        from sidecar.protocol._tokenscan import Lane
-    except ImportError:
-        pytest.skip("the C lane is not built")
-    from sidecar.meter import StreamMeter
     from sidecar.protocol.fastchunk import fast_chunk
-    from sidecar.protocol.rewrite import UsagePlan
 
-    body = make(max_tokens=8, stream=True)
-    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = raw_chunks(real_vllm.base_url, path, body)
-    plan = UsagePlan(client_usage, False, not client_usage, True)
-    meter = StreamMeter(0, plan)
-    for chunk in chunks[:-4]:
-        meter.feed(chunk[chunk.index(b"\r\n") + 2 : -2], 1)
-    start = meter.lane_start()
-    assert start is not None and start[2] & 1, start
-    relay = LaneClient()
-    lane = Lane(relay, relay, 0, 1 << 16, 1 << 20, True, not client_usage)
-    lane.arm(*start)
-    assert chunks[-1] == b"0\r\n\r\n", chunks[-4:]
+    chunks, meter, relay, lane = before_the_end(real_vllm, path, make, client_usage)
     assert lane.relay(chunks[-4], 5) and lane.end_stage == 1
-    python_out = meter.feed(chunks[-4][chunks[-4].index(b"\r\n") + 2 : -2], 5)[0]
-    if fast_chunk(chunks[-3][chunks[-3].index(b"\r\n") + 2 : -2]) is None:
+    python_out = meter.feed(chunk_body(chunks[-4]), 5)[0]
+    if fast_chunk(chunk_body(chunks[-3])) is None:
         assert b'"metrics":{' in chunks[-3], chunks[-3]
         assert not lane.relay(chunks[-3], 6) and relay.ends == []
         assert lane.take_end() is not None
         return
     for chunk in chunks[-3:-1]:
         assert lane.relay(chunk, 6), chunk
-        python_out += meter.feed(chunk[chunk.index(b"\r\n") + 2 : -2], 6)[0]
+        python_out += meter.feed(chunk_body(chunk), 6)[0]
     assert lane.relay(chunks[-1], 7) and lane.end_stage == 0
     python_out += meter.close(7)[0]
     assert meter.saw_done and meter.fatal is None
     ((lane_out, _, reason, fingerprint, usage_forwarded),) = relay.ends
-    written = b"".join(w[w.index(b"\r\n") + 2 : -2] for w in relay.written)
+    written = b"".join(chunk_body(w) for w in relay.written)
     assert lane_out == b"" and written == python_out  # [DONE] left with its own read
     assert (reason, fingerprint, usage_forwarded) == (
         meter.finish_reason,
