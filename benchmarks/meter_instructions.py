@@ -10,7 +10,9 @@ run; an instruction count does not: ``valgrind --tool=callgrind`` counts the ins
 process executed, the same for the same code and input whatever else the host is doing. What
 runs: `StreamMeter.feed` over N vLLM chat token events with continuous usage, one event per
 read, the usage the proxy injected cut back out (the one-event lane, what almost every read of a
-stream is). The process is run four times, N and 2N events, each with and without the feeding
+stream is; names as vLLM writes them: a 41-character id, a creation second, a model path,
+where until session 23 one-character names understated the walk over a chunk's head). The
+process is run four times, N and 2N events, each with and without the feeding
 (the setup alone: imports, building the events), and the instructions per event are
 
     ((run(2N) - run(N)) - (setup(2N) - setup(N))) / N
@@ -49,7 +51,8 @@ from sidecar.protocol.rewrite import UsagePlan
 
 n, mode = int(sys.argv[1]), sys.argv[2]
 def event(i):
-    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+    chunk = {"id": "chatcmpl-" + "8d2f0c4e9b1a47f6" * 2, "object": "chat.completion.chunk",
+             "created": 1764547200, "model": "meta-llama/Llama-3.1-8B-Instruct",
              "choices": [{"index": 0, "delta": {"content": " hi"}, "logprobs": None,
                           "finish_reason": None, "token_ids": None}],
              "usage": {"prompt_tokens": 12, "total_tokens": 12 + i, "completion_tokens": i}}
@@ -79,7 +82,8 @@ from sidecar.proxy.upstream import ArrivalBatch, UpstreamConnection, UpstreamExc
 
 n, mode = int(sys.argv[1]), sys.argv[2]
 def event(i):
-    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+    chunk = {"id": "chatcmpl-" + "8d2f0c4e9b1a47f6" * 2, "object": "chat.completion.chunk",
+             "created": 1764547200, "model": "meta-llama/Llama-3.1-8B-Instruct",
              "choices": [{"index": 0, "delta": {"content": " hi"}, "logprobs": None,
                           "finish_reason": None, "token_ids": None}],
              "usage": {"prompt_tokens": 12, "total_tokens": 12 + i, "completion_tokens": i}}

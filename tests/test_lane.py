@@ -850,6 +850,7 @@ class Stream:
             "fatal": meter.fatal,
             "down_events": self.down_events,
             "down_tokens": self.down_tokens,
+            "names": (meter.response_model, meter.response_id),
         }
 
 
@@ -1058,6 +1059,61 @@ def test_an_empty_text_is_taken_as_the_python_path_takes_it(name: str, plan_name
     assert on == off
     python_reads = 2 if "the Python path's next read" in name else 0  # the comment, the token
     assert lane_reads == len(reads) - python_reads
+
+
+# Streams whose chunks do not all begin with the head the lane keeps (the bytes before the
+# choices, from the first chunk it walks): vLLM writes one head per answer, but a chunk that
+# differs must be walked, never taken for the kept head; one that begins with the kept head and
+# then breaks is refused as a walk refuses it.
+def headed(data: bytes, old: bytes, new: bytes) -> bytes:
+    assert old in data
+    return data.replace(old, new, 1)
+
+
+HEADS = {
+    "another creation second": (b'"created":1700000000', b'"created":1700000001'),
+    "a model the kept one begins": (b'"model":"M"', b'"model":"M2"'),
+    "another id of the same length": (b'"chatcmpl-abc123"', b'"chatcmpl-abc124"'),
+    "a longer id": (b'"chatcmpl-abc123"', b'"chatcmpl-abc1234"'),
+    "an escaped quote in the id (not a common chunk)": (b'"chatcmpl-abc123"', b'"chatcm\\"l"'),
+}
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("name", list(HEADS))
+def test_a_chunk_that_does_not_begin_with_the_kept_head_is_walked(
+    name: str, plan_name: str
+) -> None:
+    """Token chunks with the stream's head, one with another head, then the first head again,
+    then the end: the bytes, counts, events and names are the Python path's, and every read
+    the lane can take is taken, whatever head it begins with."""
+    old, new = HEADS[name]
+    other = chunk(headed(event(CHAT_HELLO, 3), old, new))
+    reads = [CHAT_FIRST, chunk(event(CHAT_HELLO, 2)), other, chunk(event(CHAT_HELLO, 4)), CHAT_END]
+    on, off, lane_reads = read_both(PLANS[plan_name], reads)
+    assert on == off
+    assert on["names"] == ("M", "chatcmpl-abc123")
+    taken_by_python = 1 if "not a common chunk" in name else 0
+    assert lane_reads == len(reads) - taken_by_python
+
+
+def test_a_chunk_that_begins_with_the_kept_head_and_then_breaks_is_left_alone() -> None:
+    client = Client()
+    lane = new_lane(client)
+    lane.arm(100, 0)
+    assert lane.relay(chunk(event(CHAT_HELLO, 1)), ORIGIN)  # its head kept
+    head = event(CHAT_HELLO, 2)[: event(CHAT_HELLO, 2).index(b"[") + 1]
+    for broken in [
+        head + b"\n\n",  # shorter than a chunk, as long as the head and a little
+        head,  # the head alone, no end
+        head[:-1],  # shorter than the head
+        head + b'{"index":0,"delta":{"content":"\x01"},"logprobs":null}\n\n',
+    ]:
+        assert not lane.relay(chunk(broken), ORIGIN + 5), broken
+    assert lane.relay(chunk(event(CHAT_HELLO, 2)), ORIGIN + 9)  # the head still kept, taken
+    assert len(client.writes) == 2
+    taken = lane.take()
+    assert taken is not None and taken[3:5] == (2, 2)
 
 
 def test_an_empty_text_with_a_finish_reason_or_of_another_choice_is_left_alone() -> None:

@@ -189,12 +189,40 @@ finish(cursor *at, cursor start, cursor end, struct token_chunk *out)
 
 #define ID_START 13 /* len('data: {"id":"'): fastchunk.ID_START */
 
+/* A stream's chunk head: everything before the choices (`data: {"id":"..","object":"..",
+ * "created":..,"model":"..","choices":[`), which vLLM writes the same in every chunk of one
+ * answer (one id, one creation second, one model). The lane keeps the first head it walks, and
+ * a later chunk that begins with the same bytes skips the walk over them (~120-180 bytes of
+ * names and literals) for one memcmp. Sound because the walk of a head reads no byte past its
+ * end: bytes equal to a head that walked to its end walk there again, with the same spans. */
+struct chunk_head {
+    unsigned char *bytes; /* NULL: none kept */
+    Py_ssize_t size, id_end, model_start, model_end;
+};
+
+/* Keep the head [start, start + size) that walked with ``out``'s spans (no memory: none kept,
+ * each chunk walks). */
+static void
+keep_head(struct chunk_head *head, cursor start, Py_ssize_t size, const struct token_chunk *out)
+{
+    unsigned char *bytes = PyMem_Malloc((size_t)size);
+    if (bytes == NULL) {
+        return;
+    }
+    memcpy(bytes, start, (size_t)size);
+    head->bytes = bytes;
+    head->size = size;
+    head->id_end = out->id_end;
+    head->model_start = out->model_start;
+    head->model_end = out->model_end;
+}
+
 /* The walk itself: 1 and ``out`` filled when [start, end) is one common token chunk, else 0.
  * ``wide`` (`scan_chunk`): also the other chunks every stream has (fastchunk._COMMON_CHUNK):
  * the finish chunk (its text may be empty), the chat role chunk and the usage-only chunk;
  * ``wide`` 2 (the lane's): and a text chunk whose text is empty without a finish (EMPTY). */
 static int
-scan_span(cursor start, cursor end, struct token_chunk *out, int wide)
+scan_span(cursor start, cursor end, struct token_chunk *out, int wide, struct chunk_head *head)
 {
     cursor p = start;
     long long ignored;
@@ -205,27 +233,39 @@ scan_span(cursor start, cursor end, struct token_chunk *out, int wide)
     out->kind = CHUNK_TOKEN;
     out->finish_start = out->finish_end = -1;
     out->fingerprint_start = out->fingerprint_end = -1;
-    if (!LITERAL("data: {\"id\":\"") || !name(&p, end)) {
-        return 0;
+    if (head != NULL && head->bytes != NULL && end - start >= head->size
+        && memcmp(start, head->bytes, (size_t)head->size) == 0) {
+        p += head->size;
+        out->id_end = head->id_end;
+        out->model_start = head->model_start;
+        out->model_end = head->model_end;
     }
-    out->id_end = p - start;
-    if (!LITERAL("\",\"object\":\"")) {
-        return 0;
-    }
-    if (!LITERAL("chat.completion.chunk") && !LITERAL("text_completion")) {
-        return 0;
-    }
-    if (!LITERAL("\",\"created\":") || !integer(&p, end, INT_DIGITS, &ignored)
-        || !LITERAL(",\"model\":\"")) {
-        return 0;
-    }
-    out->model_start = p - start;
-    if (!name(&p, end)) {
-        return 0;
-    }
-    out->model_end = p - start;
-    if (!LITERAL("\",\"choices\":[")) {
-        return 0;
+    else {
+        if (!LITERAL("data: {\"id\":\"") || !name(&p, end)) {
+            return 0;
+        }
+        out->id_end = p - start;
+        if (!LITERAL("\",\"object\":\"")) {
+            return 0;
+        }
+        if (!LITERAL("chat.completion.chunk") && !LITERAL("text_completion")) {
+            return 0;
+        }
+        if (!LITERAL("\",\"created\":") || !integer(&p, end, INT_DIGITS, &ignored)
+            || !LITERAL(",\"model\":\"")) {
+            return 0;
+        }
+        out->model_start = p - start;
+        if (!name(&p, end)) {
+            return 0;
+        }
+        out->model_end = p - start;
+        if (!LITERAL("\",\"choices\":[")) {
+            return 0;
+        }
+        if (head != NULL && head->bytes == NULL) {
+            keep_head(head, start, p - start, out);
+        }
     }
     if (wide && LITERAL("]")) {
         out->kind = CHUNK_USAGE;
@@ -362,7 +402,7 @@ static PyObject *
 scan_bytes(cursor start, cursor end, int wide)
 {
     struct token_chunk chunk;
-    if (!scan_span(start, end, &chunk, wide)) {
+    if (!scan_span(start, end, &chunk, wide, NULL)) {
         Py_RETURN_NONE;
     }
     Py_ssize_t size = wide ? 14 : 9;
@@ -514,7 +554,7 @@ fast_chunk(PyObject *module, PyObject *arg)
     }
     cursor start = (cursor)PyBytes_AS_STRING(arg);
     struct token_chunk chunk;
-    if (!scan_span(start, start + PyBytes_GET_SIZE(arg), &chunk, 1)) {
+    if (!scan_span(start, start + PyBytes_GET_SIZE(arg), &chunk, 1, NULL)) {
         Py_RETURN_NONE;
     }
     PyObject *usage;
@@ -832,6 +872,7 @@ typedef struct {
     Py_ssize_t held_size;    /* held for the usage chunk's fingerprint; where the usage was */
     Py_ssize_t held_cut;     /* cut; and whether it is a token event (the pending event last */
     int held_token;          /* counted, not yet written) or, its text empty, one without */
+    struct chunk_head head;  /* the stream's chunk head, from the first chunk walked */
 } Lane;
 
 /* Interned at import. */
@@ -886,6 +927,7 @@ lane_dealloc(Lane *self)
     lane_clear(self);
     PyMem_Free(self->events);
     PyMem_Free(self->tokens);
+    PyMem_Free(self->head.bytes);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1002,7 +1044,7 @@ struct lane_end {
 /* 1 and ``out`` filled when [p, end) is, whole, the next part of a stream's end that this lane
  * takes (above), after the part ``from`` (0: none) it took already; else 0. */
 static int
-end_span(const Lane *self, int from, cursor p, cursor end, struct lane_end *out)
+end_span(Lane *self, int from, cursor p, cursor end, struct lane_end *out)
 {
     size_t limit = (size_t)self->max_event_bytes;
     cursor done;
@@ -1015,7 +1057,7 @@ end_span(const Lane *self, int from, cursor p, cursor end, struct lane_end *out)
         if (!chunk_span(&p, end, &out->finish_payload, &out->finish_size)
             || out->finish_size > limit
             || !scan_span(out->finish_payload, out->finish_payload + out->finish_size,
-                          &out->finish, 1)
+                          &out->finish, 1, &self->head)
             || (out->finish.kind != CHUNK_TOKEN && out->finish.kind != CHUNK_EMPTY)
             || out->finish.index != 0 || out->finish.finish_start < 0
             || out->finish.fingerprint_start >= 0) {
@@ -1031,7 +1073,7 @@ end_span(const Lane *self, int from, cursor p, cursor end, struct lane_end *out)
         if (!chunk_span(&p, end, &out->usage_payload, &out->usage_size)
             || out->usage_size > limit
             || !scan_span(out->usage_payload, out->usage_payload + out->usage_size, &out->usage,
-                          1)
+                          1, &self->head)
             || out->usage.kind != CHUNK_USAGE) {
             return 0;
         }
@@ -1626,12 +1668,13 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         cursor at = p;
         int whole = n < LANE_MAX_CHUNKS && chunk_span(&p, end, &payloads[n], &sizes[n])
                     && sizes[n] <= (size_t)self->max_event_bytes;
-        int taken = whole && scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 0)
+        cursor payload_end = whole ? payloads[n] + sizes[n] : NULL;
+        int taken = whole && scan_span(payloads[n], payload_end, &chunks[n], 0, &self->head)
                     && chunks[n].index == 0;
         if (whole && !taken && first && n == 0) {
             /* TokenCounter.observe carries a role chunk's completion tokens to the next token
              * event, and the meter keeps a fingerprint off any chunk: the Python path's. */
-            role = taken = scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 1)
+            role = taken = scan_span(payloads[n], payload_end, &chunks[n], 1, &self->head)
                            && chunks[n].kind == CHUNK_ROLE && chunks[n].index == 0
                            && chunks[n].fingerprint_start < 0
                            && !(chunks[n].has_usage && chunks[n].completion != 0);
@@ -1641,7 +1684,7 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
             /* A text chunk whose text is empty (vLLM holds back a character whose UTF-8 bytes
              * span two tokens, and sends its text with the next): an event without a token,
              * whose tokens TokenCounter.observe carries to choice 0's next token event. */
-            empty = taken = scan_span(payloads[n], payloads[n] + sizes[n], &chunks[n], 2)
+            empty = taken = scan_span(payloads[n], payload_end, &chunks[n], 2, &self->head)
                             && chunks[n].kind == CHUNK_EMPTY && chunks[n].index == 0
                             && chunks[n].finish_start < 0 && chunks[n].fingerprint_start < 0;
         }
@@ -1897,8 +1940,8 @@ column_of(const struct lane_event *events, Py_ssize_t n, size_t member)
  * (array('q').frombytes); ``tokens`` is None when every event carried one token; ``gained``:
  * their sum; ``exact``: every event carried usage; ``usage``: the last usage seen, (prompt,
  * total, completion), or None; ``other_events``: the empty texts (events without a token);
- * ``carry``: the tokens they carry that no token event took yet. A finish chunk held (`take_end`) has no ``down`` yet: it is the
- * last event, and ``down`` stops before it. */
+ * ``carry``: the tokens they carry that no token event took yet. A finish chunk held
+ * (`take_end`) has no ``down`` yet: it is the last event, and ``down`` stops before it. */
 static PyObject *
 lane_take(Lane *self, PyObject *unused)
 {
