@@ -1097,6 +1097,64 @@ def test_a_chunk_that_does_not_begin_with_the_kept_head_is_walked(
     assert lane_reads == len(reads) - taken_by_python
 
 
+# ... and streams whose later token chunks do not end as the first did (what follows the text
+# differs in more than the usage's integers).
+TAILS = {
+    "no usage": (b',"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3}', b""),
+    "another prompt, a longer total": (
+        b'"prompt_tokens":12,"total_tokens":15',
+        b'"prompt_tokens":9,"total_tokens":1012',
+    ),
+    "no kv_transfer_params": (b',"kv_transfer_params":null}', b"}"),
+    "completion_tokens_details": (
+        b'"completion_tokens":3}',
+        b'"completion_tokens":3,"completion_tokens_details":null}',
+    ),
+    "a finish reason": (b'"finish_reason":null', b'"finish_reason":"length","stop_reason":null'),
+    "a fingerprint (not a common token chunk)": (
+        b',"kv_transfer',
+        b',"system_fingerprint":"f","kv_transfer',
+    ),
+    "a completion count of 16 digits (not a common chunk)": (
+        b'"completion_tokens":3}',
+        b'"completion_tokens":1000000000000003}',
+    ),
+    "a completion count that runs into the rest (not a common chunk)": (
+        b'"completion_tokens":3}',
+        b'"completion_tokens":3 }',
+    ),
+    "a completions text in a chat stream": (b'"delta":{"content":"Hello"},', b'"text":"Hello",'),
+}
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("name", list(TAILS))
+def test_a_token_chunk_that_does_not_end_as_the_streams_others_is_walked(
+    name: str, plan_name: str
+) -> None:
+    """Token chunks that end as the stream's first, one that ends otherwise, then the first
+    shape again, then the end: the bytes, counts and events are the Python path's, and every
+    read the lane can take is taken."""
+    old, new = TAILS[name]
+    other = chunk(headed(event(CHAT_HELLO, 3), old, new))
+    reads = [CHAT_FIRST, chunk(event(CHAT_HELLO, 2)), other, chunk(event(CHAT_HELLO, 4)), CHAT_END]
+    on, off, lane_reads = read_both(PLANS[plan_name], reads)
+    assert on == off
+    refused = "not a common" in name or "finish reason" in name or "completions text" in name
+    assert lane_reads == len(reads) - (1 if refused else 0)
+
+
+def test_two_events_in_one_http_chunk_are_walked() -> None:
+    """An HTTP chunk whose payload is two token events: their first ends as the stream's token
+    chunks end, and bytes follow; the lane leaves it to the Python path, which counts two."""
+    two = chunk(event(CHAT_HELLO, 3) + event(CHAT_HELLO, 4))
+    reads = [CHAT_FIRST, chunk(event(CHAT_HELLO, 2)), two, chunk(event(CHAT_HELLO, 5)), CHAT_END]
+    for plan in PLANS.values():
+        on, off, lane_reads = read_both(plan, reads)
+        assert on == off
+        assert lane_reads == len(reads) - 1
+
+
 def test_a_chunk_that_begins_with_the_kept_head_and_then_breaks_is_left_alone() -> None:
     client = Client()
     lane = new_lane(client)
