@@ -9,8 +9,10 @@ must have taken most reads and the ends.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import socket
 from array import array
 from typing import Any
 
@@ -23,6 +25,7 @@ from sidecar import clock, meter
 from sidecar.meter import StreamMeter
 from sidecar.protocol.rewrite import UsagePlan
 from sidecar.proxy import stream_relay
+from sidecar.proxy.listener import stream_socket_fd
 from sidecar.record import Outcome, RequestRecord
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig
@@ -627,6 +630,66 @@ def test_a_lane_taken_or_closed_from_inside_its_write_still_counts_the_read(acti
     assert len(client.writes) == 2
     # Taken inside the write: the first read's event went then; the second read's two remain.
     assert lane.pending == (2 if action == "take" else 3)
+
+
+async def test_a_lane_with_the_clients_socket_sends_on_it_and_keeps_the_order() -> None:
+    """A lane given the client's socket (a uvloop transport on a socketpair whose reader does not
+    read, the buffers small): it sends the reads itself while the transport holds nothing; the
+    kernel then takes part of one and the transport queues the rest, and the later reads go
+    behind it through the transport, until past the high-water mark the lane tells the relay.
+    Read out, the client's bytes are every read's, whole and in order."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+    fd = stream_socket_fd(transport)
+    assert fd == ours.fileno()
+    relay = Client()
+    high_water = 16 * 1024
+    lane = Lane(transport, relay, ORIGIN, high_water, 1 << 20, True, False, fd)
+    expected = []
+    reads = 0
+    while relay.full_calls == 0:
+        reads += 1
+        assert reads < 10_000, "the client's buffer never filled"
+        lane.arm(100, reads - 1)
+        data = event(CHAT_HELLO, reads)
+        assert lane.relay(chunk(data), ORIGIN + reads)
+        expected.append(chunk(usage_cut(data)))
+        taken = lane.take()
+        assert taken is not None and taken[3:5] == (1, reads)
+    assert transport.get_write_buffer_size() > high_water and not lane.armed
+    assert relay.full_calls == 1
+    # The reader takes some: the kernel has room again, the transport still holds bytes (the
+    # loop did not run its write since). The next read must go behind them.
+    theirs.setblocking(False)
+    received = bytearray(theirs.recv(4096))
+    assert received
+    lane.arm(100, reads)
+    data = event(CHAT_HELLO, reads + 1)
+    assert lane.relay(chunk(data), ORIGIN + reads + 1)
+    expected.append(chunk(usage_cut(data)))
+    assert relay.full_calls == 2
+    wanted = sum(map(len, expected))
+    while len(received) < wanted:
+        received += await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
+    assert bytes(received) == b"".join(expected)
+    transport.close()
+    theirs.close()
+
+
+def test_the_socket_of_a_transport_that_is_not_a_plain_stream_is_not_given() -> None:
+    class Transport:
+        def __init__(self, extra: dict[str, Any]) -> None:
+            self.extra = extra
+
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return self.extra.get(name, default)
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as datagram:
+        for extra in [{}, {"sslcontext": object()}, {"socket": datagram}]:
+            assert stream_socket_fd(Transport(extra)) == -1  # type: ignore[arg-type]
 
 
 def test_a_closed_lane_takes_nothing_and_cannot_be_armed() -> None:

@@ -799,6 +799,8 @@ chunk_payload(PyObject *module, PyObject *arg)
  * CLOCK_MONOTONIC nanoseconds, the clock of clock.monotonic_ns (time.perf_counter_ns on Linux).
  */
 
+#include <errno.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include "../_methodcache.h"
@@ -811,6 +813,8 @@ chunk_payload(PyObject *module, PyObject *arg)
  * price of one read in 128 on the Python path. */
 #define LANE_MAX_PENDING 128
 #define LANE_FIRST_CAPACITY 4
+/* A read's client bytes up to this size are made on the stack (`lane_relay_read`). */
+#define LANE_STACK_OUT 4096
 /* `arm`'s end flags (StreamMeter.lane_start): the stream's end may be taken here (the meter
  * has nothing the end's chunks could still give it but what the lane hands back), and the
  * meter knows a system_fingerprint already (a held finish chunk would get it back from there
@@ -873,6 +877,7 @@ typedef struct {
     Py_ssize_t held_cut;     /* cut; and whether it is a token event (the pending event last */
     int held_token;          /* counted, not yet written) or, its text empty, one without */
     struct chunk_head head;  /* the stream's chunk head, from the first chunk walked */
+    int client_fd;           /* the client transport's socket, for `lane_send`; -1: none */
 } Lane;
 
 /* Interned at import. */
@@ -934,15 +939,16 @@ lane_dealloc(Lane *self)
 static PyObject *
 lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"client", "relay",           "origin_ns",        "high_water",
-                            "max_event_bytes", "strip", "drop_usage_chunk", NULL};
+    static char *names[] = {"client",    "relay",           "origin_ns",
+                            "high_water", "max_event_bytes", "strip",
+                            "drop_usage_chunk", "client_fd", NULL};
     PyObject *client, *relay;
     long long origin_ns, high_water;
     Py_ssize_t max_event_bytes;
-    int strip, drop_usage = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLLnp|p:Lane", names, &client, &relay,
+    int strip, drop_usage = 0, client_fd = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOLLnp|pi:Lane", names, &client, &relay,
                                      &origin_ns, &high_water, &max_event_bytes, &strip,
-                                     &drop_usage)) {
+                                     &drop_usage, &client_fd)) {
         return NULL;
     }
     Lane *self = (Lane *)type->tp_alloc(type, 0);
@@ -956,6 +962,7 @@ lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->max_event_bytes = max_event_bytes;
     self->strip = strip;
     self->drop_usage = drop_usage;
+    self->client_fd = client_fd;
     self->all_ones = 1;
     return (PyObject *)self;
 }
@@ -1288,6 +1295,58 @@ lane_check_full(Lane *self, PyObject *client, PyObject *relay)
         Py_DECREF(paused);
     }
     return 0;
+}
+
+/* The client's bytes [data, data + size) of a read the lane takes, written; 1 when written
+ * whole or queued (the rest after a partial send: counted as written, as a transport's queue
+ * is), 0 when nothing was written (the Python path writes again), and ``*idle`` whether the
+ * transport's buffer is known to be empty after it (then `lane_check_full` need not ask).
+ *
+ * Where the lane has the client's socket (`client_fd`: a plain TCP or Unix transport, the
+ * listener's) and the transport holds nothing unsent, one send(2) from these bytes: no bytes
+ * object, and none of the transport's write path (its buffer list, its buffer views, its own
+ * attempt, ~0.4k instructions per read in uvloop's). The order of the client's bytes is kept:
+ * everything written before went to the kernel already (nothing is held: get_write_buffer_size
+ * is 0), and whatever the send leaves (the kernel's buffer full, EAGAIN, an error) goes to the
+ * transport, which queues or fails it as it would have. The socket is the transport's own while
+ * it is open, and `client_open` (is_closing) was asked just before, with no Python run between. */
+static int
+lane_send(Lane *self, PyObject *client, const char *data, Py_ssize_t size, int *idle)
+{
+    *idle = 0;
+    Py_ssize_t sent = 0;
+    if (self->client_fd >= 0) {
+        PyObject *held = call_method_cached(&buffer_size_method, buffer_size_name, &client, 1);
+        if (held == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        long long held_bytes = PyLong_AsLongLong(held);
+        Py_DECREF(held);
+        if (held_bytes == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (held_bytes == 0) {
+            ssize_t n;
+            do {
+                n = send(self->client_fd, data, (size_t)size, MSG_DONTWAIT | MSG_NOSIGNAL);
+            } while (n < 0 && errno == EINTR);
+            if (n == size) {
+                *idle = 1;
+                return 1;
+            }
+            sent = n > 0 ? (Py_ssize_t)n : 0; /* the rest, or all of it, to the transport */
+        }
+    }
+    PyObject *rest = PyBytes_FromStringAndSize(data + sent, size - sent);
+    if (rest == NULL) {
+        PyErr_Clear();
+        return sent > 0; /* (bytes the client has: written, not to be written again) */
+    }
+    int written = lane_write(client, rest);
+    Py_DECREF(rest);
+    return written || sent > 0;
 }
 
 /* Whether the client's transport is open (1), or closing or cannot tell (0: the Python path
@@ -1782,17 +1841,19 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         Py_XDECREF(response_id);
         return taken;
     }
-    /* The client's chunk: `<size in hex>\r\n<payloads>\r\n`, as ClientExchange.write frames. */
+    /* The client's chunk: `<size in hex>\r\n<payloads>\r\n`, as ClientExchange.write frames;
+     * made on the stack when it fits (a read's usual few hundred bytes). */
     char head[24];
     int head_size = hex_line(head, out_size);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(head_size + out_size + 2));
+    Py_ssize_t client_size = (Py_ssize_t)(head_size + out_size + 2);
+    char stack_out[LANE_STACK_OUT];
+    char *out = client_size <= LANE_STACK_OUT ? stack_out : PyMem_Malloc((size_t)client_size);
     if (out == NULL) {
-        PyErr_Clear();
         Py_XDECREF(model);
         Py_XDECREF(response_id);
         return 0;
     }
-    char *to = PyBytes_AS_STRING(out);
+    char *to = out;
     memcpy(to, head, (size_t)head_size);
     to += head_size;
     for (int i = 0; i < n; i++) {
@@ -1815,8 +1876,11 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
     PyObject *client = Py_NewRef(self->client);
     PyObject *relay = Py_NewRef(self->relay);
     int result = -1;
-    int written = lane_write(client, out);
-    Py_DECREF(out);
+    int idle;
+    int written = lane_send(self, client, out, client_size, &idle);
+    if (out != stack_out) {
+        PyMem_Free(out);
+    }
     if (!written) {
         result = 0; /* nothing counted: the Python path writes again */
         goto done;
@@ -1835,7 +1899,7 @@ lane_relay_read(Lane *self, const char *data, Py_ssize_t size, long long at_ns)
         && lane_first_taken(self, relay, model, response_id, role, first_token) < 0) {
         goto done;
     }
-    if (lane_check_full(self, client, relay) < 0) {
+    if (!idle && lane_check_full(self, client, relay) < 0) {
         goto done;
     }
     result = 1;

@@ -66,6 +66,7 @@ class Lane:
         max_event_bytes: int,
         strip: bool,
         drop_usage_chunk: bool = False,
+        client_fd: int = -1,
     ) -> None: ...
     @property
     def armed(self) -> bool: ...

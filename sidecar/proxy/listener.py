@@ -306,6 +306,21 @@ class ClientExchange:
             transport.abort()
 
 
+def stream_socket_fd(transport: asyncio.BaseTransport) -> int:
+    """The socket of a plain stream transport (TCP or Unix, no TLS), which the C lane may send
+    on while the transport holds nothing unsent (`_tokenscan.c`, `lane_send`); -1 for any other
+    transport: the lane then writes through it."""
+    if transport.get_extra_info("sslcontext") is not None:
+        return -1
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.type != socket.SOCK_STREAM:
+        return -1
+    try:
+        return int(sock.fileno())
+    except (OSError, ValueError):
+        return -1
+
+
 class ClientConnection(asyncio.Protocol):
     """One client connection: parse, bound, dispatch, one request at a time."""
 
@@ -316,6 +331,8 @@ class ClientConnection(asyncio.Protocol):
         self.server = server
         self.limits = server.limits
         self.transport: asyncio.Transport | None = None
+        # The transport's socket, for the C lane's own sends (`stream_relay`); -1: none.
+        self.fd = -1
         # The parser holds bound methods of this connection, and it holds the parser: a cycle,
         # which `connection_lost` breaks (None), so that a closed connection is freed at once
         # by its reference count, not by a full collection (tests/test_gc_cycles.py).
@@ -353,6 +370,7 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(WRITE_HIGH_WATER, WRITE_LOW_WATER)
+        self.fd = stream_socket_fd(self.transport)
         peername = self.transport.get_extra_info("peername")
         if isinstance(peername, tuple) and peername:
             self._client_address = str(peername[0])

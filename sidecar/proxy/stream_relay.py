@@ -251,6 +251,7 @@ class MeteredRead:
             max_event_bytes,
             strip,
             drop_usage_chunk,
+            exchange.connection.fd,
         )
         upstream_transport.lane = self.lane
         self.timeouts.lane = self.lane  # the idle timeout reads its reads' instants
