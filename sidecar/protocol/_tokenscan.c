@@ -1305,7 +1305,8 @@ lane_check_full(Lane *self, PyObject *client, PyObject *relay)
  * Where the lane has the client's socket (`client_fd`: a plain TCP or Unix transport, the
  * listener's) and the transport holds nothing unsent, one send(2) from these bytes: no bytes
  * object, and none of the transport's write path (its buffer list, its buffer views, its own
- * attempt, ~0.4k instructions per read in uvloop's). The order of the client's bytes is kept:
+ * attempt; with the bytes object ~1.2k instructions per read, benchmarks/RESULTS.md "The lane's
+ * own send"). The order of the client's bytes is kept:
  * everything written before went to the kernel already (nothing is held: get_write_buffer_size
  * is 0), and whatever the send leaves (the kernel's buffer full, EAGAIN, an error) goes to the
  * transport, which queues or fails it as it would have. The socket is the transport's own while
