@@ -1124,87 +1124,74 @@ def test_an_empty_text_is_taken_as_the_python_path_takes_it(name: str, plan_name
     assert lane_reads == len(reads) - python_reads
 
 
-# Streams whose chunks do not all begin with the head the lane keeps (the bytes before the
-# choices, from the first chunk it walks): vLLM writes one head per answer, but a chunk that
-# differs must be walked, never taken for the kept head; one that begins with the kept head and
-# then breaks is refused as a walk refuses it.
+# Streams one of whose token chunks is unlike the others. Its head (the bytes before the
+# choices, which the lane keeps from the first chunk it walks; vLLM writes one per answer): a
+# chunk that differs must be walked, never taken for the kept head. Or what follows its text.
 def headed(data: bytes, old: bytes, new: bytes) -> bytes:
     assert old in data
     return data.replace(old, new, 1)
 
 
-HEADS = {
-    "another creation second": (b'"created":1700000000', b'"created":1700000001'),
-    "a model the kept one begins": (b'"model":"M"', b'"model":"M2"'),
-    "another id of the same length": (b'"chatcmpl-abc123"', b'"chatcmpl-abc124"'),
-    "a longer id": (b'"chatcmpl-abc123"', b'"chatcmpl-abc1234"'),
-    "an escaped quote in the id (not a common chunk)": (b'"chatcmpl-abc123"', b'"chatcm\\"l"'),
+# name: (bytes replaced, by, whether the Python path must take that read)
+UNLIKE: dict[str, tuple[bytes, bytes, bool]] = {
+    "another creation second": (b'"created":1700000000', b'"created":1700000001', False),
+    "a model the kept one begins": (b'"model":"M"', b'"model":"M2"', False),
+    "another id of the same length": (b'"chatcmpl-abc123"', b'"chatcmpl-abc124"', False),
+    "a longer id": (b'"chatcmpl-abc123"', b'"chatcmpl-abc1234"', False),
+    "an escaped quote in the id": (b'"chatcmpl-abc123"', b'"chatcm\\"l"', True),
+    "no usage": (
+        b',"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3}',
+        b"",
+        False,
+    ),
+    "another prompt, a longer total": (
+        b'"prompt_tokens":12,"total_tokens":15',
+        b'"prompt_tokens":9,"total_tokens":1012',
+        False,
+    ),
+    "no kv_transfer_params": (b',"kv_transfer_params":null}', b"}", False),
+    "completion_tokens_details": (
+        b'"completion_tokens":3}',
+        b'"completion_tokens":3,"completion_tokens_details":null}',
+        False,
+    ),
+    "a finish reason": (
+        b'"finish_reason":null',
+        b'"finish_reason":"length","stop_reason":null',
+        True,
+    ),
+    "a fingerprint": (b',"kv_transfer', b',"system_fingerprint":"f","kv_transfer', True),
+    "a completion count of 16 digits": (
+        b'"completion_tokens":3}',
+        b'"completion_tokens":1000000000000003}',
+        True,
+    ),
+    "a completion count that runs into the rest": (
+        b'"completion_tokens":3}',
+        b'"completion_tokens":3 }',
+        True,
+    ),
+    "a completions text in a chat stream": (
+        b'"delta":{"content":"Hello"},',
+        b'"text":"Hello",',
+        True,
+    ),
 }
 
 
 @pytest.mark.parametrize("plan_name", list(PLANS))
-@pytest.mark.parametrize("name", list(HEADS))
-def test_a_chunk_that_does_not_begin_with_the_kept_head_is_walked(
-    name: str, plan_name: str
-) -> None:
-    """Token chunks with the stream's head, one with another head, then the first head again,
-    then the end: the bytes, counts, events and names are the Python path's, and every read
-    the lane can take is taken, whatever head it begins with."""
-    old, new = HEADS[name]
+@pytest.mark.parametrize("name", list(UNLIKE))
+def test_a_token_chunk_unlike_the_streams_others(name: str, plan_name: str) -> None:
+    """Token chunks alike, one unlike them, then the first kind again, then the end: the bytes,
+    counts, events and names are the Python path's, and every read the lane can take is taken
+    (the unlike one too, unless it is no common token chunk)."""
+    old, new, by_python = UNLIKE[name]
     other = chunk(headed(event(CHAT_HELLO, 3), old, new))
     reads = [CHAT_FIRST, chunk(event(CHAT_HELLO, 2)), other, chunk(event(CHAT_HELLO, 4)), CHAT_END]
     on, off, lane_reads = read_both(PLANS[plan_name], reads)
     assert on == off
     assert on["names"] == ("M", "chatcmpl-abc123")
-    taken_by_python = 1 if "not a common chunk" in name else 0
-    assert lane_reads == len(reads) - taken_by_python
-
-
-# ... and streams whose later token chunks do not end as the first did (what follows the text
-# differs in more than the usage's integers).
-TAILS = {
-    "no usage": (b',"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3}', b""),
-    "another prompt, a longer total": (
-        b'"prompt_tokens":12,"total_tokens":15',
-        b'"prompt_tokens":9,"total_tokens":1012',
-    ),
-    "no kv_transfer_params": (b',"kv_transfer_params":null}', b"}"),
-    "completion_tokens_details": (
-        b'"completion_tokens":3}',
-        b'"completion_tokens":3,"completion_tokens_details":null}',
-    ),
-    "a finish reason": (b'"finish_reason":null', b'"finish_reason":"length","stop_reason":null'),
-    "a fingerprint (not a common token chunk)": (
-        b',"kv_transfer',
-        b',"system_fingerprint":"f","kv_transfer',
-    ),
-    "a completion count of 16 digits (not a common chunk)": (
-        b'"completion_tokens":3}',
-        b'"completion_tokens":1000000000000003}',
-    ),
-    "a completion count that runs into the rest (not a common chunk)": (
-        b'"completion_tokens":3}',
-        b'"completion_tokens":3 }',
-    ),
-    "a completions text in a chat stream": (b'"delta":{"content":"Hello"},', b'"text":"Hello",'),
-}
-
-
-@pytest.mark.parametrize("plan_name", list(PLANS))
-@pytest.mark.parametrize("name", list(TAILS))
-def test_a_token_chunk_that_does_not_end_as_the_streams_others_is_walked(
-    name: str, plan_name: str
-) -> None:
-    """Token chunks that end as the stream's first, one that ends otherwise, then the first
-    shape again, then the end: the bytes, counts and events are the Python path's, and every
-    read the lane can take is taken."""
-    old, new = TAILS[name]
-    other = chunk(headed(event(CHAT_HELLO, 3), old, new))
-    reads = [CHAT_FIRST, chunk(event(CHAT_HELLO, 2)), other, chunk(event(CHAT_HELLO, 4)), CHAT_END]
-    on, off, lane_reads = read_both(PLANS[plan_name], reads)
-    assert on == off
-    refused = "not a common" in name or "finish reason" in name or "completions text" in name
-    assert lane_reads == len(reads) - (1 if refused else 0)
+    assert lane_reads == len(reads) - by_python
 
 
 def test_two_events_in_one_http_chunk_are_walked() -> None:
