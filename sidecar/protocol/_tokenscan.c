@@ -803,6 +803,10 @@ chunk_payload(PyObject *module, PyObject *arg)
 #include <sys/socket.h>
 #include <time.h>
 
+#ifndef MSG_NOSIGNAL /* (not on macOS: there CPython ignores SIGPIPE, the send's EPIPE stays) */
+#define MSG_NOSIGNAL 0
+#endif
+
 #include "../_methodcache.h"
 #include "_laneapi.h"
 
