@@ -30,6 +30,7 @@ import pytest
 from sidecar import stats
 from sidecar.config import ConfigError, build_config, cgroup_cpu_quota, default_workers
 from sidecar.hooks import Sink, SinkFanout, dropped_by_reason
+from sidecar.proxy import channel
 from sidecar.proxy.channel import FrameProtocol, Kind
 from sidecar.proxy.recordwire import decode_record
 from sidecar.proxy.worker import ChannelSink, config_from_wire, config_to_wire
@@ -659,6 +660,58 @@ def test_a_cgroup_cpu_limit_bounds_the_default(tmp_path: Path) -> None:
 
 def channel_record(i: int) -> RequestRecord:
     return RequestRecord(request_id=f"c{i}", wall_time_ns=i, outcome=Outcome.OK, endpoint="chat")
+
+
+def split_frames(data: bytes) -> list[tuple[int, bytes]]:
+    frames, pos = [], 0
+    while pos < len(data):
+        length, kind = channel.HEADER.unpack_from(data, pos)
+        pos += channel.HEADER.size
+        frames.append((kind, data[pos : pos + length]))
+        pos += length
+    assert pos == len(data)
+    return frames
+
+
+async def test_the_channel_batches_frames_by_time_and_by_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frames wait in the sender until the batch's delay passes (one write, one wake-up of the
+    collector, per batch), or leave at once when ``FLUSH_BYTES`` are queued; either way whole
+    and in order."""
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(channel, "FLUSH_BYTES", 4096)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.setblocking(False)
+    transport, sender = await loop.create_unix_connection(
+        lambda: FrameProtocol(lambda _kind, _payload: None, lambda: None), sock=ours
+    )
+    try:
+        small = [channel.frame(Kind.RECORD, bytes([i]) * 1000) for i in range(3)]
+        for data in small:
+            assert sender.send(data)
+        # Nothing written yet (no loop iteration ran, and the batch is below FLUSH_BYTES).
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1 << 16)
+        assert sender.buffered() == sum(map(len, small))
+        large = channel.frame(Kind.RECORD, b"L" * 2000)  # the queue reaches FLUSH_BYTES
+        assert sender.send(large)
+        got = theirs.recv(1 << 16)  # written by send itself
+        assert split_frames(got) == [
+            (Kind.RECORD, f[channel.HEADER.size :]) for f in [*small, large]
+        ]
+        assert sender.buffered() == 0
+        # Below the size, the timer writes the batch.
+        monkeypatch.setattr(channel, "FLUSH_DELAY_S", 0.001)
+        tail = channel.frame(Kind.STATUS, b"{}")
+        assert sender.send(tail)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1 << 16)
+        got = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
+        assert split_frames(got) == [(Kind.STATUS, b"{}")]
+    finally:
+        transport.close()
+        theirs.close()
 
 
 async def test_the_channel_sink_lifecycle_on_a_real_socket() -> None:

@@ -28,8 +28,14 @@ HEADER = struct.Struct("<IB")
 # beyond is a corrupt stream, not a frame to buffer.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 # Frames queued within this long leave in one write (records reach the collector this much
-# later at most; nothing there is per request but the window, read at scrape time).
-FLUSH_DELAY_S = 0.01
+# later at most; nothing there is per request but the window, read at scrape time). Each write
+# wakes the collector, which shares a core with a worker: at 10 ms (a batch of ~2 records at
+# 200 records/s) the collector spent 2.7-3.5 µs per relayed event, at 50 ms 1.9-2.1
+# (benchmarks/RESULTS.md, "The channel's batches").
+FLUSH_DELAY_S = 0.05
+# ... or at once, when this much is queued (at high record rates: a write of a size the
+# socket's buffer takes whole, and no more than this waiting in the worker).
+FLUSH_BYTES = 256 * 1024
 
 
 class Kind(enum.IntEnum):
@@ -124,15 +130,18 @@ class FrameProtocol(asyncio.Protocol):
 
     def send(self, data: bytes) -> bool:
         """Queue a frame; False when the channel is closed (nothing queued). Frames leave in
-        order, together, at most ``FLUSH_DELAY_S`` later: one write (and one wake-up of the
-        other process) per batch instead of per record. With the other end on the same core,
-        a write per record cost a worker 13% of its CPU at 240 records/s."""
+        order, together, at most ``FLUSH_DELAY_S`` later (at once from ``FLUSH_BYTES`` queued):
+        one write (and one wake-up of the other process) per batch instead of per record. With
+        the other end on the same core, a write per record cost a worker 13% of its CPU at 240
+        records/s."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return False
         self._pending.append(data)
         self._pending_bytes += len(data)
-        if self._flush_handle is None:
+        if self._pending_bytes >= FLUSH_BYTES:
+            self.flush()
+        elif self._flush_handle is None:
             self._flush_handle = self._loop.call_later(FLUSH_DELAY_S, self.flush)
         return True
 
