@@ -65,11 +65,12 @@ RUN groupadd --system --gid 10001 sidecar \
 # Offline from the wheels just built, mounted from the build stage for this one step: no
 # layer of the image holds them (a COPY would keep them in its layer even after an rm).
 # Fail the build if uvloop (the event loop the proxy runs on), the C extensions or the CLI do
-# not import (the extensions are optional for `pip install` on a host without a compiler, not
-# for the image).
+# not import, or the request path is not compiled (both are optional for `pip install` on a
+# host without a compiler, not for the image).
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels /wheels/vllm_sidecar-*.whl \
-    && python -c "import uvloop, sidecar.cli, sidecar.protocol._tokenscan, sidecar.proxy._recvstamp, sidecar.proxy._recordwire, sidecar._recordtypes"
+    && python -c "import uvloop, sidecar.cli, sidecar.protocol._tokenscan, sidecar.proxy._recvstamp, sidecar.proxy._recordwire, sidecar._recordtypes" \
+    && python -c "from sidecar import _compiled; assert _compiled.request_path_text() == 'compiled (mypyc)', _compiled.request_path_text()"
 # /var/lib/sidecar/captures belongs to this user: a named volume mounted there (compose)
 # starts as a copy of it, writable for the sidecar.
 USER 10001:10001

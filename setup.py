@@ -1,17 +1,93 @@
-"""The one thing pyproject.toml cannot say without an experimental table: the C extensions.
+"""The one thing pyproject.toml cannot say without an experimental table: the compiled modules.
 
-`sidecar.protocol._tokenscan` recognises the common token chunk in C (fastchunk.py says why);
-`sidecar.proxy._recvstamp` reads an upstream socket with the kernel's receive timestamp
-(rxstamp.py); `sidecar.proxy._recordwire` writes a record's wire form (recordwire.py);
-`sidecar._recordtypes` holds a timeline's packed column type (record.Int64s) and builds the
-record's dataclasses without their per-field __init__ (record.slots_constructor). All are
-optional: where no C compiler is at hand the package installs without
-them and runs the same logic in Python, slower (`sidecar proxy` logs which scanner it runs).
+The C extensions: `sidecar.protocol._tokenscan` recognises the common token chunk in C
+(fastchunk.py says why); `sidecar.proxy._recvstamp` reads an upstream socket with the kernel's
+receive timestamp (rxstamp.py); `sidecar.proxy._recordwire` writes a record's wire form
+(recordwire.py); `sidecar._recordtypes` holds a timeline's packed column type (record.Int64s) and
+builds the record's dataclasses without their per-field __init__ (record.slots_constructor).
+
+The request path compiled by mypyc (`COMPILED`): the same Python source, its type hints (held to
+mypy --strict) turned into C, so that a request's attribute reads, calls and objects cost what
+they cost in C (benchmarks/RESULTS.md, "The request path compiled"). The .py files stay the
+specification and what runs where nothing was compiled.
+
+All are optional: where no C compiler is at hand, or mypyc cannot build, the package installs
+without them and runs the same logic in Python, slower (`sidecar proxy` says what it runs).
+``SIDECAR_PURE_PYTHON=1`` at install time leaves the request path interpreted (the C extensions
+are still built).
 """
 
+from __future__ import annotations
+
+import os
+import sys
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+# The modules of a request's path through a worker, compiled by mypyc (sidecar/_compiled.py names
+# them as modules: tests/test_compiled.py holds the two lists together). Not in this list yet:
+# modules whose classes the tests patch at run time to count what they do (stream_relay.py,
+# routing.py: a compiled class's methods cannot be replaced), msgspec structs (requesthead.py:
+# mypyc would compile the struct's class), the SSE parser (tests subclass it), and the
+# collector's side (its cost is per record, not per event).
+COMPILED = [
+    "sidecar/proxy/timeouts.py",
+    "sidecar/proxy/builder.py",
+    "sidecar/proxy/headers.py",
+    "sidecar/proxy/listener.py",
+    "sidecar/proxy/relay.py",
+    "sidecar/proxy/upstream.py",
+    "sidecar/proxy/channel.py",
+    "sidecar/meter.py",
+    "sidecar/protocol/rewrite.py",
+    "sidecar/protocol/openai.py",
+]
+
+
+# mypyc puts the compiled code of all of COMPILED in one library, and one small module per file
+# that imports it.
+GROUP_LIBRARY = "sidecar__mypyc"
+
+
+def compiled_request_path() -> list[Extension]:
+    if os.environ.get("SIDECAR_PURE_PYTHON", "") not in ("", "0"):
+        return []
+    try:
+        from mypyc.build import mypycify
+
+        extensions = mypycify(COMPILED, opt_level="3", group_name="sidecar")
+    except (Exception, SystemExit) as exc:  # a type error, no mypyc: the build goes on
+        print(f"setup.py: the request path stays interpreted (mypyc: {exc!r})", file=sys.stderr)
+        return []
+    for extension in extensions:
+        extension.optional = True  # no compiler: installed without them, as the C extensions
+    # The library first: its modules are built only after it was (`BuildExtensions`).
+    return sorted(extensions, key=lambda e: e.name != GROUP_LIBRARY)
+
+
+class BuildExtensions(build_ext):
+    """Builds each optional extension as setuptools does (a failure is reported and skipped),
+    but a module of the compiled request path only once its library was built: a module without
+    it would fail to import, where the .py beside it would have run."""
+
+    def build_extension(self, ext: Extension) -> None:
+        names = {e.name for e in self.extensions}
+        if GROUP_LIBRARY in names and ext.name.startswith("sidecar.") and _is_mypyc(ext):
+            if not getattr(self, "_group_built", False):
+                print(f"setup.py: {ext.name} stays interpreted", file=sys.stderr)
+                return
+        super().build_extension(ext)
+        if ext.name == GROUP_LIBRARY:
+            self._group_built = True
+
+
+def _is_mypyc(ext: Extension) -> bool:
+    return any(str(source).startswith("build") for source in ext.sources)
+
 
 setup(
+    cmdclass={"build_ext": BuildExtensions},
     ext_modules=[
         Extension(
             "sidecar.protocol._tokenscan",
@@ -35,5 +111,6 @@ setup(
             sources=["sidecar/_recordtypes.c"],
             optional=True,
         ),
-    ]
+        *compiled_request_path(),
+    ],
 )

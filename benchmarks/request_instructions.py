@@ -38,7 +38,9 @@ and Prometheus. Not counted: the kernel (syscalls, loopback TCP), which no relay
 ``sitecustomize`` on its path, switched per window by SIGUSR1/SIGUSR2) for the same two
 windows: the Python bytecodes each function executes per request (exact; the tracing slows the
 worker, hence the same 10 ms step), or cProfile's calls and own time per request (its own cost
-inflates small functions: read the calls first, the times as a ranking).
+inflates small functions: read the calls first, the times as a ranking). Both run the
+package's compiled request path from its source (``SIDECAR_INTERPRETED=1``, sidecar/_compiled.py):
+compiled code executes no bytecodes and makes no Python calls to profile.
 
 ``--by-function``: instructions per request spent in each Python function and what it calls
 (inclusive), which neither the bytecodes nor callgrind's C functions give: the windows run on a
@@ -528,6 +530,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.by_function and (args.profile or args.opcodes or args.smoke):
         parser.error("--by-function counts with callgrind: not with --profile, --opcodes, --smoke")
     args.profile = args.profile or args.opcodes
+    if args.profile or args.by_function:
+        # Bytecodes and Python calls are the interpreted source's (and --by-function's copy
+        # compiles that source itself): the processes started below inherit this.
+        os.environ["SIDECAR_INTERPRETED"] = "1"
     if args.step_ms is None:
         args.step_ms = 2.0 if args.smoke or (args.profile and not args.opcodes) else 10.0
     if not (args.smoke or args.profile) and shutil.which("valgrind") is None:

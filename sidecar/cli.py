@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sidecar import __version__
+from sidecar import __version__, _compiled
 from sidecar.config import (
     ConfigError,
     ProxyConfig,
@@ -206,6 +206,7 @@ def _print_listening(config: ProxyConfig, proxy: RunningProxy) -> None:
     )
     print(f"server-side stamps: {server_stamps_text(config)}", flush=True)
     print(f"token chunks: {token_scanner_text()}", flush=True)
+    print(f"request path: {_compiled.request_path_text()}", flush=True)
 
 
 def token_scanner_text() -> str:

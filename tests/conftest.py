@@ -27,6 +27,7 @@ import uvloop
 from blockbuster import BlockBuster
 from real_parts import report_missing_parts
 
+from sidecar import _compiled
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import RunningReplica, SimConfig, start_replicas
 
@@ -34,6 +35,17 @@ from sidecar.sim.server import RunningReplica, SimConfig, start_replicas
 FAST_ENGINE = EngineConfig(step_floor_s=0.001)
 
 StartSim = Callable[..., Awaitable[list[RunningReplica]]]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # A compiled module older than its source would be tested instead of the source: stop.
+    stale = _compiled.stale_extensions()
+    if stale:
+        pytest.exit(
+            "compiled modules older than their source, or left from an earlier build: "
+            f"{', '.join(stale)}; rebuild with `pip install -e . --no-deps` (setup.py)",
+            returncode=4,
+        )
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -32,7 +32,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import cast
+from typing import Any, cast
 
 import httptools
 
@@ -432,8 +432,8 @@ class ClientConnection(asyncio.Protocol):
                     self._request_headers,
                 )
             )
-        except httptools.HttpParserError as exc:
-            cause = str(exc).split(":")[0][:80] or type(exc).__name__
+        except httptools.HttpParserError as malformed:
+            cause = str(malformed).split(":")[0][:80] or type(malformed).__name__
             log.warning("malformed request from %s refused (400): %s", self._peer(), cause)
             self._reject(
                 Rejection(
@@ -836,7 +836,10 @@ class TrafficServer:
             lambda: ClientConnection(self), host, port, reuse_address=True, backlog=backlog
         )
         self._servers.append(server)
-        bound = server.sockets[0].getsockname()
+        # uvloop's `sockets` is a list where typeshed says tuple: read untyped, as compiled
+        # code (setup.py) would check the type it is declared as.
+        sockets: Any = cast(Any, server).sockets
+        bound = sockets[0].getsockname()
         return bound[0], bound[1]
 
     async def start_on_socket(self, sock: socket.socket, backlog: int = 1024) -> None:

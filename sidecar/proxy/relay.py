@@ -601,13 +601,13 @@ class Proxy:
         else:
             try:
                 body = merge_expositions(texts, failed)
-            except ValueError as exc:
+            except ValueError as unmergeable:
                 builder.fail(Outcome.UPSTREAM_ERROR, "metrics_unmergeable", 502)
                 self._respond_error(
                     exchange,
                     builder,
                     502,
-                    f"The replicas' /metrics could not be merged: {exc}",
+                    f"The replicas' /metrics could not be merged: {unmergeable}",
                     "BadGateway",
                 )
                 return

@@ -393,10 +393,10 @@ class UpstreamExchange:
             except UpstreamError as exc:
                 self._fail(exc)
                 return
-            except httptools.HttpParserError as exc:
+            except httptools.HttpParserError as malformed:
                 self._fail(
                     UpstreamError(
-                        f"the upstream sent a malformed HTTP response ({exc})",
+                        f"the upstream sent a malformed HTTP response ({malformed})",
                         kind="protocol_error",
                         before_response=not self._head.done(),
                     )
@@ -712,12 +712,12 @@ class UpstreamPool:
                 kind="connect_timeout",
                 before_response=True,
             ) from None
-        except ssl.SSLError as exc:  # an OSError too: told apart, it is the operator's to fix
+        except ssl.SSLError as tls_error:  # an OSError too: told apart, the operator's to fix
             raise UpstreamError(
-                f"TLS with {key[0]}:{key[1]} failed: {exc.reason or exc}",
+                f"TLS with {key[0]}:{key[1]} failed: {tls_error.reason or tls_error}",
                 kind=(
                     "tls_certificate"
-                    if isinstance(exc, ssl.SSLCertVerificationError)
+                    if isinstance(tls_error, ssl.SSLCertVerificationError)
                     else "tls_handshake"
                 ),
                 before_response=True,

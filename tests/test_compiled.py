@@ -1,0 +1,95 @@
+"""The request path compiled by mypyc (setup.py, sidecar/_compiled.py): what is compiled, the
+switch back to the source, and the guard against running a build older than the source."""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sidecar import _compiled
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def setup_compiled() -> list[str]:
+    tree = ast.parse((REPO / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "COMPILED" for t in node.targets
+        ):
+            return [str(ast.literal_eval(e)) for e in node.value.elts]  # type: ignore[attr-defined]
+    raise AssertionError("setup.py has no COMPILED list")
+
+
+def test_setup_compiles_the_modules_the_package_names() -> None:
+    names = [p.removesuffix(".py").replace("/", ".") for p in setup_compiled()]
+    assert names == list(_compiled.COMPILED_MODULES)
+
+
+def imported_files(environ: dict[str, str]) -> dict[str, str]:
+    code = (
+        "import importlib, json, sys\n"
+        "from sidecar import _compiled\n"
+        "print(_compiled.request_path_text())\n"
+        "print(json.dumps({n: importlib.import_module(n).__file__ "
+        "for n in _compiled.COMPILED_MODULES}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+
+    files: dict[str, str] = json.loads(out[1])
+    files["<text>"] = out[0]
+    return files
+
+
+@pytest.mark.skipif(
+    os.environ.get("SIDECAR_PURE_PYTHON", "") not in ("", "0"),
+    reason="installed with SIDECAR_PURE_PYTHON: nothing compiled",
+)
+def test_the_installed_request_path_is_compiled_and_the_switch_runs_the_source() -> None:
+    environ = {k: v for k, v in os.environ.items() if k != _compiled.ENV}
+    compiled = imported_files(environ)
+    assert compiled.pop("<text>") == "compiled (mypyc)", (
+        "the request path is not compiled: install with mypy available (setup.py)"
+    )
+    assert not any(f.endswith(".py") for f in compiled.values()), compiled
+    interpreted = imported_files({**environ, _compiled.ENV: "1"})
+    assert interpreted.pop("<text>") == f"interpreted ({_compiled.ENV} is set)"
+    assert all(f.endswith(".py") for f in interpreted.values()), interpreted
+    assert {Path(f).parent for f in interpreted.values()} == {
+        Path(f).parent for f in compiled.values()
+    }
+
+
+def test_an_extension_older_than_its_source_or_left_over_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "sidecar"
+    (package / "proxy").mkdir(parents=True)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    fresh = package / "proxy" / "relay.py"
+    fresh.write_text("")
+    old = package / "meter.py"
+    old.write_text("")
+    leftover = package / "proxy" / "routing.py"  # not compiled (any more)
+    leftover.write_text("")
+    (package / "proxy" / "_tokenscan.so").write_text("")  # a C extension: no .py twin
+    earlier = time.time() - 60
+    for source in (fresh, old, leftover):
+        (source.with_name(source.stem + suffix)).write_text("")
+    os.utime(old.with_name(old.stem + suffix), (earlier, earlier))
+    os.utime(fresh, (earlier, earlier))
+    assert _compiled.stale_extensions(package) == [
+        f"sidecar/meter{suffix}",
+        f"sidecar/proxy/routing{suffix}",
+    ]
+    (package / "meter.py").unlink()
+    (package / "proxy" / "routing.py").unlink()
+    assert _compiled.stale_extensions(package) == []
