@@ -93,3 +93,27 @@ def test_an_extension_older_than_its_source_or_left_over_is_found(tmp_path: Path
     (package / "meter.py").unlink()
     (package / "proxy" / "routing.py").unlink()
     assert _compiled.stale_extensions(package) == []
+
+
+def test_no_compiled_function_binds_one_except_name_to_two_types() -> None:
+    """mypyc gives a name one type per function: ``except A as exc`` then ``except B as exc``
+    makes the second a TypeError at run time where B is not an A (it was: the upstream's
+    malformed HTTP answered as a closed connection). Each except clause of a compiled function
+    that catches another type binds another name."""
+    clashes = []
+    for path in setup_compiled():
+        tree = ast.parse((REPO / path).read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            caught: dict[str, set[str]] = {}
+            for node in ast.walk(function):
+                if isinstance(node, ast.ExceptHandler) and node.name:
+                    kind = ast.unparse(node.type) if node.type else "BaseException"
+                    caught.setdefault(node.name, set()).add(kind)
+            clashes += [
+                f"{path}:{function.name}: {name} {sorted(kinds)}"
+                for name, kinds in caught.items()
+                if len(kinds) > 1
+            ]
+    assert clashes == []
