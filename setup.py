@@ -72,24 +72,21 @@ def compiled_request_path() -> list[Extension]:
     return sorted(extensions, key=lambda e: e.name != GROUP_LIBRARY)
 
 
+COMPILED_NAMES = {path.removesuffix(".py").replace("/", ".") for path in COMPILED}
+
+
 class BuildExtensions(build_ext):
     """Builds each optional extension as setuptools does (a failure is reported and skipped),
     but a module of the compiled request path only once its library was built: a module without
     it would fail to import, where the .py beside it would have run."""
 
     def build_extension(self, ext: Extension) -> None:
-        names = {e.name for e in self.extensions}
-        if GROUP_LIBRARY in names and ext.name.startswith("sidecar.") and _is_mypyc(ext):
-            if not getattr(self, "_group_built", False):
-                print(f"setup.py: {ext.name} stays interpreted", file=sys.stderr)
-                return
+        if ext.name in COMPILED_NAMES and not getattr(self, "_group_built", False):
+            print(f"setup.py: {ext.name} stays interpreted", file=sys.stderr)
+            return
         super().build_extension(ext)
         if ext.name == GROUP_LIBRARY:
             self._group_built = True
-
-
-def _is_mypyc(ext: Extension) -> bool:
-    return any(str(source).startswith("build") for source in ext.sources)
 
 
 setup(

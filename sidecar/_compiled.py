@@ -80,7 +80,6 @@ def compiled_now() -> list[str]:
 
 def request_path_text() -> str:
     """One line for the start-up log: how the request path runs."""
-    importlib.import_module("sidecar.proxy.relay")  # with what it imports: most of the list
     for name in COMPILED_MODULES:
         importlib.import_module(name)
     compiled = compiled_now()

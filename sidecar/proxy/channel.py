@@ -30,7 +30,7 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 # Frames queued within this long leave in one write (records reach the collector this much
 # later at most; nothing there is per request but the window, read at scrape time). Each write
 # wakes the collector, which shares a core with a worker: at 10 ms (a batch of ~2 records at
-# 200 records/s) the collector spent 2.7-3.5 µs per relayed event, at 50 ms 1.9-2.1
+# 200 records/s) the collector spent 2.7-3.5 µs per relayed event, at 50 ms 1.9-2.5
 # (benchmarks/RESULTS.md, "The channel's batches").
 FLUSH_DELAY_S = 0.05
 # ... or at once, when this much is queued (at high record rates: a write of a size the

@@ -838,8 +838,7 @@ class TrafficServer:
         self._servers.append(server)
         # uvloop's `sockets` is a list where typeshed says tuple: read untyped, as compiled
         # code (setup.py) would check the type it is declared as.
-        sockets: Any = cast(Any, server).sockets
-        bound = sockets[0].getsockname()
+        bound = cast(Any, server).sockets[0].getsockname()
         return bound[0], bound[1]
 
     async def start_on_socket(self, sock: socket.socket, backlog: int = 1024) -> None:
