@@ -39,6 +39,8 @@ COMPILED = [
     "sidecar/proxy/relay.py",
     "sidecar/proxy/upstream.py",
     "sidecar/proxy/channel.py",
+    "sidecar/proxy/stream_relay.py",
+    "sidecar/proxy/routing.py",
     "sidecar/meter.py",
     "sidecar/protocol/rewrite.py",
     "sidecar/protocol/openai.py",

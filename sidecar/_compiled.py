@@ -32,6 +32,8 @@ COMPILED_MODULES = (
     "sidecar.proxy.relay",
     "sidecar.proxy.upstream",
     "sidecar.proxy.channel",
+    "sidecar.proxy.stream_relay",
+    "sidecar.proxy.routing",
     "sidecar.meter",
     "sidecar.protocol.rewrite",
     "sidecar.protocol.openai",

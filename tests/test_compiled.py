@@ -78,7 +78,7 @@ def test_an_extension_older_than_its_source_or_left_over_is_found(tmp_path: Path
     fresh.write_text("")
     old = package / "meter.py"
     old.write_text("")
-    leftover = package / "proxy" / "routing.py"  # not compiled (any more)
+    leftover = package / "proxy" / "stalls.py"  # not compiled (any more)
     leftover.write_text("")
     (package / "proxy" / "_tokenscan.so").write_text("")  # a C extension: no .py twin
     earlier = time.time() - 60
@@ -88,10 +88,10 @@ def test_an_extension_older_than_its_source_or_left_over_is_found(tmp_path: Path
     os.utime(fresh, (earlier, earlier))
     assert _compiled.stale_extensions(package) == [
         f"sidecar/meter{suffix}",
-        f"sidecar/proxy/routing{suffix}",
+        f"sidecar/proxy/stalls{suffix}",
     ]
     (package / "meter.py").unlink()
-    (package / "proxy" / "routing.py").unlink()
+    (package / "proxy" / "stalls.py").unlink()
     assert _compiled.stale_extensions(package) == []
 
 

@@ -14,6 +14,7 @@ import json
 import re
 import socket
 from array import array
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -1351,31 +1352,57 @@ def record_view(record: RequestRecord) -> dict[str, Any]:
     }
 
 
-def count_lane_events(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """From now on, the events the lanes hand over (their `pending` at each take), summed in
-    the list returned's first item, the stream ends they took in its second, and the streams'
-    first reads in its third."""
-    taken = [0, 0, 0]
-    take = stream_relay.MeteredRead._take_lane
-    end = stream_relay.MeteredRead.end_in_lane
-    first = stream_relay.MeteredRead.first_in_lane
+@dataclass
+class LaneCensus:
+    """Stands for `stream_relay.LaneType` (`watch_lanes`): makes each stream's lane, a real
+    one, with a relay in front of the stream's that counts the lane's calls to it, and keeps
+    the lanes, whose own counters say what they took."""
 
-    def counting_first(self: stream_relay.MeteredRead, *args: Any) -> None:
-        taken[2] += 1
-        first(self, *args)
+    lanes: list[Lane] = field(default_factory=list)
+    firsts: int = 0  # the streams' first reads the lanes took (`first_in_lane`)
+    ends: int = 0  # the stream ends they took (`end_in_lane`)
 
-    def counting_take(self: stream_relay.MeteredRead, lane: Lane) -> None:
-        taken[0] += lane.pending
-        take(self, lane)
+    def __call__(self, client: Any, relay: Any, *args: Any) -> Lane:
+        lane = Lane(client, CountingRelay(relay, self), *args)
+        self.lanes.append(lane)
+        return lane
 
-    def counting_end(self: stream_relay.MeteredRead, *args: Any) -> None:
-        taken[1] += 1
-        end(self, *args)
+    @property
+    def events(self) -> int:
+        """The events the lanes handed over (`take`)."""
+        return sum(lane.events_handed for lane in self.lanes)
 
-    monkeypatch.setattr(stream_relay.MeteredRead, "_take_lane", counting_take)
-    monkeypatch.setattr(stream_relay.MeteredRead, "end_in_lane", counting_end)
-    monkeypatch.setattr(stream_relay.MeteredRead, "first_in_lane", counting_first)
-    return taken
+    @property
+    def reads(self) -> int:
+        """The reads the lanes took whole."""
+        return sum(lane.reads_taken for lane in self.lanes)
+
+
+class CountingRelay:
+    """A stream's relay (`stream_relay.MeteredRead`) as its lane sees it: the three methods
+    the lane calls, counted in ``census`` and passed on."""
+
+    def __init__(self, relay: Any, census: LaneCensus) -> None:
+        self.relay = relay
+        self.census = census
+
+    def first_in_lane(self, *args: Any) -> None:
+        self.census.firsts += 1
+        self.relay.first_in_lane(*args)
+
+    def end_in_lane(self, *args: Any) -> None:
+        self.census.ends += 1
+        self.relay.end_in_lane(*args)
+
+    def on_client_full(self) -> None:
+        self.relay.on_client_full()
+
+
+def watch_lanes(monkeypatch: pytest.MonkeyPatch) -> LaneCensus:
+    """From now on, the proxy's streams get their lanes from a `LaneCensus`, returned."""
+    census = LaneCensus()
+    monkeypatch.setattr(stream_relay, "LaneType", census)
+    return census
 
 
 async def run_requests(
@@ -1384,20 +1411,12 @@ async def run_requests(
     sim: SimConfig | None = None,
     fault: str | None = None,
     proxy_settings: dict[str, Any] | None = None,
-) -> tuple[list[bytes], list[dict[str, Any]], list[int]]:
+) -> tuple[list[bytes], list[dict[str, Any]], LaneCensus]:
     """Six streams through the proxy (chat and completions, three usage options), with the
-    lane on or off: their bodies, records and `count_lane_events`' counts, then the reads of
-    the Python path."""
-    monkeypatch.setattr(stream_relay, "LaneType", Lane if lane_on else None)
-    taken = count_lane_events(monkeypatch)
-    on_read = stream_relay.MeteredRead.on_read
-
-    def counting_read(self: stream_relay.MeteredRead, data: bytes, t_up: int) -> None:
-        taken[3] += 1
-        on_read(self, data, t_up)
-
-    taken.append(0)
-    monkeypatch.setattr(stream_relay.MeteredRead, "on_read", counting_read)
+    lane on or off: their bodies, records and what the lanes did (none with it off)."""
+    census = watch_lanes(monkeypatch)
+    if not lane_on:
+        monkeypatch.setattr(stream_relay, "LaneType", None)
     bodies: list[bytes] = []
     async with stack(sim=sim, **(proxy_settings or {})) as s, aiohttp.ClientSession() as session:
         n = 0
@@ -1414,26 +1433,25 @@ async def run_requests(
                     bodies.append(CREATED.sub(b'"created":0', await response.read()))
                 n += 1
         records = await s.records.wait_for(n)
-    return bodies, [record_view(r) for r in sorted(records, key=lambda r: r.request_id)], taken
+    return bodies, [record_view(r) for r in sorted(records, key=lambda r: r.request_id)], census
 
 
 async def test_the_proxy_relays_and_counts_the_same_with_the_lane_on_and_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    bodies_on, records_on, taken_on = await run_requests(True, monkeypatch)
-    bodies_off, records_off, taken_off = await run_requests(False, monkeypatch)
+    bodies_on, records_on, on = await run_requests(True, monkeypatch)
+    bodies_off, records_off, _ = await run_requests(False, monkeypatch)
     assert bodies_on == bodies_off
     assert records_on == records_off
     assert all(r["n_out"] == 24 and len(r["server_tokens"]) == 24 for r in records_on)
-    assert taken_off[:3] == [0, 0, 0]
-    # Six streams of 24 token events, each read by the lane: the first (chat's role chunk and
-    # the first token; the simulator's head leaves before its prefill, alone), the token
-    # chunks, and the end (finish, usage and [DONE] chunks, the body's last chunk: the
-    # simulator runs on the proxy's loop and writes a stream's end in one turn, which the
+    # Six streams of 24 token events in 24 reads, each taken by the lane: the first (chat's
+    # role chunk and the first token; the simulator's head leaves before its prefill, alone),
+    # the token chunks, and the end (finish, usage and [DONE] chunks, the body's last chunk:
+    # the simulator runs on the proxy's loop and writes a stream's end in one turn, which the
     # proxy then reads as one read).
     # (A read that split a chunk, which loopback does not do to these, would be the Python
     # path's: one in each stream is allowed for.)
-    assert taken_on[1:3] == [6, 6] and taken_on[0] >= 6 * 23, taken_on
+    assert (on.ends, on.firsts) == (6, 6) and on.events >= 6 * 23 and on.reads >= 6 * 23, on
 
 
 async def test_the_lane_takes_an_end_that_comes_over_several_reads(
@@ -1442,20 +1460,15 @@ async def test_the_lane_takes_an_end_that_comes_over_several_reads(
     """The simulator writes each stream's end in four turns (`split_end_ms`), as a real vLLM's
     often reaches the proxy: the lane takes all four reads (the Python path reads none of
     them), and the bodies and records are those of the Python path."""
-    bodies_on, records_on, taken_on = await run_requests(True, monkeypatch, fault="split_end_ms=5")
-    taken_on = taken_on.copy()  # (the second run's counting wraps the first's)
-    bodies_off, records_off, taken_off = await run_requests(
-        False, monkeypatch, fault="split_end_ms=5"
-    )
+    bodies_on, records_on, on = await run_requests(True, monkeypatch, fault="split_end_ms=5")
+    bodies_off, records_off, _ = await run_requests(False, monkeypatch, fault="split_end_ms=5")
     assert bodies_on == bodies_off
     assert records_on == records_off
     assert all(r["n_out"] == 24 and r["outcome"] is Outcome.OK for r in records_on)
-    # Without the lane, each stream's end came in four reads: the Python path read 24 token
-    # chunks, the usage chunk and [DONE] apart (the body's end is llhttp's, no read of the
-    # meter's; an end in one read would make it 24).
-    assert taken_off[3] >= 6 * 26, taken_off
-    # With it, every read but (as above) one that split a chunk was the lane's.
-    assert taken_on[1:3] == [6, 6] and taken_on[3] <= 6, taken_on
+    # Each stream's end came in four reads (27 reads a stream, where an end in one read makes
+    # 24: the test above), and the lane took them all (but, as above, one read a stream that
+    # split a chunk, which would be the Python path's).
+    assert (on.ends, on.firsts) == (6, 6) and on.reads >= 6 * 26, on
 
 
 async def test_a_stream_that_times_out_in_the_middle_of_its_end(
@@ -1467,14 +1480,13 @@ async def test_a_stream_that_times_out_in_the_middle_of_its_end(
     the same bodies (the held finish chunk and the error event) and records as without the
     lane."""
     fault, settings = "split_end_ms=400", {"idle_timeout": "150ms"}
-    bodies_on, records_on, taken_on = await run_requests(True, monkeypatch, None, fault, settings)
-    taken_on = taken_on.copy()
+    bodies_on, records_on, on = await run_requests(True, monkeypatch, None, fault, settings)
     bodies_off, records_off, _ = await run_requests(False, monkeypatch, None, fault, settings)
     assert bodies_on == bodies_off
     assert records_on == records_off
     assert all(r["outcome"] is Outcome.TIMEOUT and r["n_out"] == 24 for r in records_on)
     assert all(r["finish_reason"] == "length" for r in records_on)
-    assert taken_on[1] == 0 and taken_on[0] >= 6 * 23, taken_on  # no end was the lane's
+    assert on.ends == 0 and on.events >= 6 * 23, on  # no end was the lane's
 
 
 async def test_an_upstream_connection_whose_stream_the_lane_ended_is_reused(
@@ -1483,7 +1495,7 @@ async def test_an_upstream_connection_whose_stream_the_lane_ended_is_reused(
     """llhttp never sees the body's last chunk when the lane takes it: the exchange is still
     complete, and the connection goes back to the pool as keep-alive (one connection for
     five streams in a row), the client's too."""
-    taken = count_lane_events(monkeypatch)
+    census = watch_lanes(monkeypatch)
     path, base = BODIES["chat"]
     body = {**base, "stream": True, "max_tokens": 8, "ignore_eos": True}
     async with stack() as s, aiohttp.ClientSession() as session:
@@ -1492,7 +1504,7 @@ async def test_an_upstream_connection_whose_stream_the_lane_ended_is_reused(
                 assert (await response.read()).endswith(b"data: [DONE]\n\n")
         records = await s.records.wait_for(5)
         assert s.server.proxy.pool.open_connections == 1
-    assert taken[1] == 5, taken
+    assert census.ends == 5, census
     assert all(r.outcome is Outcome.OK and r.n_out == 8 for r in records)
 
 
@@ -1507,7 +1519,7 @@ async def test_speculative_decoding_streams_go_through_the_lane_and_count_the_sa
 ) -> None:
     """Events of several tokens (drafts accepted): the lane keeps each event's count, and the
     records and bytes are those of the Python path."""
-    bodies_on, records_on, taken_on = await run_requests(True, monkeypatch, SPECULATIVE)
+    bodies_on, records_on, on = await run_requests(True, monkeypatch, SPECULATIVE)
     bodies_off, records_off, _ = await run_requests(False, monkeypatch, SPECULATIVE)
     assert bodies_on == bodies_off
     assert records_on == records_off
@@ -1516,7 +1528,7 @@ async def test_speculative_decoding_streams_go_through_the_lane_and_count_the_sa
     assert any(n > 1 for r in records_on for n in r["server_tokens"])  # drafts were accepted
     events = sum(len(r["server_tokens"]) for r in records_on)
     # Every read, the first and the end too (bar one read a stream, as above).
-    assert taken_on[1:3] == [6, 6] and taken_on[0] >= events - 6, (taken_on, events)
+    assert (on.ends, on.firsts) == (6, 6) and on.events >= events - 6, (on, events)
 
 
 async def test_records_hold_their_stamps_in_order_whichever_path_took_each_read() -> None:
@@ -1545,7 +1557,7 @@ async def test_the_idle_timeout_counts_the_reads_the_lane_takes(
     """A stream whose reads the lane takes, ~0.5 s long at a read every 20 ms, lives through
     a 150 ms idle timeout (the timer reads the lane's last read when it wakes); a stream that
     stalls after such reads is still cut by it."""
-    taken = count_lane_events(monkeypatch)
+    census = watch_lanes(monkeypatch)
     path, base = BODIES["chat"]
     body = {**base, "stream": True, "max_tokens": 24, "ignore_eos": True}
     async with (
@@ -1562,7 +1574,7 @@ async def test_the_idle_timeout_counts_the_reads_the_lane_takes(
     ok, cut = sorted(records, key=lambda r: r.request_id == "stalled")
     assert ok.outcome is Outcome.OK and ok.n_out == 24
     assert cut.outcome is Outcome.TIMEOUT and cut.error_type == "idle_timeout"
-    assert taken[0] >= 20 + 5, taken  # most of both streams' reads went through the lane
+    assert census.events >= 20 + 5, census  # most of both streams' reads went through the lane
 
 
 async def test_the_ttft_deadline_is_met_by_a_first_token_the_lane_takes(
@@ -1571,7 +1583,7 @@ async def test_the_ttft_deadline_is_met_by_a_first_token_the_lane_takes(
     """A stream whose first read the lane takes (`first_in_lane` clears the TTFT deadline)
     outlives a 150 ms TTFT timeout by far (~0.5 s at a read every 20 ms); a stream whose first
     token is late is still cut by it, the lane armed and waiting."""
-    taken = count_lane_events(monkeypatch)
+    census = watch_lanes(monkeypatch)
     path, base = BODIES["chat"]
     body = {**base, "stream": True, "max_tokens": 24, "ignore_eos": True}
     async with (
@@ -1589,4 +1601,5 @@ async def test_the_ttft_deadline_is_met_by_a_first_token_the_lane_takes(
     assert ok.outcome is Outcome.OK and ok.n_out == 24
     assert cut.outcome is Outcome.TIMEOUT and cut.error_type == "ttft_timeout"
     assert cut.server is not None and len(cut.server.offsets_ns) == 0
-    assert taken[1:] == [1, 1], taken  # the first stream's first read and end were the lane's
+    # The first stream's first read and end were the lane's.
+    assert (census.ends, census.firsts) == (1, 1), census

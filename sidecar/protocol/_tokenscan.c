@@ -882,6 +882,9 @@ typedef struct {
     int held_token;          /* counted, not yet written) or, its text empty, one without */
     struct chunk_head head;  /* the stream's chunk head, from the first chunk walked */
     int client_fd;           /* the client transport's socket, for `lane_send`; -1: none */
+    /* Over the lane's life, for whoever watches it work (tests/test_lane.py's census): */
+    long long reads_taken;   /* reads taken whole */
+    long long events_handed; /* events handed over by `take` */
 } Lane;
 
 /* Interned at import. */
@@ -1940,6 +1943,7 @@ lane_relay(Lane *self, PyObject *const *args, Py_ssize_t nargs)
     if (taken < 0) {
         return NULL;
     }
+    self->reads_taken += taken;
     return PyBool_FromLong(taken);
 }
 
@@ -2041,6 +2045,7 @@ lane_take(Lane *self, PyObject *unused)
     Py_XDECREF(tokens);
     Py_XDECREF(usage);
     if (answer != NULL) {
+        self->events_handed += self->pending;
         self->pending = 0;
         self->inexact = 0;
         self->has_usage = 0;
@@ -2127,10 +2132,26 @@ lane_get_pending(Lane *self, void *closure)
     return PyLong_FromSsize_t(self->pending);
 }
 
+static PyObject *
+lane_get_reads_taken(Lane *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLongLong(self->reads_taken);
+}
+
+static PyObject *
+lane_get_events_handed(Lane *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLongLong(self->events_handed);
+}
+
 static int
 lane_api_relay_read(PyObject *lane, const char *data, Py_ssize_t size, long long at_ns)
 {
-    return lane_relay_read((Lane *)lane, data, size, at_ns);
+    int taken = lane_relay_read((Lane *)lane, data, size, at_ns);
+    ((Lane *)lane)->reads_taken += taken > 0;
+    return taken;
 }
 
 static lane_api lane_api_table; /* the `_lane_api` capsule's: filled at import */
@@ -2153,6 +2174,10 @@ static PyMethodDef lane_methods[] = {
 static PyGetSetDef lane_getset[] = {
     {"armed", (getter)lane_get_armed, NULL, "Whether `relay` takes reads.", NULL},
     {"pending", (getter)lane_get_pending, NULL, "Events counted since the last `take`.", NULL},
+    {"reads_taken", (getter)lane_get_reads_taken, NULL,
+     "Reads taken whole (`relay` True), over the lane's life.", NULL},
+    {"events_handed", (getter)lane_get_events_handed, NULL,
+     "Events handed over by `take`, over the lane's life.", NULL},
     {"end_stage", (getter)lane_get_end_stage, NULL,
      "How far it took a stream's end that came over several reads (END_*; 0: not begun).",
      NULL},
