@@ -72,10 +72,10 @@ ANCHORS: dict[int, int] = {}  # wall_ns -> mono_ns of every anchor the proxy rea
 _original_anchor = sidecar_clock.anchor
 
 
-def _recording_anchor() -> sidecar_clock.Anchor:
-    anchor = _original_anchor()
-    ANCHORS[anchor.wall_ns] = anchor.mono_ns
-    return anchor
+def _recording_anchor() -> tuple[int, int]:
+    wall_ns, mono_ns = _original_anchor()
+    ANCHORS[wall_ns] = mono_ns
+    return wall_ns, mono_ns
 
 
 class KeepSink:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from sidecar.protocol.fastchunk import TokenScan, cut_span, fast_chunk, scan_token_chunk
 from sidecar.protocol.openai import (
@@ -54,7 +54,7 @@ from sidecar.record import (
     TokenSource,
 )
 
-_ONE = (1,)
+_ONE: Final = (1,)
 _new_tuple = tuple.__new__
 
 
@@ -79,7 +79,7 @@ def stream_cut(mid_event: bool) -> StreamFailure:
     )
 
 
-MALFORMED_CHUNK = StreamFailure(
+MALFORMED_CHUNK: Final = StreamFailure(
     Outcome.UPSTREAM_ERROR, "malformed_chunk", 502, "The upstream sent a malformed chunk."
 )
 
@@ -87,7 +87,7 @@ MALFORMED_CHUNK = StreamFailure(
 # Usage whose counts cannot be believed (see ChunkInfo.usage_malformed). The stream goes on and
 # the client's bytes are what they would have been (injected usage is still cut out), but no
 # count in it is trusted and the record says why.
-MALFORMED_USAGE = StreamFailure(
+MALFORMED_USAGE: Final = StreamFailure(
     Outcome.UPSTREAM_ERROR, "malformed_usage", 502, "The upstream sent a malformed usage object."
 )
 
@@ -102,17 +102,17 @@ def too_many_events(limit: int) -> StreamFailure:
 
 
 # The default of --max-stream-events (config.py says why).
-DEFAULT_MAX_STREAM_EVENTS = 1_000_000
+DEFAULT_MAX_STREAM_EVENTS: Final = 1_000_000
 # `StreamMeter.lane_start`'s end flags, as the C lane reads them (_tokenscan.c's LANE_END_*;
 # tests/test_lane.py holds the two to the same values).
-LANE_END_OK = 1
-LANE_END_FINGERPRINT_KNOWN = 2
-LANE_FIRST = 4  # ... and the stream's first read (no event yet): `first_in_lane`
+LANE_END_OK: Final = 1
+LANE_END_FINGERPRINT_KNOWN: Final = 2
+LANE_FIRST: Final = 4  # ... and the stream's first read (no event yet): `first_in_lane`
 # How far the C lane took a stream's end that came over several reads (its END_*):
 # `take_end_in_lane`.
-LANE_END_FINISH = 1
-LANE_END_USAGE = 2
-LANE_END_DONE = 3
+LANE_END_FINISH: Final = 1
+LANE_END_USAGE: Final = 2
+LANE_END_DONE: Final = 3
 
 
 def oversized_event(exc: SSEError) -> StreamFailure:
@@ -156,6 +156,7 @@ class StreamMeter:
         "_counts",
         "events",
         "_parser",
+        "_began_elsewhere",
         "_between",
         "_max_event_bytes",
         "_counter",
@@ -211,7 +212,12 @@ class StreamMeter:
         self.choices: array[int] | None = None
         self.events = 0  # every event block read, comments included
         self._max_events = max_events  # more: fatal (the record's arrays grow per event)
-        self._parser = SSEParser(max_event_size=max_event_bytes)
+        if max_event_bytes < 1:
+            raise ValueError(f"max_event_bytes must be positive, got {max_event_bytes}")
+        # Made by the first read the Python path parses (`feed`): a stream whose reads the C
+        # lane takes, the common one, never makes it (an interpreted object, ~25 attributes).
+        self._parser: SSEParser | None = None
+        self._began_elsewhere = False  # `first_in_lane` before there was a parser
         self._max_event_bytes = max_event_bytes
         self._between = False  # `_parser.between_events`, as of the parser's last feed
         self._counter = TokenCounter()
@@ -290,6 +296,12 @@ class StreamMeter:
                     return cut_span(data, start, end), 1, 1
                 return data, 1, 1
         parser = self._parser
+        if parser is None:
+            if self._closed:  # as a parser closed with the meter would say
+                raise RuntimeError("StreamMeter.feed() called after close()")
+            parser = self._parser = SSEParser(max_event_size=self._max_event_bytes)
+            if self._began_elsewhere:
+                parser.started_elsewhere()
         try:
             events = parser.feed(data)
         except SSEError as exc:
@@ -328,9 +340,14 @@ class StreamMeter:
                 if last is not None and self.events < self._max_events:
                     flags = 0 if self.response_model is None else LANE_END_OK | known
                     return self._max_events - self.events, last, flags
-        elif self.events == 0 and self._parser.fresh and self._max_events:
+        elif self.events == 0 and self._max_events and self._fresh():
             return self._max_events, 0, LANE_FIRST | known
         return None
+
+    def _fresh(self) -> bool:
+        """Nothing parsed yet: the stream's start (`SSEParser.fresh`)."""
+        parser = self._parser
+        return not self._began_elsewhere if parser is None else parser.fresh
 
     def first_in_lane(self, model: str | None, response_id: str | None, other_events: int) -> None:
         """The C lane took the stream's first read (`_tokenscan.c`, "The first read"): what
@@ -341,7 +358,10 @@ class StreamMeter:
         if model is not None:
             self.response_model = model
             self.response_id = response_id
-            self._parser.started_elsewhere()
+            if self._parser is None:
+                self._began_elsewhere = True
+            else:
+                self._parser.started_elsewhere()
             self._between = True  # as a feed of those whole events would have left the parser
 
     def end_in_lane(self, finish_reason: str, fingerprint: str | None) -> None:
@@ -559,14 +579,15 @@ class StreamMeter:
             return b"", 0, 0
         self._closed = True
         out, n_events, n_tokens = b"", 0, 0
-        last = self._parser.close()
+        parser = self._parser
+        last = parser.close() if parser is not None else []
         self._between = False
         if last and self.fatal is None:
             out, n_events, n_tokens = self._consume(
                 last, self.origin_ns if now_ns is None else now_ns
             )
         if not self.saw_done and self.fatal is None:
-            self.fatal = stream_cut(self._parser.truncated)
+            self.fatal = stream_cut(parser is not None and parser.truncated)
             self.failure = self.failure or self.fatal
         if self._held is not None:
             out += self._release_held(self.fingerprint)

@@ -17,6 +17,7 @@ from vllm_chunks import CHAT_BANG, CHAT_HELLO, CHAT_ROLE, CHAT_USAGE, ERROR_COMP
 from sidecar.meter import StreamMeter
 from sidecar.protocol.assemble import StreamAssembler
 from sidecar.protocol.rewrite import NO_CHANGE, UsagePlan
+from sidecar.protocol.sse import SSEParser
 from sidecar.record import Outcome, TokenSource
 
 ORIGIN = 1_000_000
@@ -402,7 +403,8 @@ def test_per_request_metrics_become_engine_timing() -> None:
 
 
 class CountingParser:
-    """Wraps the meter's SSE parser to count the reads it was given."""
+    """Wraps an SSE parser, put in a meter before its first read (which would make one), to
+    count the reads it was given."""
 
     def __init__(self, parser: object) -> None:
         self.parser = parser
@@ -437,7 +439,7 @@ def test_one_token_event_per_read_skips_the_parser_and_changes_nothing(
     equals the general loop's (a text-keeping meter never takes that lane), stamp for stamp."""
     stream = long_stream(usage)
     lane = StreamMeter(ORIGIN, plan)
-    counting = CountingParser(lane._parser)
+    counting = CountingParser(SSEParser())
     lane._parser = counting  # type: ignore[assignment]
     general = StreamMeter(ORIGIN, plan, keep_text=True)
     outs: dict[str, list[tuple[bytes, int, int]]] = {"lane": [], "general": []}
@@ -463,7 +465,7 @@ def test_lane_waits_for_the_parser_to_be_between_events() -> None:
     parser; so does one arriving while a finish chunk is held."""
     hello = event(CHAT_HELLO)
     meter = StreamMeter(ORIGIN)
-    counting = CountingParser(meter._parser)
+    counting = CountingParser(SSEParser())
     meter._parser = counting  # type: ignore[assignment]
     forwarded = meter.feed(event(CHAT_ROLE), ORIGIN)[0]
     forwarded += meter.feed(hello[:7], ORIGIN + 1)[0]
@@ -624,3 +626,19 @@ def test_the_lane_counts_and_forwards_as_the_general_loop_does(
     assert list(lane.choices or ()) == list(general.choices or ())
     assert lane.token_totals == general.token_totals and lane.usage == general.usage
     assert lane.events == general.events and lane.failure == general.failure
+
+
+def test_a_stream_the_c_lane_began_parses_on_as_one_past_its_start() -> None:
+    """The meter makes its SSE parser at the first read it parses itself, which may come after
+    the C lane took the stream's first read (`first_in_lane`): that parser starts past the
+    stream's start, as one that had read the first events would. A byte-order mark is then
+    data, not the stream's (WHATWG: only a stream's first bytes may be one), so an event behind
+    it has no `data` field; at a fresh meter's start it is dropped and the event counts."""
+    bom_event = b"\xef\xbb\xbf" + event(CHAT_HELLO)
+    fresh = StreamMeter(ORIGIN)
+    fresh.feed(bom_event, ORIGIN + 1)
+    began = StreamMeter(ORIGIN)
+    began.first_in_lane("m", "chatcmpl-1", 0)
+    began.feed(bom_event, ORIGIN + 1)
+    assert (list(fresh.offsets), list(began.offsets)) == ([1], [])
+    assert began.response_model == "m" and fresh.events == began.events == 1

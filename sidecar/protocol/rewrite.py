@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from sidecar.protocol.openai import stream_usage_options
 
-_DATA_PREFIX = b"data: "
-_EVENT_END = b"\n\n"
+_DATA_PREFIX: Final = b"data: "
+_EVENT_END: Final = b"\n\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ class UsagePlan:
         return self.add_include_usage
 
 
-NO_CHANGE = UsagePlan(False, False, False, False)
+NO_CHANGE: Final = UsagePlan(False, False, False, False)
 
 
 def plan_usage(body: dict[str, Any], inject: bool) -> UsagePlan:
@@ -73,8 +73,10 @@ def apply_usage_plan(body: dict[str, Any], plan: UsagePlan) -> dict[str, Any]:
     return new_body
 
 
-_USAGE_OPTIONS_MEMBER = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
-_JSON_SPACE_BYTES = b" \t\r\n"
+_USAGE_OPTIONS_MEMBER: Final = (
+    b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
+)
+_JSON_SPACE_BYTES: Final = b" \t\r\n"
 
 
 def request_with_usage(raw: bytes, body: dict[str, Any], plan: UsagePlan) -> bytes:
@@ -109,11 +111,11 @@ def request_with_usage(raw: bytes, body: dict[str, Any], plan: UsagePlan) -> byt
 # may hold neither a brace nor a backslash, so a brace inside a string is never taken for the
 # object's end (anything else is left to the re-encoding fallback). Unrolled (no alternation
 # inside the repeats): as fast as matching braces alone, ~0.6-0.8 µs on a vLLM usage object.
-_NO_BRACE = rb'[^{}"\\]*(?:"[^"\\{}]*"[^{}"\\]*)*'
-_USAGE_VALUE = re.compile(
+_NO_BRACE: Final = rb'[^{}"\\]*(?:"[^"\\{}]*"[^{}"\\]*)*'
+_USAGE_VALUE: Final = re.compile(
     rb"\s*:\s*(\{" + _NO_BRACE + rb"(?:\{" + _NO_BRACE + rb"\}" + _NO_BRACE + rb")*\}|null)"
 )
-_USAGE_KEY = b'"usage"'
+_USAGE_KEY: Final = b'"usage"'
 
 
 def strip_usage_member(raw: bytes) -> tuple[bytes, int] | None:

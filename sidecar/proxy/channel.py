@@ -19,14 +19,14 @@ import json
 import logging
 import struct
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Final, cast
 
 log = logging.getLogger(__name__)
 
-HEADER = struct.Struct("<IB")
+HEADER: Final = struct.Struct("<IB")
 # A record with opt-in text holds at most a 16 MiB body and its completion: anything far
 # beyond is a corrupt stream, not a frame to buffer.
-MAX_FRAME_BYTES = 256 * 1024 * 1024
+MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
 # Frames queued within this long leave in one write (records reach the collector this much
 # later at most; nothing there is per request but the window, read at scrape time). Each write
 # wakes the collector, which shares a core with a worker: at 10 ms (a batch of ~2 records at

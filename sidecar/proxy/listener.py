@@ -32,7 +32,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import httptools
 
@@ -42,12 +42,12 @@ from sidecar.proxy.timeouts import Deadline
 
 log = logging.getLogger("sidecar.proxy")
 
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_LAST_CHUNK = b"0\r\n\r\n"
+_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK: Final = b"0\r\n\r\n"
 # The transport's buffer to the client above which the relay stops reading its upstream, and
 # below which it reads again (aiohttp's figures: memory per slow client stays ~64 KiB + a read).
-WRITE_HIGH_WATER = 64 * 1024
-WRITE_LOW_WATER = 16 * 1024
+WRITE_HIGH_WATER: Final = 64 * 1024
+WRITE_LOW_WATER: Final = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)

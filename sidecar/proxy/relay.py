@@ -24,7 +24,7 @@ import logging
 import re
 import secrets
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -86,10 +86,10 @@ MAX_NON_SSE_BODY = 64 * 1024 * 1024  # an upstream's non-streamed answer is read
 # A model name longer than this (or with control characters) is not kept on the record: it
 # would become a metric label and a log field. The request still goes upstream as sent (vLLM
 # answers 404 for a name it does not serve).
-MAX_MODEL_NAME_LEN = 256
+MAX_MODEL_NAME_LEN: Final = 256
 # How long the proxy tries to hand a failed stream its error event and [DONE] before it cuts
 # the connection instead (a client that does not read must not hold the request open).
-ERROR_TAIL_WRITE_S = 2.0
+ERROR_TAIL_WRITE_S: Final = 2.0
 
 
 class UpstreamFailure(Exception):
@@ -157,6 +157,8 @@ class Proxy:
         self.records_total = 0
         self.rewritten_events = 0  # events re-encoded because they could not be edited as text
         self._slo_class_names = frozenset(config.slo_thresholds())
+        # Each record names the policy: read once (an enum's `value` is a descriptor call).
+        self._route_policy_name: str = config.route_policy.value
         # Capture needs each request's shape (lengths asked, prefix hashes); text only opt-in.
         # ``capture_salt``: a key given by the process that owns the capture (a worker gets its
         # collector's, so that every worker's hashes and pseudonyms agree).
@@ -255,7 +257,7 @@ class Proxy:
         builder = RecordBuilder(
             request_id, wall, arrive, endpoint or rejection.path or "(unparsed)"
         )
-        builder.route_policy = self.config.route_policy.value
+        builder.route_policy = self._route_policy_name
         self.requests_total += 1
         answer: tuple[bytes, list[tuple[str, str]]] | None = None
         if rejection.status == 499:
@@ -286,7 +288,7 @@ class Proxy:
             request_id, wall - (read - arrive), arrive, endpoint or request.path
         )
         builder.request_read_ns = read - arrive
-        builder.route_policy = self.config.route_policy.value
+        builder.route_policy = self._route_policy_name
         self.requests_total += 1
         self.in_flight += 1
         try:
@@ -347,7 +349,7 @@ class Proxy:
         (``/v1/../../etc/passwd`` became ``/etc/passwd``). Refused, with a record."""
         wall, arrive = clock.anchor()
         builder = RecordBuilder(request_id_from(request.headers), wall, arrive, "other")
-        builder.route_policy = self.config.route_policy.value
+        builder.route_policy = self._route_policy_name
         self.requests_total += 1
         builder.fail(Outcome.REJECTED, "dot_segment_path", 400)
         self._respond_error(
@@ -1199,9 +1201,9 @@ class _Generation:
 
 # Statuses of a request refused for its content (vLLM answers validation errors 400; 422 is
 # FastAPI's own): resent unmodified when the proxy had rewritten it.
-_VALIDATION_STATUSES = frozenset({400, 422})
+_VALIDATION_STATUSES: Final = frozenset({400, 422})
 
-_CONNECT_ERROR_NAMES = {
+_CONNECT_ERROR_NAMES: Final = {
     "connect_refused": "ClientConnectorError",
     # A certificate that does not verify (SSL_CERT_FILE: docs/deploy.md), another TLS failure.
     "tls_certificate": "ClientConnectorCertificateError",
@@ -1232,7 +1234,7 @@ def _json_error_body(status: int, message: str, err_type: str) -> bytes:
     return json.dumps(error_body(message, err_type, status)).encode("utf-8")
 
 
-_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACEPARENT: Final = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def _dumps(obj: Any) -> bytes:

@@ -54,7 +54,8 @@ def read_head(raw: bytes) -> Any:
         head = _DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return read_whole(raw)
-    return {name: value for name in HEAD_MEMBERS if (value := getattr(head, name)) is not _UNSET}
+    # msgspec leaves the members that are UNSET out of the dict (its values are JSON's already).
+    return msgspec.to_builtins(head)
 
 
 def read_whole(raw: bytes) -> Any:

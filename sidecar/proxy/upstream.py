@@ -24,7 +24,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Callable
-from typing import cast
+from typing import Final, cast
 
 import httptools
 
@@ -37,7 +37,7 @@ BodySink = Callable[[bytes, int], None]
 # keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): closing ours first keeps
 # the race where both sides act at once (a request sent on a connection the server is closing)
 # out of the way of ordinary gaps in traffic.
-_KEEPALIVE_S = 4.0
+_KEEPALIVE_S: Final = 4.0
 
 
 # One whole HTTP chunk recognised in C (`feed`); where the package was built without its C
