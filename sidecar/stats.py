@@ -18,6 +18,7 @@ seconds (float); records hold integer nanoseconds.
 from __future__ import annotations
 
 import math
+import struct
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -997,194 +998,203 @@ def engine_report(records: Iterable[RequestRecord]) -> EngineReport:
 
 _OUTCOMES: tuple[Outcome, ...] = tuple(Outcome)
 _OUTCOME_CODE = {outcome: code for code, outcome in enumerate(_OUTCOMES)}
+_OK_CODE: Final = _OUTCOME_CODE[Outcome.OK]
+
+ENGINE_FIELDS = ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms", "generation_time_ms")
+_ENGINE_INDEX: Final = {name: i for i, name in enumerate(ENGINE_FIELDS)}
+
+# A record's fixed fields are one row of int64s in `RecordTable._rows` (row-major: one
+# `struct.pack` and one `frombytes` per record, where a column each cost an `array.append`,
+# ~60 of them per record in the collector's two tables: its largest cost per record), read back
+# as strided numpy columns. The fields, by index: the record's own ...
+(_WALL, _END_WALL, _OUTCOME, _EXCLUSION, _GENERATION, _DECLARED, _N_IN, _N_OUT_TOTAL, _EXACT,
+ _HAS_ENGINE) = range(10)  # fmt: skip
+# ... then, from `_VANTAGE_FIELDS[vantage]` on, each vantage's timeline (`row_fields`):
+_PRESENT, _COUNTS, _ORIGIN, _END, _HAS_END, _MULTI = range(6)
+_VANTAGE_FIELDS: Final = {Vantage.CLIENT: 10, Vantage.SERVER: 16}
+_ROW_FIELDS: Final = 10 + 2 * 6
+_ROW: Final = struct.Struct(f"={_ROW_FIELDS}q")  # native order: array("q")'s
+_ENGINE_ROW: Final = struct.Struct(f"={len(ENGINE_FIELDS)}d")
+_NO_ENGINE: Final = _ENGINE_ROW.pack(*[math.nan] * len(ENGINE_FIELDS))
+_ABSENT: Final = (0, 0, 0, 0, 0, 0)
 
 
-class _TimelineTable:
-    """One vantage's `Columns`, appended record by record (C-level array appends)."""
-
-    __slots__ = (
-        "present",
-        "counts",
-        "origin",
-        "end",
-        "has_end",
-        "offsets",
-        "tokens",
-        "event_head",
-        "multi",
-        "choices",
-        "choice_head",
+def row_fields(timeline: Timeline | None) -> tuple[int, ...]:
+    """A vantage's six fields in a record's row: present, counts, origin, end, has_end,
+    multi."""
+    if timeline is None:
+        return _ABSENT
+    end = timeline.end_ns
+    return (
+        1,
+        len(timeline.offsets_ns),
+        timeline.start_ns,
+        0 if end is None else end,
+        end is not None,
+        timeline.choices is not None,
     )
 
+
+class _Events:
+    """One vantage's token events, record after record (the columns a `Columns` has per
+    event)."""
+
+    __slots__ = ("offsets", "tokens", "event_head", "choices", "choice_head")
+
     def __init__(self) -> None:
-        self.present = array("B")
-        self.counts = array("q")
-        self.origin = array("q")
-        self.end = array("q")
-        self.has_end = array("B")
         self.offsets = array("q")
         self.tokens = array("q")
         self.event_head = 0  # events of dropped records at the front of offsets/tokens
-        self.multi = array("B")  # per record: n > 1 (a choice column)
-        self.choices = array("q")  # per event of those records only
+        self.choices = array("q")  # per event of the records with n > 1 only
         self.choice_head = 0  # ... of dropped records at the front of choices
 
-    def append(self, timeline: Timeline | None) -> None:
+    def keep(self, timeline: Timeline | None) -> None:
+        """Keep ``timeline``'s events (its row's fields are `row_fields`)."""
         if timeline is None:
-            self.present.append(0)
-            self.counts.append(0)
-            self.origin.append(0)
-            self.end.append(0)
-            self.has_end.append(0)
-            self.multi.append(0)
             return
-        self.present.append(1)
-        self.counts.append(len(timeline.offsets_ns))
-        self.origin.append(timeline.start_ns)
-        end = timeline.end_ns
-        self.end.append(0 if end is None else end)
-        self.has_end.append(end is not None)
         self.offsets.frombytes(timeline.offsets_ns.data)
         self.tokens.frombytes(timeline.tokens.data)
         choices = timeline.choices
-        self.multi.append(choices is not None)
         if choices is not None:
             self.choices.frombytes(choices.data)
 
-    def forget(self, head: int, count: int) -> None:
-        """Move the event heads past the events of records ``head .. head + count``. (The
-        numpy views made here must be gone before a compaction resizes the arrays: they
-        live in this frame only.)"""
-        counts = np.frombuffer(self.counts, dtype=np.int64)[head : head + count]
+    def forget(self, counts: npt.NDArray[np.int64], multi: npt.NDArray[np.bool_]) -> None:
+        """Move the heads past the events of dropped records (their counts and multi)."""
         self.event_head += int(counts.sum())
-        multi = np.frombuffer(self.multi, dtype=np.bool_)[head : head + count]
         self.choice_head += int(counts[multi].sum())
+
+    def compact(self) -> None:
+        del self.offsets[: self.event_head]
+        del self.tokens[: self.event_head]
+        self.event_head = 0
+        del self.choices[: self.choice_head]
+        self.choice_head = 0
 
 
 class RecordTable:
     """The columns of a sequence of records that grows at the end and is dropped from the
-    front (the live window). Appending a record is a few array appends; every summary is numpy
-    over the columns, with the definitions of the functions above (`report_of`,
-    `goodput_of`): a 100,000-record window is summarised in tens of milliseconds."""
+    front (the live window). Appending a record is two packed rows and its events' bytes;
+    every summary is numpy over the columns, with the definitions of the functions above
+    (`report_of`, `goodput_of`): a 100,000-record window is summarised in tens of
+    milliseconds."""
 
     def __init__(self) -> None:
         self._head = 0  # records dropped from the front, still in the arrays until compaction
         self.request_ids: list[str] = []
         self.slo_attribute: list[str | None] = []
-        self._wall = array("q")
-        self._end_wall = array("q")
-        self._outcome = array("B")
-        self._exclusion = array("B")  # `exclusion_code` per record
-        self._generation = array("B")
-        self._declared = array("q")
-        self._n_in = array("q")
-        self._n_out_total = array("q")  # `output_tokens` from the server side if any (throughput)
-        self._exact = array("B")
-        self._engine = {name: array("d") for name in ENGINE_FIELDS}
-        self._has_engine = array("B")
-        self._timelines = {Vantage.CLIENT: _TimelineTable(), Vantage.SERVER: _TimelineTable()}
+        self._rows = array("q")  # _ROW_FIELDS per record
+        self._engine_rows = array("d")  # ENGINE_FIELDS per record (NaN: none given)
+        self._events = {Vantage.CLIENT: _Events(), Vantage.SERVER: _Events()}
+        self._client_events = self._events[Vantage.CLIENT]
+        self._server_events = self._events[Vantage.SERVER]
 
     def __len__(self) -> int:
-        return len(self._wall) - self._head
+        return self.stored - self._head
+
+    @property
+    def stored(self) -> int:
+        """Records in the arrays: the live ones and those dropped but not yet compacted away."""
+        return len(self.request_ids)
 
     def append(self, record: RequestRecord, end_wall_ns: int, generation: bool) -> None:
-        self.request_ids.append(record.request_id)
-        self.slo_attribute.append(record.attributes.get("slo_class"))
-        self._wall.append(record.wall_time_ns)
-        self._end_wall.append(end_wall_ns)
-        self._outcome.append(_OUTCOME_CODE[record.outcome])
-        self._exclusion.append(exclusion_code(record))
-        self._generation.append(generation)
-        self._declared.append(-1 if record.n_out is None else record.n_out)
-        self._n_in.append(record.n_in or 0)
-        timeline = record.server if record.server is not None else record.client
-        self._n_out_total.append(output_tokens(record, timeline))
-        self._exact.append(record.token_source.total_exact)
+        """Add ``record`` at the end; a record that does not fit (a count beyond 64 bits)
+        raises before anything was added."""
+        client, server = record.client, record.server
         engine = record.engine
-        self._has_engine.append(engine is not None)
-        for name, column in self._engine.items():
-            value = None if engine is None else getattr(engine, name)
-            column.append(math.nan if value is None else value)
-        self._timelines[VANTAGE_CLIENT].append(record.client)
-        self._timelines[VANTAGE_SERVER].append(record.server)
+        n_out = record.n_out
+        slo_class = record.attributes.get("slo_class")
+        row = _ROW.pack(
+            record.wall_time_ns,
+            end_wall_ns,
+            _OUTCOME_CODE[record.outcome],
+            exclusion_code(record),
+            generation,
+            -1 if n_out is None else n_out,
+            record.n_in or 0,
+            output_tokens(record, server if server is not None else client),
+            record.token_source.total_exact,
+            engine is not None,
+            *row_fields(client),
+            *row_fields(server),
+        )
+        engine_row = (
+            _NO_ENGINE
+            if engine is None
+            else _ENGINE_ROW.pack(
+                *[
+                    math.nan if (value := getattr(engine, name)) is None else value
+                    for name in ENGINE_FIELDS
+                ]
+            )
+        )
+        # Nothing below raises: the record's parts go in together.
+        self.request_ids.append(record.request_id)
+        self.slo_attribute.append(slo_class)
+        self._rows.frombytes(row)
+        self._engine_rows.frombytes(engine_row)
+        self._client_events.keep(client)
+        self._server_events.keep(server)
 
     def drop_front(self, count: int) -> None:
         """Forget the ``count`` oldest records."""
         if count <= 0:
             return
-        for table in self._timelines.values():
-            table.forget(self._head, count)
+        dropped = self._all_rows()[self._head : self._head + count]
+        for vantage, events in self._events.items():
+            base = _VANTAGE_FIELDS[vantage]
+            events.forget(dropped[:, base + _COUNTS], dropped[:, base + _MULTI] != 0)
+        del dropped  # a view of the rows: none may live when the compaction resizes them
         self._head += count
-        if self._head >= 4096 and self._head * 2 >= len(self._wall):
+        if self._head >= 4096 and self._head * 2 >= self.stored:
             self._compact()
 
     def _compact(self) -> None:
         head = self._head
-        columns: list[array[Any]] = [
-            self._wall,
-            self._end_wall,
-            self._outcome,
-            self._exclusion,
-            self._generation,
-            self._declared,
-            self._n_in,
-            self._n_out_total,
-            self._exact,
-            self._has_engine,
-            *self._engine.values(),
-        ]
-        for column in columns:
-            del column[:head]
+        del self._rows[: head * _ROW_FIELDS]
+        del self._engine_rows[: head * len(ENGINE_FIELDS)]
         del self.request_ids[:head]
         del self.slo_attribute[:head]
-        for table in self._timelines.values():
-            for column in (
-                table.present,
-                table.counts,
-                table.origin,
-                table.end,
-                table.has_end,
-                table.multi,
-            ):
-                del column[:head]
-            del table.offsets[: table.event_head]
-            del table.tokens[: table.event_head]
-            table.event_head = 0
-            del table.choices[: table.choice_head]
-            table.choice_head = 0
+        for events in self._events.values():
+            events.compact()
         self._head = 0
 
-    # -- numpy views of the live records (no copies) --------------------------------------
+    # -- numpy views of the live records (no copies but of the flags) ---------------------
 
-    def _view(self, column: array[Any], dtype: type) -> npt.NDArray[Any]:
-        return np.frombuffer(column, dtype=dtype)[self._head :]
+    def _all_rows(self) -> npt.NDArray[np.int64]:
+        return np.frombuffer(self._rows, dtype=np.int64).reshape(-1, _ROW_FIELDS)
+
+    def _field(self, index: int) -> npt.NDArray[np.int64]:
+        """Per live record, its row's field ``index`` (a strided view)."""
+        return self._all_rows()[self._head :, index]
 
     @property
     def end_wall_ns(self) -> npt.NDArray[np.int64]:
-        return self._view(self._end_wall, np.int64)
+        return self._field(_END_WALL)
 
     @property
     def wall_ns(self) -> npt.NDArray[np.int64]:
-        return self._view(self._wall, np.int64)
+        return self._field(_WALL)
 
     @property
     def generation(self) -> npt.NDArray[np.bool_]:
-        return self._view(self._generation, np.bool_)
+        generation: npt.NDArray[np.bool_] = self._field(_GENERATION) != 0
+        return generation
 
     @property
     def ok(self) -> npt.NDArray[np.bool_]:
-        ok: npt.NDArray[np.bool_] = self._view(self._outcome, np.uint8) == _OUTCOME_CODE[Outcome.OK]
+        ok: npt.NDArray[np.bool_] = self._field(_OUTCOME) == _OK_CODE
         return ok
 
     @property
     def n_out_total(self) -> npt.NDArray[np.int64]:
         """Per record: `output_tokens` from the server side if it has one, else the client's."""
-        return self._view(self._n_out_total, np.int64)
+        return self._field(_N_OUT_TOTAL)
 
     def engine_ms(self, name: str) -> npt.NDArray[np.float64]:
         """Per record: the engine's ``name`` field (one of `ENGINE_FIELDS`), NaN where vLLM
         gave none (or the record has no engine timing)."""
-        return self._view(self._engine[name], np.float64)
+        rows = np.frombuffer(self._engine_rows, dtype=np.float64).reshape(-1, len(ENGINE_FIELDS))
+        return rows[self._head :, _ENGINE_INDEX[name]]
 
     def ids(self) -> list[str]:
         return self.request_ids[self._head :]
@@ -1195,25 +1205,26 @@ class RecordTable:
     def columns(self, vantage: Vantage, mask: npt.NDArray[np.bool_]) -> Columns:
         """The `Columns` of the live records where ``mask`` is true, from the client or the
         server vantage (the engine's has no timeline: `engine_report`)."""
-        t = self._timelines[vantage]
-        head = self._head
+        events = self._events[vantage]
+        rows = self._all_rows()[self._head :]
+        base = _VANTAGE_FIELDS[vantage]
         return Columns(
-            present=np.frombuffer(t.present, dtype=np.bool_)[head:],
-            counts=np.frombuffer(t.counts, dtype=np.int64)[head:],
-            origin=np.frombuffer(t.origin, dtype=np.int64)[head:],
-            end=np.frombuffer(t.end, dtype=np.int64)[head:],
-            has_end=np.frombuffer(t.has_end, dtype=np.bool_)[head:],
-            declared=self._view(self._declared, np.int64),
-            offsets=np.frombuffer(t.offsets, dtype=np.int64)[t.event_head :],
-            tokens=np.frombuffer(t.tokens, dtype=np.int64)[t.event_head :],
-            multi=np.frombuffer(t.multi, dtype=np.bool_)[head:],
-            choices=np.frombuffer(t.choices, dtype=np.int64)[t.choice_head :],
+            present=rows[:, base + _PRESENT] != 0,
+            counts=rows[:, base + _COUNTS],
+            origin=rows[:, base + _ORIGIN],
+            end=rows[:, base + _END],
+            has_end=rows[:, base + _HAS_END] != 0,
+            declared=rows[:, _DECLARED],
+            offsets=np.frombuffer(events.offsets, dtype=np.int64)[events.event_head :],
+            tokens=np.frombuffer(events.tokens, dtype=np.int64)[events.event_head :],
+            multi=rows[:, base + _MULTI] != 0,
+            choices=np.frombuffer(events.choices, dtype=np.int64)[events.choice_head :],
         ).select(mask)
 
     # -- the aggregates, over the live records where ``mask`` is true -----------------------
 
     def outcome_counts(self, mask: npt.NDArray[np.bool_]) -> dict[Outcome, int]:
-        codes = np.bincount(self._view(self._outcome, np.uint8)[mask], minlength=len(_OUTCOMES))
+        codes = np.bincount(self._field(_OUTCOME)[mask], minlength=len(_OUTCOMES))
         return {outcome: int(codes[i]) for i, outcome in enumerate(_OUTCOMES)}
 
     def measured_interval_s(self, mask: npt.NDArray[np.bool_]) -> float:
@@ -1228,22 +1239,20 @@ class RecordTable:
     def throughput(self, mask: npt.NDArray[np.bool_], interval_s: float) -> Throughput:
         done = mask & self.ok
         completed = int(np.count_nonzero(done))
-        n_in = int(self._view(self._n_in, np.int64)[done].sum())
-        n_out = int(self._view(self._n_out_total, np.int64)[done].sum())
-        estimated = bool(np.any(~self._view(self._exact, np.bool_)[done]))
+        n_in = int(self._field(_N_IN)[done].sum())
+        n_out = int(self._field(_N_OUT_TOTAL)[done].sum())
+        estimated = bool(np.any(self._field(_EXACT)[done] == 0))
         return Throughput.of(interval_s, completed, n_in, n_out, estimated)
 
     def engine_report(self, mask: npt.NDArray[np.bool_]) -> EngineReport:
         done = mask & self.ok
-        values = {
-            name: self._view(column, np.float64)[done] for name, column in self._engine.items()
-        }
+        values = {name: self.engine_ms(name)[done] for name in ENGINE_FIELDS}
         # NaN (a field vLLM left out) propagates, and summarize drops it: a request missing
         # one part of an interval has no value for it (as EngineTiming.ttft_ms says).
         # (Summed in ms, then scaled, as EngineTiming does: the same floats as record by record.)
         ttft_ms = values["queue_time_ms"] + values["time_to_first_token_ms"]
         return EngineReport(
-            requests=int(np.count_nonzero(self._view(self._has_engine, np.bool_)[done])),
+            requests=int(np.count_nonzero(self._field(_HAS_ENGINE)[done])),
             queue_time=summarize(values["queue_time_ms"] / 1000.0),
             ttft=summarize(ttft_ms / 1000.0),
             ttft_from_scheduled=summarize(values["time_to_first_token_ms"] / 1000.0),
@@ -1268,7 +1277,7 @@ class RecordTable:
         names = np.asarray(self.classes(policy), dtype=object)
         out: dict[str, Goodput] = {}
         ok = self.ok
-        reasons = self._view(self._exclusion, np.uint8)
+        reasons = self._field(_EXCLUSION).astype(np.uint8)
         for name, slo in policy.classes.items():
             members = mask & (names == name) if names.size else mask
             out[name] = goodput_of(
@@ -1280,9 +1289,6 @@ class RecordTable:
                 reasons[members],
             )
         return out
-
-
-ENGINE_FIELDS = ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms", "generation_time_ms")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -404,16 +404,16 @@ def test_held_records_are_binned_once_enough_wait_without_a_read() -> None:
     one = record([(100, 1)], n_out=1)
     for _ in range(sink.HOLD_RECORDS - 1):
         sink.on_record(one)
-    assert len(sink._held.pair) == sink.HOLD_RECORDS - 1 and not sink.ttft._counts
+    assert len(sink._held) == sink.HOLD_RECORDS - 1 and not sink.ttft._counts
     sink.on_record(one)  # reaches HOLD_RECORDS: binned now
-    assert not sink._held.pair
+    assert len(sink._held) == 0
     labels = ("m", "127.0.0.1:8000", "client")
     assert sum(sink.ttft._counts[labels]) == sink.HOLD_RECORDS
     long = record([(100 + i, 1) for i in range(sink.HOLD_EVENTS // 4)], n_out=sink.HOLD_EVENTS)
     sink.on_record(long)  # client and server: half of HOLD_EVENTS
     assert sink._held.events == sink.HOLD_EVENTS // 2
     sink.on_record(long)
-    assert not sink._held.pair and sum(sink.ttft._counts[labels]) == sink.HOLD_RECORDS + 2
+    assert len(sink._held) == 0 and sum(sink.ttft._counts[labels]) == sink.HOLD_RECORDS + 2
 
 
 def test_a_batch_that_cannot_be_held_is_dropped_and_counted_and_the_next_one_binned() -> None:

@@ -28,12 +28,13 @@ and SLO class come from closed sets.
 from __future__ import annotations
 
 import math
+import struct
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -574,9 +575,9 @@ class PrometheusSink:
         except BaseException:
             # Its columns may now disagree on the row count: the batch is lost, and counted.
             self._held = _Held()
-            self.dropped += len(held.pair) + 1
+            self.dropped += len(held) + 1
             raise
-        if held.events >= self.HOLD_EVENTS or len(held.pair) >= self.HOLD_RECORDS:
+        if held.events >= self.HOLD_EVENTS or len(held) >= self.HOLD_RECORDS:
             self.bin_held()
 
     def bin_held(self) -> None:
@@ -584,18 +585,18 @@ class PrometheusSink:
         their columns (the definitions are stats': `samples_of`, `goodput_of`, as record by
         record). Called before any of the sink's metrics is read, and when enough wait."""
         held = self._held
-        if not held.pair:
+        if not held.rows:
             return
         self._held = _Held()  # first: a failure below loses this batch once, not every scrape
         try:
             self._bin(held)
         except BaseException:
-            self.dropped += len(held.pair)  # (some of its metrics may have been counted)
+            self.dropped += len(held)  # (some of its metrics may have been counted)
             raise
 
     def _bin(self, held: _Held) -> None:
         pairs = list(self._pairs)
-        table, keys, created = held.table, np.frombuffer(held.pair, dtype=np.int64), held.since
+        table, keys, created = held.table, held.column(_PAIR), held.since
         if self.slo_policy is not None:
             self._bin_slo(self.slo_policy, table)
         ok = table.ok
@@ -678,19 +679,19 @@ class PrometheusSink:
         created: float,
     ) -> None:
         """The successful requests' prompt, output and cached tokens, and their upload."""
-        n_in = np.frombuffer(held.n_in, dtype=np.int64)[ok]
+        n_in = held.column(_HELD_N_IN)[ok]
         known = n_in >= 0
         self.prompt_tokens.inc_many(by_pair.labels, by_pair.keys[known], n_in[known], created)
         self.prompt_len.observe_many(by_model.labels, by_model.keys[known], n_in[known], created)
         n_out = held.table.n_out_total[ok]
         self.generation_tokens.inc_many(by_pair.labels, by_pair.keys, n_out, created)
         self.output_len.observe_many(by_model.labels, by_model.keys, n_out, created)
-        cached = np.frombuffer(held.cached, dtype=np.int64)[ok]
+        cached = held.column(_HELD_CACHED)[ok]
         some = cached != 0
         self.cached_tokens.inc_many(by_pair.labels, by_pair.keys[some], cached[some], created)
-        estimated = np.frombuffer(held.estimated, dtype=np.bool_)[ok]
+        estimated = held.column(_HELD_ESTIMATED)[ok] != 0
         self.estimated.inc_many(by_model.labels, by_model.keys[estimated], created=created)
-        read_ns = np.frombuffer(held.read_ns, dtype=np.int64)[ok]
+        read_ns = held.column(_HELD_READ_NS)[ok]
         read = read_ns >= 0
         self.request_read.observe_many(
             by_model.labels, by_model.keys[read], read_ns[read] / 1e9, created
@@ -705,36 +706,50 @@ class _Series:
     keys: npt.NDArray[np.int64]
 
 
+# A held record's own fields, one row of int64s in `_Held.rows` (one `struct.pack` per record,
+# as `stats.RecordTable`'s rows), by index:
+_PAIR, _HELD_N_IN, _HELD_READ_NS, _HELD_CACHED, _HELD_ESTIMATED = range(5)
+_HELD_ROW: Final = struct.Struct("=5q")
+
+
 class _Held:
     """The records a `PrometheusSink` holds until it bins them: their columns for the metric
-    math (`stats.RecordTable`), and beside them, one row per record, what only this sink reads:
-    the index of its (model, replica) label pair, its prompt tokens (-1: unknown), its upload
-    time (-1: not measured), its cached tokens, whether its token counts are estimates."""
+    math (`stats.RecordTable`), and beside them, one row per record (`rows`, read by
+    `column`), what only this sink reads: the index of its (model, replica) label pair, its
+    prompt tokens (-1: unknown), its upload time (-1: not measured), its cached tokens,
+    whether its token counts are estimates."""
 
-    __slots__ = ("table", "pair", "n_in", "read_ns", "cached", "estimated", "events", "since")
+    __slots__ = ("table", "rows", "events", "since")
 
     def __init__(self) -> None:
         self.table = stats.RecordTable()
-        self.pair = array("q")
-        self.n_in = array("q")
-        self.read_ns = array("q")
-        self.cached = array("q")
-        self.estimated = array("B")
+        self.rows = array("q")
         self.events = 0  # token events held, both sides
         self.since = 0.0  # when the first record came: the `_created` of series it makes
 
+    def __len__(self) -> int:
+        return len(self.rows) // 5
+
     def append(self, record: RequestRecord, pair: int) -> None:
-        if not self.pair:
+        if not self.rows:
             self.since = time.time()
         self.table.append(record, 0, True)
-        self.pair.append(pair)
         n_in, read_ns = record.n_in, record.request_read_ns
-        self.n_in.append(-1 if n_in is None else n_in)
-        self.read_ns.append(-1 if read_ns is None else read_ns)
-        self.cached.append(record.n_cached or 0)
-        self.estimated.append(record.token_source is not SOURCE_USAGE)
+        self.rows.frombytes(
+            _HELD_ROW.pack(
+                pair,
+                -1 if n_in is None else n_in,
+                -1 if read_ns is None else read_ns,
+                record.n_cached or 0,
+                record.token_source is not SOURCE_USAGE,
+            )
+        )
         server = record.server
         self.events += record.client.n_marks + (0 if server is None else server.n_marks)
+
+    def column(self, index: int) -> npt.NDArray[np.int64]:
+        """Per held record, its row's field ``index`` (a strided view)."""
+        return np.frombuffer(self.rows, dtype=np.int64).reshape(-1, 5)[:, index]
 
 
 WINDOW_QUANTILES = (0.5, 0.9, 0.99)
