@@ -6,6 +6,7 @@
     python benchmarks/request_instructions.py --opcodes         # Python bytecodes per function
     python benchmarks/request_instructions.py --profile         # cProfile per function
     python benchmarks/request_instructions.py --by-function     # instructions per function
+    python benchmarks/request_instructions.py --compiled-functions   # ... per compiled function
     python benchmarks/request_instructions.py --smoke           # CI: the harness, no valgrind
     python benchmarks/request_instructions.py --sim-fault split_end_ms=20   # ends over 4 reads
 
@@ -52,6 +53,11 @@ go, not an account: the idle rate is not taken out, and a coroutine's count is t
 steps, with what they awaited without suspending. Modules that must stay Python are left to
 the interpreter (`BY_FUNCTION_SKIP`). Needs Cython (``pip install cython``, not a dependency of
 the project) and a C compiler.
+
+``--compiled-functions``: the same ranking for the tree as built, mypyc's compiled request path
+(`setup.py`'s COMPILED): each compiled function is a C function (``CPyDef_...``) callgrind
+names, its callees included; the interpreted rest is only seen through the compiled code that
+calls it.
 
 ``--tree``: the processes run in that directory (``python -m`` puts its working directory first
 on the path), with its C extensions built in place.
@@ -377,6 +383,25 @@ def inclusive_by_function(
     return ranked_per_request(inclusive(first), inclusive(second), n_requests, top)
 
 
+def inclusive_by_compiled_function(
+    first: Path, second: Path, n_requests: int, top: int
+) -> list[tuple[str, int]]:
+    """Inclusive instructions per request of each function mypyc compiled (`setup.py`'s
+    COMPILED), by its C name (``CPyDef_<module>___<class>___<method>``): the second window's
+    minus the first's, over N. Work the windows do by time rather than by request (a worker's
+    status report, `channel.json_frame`) shows too: the idle rate is not taken out."""
+
+    def inclusive(path: Path) -> dict[str, int]:
+        costs: dict[str, int] = {}
+        for count, function in annotated(path, inclusive=True):
+            found = re.search(r"\b(CPyDef_\w+)", function)
+            if found:
+                costs[found.group(1)] = costs.get(found.group(1), 0) + count
+        return costs
+
+    return ranked_per_request(inclusive(first), inclusive(second), n_requests, top)
+
+
 # Put on the processes' path by ``--profile``: cProfile on from the start, switched per window
 # by signals (SIGUSR1: reset and enable; SIGUSR2: disable and dump to $PROFILE_DIR/<pid>.<n>).
 SITECUSTOMIZE = r"""
@@ -524,11 +549,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="list the N [40] Python functions with the most instructions, their callees' "
         "included, on a copy of the tree compiled by Cython (pip install cython)",
     )
+    parser.add_argument(
+        "--compiled-functions",
+        type=int,
+        nargs="?",
+        const=40,
+        default=0,
+        metavar="N",
+        help="list the N [40] functions compiled by mypyc with the most instructions, their "
+        "callees' included, on --tree as built (its compiled request path)",
+    )
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CI: no valgrind, a few requests")
     args = parser.parse_args(argv)
     if args.by_function and (args.profile or args.opcodes or args.smoke):
         parser.error("--by-function counts with callgrind: not with --profile, --opcodes, --smoke")
+    if args.compiled_functions and (args.profile or args.opcodes or args.smoke or args.by_function):
+        parser.error(
+            "--compiled-functions counts the compiled build with callgrind: not with "
+            "--profile, --opcodes, --smoke, --by-function"
+        )
+    if args.compiled_functions and not list(args.tree.resolve().glob("sidecar__mypyc*")):
+        parser.error(f"--compiled-functions: {args.tree} has no compiled request path (setup.py)")
     args.profile = args.profile or args.opcodes
     if args.profile or args.by_function:
         # Bytecodes and Python calls are the interpreted source's (and --by-function's copy
@@ -728,6 +770,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         result["inclusive_per_request_by_function"] = ranked_functions
         for name, ranked in ranked_functions.items():
             print(f"\n{name}: inclusive instructions per request, by Python function")
+            for function, value in ranked:
+                print(f"{value:>10,}  {function}")
+    if args.compiled_functions:
+        ranked_compiled = {
+            name: inclusive_by_compiled_function(
+                first.dumps[name], second.dumps[name], n, args.compiled_functions
+            )
+            for name in pids
+        }
+        result["inclusive_per_request_by_compiled_function"] = ranked_compiled
+        for name, ranked in ranked_compiled.items():
+            print(f"\n{name}: inclusive instructions per request, by compiled function")
             for function, value in ranked:
                 print(f"{value:>10,}  {function}")
     if args.json_out is not None:

@@ -363,6 +363,34 @@ def test_request_instructions_smoke(tmp_path: Path) -> None:
     assert "decode_record)" in collector
 
 
+def test_request_instructions_ranks_compiled_functions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--compiled-functions ranks mypyc's C functions (``CPyDef_...``, as callgrind_annotate
+    names them with their file and object) by their inclusive count per request: the second
+    window's minus the first's over N; other functions are left out; and a tree without a
+    compiled request path is refused."""
+    import request_instructions as ri
+
+    where = "build/__native_sidecar.c:{} [/t/sidecar__mypyc.cpython-311-x86_64-linux-gnu.so]"
+    rows = {
+        "first": [(1_000, where.format("CPyDef_relay___Proxy____emit")), (50, "libc.so:memcpy")],
+        "second": [
+            (3_000, where.format("CPyDef_relay___Proxy____emit")),
+            (800, where.format("CPyDef_routing___Router___choose")),
+            (5_000, "libc.so:memcpy"),
+        ],
+    }
+    monkeypatch.setattr(ri, "annotated", lambda path, inclusive=False: rows[path.name])
+    ranked = ri.inclusive_by_compiled_function(Path("first"), Path("second"), 10, 5)
+    assert ranked == [
+        ("CPyDef_relay___Proxy____emit", 200),
+        ("CPyDef_routing___Router___choose", 80),
+    ]
+    with pytest.raises(SystemExit):
+        ri.main(["--compiled-functions", "--tree", str(tmp_path)])
+
+
 def test_request_instructions_names_cython_functions(tmp_path: Path) -> None:
     """--by-function names each C function Cython made by its Python source line, as
     --opcodes names functions: a method's wrapper by the comment above it, a coroutine's body
