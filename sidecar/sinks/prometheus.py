@@ -573,7 +573,8 @@ class PrometheusSink:
         try:
             held.append(record, pair)
         except BaseException:
-            # Its columns may now disagree on the row count: the batch is lost, and counted.
+            # A record that does not fit is refused before anything was added (`_Held.append`);
+            # whatever else failed, the batch is no longer trusted: it is lost, and counted.
             self._held = _Held()
             self.dropped += len(held) + 1
             raise
@@ -709,7 +710,8 @@ class _Series:
 # A held record's own fields, one row of int64s in `_Held.rows` (one `struct.pack` per record,
 # as `stats.RecordTable`'s rows), by index:
 _PAIR, _HELD_N_IN, _HELD_READ_NS, _HELD_CACHED, _HELD_ESTIMATED = range(5)
-_HELD_ROW: Final = struct.Struct("=5q")
+_HELD_FIELDS: Final = 5
+_HELD_ROW: Final = struct.Struct(f"={_HELD_FIELDS}q")
 
 
 class _Held:
@@ -728,28 +730,29 @@ class _Held:
         self.since = 0.0  # when the first record came: the `_created` of series it makes
 
     def __len__(self) -> int:
-        return len(self.rows) // 5
+        return len(self.rows) // _HELD_FIELDS
 
     def append(self, record: RequestRecord, pair: int) -> None:
+        n_in, read_ns = record.n_in, record.request_read_ns
+        row = _HELD_ROW.pack(
+            pair,
+            -1 if n_in is None else n_in,
+            -1 if read_ns is None else read_ns,
+            record.n_cached or 0,
+            record.token_source is not SOURCE_USAGE,
+        )
         if not self.rows:
             self.since = time.time()
+        # The table raises before it adds a record that does not fit, the row was packed
+        # first: either both take the record or neither does.
         self.table.append(record, 0, True)
-        n_in, read_ns = record.n_in, record.request_read_ns
-        self.rows.frombytes(
-            _HELD_ROW.pack(
-                pair,
-                -1 if n_in is None else n_in,
-                -1 if read_ns is None else read_ns,
-                record.n_cached or 0,
-                record.token_source is not SOURCE_USAGE,
-            )
-        )
+        self.rows.frombytes(row)
         server = record.server
         self.events += record.client.n_marks + (0 if server is None else server.n_marks)
 
     def column(self, index: int) -> npt.NDArray[np.int64]:
         """Per held record, its row's field ``index`` (a strided view)."""
-        return np.frombuffer(self.rows, dtype=np.int64).reshape(-1, 5)[:, index]
+        return np.frombuffer(self.rows, dtype=np.int64).reshape(-1, _HELD_FIELDS)[:, index]
 
 
 WINDOW_QUANTILES = (0.5, 0.9, 0.99)
