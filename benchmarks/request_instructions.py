@@ -402,6 +402,14 @@ def inclusive_by_compiled_function(
     return ranked_per_request(inclusive(first), inclusive(second), n_requests, top)
 
 
+def print_ranked(by_process: dict[str, list[tuple[str, int]]], what: str) -> None:
+    """Each process's ranking, under ``<process>: <what>``."""
+    for name, ranked in by_process.items():
+        print(f"\n{name}: {what}")
+        for function, value in ranked:
+            print(f"{value:>10,}  {function}")
+
+
 # Put on the processes' path by ``--profile``: cProfile on from the start, switched per window
 # by signals (SIGUSR1: reset and enable; SIGUSR2: disable and dump to $PROFILE_DIR/<pid>.<n>).
 SITECUSTOMIZE = r"""
@@ -756,10 +764,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             name: top_functions(first.dumps[name], second.dumps[name], n, args.top) for name in pids
         }
         result["top_self_per_request"] = tops
-        for name, ranked in tops.items():
-            print(f"\n{name}: self instructions per request, by C function")
-            for function, value in ranked:
-                print(f"{value:>10,}  {function}")
+        print_ranked(tops, "self instructions per request, by C function")
     if args.by_function:
         ranked_functions = {
             name: inclusive_by_function(
@@ -768,10 +773,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name in pids
         }
         result["inclusive_per_request_by_function"] = ranked_functions
-        for name, ranked in ranked_functions.items():
-            print(f"\n{name}: inclusive instructions per request, by Python function")
-            for function, value in ranked:
-                print(f"{value:>10,}  {function}")
+        print_ranked(ranked_functions, "inclusive instructions per request, by Python function")
     if args.compiled_functions:
         ranked_compiled = {
             name: inclusive_by_compiled_function(
@@ -780,10 +782,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name in pids
         }
         result["inclusive_per_request_by_compiled_function"] = ranked_compiled
-        for name, ranked in ranked_compiled.items():
-            print(f"\n{name}: inclusive instructions per request, by compiled function")
-            for function, value in ranked:
-                print(f"{value:>10,}  {function}")
+        print_ranked(ranked_compiled, "inclusive instructions per request, by compiled function")
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
     if not os.environ.get("KEEP"):
