@@ -1004,22 +1004,27 @@ ENGINE_FIELDS = ("queue_time_ms", "time_to_first_token_ms", "mean_itl_ms", "gene
 _ENGINE_INDEX: Final = {name: i for i, name in enumerate(ENGINE_FIELDS)}
 
 # A record's fixed fields are one row of int64s in `RecordTable._rows` (row-major: one
-# `struct.pack` and one `frombytes` per record, where a column each cost an `array.append`,
-# ~60 of them per record in the collector's two tables: its largest cost per record), read back
-# as strided numpy columns. The fields, by index: the record's own ...
+# `struct.pack` and one `frombytes` per record, where a column each cost an `array.append`:
+# 56 per record in the collector's two tables by cProfile, its largest cost per record), read
+# back as strided numpy columns. The fields, by index: the record's own ...
 (_WALL, _END_WALL, _OUTCOME, _EXCLUSION, _GENERATION, _DECLARED, _N_IN, _N_OUT_TOTAL, _EXACT,
  _HAS_ENGINE) = range(10)  # fmt: skip
-# ... then, from `_VANTAGE_FIELDS[vantage]` on, each vantage's timeline (`row_fields`):
+# ... then, from `_VANTAGE_FIELDS[vantage]` on, each vantage's timeline (`_row_fields`):
 _PRESENT, _COUNTS, _ORIGIN, _END, _HAS_END, _MULTI = range(6)
-_VANTAGE_FIELDS: Final = {Vantage.CLIENT: 10, Vantage.SERVER: 16}
-_ROW_FIELDS: Final = 10 + 2 * 6
+_OWN_FIELDS: Final = _HAS_ENGINE + 1
+_TIMELINE_FIELDS: Final = _MULTI + 1
+_VANTAGE_FIELDS: Final = {
+    Vantage.CLIENT: _OWN_FIELDS,
+    Vantage.SERVER: _OWN_FIELDS + _TIMELINE_FIELDS,
+}
+_ROW_FIELDS: Final = _OWN_FIELDS + 2 * _TIMELINE_FIELDS
 _ROW: Final = struct.Struct(f"={_ROW_FIELDS}q")  # native order: array("q")'s
 _ENGINE_ROW: Final = struct.Struct(f"={len(ENGINE_FIELDS)}d")
 _NO_ENGINE: Final = _ENGINE_ROW.pack(*[math.nan] * len(ENGINE_FIELDS))
-_ABSENT: Final = (0, 0, 0, 0, 0, 0)
+_ABSENT: Final = (0,) * _TIMELINE_FIELDS
 
 
-def row_fields(timeline: Timeline | None) -> tuple[int, ...]:
+def _row_fields(timeline: Timeline | None) -> tuple[int, ...]:
     """A vantage's six fields in a record's row: present, counts, origin, end, has_end,
     multi."""
     if timeline is None:
@@ -1049,7 +1054,7 @@ class _Events:
         self.choice_head = 0  # ... of dropped records at the front of choices
 
     def keep(self, timeline: Timeline | None) -> None:
-        """Keep ``timeline``'s events (its row's fields are `row_fields`)."""
+        """Keep ``timeline``'s events (its row's fields are `_row_fields`)."""
         if timeline is None:
             return
         self.offsets.frombytes(timeline.offsets_ns.data)
@@ -1114,8 +1119,8 @@ class RecordTable:
             output_tokens(record, server if server is not None else client),
             record.token_source.total_exact,
             engine is not None,
-            *row_fields(client),
-            *row_fields(server),
+            *_row_fields(client),
+            *_row_fields(server),
         )
         engine_row = (
             _NO_ENGINE
