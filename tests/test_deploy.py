@@ -75,6 +75,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the pyproject.toml checks skip
     tomllib = None  # type: ignore[assignment, unused-ignore]  # an error for mypy on 3.11+
 
+# One xdist worker runs the whole module (pyproject.toml: --dist loadgroup): its rendered
+# overlays (`rendered`, module-scoped) are made once.
+pytestmark = pytest.mark.xdist_group("test_deploy")
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy/kubernetes"
 COMPOSE = ROOT / "deploy/compose"

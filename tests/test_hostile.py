@@ -24,6 +24,10 @@ from vllm_chunks import CHAT_BANG, CHAT_HELLO, CHAT_ROLE, CHAT_USAGE
 from sidecar.record import Outcome, RequestRecord, TokenSource
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 
+# One xdist worker runs the whole module (pyproject.toml: --dist loadgroup): the
+# accounting invariant below is checked over the whole module.
+pytestmark = pytest.mark.xdist_group("test_hostile")
+
 CHAT = "/v1/chat/completions"
 
 # The accounting invariant across the whole hostile suite: every request sent ends in exactly

@@ -32,6 +32,10 @@ from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
 
+# One xdist worker runs the whole module (pyproject.toml: --dist loadgroup): the exports
+# (`vllm_exports`, module-scoped) are made once.
+pytestmark = pytest.mark.xdist_group("test_peers")
+
 
 def record(marks_ms: list[tuple[float, int]], n_out: int, end_ms: float) -> RequestRecord:
     """A completion of 10 input tokens and ``n_out`` output tokens (from usage)."""

@@ -20,6 +20,10 @@ from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
 from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
 
+# One xdist worker runs the whole module (pyproject.toml: --dist loadgroup): the sharded
+# replay (`sharded`, module-scoped) runs once.
+pytestmark = pytest.mark.xdist_group("test_shardmerge")
+
 SHARDS = 3
 
 

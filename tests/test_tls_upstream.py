@@ -64,6 +64,11 @@ HEAD = (
     b"transfer-encoding: chunked\r\n\r\n"
 )
 END = b"0\r\n\r\n"
+
+# One xdist worker runs the whole module (pyproject.toml: --dist loadgroup): its
+# certificates (`pki`, module-scoped) are made once.
+pytestmark = pytest.mark.xdist_group("test_tls_upstream")
+
 SPIN_NS = 60_000_000  # a loop kept busy this long: a read stamp and an arrival stamp differ
 
 
