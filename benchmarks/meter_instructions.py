@@ -3,6 +3,7 @@
     python benchmarks/meter_instructions.py                        # this tree (~1 minute)
     python benchmarks/meter_instructions.py --tree /tmp/before     # another tree, for an A/B
     python benchmarks/meter_instructions.py --scope read           # the whole per-read relay
+    python benchmarks/meter_instructions.py --scope timers         # a deadline added, cancelled
     python benchmarks/meter_instructions.py --smoke                # CI: no valgrind, no claim
 
 Timing the measuring core (`hot_paths.py`) on a shared 2-vCPU VM moves by 30-50 % from run to
@@ -125,7 +126,7 @@ async def main():
     await upstream.response()
     builder = RecordBuilder("r", 0, 0, "chat")
     meter = StreamMeter(0, UsagePlan(False, False, True, True))
-    run = MeteredRead(upstream, meter, builder, Timeouts(loop=loop), exchange)
+    run = MeteredRead(upstream, meter, builder, Timeouts(), exchange)
     if hasattr(run, "start"):
         run.start()
     else:  # a tree before 3da64c5: the relay's coroutine hands the reads over
@@ -179,6 +180,45 @@ else:
         assert len(recv(65536)) == 300
 """
 
+# The child of ``--scope timers``: N deadlines added and cancelled on a running uvloop loop,
+# each due in a minute and cancelled at once (a request's timeouts, its connection's keep-alive
+# deadline, its pooled upstream connection's idle expiry: each request did three), with ten
+# live ones far away; the loop runs every 64. The mode picks how: "uvloop" (`call_later` and
+# `TimerHandle.cancel`, what each of them was), "alarms" (`Alarms.add` and `Alarms.cancel`,
+# sidecar/proxy/timeouts.py) or "setup" (the loop and a clock reading, no deadline).
+TIMER_CHILD = r"""
+import asyncio, sys
+import uvloop
+from sidecar import clock
+n, mode = int(sys.argv[1]), sys.argv[2]
+try:
+    from sidecar.proxy.timeouts import alarms_of
+except ImportError:  # a tree from before the alarms
+    alarms_of = None
+def noop():
+    pass
+async def main():
+    loop = asyncio.get_running_loop()
+    alarms = alarms_of(loop) if alarms_of is not None else None
+    if mode == "alarms" and alarms is None:
+        sys.exit("this tree has no alarms (sidecar/proxy/timeouts.py): --scope timers counts them")
+    for _ in range(10):
+        now = clock.monotonic_ns()
+        loop.call_later(600.0, noop)
+        if alarms is not None:
+            alarms.add(now + 600_000_000_000, now, noop)
+    for i in range(n):
+        now = clock.monotonic_ns()
+        if mode == "uvloop":
+            loop.call_later(60.0, noop).cancel()
+        elif mode == "alarms":
+            alarms.cancel(alarms.add(now + 60_000_000_000, now, noop))
+        if i % 64 == 0:
+            await asyncio.sleep(0)  # uvloop closes a cancelled timer's libuv handle in the loop
+    await asyncio.sleep(0)
+uvloop.run(main())
+"""
+
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 
@@ -209,10 +249,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--events", type=int, default=20_000, help="N [20000]")
     parser.add_argument(
         "--scope",
-        choices=("meter", "read", "receive"),
+        choices=("meter", "read", "receive", "timers"),
         default="meter",
-        help="the measuring core alone, the relay's per-read path, or the upstream socket's "
-        "read with its kernel stamp, C and Python (and a plain recv) [meter]",
+        help="the measuring core alone, the relay's per-read path, the upstream socket's "
+        "read with its kernel stamp, C and Python (and a plain recv), or a deadline added and "
+        "cancelled, as a uvloop timer and as an alarm [meter]",
     )
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="CI: run the child once, no count")
@@ -229,9 +270,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         for mode in ("c", "python", "recv"):
             subprocess.run([sys.executable, "-c", RECEIVE_CHILD, "200", mode], env=env, check=True)
+        for mode in ("uvloop", "alarms", "setup"):
+            subprocess.run([sys.executable, "-c", TIMER_CHILD, "200", mode], env=env, check=True)
         print(
             "meter_instructions smoke: both children fed 200 events through the lane; "
-            "the receive child read 200 events each way"
+            "the receive child read 200 events each way; the timer child added and cancelled "
+            "200 deadlines each way"
         )
         return
     if shutil.which("valgrind") is None:
@@ -240,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     n = args.events
     if args.scope == "receive":
         receive_instructions(tree, n, args.json_out)
+        return
+    if args.scope == "timers":
+        timer_instructions(tree, n, args.json_out)
         return
     counts = {
         (mode, size): count(tree, child, size, mode)
@@ -288,6 +335,34 @@ def receive_instructions(tree: Path, n: int, json_out: Path | None) -> None:
             "python": sys.version.split()[0],
             "counts": {f"{mode}_{size}": value for (mode, size), value in counts.items()},
             "instructions_per_read": per_read,
+        }
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def timer_instructions(tree: Path, n: int, json_out: Path | None) -> None:
+    """``--scope timers``: instructions per deadline added and cancelled, each way, the loop
+    and the clock reading taken out: ((run(2N) - run(N)) - (setup(2N) - setup(N))) / N."""
+    modes = ("uvloop", "alarms", "setup")
+    counts = {
+        (mode, size): count(tree, TIMER_CHILD, size, mode) for mode in modes for size in (n, 2 * n)
+    }
+    setup = counts[("setup", 2 * n)] - counts[("setup", n)]
+    per_deadline = {
+        mode: round((counts[(mode, 2 * n)] - counts[(mode, n)] - setup) / n)
+        for mode in ("uvloop", "alarms")
+    }
+    print(
+        f"{tree}: per deadline added and cancelled: uvloop timer {per_deadline['uvloop']:,}, "
+        f"alarm {per_deadline['alarms']:,} instructions"
+    )
+    if json_out is not None:
+        result = {
+            "tree": str(tree),
+            "deadlines": n,
+            "scope": "timers",
+            "python": sys.version.split()[0],
+            "counts": {f"{mode}_{size}": value for (mode, size), value in counts.items()},
+            "instructions_per_deadline": per_deadline,
         }
         json_out.write_text(json.dumps(result, indent=2) + "\n")
 

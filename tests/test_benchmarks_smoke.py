@@ -348,6 +348,7 @@ def test_meter_instructions_smoke() -> None:
     relayed, the usage cut); callgrind itself is not run here (about a minute)."""
     stdout = run_harness("meter_instructions.py", "--smoke")
     assert "both children fed 200 events through the lane" in stdout
+    assert "the timer child added and cancelled 200 deadlines each way" in stdout
 
 
 def test_request_instructions_smoke(tmp_path: Path) -> None:

@@ -661,7 +661,13 @@ def check_every_expression(prometheus: Prometheus, replica_addresses: list[str])
             match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable_query(variable))
             assert match, variable
             selector, label = match.groups()
-            expr = f"count by ({label}) ({substitute(selector, concrete)})"
+            # Over the last minute, as Grafana asks for label values over the dashboard's
+            # range (not at one instant): a scrape that failed a moment ago (a loaded host)
+            # leaves its series stale at the instant, not gone from the range.
+            window = BUILTINS["__rate_interval"]
+            expr = (
+                f"count by ({label}) (last_over_time({substitute(selector, concrete)}[{window}]))"
+            )
             evaluated += 1
             values = sorted(sample["metric"].get(label, "") for sample in prometheus.query(expr))
             if var in OPTIONAL_LABELS and values in ([], [""]):
@@ -669,6 +675,9 @@ def check_every_expression(prometheus: Prometheus, replica_addresses: list[str])
                 continue
             if not values or "" in values:
                 failures.append(f"{name}: variable ${var}: {expr} -> {values}")
+                # Bound to "All", so that the variables and queries after it still run and
+                # the assertion below names this failure, not a variable left unbound.
+                concrete[var] = every[var] = variable["allValue"]
                 continue
             # "default" declares every threshold (ttft, tpot, e2e) in the shipped sidecar.toml;
             # "batch" declares only e2e, so its TTFT threshold line is rightly empty.

@@ -175,7 +175,7 @@ async def test_server_side_stamps_match_the_simulators_ground_truth(tmp_path: Pa
     truth_file = tmp_path / "truth.jsonl"
     sim = SimConfig(
         model="m",
-        engine=EngineConfig(step_floor_s=0.02, per_token_s=0.0),
+        engine=EngineConfig(step_floor_s=0.05, per_token_s=0.0),
         ground_truth_path=str(truth_file),
     )
     async with stack(sim=sim) as s, aiohttp.ClientSession() as session:
@@ -201,14 +201,17 @@ async def test_server_side_stamps_match_the_simulators_ground_truth(tmp_path: Pa
         n for n, k in zip(line["chunk_tokens"], line["chunk_kinds"], strict=True) if k == "token"
     ]
     # ITL: every gap the proxy saw against the gap the simulator wrote. The engine steps every
-    # 20 ms, so a mark paired with the wrong chunk would be off by >= 20 ms; the tolerance
-    # (5 ms) is far above the proxy's real error (see benchmarks/RESULTS.md) and far below that.
+    # 50 ms, so a mark paired with the wrong chunk would be off by >= 50 ms; the tolerance
+    # (half that) is far above the proxy's real error (benchmarks/RESULTS.md: tenths of a ms)
+    # and holds on a host loaded by other tests (the suite runs in parallel processes: 12 ms
+    # of scheduling delay between the proxy's send and the simulator's receipt was seen).
+    tolerance_ns = 25_000_000
     proxy_gaps = [b.offset_ns - a.offset_ns for a, b in pairwise(marks)]
     truth_gaps = [b - a for a, b in pairwise(token_stamps)]
-    assert max(abs(p - t) for p, t in zip(proxy_gaps, truth_gaps, strict=True)) < 5_000_000
+    assert max(abs(p - t) for p, t in zip(proxy_gaps, truth_gaps, strict=True)) < tolerance_ns
     proxy_ttft = marks[0].offset_ns - record.server.start_ns
     truth_ttft = token_stamps[0] - line["received_ns"]
-    assert truth_ttft > 0 and abs(proxy_ttft - truth_ttft) < 5_000_000
+    assert truth_ttft > 0 and abs(proxy_ttft - truth_ttft) < tolerance_ns
 
 
 async def test_assembled_non_streaming_answer_has_the_upstreams_shape() -> None:

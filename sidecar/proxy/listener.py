@@ -38,7 +38,7 @@ import httptools
 
 from sidecar import clock
 from sidecar.proxy.headers import NO_HEADERS, HeaderLookup, RequestHeaders
-from sidecar.proxy.timeouts import Deadline
+from sidecar.proxy.timeouts import Deadline, alarms_of
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -328,6 +328,8 @@ class ClientConnection(asyncio.Protocol):
         # Made by the server's protocol factory, on its loop. Kept: each get_running_loop()
         # is a getpid() syscall on CPython 3.11, and a connection serves many requests.
         self.loop = asyncio.get_running_loop()
+        # The loop's deadlines, this connection's and its requests' (`Timeouts`).
+        self.alarms = alarms_of(self.loop)
         self.server = server
         self.limits = server.limits
         self.transport: asyncio.Transport | None = None
@@ -355,7 +357,7 @@ class ClientConnection(asyncio.Protocol):
         # than one (pipelining) and an empty deque costs ~0.7 KiB per connection.
         self._queue: list[IncomingRequest] = []
         # The head's, the body's or the idle keep-alive's deadline, whichever applies now.
-        self._deadline = Deadline(self.loop)
+        self._deadline = Deadline(self.alarms)
         self._write_ready: asyncio.Future[None] | None = None
         self._writable_callbacks: list[Callable[[], None]] | None = None
         self._rejected = False
@@ -516,8 +518,8 @@ class ClientConnection(asyncio.Protocol):
         self._body_size = 0
         self._request_headers = None
         self._method = None
-        # The head's deadline runs from its first byte (a keep-alive connection's idle timer
-        # is replaced); a pipelined request's deadlines start when its turn comes.
+        # The head's deadline runs from its first byte (a keep-alive connection's idle
+        # deadline is replaced); a pipelined request's deadlines start when its turn comes.
         if self._task is None:
             self._arm(self.limits.header_timeout_s, self._head_timed_out)
 
@@ -661,8 +663,8 @@ class ClientConnection(asyncio.Protocol):
                 self._body_timed_out if self._headers_done else self._head_timed_out,
             )
         else:
-            # Woken within the head's timeout: the next request's head deadline, set when its
-            # first byte comes, then keeps this timer instead of replacing it.
+            # Rung within the head's timeout: the next request's head deadline, set when its
+            # first byte comes, then keeps this alarm instead of replacing it.
             self._arm(
                 self.limits.keepalive_timeout_s,
                 self._idle_timed_out,
@@ -670,7 +672,7 @@ class ClientConnection(asyncio.Protocol):
             )
         transport.resume_reading()
 
-    # -- refusals and timers --------------------------------------------------------------
+    # -- refusals and deadlines -----------------------------------------------------------
 
     def _refuse_headers(self) -> None:
         self._reject(
@@ -721,7 +723,7 @@ class ClientConnection(asyncio.Protocol):
             self._deadline.clear()
 
     def _disarm(self) -> None:
-        """No deadline while a request is handled (or once refused): no timer either."""
+        """No deadline while a request is handled (or once refused): no alarm either."""
         self._deadline.close()
 
     def _head_timed_out(self) -> None:

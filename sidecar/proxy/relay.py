@@ -633,7 +633,7 @@ class Proxy:
         """Other paths, relayed as they are, with the idle timeout as their read timeout."""
         builder.client_stream = builder.upstream_stream = False
         headers = self._upstream_headers(request, builder.request_id, parsed=False)
-        idle = Timeouts(idle_s=self.config.idle_timeout, loop=exchange.connection.loop)
+        idle = Timeouts(idle_s=self.config.idle_timeout, alarms=exchange.connection.alarms)
         idle.start_idle()
         upstream: UpstreamExchange | None = None
         replica: Replica | None = None
@@ -828,7 +828,7 @@ class Proxy:
         config = self.config
         gen = self._prepare_generation(request, builder)
         timeouts = Timeouts.for_generation(
-            config, builder.upstream_stream, exchange.connection.loop
+            config, builder.upstream_stream, exchange.connection.alarms
         )
         upstream: UpstreamExchange | None = None
         replica: Replica | None = None

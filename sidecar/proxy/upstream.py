@@ -30,6 +30,7 @@ import httptools
 
 from sidecar import clock
 from sidecar.proxy import rxstamp
+from sidecar.proxy.timeouts import Alarm, alarms_of
 
 BodySink = Callable[[bytes, int], None]
 
@@ -138,7 +139,9 @@ class UpstreamConnection(asyncio.Protocol):
         "exchange",
         "reusable",
         "arrivals",
-        "_idle_handle",
+        "alarms",
+        "_idle_alarm",
+        "_on_expire",
         "_closed",
         "_write_ready",
         "aborted",
@@ -148,12 +151,15 @@ class UpstreamConnection(asyncio.Protocol):
         # Made on the loop (UpstreamPool._connect). Kept: each get_running_loop() is a getpid()
         # syscall on CPython 3.11, and a pooled connection serves many requests.
         self.loop = asyncio.get_running_loop()
+        self.alarms = alarms_of(self.loop)
         self.arrivals = arrivals
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.exchange: UpstreamExchange | None = None
         self.reusable = False
-        self._idle_handle: asyncio.TimerHandle | None = None
+        # Parked in the pool: the alarm that expires it, and what it calls then.
+        self._idle_alarm: Alarm | None = None
+        self._on_expire: Callable[[UpstreamConnection], None] | None = None
         self._closed = False
         self._write_ready: asyncio.Future[None] | None = None
         self.aborted = False  # by the proxy (`abort`): whatever it still reads is not wanted
@@ -225,12 +231,22 @@ class UpstreamConnection(asyncio.Protocol):
 
     def park(self, idle_s: float, on_expire: Callable[[UpstreamConnection], None]) -> None:
         self.exchange = None
-        self._idle_handle = self.loop.call_later(idle_s, on_expire, self)
+        now = clock.monotonic_ns()
+        self._on_expire = on_expire
+        self._idle_alarm = self.alarms.add(now + int(idle_s * 1e9), now, self._expire)
 
     def unpark(self) -> None:
-        if self._idle_handle is not None:
-            self._idle_handle.cancel()
-            self._idle_handle = None
+        self._on_expire = None
+        alarm = self._idle_alarm
+        if alarm is not None:
+            self.alarms.cancel(alarm)
+            self._idle_alarm = None
+
+    def _expire(self) -> None:
+        on_expire = self._on_expire
+        self._idle_alarm = self._on_expire = None
+        if on_expire is not None:
+            on_expire(self)
 
 
 class UpstreamExchange:
