@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_helpers import require_module
-from reliability_helpers import RawUpstream, proxy_to, settle
+from reliability_helpers import RawUpstream, proxy_to, settle, until
 
 from sidecar.proxy.upstream import UpstreamError, UpstreamExchange, UpstreamPool
 from sidecar.record import Outcome
@@ -252,6 +252,36 @@ async def test_head_requests_pass_through_without_waiting_for_a_body() -> None:
     assert first.startswith(b"HTTP/1.1 200 ") and b"Content-Length: 1234" in first
     assert rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b"\r\n\r\n")
     assert all(r.outcome is Outcome.OK for r in records)
+
+
+async def test_an_idle_pooled_connection_expires_and_one_taken_again_is_kept() -> None:
+    """A connection back in the pool is closed after ``keepalive_s`` without a request (its
+    alarm, `timeouts.Alarms`); one taken again before then is not closed by the alarm of its
+    earlier idle spell, and expires after its next one."""
+
+    async def answer(_c: int, _n: int, _head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(sse_response())
+        return True
+
+    async with RawUpstream(answer) as url:
+        port = int(url.rsplit(":", 1)[1])
+        pool = UpstreamPool(keepalive_s=0.1, kernel_stamps=False)
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
+        first = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        await first.response()
+        assert await first.read_body(1 << 20) == SSE
+        pool.release(first)
+        connection = first.connection
+        await asyncio.sleep(0.03)
+        second = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        assert second.reused and second.connection is connection
+        await asyncio.sleep(0.25)  # past the first idle spell's expiry, in use: kept
+        assert not connection.closed and pool.open_connections == 1
+        await second.response()
+        assert await second.read_body(1 << 20) == SSE
+        pool.release(second)
+        await until(lambda: pool.open_connections == 0)  # its second idle spell expired
+        assert connection.closed
 
 
 async def test_a_read_held_for_an_exchange_that_ended_meanwhile_is_refused() -> None:
