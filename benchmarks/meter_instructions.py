@@ -327,16 +327,7 @@ def receive_instructions(tree: Path, n: int, json_out: Path | None) -> None:
         f"Python receive {per_read['python']:,}, plain socket.recv {per_read['recv']:,} "
         "instructions"
     )
-    if json_out is not None:
-        result = {
-            "tree": str(tree),
-            "reads": n,
-            "scope": "receive",
-            "python": sys.version.split()[0],
-            "counts": {f"{mode}_{size}": value for (mode, size), value in counts.items()},
-            "instructions_per_read": per_read,
-        }
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    write_counts(json_out, tree, "receive", {"reads": n, "instructions_per_read": per_read}, counts)
 
 
 def timer_instructions(tree: Path, n: int, json_out: Path | None) -> None:
@@ -355,16 +346,33 @@ def timer_instructions(tree: Path, n: int, json_out: Path | None) -> None:
         f"{tree}: per deadline added and cancelled: uvloop timer {per_deadline['uvloop']:,}, "
         f"alarm {per_deadline['alarms']:,} instructions"
     )
-    if json_out is not None:
-        result = {
-            "tree": str(tree),
-            "deadlines": n,
-            "scope": "timers",
-            "python": sys.version.split()[0],
-            "counts": {f"{mode}_{size}": value for (mode, size), value in counts.items()},
-            "instructions_per_deadline": per_deadline,
-        }
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    write_counts(
+        json_out,
+        tree,
+        "timers",
+        {"deadlines": n, "instructions_per_deadline": per_deadline},
+        counts,
+    )
+
+
+def write_counts(
+    json_out: Path | None,
+    tree: Path,
+    scope: str,
+    figures: dict[str, object],
+    counts: dict[tuple[str, int], int],
+) -> None:
+    """A scope's results as JSON (when asked for): its figures and the raw counts."""
+    if json_out is None:
+        return
+    result = {
+        "tree": str(tree),
+        "scope": scope,
+        "python": sys.version.split()[0],
+        **figures,
+        "counts": {f"{mode}_{size}": value for (mode, size), value in counts.items()},
+    }
+    json_out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
