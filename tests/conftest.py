@@ -80,8 +80,11 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     cores by itself."""
     if config.getoption("real_vllm") is not None:
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return 0 if (cores or 1) < 2 else min(cores or 1, 4)
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return 0 if cores < 2 else min(cores, 4)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:

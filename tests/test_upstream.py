@@ -43,6 +43,18 @@ def sse_response(keep_alive: bool = True) -> bytes:
     )
 
 
+# The head of a chat request sent through an `UpstreamPool` (Content-Length: BODY's).
+POOL_HEAD = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
+
+
+async def answered_whole(pool: UpstreamPool, port: int) -> UpstreamExchange:
+    """One chat request through the pool, its whole answer read (the SSE the upstream sent)."""
+    exchange = await pool.exchange("127.0.0.1", port, POOL_HEAD, BODY, connect_timeout=5)
+    await exchange.response()
+    assert await exchange.read_body(1 << 20) == SSE
+    return exchange
+
+
 async def post_stream(url: str, request_id: str) -> tuple[int, bytes]:
     host, port = url.split("://")[1].rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -266,14 +278,11 @@ async def test_an_idle_pooled_connection_expires_and_one_taken_again_is_kept() -
     async with RawUpstream(answer) as url:
         port = int(url.rsplit(":", 1)[1])
         pool = UpstreamPool(keepalive_s=0.1, kernel_stamps=False)
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-        first = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
-        await first.response()
-        assert await first.read_body(1 << 20) == SSE
+        first = await answered_whole(pool, port)
         pool.release(first)
         connection = first.connection
         await asyncio.sleep(0.03)
-        second = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        second = await pool.exchange("127.0.0.1", port, POOL_HEAD, BODY, connect_timeout=5)
         assert second.reused and second.connection is connection
         await asyncio.sleep(0.25)  # past the first idle spell's expiry, in use: kept
         assert not connection.closed and pool.open_connections == 1
@@ -298,16 +307,13 @@ async def test_a_read_held_for_an_exchange_that_ended_meanwhile_is_refused() -> 
     async with RawUpstream(answer) as url:
         port = int(url.rsplit(":", 1)[1])
         pool = UpstreamPool(kernel_stamps=False)  # the read-stamped path ArrivalBatch serves
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-        first = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
-        await first.response()
-        assert await first.read_body(1 << 20) == SSE
+        first = await answered_whole(pool, port)
         pool.release(first)
         connection = first.connection
         arrivals = connection.arrivals
         assert arrivals is not None
         arrivals.add(first, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", 0)  # held
-        second = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        second = await pool.exchange("127.0.0.1", port, POOL_HEAD, BODY, connect_timeout=5)
         assert second.reused and second.connection is connection
         arrivals.run()  # the turn's work: the held read is not the second exchange's
         with pytest.raises(UpstreamError) as failure:
@@ -331,8 +337,7 @@ async def test_a_read_held_for_a_connection_aborted_meanwhile_is_dropped() -> No
     async with RawUpstream(answer) as url:
         port = int(url.rsplit(":", 1)[1])
         pool = UpstreamPool(kernel_stamps=False)  # the read-stamped path ArrivalBatch serves
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-        exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        exchange = await pool.exchange("127.0.0.1", port, POOL_HEAD, BODY, connect_timeout=5)
         await exchange.response()
         fed: list[bytes] = []
         exchange.stream_body(lambda data, _at: fed.append(data))
@@ -488,8 +493,7 @@ async def exchange_answered(
     async with RawUpstream(answer) as url:
         port = int(url.rsplit(":", 1)[1])
         pool = UpstreamPool(kernel_stamps=False)
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-        exchange = await pool.exchange("127.0.0.1", port, head, BODY, connect_timeout=5)
+        exchange = await pool.exchange("127.0.0.1", port, POOL_HEAD, BODY, connect_timeout=5)
         await exchange.response()
         try:
             yield exchange

@@ -39,12 +39,13 @@ class Alarms:
     keep-alive deadline, its pooled upstream connection's idle expiry): a TimerHandle, a libuv
     timer and its close each time, ~5.3k instructions per deadline against ~2.9k for an alarm
     (`benchmarks/meter_instructions.py --scope timers`). Here adding an alarm is a push on a
-    heap, and cancelling one clears its callback: it stays in the heap, costing ~0.1 KiB, until
-    the timer passes it or the heap is rebuilt without the cancelled (when they are as many as
-    the live ones). Almost every alarm is cancelled long before it is due (a request ends
-    before its timeouts): the loop timer is moved only when an alarm comes due sooner than the
-    timer wakes, and on waking it drops the cancelled alarms at the top of the heap along with
-    the due ones, so that it sleeps until the next live one, not the next cancelled one.
+    heap, and cancelling one clears its callback: it stays in the heap, ~150 bytes (its list and
+    two ints, tracemalloc), until the timer passes it or the heap is rebuilt without the
+    cancelled (when they are as many as the live ones). Almost every alarm is cancelled long
+    before it is due (a request ends before its timeouts): the loop timer is moved only when an
+    alarm comes due sooner than the timer wakes, and on waking it drops the cancelled alarms at
+    the top of the heap along with the due ones, so that it sleeps until the next live one, not
+    the next cancelled one.
 
     A callback runs from the loop timer's callback, as a `call_later` callback would; an
     exception in it goes to the loop's exception handler, and the other alarms still ring."""
