@@ -26,6 +26,7 @@ import asyncio
 import json
 import re
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -954,18 +955,23 @@ def test_the_fast_path_takes_the_real_servers_chunks(
         body = make(max_tokens=32, stream=True)
         if options is not None:
             body["stream_options"] = options
-        status, raw = post_json(real_vllm.base_url, path, body)
-        assert status == 200
-        events = SSEParser().feed(raw)
-        infos = [(event, classify_chunk(event.data)) for event in events if event.data]
-        tokens = [
-            info
-            for _event, info in infos
-            if info.kind is ChunkKind.TOKEN and info.finish_reason is None
-        ]
         # vLLM merges the tokens of a request whose stream it could not write in time into one
-        # event (its output collector), so a loaded host sees fewer events than tokens: 32
-        # tokens leave several whatever the load (8 left fewer than 5 once, under a benchmark).
+        # event (its output collector), so a loaded host sees fewer events than tokens (8
+        # left fewer than 5 once, under a benchmark; CI's loaded host once had 12 tokens all in
+        # the finishing event): a stream of fewer than three token events is asked again.
+        for _attempt in range(5):
+            status, raw = post_json(real_vllm.base_url, path, body)
+            assert status == 200
+            events = SSEParser().feed(raw)
+            infos = [(event, classify_chunk(event.data)) for event in events if event.data]
+            tokens = [
+                info
+                for _event, info in infos
+                if info.kind is ChunkKind.TOKEN and info.finish_reason is None
+            ]
+            if len(tokens) >= 3:
+                break
+            time.sleep(1.0)
         assert len(tokens) >= 3, [event.raw for event, _ in infos]
         assert sum(info.finish_reason is not None for _event, info in infos) == 1
         assert infos[-1][1].kind is ChunkKind.DONE
@@ -1004,6 +1010,29 @@ def raw_chunks(base_url: str, path: str, body: dict[str, Any]) -> list[bytes]:
         if size == 0:
             break
     return chunks
+
+
+def unmerged_chunks(base_url: str, path: str, body: dict[str, Any]) -> list[bytes]:
+    """`raw_chunks` of a stream (continuous usage asked for) in which every event carries at
+    most one token: vLLM merges a request's outputs into one event when its API server falls
+    behind the engine (seen in CI on a loaded host, every token in the finishing event), and
+    the lane's tests are about the common reads, one token each. Asked again, a second apart,
+    up to five times."""
+    assert body.get("stream_options", {}).get("continuous_usage_stats"), body
+    counts: list[int] = []
+    for _attempt in range(5):
+        chunks = raw_chunks(base_url, path, body)
+        counts = [
+            json.loads(payload)["usage"]["completion_tokens"]
+            for chunk in chunks
+            if (payload := chunk_body(chunk).removeprefix(b"data: ").strip()).startswith(b"{")
+            and b'"usage"' in payload
+            and json.loads(payload)["choices"]
+        ]
+        if all(b - a <= 1 for a, b in zip([0, *counts], counts, strict=False)):
+            return chunks
+        time.sleep(1.0)
+    raise AssertionError(f"vLLM merged tokens into events in five streams in a row: {counts}")
 
 
 class LaneClient:
@@ -1056,7 +1085,7 @@ def test_the_c_lane_takes_the_real_servers_token_chunks(
 
     body = make(max_tokens=32, stream=True)
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = raw_chunks(real_vllm.base_url, path, body)
+    chunks = unmerged_chunks(real_vllm.base_url, path, body)
     client = LaneClient()
     written = client.written
     lane = Lane(client, client, 0, 1 << 16, 1 << 20, strip)
@@ -1124,7 +1153,7 @@ def test_the_c_lane_takes_the_real_servers_first_read(
 
     body = make(max_tokens=8, stream=True)
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = raw_chunks(real_vllm.base_url, path, body)
+    chunks = unmerged_chunks(real_vllm.base_url, path, body)
     n_first = 2 if path == CHAT_PATH else 1
     plan = UsagePlan(client_usage, False, not client_usage, True)
     python = StreamMeter(0, plan)
@@ -1165,7 +1194,7 @@ def before_the_end(
 
     body = make(max_tokens=8, stream=True)
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = raw_chunks(real_vllm.base_url, path, body)
+    chunks = unmerged_chunks(real_vllm.base_url, path, body)
     meter = StreamMeter(0, UsagePlan(client_usage, False, not client_usage, True))
     for chunk in chunks[:-4]:  # one read per chunk, as they came
         meter.feed(chunk_body(chunk), 1)
