@@ -6,6 +6,7 @@ timeouts in tests/test_relay_timeouts.py."""
 
 from __future__ import annotations
 
+import os
 import random
 import uuid
 
@@ -292,6 +293,25 @@ def test_generated_request_ids_are_random_version_4_uuids() -> None:
         seen_ones |= parsed.int
     random_bits = (1 << 128) - 1 ^ (0xF << 76) ^ (0x3 << 62)
     assert seen_ones & random_bits == random_bits  # every random bit was 1 at least once
+
+
+def test_a_forked_process_does_not_repeat_its_parents_request_ids() -> None:
+    """Ids come from a batch of the kernel's random bytes: a child forked with a batch half
+    used must not hand out the ids its parent hands out next."""
+    new_request_id()  # a batch in hand
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, then out at once (no pytest teardown here)
+        try:
+            os.write(write_end, " ".join(new_request_id() for _ in range(3)).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        childs = pipe.read().decode().split()
+    os.waitpid(pid, 0)
+    parents = [new_request_id() for _ in range(3)]
+    assert len(childs) == 3 and not set(childs) & set(parents), (childs, parents)
 
 
 def test_prefix_keys() -> None:

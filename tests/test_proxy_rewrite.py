@@ -5,12 +5,14 @@ import json
 import pytest
 
 from sidecar.protocol.rewrite import (
+    UsagePlan,
     apply_usage_plan,
     event_payload,
     insert_member,
     plan_usage,
     request_with_usage,
     strip_usage_member,
+    usage_plan,
     without_usage,
 )
 
@@ -115,6 +117,29 @@ def test_a_body_that_needs_nothing_is_sent_as_is() -> None:
     )
     body = json.loads(raw)
     assert request_with_usage(raw, body, plan_usage(body, inject=True)) is raw
+
+
+@pytest.mark.parametrize(
+    "include,continuous,inject,add_include,add_continuous",
+    [
+        # (the client's include_usage, its continuous_usage_stats, the proxy injects) ->
+        # what the proxy adds.
+        (False, False, True, True, True),
+        (True, False, True, False, True),
+        (True, True, True, False, False),
+        (False, True, True, True, False),  # not read so (continuous needs include), but total
+        (False, False, False, False, False),
+        (True, False, False, False, False),
+        (True, True, False, False, False),
+        (False, True, False, False, False),
+    ],
+)
+def test_the_plan_for_each_reading_of_a_request(
+    include: bool, continuous: bool, inject: bool, add_include: bool, add_continuous: bool
+) -> None:
+    plan = usage_plan(include, continuous, inject)
+    assert plan == UsagePlan(include, continuous, add_include, add_continuous)
+    assert plan is usage_plan(include, continuous, inject)  # made once, shared
 
 
 def test_plan_without_injection_changes_nothing() -> None:

@@ -55,9 +55,26 @@ def plan_usage(body: dict[str, Any], inject: bool) -> UsagePlan:
     client that sent only the former is treated as having asked for neither.
     """
     _stream, include, continuous = stream_usage_options(body)
-    if not inject:
-        return UsagePlan(include, continuous, False, False)
-    return UsagePlan(include, continuous, not include, not continuous)
+    return usage_plan(include, continuous, inject)
+
+
+def usage_plan(include: bool, continuous: bool, inject: bool) -> UsagePlan:
+    """The plan for a stream whose client asked for usage (``include``) and for it on every
+    chunk (``continuous``), as `stream_usage_options` reads them: with ``inject``, the proxy
+    adds what the client did not ask for."""
+    return _PLANS[include, continuous, inject]
+
+
+# Every plan there is, made once: a plan is immutable, and constructing a frozen dataclass
+# cost ~6k instructions of every stream's request (benchmarks/RESULTS.md, "Session 27").
+_PLANS: Final = {
+    (include, continuous, inject): UsagePlan(
+        include, continuous, inject and not include, inject and not continuous
+    )
+    for include in (False, True)
+    for continuous in (False, True)
+    for inject in (False, True)
+}
 
 
 def apply_usage_plan(body: dict[str, Any], plan: UsagePlan) -> dict[str, Any]:

@@ -46,8 +46,8 @@ from sidecar.protocol.openai import (
 from sidecar.protocol.rewrite import (
     NO_CHANGE,
     UsagePlan,
-    plan_usage,
     request_with_usage,
+    usage_plan,
 )
 from sidecar.protocol.sse import DONE_EVENT, encode_data_event
 from sidecar.proxy.basemetrics import CONTENT_TYPE as BASE_METRICS_CONTENT_TYPE
@@ -737,9 +737,10 @@ class Proxy:
             if type(max_tokens) is int and 0 <= max_tokens <= MAX_TOKEN_COUNT:
                 builder.attributes["request_max_tokens"] = str(max_tokens)
             # vLLM reads `stream` as pydantic does ("true", 1, ... stream too).
-            builder.client_stream = stream_usage_options(parsed)[0]
-            if builder.client_stream:
-                gen.plan = plan_usage(parsed, config.inject_usage)
+            stream, include, continuous = stream_usage_options(parsed)
+            builder.client_stream = stream
+            if stream:
+                gen.plan = usage_plan(include, continuous, config.inject_usage)
                 if gen.plan.modifies:
                     gen.upstream_body = request_with_usage(body, parsed, gen.plan)
             elif (
