@@ -640,8 +640,10 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
     at least 0, at most the engine's plus the same 100 ms per request of output-path delay. The
     counts: one TTFT and one E2E per request on both sides; vLLM counts one ITL per engine step
     after the first (one token each here), which is N_out - 1 per request exactly, while the
-    wire has one gap per event: as many, unless the API server fell behind and merged two steps
-    into one event (seen in CI: 119 gaps for 120 steps), never more."""
+    wire has one gap per event: as many, unless the API server fell behind and merged steps
+    into one event (seen in CI: 119 gaps for 120 steps; and once a whole answer in its
+    finishing event), never more; and the client's side has one gap per event too (an event
+    read is an event written)."""
     n = 8
     recorded, before, after = await sequential_streams(real_vllm, n, 16, "Story number")
     ours = {"ttft": 0.0, "e2e": 0.0, "itl": 0.0}
@@ -656,6 +658,7 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
         ours["itl"] += (offsets[-1] - offsets[0]) / 1e9
         itl_count += len(offsets) - 1
         steps_after_first += (record.n_out or 0) - 1
+        assert len(record.client.offsets_ns) == len(offsets) >= 1, record
     theirs = {
         key: after[name][0] - before[name][0]
         for key, name in zip(("ttft", "e2e", "itl"), LATENCY_FAMILIES, strict=True)
@@ -666,7 +669,7 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
     }
     assert counts["ttft"] == counts["e2e"] == n
     assert counts["itl"] == steps_after_first == n * 15
-    assert n * 14 <= itl_count <= counts["itl"]
+    assert itl_count <= counts["itl"]
     for key in ("ttft", "e2e"):
         added_ms = (ours[key] - theirs[key]) / n * 1e3
         assert 0.0 <= added_ms <= GROSS_ERROR_MS, (
