@@ -21,10 +21,11 @@ FROM ${PYTHON_IMAGE}@${PYTHON_DIGEST} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# A C compiler for the package's four small extensions (sidecar/protocol/_tokenscan.c, vLLM's
+# A C compiler for the package's five small extensions (sidecar/protocol/_tokenscan.c, vLLM's
 # common chunks recognised in C; sidecar/proxy/_recvstamp.c, an upstream read with its kernel
-# stamp; sidecar/proxy/_recordwire.c, a record's wire form; sidecar/_recordtypes.c, a timeline's
-# packed column); the final stage gets the built
+# stamp; sidecar/proxy/_recordwire.c, a record's wire form; sidecar/proxy/_headerblock.c, the
+# header lines a request and a response keep; sidecar/_recordtypes.c, a timeline's packed
+# column); the final stage gets the built
 # wheel, never the compiler. Unpinned:
 # Debian's archive keeps only the current build of a package, so a pin would break the build
 # at the next point release; the base image's digest fixes the release.
@@ -69,7 +70,7 @@ RUN groupadd --system --gid 10001 sidecar \
 # host without a compiler, not for the image).
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels /wheels/vllm_sidecar-*.whl \
-    && python -c "import uvloop, sidecar.cli, sidecar.protocol._tokenscan, sidecar.proxy._recvstamp, sidecar.proxy._recordwire, sidecar._recordtypes" \
+    && python -c "import uvloop, sidecar.cli, sidecar.protocol._tokenscan, sidecar.proxy._recvstamp, sidecar.proxy._recordwire, sidecar.proxy._headerblock, sidecar._recordtypes" \
     && python -c "from sidecar import _compiled; assert _compiled.request_path_text() == 'compiled (mypyc)', _compiled.request_path_text()"
 # /var/lib/sidecar/captures belongs to this user: a named volume mounted there (compose)
 # starts as a copy of it, writable for the sidecar.

@@ -3,8 +3,10 @@
 The C extensions: `sidecar.protocol._tokenscan` recognises the common token chunk in C
 (fastchunk.py says why); `sidecar.proxy._recvstamp` reads an upstream socket with the kernel's
 receive timestamp (rxstamp.py); `sidecar.proxy._recordwire` writes a record's wire form
-(recordwire.py); `sidecar._recordtypes` holds a timeline's packed column type (record.Int64s) and
-builds the record's dataclasses without their per-field __init__ (record.slots_constructor).
+(recordwire.py); `sidecar.proxy._headerblock` writes a request's and a response's end-to-end
+header lines (headers.py); `sidecar._recordtypes` holds a timeline's packed column type
+(record.Int64s) and builds the record's dataclasses without their per-field __init__
+(record.slots_constructor).
 
 The request path compiled by mypyc (`COMPILED`): the same Python source, its type hints (held to
 mypy --strict) turned into C, so that a request's attribute reads, calls and objects cost what
@@ -109,6 +111,11 @@ setup(
         Extension(
             "sidecar.proxy._recordwire",
             sources=["sidecar/proxy/_recordwire.c"],
+            optional=True,
+        ),
+        Extension(
+            "sidecar.proxy._headerblock",
+            sources=["sidecar/proxy/_headerblock.c"],
             optional=True,
         ),
         Extension(

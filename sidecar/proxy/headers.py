@@ -4,7 +4,7 @@ filtering, the request id, X-Forwarded-For, paths that a server would normalise 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol, overload
 from urllib.parse import unquote
 
@@ -50,6 +50,20 @@ _DROPPED: Final = {
 }
 
 
+# The same sets as sorted tuples, for the C pass (_headerblock.c compares a name with each).
+_DROPPED_NAMES: Final = {key: tuple(sorted(names)) for key, names in _DROPPED.items()}
+
+_KeptC = Callable[
+    [Sequence[tuple[bytes, bytes]], tuple[bytes, ...]],
+    tuple[bytes, list[bytes] | None, list[bytes] | None, bool] | None,
+]
+_native_kept: _KeptC | None
+try:
+    from sidecar.proxy._headerblock import kept as _native_kept
+except ImportError:  # built without a C compiler: the Python below does the same
+    _native_kept = None
+
+
 def upstream_header_block(
     raw: Sequence[tuple[bytes, bytes]],
     request_id: str,
@@ -66,18 +80,14 @@ def upstream_header_block(
     no peer), ``Accept-Encoding: identity`` when ``identity`` (the proxy reads the answer) and
     ``traceparent`` when given (the client's replaced). Bytes from the parser's bytes: no
     multidict, no text round trip."""
-    dropped = _DROPPED[identity, traceparent is not None, peer is not None]
-    parts, forwarded, named = _kept_lines(raw, dropped)
-    extra = named - dropped
-    extra.discard(b"")
-    if extra:  # a Connection header named end-to-end headers: they go too (RFC 9110 7.6.1)
-        parts, forwarded, _ = _kept_lines(raw, dropped | extra)
-    if _X_FORWARDED_FOR in named:
-        forwarded = []
-    parts.append(b"X-Request-Id: %s\r\n" % request_id.encode("latin-1"))
+    key = (identity, traceparent is not None, peer is not None)
+    block, forwarded, xff_named = _kept(raw, _DROPPED[key], _DROPPED_NAMES[key])
+    parts = [block, b"X-Request-Id: %s\r\n" % request_id.encode("latin-1")]
     if peer is not None:
-        forwarded.append(peer.encode("latin-1"))
-        parts.append(b"X-Forwarded-For: %s\r\n" % b", ".join(forwarded))
+        # A Connection header that named X-Forwarded-For made the client's hop-by-hop.
+        values = [] if xff_named else forwarded
+        values.append(peer.encode("latin-1"))
+        parts.append(b"X-Forwarded-For: %s\r\n" % b", ".join(values))
     if identity:
         parts.append(b"Accept-Encoding: identity\r\n")
     if traceparent is not None:
@@ -86,6 +96,7 @@ def upstream_header_block(
 
 
 _DROPPED_FROM_RESPONSE: Final = _HOP_BY_HOP_BYTES | {b"x-request-id"}
+_DROPPED_FROM_RESPONSE_NAMES: Final = tuple(sorted(_DROPPED_FROM_RESPONSE))
 
 
 def response_header_block(raw: Sequence[tuple[bytes, bytes]], request_id: str) -> bytes:
@@ -94,13 +105,41 @@ def response_header_block(raw: Sequence[tuple[bytes, bytes]], request_id: str) -
     names and values byte for byte, then ``X-Request-Id`` (the upstream's replaced: vLLM run
     with --enable-request-id-headers echoes the one the proxy sent, and a client must not read
     it twice). The framing lines are the client exchange's (`ClientExchange.start_block`)."""
-    parts, _, named = _kept_lines(raw, _DROPPED_FROM_RESPONSE)
-    extra = named - _DROPPED_FROM_RESPONSE
+    block, _, _ = _kept(raw, _DROPPED_FROM_RESPONSE, _DROPPED_FROM_RESPONSE_NAMES)
+    return block + b"X-Request-Id: %s\r\n" % request_id.encode("latin-1")
+
+
+def _kept(
+    raw: Sequence[tuple[bytes, bytes]], dropped: frozenset[bytes], names: tuple[bytes, ...]
+) -> tuple[bytes, list[bytes], bool]:
+    """The end-to-end header lines of ``raw`` (those not in ``dropped``, nor named by a
+    Connection header: RFC 9110 7.6.1), in order, names and values byte for byte; the values
+    of the X-Forwarded-For headers when ``dropped`` holds it (to be merged); whether a
+    Connection header named X-Forwarded-For. ``names``: ``dropped`` as a tuple. In C where
+    the package was built with it (_headerblock.c); `_kept_python` is the specification."""
+    native = _native_kept
+    if native is not None:
+        one_pass = native(raw, names)
+        if one_pass is not None:
+            block, forwarded, extra, xff_named = one_pass
+            if extra is not None:  # a Connection header named end-to-end headers: they go too
+                again = native(raw, names + tuple(extra))
+                if again is not None:
+                    block, forwarded = again[0], again[1]
+            return block, [] if forwarded is None else forwarded, xff_named
+    return _kept_python(raw, dropped)
+
+
+def _kept_python(
+    raw: Sequence[tuple[bytes, bytes]], dropped: frozenset[bytes]
+) -> tuple[bytes, list[bytes], bool]:
+    """`_kept` in Python: what the C pass must give."""
+    parts, forwarded, named = _kept_lines(raw, dropped)
+    extra = named - dropped
     extra.discard(b"")
     if extra:  # a Connection header named end-to-end headers: they go too (RFC 9110 7.6.1)
-        parts, _, _ = _kept_lines(raw, _DROPPED_FROM_RESPONSE | extra)
-    parts.append(b"X-Request-Id: %s\r\n" % request_id.encode("latin-1"))
-    return b"".join(parts)
+        parts, forwarded, _ = _kept_lines(raw, dropped | extra)
+    return b"".join(parts), forwarded, _X_FORWARDED_FOR in named
 
 
 def _kept_lines(

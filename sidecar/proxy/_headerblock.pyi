@@ -1,0 +1,7 @@
+# The C pass over a request's or a response's header pairs (_headerblock.c); headers.py's
+# `_kept_python` is its specification.
+from collections.abc import Sequence
+
+def kept(
+    pairs: Sequence[tuple[bytes, bytes]], dropped: tuple[bytes, ...], /
+) -> tuple[bytes, list[bytes] | None, list[bytes] | None, bool] | None: ...
