@@ -1,6 +1,7 @@
-"""The C pass over header pairs (_headerblock.c) against its specification, headers.py's
-`_kept_python`: the same lines, X-Forwarded-For values and Connection findings for generated
-header lists, in every set of dropped names the proxy uses."""
+"""The C over header pairs (_headerblock.c) against its specification in headers.py:
+`_kept_python`, the same lines, X-Forwarded-For values and Connection findings for generated
+header lists, in every set of dropped names the proxy uses; `_lowered_index_python`, the same
+index of lower-cased names."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from sidecar.proxy.headers import (
     _DROPPED_FROM_RESPONSE,
     _DROPPED_FROM_RESPONSE_NAMES,
     _DROPPED_NAMES,
+    RequestHeaders,
     _kept,
     _kept_python,
+    _lowered_index,
+    _lowered_index_python,
 )
 
 # Every (dropped set, its tuple) the relay passes: the request's eight, the response's one.
@@ -73,11 +77,16 @@ def header_lists(draw: st.DrawFn) -> list[tuple[bytes, bytes]]:
     return pairs
 
 
-def native() -> Any:
-    """The C pass: built by `pip install -e .` wherever a C compiler is (fails in CI, skips
+def native_module() -> Any:
+    """The C module: built by `pip install -e .` wherever a C compiler is (fails in CI, skips
     elsewhere without it)."""
-    module = require_module("sidecar.proxy._headerblock", "-e . (with a C compiler: gcc)")
-    assert headers._native_kept is module.kept  # the one `_kept` calls
+    return require_module("sidecar.proxy._headerblock", "-e . (with a C compiler: gcc)")
+
+
+def native() -> Any:
+    """The C pass `_kept` calls."""
+    module = native_module()
+    assert headers._native_kept is module.kept
     return module.kept
 
 
@@ -137,3 +146,22 @@ def test_more_pairs_than_the_c_pass_keeps_on_its_stack() -> None:
         block, forwarded, named = _kept(raw, dropped, names)
         assert (block, forwarded, named) == _kept_python(raw, dropped)
         assert block.count(b"\r\n") == 300 - len(range(0, 300, 7))
+
+
+@settings(max_examples=500, deadline=None)
+@given(header_lists())
+def test_the_c_index_is_the_python_index(raw: list[tuple[bytes, bytes]]) -> None:
+    module = native_module()
+    assert headers._native_index is module.lowered_index
+    assert _lowered_index(raw) == _lowered_index_python(raw), raw
+
+
+def test_the_index_keeps_a_names_first_value_by_hand() -> None:
+    native_module()
+    raw = [(b"X-Id", b"1"), (b"Accept", b"*/*"), (b"x-ID", b"2"), (b"X-\xc9", b"3")]
+    assert _lowered_index(raw) == {b"x-id": b"1", b"accept": b"*/*", b"x-\xc9": b"3"}
+    assert RequestHeaders(raw).get("x-id") == "1"  # as a multidict's get: the first
+    # Not a list of (bytes, bytes) tuples: the Python's.
+    assert headers._native_index is not None
+    assert headers._native_index(((b"A", b"1"),)) is None  # type: ignore[arg-type]
+    assert headers._native_index([(b"A", "1")]) is None  # type: ignore[list-item]

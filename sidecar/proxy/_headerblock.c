@@ -10,6 +10,10 @@
  * Python decides. tests/test_headers_native.py holds the two to the same answers on generated
  * header lists.
  *
+ * lowered_index(pairs: list[tuple[bytes, bytes]]) -> dict[bytes, bytes] | None
+ *   Each name, ASCII lower-cased, to the first value given for it: what `RequestHeaders`
+ *   looks names up in (its Python: a dict filled from the pairs in reverse).
+ *
  * kept(pairs: list[tuple[bytes, bytes]], dropped: tuple[bytes, ...])
  *     -> tuple[bytes, list[bytes] | None, list[bytes] | None, bool] | None
  *   ``dropped``: lower-case names. Returns (the lines "Name: value\r\n" of the pairs whose
@@ -229,7 +233,56 @@ error:
     return NULL;
 }
 
+static PyObject *
+lowered_index(PyObject *Py_UNUSED(module), PyObject *pairs)
+{
+    if (!PyList_CheckExact(pairs)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2
+            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 0))
+            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *index = PyDict_New();
+    if (index == NULL) {
+        return NULL;
+    }
+    /* Checked above, and nothing below runs Python code that could change the list (the
+     * keys are exact bytes: their hash and equality are C). */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        PyObject *name = PyTuple_GET_ITEM(pair, 0);
+        Py_ssize_t size = PyBytes_GET_SIZE(name);
+        PyObject *lowered = PyBytes_FromStringAndSize(NULL, size);
+        if (lowered == NULL) {
+            Py_DECREF(index);
+            return NULL;
+        }
+        const char *text = PyBytes_AS_STRING(name);
+        char *out = PyBytes_AS_STRING(lowered);
+        for (Py_ssize_t j = 0; j < size; j++) {
+            out[j] = (char)ascii_lower((unsigned char)text[j]);
+        }
+        /* The first value of a name is kept (a later one finds the key there). */
+        PyObject *kept = PyDict_SetDefault(index, lowered, PyTuple_GET_ITEM(pair, 1));
+        Py_DECREF(lowered);
+        if (kept == NULL) {
+            Py_DECREF(index);
+            return NULL;
+        }
+    }
+    return index;
+}
+
 static PyMethodDef methods[] = {
+    {"lowered_index", lowered_index, METH_O,
+     "lowered_index(pairs) -> dict | None: each name ASCII lower-cased -> its first value "
+     "(headers.RequestHeaders' index); None for anything but a list of (bytes, bytes)."},
     {"kept", (PyCFunction)(void (*)(void))kept, METH_FASTCALL,
      "kept(pairs, dropped) -> (block, forwarded, extra, xff_named) | None: headers.py's "
      "end-to-end header lines of one pass (see the module's comment)."},

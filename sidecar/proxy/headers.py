@@ -58,10 +58,12 @@ _KeptC = Callable[
     tuple[bytes, list[bytes] | None, list[bytes] | None, bool] | None,
 ]
 _native_kept: _KeptC | None
+_native_index: Callable[[list[tuple[bytes, bytes]]], dict[bytes, bytes] | None] | None
 try:
     from sidecar.proxy._headerblock import kept as _native_kept
+    from sidecar.proxy._headerblock import lowered_index as _native_index
 except ImportError:  # built without a C compiler: the Python below does the same
-    _native_kept = None
+    _native_kept = _native_index = None
 
 
 def upstream_header_block(
@@ -207,9 +209,7 @@ class RequestHeaders:
     def get(self, name: str, default: str | None = None, /) -> str | None:
         index = self._index
         if index is None:
-            index = {}
-            for pair_name, value in reversed(self.pairs):  # the first of a name is kept
-                index[pair_name.lower()] = value
+            index = _lowered_index(self.pairs)
             self._index = index
         key = _LOOKUP_KEYS.get(name)
         if key is None:
@@ -218,6 +218,24 @@ class RequestHeaders:
                 _LOOKUP_KEYS[name] = key
         raw = index.get(key)
         return default if raw is None else raw.decode("latin-1")
+
+
+def _lowered_index(pairs: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """Each name lower-cased -> its first value; in C where the package was built with it
+    (_headerblock.c), `_lowered_index_python` is the specification."""
+    native = _native_index
+    if native is not None:
+        index = native(pairs)
+        if index is not None:
+            return index
+    return _lowered_index_python(pairs)
+
+
+def _lowered_index_python(pairs: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    index = {}
+    for name, value in reversed(pairs):  # the first of a name is kept
+        index[name.lower()] = value
+    return index
 
 
 NO_HEADERS: Final = RequestHeaders([])
