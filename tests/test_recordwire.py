@@ -116,6 +116,32 @@ def test_the_c_encoder_writes_the_python_encoders_bytes(record: RequestRecord) -
         assert wire == recordwire._encode(record)
 
 
+class RecordSubclass(RequestRecord):
+    __slots__ = ()
+
+
+class TimelineSubclass(Timeline):
+    __slots__ = ()
+
+
+def test_the_c_encoder_reads_exact_records_from_their_slots_and_others_by_name() -> None:
+    """Every field the encoder reads is a slot of RequestRecord or Timeline (28), read at its
+    offset for objects of exactly those types; a subclass's (which could redefine a field) by
+    getattr, with the same bytes."""
+    module = require_module("sidecar.proxy._recordwire", "-e . (with a C compiler: gcc)")
+    assert module.configure_slots(RequestRecord, Timeline) == 22 + 6
+    plain = dataclasses.replace(streamed_record(), shape=None)
+    assert plain.server is not None
+    fields = {f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)}
+    client = plain.client
+    sub_client = TimelineSubclass(
+        **{f.name: getattr(client, f.name) for f in dataclasses.fields(client)}
+    )
+    sub = RecordSubclass(**{**fields, "client": sub_client})
+    assert type(sub) is not RequestRecord and type(sub.client) is not Timeline
+    assert module.encode(sub) == module.encode(plain) == recordwire._encode(plain)
+
+
 def test_the_c_encoder_fails_as_the_python_one_does() -> None:
     encode = native_encode()
     big = RequestRecord(

@@ -14,6 +14,9 @@
  * encode(record) -> bytes | None
  *   KeyError for an enum member without an index, OverflowError for an integer beyond its
  *   field (the caller maps both to ValueError, as for the Python encoder).
+ * configure_slots(RequestRecord, Timeline) -> int
+ *   Objects of exactly these types have their fields read from their slots (field_of); the
+ *   count of the encoder's names that are slots of either.
  * configure_decoder(record, timeline, engine, column, WireError, outcomes, token_sources)
  *   `record`, `timeline`, `engine`: RequestRecord, Timeline and EngineTiming or their
  *   constructors (record.new_record, ...), called with their fields by name;
@@ -29,6 +32,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h> /* T_OBJECT_EX: what a __slots__ member is */
 
 static PyObject *outcome_index, *source_index;
 static int wire_version = -1;
@@ -50,6 +54,51 @@ static const char *const name_text[N_NAMES] = {
     "mean_itl_ms", "tokens_per_second",
 };
 static PyObject *names[N_NAMES];
+
+/* Where each name is a slot of an exact RequestRecord or Timeline (configure_slots; -1: not
+ * one of its slots). An object of exactly that type has its field read at that offset: the
+ * generic getattr of ~38 fields per record was ~5k instructions of a worker's request
+ * (benchmarks/RESULTS.md, "Session 27"). Any other object (a subclass, which could override
+ * a field; before configure_slots), and an unset slot, are read by getattr as before. */
+static PyTypeObject *slotted_record, *slotted_timeline;
+static Py_ssize_t record_offset[N_NAMES], timeline_offset[N_NAMES];
+
+static PyObject *
+field_of(PyObject *obj, PyTypeObject *type, const Py_ssize_t *offsets, int name)
+{
+    if (Py_TYPE(obj) == type && offsets[name] >= 0) {
+        PyObject *value = *(PyObject **)((char *)obj + offsets[name]);
+        if (value != NULL) {
+            return Py_NewRef(value);
+        }
+    }
+    return PyObject_GetAttr(obj, names[name]);
+}
+
+/* Each name's slot offset in ``type``, -1 where it is not a plain object slot. */
+static int
+slot_offsets(PyTypeObject *type, Py_ssize_t *offsets)
+{
+    for (int i = 0; i < N_NAMES; i++) {
+        offsets[i] = -1;
+        PyObject *descr = PyObject_GetAttr((PyObject *)type, names[i]);
+        if (descr == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                return -1;
+            }
+            PyErr_Clear();
+            continue;
+        }
+        if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+            if (member->type == T_OBJECT_EX && member->offset > 0) {
+                offsets[i] = member->offset;
+            }
+        }
+        Py_DECREF(descr);
+    }
+    return 0;
+}
 
 /* recordwire.py's presence bits. */
 #define HAS_SERVER (1u << 0)
@@ -218,12 +267,12 @@ static int
 read_timeline(PyObject *timeline, timeline_parts *t)
 {
     int status = 1;
-    PyObject *start = PyObject_GetAttr(timeline, names[A_START]);
-    PyObject *end = PyObject_GetAttr(timeline, names[A_END]);
-    PyObject *events = PyObject_GetAttr(timeline, names[A_EVENTS_TOTAL]);
-    PyObject *offsets = PyObject_GetAttr(timeline, names[A_OFFSETS]);
-    PyObject *tokens = PyObject_GetAttr(timeline, names[A_TOKENS]);
-    PyObject *choices = PyObject_GetAttr(timeline, names[A_CHOICES]);
+    PyObject *start = field_of(timeline, slotted_timeline, timeline_offset, A_START);
+    PyObject *end = field_of(timeline, slotted_timeline, timeline_offset, A_END);
+    PyObject *events = field_of(timeline, slotted_timeline, timeline_offset, A_EVENTS_TOTAL);
+    PyObject *offsets = field_of(timeline, slotted_timeline, timeline_offset, A_OFFSETS);
+    PyObject *tokens = field_of(timeline, slotted_timeline, timeline_offset, A_TOKENS);
+    PyObject *choices = field_of(timeline, slotted_timeline, timeline_offset, A_CHOICES);
     if (start == NULL || end == NULL || events == NULL || offsets == NULL || tokens == NULL
         || choices == NULL) {
         status = -1;
@@ -323,7 +372,7 @@ encode(PyObject *module, PyObject *record)
         A_ENDPOINT, A_ATTRIBUTES,
     };
     for (size_t i = 0; i < sizeof read_first / sizeof read_first[0]; i++) {
-        got[read_first[i]] = PyObject_GetAttr(record, names[read_first[i]]);
+        got[read_first[i]] = field_of(record, slotted_record, record_offset, read_first[i]);
         if (got[read_first[i]] == NULL) {
             goto fail;
         }
@@ -951,7 +1000,34 @@ configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+configure_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "configure_slots() takes (RequestRecord, Timeline)");
+        return NULL;
+    }
+    Py_ssize_t record_offsets[N_NAMES], timeline_offsets[N_NAMES];
+    if (slot_offsets((PyTypeObject *)args[0], record_offsets) < 0
+        || slot_offsets((PyTypeObject *)args[1], timeline_offsets) < 0) {
+        return NULL;
+    }
+    memcpy(record_offset, record_offsets, sizeof record_offset);
+    memcpy(timeline_offset, timeline_offsets, sizeof timeline_offset);
+    Py_XSETREF(slotted_record, (PyTypeObject *)Py_NewRef(args[0]));
+    Py_XSETREF(slotted_timeline, (PyTypeObject *)Py_NewRef(args[1]));
+    int slots = 0;
+    for (int i = 0; i < N_NAMES; i++) {
+        slots += (record_offset[i] >= 0) + (timeline_offset[i] >= 0);
+    }
+    return PyLong_FromLong(slots);
+}
+
 static PyMethodDef methods[] = {
+    {"configure_slots", (PyCFunction)(void (*)(void))configure_slots, METH_FASTCALL,
+     "configure_slots(RequestRecord, Timeline) -> int: read the fields of objects of exactly "
+     "these types from their slots (returns how many of the encoder's names are slots)."},
     {"encode", encode, METH_O,
      "encode(record) -> bytes | None: recordwire._encode's bytes, or None for a record the "
      "Python encoder must take (a shape, odd types)."},

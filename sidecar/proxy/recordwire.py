@@ -150,6 +150,8 @@ try:
         _OUTCOMES,
         _TOKEN_SOURCES,
     )
+    # The encoder reads an exact record's and timeline's fields from their slots.
+    _recordwire.configure_slots(RequestRecord, Timeline)
     _native_encode, _native_decode = _recordwire.encode, _recordwire.decode
 except ImportError:  # built without a C compiler (or on a big-endian host): the Python ones
     _native_encode = _native_decode = None
