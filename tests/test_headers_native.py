@@ -1,7 +1,7 @@
 """The C over header pairs (_headerblock.c) against its specification in headers.py:
 `_kept_python`, the same lines, X-Forwarded-For values and Connection findings for generated
 header lists, in every set of dropped names the proxy uses; `_lowered_index_python`, the same
-index of lower-cased names."""
+index of lower-cased names; `_first_value_python`, the same first value of a name."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from sidecar.proxy.headers import (
     _DROPPED_FROM_RESPONSE_NAMES,
     _DROPPED_NAMES,
     RequestHeaders,
+    _first_value_python,
     _kept,
     _kept_python,
     _lowered_index,
     _lowered_index_python,
+    first_value,
 )
 
 # Every (dropped set, its tuple) the relay passes: the request's eight, the response's one.
@@ -165,3 +167,25 @@ def test_the_index_keeps_a_names_first_value_by_hand() -> None:
     assert headers._native_index is not None
     assert headers._native_index(((b"A", b"1"),)) is None  # type: ignore[arg-type]
     assert headers._native_index([(b"A", "1")]) is None  # type: ignore[list-item]
+
+
+@settings(max_examples=500, deadline=None)
+@given(header_lists(), st.integers(0, 20))
+def test_the_c_first_value_is_the_pythons(raw: list[tuple[bytes, bytes]], pick: int) -> None:
+    """A name from the list (lower-cased, as callers ask) or one it may lack."""
+    module = native_module()
+    assert headers._native_first is module.first_value
+    names = [name.lower() for name, _ in raw] + [b"content-type", b"", b"x-absent"]
+    name = names[pick % len(names)]
+    assert first_value(raw, name) == _first_value_python(raw, name), (raw, name)
+
+
+def test_the_first_value_by_hand() -> None:
+    module = native_module()
+    raw = [(b"Date", b"d"), (b"CONTENT-type", b"text/event-stream"), (b"content-type", b"x")]
+    assert first_value(raw, b"content-type") == b"text/event-stream"
+    assert first_value(raw, b"content-encoding") is None
+    assert module.first_value(((b"A", b"1"),), b"a") is ...  # not a list: the Python's
+    assert first_value(((b"A", b"1"),), b"a") == b"1"
+    with pytest.raises(TypeError):
+        module.first_value(raw, "content-type")

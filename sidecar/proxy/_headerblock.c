@@ -10,6 +10,11 @@
  * Python decides. tests/test_headers_native.py holds the two to the same answers on generated
  * header lists.
  *
+ * first_value(pairs: list[tuple[bytes, bytes]], name: bytes) -> bytes | None | Ellipsis
+ *   The value of the first pair whose name, ASCII lower-cased, is ``name`` (lower-case); None
+ *   for none; ... where the pairs are not a list of (bytes, bytes) (the Python decides):
+ *   upstream.py's `UpstreamExchange.header`, without a lower-cased copy per name.
+ *
  * lowered_index(pairs: list[tuple[bytes, bytes]]) -> dict[bytes, bytes] | None
  *   Each name, ASCII lower-cased, to the first value given for it: what `RequestHeaders`
  *   looks names up in (its Python: a dict filled from the pairs in reverse).
@@ -279,7 +284,40 @@ lowered_index(PyObject *Py_UNUSED(module), PyObject *pairs)
     return index;
 }
 
+static PyObject *
+first_value(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "first_value(pairs, name: bytes) takes two arguments");
+        return NULL;
+    }
+    PyObject *pairs = args[0], *name = args[1];
+    if (!PyList_CheckExact(pairs)) {
+        return Py_NewRef(Py_Ellipsis);
+    }
+    const char *wanted = PyBytes_AS_STRING(name);
+    Py_ssize_t wanted_size = PyBytes_GET_SIZE(name);
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2
+            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 0))
+            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+            return Py_NewRef(Py_Ellipsis);
+        }
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        if (equals_lowered(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), wanted, wanted_size)) {
+            return Py_NewRef(PyTuple_GET_ITEM(pair, 1));
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"first_value", (PyCFunction)(void (*)(void))first_value, METH_FASTCALL,
+     "first_value(pairs, name) -> bytes | None | ...: the value of the first pair whose name, "
+     "ASCII lower-cased, is ``name`` (lower-case); ... (Ellipsis) for anything but a list of "
+     "(bytes, bytes)."},
     {"lowered_index", lowered_index, METH_O,
      "lowered_index(pairs) -> dict | None: each name ASCII lower-cased -> its first value "
      "(headers.RequestHeaders' index); None for anything but a list of (bytes, bytes)."},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from types import EllipsisType
 from typing import Final, Protocol, overload
 from urllib.parse import unquote
 
@@ -59,11 +60,33 @@ _KeptC = Callable[
 ]
 _native_kept: _KeptC | None
 _native_index: Callable[[list[tuple[bytes, bytes]]], dict[bytes, bytes] | None] | None
+_native_first: Callable[[Sequence[tuple[bytes, bytes]], bytes], bytes | None | EllipsisType] | None
 try:
+    from sidecar.proxy._headerblock import first_value as _native_first
     from sidecar.proxy._headerblock import kept as _native_kept
     from sidecar.proxy._headerblock import lowered_index as _native_index
 except ImportError:  # built without a C compiler: the Python below does the same
-    _native_kept = _native_index = None
+    _native_kept = _native_index = _native_first = None
+
+
+def first_value(pairs: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The value of the first of ``pairs`` named ``name`` (lower-case), the names compared
+    ASCII case-insensitively; None for none. In C where the package was built with it
+    (_headerblock.c: no lower-cased copy of each name); `_first_value_python` is the
+    specification."""
+    native = _native_first
+    if native is not None:
+        found = native(pairs, name)
+        if not isinstance(found, EllipsisType):
+            return found
+    return _first_value_python(pairs, name)
+
+
+def _first_value_python(pairs: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in pairs:
+        if key.lower() == name:
+            return value
+    return None
 
 
 def upstream_header_block(

@@ -30,6 +30,7 @@ import httptools
 
 from sidecar import clock
 from sidecar.proxy import rxstamp
+from sidecar.proxy.headers import first_value
 from sidecar.proxy.timeouts import Alarm, alarms_of
 
 BodySink = Callable[[bytes, int], None]
@@ -526,10 +527,8 @@ class UpstreamExchange:
 
     def header(self, name: bytes) -> str | None:
         """The response's first ``name`` header (``name`` lower-case), as text; None if none."""
-        for key, value in self.raw_headers:
-            if key.lower() == name:
-                return value.decode("latin-1")
-        return None
+        value = first_value(self.raw_headers, name)
+        return None if value is None else value.decode("latin-1")
 
     @property
     def content_length(self) -> int | None:
