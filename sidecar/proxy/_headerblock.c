@@ -36,6 +36,15 @@
 static const char CONNECTION[] = "connection";
 static const char X_FORWARDED_FOR[] = "x-forwarded-for";
 
+/* A (bytes, bytes) tuple: what the parsers give; anything else is left to the Python. */
+static inline int
+is_bytes_pair(PyObject *pair)
+{
+    return PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2
+           && PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 0))
+           && PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 1));
+}
+
 static inline unsigned char
 ascii_lower(unsigned char c)
 {
@@ -163,9 +172,7 @@ kept(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *pair = PyList_GET_ITEM(pairs, i);
-        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2
-            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 0))
-            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+        if (!is_bytes_pair(pair)) {
             goto python_decides;
         }
         PyObject *name = PyTuple_GET_ITEM(pair, 0), *value = PyTuple_GET_ITEM(pair, 1);
@@ -247,9 +254,7 @@ lowered_index(PyObject *Py_UNUSED(module), PyObject *pairs)
     Py_ssize_t n = PyList_GET_SIZE(pairs);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *pair = PyList_GET_ITEM(pairs, i);
-        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2
-            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 0))
-            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+        if (!is_bytes_pair(pair)) {
             Py_RETURN_NONE;
         }
     }
@@ -300,9 +305,7 @@ first_value(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t n = PyList_GET_SIZE(pairs);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *pair = PyList_GET_ITEM(pairs, i);
-        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2
-            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 0))
-            || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+        if (!is_bytes_pair(pair)) {
             return Py_NewRef(Py_Ellipsis);
         }
         PyObject *key = PyTuple_GET_ITEM(pair, 0);

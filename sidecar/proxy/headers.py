@@ -149,8 +149,9 @@ def _kept(
             block, forwarded, extra, xff_named = one_pass
             if extra is not None:  # a Connection header named end-to-end headers: they go too
                 again = native(raw, names + tuple(extra))
-                if again is not None:
-                    block, forwarded = again[0], again[1]
+                if again is None:
+                    return _kept_python(raw, dropped)
+                block, forwarded = again[0], again[1]
             return block, [] if forwarded is None else forwarded, xff_named
     return _kept_python(raw, dropped)
 
