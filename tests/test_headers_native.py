@@ -1,4 +1,4 @@
-"""The C over header pairs (_headerblock.c) against its specification in headers.py:
+"""The C functions over header pairs (_headerblock.c) against their specification in headers.py:
 `_kept_python`, the same lines, X-Forwarded-For values and Connection findings for generated
 header lists, in every set of dropped names the proxy uses; `_lowered_index_python`, the same
 index of lower-cased names; `_first_value_python`, the same first value of a name."""

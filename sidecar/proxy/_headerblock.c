@@ -51,6 +51,20 @@ ascii_lower(unsigned char c)
     return (c >= 'A' && c <= 'Z') ? (unsigned char)(c + ('a' - 'A')) : c;
 }
 
+/* A new bytes of ``text[0:size]`` ASCII lower-cased (bytes.lower()). */
+static PyObject *
+lowered_bytes(const char *text, Py_ssize_t size)
+{
+    PyObject *lowered = PyBytes_FromStringAndSize(NULL, size);
+    if (lowered != NULL) {
+        char *out = PyBytes_AS_STRING(lowered);
+        for (Py_ssize_t i = 0; i < size; i++) {
+            out[i] = (char)ascii_lower((unsigned char)text[i]);
+        }
+    }
+    return lowered;
+}
+
 /* ``text[0:size]`` lower-cased equals the lower-case ``name[0:name_size]``. */
 static int
 equals_lowered(const char *text, Py_ssize_t size, const char *name, Py_ssize_t name_size)
@@ -112,13 +126,9 @@ read_connection(const char *value, Py_ssize_t size, PyObject *dropped, PyObject 
             *xff_named = 1;
         }
         if (token_size > 0 && !in_dropped(token, token_size, dropped)) {
-            PyObject *lowered = PyBytes_FromStringAndSize(NULL, token_size);
+            PyObject *lowered = lowered_bytes(token, token_size);
             if (lowered == NULL) {
                 return -1;
-            }
-            char *out = PyBytes_AS_STRING(lowered);
-            for (Py_ssize_t i = 0; i < token_size; i++) {
-                out[i] = (char)ascii_lower((unsigned char)token[i]);
             }
             if (*extra == NULL && (*extra = PyList_New(0)) == NULL) {
                 Py_DECREF(lowered);
@@ -267,16 +277,10 @@ lowered_index(PyObject *Py_UNUSED(module), PyObject *pairs)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *pair = PyList_GET_ITEM(pairs, i);
         PyObject *name = PyTuple_GET_ITEM(pair, 0);
-        Py_ssize_t size = PyBytes_GET_SIZE(name);
-        PyObject *lowered = PyBytes_FromStringAndSize(NULL, size);
+        PyObject *lowered = lowered_bytes(PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name));
         if (lowered == NULL) {
             Py_DECREF(index);
             return NULL;
-        }
-        const char *text = PyBytes_AS_STRING(name);
-        char *out = PyBytes_AS_STRING(lowered);
-        for (Py_ssize_t j = 0; j < size; j++) {
-            out[j] = (char)ascii_lower((unsigned char)text[j]);
         }
         /* The first value of a name is kept (a later one finds the key there). */
         PyObject *kept = PyDict_SetDefault(index, lowered, PyTuple_GET_ITEM(pair, 1));

@@ -57,8 +57,8 @@ static PyObject *names[N_NAMES];
 
 /* Where each name is a slot of an exact RequestRecord or Timeline (configure_slots; -1: not
  * one of its slots). An object of exactly that type has its field read at that offset: the
- * generic getattr of ~38 fields per record was ~5k instructions of a worker's request
- * (benchmarks/RESULTS.md, "Session 27"). Any other object (a subclass, which could override
+ * generic getattr of 34 fields per record (22 of the record's, 6 of each timeline's) was
+ * ~5k instructions of a worker's request (benchmarks/RESULTS.md, "Session 27"). Any other object (a subclass, which could override
  * a field; before configure_slots), and an unset slot, are read by getattr as before. */
 static PyTypeObject *slotted_record, *slotted_timeline;
 static Py_ssize_t record_offset[N_NAMES], timeline_offset[N_NAMES];
