@@ -614,3 +614,43 @@ async def test_after_a_malformed_chunk_no_later_read_reaches_the_relay() -> None
         assert fed == []
         with pytest.raises(UpstreamError):
             await done
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Request-Id: leaver\r\n\r\n",
+        (
+            f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: leaver\r\nContent-Length: {len(BODY)}\r\n\r\n"
+        ).encode()
+        + BODY,
+    ],
+    ids=["pass-through", "generation"],
+)
+async def test_a_client_gone_before_the_upstream_answered_is_one_cancelled_record(
+    request_head: bytes,
+) -> None:
+    """The client leaves while the replica holds back its answer's head: the request ends in
+    one client_cancelled record, the upstream connection is closed (the replica sees the
+    disconnect) and the replica's outstanding count is back to zero: a request on any path,
+    the relayed ones (/v1/models) as the generation ones."""
+    answered = asyncio.Event()
+
+    async def hold(_c: int, _n: int, _head: bytes, _writer: asyncio.StreamWriter) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(answered.wait(), 30)
+        return False
+
+    upstream = RawUpstream(hold)
+    async with upstream as url, proxy_to([url], engine_scrape_interval="0") as p:
+        host, port = p.url.split("://")[1].rsplit(":", 1)
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request_head)
+        await until(lambda: upstream.requests == 1, what="the request upstream")
+        writer.close()
+        (record,) = await settle(p.server, p.records, 1)
+        await until(lambda: p.server.proxy.pool.open_connections == 0, what="upstream closed")
+        answered.set()
+    assert record.request_id == "leaver"
+    assert (record.outcome, record.error_type) == (Outcome.CLIENT_CANCELLED, "client_disconnected")

@@ -687,6 +687,14 @@ class Proxy:
             builder.down_end_ns = builder.offset(clock.monotonic_ns())
             if upstream.status >= 400:
                 builder.fail(Outcome.HTTP_ERROR, f"http_{upstream.status}", upstream.status)
+            # Not a no-op under mypyc: with no way to fall off the end of the try, mypy checks
+            # the finally once, with `upstream` and `replica` still Optional. Otherwise its
+            # second look (the fall-through, where both are set) is what mypyc compiles, and
+            # the finally reads them as set: a cancellation before the upstream answered then
+            # raised TypeError there, and left the replica's outstanding count one too high
+            # (tests/test_compiled.py lists every finally of the compiled modules that reads
+            # what its try assigns).
+            return
         finally:
             idle.disarm()
             if upstream is not None:
@@ -879,6 +887,8 @@ class Proxy:
             gen.release()
             await self._relay_answer(exchange, upstream, endpoint, builder, gen, timeouts)
             completed = True
+            # No way out of this try but a return or a raise: see _pass_through's.
+            return
         except asyncio.CancelledError:
             fired = timeouts.fired
             if fired is None:
@@ -890,6 +900,7 @@ class Proxy:
                 self.pool.close_exchange(upstream)
                 upstream = None
             await self._answer_timeout(exchange, endpoint, builder, fired)
+            return
         except UpstreamFailure as failure:
             if upstream is not None:
                 self.pool.close_exchange(upstream)  # as above: nothing after the error tail
@@ -904,6 +915,7 @@ class Proxy:
                 failure.message,
                 failure.err_type,
             )
+            return
         except ConnectionResetError:
             # Writing to the client failed: the client is gone (`handle` records that).
             raise
@@ -918,6 +930,7 @@ class Proxy:
                 "The upstream connection broke mid-response.",
                 "BadGateway",
             )
+            return
         finally:
             timeouts.disarm()
             if upstream is not None:
