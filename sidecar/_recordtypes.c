@@ -382,14 +382,22 @@ from_bytes(PyObject *module, PyObject *arg)
     return wrap(&Int64sType, Py_NewRef(arg));
 }
 
-/* SlotsConstructor(cls, names, defaults, factories, missing): calling it builds a `cls` (a
- * dataclass with slots) as the dataclass's own __init__ would, then runs its __post_init__:
+/* SlotsConstructor(cls, names, defaults, factories, missing[, columns, optional_columns]):
+ * calling it builds a `cls` (a dataclass with slots) as the dataclass's own __init__ would,
+ * then runs its __post_init__:
  * the same arguments (positional in field order, or by name), the same defaults and default
  * factories, the same TypeError for an argument missing, unknown or given twice. What it
  * skips is the generated __init__'s one `object.__setattr__` call per field, which made
  * building a RequestRecord and its two Timelines ~190 bytecodes of every request in the
  * worker and as many in the collector; here each field is stored in its slot directly.
- * record.slots_constructor gives the arguments from dataclasses.fields(cls). */
+ * record.slots_constructor gives the arguments from dataclasses.fields(cls).
+ *
+ * `columns` (field names) are packed columns whose __post_init__ only packs what is not an
+ * Int64s yet and refuses columns of different lengths (Timeline's); `optional_columns` may
+ * also be None. When every one already is an exact Int64s (or None, where allowed) and they
+ * agree in length, that __post_init__ would change nothing and is not called: a Timeline
+ * built by the proxy's RecordBuilder or the collector's decoder runs no Python (two per
+ * record, ~33 bytecodes each, on each side). Otherwise it is called, and packs or raises. */
 
 #define MAX_FIELDS 64
 
@@ -403,7 +411,33 @@ typedef struct {
     PyObject *post_init; /* cls.__post_init__, or NULL */
     Py_ssize_t n;
     Py_ssize_t offsets[MAX_FIELDS];
+    Py_ssize_t n_columns;
+    Py_ssize_t columns[MAX_FIELDS];   /* field indices of the packed columns */
+    char column_optional[MAX_FIELDS]; /* 1: that column may be None */
 } SlotsConstructor;
+
+/* 1 when every packed column of `made` is an exact Int64s (or an allowed None) and they
+ * all have the same length: __post_init__ would leave the object as it is. */
+static int
+columns_are_packed(SlotsConstructor *self, PyObject *made)
+{
+    Py_ssize_t length = -1;
+    for (Py_ssize_t c = 0; c < self->n_columns; c++) {
+        PyObject *value = *(PyObject **)((char *)made + self->offsets[self->columns[c]]);
+        if (value == Py_None && self->column_optional[c]) {
+            continue;
+        }
+        if (!Py_IS_TYPE(value, &Int64sType)) {
+            return 0;
+        }
+        Py_ssize_t size = ((Int64s *)value)->size;
+        if (length >= 0 && size != length) {
+            return 0;
+        }
+        length = size;
+    }
+    return 1;
+}
 
 static PyObject *
 constructor_vectorcall(SlotsConstructor *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -480,7 +514,7 @@ constructor_vectorcall(SlotsConstructor *self, PyObject *const *args, size_t nar
         }
         *(PyObject **)((char *)made + self->offsets[j]) = value;
     }
-    if (self->post_init != NULL) {
+    if (self->post_init != NULL && !(self->n_columns > 0 && columns_are_packed(self, made))) {
         PyObject *done = PyObject_CallOneArg(self->post_init, made);
         if (done == NULL) {
             Py_DECREF(made);
@@ -507,13 +541,15 @@ static PyObject *
 constructor_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     PyObject *cls, *names, *defaults, *factories, *missing;
+    PyObject *columns = NULL, *optional_columns = NULL;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
         PyErr_SetString(PyExc_TypeError, "SlotsConstructor() takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O:SlotsConstructor", &PyType_Type, &cls, &PyTuple_Type,
-                          &names, &PyTuple_Type, &defaults, &PyTuple_Type, &factories,
-                          &missing)) {
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O|O!O!:SlotsConstructor", &PyType_Type, &cls,
+                          &PyTuple_Type, &names, &PyTuple_Type, &defaults, &PyTuple_Type,
+                          &factories, &missing, &PyTuple_Type, &columns, &PyTuple_Type,
+                          &optional_columns)) {
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(names);
@@ -557,6 +593,39 @@ constructor_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
             goto fail;
         }
         self->offsets[j] = ((PyMemberDescrObject *)descriptor)->d_member->offset;
+    }
+    for (int optional = 0; optional < 2; optional++) {
+        PyObject *named = optional ? optional_columns : columns;
+        Py_ssize_t count = named == NULL ? 0 : PyTuple_GET_SIZE(named);
+        for (Py_ssize_t c = 0; c < count; c++) {
+            PyObject *column = PyTuple_GET_ITEM(named, c);
+            Py_ssize_t at = -1;
+            for (Py_ssize_t j = 0; j < n && at < 0; j++) {
+                int equal = PyObject_RichCompareBool(PyTuple_GET_ITEM(self->names, j), column,
+                                                     Py_EQ);
+                if (equal < 0) {
+                    goto fail;
+                }
+                if (equal) {
+                    at = j;
+                }
+            }
+            if (at < 0) {
+                PyErr_Format(PyExc_ValueError, "SlotsConstructor() column %R is not a field",
+                             column);
+                goto fail;
+            }
+            for (Py_ssize_t d = 0; d < self->n_columns; d++) {
+                if (self->columns[d] == at) {
+                    PyErr_Format(PyExc_ValueError, "SlotsConstructor() names column %R twice",
+                                 column);
+                    goto fail;
+                }
+            }
+            self->columns[self->n_columns] = at;
+            self->column_optional[self->n_columns] = (char)optional;
+            self->n_columns++;
+        }
     }
     self->post_init = PyObject_GetAttrString(cls, "__post_init__");
     if (self->post_init == NULL) {

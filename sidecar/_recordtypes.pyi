@@ -16,6 +16,8 @@ class SlotsConstructor:
         defaults: tuple[object, ...],
         factories: tuple[Callable[[], object] | None, ...],
         missing: object,
+        columns: tuple[str, ...] = (),
+        optional_columns: tuple[str, ...] = (),
         /,
     ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -505,13 +505,20 @@ class RequestRecord:
 _T = TypeVar("_T")
 
 
-def slots_constructor(cls: type[_T]) -> Callable[..., _T]:
+def slots_constructor(
+    cls: type[_T], columns: tuple[str, ...] = (), optional_columns: tuple[str, ...] = ()
+) -> Callable[..., _T]:
     """``cls`` (a dataclass with slots and no init-only or ``init=False`` fields) built as its
     __init__ builds it, then its __post_init__ run: the same arguments, defaults, factories and
     errors. In C (`_recordtypes.SlotsConstructor`) each field goes straight to its slot,
     without the generated __init__'s ``object.__setattr__`` per field of a frozen class (a
     record and its two timelines were ~190 bytecodes of each request in the worker, as many
-    in the collector); where that is not built, ``cls`` itself."""
+    in the collector); where that is not built, ``cls`` itself.
+
+    ``columns`` (and ``optional_columns``, which may be None): packed columns that a
+    __post_init__ only packs and holds to one length, as Timeline's does. Given already
+    packed (exact `Int64s`) and of one length, that __post_init__ would change nothing, and
+    the C constructor does not call it."""
     if _SlotsConstructor is None:
         return cls
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
@@ -526,10 +533,12 @@ def slots_constructor(cls: type[_T]) -> Callable[..., _T]:
             None if f.default_factory is dataclasses.MISSING else f.default_factory for f in fields
         ),
         dataclasses.MISSING,
+        columns,
+        optional_columns,
     )
     return constructor
 
 
-new_timeline = slots_constructor(Timeline)
+new_timeline = slots_constructor(Timeline, ("offsets_ns", "tokens"), ("choices",))
 new_record = slots_constructor(RequestRecord)
 new_engine_timing = slots_constructor(EngineTiming)

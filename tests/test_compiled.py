@@ -182,3 +182,28 @@ def test_the_finally_guard_sees_a_fall_through() -> None:
     )
     assert finally_hazards(handled) == ["f:3: ['x']"]
     assert finally_hazards(handled.replace("x = None\n    finally", "raise\n    finally")) == []
+
+
+# Dataclasses of the compiled modules, each built once or for a refused request only.
+DATACLASSES_OFF_THE_REQUEST_PATH = {
+    "sidecar/proxy/listener.py": {"ListenerLimits", "Rejection"},
+    "sidecar/proxy/routing.py": {"Replica"},
+    "sidecar/protocol/rewrite.py": {"UsagePlan"},
+}
+
+
+def test_no_class_built_for_every_request_is_a_dataclass() -> None:
+    """mypyc compiles a class's own __init__, but a dataclass's is generated when the module
+    is imported and runs interpreted (IncomingRequest's was 36 bytecodes of every request):
+    a class the request path builds per request is a plain class. The dataclasses left are
+    listed, each built once (settings, a replica, a usage plan) or for a refused request."""
+    found: dict[str, set[str]] = {}
+    for path in setup_compiled():
+        for node in ast.walk(ast.parse((REPO / path).read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                (d.func if isinstance(d, ast.Call) else d).id == "dataclass"  # type: ignore[attr-defined]
+                for d in node.decorator_list
+                if isinstance(d.func if isinstance(d, ast.Call) else d, ast.Name)
+            ):
+                found.setdefault(path, set()).add(node.name)
+    assert found == DATACLASSES_OFF_THE_REQUEST_PATH

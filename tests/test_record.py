@@ -12,6 +12,7 @@ from prometheus_helpers import require_module
 from random_records import random_records
 
 from sidecar.record import (
+    EMPTY,
     ChunkMark,
     EngineTiming,
     Int64s,
@@ -281,6 +282,62 @@ def test_records_built_by_their_slots_constructor_are_the_dataclasses() -> None:
         new_timeline(0, start_ns=0)
     with pytest.raises(TypeError, match="at most 6 positional"):
         new_timeline(0, (), (), None, 0, None, 7)
+
+
+def test_packed_columns_skip_only_a_post_init_that_would_change_nothing() -> None:
+    """Given packed columns (exact Int64s, None where allowed) of one length, the constructor
+    leaves out the __post_init__ (Timeline's: pack, then hold to one length); anything else,
+    and it runs: plain sequences packed, columns of two lengths refused, as before."""
+    constructor = native_record_types().SlotsConstructor
+    calls: list[object] = []
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Columns:
+        a: Any
+        b: Any = EMPTY
+        c: Any = None
+
+        def __post_init__(self) -> None:
+            calls.append(self)
+
+    make = constructor(
+        Columns,
+        ("a", "b", "c"),
+        (dataclasses.MISSING, EMPTY, None),
+        (None, None, None),
+        dataclasses.MISSING,
+        ("a", "b"),
+        ("c",),
+    )
+    two, three = Int64s([1, 2]), Int64s([1, 2, 3])
+    skipped: list[tuple[Any, Any, Any]] = [(two, two, None), (two, two, two), (EMPTY, EMPTY, None)]
+    for a, b, c in skipped:
+        made = make(a, b, c)
+        assert (made.a, made.b, made.c) == (a, b, c) and calls == [], (a, b, c)
+    ran: list[tuple[Any, Any, Any]] = [
+        (two, three, None),  # two lengths
+        (two, two, three),
+        ([1, 2], two, None),  # not packed
+        (two, None, None),  # None where a column is required
+        (two, two, [1, 2]),
+    ]
+    for a, b, c in ran:
+        made = make(a, b, c)
+        assert calls == [made], (a, b, c)
+        calls.clear()
+    # Timeline's, through new_timeline: the same timelines and errors either way.
+    packed = new_timeline(start_ns=0, offsets_ns=Int64s([1, 2]), tokens=Int64s([1, 1]))
+    assert packed == Timeline(0, [1, 2], [1, 1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one token count per event"):
+        new_timeline(start_ns=0, offsets_ns=Int64s([1, 2]), tokens=Int64s([1]))
+    with pytest.raises(ValueError, match="one choice index per event"):
+        new_timeline(start_ns=0, offsets_ns=Int64s([1]), tokens=Int64s([1]), choices=Int64s([0, 0]))
+    with pytest.raises(ValueError, match="is not a field"):
+        constructor(Columns, ("a",), (dataclasses.MISSING,), (None,), dataclasses.MISSING, ("z",))
+    with pytest.raises(ValueError, match="twice"):
+        constructor(
+            Columns, ("a",), (dataclasses.MISSING,), (None,), dataclasses.MISSING, ("a",), ("a",)
+        )
 
 
 def test_a_class_the_slots_constructor_cannot_build_is_refused() -> None:

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final, cast
 
@@ -61,25 +61,51 @@ class ListenerLimits:
     max_connections: int = 10_000
 
 
-@dataclass(slots=True)
 class IncomingRequest:
     """A complete request as parsed (the body read whole). Not frozen for one reason:
-    `release`."""
+    `release`. A plain class, not a dataclass: mypyc compiles a class's own __init__, but a
+    dataclass's is generated at import and runs interpreted (36 bytecodes of every request)."""
 
-    method: str
-    target: str  # path and query as sent
-    path: str
-    headers: RequestHeaders  # looked up by name; its pairs are ``raw_headers``
-    body: bytes
-    http_version: str
-    keep_alive: bool
-    peer: str | None = None  # the client's address (IP), for X-Forwarded-For
-    # The header pairs as the parser gave them (bytes, in order): the upstream's head is built
-    # from these (`headers.upstream_header_block`), ``headers`` is for lookups.
-    raw_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    # Monotonic ns when the request's first byte was parsed (t_arrive: where the client's
-    # wait began, its upload included); None for a request not read off a connection.
-    began_ns: int | None = None
+    __slots__ = (
+        "method",
+        "target",
+        "path",
+        "headers",
+        "body",
+        "http_version",
+        "keep_alive",
+        "peer",
+        "raw_headers",
+        "began_ns",
+    )
+
+    def __init__(
+        self,
+        method: str,
+        target: str,
+        path: str,
+        headers: RequestHeaders,
+        body: bytes,
+        http_version: str,
+        keep_alive: bool,
+        peer: str | None = None,
+        raw_headers: list[tuple[bytes, bytes]] | None = None,
+        began_ns: int | None = None,
+    ) -> None:
+        self.method = method
+        self.target = target  # path and query as sent
+        self.path = path
+        self.headers = headers  # looked up by name; its pairs are ``raw_headers``
+        self.body = body
+        self.http_version = http_version
+        self.keep_alive = keep_alive
+        self.peer = peer  # the client's address (IP), for X-Forwarded-For
+        # The header pairs as the parser gave them (bytes, in order): the upstream's head is
+        # built from these (`headers.upstream_header_block`), ``headers`` is for lookups.
+        self.raw_headers: list[tuple[bytes, bytes]] = [] if raw_headers is None else raw_headers
+        # Monotonic ns when the request's first byte was parsed (t_arrive: where the client's
+        # wait began, its upload included); None for a request not read off a connection.
+        self.began_ns = began_ns
 
     def release(self) -> None:
         """The handler will not read the body or the headers again (the upstream answered):
