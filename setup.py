@@ -43,6 +43,7 @@ COMPILED = [
     "sidecar/proxy/channel.py",
     "sidecar/proxy/stream_relay.py",
     "sidecar/proxy/routing.py",
+    "sidecar/proxy/rxstamp.py",
     "sidecar/meter.py",
     "sidecar/protocol/rewrite.py",
     "sidecar/protocol/openai.py",

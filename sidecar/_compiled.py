@@ -34,6 +34,7 @@ COMPILED_MODULES = (
     "sidecar.proxy.channel",
     "sidecar.proxy.stream_relay",
     "sidecar.proxy.routing",
+    "sidecar.proxy.rxstamp",
     "sidecar.meter",
     "sidecar.protocol.rewrite",
     "sidecar.protocol.openai",

@@ -7,19 +7,27 @@ frames in ``data_received`` and hands each to a synchronous callback: no task wa
 coroutine per frame.
 
 Writing is the caller's business, through the asyncio transport: it never blocks. The worker
-side checks the transport's write buffer against its bound before each record and drops (and
-counts) rather than buffer without end (see worker.py).
+side (`ChannelSink`, at the end) checks the transport's write buffer against its bound before
+each record and drops (and counts) rather than buffer without end. The sink is here, compiled
+with the request path (setup.py), rather than in worker.py: a record's hand-off ran two
+interpreted frames of every request there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import json
 import logging
 import struct
+import time
 from collections.abc import Callable
 from typing import Any, Final, cast
+
+from sidecar.hooks import SINK_TIMEOUT_S, TAKEN, WRITTEN, LogThrottle
+from sidecar.proxy.recordwire import encode_record
+from sidecar.record import RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -161,3 +169,105 @@ class FrameProtocol(asyncio.Protocol):
         transport = self.transport
         in_transport = transport.get_write_buffer_size() if transport is not None else 0
         return in_transport + self._pending_bytes
+
+
+# -- the worker's sink ---------------------------------------------------------------------------
+
+
+class ChannelSink:
+    """Sends each finished record to the collector; synchronous, never waits.
+
+    Over ``bound`` bytes already waiting in the transport (the collector is slow or stopped),
+    the record is dropped and counted in ``dropped_full``; with the channel closed (or this
+    sink), in ``dropped_closed``; a record the wire format cannot hold, in ``encode_errors``.
+    So at every instant ``taken == sent + dropped_full + dropped_closed + encode_errors``.
+
+    A `hooks.Sink`: ``flush`` hands what the channel holds to the transport and waits (off the
+    loop's thread only) until the kernel took it; ``close`` flushes, then refuses later records.
+    The channel itself is the worker's: it still carries the final status after this closes.
+    """
+
+    name = "channel"
+
+    def __init__(self, protocol: FrameProtocol, bound: int) -> None:
+        self.protocol = protocol
+        self.bound = bound
+        self.sent = 0
+        self.dropped_full = 0
+        self.dropped_closed = 0
+        self.encode_errors = 0
+        self._closed = False
+        self._log_throttle = LogThrottle()
+        # The loop the channel's transport runs on: flush and close may be called from another
+        # thread (the sinks close in one, `asyncio.to_thread`), and a transport is not
+        # thread-safe.
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def taken(self) -> int:
+        return self.sent + self.dropped_full + self.dropped_closed + self.encode_errors
+
+    def on_record(self, record: RequestRecord) -> None:
+        if self._closed:
+            self.dropped_closed += 1
+            return
+        if self.protocol.buffered() > self.bound:
+            self.dropped_full += 1
+            return
+        try:
+            payload = encode_record(record)
+        except ValueError:
+            self.encode_errors += 1
+            if self._log_throttle.ready():
+                log.exception(
+                    "a record could not be encoded for the collector (%d so far)",
+                    self.encode_errors,
+                )
+            return
+        if self.protocol.send(frame(Kind.RECORD, payload)):
+            self.sent += 1
+        else:
+            self.dropped_closed += 1
+
+    def counters(self) -> dict[str, int]:
+        # The reasons as sidecar_channel_dropped_records_total names them.
+        return {
+            TAKEN: self.taken,
+            WRITTEN: self.sent,
+            "dropped_channel_full": self.dropped_full,
+            "dropped_channel_closed": self.dropped_closed,
+            "dropped_encode_error": self.encode_errors,
+        }
+
+    def flush(self, timeout_s: float = SINK_TIMEOUT_S) -> bool:
+        """Write what the channel holds. On the loop's thread this cannot wait for the kernel
+        (the loop does the writing): True when nothing is left in the transport already.
+        From another thread: True once the kernel took everything, within ``timeout_s``."""
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop or self._loop.is_closed():
+            self.protocol.flush()
+            return self.protocol.buffered() == 0
+        waiting = asyncio.run_coroutine_threadsafe(self._drain(timeout_s), self._loop)
+        try:
+            return waiting.result(timeout_s + 1.0)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            waiting.cancel()
+            return False
+
+    async def _drain(self, timeout_s: float) -> bool:
+        self.protocol.flush()
+        deadline = time.monotonic() + timeout_s
+        # No event says "the kernel took it" (asyncio's pause/resume_writing only fire at the
+        # transport's high-water marks): polled, as `Worker._drain` does at exit.
+        while self.protocol.buffered() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.protocol.buffered() == 0
+
+    def close(self, timeout_s: float = SINK_TIMEOUT_S) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(timeout_s)

@@ -44,6 +44,7 @@ log = logging.getLogger("sidecar.proxy")
 
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK: Final = b"0\r\n\r\n"
+_TASK_NAME: Final = "sidecar-request"  # each request's handler task
 # The transport's buffer to the client above which the relay stops reading its upstream, and
 # below which it reads again (aiohttp's figures: memory per slow client stays ~64 KiB + a read).
 WRITE_HIGH_WATER: Final = 64 * 1024
@@ -366,6 +367,7 @@ class ClientConnection(asyncio.Protocol):
         # by its reference count, not by a full collection (tests/test_gc_cycles.py).
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._url = bytearray()
+        self._target = "/"  # the request's target in origin form, once its head is read
         self._headers: list[tuple[bytes, bytes]] = []
         # The request's header pairs from its head's end until the request is made.
         self._raw_headers: list[tuple[bytes, bytes]] = []
@@ -571,7 +573,8 @@ class ClientConnection(asyncio.Protocol):
         self._method = parser.get_method().decode("ascii", "replace")
         self._raw_headers, self._headers = self._headers, []
         headers = self._request_headers = RequestHeaders(self._raw_headers)
-        if _origin_form(self._url.decode("latin-1")) is None:
+        target = _origin_form(self._url.decode("latin-1"))
+        if target is None:
             log.warning(
                 "request from %s with a target that is not a path refused (400)", self._peer()
             )
@@ -587,6 +590,7 @@ class ClientConnection(asyncio.Protocol):
                 )
             )
             raise _Refused
+        self._target = target  # the URL is whole at the head's end: read once, here
         declared = headers.get("Content-Length")
         limit = self.limits.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -633,7 +637,7 @@ class ClientConnection(asyncio.Protocol):
         self._in_message = False
         parser = self.parser
         assert parser is not None and self._request_headers is not None and self._method is not None
-        target = _origin_form(self._url.decode("latin-1")) or "/"
+        target = self._target
         self._queue.append(
             IncomingRequest(
                 method=self._method,
@@ -658,7 +662,9 @@ class ClientConnection(asyncio.Protocol):
         request = self._queue.pop(0)
         exchange = ClientExchange(self, request)
         self._exchange = exchange
-        self._task = self.loop.create_task(self._run(request, exchange))
+        # A Task made directly with its name (what uvloop's create_task does, then names it):
+        # the default name, "Task-<n>", is formatted for every task made without one.
+        self._task = asyncio.Task(self._run(request, exchange), loop=self.loop, name=_TASK_NAME)
 
     async def _run(self, request: IncomingRequest, exchange: ClientExchange) -> None:
         try:

@@ -228,8 +228,8 @@ class StampedTransport:
                 data, realtime_ns = receive_with_python(self._sock, read)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as exc:
-            self._fail(exc)
+        except OSError as broken:
+            self._fail(broken)
             return
         now_ns = clock.monotonic_ns()
         if not data:
