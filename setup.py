@@ -28,11 +28,10 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # The modules of a request's path through a worker, compiled by mypyc (sidecar/_compiled.py names
-# them as modules: tests/test_compiled.py holds the two lists together). Not in this list yet:
-# modules whose classes the tests patch at run time to count what they do (stream_relay.py,
-# routing.py: a compiled class's methods cannot be replaced), msgspec structs (requesthead.py:
-# mypyc would compile the struct's class), the SSE parser (tests subclass it), and the
-# collector's side (its cost is per record, not per event).
+# them as modules: tests/test_compiled.py holds the two lists together, and the pitfalls of
+# compiled code it has met). Not in this list: msgspec structs (requesthead.py: mypyc would
+# compile the struct's class), the SSE parser (tests subclass it), and the collector's side
+# (its cost is per record, not per event).
 COMPILED = [
     "sidecar/proxy/timeouts.py",
     "sidecar/proxy/builder.py",

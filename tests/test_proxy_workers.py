@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,9 @@ from sidecar import stats
 from sidecar.config import ConfigError, build_config, cgroup_cpu_quota, default_workers
 from sidecar.hooks import Sink, SinkFanout, dropped_by_reason
 from sidecar.proxy import channel
-from sidecar.proxy.channel import FrameProtocol, Kind
+from sidecar.proxy.channel import ChannelSink, FrameProtocol, Kind
 from sidecar.proxy.recordwire import decode_record
-from sidecar.proxy.worker import ChannelSink, config_from_wire, config_to_wire
+from sidecar.proxy.worker import config_from_wire, config_to_wire
 from sidecar.record import Outcome, RequestRecord
 from sidecar.tracefile import TraceReader
 
@@ -768,3 +768,46 @@ async def test_the_channel_sink_lifecycle_on_a_real_socket() -> None:
         assert sender.transport is not None
         sender.transport.close()
         reader_transport.close()
+
+
+@dataclass(frozen=True, slots=True)
+class SubRecord(RequestRecord):
+    """A record of a subclass: the C encoder leaves it to the Python one."""
+
+
+async def test_the_channel_sink_drops_and_counts_a_record_the_wire_cannot_hold() -> None:
+    """A record the wire format cannot hold (a count beyond 64 bits) is counted and dropped,
+    whichever encoder met it; the records around it go out whole, a subclass's through the
+    Python encoder."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.setblocking(False)
+    _, sender = await loop.create_unix_connection(
+        lambda: FrameProtocol(lambda _kind, _payload: None, lambda: None), sock=ours
+    )
+    try:
+        sink = ChannelSink(sender, bound=1 << 20)
+        sink.on_record(channel_record(0))
+        sink.on_record(replace(channel_record(1), n_out=2**70))
+        plain = channel_record(2)
+        sink.on_record(SubRecord(**{f: getattr(plain, f) for f in plain.__dataclass_fields__}))
+        sink.on_record(
+            replace(
+                SubRecord(**{f: getattr(plain, f) for f in plain.__dataclass_fields__}),
+                n_in=-(2**70),
+            )
+        )
+        assert sink.flush(1)
+        got = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
+        frames = split_frames(got)
+        assert [decode_record(payload).request_id for _, payload in frames] == ["c0", "c2"]
+        assert dropped_by_reason(sink.counters()) == {
+            "channel_full": 0,
+            "channel_closed": 0,
+            "encode_error": 2,
+        }
+        assert sink.counters()["written"] == 2
+    finally:
+        assert sender.transport is not None
+        sender.transport.close()
+        theirs.close()

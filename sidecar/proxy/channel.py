@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, Final, cast
 
 from sidecar.hooks import SINK_TIMEOUT_S, TAKEN, WRITTEN, LogThrottle
-from sidecar.proxy.recordwire import encode_record
+from sidecar.proxy.recordwire import encode_record, native_encoder
 from sidecar.record import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,8 @@ class FrameProtocol(asyncio.Protocol):
 
 # -- the worker's sink ---------------------------------------------------------------------------
 
+_NATIVE_ENCODE: Final = native_encoder()
+
 
 class ChannelSink:
     """Sends each finished record to the collector; synchronous, never waits.
@@ -214,8 +216,17 @@ class ChannelSink:
         if self.protocol.buffered() > self.bound:
             self.dropped_full += 1
             return
+        payload: bytes | None = None
+        if _NATIVE_ENCODE is not None:
+            # The C encoder straight from here (encode_record is interpreted); whatever it
+            # leaves or refuses goes through encode_record, which says why in a ValueError.
+            try:
+                payload = _NATIVE_ENCODE(record)
+            except Exception:
+                payload = None
         try:
-            payload = encode_record(record)
+            if payload is None:
+                payload = encode_record(record)
         except ValueError:
             self.encode_errors += 1
             if self._log_throttle.ready():

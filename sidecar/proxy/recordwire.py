@@ -157,6 +157,13 @@ except ImportError:  # built without a C compiler (or on a big-endian host): the
     _native_encode = _native_decode = None
 
 
+def native_encoder() -> Callable[[RequestRecord], bytes | None] | None:
+    """The C encoder (None where it is not built): a record's bytes, None for one it leaves to
+    the Python encoder; it raises for a record the format cannot hold, where `encode_record`
+    raises ValueError. For compiled callers, which then need no interpreted call per record."""
+    return _native_encode
+
+
 def encode_record(record: RequestRecord) -> bytes:
     """The record as bytes (see the module's layout). Raises ValueError for a record that does
     not fit the format (an integer beyond 64 bits, an enum member unknown to this version)."""

@@ -159,6 +159,10 @@ class Proxy:
         self._slo_class_names = frozenset(config.slo_thresholds())
         # Each record names the policy: read once (an enum's `value` is a descriptor call).
         self._route_policy_name: str = config.route_policy.value
+        # ... and which keys routing needs, for the same reason (an enum member read off its
+        # class is a lookup through the metaclass).
+        self._session_routing = config.route_policy is RoutePolicy.SESSION
+        self._prefix_routing = config.route_policy is RoutePolicy.PREFIX
         # Capture needs each request's shape (lengths asked, prefix hashes); text only opt-in.
         # ``capture_salt``: a key given by the process that owns the capture (a worker gets its
         # collector's, so that every worker's hashes and pseudonyms agree).
@@ -764,11 +768,11 @@ class Proxy:
                         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                     }
                 )
-            if config.route_policy is RoutePolicy.SESSION:
+            if self._session_routing:
                 gen.session_key = request.headers.get(config.session_header) or (
                     parsed.get("user") if isinstance(parsed.get("user"), str) else None
                 )
-            elif config.route_policy is RoutePolicy.PREFIX:
+            elif self._prefix_routing:
                 whole = whole if whole is not None else read_whole(body)
                 if isinstance(whole, dict):
                     gen.prefix_key = prompt_prefix_key(
