@@ -41,7 +41,12 @@ windows: the Python bytecodes each function executes per request (exact; the tra
 worker, hence the same 10 ms step), or cProfile's calls and own time per request (its own cost
 inflates small functions: read the calls first, the times as a ranking). Both run the
 package's compiled request path from its source (``SIDECAR_INTERPRETED=1``, sidecar/_compiled.py):
-compiled code executes no bytecodes and makes no Python calls to profile.
+compiled code executes no bytecodes and makes no Python calls to profile. With ``--as-built``
+they run the tree as built instead, and then list exactly what the compiled request path
+still hands to the interpreter per request (a dataclass's generated ``__init__``, a
+``__post_init__`` a C constructor calls, an interpreted sink or transport, asyncio's task
+registry): session 28 found its interpreted per-request code this way
+(benchmarks/RESULTS.md, "Session 28").
 
 ``--by-function``: instructions per request spent in each Python function and what it calls
 (inclusive), which neither the bytecodes nor callgrind's C functions give: the windows run on a
@@ -548,6 +553,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--opcodes", action="store_true", help="bytecodes executed per function, no valgrind"
     )
     parser.add_argument(
+        "--as-built",
+        action="store_true",
+        help="--opcodes / --profile on the tree as built (its compiled modules compiled): what "
+        "the compiled request path still runs interpreted",
+    )
+    parser.add_argument(
         "--by-function",
         type=int,
         nargs="?",
@@ -580,7 +591,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.compiled_functions and not list(args.tree.resolve().glob("sidecar__mypyc*")):
         parser.error(f"--compiled-functions: {args.tree} has no compiled request path (setup.py)")
     args.profile = args.profile or args.opcodes
-    if args.profile or args.by_function:
+    if args.as_built and not args.profile:
+        parser.error("--as-built goes with --opcodes or --profile")
+    if (args.profile and not args.as_built) or args.by_function:
         # Bytecodes and Python calls are the interpreted source's (and --by-function's copy
         # compiles that source itself): the processes started below inherit this.
         os.environ["SIDECAR_INTERPRETED"] = "1"
@@ -678,7 +691,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 name: profile_rows(profiles[0][name], profiles[1][name], n, 10**9, args.opcodes)
                 for name in pids
             }
-            report: dict[str, object] = {"requests": n, "concurrency": args.concurrency}
+            report: dict[str, object] = {
+                "requests": n,
+                "concurrency": args.concurrency,
+                "as_built": args.as_built,
+            }
             for name, table in rows.items():
                 top = table[: args.top or 40]
                 if args.opcodes:
