@@ -58,15 +58,22 @@ _KeptC = Callable[
     [Sequence[tuple[bytes, bytes]], tuple[bytes, ...]],
     tuple[bytes, list[bytes] | None, list[bytes] | None, bool] | None,
 ]
-_native_kept: _KeptC | None
-_native_index: Callable[[list[tuple[bytes, bytes]]], dict[bytes, bytes] | None] | None
-_native_first: Callable[[Sequence[tuple[bytes, bytes]], bytes], bytes | None | EllipsisType] | None
+_IndexC = Callable[[list[tuple[bytes, bytes]]], dict[bytes, bytes] | None]
+_FirstC = Callable[[Sequence[tuple[bytes, bytes]], bytes], bytes | None | EllipsisType]
+_kept_c: _KeptC | None
+_index_c: _IndexC | None
+_first_c: _FirstC | None
 try:
-    from sidecar.proxy._headerblock import first_value as _native_first
-    from sidecar.proxy._headerblock import kept as _native_kept
-    from sidecar.proxy._headerblock import lowered_index as _native_index
+    from sidecar.proxy._headerblock import first_value as _first_c
+    from sidecar.proxy._headerblock import kept as _kept_c
+    from sidecar.proxy._headerblock import lowered_index as _index_c
 except ImportError:  # built without a C compiler: the Python below does the same
-    _native_kept = _native_index = _native_first = None
+    _kept_c = _index_c = _first_c = None
+# Final: C statics in compiled code, where a module global is a dict lookup per read.
+_native_kept: Final = _kept_c
+_native_index: Final = _index_c
+_native_first: Final = _first_c
+_DEFERRED: Final = EllipsisType  # what the C lookup returns for a pair list it leaves
 
 
 def first_value(pairs: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
@@ -77,7 +84,7 @@ def first_value(pairs: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | No
     native = _native_first
     if native is not None:
         found = native(pairs, name)
-        if not isinstance(found, EllipsisType):
+        if not isinstance(found, _DEFERRED):
             return found
     return _first_value_python(pairs, name)
 
@@ -276,14 +283,25 @@ def request_id_from(headers: HeaderLookup) -> str:
 # request was ~60 % of an id's cost (565 -> 230 ns, timeit). Still the kernel's CSPRNG; a
 # forked child starts without its parent's bytes, or the two would hand out the same ids.
 _RANDOM_BATCH: Final = 16 * 256
-_random = bytearray()
-_random_at = 0
+
+
+class _RandomBytes:
+    """The batch in hand and how much of it is used: an object's attributes, not module
+    globals (each read of which is a lookup in the module's dict in compiled code)."""
+
+    __slots__ = ("data", "at")
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.at = 0
+
+
+_RANDOM: Final = _RandomBytes()
 
 
 def _forget_random() -> None:
-    global _random, _random_at
-    _random = bytearray()
-    _random_at = 0
+    _RANDOM.data = bytearray()
+    _RANDOM.at = 0
 
 
 os.register_at_fork(after_in_child=_forget_random)
@@ -292,13 +310,13 @@ os.register_at_fork(after_in_child=_forget_random)
 def new_request_id() -> str:
     """A random (version 4) UUID as 32 hex digits, what ``uuid.uuid4().hex`` gives, made
     without the UUID object: its constructor was ~100 bytecodes of every request."""
-    global _random, _random_at
-    at = _random_at
-    if at + 16 > len(_random):
-        _random = bytearray(os.urandom(_RANDOM_BATCH))
+    state = _RANDOM
+    at = state.at
+    if at + 16 > len(state.data):
+        state.data = bytearray(os.urandom(_RANDOM_BATCH))
         at = 0
-    _random_at = at + 16
-    raw = _random[at : at + 16]
+    state.at = at + 16
+    raw = state.data[at : at + 16]
     raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
     raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 9562 variant
     return raw.hex()

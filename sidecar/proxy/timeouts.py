@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING, Any, Final
 from sidecar import clock
 from sidecar.config import ProxyConfig
 
+# The clock as a C static in compiled code (`clock.monotonic_ns` is a lookup of the module
+# global and then of its attribute, at every reading).
+_monotonic_ns: Final = clock.monotonic_ns
+
 if TYPE_CHECKING:
     from sidecar.protocol._tokenscan import Lane
 
@@ -109,7 +113,7 @@ class Alarms:
 
     def _ring(self) -> None:
         self._timer = None
-        now = clock.monotonic_ns()
+        now = _monotonic_ns()
         # While ringing, an alarm a callback adds sets no timer (one is set below, for the
         # earliest left), unless it is due already: then it rings in this pass.
         self._wakes_at = now
@@ -185,7 +189,7 @@ class Timeouts:
         idle_s: float = 0.0,
         alarms: Alarms | None = None,
     ) -> None:
-        now = clock.monotonic_ns()
+        now = _monotonic_ns()
         # Given by the caller where it has them (its connection's), else looked up: every
         # asyncio.get_running_loop() is a getpid() syscall on CPython 3.11 (its fork check),
         # ~1 % of a worker's CPU at short streams (py-spy).
@@ -235,7 +239,7 @@ class Timeouts:
     def start_idle(self) -> None:
         """From now on, a gap of ``idle_s`` between two reads (`last_ns`) ends the request."""
         if self.idle_ns:
-            now = clock.monotonic_ns()
+            now = _monotonic_ns()
             self.last_ns = now
             self._arm(now)
 
@@ -268,7 +272,7 @@ class Timeouts:
 
     def _check(self) -> None:
         self._alarm = None
-        now = clock.monotonic_ns()
+        now = _monotonic_ns()
         when, name = self._deadline()
         if when > now:
             self._confirming = False
@@ -331,7 +335,7 @@ class Deadline:
         """Call ``callback`` ``delay_s`` from now, instead of whatever was set before. A new
         alarm is made to ring within ``wake_within_s`` (when positive and sooner than the
         deadline): a shorter deadline set before then keeps it."""
-        now = clock.monotonic_ns()
+        now = _monotonic_ns()
         at = now + int(delay_s * 1e9)
         self._at = at
         self._callback = callback
@@ -361,7 +365,7 @@ class Deadline:
         at = self._at
         if at == NEVER:
             return
-        now = clock.monotonic_ns()
+        now = _monotonic_ns()
         if now < at:  # moved since the alarm was added
             self._alarm = self._alarms.add(at, now, self._wake)
             return
