@@ -73,7 +73,7 @@ except ImportError:  # built without a C compiler: the Python below does the sam
 _native_kept: Final = _kept_c
 _native_index: Final = _index_c
 _native_first: Final = _first_c
-_DEFERRED: Final = EllipsisType  # what the C lookup returns for a pair list it leaves
+_DEFERRED: Final = EllipsisType  # the C lookup's answer (...) for a pair list it leaves
 
 
 def first_value(pairs: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:

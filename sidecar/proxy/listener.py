@@ -666,8 +666,8 @@ class ClientConnection(asyncio.Protocol):
         request = self._queue.pop(0)
         exchange = ClientExchange(self, request)
         self._exchange = exchange
-        # A Task made directly with its name (what uvloop's create_task does, then names it):
-        # the default name, "Task-<n>", is formatted for every task made without one.
+        # The Task uvloop's create_task would make, named as it is made: create_task names it
+        # afterwards, and the default name, "Task-<n>", is formatted for every task first.
         self._task = asyncio.Task(self._run(request, exchange), loop=self.loop, name=_TASK_NAME)
 
     async def _run(self, request: IncomingRequest, exchange: ClientExchange) -> None:

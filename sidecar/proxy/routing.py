@@ -92,11 +92,6 @@ class Router:
     def policy(self) -> RoutePolicy:
         return self._policy
 
-    @policy.setter
-    def policy(self, policy: RoutePolicy) -> None:
-        self._policy = policy
-        self._code = _policy_code(policy)
-
     def candidates(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
         pool = [r for r in self.replicas if r not in exclude]
         healthy = [r for r in pool if r.healthy]
