@@ -700,8 +700,8 @@ class Proxy:
             # second look (the fall-through, where both are set) is what mypyc compiles, and
             # the finally reads them as set: a cancellation before the upstream answered then
             # raised TypeError there, and left the replica's outstanding count one too high
-            # (tests/test_compiled.py lists every finally of the compiled modules that reads
-            # what its try assigns).
+            # (tests/test_compiled.py holds every compiled try whose finally reads what the
+            # try assigns to having no fall-through).
             return
         finally:
             idle.disarm()
