@@ -790,13 +790,9 @@ async def test_the_channel_sink_drops_and_counts_a_record_the_wire_cannot_hold()
         sink.on_record(channel_record(0))
         sink.on_record(replace(channel_record(1), n_out=2**70))
         plain = channel_record(2)
-        sink.on_record(SubRecord(**{f: getattr(plain, f) for f in plain.__dataclass_fields__}))
-        sink.on_record(
-            replace(
-                SubRecord(**{f: getattr(plain, f) for f in plain.__dataclass_fields__}),
-                n_in=-(2**70),
-            )
-        )
+        sub = SubRecord(**{f: getattr(plain, f) for f in plain.__dataclass_fields__})
+        sink.on_record(sub)
+        sink.on_record(replace(sub, n_in=-(2**70)))
         assert sink.flush(1)
         got = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
         frames = split_frames(got)
