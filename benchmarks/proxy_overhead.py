@@ -133,6 +133,19 @@ def proc_sched_ns(pid: int) -> int:
     return total
 
 
+def proc_voluntary_switches(pid: int) -> int:
+    """Sum over the process's live threads of their voluntary context switches (each a sleep
+    that ended in a wake-up: an idle relay's epoll_wait blocking, mostly)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+                    break
+    return total
+
+
 def host_busy_ns() -> int:
     """CPU time the whole host spent busy (all cores: user, nice, system, irq, softirq,
     steal), from /proc/stat, in ns."""
@@ -554,13 +567,14 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
         }
         if args.watch_pid:
             # Every process of the relay (nginx: master + workers), summed.
-            utime = stime = sched = 0
+            utime = stime = sched = switches = 0
             mem = {"VmRSS": 0, "VmHWM": 0}
             by_process = []
             for pid in args.watch_pid:
                 u, s = proc_cpu_split_ns(pid)
                 run_ns = proc_sched_ns(pid)
                 utime, stime, sched = utime + u, stime + s, sched + run_ns
+                switches += proc_voluntary_switches(pid)
                 # Run time (ns resolution), for the split between processes: a collector's
                 # few ticks in a short window would round to nothing.
                 by_process.append(run_ns)
@@ -571,6 +585,7 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
             # In --watch-pid's order: the sidecar's collector first, then its workers.
             snap["proxy_cpu_ns_by_process"] = by_process
             snap["proxy_sched_ns"] = sched
+            snap["proxy_voluntary_switches"] = switches
             snap["proxy_mem_kib"] = mem
         if args.sim_pid:
             snap["sim_cpu_ns"] = proc_cpu_ns(args.sim_pid)
@@ -1141,6 +1156,14 @@ def analyse_run(result: dict[str, Any]) -> dict[str, Any]:
                 "proxy_us_event_sched": sched / 1e3 / events,
                 "proxy_us_token": cpu / 1e3 / max(1, result["window_tokens"]),
                 "proxy_sys_share": stime / cpu if cpu else float("nan"),
+                # Wake-ups per event: an idle relay sleeps in epoll_wait and each wake-up costs
+                # kernel time (the switch in and out) besides the event's own work.
+                "proxy_wakeups_event": (
+                    w["end"]["proxy_voluntary_switches"] - w["start"]["proxy_voluntary_switches"]
+                )
+                / events
+                if "proxy_voluntary_switches" in w["start"]
+                else float("nan"),
                 "proxy_load": cpu / (span_s * 1e9),
                 "proxy_rss_mib": w["end"]["proxy_mem_kib"]["VmRSS"] / 1024,
                 "proxy_hwm_mib": w["end"]["proxy_mem_kib"]["VmHWM"] / 1024,
@@ -1314,14 +1337,16 @@ def report(
         "worker; Envoy: one process, all its threads). Per event = per SSE event written to the "
         f"client ({max_tokens} token chunks + 1 role chunk + [DONE] per request; the sidecar "
         "also reads and drops the usage chunk it asked for). Memory read at the window's end, "
-        "with C streams in flight (nginx: summed over its processes)."
+        "with C streams in flight (nginx: summed over its processes). Wake-ups: the relay's "
+        "voluntary context switches (/proc/<pid>/task/*/status) per event: each is a sleep in "
+        "epoll_wait that ended, and costs kernel time besides the event's own work."
     )
     add("")
     add(
         "| C | relay | CPU load (cores) | µs/event | µs/event (schedstat) | µs/token chunk | "
-        "kernel share | VmRSS MiB | VmHWM MiB |"
+        "kernel share | wake-ups/event | VmRSS MiB | VmHWM MiB |"
     )
-    add("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    add("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in concurrencies:
         for mode in relays:
             rs = runs[(c, mode)]
@@ -1332,6 +1357,7 @@ def report(
                 f"{med_spread([r['proxy_us_event_sched'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_us_token'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_sys_share'] for r in rs], '{:.2f}')} | "
+                f"{med_spread([r['proxy_wakeups_event'] for r in rs], '{:.3f}')} | "
                 f"{med_spread([r['proxy_rss_mib'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_hwm_mib'] for r in rs], '{:.1f}')} |"
             )

@@ -102,6 +102,7 @@ def check_relay(result: dict[str, Any], mode: str) -> None:
         "proxy_us_event",
         "proxy_us_event_sched",
         "proxy_load",
+        "proxy_wakeups_event",
         "proxy_rss_mib",
     ):
         assert finite(summary[key]), (mode, key, summary[key])
@@ -282,6 +283,87 @@ def test_rate_search_brackets_then_bisects() -> None:
     tried.clear()
     passed, failed, _ = po.search_rates(lambda r: {"verdict": "fail"}, 1000, 250, 64000, 6, 3)
     assert passed is None and failed == 250
+
+
+# ---------------------------------------------------------------------------------------------
+# cpu_by_length.py: CPU per request and per event, by stream length
+
+
+@needs_envoy
+@needs_nginx
+def test_cpu_by_length_smoke(tmp_path: Path) -> None:
+    from sidecar.tracefile import TraceHeader, TraceRequest, write_trace
+
+    trace = tmp_path / "lengths.jsonl"
+    lengths = [10, 30, None, 50]  # mean 30 over the three that say it
+    write_trace(
+        trace,
+        TraceHeader(source="test"),
+        [TraceRequest(t=i, n_out=n) for i, n in enumerate(lengths)],
+    )
+    out = tmp_path / "by_length.json"
+    stdout = run_harness(
+        "cpu_by_length.py", "--smoke", "--trace", str(trace), "--json-out", str(out)
+    )
+    result = json.loads(out.read_text())
+    assert result["lengths"] == [4, 8]
+    runs = result["runs"]
+    assert {(r["mode"], r["length"]) for r in runs} == {
+        (mode, length) for mode in ("sidecar", "envoy", "nginx") for length in (4, 8)
+    }
+    for run in runs:
+        assert run["n_err"] == 0 and run["n_ok"] > 0
+        assert finite(run["proxy_us_event"]) and run["proxy_us_event"] > 0
+        assert finite(run["proxy_wakeups_event"]) and run["proxy_wakeups_event"] >= 0
+        # A stream of n tokens: its role chunk, n token chunks, the finish/usage chunk(s)
+        assert run["events_per_request"] >= run["length"] + 1
+    for mode in ("sidecar", "envoy", "nginx"):
+        fit = result["fits"][mode]
+        assert finite(fit["per_request_us"]) and finite(fit["per_event_us"]) and fit["runs"] == 2
+    envelope = result["envelopes"]["lengths.jsonl"]
+    assert envelope["mean_tokens"] == 30 and envelope["requests"] == 3
+    assert envelope["events_per_request"] == 30 + result["extra_events_per_request"]
+    assert set(result["ratio_to_envoy"]) == {"sidecar", "nginx"}
+    assert "| tokens per stream | events per request |" in stdout
+    assert "| relay | per request (µs) | per event (µs) |" in stdout
+    assert "wake-ups per event" in stdout
+    assert "At the mean output of lengths.jsonl (30.0 tokens over 3 requests" in stdout
+
+
+def test_cpu_by_length_fits_per_request_and_per_event_cost() -> None:
+    import cpu_by_length as cbl
+
+    # 300 µs per request + 10 µs per event: at 10 / 30 / 100 events per request,
+    # 300/10 + 10 = 40, 300/30 + 10 = 20, 300/100 + 10 = 13 µs per event.
+    exact = cbl.fit_cost([(10, 40.0), (30, 20.0), (100, 13.0)])
+    assert exact.per_request_us == pytest.approx(300)
+    assert exact.per_event_us == pytest.approx(10)
+    assert exact.r_squared == pytest.approx(1.0) and exact.runs == 3
+    assert exact.us_per_event(50) == pytest.approx(300 / 50 + 10)
+
+    # By hand: per request y = 400, 520, 600 at x = 10, 20, 30. Mean x 20, mean y 506.67;
+    # Sxy = (-10)(-106.67) + 0 + (10)(93.33) = 2000, Sxx = 200: slope 10, intercept
+    # 506.67 - 200 = 306.67. Residuals -6.67, 13.33, -6.67 (SS 266.67), total SS
+    # 106.67^2 + 13.33^2 + 93.33^2 = 20266.67: R^2 = 1 - 266.67 / 20266.67 = 0.98684.
+    noisy = cbl.fit_cost([(10, 40.0), (20, 26.0), (30, 20.0)])
+    assert noisy.per_event_us == pytest.approx(10)
+    assert noisy.per_request_us == pytest.approx(306.667, abs=1e-3)
+    assert noisy.r_squared == pytest.approx(0.98684, abs=1e-5)
+
+    with pytest.raises(ValueError, match="two stream lengths"):
+        cbl.fit_cost([(10, 40.0), (10, 41.0)])
+
+    # a: 300 + 10 e, b: 100 + 14 e: 300/e + 10 = 100/e + 14 at e = 200 / 4 = 50.
+    a = cbl.CostFit(per_request_us=300, per_event_us=10, runs=2, r_squared=1)
+    b = cbl.CostFit(per_request_us=100, per_event_us=14, runs=2, r_squared=1)
+    assert cbl.crossover_events(a, b) == pytest.approx(50)
+    assert cbl.crossover_events(b, a) == pytest.approx(50)
+    assert a.us_per_event(50) == pytest.approx(b.us_per_event(50)) == pytest.approx(16)
+    # Cheaper per request and per event: no crossing; parallel lines: none either.
+    cheap = cbl.CostFit(per_request_us=100, per_event_us=10, runs=2, r_squared=1)
+    dear = cbl.CostFit(per_request_us=300, per_event_us=14, runs=2, r_squared=1)
+    assert cbl.crossover_events(cheap, dear) is None
+    assert cbl.crossover_events(a, cbl.CostFit(100, 10, 2, 1)) is None
 
 
 # ---------------------------------------------------------------------------------------------
