@@ -259,6 +259,54 @@ def percentile_name(q: float) -> str:
     return f"p{q:g}"
 
 
+# From this many samples up, `percentile_values` selects the order statistics itself.
+SELECT_FROM: Final = 65_536
+
+
+def percentile_values(
+    data: npt.NDArray[np.float64], percentiles: Sequence[float]
+) -> npt.NDArray[np.float64]:
+    """``np.percentile(data, percentiles)`` (method "linear"), value for value, for finite
+    float64 ``data``; faster on large samples.
+
+    numpy's percentile partitions the sample once around every order statistic it needs
+    (two per percentile); given several, `ndarray.partition` runs a scalar introselect, while
+    given one it runs a vectorised quickselect (x86-simd-sort where the CPU has it): on a live
+    window's 3M ITL gaps, 30-45 ms against ~10 for one partition per statistic, each of the
+    part above the previous one. The statistics are the same values whichever way they are
+    found; they are then interpolated with numpy's own operations for the linear method
+    (`_quantile`, `_get_indexes`, `_get_gamma`, `_lerp` in numpy/lib/_function_base_impl.py),
+    so the result is bit for bit np.percentile's (tests/test_stats.py holds the two equal on
+    random and degenerate samples)."""
+    n = data.size
+    q = np.true_divide(np.asarray(percentiles, dtype=np.float64), 100)
+    if n < SELECT_FROM or q.ndim != 1 or not bool(((q >= 0) & (q <= 1)).all()):
+        return np.asarray(np.percentile(data, percentiles), dtype=np.float64)
+    virtual = (n - 1) * q
+    previous = np.floor(virtual)
+    following = previous + 1
+    above = virtual >= n - 1
+    previous[above] = -1
+    following[above] = -1
+    previous_at = previous.astype(np.intp)
+    following_at = following.astype(np.intp)
+    # The order statistics, smallest position first: a partition leaves the values below its
+    # position in front of it, so the next one sorts out only the part behind it, and never
+    # moves a statistic already in place.
+    work = data.copy()
+    begin = 0
+    for at in sorted({int(i) % n for i in (*previous_at, *following_at)}):
+        work[begin:].partition(at - begin)
+        begin = at + 1
+    lower = work[previous_at]
+    upper = work[following_at]
+    gamma = np.asarray(virtual - previous_at, dtype=virtual.dtype)
+    span = upper - lower
+    result: npt.NDArray[np.float64] = np.add(lower, span * gamma)
+    np.subtract(upper, span * (1 - gamma), out=result, where=gamma >= 0.5)
+    return result
+
+
 def summarize(
     values: Iterable[float] | npt.NDArray[np.float64], percentiles: Sequence[float] = PERCENTILES
 ) -> Summary:
@@ -268,7 +316,7 @@ def summarize(
         data = data[finite]
     if data.size == 0:
         return Summary(count=0)
-    qs = np.percentile(data, percentiles)
+    qs = percentile_values(data, percentiles)
     return Summary(
         count=int(data.size),
         mean=float(data.mean()),
@@ -571,16 +619,26 @@ def summary_of(samples: Samples, vantage: Vantage) -> VantageReport:
             no_first_token=0,
         )
     itl_s, itl_tokens = samples.itl_s, samples.itl_tokens
-    carried = itl_tokens > 0
-    per_token = np.repeat(itl_s[carried] / itl_tokens[carried], itl_tokens[carried])
+    itl = summarize(itl_s)
+    if bool((itl_tokens == 1).all()):
+        # Every gap's later event carried one token (vLLM streams one token per chunk unless
+        # told otherwise): the per-token view is the same samples (each gap / 1, once), so the
+        # same summary. Over a full window that is the largest sample summarised twice (a
+        # 100,000-record window of 32-token streams: 3.1M gaps per vantage, ~40 ms each).
+        itl_per_token = itl
+    else:
+        carried = itl_tokens > 0
+        itl_per_token = summarize(
+            np.repeat(itl_s[carried] / itl_tokens[carried], itl_tokens[carried])
+        )
     return VantageReport(
         vantage=vantage,
         requests=samples.requests,
         ttft=summarize(samples.defined("ttft")),
         tpot=summarize(samples.defined("tpot")),
         e2e=summarize(samples.defined("e2e")),
-        itl=summarize(itl_s),
-        itl_per_token=summarize(per_token),
+        itl=itl,
+        itl_per_token=itl_per_token,
         tpot_excluded=samples.tpot_excluded,
         no_first_token=samples.no_first_token,
     )

@@ -10,7 +10,14 @@ import random
 from sidecar.record import EngineTiming, Int64s, Outcome, RequestRecord, Timeline
 
 
-def random_records(seed: int, n: int, start_wall_ns: int = 10**18) -> list[RequestRecord]:
+def random_records(
+    seed: int,
+    n: int,
+    start_wall_ns: int = 10**18,
+    tokens_per_event: tuple[int, ...] = (1, 1, 1, 2, 5, 0),
+) -> list[RequestRecord]:
+    """``tokens_per_event``: what each event's token count is drawn from ((1,): one token per
+    chunk, as vLLM streams by default)."""
     rng = random.Random(seed)
     out = []
 
@@ -21,7 +28,7 @@ def random_records(seed: int, n: int, start_wall_ns: int = 10**18) -> list[Reque
         for _ in range(events):
             at += rng.randint(0, 50_000_000)
             offsets.append(at)
-            tokens.append(rng.choice([1, 1, 1, 2, 5, 0]))
+            tokens.append(rng.choice(tokens_per_event))
         end = None if rng.random() < 0.2 else at + rng.randint(0, 10**6)
         # n > 1 for a fifth of them: interleaved choices, one choice column per event.
         n = rng.choice([1, 1, 1, 1, 2, 3])

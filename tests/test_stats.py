@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 from functools import partial
 
+import numpy as np
 import pytest
 from factories import MS, build_record, marks
 from random_records import random_records
@@ -471,6 +472,57 @@ def test_bulk_vantage_report_equals_the_per_request_definition(seed: int) -> Non
     records = random_records(seed, 300)
     for vantage in (Vantage.CLIENT, Vantage.SERVER, Vantage.ENGINE):
         assert stats.vantage_report(records, vantage) == _reference_vantage_report(records, vantage)
+
+
+def test_percentiles_of_a_large_sample_are_numpys_bit_for_bit() -> None:
+    # `percentile_values` selects the order statistics one partition at a time and interpolates
+    # as numpy's linear method does: every value must be np.percentile's exactly (not close).
+    rng = np.random.default_rng(7)
+    n = stats.SELECT_FROM
+    samples = {
+        "lognormal": rng.lognormal(-4, 1, n + 12_345),
+        "gaps in ns / 1e9": rng.integers(5_000_000, 12_000_000, n * 2 + 1) / 1e9,
+        "few distinct values": rng.integers(0, 4, n) / 1e3,
+        "one value": np.full(n, 0.0125),
+        "sorted": np.sort(rng.random(n + 1)),
+        "reversed": np.sort(rng.random(n + 2))[::-1].copy(),
+        "two clusters": np.concatenate((rng.normal(0.01, 1e-4, n), rng.normal(5.0, 1.0, 17))),
+    }
+    percentile_sets = [
+        stats.PERCENTILES,
+        (0.0, 100.0),
+        (0.0, 1.0, 25.0, 33.3, 50.0, 66.7, 99.99, 100.0),
+        (99.9,),
+    ]
+    for name, data in samples.items():
+        before = data.copy()
+        for percentiles in percentile_sets:
+            ours = stats.percentile_values(data, percentiles)
+            assert np.array_equal(ours, np.percentile(data, percentiles)), (name, percentiles)
+        assert np.array_equal(data, before), name  # the caller's sample is not reordered
+    # Below the threshold, and for percentiles numpy refuses, it is np.percentile itself.
+    small = rng.random(1000)
+    assert np.array_equal(
+        stats.percentile_values(small, stats.PERCENTILES), np.percentile(small, stats.PERCENTILES)
+    )
+    with pytest.raises(ValueError):
+        stats.percentile_values(samples["lognormal"], (50.0, 101.0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_with_one_token_per_event_the_per_token_itl_is_the_itl(seed: int) -> None:
+    # vLLM's default stream: every event one token. The bulk report summarises the gaps once
+    # and gives the per-token view the same summary; the per-request definition still says it.
+    records = random_records(seed, 300, tokens_per_event=(1,))
+    for vantage in (Vantage.CLIENT, Vantage.SERVER):
+        report = stats.vantage_report(records, vantage)
+        assert report == _reference_vantage_report(records, vantage)
+        assert report.itl.count > 0 and report.itl_per_token == report.itl
+    # One event of two tokens anywhere: the views differ (that gap counts twice per token).
+    mixed = random_records(seed, 300, tokens_per_event=(1, 1, 1, 1, 1, 1, 1, 1, 1, 2))
+    report = stats.vantage_report(mixed, Vantage.CLIENT)
+    assert report == _reference_vantage_report(mixed, Vantage.CLIENT)
+    assert report.itl_per_token.count > report.itl.count
 
 
 @pytest.mark.parametrize("seed", range(8))
