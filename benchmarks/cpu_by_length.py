@@ -264,7 +264,7 @@ def analyse(measured: Mapping[str, Any], traces: Mapping[str, tuple[float, int]]
                 continue
             for length in lengths:
                 pairs = {
-                    (r["repeat"]): r["proxy_us_event"]
+                    r["repeat"]: r["proxy_us_event"]
                     for r in runs
                     if r["mode"] == "envoy" and r["length"] == length
                 }
