@@ -709,6 +709,20 @@ async def test_the_channel_batches_frames_by_time_and_by_size(
             theirs.recv(1 << 16)
         got = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5)
         assert split_frames(got) == [(Kind.STATUS, b"{}")]
+        # A control frame the other side waits for leaves at once, after what was queued.
+        monkeypatch.setattr(channel, "FLUSH_DELAY_S", 60.0)
+        record = channel.frame(Kind.RECORD, b"r" * 10)
+        health = channel.json_frame(Kind.HEALTH, {"passed": [True]})
+        assert sender.send(record)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1 << 16)
+        assert sender.send(health, now=True)
+        got = theirs.recv(1 << 16)  # written by send itself, no timer
+        assert split_frames(got) == [
+            (Kind.RECORD, b"r" * 10),
+            (Kind.HEALTH, health[channel.HEADER.size :]),
+        ]
+        assert sender.buffered() == 0
     finally:
         transport.close()
         theirs.close()

@@ -39,8 +39,12 @@ MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
 # later at most; nothing there is per request but the window, read at scrape time). Each write
 # wakes the collector, which shares a core with a worker: at 10 ms (a batch of ~2 records at
 # 200 records/s) the collector spent 2.7-3.5 µs per relayed event, at 50 ms 1.9-2.5
-# (benchmarks/RESULTS.md, "The channel's batches").
-FLUSH_DELAY_S = 0.05
+# (benchmarks/RESULTS.md, "The channel's batches"); at 200 ms the sidecar spent 1-3 µs less per
+# event than at 50 in eight paired runs, the collector ~0.2-0.4 of it (RESULTS.md, "Session 29:
+# the channel's batches"). Control frames do not wait (`send(..., now=True)`), nor does a
+# worker's status (every 0.25 s), which takes the records queued before it along: at the status
+# interval, records mostly leave with a status, one write and one wake-up for both.
+FLUSH_DELAY_S = 0.25
 # ... or at once, when this much is queued (at high record rates: a write of a size the
 # socket's buffer takes whole, and no more than this waiting in the worker).
 FLUSH_BYTES = 256 * 1024
@@ -136,18 +140,19 @@ class FrameProtocol(asyncio.Protocol):
             self.closed.set_result(None)
         self._on_lost()
 
-    def send(self, data: bytes) -> bool:
+    def send(self, data: bytes, *, now: bool = False) -> bool:
         """Queue a frame; False when the channel is closed (nothing queued). Frames leave in
         order, together, at most ``FLUSH_DELAY_S`` later (at once from ``FLUSH_BYTES`` queued):
         one write (and one wake-up of the other process) per batch instead of per record. With
         the other end on the same core, a write per record cost a worker 13% of its CPU at 240
-        records/s."""
+        records/s. ``now``: a control frame (configuration, readiness, health, stop) that the
+        other side waits for; it leaves at once, with whatever was queued before it."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return False
         self._pending.append(data)
         self._pending_bytes += len(data)
-        if self._pending_bytes >= FLUSH_BYTES:
+        if now or self._pending_bytes >= FLUSH_BYTES:
             self.flush()
         elif self._flush_handle is None:
             self._flush_handle = self._loop.call_later(FLUSH_DELAY_S, self.flush)

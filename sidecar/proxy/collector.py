@@ -316,7 +316,7 @@ class Collector:
         self._stopping.set()
         for slot in self.slots:
             if slot.current is not None:
-                slot.current.protocol.send(json_frame(Kind.STOP, {}))
+                slot.current.protocol.send(json_frame(Kind.STOP, {}), now=True)
         if self._supervisors:
             _done, pending = await asyncio.wait(self._supervisors, timeout=STOP_TIMEOUT_S)
             for slot in self.slots:
@@ -417,7 +417,7 @@ class Collector:
             "capture_salt": None if self._capture_salt is None else self._capture_salt.hex(),
             "health": self._health_message([False] * len(self.replicas)),
         }
-        worker.protocol.send(json_frame(Kind.CONFIG, hello))
+        worker.protocol.send(json_frame(Kind.CONFIG, hello), now=True)
         try:
             await asyncio.wait_for(asyncio.shield(worker.ready), START_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -554,7 +554,7 @@ class Collector:
         message = json_frame(Kind.HEALTH, self._health_message(passed))
         for slot in self.slots:
             if slot.current is not None:
-                slot.current.protocol.send(message)
+                slot.current.protocol.send(message, now=True)
 
     # -- health checks and engine scrapes: once, here ------------------------------------------
 

@@ -234,7 +234,10 @@ class Worker:
             # Over the bound the collector is not reading: this status would only queue behind
             # records; the next one says the same and more.
             if self.protocol.buffered() <= bound:
-                self.protocol.send(json_frame(Kind.STATUS, self.status()))
+                # At once, with the records queued before it: the collector's view of the
+                # workers (in flight, ejections) is as fresh as the interval, and the batch
+                # of records rides along (one write, one wake-up of the collector).
+                self.protocol.send(json_frame(Kind.STATUS, self.status()), now=True)
 
     async def run(self, hello: Mapping[str, Any]) -> int:
         config = config_from_wire(hello["config"])
@@ -277,7 +280,8 @@ class Worker:
                         "error": f"cannot listen on {config.listen_host}:{config.listen_port}: "
                         f"{exc.strerror or exc}"
                     },
-                )
+                ),
+                now=True,
             )
             for server in servers:
                 await server.close()
@@ -290,7 +294,7 @@ class Worker:
         # From here on: the start-up (and its one full collection above) is not traffic's
         # stall, and would otherwise be every worker's largest.
         self.stalls.install()
-        self.protocol.send(json_frame(Kind.READY, {"pid": os.getpid()}))
+        self.protocol.send(json_frame(Kind.READY, {"pid": os.getpid()}), now=True)
         reporter = asyncio.create_task(self._report(float(hello["status_interval"]), bound))
         try:
             await self.stop.wait()
@@ -307,7 +311,7 @@ class Worker:
                 await server.close()
             await proxy.close()
             self.stalls.uninstall()
-        self.protocol.send(json_frame(Kind.STATUS, self.status(final=True)))
+        self.protocol.send(json_frame(Kind.STATUS, self.status(final=True)), now=True)
         await self._drain()
         if self.logs is not None:
             await asyncio.to_thread(self.logs.close)  # what is queued is written
