@@ -39,11 +39,11 @@ MAX_FRAME_BYTES: Final = 256 * 1024 * 1024
 # later at most; nothing there is per request but the window, read at scrape time). Each write
 # wakes the collector, which shares a core with a worker: at 10 ms (a batch of ~2 records at
 # 200 records/s) the collector spent 2.7-3.5 µs per relayed event, at 50 ms 1.9-2.5
-# (benchmarks/RESULTS.md, "The channel's batches"); at 200 ms the sidecar spent 1-3 µs less per
-# event than at 50 in eight paired runs, the collector ~0.2-0.4 of it (RESULTS.md, "Session 29:
-# the channel's batches"). Control frames do not wait (`send(..., now=True)`), nor does a
-# worker's status (every 0.25 s), which takes the records queued before it along: at the status
-# interval, records mostly leave with a status, one write and one wake-up for both.
+# (benchmarks/RESULTS.md, "The channel's batches"); at 250 ms the collector up to 0.5 µs less
+# than at 50 (median 0.22, lower in 8 of 9 paired runs: "Session 29: the channel's batches every
+# 250 ms"). Control frames do not wait (`send(..., now=True)`), nor does a worker's status
+# (every 0.25 s), which takes the records queued before it along: at the status interval,
+# records mostly leave with a status, one write and one wake-up for both.
 FLUSH_DELAY_S = 0.25
 # ... or at once, when this much is queued (at high record rates: a write of a size the
 # socket's buffer takes whole, and no more than this waiting in the worker).
