@@ -309,6 +309,9 @@ async def run_level(
         streams = Streams(f"http://{po.HOST}:{port}", args.connect_parallel, args.prompt_kib)
         open_timeout = args.open_timeout_s + 3 * args.step_s
         warm = await streams.open_streams(args.warmup_streams, open_timeout)
+        # The gauge comes from the workers' status (every 0.25 s): seen at the warm-up's count
+        # first, so that the 0 waited for below is after it, not a reading from before it.
+        await wait_in_flight(admin_port, streams.open, 10)
         await streams.close_all()
         await wait_in_flight(admin_port, 0, 10 + args.step_s)
         points = [await measure_point(pids, admin_port, args.step_s, streams)]
