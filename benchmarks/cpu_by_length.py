@@ -460,9 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.base_tree is not None:
-        po.BASE_TREE = args.base_tree.resolve()
-        if not (po.BASE_TREE / "sidecar" / "__main__.py").is_file():
-            raise SystemExit(f"--base-tree {po.BASE_TREE}: no sidecar/__main__.py there")
+        po.use_base_tree(args.base_tree)
     if args.smoke:
         args.lengths, args.repeats, args.concurrency = [4, 8], 1, 4
         args.warmup_s, args.measure_s, args.quiet_below, args.probe_s = 0.2, 0.6, 0.0, 0.0

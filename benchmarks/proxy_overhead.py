@@ -2178,13 +2178,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def use_base_tree(tree: Path) -> None:
+    """Mode sidecar-base runs the sidecar of ``tree`` (a source tree with its C extensions
+    built): checked here, once, for every harness that offers ``--base-tree``."""
     global BASE_TREE
+    BASE_TREE = tree.resolve()
+    if not (BASE_TREE / "sidecar" / "__main__.py").is_file():
+        raise SystemExit(f"--base-tree {BASE_TREE}: no sidecar/__main__.py there")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "base_tree", None) is not None:
-        BASE_TREE = args.base_tree.resolve()
-        if not (BASE_TREE / "sidecar" / "__main__.py").is_file():
-            raise SystemExit(f"--base-tree {BASE_TREE}: no sidecar/__main__.py there")
+        use_base_tree(args.base_tree)
     if args.command == "client":
         return run_client(args)
     if args.command == "bare-relay":
