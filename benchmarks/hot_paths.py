@@ -199,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     policy = stats.SLOPolicy({"default": stats.SLO(ttft_s=0.5, tpot_s=0.05)})
     prometheus = PrometheusSink(CollectorRegistry(), policy)
     window = WindowSink(60.0, 100_000)
+    # At a steady rate, a full window: every record that comes makes the oldest leave.
+    full = WindowSink(60.0, 1_000)
+    for _ in range(1_000):
+        full.on_record(record)
 
     def sink(s: object, then: Callable[[], None] | None = None) -> Callable[[], int]:
         def run() -> int:
@@ -258,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             best_of(sink(prometheus, prometheus.bin_held)),
         ),
         ("per request (256 tokens)", "WindowSink.on_record", best_of(sink(window))),
+        (
+            "per request (256 tokens)",
+            "WindowSink.on_record, the window full (each record makes one leave)",
+            best_of(sink(full)),
+        ),
     ]
 
     # Reading a generation request: the members the proxy needs (proxy/requesthead.py)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import aiohttp
 import pytest
 from proxy_stack import stack
@@ -174,3 +176,34 @@ def test_the_columnar_window_equals_record_by_record_summaries(seed: int) -> Non
             assert table.throughput(generation, ref["interval"]) == ref["throughput"]  # type: ignore[arg-type]
             assert table.goodput(generation, policy, ref["interval"]) == ref["goodput"]  # type: ignore[arg-type]
             now[0] += 700_000_000
+
+
+def test_records_leave_the_columns_in_batches_and_before_any_read() -> None:
+    """A record that leaves the window (over a cap or by age) leaves its columns in batches of
+    `DROP_BATCH`, or once those waiting hold `max_bytes` / `DROP_BYTES_SHARE`, and always
+    before the columns are read: the lag is bounded and never seen."""
+    from sidecar.sinks import window as window_module
+
+    now = [10**18]
+    window = WindowSink(60.0, max_records=10, wall_ns=lambda: now[0])
+    batch = window_module.DROP_BATCH
+    sample = random_records(3, 1)[0]
+    for i in range(batch + 10 - 1):  # 10 kept, batch - 1 evicted and still in the columns
+        window.on_record(replace(sample, request_id=f"r{i}", wall_time_ns=now[0] - 10**9))
+    assert len(window._records) == 10 and window.evicted_over_cap == batch - 1
+    assert len(window._table) == 10 + batch - 1
+    window.on_record(replace(sample, request_id="last", wall_time_ns=now[0] - 10**9))
+    assert len(window._table) == len(window._records) == 10  # the batch went at once
+    for i in range(3):
+        window.on_record(replace(sample, request_id=f"s{i}", wall_time_ns=now[0] - 10**9))
+    assert len(window._table) == 13
+    assert window.snapshot()["records"] == 10  # a read drops them first
+    assert len(window._table) == 10 and window._table.ids()[-1] == "s2"
+    # By age, with a byte cap whose 32nd part is below one record's estimate: each record
+    # that leaves leaves the columns at once.
+    small = WindowSink(1.0, max_bytes=32 * 1000, wall_ns=lambda: now[0])
+    for i in range(5):
+        small.on_record(replace(sample, request_id=f"a{i}", wall_time_ns=now[0] - 10**9 // 2))
+    now[0] += 2 * 10**9
+    small.on_record(replace(sample, request_id="b", wall_time_ns=now[0] - 10**9 // 2))
+    assert len(small._records) == len(small._table) == 1

@@ -84,6 +84,12 @@ def _end_wall_ns(record: RequestRecord) -> int:
 # estimate gives 2.8 and 8.0.
 RECORD_BASE_BYTES = 2048
 
+# Records that left the window leave its table this many at a time, or once they hold
+# `max_bytes` / DROP_BYTES_SHARE (or before a read): the table holds at most that many more
+# records than the window, and ~3 % more memory than its cap.
+DROP_BATCH = 512
+DROP_BYTES_SHARE = 32
+
 
 def approx_record_bytes(record: RequestRecord) -> int:
     """Memory a kept record holds, approximately: a fixed part, 8 bytes per instant on each
@@ -111,9 +117,16 @@ class WindowSink:
         self.window_s = window_s
         self.max_records = max_records
         self.max_bytes = max_bytes
-        self._records: deque[tuple[RequestRecord, int]] = deque()
-        # The same records as columns, for summaries in bulk (stats.RecordTable).
+        # (record, approx_record_bytes, end wall ns), oldest end first.
+        self._records: deque[tuple[RequestRecord, int, int]] = deque()
+        # The same records as columns, for summaries in bulk (stats.RecordTable). Records that
+        # left `_records` leave the table in batches (`_undropped`, `DROP_BATCH`), and always
+        # before it is read (`_trim`): its drop is numpy over the rows, microseconds each
+        # call, and at a steady rate every record that comes makes one leave.
         self._table = stats.RecordTable()
+        self._undropped = 0
+        self._undropped_bytes = 0
+        self._drop_bytes = max(1, max_bytes // DROP_BYTES_SHARE)
         self._bytes = 0
         self._wall_ns = wall_ns
         self.taken = 0
@@ -138,30 +151,45 @@ class WindowSink:
         self.taken += 1
         records = self._records
         size = approx_record_bytes(record)
-        records.append((record, size))
-        self._table.append(record, _end_wall_ns(record), record.endpoint in GENERATION_ENDPOINTS)
+        end_wall_ns = _end_wall_ns(record)
+        records.append((record, size, end_wall_ns))
+        self._table.append(record, end_wall_ns, record.endpoint in GENERATION_ENDPOINTS)
         self._bytes += size
-        dropped = 0
         while len(records) > self.max_records or (
             self._bytes > self.max_bytes and len(records) > 1
         ):
-            self._bytes -= records.popleft()[1]
+            self._let_go()
             self.evicted_over_cap += 1
-            dropped += 1
-        self._table.drop_front(dropped)
-        # Trim by age here too, not only when read: with nobody reading /stats or /metrics the
-        # window must still hold only the last window_s (records arrive in completion order, so
-        # the oldest are at the left).
-        self._trim()
+        # Expire by age here too, not only when read: with nobody reading /stats or /metrics
+        # the window must still hold only the last window_s (records arrive in completion
+        # order, so the oldest are at the left).
+        self._expire(self._wall_ns() - int(self.window_s * 1e9))
+        if self._undropped >= DROP_BATCH or self._undropped_bytes >= self._drop_bytes:
+            self._drop()
+
+    def _let_go(self) -> None:
+        """The oldest record leaves `_records` (the table: at the next `_drop`)."""
+        size = self._records.popleft()[1]
+        self._bytes -= size
+        self._undropped += 1
+        self._undropped_bytes += size
+
+    def _expire(self, horizon: int) -> None:
+        """Let the records that ended before ``horizon`` go."""
+        records = self._records
+        while records and records[0][2] < horizon:
+            self._let_go()
+
+    def _drop(self) -> None:
+        self._table.drop_front(self._undropped)
+        self._undropped = self._undropped_bytes = 0
 
     def _trim(self) -> int:
+        """Expire by age and bring the table level with `_records`, before either is read;
+        the horizon (wall ns)."""
         horizon = self._wall_ns() - int(self.window_s * 1e9)
-        records = self._records
-        dropped = 0
-        while records and _end_wall_ns(records[0][0]) < horizon:
-            self._bytes -= records.popleft()[1]
-            dropped += 1
-        self._table.drop_front(dropped)
+        self._expire(horizon)
+        self._drop()
         return horizon
 
     def _mask(self, selection: Selection) -> tuple[Any, Any]:
@@ -203,7 +231,7 @@ class WindowSink:
     def records(self) -> list[RequestRecord]:
         """The records that ended within the window (older ones are dropped here)."""
         horizon = self._trim()
-        return [r for r, _size in self._records if _end_wall_ns(r) >= horizon]
+        return [r for r, _size, end_wall_ns in self._records if end_wall_ns >= horizon]
 
     def snapshot(
         self, slo_policy: stats.SLOPolicy | None = None, selection: Selection = ALL
