@@ -117,8 +117,12 @@ class WindowSink:
         self.window_s = window_s
         self.max_records = max_records
         self.max_bytes = max_bytes
-        # (record, approx_record_bytes, end wall ns), oldest end first.
-        self._records: deque[tuple[RequestRecord, int, int]] = deque()
+        # The records, oldest end first, and beside each its (approx_record_bytes, end wall ns).
+        # Apart: a tuple holding a record stays tracked by the cycle collector for as long as
+        # it lives (CPython untracks a tuple only when nothing in it can be tracked), and a
+        # record the collector process decoded is not tracked (proxy/_recordwire.c).
+        self._records: deque[RequestRecord] = deque()
+        self._spans: deque[tuple[int, int]] = deque()
         # The same records as columns, for summaries in bulk (stats.RecordTable). Records that
         # left `_records` leave the table in batches (`_undropped`, `DROP_BATCH`), and always
         # before it is read (`_trim`): its drop is numpy over the rows, microseconds each
@@ -152,7 +156,8 @@ class WindowSink:
         records = self._records
         size = approx_record_bytes(record)
         end_wall_ns = _end_wall_ns(record)
-        records.append((record, size, end_wall_ns))
+        records.append(record)
+        self._spans.append((size, end_wall_ns))
         self._table.append(record, end_wall_ns, record.endpoint in GENERATION_ENDPOINTS)
         self._bytes += size
         while len(records) > self.max_records or (
@@ -169,15 +174,16 @@ class WindowSink:
 
     def _let_go(self) -> None:
         """The oldest record leaves `_records` (the table: at the next `_drop`)."""
-        size = self._records.popleft()[1]
+        self._records.popleft()
+        size = self._spans.popleft()[0]
         self._bytes -= size
         self._undropped += 1
         self._undropped_bytes += size
 
     def _expire(self, horizon: int) -> None:
         """Let the records that ended before ``horizon`` go."""
-        records = self._records
-        while records and records[0][2] < horizon:
+        spans = self._spans
+        while spans and spans[0][1] < horizon:
             self._let_go()
 
     def _drop(self) -> None:
@@ -231,7 +237,11 @@ class WindowSink:
     def records(self) -> list[RequestRecord]:
         """The records that ended within the window (older ones are dropped here)."""
         horizon = self._trim()
-        return [r for r, _size, end_wall_ns in self._records if end_wall_ns >= horizon]
+        return [
+            record
+            for record, (_size, end_wall_ns) in zip(self._records, self._spans, strict=True)
+            if end_wall_ns >= horizon
+        ]
 
     def snapshot(
         self, slo_policy: stats.SLOPolicy | None = None, selection: Selection = ALL
