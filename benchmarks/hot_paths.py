@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # At a steady rate, a full window: every record that comes makes the oldest leave.
     full = WindowSink(60.0, 1_000)
     for _ in range(1_000):
-        full.on_record(record)
+        full.on_record(record)  # type: ignore[arg-type]
 
     def sink(s: object, then: Callable[[], None] | None = None) -> Callable[[], int]:
         def run() -> int:
