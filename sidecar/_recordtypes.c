@@ -651,8 +651,23 @@ static PyTypeObject SlotsConstructorType = {
     .tp_vectorcall_offset = offsetof(SlotsConstructor, vectorcall),
 };
 
+/* untrack(obj): leave obj out of the cycle collector's scans (PyObject_GC_UnTrack). Nothing is
+ * checked here: the caller vouches that obj can be in no reference cycle, now or later
+ * (record.untrack_finished does, for a finished record and its parts). */
+static PyObject *
+untrack(PyObject *module, PyObject *obj)
+{
+    (void)module;
+    if (PyObject_IS_GC(obj)) {
+        PyObject_GC_UnTrack(obj);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"from_bytes", from_bytes, METH_O, "from_bytes(data) -> Int64s of these packed bytes."},
+    {"untrack", untrack, METH_O,
+     "untrack(obj): out of the cycle collector's reach; the caller vouches it is in no cycle."},
     {NULL, NULL, 0, NULL},
 };
 

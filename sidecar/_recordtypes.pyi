@@ -7,6 +7,7 @@ from sidecar.record import PyInt64s
 Int64s = PyInt64s
 
 def from_bytes(data: bytes, /) -> PyInt64s: ...
+def untrack(obj: object, /) -> None: ...
 
 class SlotsConstructor:
     def __init__(

@@ -157,6 +157,7 @@ class PyInt64s(Sequence[int]):
 # `int64s_from_bytes(data)`: an Int64s of exact packed bytes, without the constructor's
 # argument parsing where Int64s is the C type (the record's wire decoder makes three per record).
 _SlotsConstructor: Any = None
+_untrack: Callable[[object], None] | None = None
 if TYPE_CHECKING:
     Int64s = PyInt64s
     int64s_from_bytes: Callable[[bytes], PyInt64s] = PyInt64s
@@ -165,6 +166,7 @@ else:
         from sidecar._recordtypes import Int64s
         from sidecar._recordtypes import SlotsConstructor as _SlotsConstructor
         from sidecar._recordtypes import from_bytes as int64s_from_bytes
+        from sidecar._recordtypes import untrack as _untrack
 
         Sequence.register(Int64s)
     except ImportError:  # built without a C compiler
@@ -542,3 +544,41 @@ def slots_constructor(
 new_timeline = slots_constructor(Timeline, ("offsets_ns", "tokens"), ("choices",))
 new_record = slots_constructor(RequestRecord)
 new_engine_timing = slots_constructor(EngineTiming)
+
+
+def untrack_finished(record: RequestRecord) -> bool:
+    """Leave a finished record, its timelines, engine timings and shape out of CPython's cycle
+    collector, when none of them can be in a reference cycle: exact types of this module
+    whose fields are strings, numbers, enum members, packed columns, a tuple of ints and an
+    attributes dict of strings. Whoever keeps many records for long (a replay's results)
+    then costs every full collection nothing for them; reference counting still frees them.
+    False (nothing done) for anything else, or where the C helper is not built. The record
+    must not be changed afterwards (its attributes dict above all: a value put in it could
+    close a cycle the collector would not see)."""
+    untrack = _untrack
+    if untrack is None or type(record) is not RequestRecord:
+        return False
+    attributes = record.attributes
+    if type(attributes) is not dict or not all(
+        type(key) is str and type(value) is str for key, value in attributes.items()
+    ):
+        return False
+    parts: list[object] = [record]
+    checks: tuple[tuple[object, type], ...] = (
+        (record.client, Timeline),
+        (record.server, Timeline),
+        (record.engine, EngineTiming),
+        (record.shape, RequestShape),
+    )
+    for part, kind in checks:
+        if part is None:
+            continue
+        if type(part) is not kind:
+            return False
+        parts.append(part)
+    shape = record.shape
+    if shape is not None and type(shape.prefix_hashes) is not tuple:
+        return False
+    for part in parts:
+        untrack(part)
+    return True

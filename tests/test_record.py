@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from sidecar.record import (
     new_record,
     new_timeline,
     slots_constructor,
+    untrack_finished,
 )
 
 
@@ -358,3 +360,27 @@ def test_a_class_the_slots_constructor_cannot_build_is_refused() -> None:
         y: int = dataclasses.field(default=0, init=False)
 
     assert slots_constructor(NotInInit) is NotInInit  # its own __init__, not ours
+
+
+def test_a_finished_record_leaves_the_cycle_collector_only_when_it_cannot_be_in_a_cycle() -> None:
+    require_module("sidecar._recordtypes", "-e . (with a C compiler: gcc)")
+    record = dataclasses.replace(
+        full_record(), engine=EngineTiming(queue_time_ms=1.0), shape=RequestShape(max_tokens=4)
+    )
+    parts = [record, record.client, record.server, record.engine, record.shape]
+    assert all(gc.is_tracked(part) for part in parts)
+    assert untrack_finished(record)
+    assert not any(gc.is_tracked(part) for part in parts)
+    assert dataclasses.replace(record) == record  # still a record like any other
+    # What could close a cycle, or is not this module's: left as it is.
+    odd_value = dataclasses.replace(full_record(), attributes={"slo_class": ["x"]})  # type: ignore[dict-item]
+
+    class Derived(RequestRecord):
+        __slots__ = ()
+
+    derived = Derived(
+        **{f.name: getattr(full_record(), f.name) for f in dataclasses.fields(RequestRecord)}
+    )
+    for kept in (odd_value, derived):
+        assert not untrack_finished(kept)
+        assert gc.is_tracked(kept)

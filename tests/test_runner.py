@@ -6,6 +6,7 @@ simulator for the real thing."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import aiohttp
 import pytest
@@ -19,8 +20,10 @@ from sidecar.replay.runner import (
     SentRequest,
     _finish_reason,
     _json,
+    _Kept,
     closed_loop,
     open_loop,
+    out_of_collection,
 )
 from sidecar.sim.engine import EngineConfig
 from sidecar.sim.server import SimConfig, close_replicas, start_replicas
@@ -85,6 +88,52 @@ async def test_closed_loop_keeps_its_concurrency_and_sends_the_next_when_one_end
     assert all(s.lateness_ns == 0 for s in sent)
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         await closed_loop(sender, plan(1), 0, clock.monotonic_ns())
+
+
+def test_the_results_a_run_keeps_give_the_cycle_collector_nothing_per_request() -> None:
+    """A long replay keeps every finished request until it returns: as objects, each full
+    collection scanned them all while sends waited (240 ms pauses at 80,000 requests). Kept
+    as arrays and untracked records, they add no tracked object per request, and come back
+    as the same requests in the order of their index."""
+    kept = _Kept()
+    given = [
+        SentRequest(i, 10 * i, 10 * i + 3, build_record([(1, 1)], request_id=f"r{i}"))
+        for i in (4, 0, 3, 1, 2)
+    ]
+    for sent in given:
+        kept.add(sent)
+    assert kept.sent() == sorted(given, key=lambda s: s.index)
+    assert all(
+        a.record is b.record
+        for a, b in zip(kept.sent(), sorted(given, key=lambda s: s.index), strict=True)
+    )
+    records = [build_record([(1, 1), (2, 1)], request_id=f"many-{i}") for i in range(500)]
+    many = _Kept()
+    gc.collect()
+    before = len(gc.get_objects())
+    for i, record in enumerate(records):
+        many.add(SentRequest(i, i, i, record))
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50  # not one per request (2 each, kept as objects)
+    assert not gc.is_tracked(records[0]) and not gc.is_tracked(records[0].client)
+
+
+def test_a_run_leaves_what_exists_before_it_out_of_collection_and_gives_it_back() -> None:
+    gc.unfreeze()  # a known start: an in-process proxy of an earlier test may have frozen
+    plan_bodies = [{"messages": [{"role": "user", "content": f"p{i}"}]} for i in range(100)]
+    with out_of_collection():
+        # Frozen: no collection scans them while the run sends.
+        assert gc.get_freeze_count() >= len(plan_bodies)
+    assert gc.get_freeze_count() == 0  # given back
+    gc.freeze()  # a process that froze objects of its own (the proxy's start-up does)
+    try:
+        frozen = gc.get_freeze_count()
+        with out_of_collection():
+            pass
+        assert gc.get_freeze_count() >= frozen  # theirs stay frozen
+    finally:
+        gc.unfreeze()
+    del plan_bodies
 
 
 def test_a_sent_request_ends_at_its_send_plus_its_records_end() -> None:

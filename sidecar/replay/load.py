@@ -28,7 +28,14 @@ from sidecar.replay.live import ReplayCounters
 from sidecar.replay.options import ReplayOptions, UsageError
 from sidecar.replay.payload import DEFAULT_TOKEN_IDS, TokenCalibration, TokenIds, build_body
 from sidecar.replay.progress import Counts, ProgressDisplay
-from sidecar.replay.runner import PlannedRequest, Sender, SentRequest, closed_loop, open_loop
+from sidecar.replay.runner import (
+    PlannedRequest,
+    Sender,
+    SentRequest,
+    closed_loop,
+    open_loop,
+    out_of_collection,
+)
 from sidecar.replay.schedule import gamma_schedule, trace_schedule
 from sidecar.tracefile import TraceRequest
 
@@ -205,20 +212,21 @@ async def _run_here(
             request_id_prefix=request_id_prefix,
             counters=counters,
         )
-        start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
-        if progress.start_at is not None:
-            start = _monotonic_start(progress.start_at)
-            if start < clock.monotonic_ns():
-                raise UsageError(f"--start-at {progress.start_at} is in the past")
+        with out_of_collection():  # before the start instant is chosen: it collects first
+            start = clock.monotonic_ns() + 50_000_000  # a moment to get every task ready
+            if progress.start_at is not None:
+                start = _monotonic_start(progress.start_at)
+                if start < clock.monotonic_ns():
+                    raise UsageError(f"--start-at {progress.start_at} is in the past")
 
-        def read() -> Counts:
-            return Counts(sender.done + sender.in_flight, sender.done, sender.failed)
+            def read() -> Counts:
+                return Counts(sender.done + sender.in_flight, sender.done, sender.failed)
 
-        starts_at = time.monotonic() + (start - clock.monotonic_ns()) / 1e9
-        with progress.display(read, starts_at) or contextlib.nullcontext():
-            if plan.mode == "closed":
-                return await closed_loop(sender, plan.requests, concurrency or 1, start)
-            return await open_loop(sender, plan.requests, start)
+            starts_at = time.monotonic() + (start - clock.monotonic_ns()) / 1e9
+            with progress.display(read, starts_at) or contextlib.nullcontext():
+                if plan.mode == "closed":
+                    return await closed_loop(sender, plan.requests, concurrency or 1, start)
+                return await open_loop(sender, plan.requests, start)
 
 
 def _monotonic_start(start_at: float) -> int:
@@ -252,9 +260,10 @@ def _worker_main(
                 counters=counters,
             )
             # Everything is imported and set up: report ready, then wait for the common start.
-            await asyncio.to_thread(ready.wait)
-            await asyncio.to_thread(go.wait)
-            return await open_loop(sender, plan, int(start_value.value))
+            with out_of_collection():
+                await asyncio.to_thread(ready.wait)
+                await asyncio.to_thread(go.wait)
+                return await open_loop(sender, plan, int(start_value.value))
 
     try:
         import uvloop

@@ -14,9 +14,12 @@ definitions as the proxy (spec/metrics.md), and builds the same `RequestRecord`s
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +34,7 @@ from sidecar.record import (
     RequestRecord,
     Timeline,
     TokenSource,
+    untrack_finished,
 )
 
 if TYPE_CHECKING:
@@ -63,6 +67,57 @@ class SentRequest:
         """When the request ended (`stats.end_offset_ns`), as an offset from the run's
         start."""
         return self.actual_ns + stats.end_offset_ns(self.record)
+
+
+@contextlib.contextmanager
+def out_of_collection() -> Iterator[None]:
+    """While a replay sends: what exists already (the plan above all: a body dict, its
+    messages and the planned request, ~5 tracked objects per request) left out of CPython's
+    cycle collector, after one collection of what is garbage now (`gc.freeze`), and given
+    back after (`gc.unfreeze`, unless the process had frozen objects of its own before).
+    A full collection scans every tracked object, and stops the sender meanwhile: over a
+    40 s replay of 80,000 requests at 2,000/s, eight took up to 240 ms each, every send due
+    then went late by as much (benchmarks/RESULTS.md, "Session 30"). Call it before the
+    run's start instant is chosen: the collection here takes ~0.2 s per 100,000 planned
+    requests. The results a run keeps are out of reach too (`_Kept`)."""
+    frozen_before = gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
+
+
+class _Kept:
+    """The finished requests a run keeps until it returns, with no object per request that
+    the cycle collector would scan: their instants in arrays, their records untracked
+    (`record.untrack_finished`). `SentRequest`s are made again at the end, when nothing is
+    being sent."""
+
+    __slots__ = ("index", "scheduled_ns", "actual_ns", "records")
+
+    def __init__(self) -> None:
+        self.index = array("q")
+        self.scheduled_ns = array("q")
+        self.actual_ns = array("q")
+        self.records: list[RequestRecord] = []
+
+    def add(self, sent: SentRequest) -> None:
+        untrack_finished(sent.record)
+        self.index.append(sent.index)
+        self.scheduled_ns.append(sent.scheduled_ns)
+        self.actual_ns.append(sent.actual_ns)
+        self.records.append(sent.record)
+
+    def sent(self) -> list[SentRequest]:
+        """The requests kept, in the order of their index."""
+        order = sorted(range(len(self.records)), key=self.index.__getitem__)
+        return [
+            SentRequest(self.index[i], self.scheduled_ns[i], self.actual_ns[i], self.records[i])
+            for i in order
+        ]
 
 
 async def sleep_until(deadline_ns: int) -> None:
@@ -251,14 +306,14 @@ async def open_loop(
     on_done: Callable[[SentRequest], None] | None = None,
 ) -> list[SentRequest]:
     """Fire each request at ``start_ns + at_s``; never wait on responses while sending."""
-    results: list[SentRequest] = []
+    results = _Kept()
     tasks: set[asyncio.Task[SentRequest]] = set()
 
     def finished(task: asyncio.Task[SentRequest]) -> None:
         tasks.discard(task)
         if not task.cancelled() and task.exception() is None:
             result = task.result()
-            results.append(result)
+            results.add(result)
             if on_done is not None:
                 on_done(result)
 
@@ -270,7 +325,7 @@ async def open_loop(
         task.add_done_callback(finished)
     while tasks:
         await asyncio.wait(set(tasks))
-    return sorted(results, key=lambda r: r.index)
+    return results.sent()
 
 
 async def closed_loop(
@@ -288,15 +343,15 @@ async def closed_loop(
     await sleep_until(start_ns)
     queue = list(plan)
     queue.reverse()
-    results: list[SentRequest] = []
+    results = _Kept()
 
     async def worker() -> None:
         while queue:
             planned = queue.pop()
             result = await sender.send(planned, start_ns, None)
-            results.append(result)
+            results.add(result)
             if on_done is not None:
                 on_done(result)
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(plan)))))
-    return sorted(results, key=lambda r: r.index)
+    return results.sent()
