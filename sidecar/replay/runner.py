@@ -78,7 +78,7 @@ def out_of_collection() -> Iterator[None]:
     A full collection scans every tracked object, and stops the sender meanwhile: over a
     40 s replay of 80,000 requests at 2,000/s, eight took up to 240 ms each, every send due
     then went late by as much (benchmarks/RESULTS.md, "Session 30"). Call it before the
-    run's start instant is chosen: the collection here takes ~0.2 s per 100,000 planned
+    run's start instant is chosen: the collection here took 0.1 s for 80,000 planned
     requests. The results a run keeps are out of reach too (`_Kept`)."""
     frozen_before = gc.get_freeze_count()
     gc.collect()
