@@ -228,3 +228,26 @@ def test_a_window_of_decoded_records_gives_the_cycle_collector_nothing_to_scan()
     gc.collect()
     assert len(window._records) == 300
     assert len(gc.get_objects()) - before < 30  # not one per record (3.8 each before)
+
+
+def test_a_window_of_records_made_in_this_process_is_left_out_of_the_cycle_collector_too() -> None:
+    """In one process (`--workers 0`) the window's records are the proxy's own, made tracked:
+    the window leaves them out of the collector's scans itself."""
+    now = 10**18
+    records = [replace(r, wall_time_ns=now - 10**9) for r in random_records(5, 300)]
+
+    def tracked() -> int:
+        return sum(
+            gc.is_tracked(part)
+            for record in records
+            for part in (record, record.client, record.server, record.engine, record.shape)
+            if part is not None
+        )
+
+    assert tracked() >= 600  # each record and its client timeline at least
+    window = WindowSink(60.0, wall_ns=lambda: now)
+    for record in records:
+        window.on_record(record)
+    assert len(window._records) == 300
+    assert tracked() == 0
+    assert window.records() == records  # the same records, as they were
