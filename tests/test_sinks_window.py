@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import struct
 from dataclasses import replace
 
 import aiohttp
@@ -251,3 +252,16 @@ def test_a_window_of_records_made_in_this_process_is_left_out_of_the_cycle_colle
     assert len(window._records) == 300
     assert tracked() == 0
     assert window.records() == records  # the same records, as they were
+
+
+def test_a_record_the_columns_refuse_is_kept_nowhere() -> None:
+    """A count beyond 64 bits cannot go in the columns: the window refuses the record whole,
+    and the deque and the columns still agree."""
+    now = 10**18
+    window = WindowSink(60.0, wall_ns=lambda: now)
+    sample = replace(random_records(6, 1)[0], wall_time_ns=now - 10**9)
+    window.on_record(sample)
+    with pytest.raises(struct.error):
+        window.on_record(replace(sample, request_id="huge", n_out=2**64))
+    assert len(window._records) == len(window._table) == 1
+    assert window.snapshot()["records"] == 1

@@ -163,9 +163,10 @@ class WindowSink:
         records = self._records
         size = approx_record_bytes(record)
         end_wall_ns = _end_wall_ns(record)
+        # The table first: a record it refuses (a count beyond 64 bits) is then kept nowhere.
+        self._table.append(record, end_wall_ns, record.endpoint in GENERATION_ENDPOINTS)
         records.append(record)
         self._spans.append((size, end_wall_ns))
-        self._table.append(record, end_wall_ns, record.endpoint in GENERATION_ENDPOINTS)
         self._bytes += size
         while len(records) > self.max_records or (
             self._bytes > self.max_bytes and len(records) > 1
