@@ -2,13 +2,18 @@
 
     python benchmarks/replay_pacing.py            # ~2 minutes; needs nginx (Debian nginx-light)
     python benchmarks/replay_pacing.py --smoke    # CI: a few seconds, results format only
+    python benchmarks/replay_pacing.py --seconds 40 --rates 2000 --search 2000 --workers 1
+                                                  # a long replay: what grows with its length
 
 The target is nginx answering every request at once with a fixed, tiny vLLM-shaped stream
 (one token chunk, a usage chunk, [DONE]), so the sender, not the server, is what is measured.
 For each rate the replayer sends a Poisson schedule for a few seconds and reports lateness
 (actual - scheduled send) p50/p99/max and the achieved send rate; then it searches the highest
 rate at which lateness p99 stays <= 1 ms and the achieved rate keeps >= 97% of the requested one,
-with 1 and with 2 sender processes (--workers).
+with 1 and with 2 sender processes (--workers). A few seconds per rate cannot show what grows
+with a replay's length: Python's full garbage collections scanned every planned and finished
+request and held every send while they ran, 240 ms pauses by 80,000 requests (benchmarks/
+RESULTS.md, "Session 30: a long replay's pace"); the long command above is their check.
 """
 
 from __future__ import annotations
