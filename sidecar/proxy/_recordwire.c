@@ -914,11 +914,11 @@ decode(PyObject *module, PyObject *arg)
     if (answer != NULL) {
         /* Out of the cycle collector's reach. The collector process holds a window of records
          * (100,000 by default), each tracked with its timelines: ~3.8 objects per record for
-         * every full collection to scan, 72 ms at 100,000 records, one every ~25,000 records
-         * taken. A record decoded here refers to strings, ints, enum members, an attributes
-         * dict of strings, its engine timings (floats) and its timelines (ints and columns):
-         * it can be in no reference cycle, so no garbage can hide behind it. (A subtype's
-         * dealloc untracks only what is tracked.) */
+         * every full collection to scan, 54-72 ms at 100,000 records, about one every 25,000
+         * records taken. A record decoded here refers to strings, ints, enum members, an
+         * attributes dict of strings, its engine timings (floats) and its timelines (ints and
+         * columns): it can be in no reference cycle, so no garbage can hide behind it. (A
+         * subtype's dealloc untracks only what is tracked.) */
         PyObject *const kept[] = {answer, client, server, engine};
         for (size_t i = 0; i < sizeof kept / sizeof kept[0]; i++) {
             if (kept[i] != NULL && PyObject_IS_GC(kept[i])) {
