@@ -66,6 +66,7 @@ DROPS = "workers.md#What is dropped, and where it is counted"
 PROCESSES = "workers.md#Processes"
 STAMPS = "metrics.md#How late a stamp may be"
 STAMPS_LATE = "runbooks.md#SidecarStampsLate"
+OWN_DELAY = "metrics.md#The sidecar's own delay"
 
 
 # --- queries ---------------------------------------------------------------------------------
@@ -1408,6 +1409,31 @@ def stamps_late_panel() -> Panel:
     )
 
 
+def own_delay_panel() -> Panel:
+    """What the sidecar itself adds to each token: its own delay per relayed event."""
+    return timeseries(
+        "The sidecar's own delay per token",
+        "sidecar_relay_delay_seconds p50, p99 and p99.9 per sidecar: for each token event "
+        "it relayed, from the event's bytes reaching its upstream socket (the kernel's "
+        "receive stamp) to their hand-off to the client socket, over streams relayed event "
+        "for event. The client vantage's latencies are the server vantage's plus this: "
+        "beside a TTFT or ITL objective of tens of milliseconds, tens of microseconds are the "
+        "cost of measuring; a tail of the order of the objective is the sidecar's, and its "
+        "loop lag and GC pauses (the panel above) say why." + see(OWN_DELAY, STAMPS),
+        "s",
+        targets(
+            *(
+                (
+                    quantile(q, "sidecar_relay_delay_seconds", TARGET, by="instance"),
+                    f"{{{{instance}}}} {label}",
+                )
+                for q, label in (("0.5", "p50"), ("0.99", "p99"), ("0.999", "p99.9"))
+            )
+        ),
+        w=24,
+    )
+
+
 def health_dashboard() -> dict[str, Any]:
     lost = "docs/runbooks.md (the alert of the same name) says what to do."
     panels = [
@@ -1456,6 +1482,7 @@ def health_dashboard() -> dict[str, Any]:
             w=8,
         ),
         stamps_late_panel(),
+        own_delay_panel(),
         row("Records lost on the way out"),
         timeseries(
             "Sink errors",

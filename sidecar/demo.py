@@ -448,6 +448,21 @@ def print_summary(records: list[RequestRecord], slo: stats.SLO, out: TextIO) -> 
                 ),
                 file=out,
             )
+    ok = [r for r in generation if r.ok]
+    relay = stats.relay_report_of(
+        stats.columns_of(ok, Vantage.CLIENT), stats.columns_of(ok, Vantage.SERVER)
+    )
+    delay = relay.delay
+    if delay.count and delay.mean is not None:
+        us = {"mean": delay.mean} | {
+            stats.percentile_name(q): v for q, v in delay.percentiles.items()
+        }
+        print(
+            f"\n[the sidecar's own delay] per token event, upstream socket to client socket, "
+            f"in µs, {relay.requests} streams: n={delay.count} "
+            + " ".join(f"{name}={value * 1e6:.0f}" for name, value in us.items()),
+            file=out,
+        )
     t = stats.throughput(generation, interval)
     g = stats.goodput(generation, slo, interval)
     print(

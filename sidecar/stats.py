@@ -5,7 +5,8 @@ docs/metrics.md section 4: TTFT (`ttft_ns`), ITL (`itl_ns`: the sample unit is t
 token-normalised ITL (`token_normalised_itl`, a derived view), E2E (`e2e_ns`), TPOT (`tpot_ns`;
 with n > 1 `sequence_tpot_ns`), N_out (`output_tokens`) and when the request ended
 (`end_offset_ns`). `request_samples` computes them for many requests at once: every aggregate
-(`vantage_report`, the replay and llm-d reports) reads them from there.
+(`vantage_report`, the replay and llm-d reports) reads them from there. Across the two
+vantages, the proxy's own delay per token event (`relay_delays_ns`; in bulk `relay_delays`).
 
 Aggregation: TTFT, TPOT and E2E percentiles are over requests, ITL percentiles over events of
 all successful requests. Percentiles use numpy's default linear interpolation between closest
@@ -220,6 +221,21 @@ def token_normalised_itl(itl: Sequence[float], tokens: Sequence[int]) -> list[fl
         if n > 0:
             out.extend([gap / n] * n)
     return out
+
+
+def relay_delays_ns(record: RequestRecord) -> list[int] | None:
+    """What the proxy itself took to pass on each token event: t_down_event[i] - t_up_event[i]
+    (the client vantage's instant of event i minus the server vantage's, one clock), in the
+    order the events came. Defined when the two sides saw the same token events (as many on
+    each, at least one: a stream relayed event for event); None otherwise (no server side, an
+    answer assembled for a non-streaming client, a client gone mid-stream)."""
+    client, server = record.client, record.server
+    if server is None:
+        return None
+    down, up = client.offsets_ns, server.offsets_ns
+    if not down or len(down) != len(up):
+        return None
+    return [d - u for d, u in zip(down, up, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,6 +484,58 @@ def _multi_sequences(
     begins = np.ones(index.size, dtype=np.bool_)
     begins[1:] = (request[1:] != request[:-1]) | (choice[1:] != choice[:-1])
     return index, request, begins
+
+
+class RelayDelays(NamedTuple):
+    """`relay_delays_ns` for many requests at once, from their client and server `Columns`
+    (the same requests, in the same order). ``paired``: per request, its two sides saw the
+    same token events; ``unpaired``: per request, both sides saw token events but not as many
+    (none expected of a stream relayed whole). ``delay_ns``: per event of the paired requests,
+    request after request; ``counts``: the events of each paired request."""
+
+    paired: npt.NDArray[np.bool_]
+    unpaired: npt.NDArray[np.bool_]
+    delay_ns: npt.NDArray[np.int64]
+    counts: npt.NDArray[np.int64]
+
+    def event_requests(self) -> npt.NDArray[np.int64]:
+        """Per value of ``delay_ns``, the index of its request."""
+        return np.repeat(np.flatnonzero(self.paired), self.counts)
+
+
+def relay_delays(client: Columns, server: Columns) -> RelayDelays:
+    """The per-request definition, in bulk (tests/test_stats.py holds them equal)."""
+    both = client.present & server.present & (client.counts > 0) & (server.counts > 0)
+    same = client.counts == server.counts
+    paired = both & same
+    if np.array_equal(paired, client.counts > 0) and np.array_equal(paired, server.counts > 0):
+        # Every event on either side is a paired one (the common case: streams relayed whole
+        # beside requests with no events): no copies of the event columns to select them.
+        delay = client.offsets - server.offsets
+    else:
+        delay = (
+            client.offsets[np.repeat(paired, client.counts)]
+            - server.offsets[np.repeat(paired, server.counts)]
+        )
+    return RelayDelays(paired, both & ~same, delay, client.counts[paired])
+
+
+@dataclass(frozen=True, slots=True)
+class RelayReport:
+    """The proxy's own delay over the successful requests it relayed event for event."""
+
+    requests: int  # requests whose two sides saw the same token events
+    unpaired: int  # requests whose two sides both saw token events, but not as many
+    delay: Summary  # sample = token event: t_down_event - t_up_event
+
+
+def relay_report_of(client: Columns, server: Columns) -> RelayReport:
+    relay = relay_delays(client, server)
+    return RelayReport(
+        requests=int(np.count_nonzero(relay.paired)),
+        unpaired=int(np.count_nonzero(relay.unpaired)),
+        delay=summarize(relay.delay_ns / NS_PER_S),
+    )
 
 
 def _tpot_ns(c: Columns, d: _Derived) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
@@ -1298,6 +1366,12 @@ class RecordTable:
 
     def vantage_report(self, mask: npt.NDArray[np.bool_], vantage: Vantage) -> VantageReport:
         return report_of(self.columns(vantage, mask & self.ok), vantage)
+
+    def relay_report(self, mask: npt.NDArray[np.bool_]) -> RelayReport:
+        done = mask & self.ok
+        return relay_report_of(
+            self.columns(VANTAGE_CLIENT, done), self.columns(VANTAGE_SERVER, done)
+        )
 
     def throughput(self, mask: npt.NDArray[np.bool_], interval_s: float) -> Throughput:
         done = mask & self.ok

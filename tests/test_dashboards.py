@@ -298,6 +298,7 @@ def test_the_sidecars_own_health_has_panels() -> None:
         "sidecar_slo_excluded_requests_total",
         "sidecar_loop_lag_seconds_bucket",
         "sidecar_gc_pause_seconds_bucket",
+        "sidecar_relay_delay_seconds_bucket",
     ):
         assert metric in queried, metric
 

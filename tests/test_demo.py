@@ -39,6 +39,7 @@ def test_demo_runs_end_to_end_and_summarises() -> None:
     ok = re.search(r"outcomes: ok=(\d+), http_error=0, upstream_error=0, timeout=0", out)
     assert ok is not None and int(ok.group(1)) > 0
     assert "[client]" in out and "[server]" in out
+    assert "[the sidecar's own delay] per token event" in out
     assert re.search(r"goodput under SLO \(ttft<=500ms, tpot<=50ms, e2e<=20000ms", out)
     # The capture was replayed and the two runs compared: same requests, same output tokens.
     assert "captured run vs its replay" in out

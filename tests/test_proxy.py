@@ -425,11 +425,13 @@ async def test_stats_endpoint_reports_both_vantages_with_definitions() -> None:
     async with stack() as s, aiohttp.ClientSession() as session:
         for _ in range(3):
             await post(session, s.url, "/v1/chat/completions", {**CHAT, "stream": True})
-        await s.records.wait_for(3)
+        records = await s.records.wait_for(3)
         async with session.get(s.server.admin_url + "/stats") as response:
             snapshot = await response.json()
         async with session.get(s.server.admin_url + "/replicas") as response:
             replicas = await response.json()
+        async with session.get(s.server.admin_url + "/metrics") as response:
+            exposition = await response.text()
     assert snapshot["outcomes"]["ok"] == 3
     client, server = snapshot["vantages"]["client"], snapshot["vantages"]["server"]
     assert client["ttft"]["count"] == server["ttft"]["count"] == 3
@@ -437,6 +439,21 @@ async def test_stats_endpoint_reports_both_vantages_with_definitions() -> None:
     assert client["ttft"]["p50"] >= server["ttft"]["p50"] > 0
     assert "sample = event" in snapshot["definitions"]["itl"]
     assert replicas["records_total"] == 3
+    # The proxy's own delay: each of the 18 token events relayed, after it reached the
+    # upstream socket (a kernel stamp is never later than the read that wrote it on).
+    relay = snapshot["relay"]
+    assert relay["requests"] == 3 and relay["unpaired"] == 0
+    assert relay["delay"]["count"] == 18
+    every = [d for r in records for d in stats.relay_delays_ns(r) or ()]
+    assert len(every) == 18 and min(every) >= 0
+    assert relay["delay"]["max"] == max(every) / 1e9
+    assert 'sidecar_relay_delay_seconds_count{model="m",replica=' in exposition
+    (count,) = [
+        float(line.rsplit(" ", 1)[1])
+        for line in exposition.splitlines()
+        if line.startswith("sidecar_relay_delay_seconds_count{")
+    ]
+    assert count == 18
 
 
 async def test_admin_token_guards_the_admin_listener_but_not_healthz() -> None:

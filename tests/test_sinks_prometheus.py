@@ -132,6 +132,14 @@ def test_spec_example_lands_in_the_histograms_and_counters() -> None:
     assert value(registry, "sidecar_time_per_output_token_seconds_sum", **client) == pytest.approx(
         0.110 / 3
     )
+    # The proxy's own delay: each event reached the upstream socket 1 ms before its write to
+    # the client; four events, 1 ms each, all in the bucket of the bound just above 1 ms
+    # (2**(-80/8) = 0.0009766 and 2**(-79/8) = 0.001065, the schema-3 bounds around it).
+    pair = {"model": "m", "replica": "127.0.0.1:8000"}
+    assert value(registry, "sidecar_relay_delay_seconds_count", **pair) == 4
+    assert value(registry, "sidecar_relay_delay_seconds_sum", **pair) == pytest.approx(0.004)
+    for le, below in (("0.0009766", 0), ("0.001065", 4)):
+        assert value(registry, "sidecar_relay_delay_seconds_bucket", le=le, **pair) == below
     assert value(registry, "sidecar_e2e_request_latency_seconds_sum", **client) == pytest.approx(
         0.230
     )
@@ -494,6 +502,8 @@ def _reference_metrics(
                 count("no_tpot", (model,))
             for gap in stats.itl_ns(timeline):
                 observe("itl", labels, gap / 1e9)
+        for delay in stats.relay_delays_ns(r) or ():
+            observe("relay_delay", (model, replica), delay / 1e9)
         engine = r.engine
         if engine is not None:
             labels = (model, replica, "engine")
@@ -570,6 +580,7 @@ def test_binned_in_bulk_equals_the_per_request_definitions(seed: int) -> None:
             "tpot",
             "itl",
             "engine_queue",
+            "relay_delay",
             "request_read",
             "prompt_len",
             "output_len",

@@ -142,9 +142,27 @@ def _reference_snapshot(
         "outcomes": stats.outcome_counts(generation),
         "vantages": vantages,
         "engine": stats.engine_report(generation),
+        "relay": _reference_relay([r for r in generation if r.ok]),
         "throughput": stats.throughput(generation, interval),
         "goodput": goodput,
     }
+
+
+def _reference_relay(records: list[RequestRecord]) -> stats.RelayReport:
+    """The proxy's own delay, request by request (`stats.relay_delays_ns`)."""
+    delays: list[float] = []
+    paired = unpaired = 0
+    for r in records:
+        d = stats.relay_delays_ns(r)
+        if d is None:
+            server = r.server
+            unpaired += bool(server is not None and len(server.offsets_ns)) and bool(
+                len(r.client.offsets_ns)
+            )
+            continue
+        paired += 1
+        delays.extend(x / 1e9 for x in d)
+    return stats.RelayReport(paired, unpaired, stats.summarize(delays))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -176,6 +194,10 @@ def test_the_columnar_window_equals_record_by_record_summaries(seed: int) -> Non
             for vantage, report in window.vantage_reports(selection).items():
                 assert report == ref["vantages"][vantage]  # type: ignore[index]
             assert table.engine_report(generation) == ref["engine"]
+            relay = table.relay_report(generation)
+            assert relay == ref["relay"]
+            assert got["relay"]["requests"] == relay.requests
+            assert got["relay"]["delay"] == relay.delay.to_dict()
             assert table.throughput(generation, ref["interval"]) == ref["throughput"]  # type: ignore[arg-type]
             assert table.goodput(generation, policy, ref["interval"]) == ref["goodput"]  # type: ignore[arg-type]
             now[0] += 700_000_000

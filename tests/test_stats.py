@@ -621,3 +621,114 @@ def test_n2_choices_are_sequences_of_their_own() -> None:
     # Goodput judges the per-sequence TPOT: 10 ms meets 12 ms; the mixed 5.2 ms met 6 ms.
     assert stats.goodput([record], stats.SLO(tpot_s=0.012), 1.0).good_requests == 1
     assert stats.goodput([record], stats.SLO(tpot_s=0.006), 1.0).good_requests == 0
+
+
+# -- the proxy's own delay: the client vantage's instant of an event minus the server's -------
+
+
+def test_relay_delay_hand_worked() -> None:
+    # Upstream events reached the proxy at 110.0, 140.0, 180.0, 220.0 ms and were handed to
+    # the client at 110.2, 140.5, 180.3, 220.3 ms: the proxy held them 0.2, 0.5, 0.3, 0.3 ms
+    # (and so moved the three gaps by +0.3, -0.2 and 0 ms: the client's 30.3, 39.8, 40.0 against
+    # the server's 30, 40, 40).
+    server = Timeline(
+        start_ns=2 * MS,
+        offsets_ns=Int64s([110 * MS, 140 * MS, 180 * MS, 220 * MS]),
+        tokens=Int64s([1, 1, 1, 1]),
+        end_ns=221 * MS,
+    )
+    client = [(110.2, 1), (140.5, 1), (180.3, 1), (220.3, 1)]
+    record = make_record(client, n_out=4, server=server)
+    us = 1_000
+    assert stats.relay_delays_ns(record) == [200 * us, 500 * us, 300 * us, 300 * us]
+    report = stats.relay_report_of(
+        stats.columns_of([record], Vantage.CLIENT), stats.columns_of([record], Vantage.SERVER)
+    )
+    assert report.requests == 1 and report.unpaired == 0
+    assert report.delay.count == 4 and report.delay.max == pytest.approx(0.0005)
+    assert report.delay.mean == pytest.approx(0.000325)
+    # p50 of [0.2, 0.3, 0.3, 0.5] ms (linear): 0.3 ms; p99: 0.3 + 0.97 * 0.2 = 0.494 ms.
+    assert report.delay.p(50) == pytest.approx(0.0003)
+    assert report.delay.p(99) == pytest.approx(0.000494)
+
+
+def test_relay_delay_needs_the_same_events_on_both_sides() -> None:
+    server = Timeline(
+        start_ns=0, offsets_ns=Int64s([10 * MS, 20 * MS]), tokens=Int64s([1, 1]), end_ns=21 * MS
+    )
+    # A client gone after the first event; a non-streaming client (no events); no server side.
+    cut = make_record([(10.1, 1)], n_out=2, server=server)
+    whole = make_record((), n_out=2, server=server, end_ms=30)
+    alone = make_record([(10.1, 1), (20.1, 1)], n_out=2)
+    for record in (cut, whole, alone):
+        assert stats.relay_delays_ns(record) is None
+    report = stats.relay_report_of(
+        stats.columns_of([cut, whole, alone], Vantage.CLIENT),
+        stats.columns_of([cut, whole, alone], Vantage.SERVER),
+    )
+    # Only the cut stream saw events on both sides, and not as many: unpaired, and counted.
+    assert report.requests == 0 and report.unpaired == 1 and report.delay.count == 0
+
+
+def test_relay_delay_with_n2_pairs_events_in_their_order() -> None:
+    server = Timeline(
+        start_ns=0,
+        offsets_ns=Int64s([10 * MS, 11 * MS]),
+        tokens=Int64s([1, 1]),
+        choices=Int64s([0, 1]),
+    )
+    client = Timeline(
+        start_ns=0,
+        offsets_ns=Int64s([10 * MS + 40_000, 11 * MS + 90_000]),
+        tokens=Int64s([1, 1]),
+        choices=Int64s([0, 1]),
+    )
+    record = replace(make_record((), n_out=2, server=server), client=client)
+    assert stats.relay_delays_ns(record) == [40_000, 90_000]
+    relay = stats.relay_delays(
+        stats.columns_of([record], Vantage.CLIENT), stats.columns_of([record], Vantage.SERVER)
+    )
+    assert relay.delay_ns.tolist() == [40_000, 90_000]
+    assert relay.event_requests().tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(("seed", "share"), [(s, 0.6) for s in range(6)] + [(6, 1.0), (7, 1.0)])
+def test_bulk_relay_delays_equal_the_per_request_definition(seed: int, share: float) -> None:
+    """Random records, ``share`` of them relayed event for event; at 1.0 every one (the bulk
+    path without selecting events)."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for record in random_records(seed, 300):
+        client = record.client
+        if share == 1.0 and record.server is None:
+            record = replace(record, server=Timeline(start_ns=0))
+        if record.server is not None and rng.random() < share:
+            # Relayed event for event: the server saw each client event 0-2 ms earlier.
+            held = rng.integers(0, 2_000_000, size=len(client.offsets_ns))
+            up = [int(at - d) for at, d in zip(client.offsets_ns, held, strict=True)]
+            server = replace(
+                record.server, offsets_ns=Int64s(up), tokens=client.tokens, choices=client.choices
+            )
+            record = replace(record, server=server)
+        records.append(record)
+    relay = stats.relay_delays(
+        stats.columns_of(records, Vantage.CLIENT), stats.columns_of(records, Vantage.SERVER)
+    )
+    delays: list[int] = []
+    delay_of: list[int] = []
+    unpaired = 0
+    for index, record in enumerate(records):
+        d = stats.relay_delays_ns(record)
+        if d is None:
+            side = record.server
+            unpaired += bool(
+                side is not None and len(side.offsets_ns) and len(record.client.offsets_ns)
+            )
+            continue
+        delays.extend(d)
+        delay_of.extend([index] * len(d))
+    # The test tests something: pairs, and (but when every request is paired) others.
+    assert len(delays) > 500 and (unpaired > 10) == (share < 1)
+    assert relay.delay_ns.tolist() == delays and relay.event_requests().tolist() == delay_of
+    assert int(np.count_nonzero(relay.unpaired)) == unpaired
+    assert int(np.count_nonzero(relay.paired)) == len(set(delay_of))

@@ -140,6 +140,10 @@ def latency_buckets(
     return tuple(sorted(set(bounds) | {round(x, 10) for x in extra if x > 0}))
 
 
+# The sidecar's own delay per event: the latency layout's resolution (schema 3, 9 % apart), from
+# 1 µs, since a relay passes an event on in tens of microseconds, to 10 s (a stalled one).
+RELAY_DELAY_BUCKETS = log_linear_buckets(3, low=1e-6, high=10.0)
+
 # Token counts: 1-2-5 per decade up to 1M tokens (vLLM's TOK_B shape, extended).
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 6) for m in (1, 2, 5)) + (1e6,)
 
@@ -412,6 +416,15 @@ class PrometheusSink:
             buckets,
             registry,
         )
+        self.relay_delay = BulkHistogram(
+            "sidecar_relay_delay_seconds",
+            "The sidecar's own time per relayed token event: from its bytes reaching the "
+            "upstream socket to their hand-off to the client socket (sample = event; streams "
+            "relayed event for event).",
+            ("model", "replica"),
+            RELAY_DELAY_BUCKETS,
+            registry,
+        )
         self.request_read = BulkHistogram(
             "sidecar_request_read_seconds",
             "From a request's first byte to the whole request read by the proxy (its upload; "
@@ -630,9 +643,12 @@ class PrometheusSink:
         by_model: _Series,
         created: float,
     ) -> None:
-        """The successful requests' TTFT, E2E, TPOT and ITL at each vantage they have."""
-        for vantage in (VANTAGE_CLIENT, VANTAGE_SERVER):
-            columns = table.columns(vantage, ok)
+        """The successful requests' TTFT, E2E, TPOT and ITL at each vantage they have, and
+        the proxy's own delay per event where both vantages saw the same events."""
+        sides = {
+            vantage: table.columns(vantage, ok) for vantage in (VANTAGE_CLIENT, VANTAGE_SERVER)
+        }
+        for vantage, columns in sides.items():
             present = columns.present
             samples = stats.samples_of(columns.select(present))
             series = [(model, replica, vantage.value) for model, replica in by_pair.labels]
@@ -652,6 +668,10 @@ class PrometheusSink:
             # Gaps within each request (with n > 1 within each choice), never across them.
             gap_keys = np.repeat(keys, samples.itl_counts)
             self.itl.observe_many(series, gap_keys, samples.itl_s, created)
+        relay = stats.relay_delays(sides[VANTAGE_CLIENT], sides[VANTAGE_SERVER])
+        self.relay_delay.observe_many(
+            by_pair.labels, by_pair.keys[relay.event_requests()], relay.delay_ns / NS_PER_S, created
+        )
         # The same intervals as at the other vantages (record.EngineTiming): TTFT and E2E
         # from queued in the engine, TPOT = vLLM's mean ITL. NaN where vLLM left a part out
         # (or sent no timing): that interval is unknown, not observed.

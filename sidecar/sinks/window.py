@@ -35,6 +35,10 @@ DEFINITIONS = {
     "tpot": "TPOT as docs/metrics.md section 4 defines it (stats.tpot_ns); N_out <= 1 "
     "excluded and counted; sample = request",
     "e2e": "last token-carrying event (stream end if none) - vantage start; sample = request",
+    "relay_delay": "the proxy's own time per token event: the instant it handed the event "
+    "to the client socket - the instant the event's bytes reached its upstream socket (kernel "
+    "receive stamp where available); over requests whose two sides saw the same token events; "
+    "sample = event",
     "percentiles": "numpy linear interpolation; std is the population std",
     "latency_population": "successful chat/completions requests that ended in the window",
     "units": "seconds",
@@ -280,6 +284,7 @@ class WindowSink:
                 table.vantage_report(generation, vantage)
             )
         out["vantages"]["engine"] = _engine_json(table.engine_report(generation))
+        out["relay"] = _relay_json(table.relay_report(generation))
         out["throughput"] = _throughput_json(table.throughput(generation, interval))
         if slo_policy is not None:
             out["goodput"] = {
@@ -302,6 +307,14 @@ def _vantage_json(report: stats.VantageReport) -> dict[str, Any]:
         "itl_per_token": report.itl_per_token.to_dict(),
         "tpot": report.tpot.to_dict(),
         "e2e": report.e2e.to_dict(),
+    }
+
+
+def _relay_json(relay: stats.RelayReport) -> dict[str, Any]:
+    return {
+        "requests": relay.requests,
+        "unpaired": relay.unpaired,
+        "delay": relay.delay.to_dict(),
     }
 
 
