@@ -2,12 +2,14 @@
 
     python benchmarks/scrape_isolation.py --json-out /tmp/scrape.json   # 100k records (~6 min)
     python benchmarks/scrape_isolation.py --smoke                       # CI: 1k records
+    python benchmarks/scrape_isolation.py --workers 1 --collector-core 0  # collector moved off
 
 For each ``--workers`` setting (0: relay, window and admin listener on one event loop, the
 shape before data plane v2; 1: one worker process and its collector), on a 2-core host pinned
 like proxy_overhead.py (simulator + load client on core 0; every process of the sidecar on core
 1, so the collector competes with the worker for that one core, which is the honest 2-core
-picture):
+picture; ``--collector-core 0`` moves the collector to the simulator's core instead, which
+shows the relay without a scrape on its core and the simulator with one):
 
 1. a fresh simulator and sidecar (``--window 3600s``, room for ``--records`` records);
 2. the window is filled with ``--records`` records (non-streamed one-token requests, 64 at a
@@ -26,12 +28,23 @@ picture):
    than the target from one pair to the next;
 6. the sidecar's own server-side ITL of each phase's requests (/stats, selected by request-id
    prefix): where reads are stamped by the kernel (Linux), the simulator's send times; where
-   they are stamped when read, a stall of the relay's loop is written into it too.
+   they are stamped when read, a stall of the relay's loop is written into it too;
+7. the sidecar's own delay per token event (/stats ``relay``: its kernel-stamped upstream
+   read to its write to the client), for each phase's requests;
+8. the relay's added ITL, event by event: the simulator writes its ground truth
+   (``--ground-truth``: each token event's write instant, ``time.perf_counter_ns``) and the
+   load client stamps each token event's read on the same clock, so for every token gap the
+   client's gap minus the simulator's is what the path between them (two loopback hops, the
+   relay, the client's wake-up) added to it. A simulator slowed by the scraping (on two
+   cores everything shares something: the scraper shares core 0 with it) moves the client's
+   ITL and the sidecar's server-side ITL alike, and cancels out of this one.
 
 Reported per setting: fill size; /stats and /metrics latency (p50, max, over every scraped
 phase); client ITL p99 and max in both phases of the median pair; the differences, median of
-the pairs [min - max], client and server side. The target (issue 13): scraping moves the added
-ITL p99 by <= 0.1 ms.
+the pairs [min - max], client and server side, and of the added ITL p99. The target (issue
+13): scraping moves the added ITL p99 by <= 0.1 ms; the added ITL above reads it event by
+event, where the client ITL's difference also carries whatever the scraping did to the
+simulator.
 """
 
 from __future__ import annotations
@@ -158,7 +171,61 @@ async def run_client(
         await asyncio.sleep(0.1)
     if proc.returncode != 0:
         raise RuntimeError(f"load client failed ({proc.returncode}): see {workdir}")
-    return po.analyse_run(json.loads(out.read_text()))
+    result = json.loads(out.read_text())
+    summary = po.analyse_run(result)
+    # Each measured request's token-event read instants, for `path_delays`.
+    summary["token_reads"] = {r["id"]: r["tok"] for r in result["requests"] if r["ok"]}
+    return summary
+
+
+def read_ground_truth(path: Path, prefixes: Sequence[str]) -> dict[str, list[int]]:
+    """The simulator's write instant of each token event, per request of the phases (by
+    request-id prefix; the fill's requests are left out)."""
+    sends: dict[str, list[int]] = {}
+    with path.open() as lines:
+        for line in lines:
+            truth = json.loads(line)
+            request_id = truth["request_id"]
+            if request_id.startswith(tuple(prefixes)):
+                sends[request_id] = [
+                    at
+                    for at, kind in zip(truth["chunk_ns"], truth["chunk_kinds"], strict=True)
+                    if kind == "token"
+                ]
+    return sends
+
+
+def path_delays(
+    token_reads: dict[str, list[int]], token_sends: dict[str, list[int]]
+) -> dict[str, Any]:
+    """What the path between the simulator and the client added, event by event.
+
+    For each token event k of a request, d_k = the client's read instant - the simulator's
+    write instant (both `time.perf_counter_ns`, CLOCK_MONOTONIC, one clock for the host): the
+    two loopback hops, the relay, and the client's own wake-up. The relay's added ITL of the
+    gap before event k is d_k - d_(k-1): the client's gap minus the simulator's gap. A late
+    simulator moves both instants alike and cancels out; a stall in the relay (or a late
+    client) does not. Requests whose token events do not pair one to one (none expected: the
+    simulator writes one token per event here) are counted and left out."""
+    delays: list[float] = []
+    added_itl: list[float] = []
+    unpaired = 0
+    for request_id, reads in token_reads.items():
+        sends = token_sends.get(request_id)
+        if sends is None or len(sends) != len(reads) or not reads:
+            unpaired += 1
+            continue
+        d = (np.asarray(reads, dtype=np.int64) - np.asarray(sends, dtype=np.int64)) / 1e6
+        delays.extend(d.tolist())
+        added_itl.extend(np.diff(d).tolist())
+    return {
+        "paired_requests": len(token_reads) - unpaired,
+        "unpaired_requests": unpaired,
+        "delay_p50": ms(delays, 50),
+        "delay_p99": ms(delays, 99),
+        "added_itl_p99": ms(added_itl, 99),
+        "added_itl_max": ms(added_itl, 100),
+    }
 
 
 async def server_view(admin: str, prefix: str) -> dict[str, Any]:
@@ -170,7 +237,7 @@ async def server_view(admin: str, prefix: str) -> dict[str, Any]:
     ):
         stats = await response.json()
     server = stats["vantages"]["server"]
-    return {"requests": server.get("requests"), "itl": server.get("itl")}
+    return {"requests": server.get("requests"), "itl": server.get("itl"), "relay": stats["relay"]}
 
 
 def ms(values: Sequence[float], q: float) -> float:
@@ -182,7 +249,10 @@ async def run_setting(
 ) -> dict[str, Any]:
     sim_port, port, admin_port = po.free_port(), po.free_port(), po.free_port()
     step_s = args.step_ms / 1e3
-    sim = po.start_sim(sim_port, step_s, workdir / f"sim-w{workers}.log", place.sim)
+    truth_path = workdir / f"truth-w{workers}.jsonl"
+    sim = po.start_sim(
+        sim_port, step_s, workdir / f"sim-w{workers}.log", place.sim, str(truth_path)
+    )
     proxy = None
     try:
         proxy = po.start_proxy(
@@ -194,6 +264,11 @@ async def run_setting(
             ["--workers", str(workers), "--window", "3600s", "--window-max-bytes", str(4 << 30)],
         )
         url, admin = f"http://{po.HOST}:{port}", f"http://{po.HOST}:{admin_port}"
+        if args.collector_core is not None and workers >= 1 and place.pin:
+            # The collector's threads (its scrape thread, made later, inherits this); its
+            # workers stay where they were started.
+            for tid in os.listdir(f"/proc/{proxy.pid}/task"):
+                os.sched_setaffinity(int(tid), {args.collector_core})
         fill_s = await fill_window(url, admin, args.records)
         # The paths the scraper requests, in turn (its keys), and each request's latency.
         latencies: dict[str, list[float]] = {path: [] for path in args.scrape_paths}
@@ -227,12 +302,28 @@ async def run_setting(
     finally:
         po.stop(proxy, 15)
         po.stop(sim)
+    # Read once both are stopped: the simulator writes a request's line when its handler ends.
+    token_sends = read_ground_truth(
+        truth_path, [prefix for phase in phases for prefix in phase[:2]]
+    )
+    for repeat in repeats:
+        for phase in ("quiet", "scraped"):
+            repeat[f"path_{phase}"] = path_delays(repeat[phase].pop("token_reads"), token_sends)
+        repeat["added_itl_p99_delta_ms"] = (
+            repeat["path_scraped"]["added_itl_p99"] - repeat["path_quiet"]["added_itl_p99"]
+        )
+        # The sidecar's own view of the same: its delay per event (/stats relay).
+        repeat["relay_delay_p99_delta_ms"] = relay_p99_ms(repeat["server_scraped"]) - relay_p99_ms(
+            repeat["server_quiet"]
+        )
     # The repeat whose client delta is the median stands for the setting (its phases are the
     # table's); every repeat's deltas are kept, and their range reported.
     ranked = sorted(repeats, key=lambda r: r["itl_p99_delta_ms"])
     middle = ranked[(len(ranked) - 1) // 2]
     deltas = [r["itl_p99_delta_ms"] for r in repeats]
     server_deltas = [r["server_itl_p99_delta_ms"] for r in repeats]
+    added_deltas = [r["added_itl_p99_delta_ms"] for r in repeats]
+    relay_deltas = [r["relay_delay_p99_delta_ms"] for r in repeats]
     return {
         "workers": workers,
         "records": args.records,
@@ -242,13 +333,33 @@ async def run_setting(
         "metrics_ms_p50": ms(latencies.get("/metrics", []), 50),
         "metrics_ms_max": ms(latencies.get("/metrics", []), 100),
         "scrapes": sum(len(values) for values in latencies.values()),
-        **{key: middle[key] for key in ("quiet", "scraped", "server_quiet", "server_scraped")},
+        **{
+            key: middle[key]
+            for key in (
+                "quiet",
+                "scraped",
+                "server_quiet",
+                "server_scraped",
+                "path_quiet",
+                "path_scraped",
+            )
+        },
+        "added_itl_p99_delta_ms": float(np.median(added_deltas)),
+        "added_itl_p99_delta_ms_range": [min(added_deltas), max(added_deltas)],
+        "relay_delay_p99_delta_ms": float(np.median(relay_deltas)),
+        "relay_delay_p99_delta_ms_range": [min(relay_deltas), max(relay_deltas)],
         "itl_p99_delta_ms": float(np.median(deltas)),
         "itl_p99_delta_ms_range": [min(deltas), max(deltas)],
         "server_itl_p99_delta_ms": float(np.median(server_deltas)),
         "server_itl_p99_delta_ms_range": [min(server_deltas), max(server_deltas)],
         "repeats": repeats,
     }
+
+
+def relay_p99_ms(view: dict[str, Any]) -> float:
+    """The sidecar's own delay per token event, p99 (/stats ``relay``), in ms."""
+    p99 = view["relay"]["delay"].get("p99")
+    return float("nan") if p99 is None else p99 * 1e3
 
 
 def server_p99_ms(view: dict[str, Any]) -> float:
@@ -263,8 +374,10 @@ def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{args.max_tokens} chunks, engine step {args.step_ms} ms, {args.measure_s} s per phase",
         "| workers | /stats ms p50 / max | /metrics ms p50 / max | scrapes | client ITL p99 quiet "
         "-> scraped (ms) | delta ms | client ITL max quiet -> scraped | server ITL p99 / max "
-        "quiet -> scraped (ms) | server delta ms | failed |",
-        "|---:|---|---|---:|---|---:|---|---|---:|---:|",
+        "quiet -> scraped (ms) | server delta ms | added ITL p99 quiet -> scraped (ms) | "
+        "added delta ms | path delay p50 / p99 quiet -> scraped (ms) | unpaired | sidecar's own "
+        "delay p99 quiet -> scraped (ms) | delta ms | failed |",
+        "|---:|---|---|---:|---|---:|---|---|---:|---|---:|---|---:|---|---:|---:|",
     ]
     for r in results:
         q, s = r["quiet"], r["scraped"]
@@ -278,6 +391,13 @@ def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
 
         low, high = r["itl_p99_delta_ms_range"]
         server_low, server_high = r["server_itl_p99_delta_ms_range"]
+        added_low, added_high = r["added_itl_p99_delta_ms_range"]
+        relay_low, relay_high = r["relay_delay_p99_delta_ms_range"]
+        pq, ps = r["path_quiet"], r["path_scraped"]
+        unpaired = sum(
+            x["path_quiet"]["unpaired_requests"] + x["path_scraped"]["unpaired_requests"]
+            for x in r["repeats"]
+        )
         failed = sum(x["quiet"]["n_err"] + x["scraped"]["n_err"] for x in r["repeats"])
         lines.append(
             f"| {r['workers']} | {r['stats_ms_p50']:.1f} / {r['stats_ms_max']:.1f} | "
@@ -286,13 +406,28 @@ def report(results: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
             f"[{low:+.2f} – {high:+.2f}] | "
             f"{q['itl_max']:.1f} -> {s['itl_max']:.1f} | {srv(sq)} -> {srv(ss)} | "
             f"{r['server_itl_p99_delta_ms']:+.2f} [{server_low:+.2f} – {server_high:+.2f}] | "
+            f"{pq['added_itl_p99']:.3f} -> {ps['added_itl_p99']:.3f} | "
+            f"{r['added_itl_p99_delta_ms']:+.3f} [{added_low:+.3f} – {added_high:+.3f}] | "
+            f"{pq['delay_p50']:.3f} / {pq['delay_p99']:.3f} -> "
+            f"{ps['delay_p50']:.3f} / {ps['delay_p99']:.3f} | {unpaired} | "
+            f"{relay_p99_ms(r['server_quiet']):.3f} -> {relay_p99_ms(r['server_scraped']):.3f} | "
+            f"{r['relay_delay_p99_delta_ms']:+.3f} [{relay_low:+.3f} – {relay_high:+.3f}] | "
             f"{failed} |"
         )
     lines.append(
         f"Deltas: scraped phase's p99 minus the quiet phase's before it, median of {args.repeats} "
         "alternating pairs [min – max]; the other columns are the median pair's. Server ITL: the "
         "sidecar's own kernel-stamped reads of the simulator's bytes (a late simulator moves "
-        "it; the relay cannot)."
+        "it; the relay cannot). Added ITL: per token gap, the client's gap minus the "
+        "simulator's (its ground truth's write instants, the same clock): what the path between "
+        "them added to that gap, a late simulator cancelled out; its p99 over the phase. Path "
+        "delay: per token event, the client's read minus the simulator's write (two loopback "
+        "hops, the relay, the client's wake-up). Unpaired: requests left out because their "
+        "token events did not pair one to one with the simulator's writes. The sidecar's own "
+        "delay: /stats `relay` for the phase's requests, per token event from its "
+        'kernel-stamped upstream read to its write to the client (docs/metrics.md, "The '
+        "sidecar's own delay\"): the relay's share alone, without the loopback hop to the "
+        "client and the client's wake-up."
     )
     return "\n".join(lines)
 
@@ -301,7 +436,12 @@ async def amain(args: argparse.Namespace) -> int:
     place = po.Placement(args)
     workdir = Path(tempfile.mkdtemp(prefix="scrape-isolation-"))
     print(f"# {po.machine_line()}", flush=True)
-    print(f"# pinning: {place.describe()}; logs in {workdir}", flush=True)
+    collector = (
+        f"; the collector moved to core {args.collector_core}"
+        if args.collector_core is not None and place.pin
+        else ""
+    )
+    print(f"# pinning: {place.describe()}{collector}; logs in {workdir}", flush=True)
     results = []
     for workers in args.workers:
         result = await run_setting(workers, args, workdir, place)
@@ -349,6 +489,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=lambda s: [int(x) for x in s.split(",")],
         default=[0, 1],
         help="settings to compare [0,1]",
+    )
+    parser.add_argument(
+        "--collector-core",
+        type=int,
+        help="move the collector (its every thread; --workers >= 1) to this core once started, "
+        "its workers staying on the relays' core: e.g. 0, the simulator's, to read the relay "
+        "without a collector on its core [with the workers]",
     )
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--json-out")

@@ -625,7 +625,38 @@ def test_scrape_isolation_smoke(tmp_path: Path) -> None:
         # The sidecar's own view of each phase's requests (selected by request-id prefix).
         assert r["server_quiet"]["requests"] > 0 and r["server_scraped"]["itl"]["count"] > 0
         assert finite(r["stats_ms_p50"]) and finite(r["itl_p99_delta_ms"])
+        # Every measured request paired, event by event, with the simulator's ground truth.
+        for repeat in r["repeats"]:
+            for phase in ("quiet", "scraped"):
+                path = repeat[f"path_{phase}"]
+                assert path["unpaired_requests"] == 0, (workers, phase)
+                assert path["paired_requests"] == repeat[phase]["n_ok"], (workers, phase)
+                assert 0 < path["delay_p50"] <= path["delay_p99"], (workers, phase)
+        assert finite(r["added_itl_p99_delta_ms"])
+        # The sidecar's own delay of each phase's streams (/stats relay), all of them paired.
+        for phase in ("server_quiet", "server_scraped"):
+            relay = r[phase]["relay"]
+            assert relay["requests"] == r[phase]["requests"] > 0 and relay["unpaired"] == 0
+            assert 0 < relay["delay"]["p50"] <= relay["delay"]["p99"], (workers, phase)
+        assert finite(r["relay_delay_p99_delta_ms"])
     assert "| workers | /stats ms p50 / max |" in stdout
+
+
+def test_scrape_isolation_path_delays() -> None:
+    """The relay's added ITL, by hand: the simulator writes at 0, 10, 20 ms and the client
+    reads at 1, 11.5, 21 ms (delays 1, 1.5, 1 ms): the gaps gain +0.5 and -0.5 ms. A request
+    whose events do not pair one to one is counted and left out."""
+    import scrape_isolation
+
+    ms = 1_000_000
+    sends = {"a": [0, 10 * ms, 20 * ms], "b": [0, 5 * ms]}
+    reads = {"a": [1 * ms, 11 * ms + ms // 2, 21 * ms], "b": [1 * ms], "c": [2 * ms]}
+    path = scrape_isolation.path_delays(reads, sends)
+    assert path["paired_requests"] == 1 and path["unpaired_requests"] == 2
+    assert path["delay_p50"] == pytest.approx(1.0)
+    assert path["added_itl_max"] == pytest.approx(0.5)
+    # p99 of the gaps' additions [-0.5, +0.5] (numpy's linear rule): -0.5 + 0.99 * 1.0.
+    assert path["added_itl_p99"] == pytest.approx(0.49)
 
 
 def test_sim_isolation_smoke(tmp_path: Path) -> None:
