@@ -33,6 +33,8 @@ from sidecar.proxy.app import ProxyServer, metrics_route
 from sidecar.proxy.collector import Collector, StartError
 from sidecar.proxy.gcpolicy import settle
 from sidecar.proxy.gcpolicy import thresholds as gc_thresholds
+from sidecar.proxy.heap import keep_freed_memory
+from sidecar.proxy.heap import wanted as heap_wanted
 from sidecar.sinks.capture import CaptureSink
 from sidecar.sinks.prometheus import (
     CaptureCollector,
@@ -374,8 +376,11 @@ async def serve(
     workers = effective_workers(config)
     try:
         gc_thresholds()  # a bad SIDECAR_GC_THRESHOLDS stops the start, not a worker later
+        keep_heap = heap_wanted() and bool(workers)  # a bad value stops any start
     except ValueError as exc:
         raise ServeError(str(exc)) from None
+    if keep_heap and not keep_freed_memory():
+        logging.getLogger("sidecar").info("the collector's heap keeps glibc's defaults (not glibc)")
     models = await upstream_models(config.upstreams) if config.capture_dir else ()
     server: ProxyServer | Collector
     try:

@@ -160,6 +160,24 @@ def test_garbage_collector_thresholds_that_are_not_three_positive_integers_are_o
     )
 
 
+def test_a_heap_switch_that_is_not_on_or_off_is_one_line() -> None:
+    done = sidecar(
+        "proxy",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        env={**os.environ, "SIDECAR_KEEP_FREED_MEMORY": "maybe"},
+    )
+    assert done.returncode == 2
+    assert one_line(done.stderr) == (
+        "sidecar proxy: SIDECAR_KEEP_FREED_MEMORY must be 1 or 0 (true/false, yes/no, on/off): "
+        "'maybe'"
+    )
+
+
 @pytest.mark.slow
 def test_trace_import_into_a_folder_that_cannot_be_is_one_line(tmp_path: Path) -> None:
     a_file = tmp_path / "results"
