@@ -144,6 +144,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="best of N repeats [5]")
     parser.add_argument("--smoke", action="store_true", help="CI smoke run: 1 repeat")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="the /stats row with the collector's heap as SIDECAR_KEEP_FREED_MEMORY=1 sets it",
+    )
     args = parser.parse_args(argv)
     REPEATS = 1 if args.smoke else max(1, args.repeats)
     stream = b"".join(f"data: {chunk(i, True)}\n\n".encode() for i in range(TOKENS))
@@ -425,17 +430,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     rows.append(("per report", "summarize 1M samples (numpy)", best_of(percentiles, 3)))
     window_records = 2_000 if args.smoke else 100_000
-    # What the collector's start leaves out of the cycle collector's reach (gcpolicy.settle),
-    # and its heap's settings (sidecar/proxy/heap.py: large blocks reused, not unmapped).
+    # What the collector's start leaves out of the cycle collector's reach (gcpolicy.settle);
+    # --keep-freed-memory: and the heap settings SIDECAR_KEEP_FREED_MEMORY=1 gives it.
     gc.collect()
     gc.freeze()
-    heap.keep_freed_memory()
+    if args.keep_freed_memory:
+        heap.keep_freed_memory()
     full = full_window(window_records, 32)
     rows.append(
         (
             "per report",
             f"/stats of a live window: {window_records:,} records x 32 token events "
-            "(`WindowSink.snapshot` + JSON; the collector's heap settings)",
+            "(`WindowSink.snapshot` + JSON"
+            + ("; SIDECAR_KEEP_FREED_MEMORY=1)" if args.keep_freed_memory else ")"),
             best_of(lambda: bool(json.dumps(full.snapshot(policy))), 3),
         )
     )
