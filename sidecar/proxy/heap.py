@@ -7,8 +7,8 @@ when it is freed (its threshold starts at 128 KiB and only rises as far as the l
 freed), and trims the top of its heap whenever 128 KiB or more lies free there. So each scrape
 faults its arrays in page by page and unmaps them after: on the reference VM about a fifth of a
 `/stats` of that window (119-129 ms against 96-102 with the settings below, `hot_paths.py`'s
-row, five runs), spent in the kernel, where a worker sharing the core cannot preempt it (the
-kernel is not preemptible there on most distributions' builds).
+row, five runs), spent in the kernel, where a worker sharing the core may wait for it (the
+reference VM's kernel is built without kernel preemption, PREEMPT_NONE).
 
 `keep_freed_memory` asks glibc to serve blocks up to 32 MiB from its heap (``M_MMAP_THRESHOLD``,
 which also stops the threshold from moving) and to give back its top only beyond 256 MiB free
