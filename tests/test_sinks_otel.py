@@ -137,8 +137,8 @@ def test_bucket_boundaries_are_the_conventions() -> None:
 # Records
 
 
-def marks_ms(*offsets: int, tokens: int = 1) -> tuple[ChunkMark, ...]:
-    return tuple(ChunkMark(offset * MS, tokens) for offset in offsets)
+def marks_ms(*offsets: float, tokens: int = 1) -> tuple[ChunkMark, ...]:
+    return tuple(ChunkMark(round(offset * MS), tokens) for offset in offsets)
 
 
 def spec_example(**overrides: Any) -> RequestRecord:
@@ -874,6 +874,24 @@ def finished(sink: OTelSink, spans: InMemorySpanExporter) -> tuple[ReadableSpan,
     return spans.get_finished_spans()
 
 
+def test_span_carries_the_sidecars_own_delay(make_traced: Any, spans: InMemorySpanExporter) -> None:
+    """Upstream events at 119.8, 149, 189.6, 229 ms, written to the client at 120, 150, 190,
+    230: held 0.2, 1.0, 0.4, 1.0 ms, so at most 1.0 and 0.65 on average. A client gone after
+    two events (two client events, four upstream ones) has no such attributes."""
+    sink = make_traced()
+    server = Timeline.from_marks(
+        start_ns=2 * MS, marks=marks_ms(119.8, 149, 189.6, 229), end_ns=233 * MS
+    )
+    sink.on_record(spec_example(server=server))
+    cut = Timeline.from_marks(start_ns=0, marks=marks_ms(120, 150), end_ns=151 * MS)
+    sink.on_record(spec_example(request_id="req-2", client=cut))
+    whole, gone = finished(sink, spans)
+    attrs = dict(whole.attributes or {})
+    assert attrs["sidecar.relay.delay_max"] == pytest.approx(0.0010)
+    assert attrs["sidecar.relay.delay_mean"] == pytest.approx(0.00065)
+    assert not {"sidecar.relay.delay_max", "sidecar.relay.delay_mean"} & set(gone.attributes or {})
+
+
 def test_span_from_the_record(make_traced: Any, spans: InMemorySpanExporter) -> None:
     sink = make_traced(slo_policy=POLICY)
     record = spec_example(
@@ -922,6 +940,9 @@ def test_span_from_the_record(make_traced: Any, spans: InMemorySpanExporter) -> 
         "sidecar.server.e2e": pytest.approx(0.227),
         "sidecar.server.time_per_output_token": pytest.approx(0.110 / 3),
         "sidecar.server.chunks": 4,
+        # Each event reached the client 1 ms after the upstream socket.
+        "sidecar.relay.delay_max": pytest.approx(0.001),
+        "sidecar.relay.delay_mean": pytest.approx(0.001),
         "sidecar.engine.queue_time": pytest.approx(0.005),
         # The interval the server's attribute of that name has: queued -> first token.
         "sidecar.engine.time_to_first_token": pytest.approx(0.105),

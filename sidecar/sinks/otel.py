@@ -70,6 +70,7 @@ from sidecar.stats import (
     NS_PER_S,
     RequestMetrics,
     SLOPolicy,
+    relay_delays_ns,
     request_metrics,
     slo_exclusion,
     slo_verdict,
@@ -833,6 +834,11 @@ def _span_attributes(
         out["sidecar.server.e2e"] = server.e2e_s
         out["sidecar.server.time_per_output_token"] = server.tpot_s
         out["sidecar.server.chunks"] = record.server.n_marks
+    delays = relay_delays_ns(record)
+    if delays is not None:
+        # The sidecar's own time per token event (docs/metrics.md, "The sidecar's own delay").
+        out["sidecar.relay.delay_max"] = max(delays) / NS_PER_S
+        out["sidecar.relay.delay_mean"] = sum(delays) / len(delays) / NS_PER_S
     engine = record.engine
     if engine is not None:
         out["sidecar.engine.queue_time"] = _seconds(engine.queue_time_ms)
