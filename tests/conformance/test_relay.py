@@ -39,6 +39,7 @@ import pytest
 from proxy_stack import Collect, running_proxy
 from wire import NAMED, TOOLS
 
+from sidecar import stats
 from sidecar.engine_metrics import histogram_totals, parse_engine_metrics
 from sidecar.proxy.app import ProxyServer
 from sidecar.record import Outcome, RequestRecord, TokenSource
@@ -659,6 +660,10 @@ async def test_server_vantage_agrees_with_vllms_own_histograms(real_vllm: RealVL
         itl_count += len(offsets) - 1
         steps_after_first += (record.n_out or 0) - 1
         assert len(record.client.offsets_ns) == len(offsets) >= 1, record
+        # So the sidecar's own delay is defined for every event of a real stream, and an
+        # event is never written to the client before its bytes reached the upstream socket.
+        delays = stats.relay_delays_ns(record)
+        assert delays is not None and len(delays) == len(offsets) and min(delays) >= 0, record
     theirs = {
         key: after[name][0] - before[name][0]
         for key, name in zip(("ttft", "e2e", "itl"), LATENCY_FAMILIES, strict=True)
