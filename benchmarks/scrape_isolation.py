@@ -31,7 +31,7 @@ shows the relay without a scrape on its core and the simulator with one):
    they are stamped when read, a stall of the relay's loop is written into it too;
 7. the sidecar's own delay per token event (/stats ``relay``: its kernel-stamped upstream
    read to its write to the client), for each phase's requests;
-8. the relay's added ITL, event by event: the simulator writes its ground truth
+8. the path's added ITL, event by event: the simulator writes its ground truth
    (``--ground-truth``: each token event's write instant, ``time.perf_counter_ns``) and the
    load client stamps each token event's read on the same clock, so for every token gap the
    client's gap minus the simulator's is what the path between them (two loopback hops, the
@@ -202,7 +202,7 @@ def path_delays(
 
     For each token event k of a request, d_k = the client's read instant - the simulator's
     write instant (both `time.perf_counter_ns`, CLOCK_MONOTONIC, one clock for the host): the
-    two loopback hops, the relay, and the client's own wake-up. The relay's added ITL of the
+    two loopback hops, the relay, and the client's own wake-up. What the path added to the
     gap before event k is d_k - d_(k-1): the client's gap minus the simulator's gap. A late
     simulator moves both instants alike and cancels out; a stall in the relay (or a late
     client) does not. Requests whose token events do not pair one to one (none expected: the
