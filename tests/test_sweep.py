@@ -271,6 +271,11 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
             assert 0 < server["ttft_ms"][q] <= client["ttft_ms"][q] <= replayer, q
             assert server["e2e_ms"][q] <= report[f"{q}_e2el_ms"], q
         assert step["engine_delta"]["prefix_cache_queries"] == 32 * (2 * step["requests"])
+        # The sidecar's own delay per token event of the step's streams: every one paired.
+        relay = view["relay"]
+        assert relay["requests"] == report["completed"]
+        assert relay["delay_ms"]["count"] > 0
+        assert 0 <= relay["delay_ms"]["p50"] <= relay["delay_ms"]["p99"]
     # The envelope: the sidecar's routing, and the engines read one by one (through the proxy,
     # /metrics would reach only one of the two replicas).
     envelope = result["envelope"]
@@ -286,6 +291,7 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
     )
     page = (out / "sweep.html").read_text()
     assert "server TTFT p50" in page and f"{steps[0]['requests']}/{steps[0]['requests']}" in page
+    assert "sidecar delay p99" in page
     # One llm-d benchmark report per step, for the same run as the step's report.
     assert sorted(p.name for p in (out / "br").iterdir()) == ["step-10.json", "step-20.json"]
     for step in steps:

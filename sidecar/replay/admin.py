@@ -118,4 +118,9 @@ def sidecar_view(snapshot: Mapping[str, Any], request_id_prefix: str, sent: int)
         "outcomes": dict(snapshot.get("outcomes", {})),
         "evicted_over_cap": snapshot.get("evicted_over_cap", 0),
         "vantages": vantages,
+        # The sidecar's own delay per token event of the step's streams (docs/metrics.md).
+        "relay": {
+            "requests": snapshot.get("relay", {}).get("requests", 0),
+            "delay_ms": _in_ms(snapshot.get("relay", {}).get("delay", {})),
+        },
     }

@@ -501,6 +501,12 @@ _SIDECAR_COLUMNS = [
         for name in ("TTFT p50", "TTFT p99", "TPOT p50", "E2E p99")
     ),
     Column(
+        "sidecar delay p99",
+        "µs",
+        "the sidecar's own delay per token event of the step's streams, from its upstream "
+        f"socket to its client socket ({METRICS_DOC} §2 The sidecar's own delay)",
+    ),
+    Column(
         "sidecar seen/sent",
         "req",
         "of the step's requests, those the sidecar's /stats window still held",
@@ -533,13 +539,16 @@ def _rate_cells(step: Mapping[str, Any], mode: str) -> dict[str, str]:
 
 def _sidecar_cells(view: Mapping[str, Any] | None) -> list[str]:
     if not view:
-        return ["-"] * 5
+        return ["-"] * len(_SIDECAR_COLUMNS)
     server = view["vantages"]["server"]
+    # A view written before the sidecar reported its own delay has none: "-".
+    delay_p99_ms = view.get("relay", {}).get("delay_ms", {}).get("p99")
     return [
         _num(server["ttft_ms"].get("p50"), 1),
         _num(server["ttft_ms"].get("p99"), 1),
         _num(server["tpot_ms"].get("p50"), 1),
         _num(server["e2e_ms"].get("p99"), 1),
+        _num(None if delay_p99_ms is None else delay_p99_ms * 1000.0, 0),
         f"{view['requests_seen']}/{view['requests_sent']}",
     ]
 
