@@ -2,13 +2,14 @@
 
 A summary of a full live window works on numpy arrays of one value per token event: a window of
 100,000 32-token streams makes several arrays of ~25 MB per `/stats` (3.2M gaps per vantage).
-glibc's malloc serves a block that large from a fresh ``mmap`` and gives it back with ``munmap``
-when it is freed (its threshold starts at 128 KiB and only rises as far as the largest block
-freed), and trims the top of its heap whenever 128 KiB or more lies free there. So each scrape
-faults its arrays in page by page and unmaps them after: on the reference VM about a fifth of a
-`/stats` of that window (119-129 ms against 96-102 with the settings below, `hot_paths.py`'s
-row, five runs), spent in the kernel, where a worker sharing the core may wait for it (the
-reference VM's kernel is built without kernel preemption, PREEMPT_NONE).
+By default glibc's malloc gives memory of that size back to the kernel when it is freed (an
+``munmap``, or a trim of its heap's top; both thresholds adapt to the blocks it has seen, not to
+a working set that changes from scrape to scrape), and the next scrape faults its arrays in
+again page by page. On the reference VM that was about a fifth of a `/stats` of that window
+(119-129 ms against 96-102 with the settings below: in-process timings of
+`WindowSink.snapshot` + JSON, best of five, three runs each; `hot_paths.py`'s row 109.7 against
+96.7), spent in the kernel, where a worker sharing the core may wait for it (the reference VM's
+kernel is built without kernel preemption, PREEMPT_NONE).
 
 `keep_freed_memory` asks glibc to serve blocks up to 32 MiB from its heap (``M_MMAP_THRESHOLD``,
 which also stops the threshold from moving) and to give back its top only beyond 256 MiB free
