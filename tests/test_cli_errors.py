@@ -138,11 +138,10 @@ def test_a_capture_path_that_cannot_be_a_directory_is_one_line(
     )
 
 
-@pytest.mark.parametrize("value", ["700,2", "700,0,500", "a,b,c"])
-def test_garbage_collector_thresholds_that_are_not_three_positive_integers_are_one_line(
-    value: str,
-) -> None:
-    done = sidecar(
+def proxy_with_env(name: str, value: str) -> subprocess.CompletedProcess[str]:
+    """`sidecar proxy` on free ports with one setting of the environment: for the settings
+    read from the environment only, which stop the start when their value is bad."""
+    return sidecar(
         "proxy",
         "--upstream",
         "http://127.0.0.1:9",
@@ -150,8 +149,15 @@ def test_garbage_collector_thresholds_that_are_not_three_positive_integers_are_o
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
-        env={**os.environ, "SIDECAR_GC_THRESHOLDS": value},
+        env={**os.environ, name: value},
     )
+
+
+@pytest.mark.parametrize("value", ["700,2", "700,0,500", "a,b,c"])
+def test_garbage_collector_thresholds_that_are_not_three_positive_integers_are_one_line(
+    value: str,
+) -> None:
+    done = proxy_with_env("SIDECAR_GC_THRESHOLDS", value)
     assert done.returncode == 2
     assert one_line(done.stderr) == (
         f"sidecar proxy: SIDECAR_GC_THRESHOLDS={value!r}: want three positive integers, "
@@ -161,16 +167,7 @@ def test_garbage_collector_thresholds_that_are_not_three_positive_integers_are_o
 
 
 def test_a_heap_switch_that_is_not_on_or_off_is_one_line() -> None:
-    done = sidecar(
-        "proxy",
-        "--upstream",
-        "http://127.0.0.1:9",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        env={**os.environ, "SIDECAR_KEEP_FREED_MEMORY": "maybe"},
-    )
+    done = proxy_with_env("SIDECAR_KEEP_FREED_MEMORY", "maybe")
     assert done.returncode == 2
     assert one_line(done.stderr) == (
         "sidecar proxy: SIDECAR_KEEP_FREED_MEMORY must be 1 or 0 (true/false, yes/no, on/off): "

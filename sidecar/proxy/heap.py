@@ -7,9 +7,9 @@ By default glibc's malloc gives memory of that size back to the kernel when it i
 a working set that changes from scrape to scrape), and the next scrape faults its arrays in
 again page by page. On the reference VM that was about a fifth of a `/stats` of that window
 (119-129 ms against 96-102 with the settings below: in-process timings of
-`WindowSink.snapshot` + JSON, best of five, three runs each; `hot_paths.py`'s row 109.7 against
-96.7), spent in the kernel, where a worker sharing the core may wait for it (the reference VM's
-kernel is built without kernel preemption, PREEMPT_NONE).
+`WindowSink.snapshot` + JSON, best of five, three to four runs each; `hot_paths.py`'s row
+109.7 against 96.7), spent in the kernel, where a worker sharing the core may wait for it (the
+reference VM's kernel is built without kernel preemption, PREEMPT_NONE).
 
 `keep_freed_memory` asks glibc to serve blocks up to 32 MiB from its heap (``M_MMAP_THRESHOLD``,
 which also stops the threshold from moving) and to give back its top only beyond 256 MiB free
