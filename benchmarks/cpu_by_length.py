@@ -45,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po  # noqa: E402  (the processes, the client, the CPU accounting)
+import wakeup_cost  # noqa: E402  (the price of one sleep on this host)
 
 from sidecar.tracefile import TraceFormatError, TraceReader  # noqa: E402
 
@@ -186,6 +187,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for mode, reason in skipped.items():
         print(f"# mode {mode} skipped: {reason}", flush=True)
     runs: list[dict[str, Any]] = []
+    wakeup_prices: list[float] = []
     procs: dict[str, subprocess.Popen[bytes]] = {}
     pids: dict[str, list[int]] = {}
     ports: dict[str, int] = {}
@@ -201,6 +203,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ours = [pid for group in pids.values() for pid in group]
         for rep in range(args.repeats):
             po.probe_round(args, place, ours, workdir, rep)
+            if args.wakeup_messages > 0:
+                # Placed as the traffic is: read on the relays' core, written from the
+                # simulator's (the relays idle meanwhile).
+                cost = wakeup_cost.measure(
+                    1, args.wakeup_messages, reader_core=place.proxy, writer_core=place.sim
+                )[0]
+                wakeup_prices.append(cost.per_wakeup_us)
+                print(
+                    f"  (price of a sleep on the relays' core: {cost.per_wakeup_us:.1f} µs of "
+                    f"the woken process's CPU, wakeup_cost.py)",
+                    flush=True,
+                )
             # Lengths and relays in a different order each repeat: a drift of the host over the
             # run falls on all of them alike.
             for length in rotated(args.lengths, rep):
@@ -234,7 +248,36 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for proc in reversed(list(procs.values())):
             po.stop(proc)
-    return {"relays": relays, "skipped": skipped, "step_s": step, "runs": runs}
+    return {
+        "relays": relays,
+        "skipped": skipped,
+        "step_s": step,
+        "runs": runs,
+        "wakeup_prices_us": wakeup_prices,
+    }
+
+
+def paired_ratios(
+    runs: Sequence[Mapping[str, Any]], relays: Sequence[str], lengths: Sequence[int], key: str
+) -> dict[str, dict[int, list[float]]]:
+    """Per relay other than Envoy and per length, its runs' ``key`` over Envoy's of the same
+    repeat and length (no Envoy: empty)."""
+    ratios: dict[str, dict[int, list[float]]] = {}
+    if "envoy" not in relays:
+        return ratios
+    for mode in relays:
+        if mode == "envoy":
+            continue
+        for length in lengths:
+            pairs = {
+                r["repeat"]: r[key] for r in runs if r["mode"] == "envoy" and r["length"] == length
+            }
+            ratios.setdefault(mode, {})[length] = [
+                r[key] / pairs[r["repeat"]]
+                for r in runs
+                if r["mode"] == mode and r["length"] == length and r["repeat"] in pairs
+            ]
+    return ratios
 
 
 def analyse(measured: Mapping[str, Any], traces: Mapping[str, tuple[float, int]]) -> dict[str, Any]:
@@ -257,22 +300,29 @@ def analyse(measured: Mapping[str, Any], traces: Mapping[str, tuple[float, int]]
                     "kernel_share": statistics.median(r["proxy_sys_share"] for r in mine),
                     "wakeups_event": statistics.median(r["proxy_wakeups_event"] for r in mine),
                 }
-    ratios: dict[str, dict[int, list[float]]] = {}
-    if "envoy" in relays:
-        for mode in relays:
-            if mode == "envoy":
-                continue
-            for length in lengths:
-                pairs = {
-                    r["repeat"]: r["proxy_us_event"]
+    # The price of one sleep on this host (wakeup_cost.py, once per repeat): a run's sleeps
+    # cost its wake-ups per event x the price; what is left is the relay's work per event.
+    prices: list[float] = list(measured.get("wakeup_prices_us", []))
+    price = statistics.median(prices) if prices else None
+    if price is not None:
+        for r in runs:
+            r["proxy_us_event_less_sleeps"] = r["proxy_us_event"] - r["proxy_wakeups_event"] * price
+        for mode, rows in by_length.items():
+            for length, row in rows.items():
+                values = [
+                    r["proxy_us_event_less_sleeps"]
                     for r in runs
-                    if r["mode"] == "envoy" and r["length"] == length
-                }
-                ratios.setdefault(mode, {})[length] = [
-                    r["proxy_us_event"] / pairs[r["repeat"]]
-                    for r in runs
-                    if r["mode"] == mode and r["length"] == length and r["repeat"] in pairs
+                    if r["mode"] == mode and r["length"] == length
                 ]
+                row["less_sleeps_median"] = statistics.median(values)
+                row["less_sleeps_min"] = min(values)
+                row["less_sleeps_max"] = max(values)
+    ratios = paired_ratios(runs, relays, lengths, "proxy_us_event")
+    ratios_less_sleeps = (
+        paired_ratios(runs, relays, lengths, "proxy_us_event_less_sleeps")
+        if price is not None
+        else {}
+    )
     fits: dict[str, CostFit] = {}
     for mode in relays:
         points = [(r["events_per_request"], r["proxy_us_event"]) for r in runs if r["mode"] == mode]
@@ -300,6 +350,11 @@ def analyse(measured: Mapping[str, Any], traces: Mapping[str, tuple[float, int]]
         "lengths": lengths,
         "by_length": {m: {str(k): v for k, v in d.items()} for m, d in by_length.items()},
         "ratio_to_envoy": {m: {str(k): v for k, v in d.items()} for m, d in ratios.items()},
+        "wakeup_price_us": price,
+        "wakeup_prices_us": prices,
+        "ratio_to_envoy_less_sleeps": {
+            m: {str(k): v for k, v in d.items()} for m, d in ratios_less_sleeps.items()
+        },
         "fits": {m: vars(f) for m, f in fits.items()},
         "extra_events_per_request": extra,
         "crossover_events": crossings,
@@ -361,6 +416,40 @@ def report(analysis: Mapping[str, Any], relays: Sequence[str], repeats: int) -> 
                 "-" if row is None else f"{row['kernel_share']:.2f} / {row['wakeups_event']:.3f}"
             )
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    price = analysis.get("wakeup_price_us")
+    if price is not None:
+        ratio_rows = analysis["ratio_to_envoy_less_sleeps"].get("sidecar", {})
+        lines += [
+            "",
+            f"Less its sleeps: CPU per event - wake-ups per event x {price:.1f} µs, the price "
+            "of one sleep and wake-up to the woken process on the relays' core (wakeup_cost.py, "
+            f"once per repeat: {', '.join(f'{p:.1f}' for p in analysis['wakeup_prices_us'])}); "
+            "what is left is the relay's own work per event, median [min-max]:",
+            "",
+            "| tokens per stream | "
+            + " | ".join(relays)
+            + (" | sidecar / Envoy, paired (median [min-max], below in) |" if ratio_rows else " |"),
+            "|---:|" + "---:|" * len(relays) + ("---|" if ratio_rows else ""),
+        ]
+        for length in lengths:
+            cells = []
+            for mode in relays:
+                row = analysis["by_length"].get(mode, {}).get(str(length))
+                cells.append(
+                    "-"
+                    if row is None
+                    else f"{row['less_sleeps_median']:.1f} "
+                    f"[{row['less_sleeps_min']:.1f}-{row['less_sleeps_max']:.1f}]"
+                )
+            line = f"| {length} | " + " | ".join(cells) + " |"
+            ratio = ratio_rows.get(str(length))
+            if ratio:
+                below = sum(1 for v in ratio if v < 1)
+                line += (
+                    f" {statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}], "
+                    f"{below} of {len(ratio)} |"
+                )
+            lines.append(line)
     fits = analysis["fits"]
     if fits:
         lines += [
@@ -448,6 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--proxy-arg", action="append", default=[], help="passed to the sidecar")
     po.add_quiet_arguments(parser, 0.15, 3.0, "repeat")
     parser.add_argument("--probe-s", type=float, default=0.5, help="wake-up probe per repeat")
+    parser.add_argument(
+        "--wakeup-messages",
+        type=int,
+        default=20_000,
+        help="messages per pattern of the price-of-a-sleep run (wakeup_cost.py) before each "
+        "repeat, 0: none [20000, ~2.5 s]",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--nice", type=int, default=0, help="autogroup nice of the processes")
     parser.add_argument("--json-out", type=Path, help="every run's summary and the fits as JSON")
@@ -464,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         args.lengths, args.repeats, args.concurrency = [4, 8], 1, 4
         args.warmup_s, args.measure_s, args.quiet_below, args.probe_s = 0.2, 0.6, 0.0, 0.0
+        args.wakeup_messages = min(args.wakeup_messages, 400)
     if len(set(args.lengths)) < 2:
         raise SystemExit("--lengths: give at least two stream lengths to fit")
     traces: dict[str, tuple[float, int]] = {}

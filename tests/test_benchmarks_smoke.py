@@ -328,6 +328,15 @@ def test_cpu_by_length_smoke(tmp_path: Path) -> None:
     assert "| relay | per request (µs) | per event (µs) |" in stdout
     assert "wake-ups per event" in stdout
     assert "At the mean output of lengths.jsonl (30.0 tokens over 3 requests" in stdout
+    # The price of a sleep, measured once (one repeat), and each run less its sleeps.
+    price = result["wakeup_price_us"]
+    assert finite(price) and result["wakeup_prices_us"] == [price]
+    for run in runs:
+        assert run["proxy_us_event_less_sleeps"] == pytest.approx(
+            run["proxy_us_event"] - run["proxy_wakeups_event"] * price
+        )
+    assert set(result["ratio_to_envoy_less_sleeps"]) == {"sidecar", "nginx"}
+    assert "Less its sleeps: CPU per event - wake-ups per event x" in stdout
 
 
 def test_cpu_by_length_fits_per_request_and_per_event_cost() -> None:
@@ -364,6 +373,86 @@ def test_cpu_by_length_fits_per_request_and_per_event_cost() -> None:
     dear = cbl.CostFit(per_request_us=300, per_event_us=14, runs=2, r_squared=1)
     assert cbl.crossover_events(cheap, dear) is None
     assert cbl.crossover_events(a, cbl.CostFit(100, 10, 2, 1)) is None
+
+
+def test_cpu_by_length_takes_the_sleeps_out_at_the_measured_price() -> None:
+    import cpu_by_length as cbl
+
+    # Two relays at one length and two repeats; the price of a sleep 10 µs (the median of
+    # 9, 10 and 30). sidecar: 12 µs per event with 0.4 wake-ups per event -> 12 - 4 = 8;
+    # 11 with 0.3 -> 8. envoy: 12 with 0.1 -> 11; 10 with 0.1 -> 9. Paired, repeat by repeat:
+    # 12/12 = 1.0 and 11/10 = 1.1 in all; 8/11 and 8/9 less the sleeps.
+    def run(mode: str, repeat: int, us: float, wakeups: float) -> dict[str, Any]:
+        return {
+            "mode": mode,
+            "length": 8,
+            "repeat": repeat,
+            "n_ok": 10,
+            "proxy_us_event": us,
+            "proxy_wakeups_event": wakeups,
+            "proxy_sys_share": 0.5,
+            "events_per_request": 10.0,
+        }
+
+    measured = {
+        "relays": ["sidecar", "envoy"],
+        "runs": [
+            run("sidecar", 0, 12.0, 0.4),
+            run("envoy", 0, 12.0, 0.1),
+            run("sidecar", 1, 11.0, 0.3),
+            run("envoy", 1, 10.0, 0.1),
+        ],
+        "wakeup_prices_us": [9.0, 10.0, 30.0],
+    }
+    analysis = cbl.analyse(measured, {})
+    assert analysis["wakeup_price_us"] == 10.0
+    sidecar, envoy = analysis["by_length"]["sidecar"]["8"], analysis["by_length"]["envoy"]["8"]
+    assert sidecar["less_sleeps_median"] == pytest.approx(8.0)
+    assert (sidecar["less_sleeps_min"], sidecar["less_sleeps_max"]) == pytest.approx((8.0, 8.0))
+    assert envoy["less_sleeps_median"] == pytest.approx(10.0)
+    assert analysis["ratio_to_envoy"]["sidecar"]["8"] == pytest.approx([1.0, 1.1])
+    assert analysis["ratio_to_envoy_less_sleeps"]["sidecar"]["8"] == pytest.approx([8 / 11, 8 / 9])
+    text = cbl.report(analysis, ["sidecar", "envoy"], 2)
+    assert "| 8 | 8.0 [8.0-8.0] | 10.0 [9.0-11.0] | 0.81 [0.73-0.89], 2 of 2 |" in text
+    # No price measured (--wakeup-messages 0): nothing is taken out, and the table is not shown.
+    bare = cbl.analyse({**measured, "wakeup_prices_us": []}, {})
+    assert bare["wakeup_price_us"] is None and bare["ratio_to_envoy_less_sleeps"] == {}
+    assert "Less its sleeps" not in cbl.report(bare, ["sidecar", "envoy"], 2)
+
+
+def test_wakeup_cost_solves_the_price_of_a_sleep() -> None:
+    import wakeup_cost as wc
+
+    # 2 µs per poll and read, 11 µs more per sleep. Spaced: 1000 reads, each after a sleep:
+    # 1000 x 2 + 1000 x 11 = 13000 µs. Burst: 1000 reads, 250 sleeps: 2000 + 2750 = 4750.
+    # det = 1000 x 250 - 1000 x 1000 = -750000; a = (13000 x 250 - 4750 x 1000) / det = 2;
+    # w = (1000 x 4750 - 1000 x 13000) / det = 11.
+    spaced = wc.ReaderRun("spaced", 1000, 1000, 1000, 13_000.0)
+    burst = wc.ReaderRun("burst", 1000, 1000, 250, 4_750.0)
+    cost = wc.solve(spaced, burst)
+    assert cost.per_wakeup_us == pytest.approx(11.0)
+    assert cost.per_iteration_us == pytest.approx(2.0)
+    # Another round: 3 µs per read, 10 per sleep (spaced 3000 + 10000 = 13000 as above; a burst
+    # of 500 reads and 100 sleeps 1500 + 1000 = 2500): the price is the median, 10.5.
+    other = wc.solve(spaced, wc.ReaderRun("burst", 1000, 500, 100, 2_500.0))
+    assert (other.per_wakeup_us, other.per_iteration_us) == pytest.approx((10.0, 3.0))
+    assert wc.median_price([cost, other]) == pytest.approx(10.5)
+    # A burst that slept as often per read as the spaced run tells nothing apart.
+    with pytest.raises(ValueError, match="slept as often per iteration"):
+        wc.solve(spaced, wc.ReaderRun("burst", 1000, 400, 400, 5_200.0))
+
+
+def test_wakeup_cost_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "wakeup.json"
+    stdout = run_harness("wakeup_cost.py", "--smoke", "--json-out", str(out))
+    result = json.loads(out.read_text())
+    (round_,) = result["rounds"]
+    for pattern in ("spaced", "burst"):
+        run = round_[pattern]
+        assert run["pattern"] == pattern and run["messages"] == 400
+        assert 0 < run["iterations"] <= 400 and run["wakeups"] >= 0 and run["cpu_us"] > 0
+    assert finite(round_["per_wakeup_us"]) and finite(round_["per_iteration_us"])
+    assert "one sleep and wake-up costs the woken process" in stdout
 
 
 # ---------------------------------------------------------------------------------------------
