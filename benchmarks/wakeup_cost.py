@@ -11,31 +11,36 @@ through a burst), so their CPU per event can differ by their sleeps alone. This 
 the price of one sleep on the host, so that the harnesses can say how much of a relay's CPU its
 sleeps were (wake-ups per event x this price) and how much its work.
 
-Two processes, one TCP connection on 127.0.0.1 (``TCP_NODELAY``), pinned like a relay's traffic
-(``--reader-core``, default 1, the relays' core; ``--writer-core`` 0, the simulator's):
+Two processes and a pipe, pinned as a relay's traffic is (``--reader-core``, default 1, the
+relays' core; ``--writer-core`` 0, the simulator's):
 
-- the writer sends ``--messages`` messages of ``--bytes`` bytes, one ``send`` each, in one of two
-  patterns: **spaced**, one every ``--gap-us`` (spinning between sends, so that its pace is
+- the writer writes ``--messages`` messages of 8 bytes, one ``write`` each, in one of two
+  patterns: **spaced**, one every ``--gap-us`` (spinning between writes, so that its pace is
   exact), long enough that the reader is asleep before each; **burst**, ``--burst`` back to back
   every ``--gap-us`` x ``--burst``, so that the reader finds most of them waiting;
-- the reader (a child of this process) loops ``epoll.poll()`` then one ``recv_into`` of up to
-  64 KiB until it has every byte: one poll and one read per iteration, as a relay's loop reads a
-  ready socket once per readiness. Its CPU (``getrusage``: utime + stime, which Linux keeps in
-  ns from the scheduler's own accounting) and its voluntary context switches (each a sleep in
-  ``poll`` that ended) are read over the phase.
+- the reader (a child of this process) loops ``epoll.poll()`` then one 8-byte ``read`` until it
+  has every message: one poll and one read per message in both patterns, the same work, so
+  that the patterns differ in their sleeps only. Its CPU (``getrusage``: utime + stime, which
+  Linux keeps in ns from the scheduler's own accounting) and its voluntary context switches (each
+  a sleep in ``poll`` that ended) are read over the phase.
 
-Its CPU is then ``a x iterations + w x wake-ups``: each iteration's poll and read cost ``a``
-(Python's included), each sleep ``w`` more. The two patterns give two equations (spaced: about
-one wake-up per iteration; burst: far fewer), solved for ``w``: **the CPU one sleep and its
-wake-up cost the woken process**, poll included. Each round runs both patterns (alternating their
-order); the reported price is the median of the rounds'.
+A pipe, not a TCP connection: the wake-up is the same (the writer's side wakes the epoll waiter
+in both), but a TCP read's own work varies with how much it finds waiting (its copy, the ACK it
+may send), which would pass for a difference in sleeps. Its CPU is then ``a x messages + w x
+wake-ups``: each poll and read cost ``a`` (Python's included), each sleep ``w`` more. The two
+patterns give two equations (spaced: about one wake-up per message; burst: far fewer), solved
+for ``w``: **the CPU one sleep and its wake-up cost the woken process**, poll included. Each
+round runs both patterns (alternating their order); the reported price is the median of the
+rounds'.
 
 What ``w`` is not: the wake-up's latency (`wakeup_latency.py`), nor what the waking side pays
-(the writer's ``send`` wakes the reader; that is the writer's CPU). On this project's CI host
-(a Firecracker microVM, nested paravirtualised: a context switch goes through the hypervisor)
-it came to ~14 µs; an ad hoc C reader (blocking ``recv``, no Python) gave the same 14-16 µs per
-read when every read slept, with or without a ``SCHED_IDLE`` spinner keeping the core from
-halting: the price is the switch, not the idle core's halt.
+(the writer's ``write`` wakes the reader; that is the writer's CPU). On this project's
+development host (a Firecracker microVM, nested paravirtualised: a context switch goes through
+the hypervisor, while a plain syscall costs ~0.1 µs) it came to 7.4-9.1 µs
+(results/wakeup_cost_session32.out.md). Ad hoc, in C: a reader blocking in ``recv`` on a TCP
+connection, one wake-up per 120-byte message, spent 14-16 µs of CPU per message against ~1 µs
+when the message was already there, and the same with a ``SCHED_IDLE`` spinner keeping its
+core from halting: the price is the switch, not the idle core's halt.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ import json
 import os
 import resource
 import select
-import socket
 import statistics
 import sys
 import time
@@ -53,12 +57,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-READ_SIZE = 64 * 1024
+MESSAGE_BYTES = 8
 
 
 @dataclass(frozen=True)
 class ReaderRun:
-    """One pattern's reader: its loop iterations, its sleeps and its CPU (µs)."""
+    """One pattern's reader: its loop iterations (one per message), its sleeps and its CPU
+    (µs)."""
 
     pattern: str
     messages: int
@@ -98,25 +103,22 @@ def _cpu_us(usage: resource.struct_rusage) -> float:
     return (usage.ru_utime + usage.ru_stime) * 1e6
 
 
-def _read_all(sock: socket.socket, total: int) -> tuple[int, int, float]:
-    """The reader's loop over ``total`` bytes: (iterations, wake-ups, CPU µs)."""
+def _read_all(fd: int, messages: int) -> tuple[int, int, float]:
+    """The reader's loop over ``messages`` messages: (iterations, wake-ups, CPU µs)."""
     poller = select.epoll()
-    poller.register(sock.fileno(), select.EPOLLIN)
-    buf = bytearray(READ_SIZE)
-    got = iterations = 0
+    poller.register(fd, select.EPOLLIN)
+    got = 0
     before = resource.getrusage(resource.RUSAGE_SELF)
     try:
-        while got < total:
+        while got < messages:
             poller.poll()
-            n = sock.recv_into(buf)
-            if n == 0:
-                raise ConnectionError(f"the writer closed after {got} of {total} bytes")
-            got += n
-            iterations += 1
+            if len(os.read(fd, MESSAGE_BYTES)) != MESSAGE_BYTES:
+                raise ConnectionError(f"the writer closed after {got} of {messages} messages")
+            got += 1
     finally:
         after = resource.getrusage(resource.RUSAGE_SELF)
         poller.close()
-    return iterations, after.ru_nvcsw - before.ru_nvcsw, _cpu_us(after) - _cpu_us(before)
+    return got, after.ru_nvcsw - before.ru_nvcsw, _cpu_us(after) - _cpu_us(before)
 
 
 def _spin_until(deadline_ns: int) -> None:
@@ -124,14 +126,14 @@ def _spin_until(deadline_ns: int) -> None:
         pass
 
 
-def _write(sock: socket.socket, messages: int, size: int, gap_ns: int, burst: int) -> None:
-    payload = b"x" * size
+def _write(fd: int, messages: int, gap_ns: int, burst: int) -> None:
+    payload = b"x" * MESSAGE_BYTES
     due = time.perf_counter_ns()
     sent = 0
     while sent < messages:
         _spin_until(due)
         for _ in range(min(burst, messages - sent)):
-            sock.send(payload)
+            os.write(fd, payload)
             sent += 1
         due += gap_ns * burst
 
@@ -139,52 +141,45 @@ def _write(sock: socket.socket, messages: int, size: int, gap_ns: int, burst: in
 def run_pattern(
     pattern: str,
     messages: int,
-    size: int,
     gap_us: float,
     burst: int,
     reader_core: int | None,
     writer_core: int | None,
 ) -> ReaderRun:
-    """One pattern over a fresh connection: the reader in a forked child on ``reader_core``,
-    the writer here on ``writer_core``."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    writer = socket.create_connection(listener.getsockname())
-    writer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    reader, _ = listener.accept()
-    listener.close()
+    """One pattern over a fresh pipe: the reader in a forked child on ``reader_core``, the writer
+    here on ``writer_core``."""
+    data_r, data_w = os.pipe()
     report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the reader
         status = 1
         try:
-            writer.close()
+            os.close(data_w)
             os.close(report_r)
             if reader_core is not None:
                 os.sched_setaffinity(0, {reader_core})
             os.write(report_w, b"R")  # placed: the writer may start
-            result = _read_all(reader, messages * size)
+            result = _read_all(data_r, messages)
             os.write(report_w, json.dumps(result).encode())
             status = 0
         finally:
             os._exit(status)
-    reader.close()
+    os.close(data_r)
     os.close(report_w)
     previous = os.sched_getaffinity(0)
+    chunks = []
     try:
         if writer_core is not None:
             os.sched_setaffinity(0, {writer_core})
         if os.read(report_r, 1) != b"R":
             raise RuntimeError("the reader did not start")
         time.sleep(0.05)  # the reader asleep in its first poll
-        _write(writer, messages, size, round(gap_us * 1000), burst if pattern == "burst" else 1)
-        chunks = []
+        _write(data_w, messages, round(gap_us * 1000), burst if pattern == "burst" else 1)
         while chunk := os.read(report_r, 4096):
             chunks.append(chunk)
     finally:
         os.sched_setaffinity(0, previous)
-        writer.close()
+        os.close(data_w)
         os.close(report_r)
         _, status = os.waitpid(pid, 0)
     if status != 0 or not chunks:
@@ -196,7 +191,6 @@ def run_pattern(
 def measure(
     rounds: int = 3,
     messages: int = 20_000,
-    size: int = 200,
     gap_us: float = 60.0,
     burst: int = 16,
     reader_core: int | None = 1,
@@ -207,7 +201,7 @@ def measure(
     for i in range(rounds):
         order = ["spaced", "burst"] if i % 2 == 0 else ["burst", "spaced"]
         runs = {
-            pattern: run_pattern(pattern, messages, size, gap_us, burst, reader_core, writer_core)
+            pattern: run_pattern(pattern, messages, gap_us, burst, reader_core, writer_core)
             for pattern in order
         }
         costs.append(solve(runs["spaced"], runs["burst"]))
@@ -234,7 +228,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="pairs of runs [3]")
     parser.add_argument("--messages", type=int, default=20_000, help="per run [20000]")
-    parser.add_argument("--bytes", type=int, default=200, help="per message [200]")
     parser.add_argument("--gap-us", type=float, default=60.0, help="between messages [60 µs]")
     parser.add_argument("--burst", type=int, default=16, help="messages per burst [16]")
     parser.add_argument("--reader-core", type=int, default=1)
@@ -250,7 +243,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs = measure(
         args.rounds,
         args.messages,
-        args.bytes,
         args.gap_us,
         args.burst,
         args.reader_core if pin else None,

@@ -423,8 +423,8 @@ def test_cpu_by_length_takes_the_sleeps_out_at_the_measured_price() -> None:
 def test_wakeup_cost_solves_the_price_of_a_sleep() -> None:
     import wakeup_cost as wc
 
-    # 2 µs per poll and read, 11 µs more per sleep. Spaced: 1000 reads, each after a sleep:
-    # 1000 x 2 + 1000 x 11 = 13000 µs. Burst: 1000 reads, 250 sleeps: 2000 + 2750 = 4750.
+    # 2 µs per poll and read, 11 µs more per sleep. Spaced: 1000 messages, each after a sleep:
+    # 1000 x 2 + 1000 x 11 = 13000 µs. Burst: 1000 messages, 250 sleeps: 2000 + 2750 = 4750.
     # det = 1000 x 250 - 1000 x 1000 = -750000; a = (13000 x 250 - 4750 x 1000) / det = 2;
     # w = (1000 x 4750 - 1000 x 13000) / det = 11.
     spaced = wc.ReaderRun("spaced", 1000, 1000, 1000, 13_000.0)
@@ -433,13 +433,13 @@ def test_wakeup_cost_solves_the_price_of_a_sleep() -> None:
     assert cost.per_wakeup_us == pytest.approx(11.0)
     assert cost.per_iteration_us == pytest.approx(2.0)
     # Another round: 3 µs per read, 10 per sleep (spaced 3000 + 10000 = 13000 as above; a burst
-    # of 500 reads and 100 sleeps 1500 + 1000 = 2500): the price is the median, 10.5.
-    other = wc.solve(spaced, wc.ReaderRun("burst", 1000, 500, 100, 2_500.0))
+    # of 500 messages and 100 sleeps 1500 + 1000 = 2500): the price is the median, 10.5.
+    other = wc.solve(spaced, wc.ReaderRun("burst", 500, 500, 100, 2_500.0))
     assert (other.per_wakeup_us, other.per_iteration_us) == pytest.approx((10.0, 3.0))
     assert wc.median_price([cost, other]) == pytest.approx(10.5)
     # A burst that slept as often per read as the spaced run tells nothing apart.
     with pytest.raises(ValueError, match="slept as often per iteration"):
-        wc.solve(spaced, wc.ReaderRun("burst", 1000, 400, 400, 5_200.0))
+        wc.solve(spaced, wc.ReaderRun("burst", 400, 400, 400, 5_200.0))
 
 
 def test_wakeup_cost_smoke(tmp_path: Path) -> None:
@@ -450,7 +450,7 @@ def test_wakeup_cost_smoke(tmp_path: Path) -> None:
     for pattern in ("spaced", "burst"):
         run = round_[pattern]
         assert run["pattern"] == pattern and run["messages"] == 400
-        assert 0 < run["iterations"] <= 400 and run["wakeups"] >= 0 and run["cpu_us"] > 0
+        assert run["iterations"] == 400 and run["wakeups"] >= 0 and run["cpu_us"] > 0
     assert finite(round_["per_wakeup_us"]) and finite(round_["per_iteration_us"])
     assert "one sleep and wake-up costs the woken process" in stdout
 
