@@ -206,15 +206,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if args.wakeup_messages > 0:
                 # Placed as the traffic is: read on the relays' core, written from the
                 # simulator's (the relays idle meanwhile).
-                cost = wakeup_cost.measure(
-                    1, args.wakeup_messages, reader_core=place.proxy, writer_core=place.sim
-                )[0]
-                wakeup_prices.append(cost.per_wakeup_us)
-                print(
-                    f"  (price of a sleep on the relays' core: {cost.per_wakeup_us:.1f} µs of "
-                    f"the woken process's CPU, wakeup_cost.py)",
-                    flush=True,
-                )
+                try:
+                    cost = wakeup_cost.measure(
+                        1, args.wakeup_messages, reader_core=place.proxy, writer_core=place.sim
+                    )[0]
+                except ValueError as exc:  # the patterns slept alike: no price this repeat
+                    print(f"  (price of a sleep: not measured this repeat: {exc})", flush=True)
+                else:
+                    wakeup_prices.append(cost.per_wakeup_us)
+                    print(
+                        f"  (price of a sleep on the relays' core: {cost.per_wakeup_us:.1f} µs "
+                        "of the woken process's CPU, wakeup_cost.py)",
+                        flush=True,
+                    )
             # Lengths and relays in a different order each repeat: a drift of the host over the
             # run falls on all of them alike.
             for length in rotated(args.lengths, rep):

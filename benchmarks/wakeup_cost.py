@@ -240,14 +240,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds, args.messages = 1, 400
     cores = os.sched_getaffinity(0)
     pin = not args.no_pin and {args.reader_core, args.writer_core} <= cores
-    costs = measure(
-        args.rounds,
-        args.messages,
-        args.gap_us,
-        args.burst,
-        args.reader_core if pin else None,
-        args.writer_core if pin else None,
-    )
+    try:
+        costs = measure(
+            args.rounds,
+            args.messages,
+            args.gap_us,
+            args.burst,
+            args.reader_core if pin else None,
+            args.writer_core if pin else None,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"wakeup_cost.py: {exc}") from None
     for cost in costs:
         s, b = cost.spaced, cost.burst
         print(

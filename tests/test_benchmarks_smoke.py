@@ -328,8 +328,12 @@ def test_cpu_by_length_smoke(tmp_path: Path) -> None:
     assert "| relay | per request (µs) | per event (µs) |" in stdout
     assert "wake-ups per event" in stdout
     assert "At the mean output of lengths.jsonl (30.0 tokens over 3 requests" in stdout
-    # The price of a sleep, measured once (one repeat), and each run less its sleeps.
+    # The price of a sleep, measured once (one repeat), and each run less its sleeps; on a host
+    # so busy that the two patterns slept alike, no price, and the harness says so.
     price = result["wakeup_price_us"]
+    if price is None:
+        assert result["wakeup_prices_us"] == [] and "not measured this repeat" in stdout
+        return
     assert finite(price) and result["wakeup_prices_us"] == [price]
     for run in runs:
         assert run["proxy_us_event_less_sleeps"] == pytest.approx(
