@@ -1442,12 +1442,12 @@ def health_dashboard() -> dict[str, Any]:
             "CPU of the sidecar's main process",
             "process_cpu_seconds_total per sidecar, in cores: the process you start, "
             "which with --workers N is the collector (aggregation, scrapes, sinks, "
-            "capture writer); its worker processes are not in it (their load is the "
-            "panel beside). One core busy is a saturated event loop: every token it "
-            "relays waits." + see(PROCESSES),
+            "capture writer); its worker processes are not in it (the panels beside). "
+            "One core busy is a saturated event loop: every token it relays waits."
+            + see(PROCESSES),
             "short",
             targets((f"rate(process_cpu_seconds_total{{{TARGET}}}[{RATE}])", "{{instance}}")),
-            w=8,
+            w=6,
         ),
         timeseries(
             "Memory of the sidecar's main process",
@@ -1455,7 +1455,7 @@ def health_dashboard() -> dict[str, Any]:
             "lives here)." + see(PROCESSES),
             "bytes",
             targets((f"process_resident_memory_bytes{{{TARGET}}}", "{{instance}}")),
-            w=8,
+            w=6,
         ),
         timeseries(
             "Load per worker process",
@@ -1479,7 +1479,24 @@ def health_dashboard() -> dict[str, Any]:
                     "{{instance}} restarts",
                 ),
             ),
-            w=8,
+            w=6,
+        ),
+        timeseries(
+            "CPU per worker process",
+            "sidecar_worker_cpu_seconds_total per worker process, user and system together, "
+            "in cores: what relaying the traffic costs (the collector's own is the first "
+            "panel). One core busy is a saturated worker: its reads wait, and every stamp it "
+            "takes with them. Divided by the requests per worker beside it, the CPU per "
+            "request, to size a deployment by." + see(PROCESSES),
+            "short",
+            targets(
+                (
+                    f"sum by (instance, worker) (rate(sidecar_worker_cpu_seconds_total"
+                    f"{{{TARGET}}}[{RATE}]))",
+                    "{{instance}} worker {{worker}}",
+                )
+            ),
+            w=6,
         ),
         stamps_late_panel(),
         own_delay_panel(),

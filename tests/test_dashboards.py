@@ -299,6 +299,7 @@ def test_the_sidecars_own_health_has_panels() -> None:
         "sidecar_loop_lag_seconds_bucket",
         "sidecar_gc_pause_seconds_bucket",
         "sidecar_relay_delay_seconds_bucket",
+        "sidecar_worker_cpu_seconds_total",
     ):
         assert metric in queried, metric
 

@@ -241,6 +241,24 @@ def test_two_workers_one_port_one_view_and_a_clean_stop(tmp_path: Path) -> None:
         assert metric(exposition, "sidecar_workers_alive") == 2
         assert metric(exposition, "sidecar_channel_records_total") == requests
         assert metric(exposition, "sidecar_channel_dropped_records_total") == 0
+        # Each worker's own CPU and context switches, as of its last status: at least what
+        # starting an interpreter and importing the relay took, and no more than the kernel
+        # says the process has used by now (its /proc ticks truncate to 10 ms, hence the slack).
+        for w in workers:
+            name = str(w["worker"])
+            reported = sum(
+                metric(exposition, "sidecar_worker_cpu_seconds_total", worker=name, mode=mode)
+                for mode in ("user", "system")
+            )
+            fields = Path(f"/proc/{w['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+            used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            assert 0.05 < reported <= used + 0.02, (w, reported, used)
+            sleeps = metric(
+                exposition, "sidecar_worker_context_switches_total", worker=name, kind="voluntary"
+            )
+            assert sleeps > 0, w  # a relay between requests sleeps in epoll_wait
+            assert w["cpu_seconds"]["user"] + w["cpu_seconds"]["system"] <= reported + 1e-9
+            assert 0 < w["context_switches"]["voluntary"] <= sleeps
         # The collector's sinks say what they took and dropped (their own counters)...
         assert metric(exposition, "sidecar_sink_records_taken_total", sink="capture") == requests
         assert metric(exposition, "sidecar_sink_records_dropped_total") == 0
@@ -337,6 +355,8 @@ def test_a_killed_worker_is_restarted_and_traffic_goes_on(tmp_path: Path) -> Non
             send(url, i)
         before = settle(admin, lambda v: accounted(v, 10))
         victim = before["workers"][0]
+        victim_cpu = victim["cpu_seconds"]["user"] + victim["cpu_seconds"]["system"]
+        assert victim_cpu > 0, victim
         os.kill(victim["pid"], signal.SIGKILL)
         after = settle(admin, lambda v: v["alive"] == 2 and v["restarts"] == 1)
         assert after["alive"] == 2 and after["restarts"] == 1, after
@@ -351,6 +371,8 @@ def test_a_killed_worker_is_restarted_and_traffic_goes_on(tmp_path: Path) -> Non
         assert total(view, "records_received") == 30 and dropped(view) == 0
         exposition = get(admin + "/metrics")
         assert metric(exposition, "sidecar_worker_restarts_total", worker="0") == 1
+        # ... and its CPU: the slot's counter goes on from the dead one's last status.
+        assert metric(exposition, "sidecar_worker_cpu_seconds_total", worker="0") > victim_cpu
         assert metric(exposition, "sidecar_requests_total") == 30
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(timeout=30) == 0

@@ -71,6 +71,11 @@ _STATUS_COUNTERS = (
     "encode_errors",
     "rewritten_events",
     "upstream_reads_unstamped",
+    # The process's own CPU and context switches (worker.own_cpu), as of its last status.
+    "cpu_user_us",
+    "cpu_system_us",
+    "context_switches_voluntary",
+    "context_switches_involuntary",
 )
 
 
@@ -685,6 +690,15 @@ class Collector:
             "buffered_bytes": int(status.get("buffered_bytes", 0)),
             "rewritten_events": t["rewritten_events"],
             "upstream_reads_unstamped": t["upstream_reads_unstamped"],
+            # All incarnations, each as of its last status (every status interval).
+            "cpu_seconds": {
+                "user": t["cpu_user_us"] / 1e6,
+                "system": t["cpu_system_us"] / 1e6,
+            },
+            "context_switches": {
+                "voluntary": t["context_switches_voluntary"],
+                "involuntary": t["context_switches_involuntary"],
+            },
             "replicas": [
                 {
                     "url": r.url,
@@ -716,6 +730,10 @@ class Collector:
                     "encode_errors": t["encode_errors"],
                     "decode_errors": t["decode_errors"],
                     "lost": t["lost"],
+                    "cpu_user_seconds": t["cpu_user_us"] / 1e6,
+                    "cpu_system_seconds": t["cpu_system_us"] / 1e6,
+                    "context_switches_voluntary": t["context_switches_voluntary"],
+                    "context_switches_involuntary": t["context_switches_involuntary"],
                     "stalls": stalls.from_counters(t),
                 }
             )

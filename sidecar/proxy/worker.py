@@ -29,6 +29,7 @@ import contextlib
 import enum
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -155,6 +156,20 @@ def reserve_traffic_port(host: str, port: int) -> tuple[list[socket.socket], lis
 # -- the worker -----------------------------------------------------------------------------------
 
 
+def own_cpu() -> dict[str, int]:
+    """This process's CPU (µs, user and system: every thread, from the kernel's own
+    accounting) and its context switches since it started: voluntary, each a sleep that ended
+    (in epoll_wait, between reads: what a relay pays per wake-up, benchmarks/wakeup_cost.py),
+    and involuntary, each a preemption. A status's counters, as `requests_total` is."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "cpu_user_us": round(usage.ru_utime * 1e6),
+        "cpu_system_us": round(usage.ru_stime * 1e6),
+        "context_switches_voluntary": usage.ru_nvcsw,
+        "context_switches_involuntary": usage.ru_nivcsw,
+    }
+
+
 class Worker:
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
@@ -226,6 +241,7 @@ class Worker:
             ],
             # Cumulative since this process started; the collector adds up incarnations.
             "stalls": self.stalls.snapshot(),
+            **own_cpu(),
         }
 
     async def _report(self, interval_s: float, bound: int) -> None:

@@ -925,6 +925,11 @@ class WorkerState:
     encode_errors: int
     decode_errors: int
     lost: int  # requests a worker counted and never sent a record for, before it died
+    # Its processes' own CPU and context switches, all incarnations (proxy/worker.own_cpu).
+    cpu_user_seconds: float = 0.0
+    cpu_system_seconds: float = 0.0
+    context_switches_voluntary: int = 0
+    context_switches_involuntary: int = 0
     # Its loop lag and GC pauses, all incarnations (proxy/stalls.py's snapshot format).
     stalls: Mapping[str, Any] = field(default_factory=dict)
 
@@ -968,9 +973,28 @@ class WorkerCollector(Collector):
             "worker_died (requests a worker counted before it died with no record sent).",
             labels=("worker", "reason"),
         )
+        cpu = CounterMetricFamily(
+            "sidecar_worker_cpu_seconds",
+            "CPU each worker process used, by mode (user, system), over its restarts, as of "
+            "its last status (every 0.25 s): what relaying costs, beside "
+            "process_cpu_seconds_total, which is the collector's own.",
+            labels=("worker", "mode"),
+        )
+        switches = CounterMetricFamily(
+            "sidecar_worker_context_switches",
+            "Context switches of each worker process, over its restarts: voluntary, each a "
+            "sleep that ended (between reads, a relay sleeps and is woken; each wake-up costs "
+            "CPU, more under nested virtualisation); involuntary, each a preemption (another "
+            "process wanted its core).",
+            labels=("worker", "kind"),
+        )
         for s in states:
             restarts.add_metric((s.worker,), s.restarts)
             received.add_metric((s.worker,), s.records_received)
+            cpu.add_metric((s.worker, "user"), s.cpu_user_seconds)
+            cpu.add_metric((s.worker, "system"), s.cpu_system_seconds)
+            switches.add_metric((s.worker, "voluntary"), s.context_switches_voluntary)
+            switches.add_metric((s.worker, "involuntary"), s.context_switches_involuntary)
             for reason, count in (
                 ("channel_full", s.dropped_channel_full),
                 ("channel_closed", s.dropped_channel_closed),
@@ -982,6 +1006,8 @@ class WorkerCollector(Collector):
         yield restarts
         yield received
         yield dropped
+        yield cpu
+        yield switches
         yield from stall_metrics((s.worker, s.stalls) for s in states)
 
 
