@@ -276,6 +276,11 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
         assert relay["requests"] == report["completed"]
         assert relay["delay_ms"]["count"] > 0
         assert 0 <= relay["delay_ms"]["p50"] <= relay["delay_ms"]["p99"]
+        # The sidecar's CPU over the run (here one process with the replayer and the
+        # simulators in it: more than the sidecar's own, but CPU it used), per request sent.
+        cpu = view["cpu"]
+        assert cpu["seconds"] > 0
+        assert cpu["per_request_ms"] == pytest.approx(cpu["seconds"] / step["requests"] * 1e3)
     # The envelope: the sidecar's routing, and the engines read one by one (through the proxy,
     # /metrics would reach only one of the two replicas).
     envelope = result["envelope"]
@@ -291,7 +296,7 @@ async def test_a_sweep_through_a_sidecar_reads_its_view_of_each_step(tmp_path: P
     )
     page = (out / "sweep.html").read_text()
     assert "server TTFT p50" in page and f"{steps[0]['requests']}/{steps[0]['requests']}" in page
-    assert "sidecar delay p99" in page
+    assert "sidecar delay p99" in page and "sidecar CPU/req" in page
     # One llm-d benchmark report per step, for the same run as the step's report.
     assert sorted(p.name for p in (out / "br").iterdir()) == ["step-10.json", "step-20.json"]
     for step in steps:
@@ -590,3 +595,31 @@ async def test_a_sweep_as_a_user_runs_it_says_what_it_does(tmp_path: Path) -> No
     assert "capacity: none, no step passed (lowest load tried: 4 req/s)" in quiet_out
     assert "failed steps:\n  load 4 req/s: p90 ttft " in quiet_out
     assert [row[-1] for row in console_tables(quiet_out)[0]["body"]] == ["FAIL", "FAIL"]
+
+
+def test_the_sidecars_cpu_is_every_process_of_it() -> None:
+    from sidecar.replay.admin import AdminError, cpu_seconds_of
+
+    # The collector's own (1.5 s) and two workers' user and system: 1.5 + 2.25 + 0.5 + 0.75
+    # = 5.0; other samples, and metrics whose names merely begin alike, do not count.
+    exposition = """# HELP process_cpu_seconds_total Total user and system CPU time in seconds.
+# TYPE process_cpu_seconds_total counter
+process_cpu_seconds_total 1.5
+# HELP sidecar_worker_cpu_seconds_total CPU each worker process used.
+# TYPE sidecar_worker_cpu_seconds_total counter
+sidecar_worker_cpu_seconds_total{worker="0",mode="user"} 2.25
+sidecar_worker_cpu_seconds_total{worker="0",mode="system"} 0.5
+sidecar_worker_cpu_seconds_total{worker="1",mode="user"} 0.75
+sidecar_worker_cpu_seconds_total{worker="1",mode="system"} 0.0
+# HELP sidecar_requests_total Requests.
+# TYPE sidecar_requests_total counter
+sidecar_requests_total{model="m"} 99.0
+# HELP process_cpu_seconds_limit Not a CPU sample.
+# TYPE process_cpu_seconds_limit gauge
+process_cpu_seconds_limit 7.0
+"""
+    assert cpu_seconds_of(exposition) == pytest.approx(5.0)
+    with pytest.raises(AdminError, match="no process_cpu_seconds_total"):
+        cpu_seconds_of("# TYPE sidecar_requests_total counter\nsidecar_requests_total 3\n")
+    with pytest.raises(AdminError, match="does not parse"):
+        cpu_seconds_of("process_cpu_seconds_total{ 1\n")

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import clock
 
@@ -56,6 +57,20 @@ class SidecarAdmin:
     async def replicas(self) -> dict[str, Any]:
         return await self._get("/replicas")
 
+    async def cpu_seconds(self) -> float:
+        """The sidecar's CPU so far, every process of it: ``process_cpu_seconds_total`` (the
+        process that serves /metrics: the collector, or the whole proxy with ``--workers 0``)
+        plus ``sidecar_worker_cpu_seconds_total`` (each worker's own, as of its last status,
+        every 0.25 s)."""
+        try:
+            async with self.session.get(self.url + "/metrics", headers=self.headers) as response:
+                if response.status != 200:
+                    raise AdminError(f"{self.url}/metrics: HTTP {response.status}")
+                exposition = await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
+            raise AdminError(f"{self.url}/metrics: {exc or type(exc).__name__}") from None
+        return cpu_seconds_of(exposition)
+
     async def stats(self, request_id_prefix: str) -> dict[str, Any]:
         snapshot = await self._get("/stats", {"request_id_prefix": request_id_prefix})
         selection = snapshot.get("selection")
@@ -86,6 +101,27 @@ class SidecarAdmin:
             if snapshot.get("generation_requests", 0) >= sent or clock.monotonic_ns() >= deadline:
                 return sidecar_view(snapshot, request_id_prefix, sent)
             await asyncio.sleep(0.05)
+
+
+_CPU_SAMPLES = ("process_cpu_seconds_total", "sidecar_worker_cpu_seconds_total")
+
+
+def cpu_seconds_of(exposition: str) -> float:
+    """The sum of the CPU samples of a sidecar's /metrics (`SidecarAdmin.cpu_seconds`). An
+    exposition without ``process_cpu_seconds_total`` (a process not on Linux, or not a
+    sidecar) or one that does not parse raises AdminError."""
+    total, found = 0.0, False
+    try:
+        for family in text_string_to_metric_families(exposition):
+            for sample in family.samples:
+                if sample.name in _CPU_SAMPLES:
+                    total += sample.value
+                    found = found or sample.name == _CPU_SAMPLES[0]
+    except ValueError as exc:
+        raise AdminError(f"/metrics does not parse: {exc}") from None
+    if not found:
+        raise AdminError("/metrics has no process_cpu_seconds_total: no CPU figure")
+    return total
 
 
 def _in_ms(summary: Mapping[str, Any]) -> dict[str, Any]:

@@ -507,6 +507,13 @@ _SIDECAR_COLUMNS = [
         f"socket to its client socket ({METRICS_DOC} §2 The sidecar's own delay)",
     ),
     Column(
+        "sidecar CPU/req",
+        "ms",
+        "the sidecar's CPU over the step's run (every process of it: process_cpu_seconds_total "
+        "and sidecar_worker_cpu_seconds_total), per request the run sent: all its traffic, the "
+        "step's and any other, the workers' as of their last status (every 0.25 s)",
+    ),
+    Column(
         "sidecar seen/sent",
         "req",
         "of the step's requests, those the sidecar's /stats window still held",
@@ -549,6 +556,8 @@ def _sidecar_cells(view: Mapping[str, Any] | None) -> list[str]:
         _num(server["tpot_ms"].get("p50"), 1),
         _num(server["e2e_ms"].get("p99"), 1),
         _num(None if delay_p99_ms is None else delay_p99_ms * 1000.0, 0),
+        # A view written before the sweep read the sidecar's CPU, or without it: "-".
+        _num((view.get("cpu") or {}).get("per_request_ms"), 3),
         f"{view['requests_seen']}/{view['requests_sent']}",
     ]
 

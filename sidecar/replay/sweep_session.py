@@ -121,6 +121,7 @@ class SweepRunner:
         self.criteria = criteria
         self.session = session
         self.admin = admin
+        self._cpu_unavailable = False
         self.engine_urls = list(engine_urls)
         self.notify = notify
         self.engine_flavour: str | None = None  # "vllm", "sglang", ... once scraped
@@ -268,12 +269,25 @@ class SweepRunner:
             label = f"step {stage + 1}: {step_load:g} {unit}"
             if options.repeats > 1:
                 label += f", run {repeat + 1}/{options.repeats}"
+            cpu_before = await self.sidecar_cpu()
             sent = await load.run(
                 measured, replay_options, workers=1, label=label, request_id_prefix=run_prefix
             )
             # Read right after each run: the sidecar's window is time-based, and a later
             # repeat may be the reported one or not.
             view = await self.sidecar_view(run_prefix + "-", len(sent))
+            if view is not None:
+                # After the view: every record of the run has reached the collector, and
+                # with its last batch each worker's status, which carries its CPU.
+                cpu_after = await self.sidecar_cpu()
+                view["cpu"] = (
+                    None
+                    if cpu_before is None or cpu_after is None or not sent
+                    else {
+                        "seconds": cpu_after - cpu_before,
+                        "per_request_ms": (cpu_after - cpu_before) / len(sent) * 1000.0,
+                    }
+                )
             runs.append(
                 (run_report(sent, mode=plan_mode, slo_policy=self.criteria_policy()), sent, view)
             )
@@ -307,6 +321,18 @@ class SweepRunner:
         except AdminError as exc:
             # The sweep itself does not depend on the sidecar: say so, and go on without.
             self.notify(f"sidecar sweep: no sidecar view of this step: {exc}")
+            return None
+
+    async def sidecar_cpu(self) -> float | None:
+        """The sidecar's CPU so far (seconds, all its processes), or None without an admin
+        listener or a figure (said once)."""
+        if self.admin is None or self._cpu_unavailable:
+            return None
+        try:
+            return await self.admin.cpu_seconds()
+        except AdminError as exc:
+            self._cpu_unavailable = True
+            self.notify(f"sidecar sweep: no sidecar CPU per step: {exc}")
             return None
 
     async def scrape_engines(self) -> dict[str, Any] | None:
