@@ -509,9 +509,10 @@ _SIDECAR_COLUMNS = [
     Column(
         "sidecar CPU/req",
         "ms",
-        "the sidecar's CPU over the step's run (every process of it: process_cpu_seconds_total "
-        "and sidecar_worker_cpu_seconds_total), per request the run sent: all its traffic, the "
-        "step's and any other, the workers' as of their last status (every 0.25 s)",
+        "the sidecar's CPU from the step's run's start to 0.3 s after its end (every process of "
+        "it: process_cpu_seconds_total and sidecar_worker_cpu_seconds_total, the workers' as "
+        "of their last status, every 0.25 s), per request the run sent: all its traffic, the "
+        "step's and any other, not the sweep's /stats reads after it",
     ),
     Column(
         "sidecar seen/sent",

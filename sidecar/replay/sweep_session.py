@@ -17,6 +17,7 @@ stderr unless given.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -67,6 +68,10 @@ from sidecar.replay.target import (
 )
 from sidecar.stats import SLOPolicy
 from sidecar.tracefile import PrefixBlocks, TraceReader, TraceRequest
+
+# After a run, how long the sweep waits before it reads the sidecar's CPU: a worker's status,
+# which carries its CPU, comes every 0.25 s (sidecar proxy's default).
+CPU_SETTLE_S = 0.3
 
 
 def synthetic_requests(spec: str, count: int) -> list[TraceRequest]:
@@ -273,13 +278,17 @@ class SweepRunner:
             sent = await load.run(
                 measured, replay_options, workers=1, label=label, request_id_prefix=run_prefix
             )
+            cpu_after = None
+            if cpu_before is not None:
+                # Each worker reports its CPU with its status (every 0.25 s by default): a
+                # moment more, and the run's last work is in it. Read before the view's /stats
+                # polls below, which are the sweep's cost, not the traffic's.
+                await asyncio.sleep(CPU_SETTLE_S)
+                cpu_after = await self.sidecar_cpu()
             # Read right after each run: the sidecar's window is time-based, and a later
             # repeat may be the reported one or not.
             view = await self.sidecar_view(run_prefix + "-", len(sent))
             if view is not None:
-                # After the view: every record of the run has reached the collector, and
-                # with its last batch each worker's status, which carries its CPU.
-                cpu_after = await self.sidecar_cpu()
                 view["cpu"] = (
                     None
                     if cpu_before is None or cpu_after is None or not sent
