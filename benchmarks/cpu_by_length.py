@@ -19,6 +19,14 @@ crosses, and with ``--trace`` (a sidecar trace file, e.g. a public trace convert
 ``sidecar trace import``) the CPU per event at that trace's mean output length, the workload
 envelope that matters for a deployment like it.
 
+A relay's CPU per event also holds its sleeps: each time it finds no work it sleeps in
+``epoll_wait``, and each wake-up costs CPU, how much depends on the host (~8 µs on this
+project's microVM, where a context switch goes through the hypervisor). The runs count each
+relay's wake-ups per event (its voluntary context switches); before each repeat
+`wakeup_cost.py` measures the price of one on the relays' core (``--wakeup-messages``), and the
+report gives each relay's CPU per event less its wake-ups at that price: its own work per event,
+which is what a host with cheaper switches would keep of it.
+
 The processes, their placement and the CPU accounting are `proxy_overhead.py`'s (its docstring
 says them): the simulator and the client on core 0, each relay alone on core 1, its CPU
 utime+stime from /proc (the sidecar's worker and collector summed), over the client's measured
