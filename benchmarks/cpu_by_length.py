@@ -24,8 +24,8 @@ A relay's CPU per event also holds its sleeps: each time it finds no work it sle
 project's microVM, where a context switch goes through the hypervisor). The runs count each
 relay's wake-ups per event (its voluntary context switches); before each repeat
 `wakeup_cost.py` measures the price of one on the relays' core (``--wakeup-messages``), and the
-report gives each relay's CPU per event less its wake-ups at that price: its own work per event,
-which is what a host with cheaper switches would keep of it.
+report gives each relay's CPU per event less its wake-ups at that price: its own work per event
+apart from what its sleeps cost on this host.
 
 The processes, their placement and the CPU accounting are `proxy_overhead.py`'s (its docstring
 says them): the simulator and the client on core 0, each relay alone on core 1, its CPU
