@@ -53,7 +53,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po  # noqa: E402  (the processes, the client, the CPU accounting)
-import wakeup_cost  # noqa: E402  (the price of one sleep on this host)
 
 from sidecar.tracefile import TraceFormatError, TraceReader  # noqa: E402
 
@@ -211,22 +210,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ours = [pid for group in pids.values() for pid in group]
         for rep in range(args.repeats):
             po.probe_round(args, place, ours, workdir, rep)
-            if args.wakeup_messages > 0:
-                # Placed as the traffic is: read on the relays' core, written from the
-                # simulator's (the relays idle meanwhile).
-                try:
-                    cost = wakeup_cost.measure(
-                        1, args.wakeup_messages, reader_core=place.proxy, writer_core=place.sim
-                    )[0]
-                except ValueError as exc:  # the patterns slept alike: no price this repeat
-                    print(f"  (price of a sleep: not measured this repeat: {exc})", flush=True)
-                else:
-                    wakeup_prices.append(cost.per_wakeup_us)
-                    print(
-                        f"  (price of a sleep on the relays' core: {cost.per_wakeup_us:.1f} µs "
-                        "of the woken process's CPU, wakeup_cost.py)",
-                        flush=True,
-                    )
+            # Placed as the traffic is: read on the relays' core, written from the
+            # simulator's (the relays idle meanwhile).
+            price = po.measure_sleep_price(args, place)
+            if price is not None:
+                wakeup_prices.append(price)
             # Lengths and relays in a different order each repeat: a drift of the host over the
             # run falls on all of them alike.
             for length in rotated(args.lengths, rep):

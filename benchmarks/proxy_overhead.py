@@ -35,8 +35,11 @@ direct, sidecar, bare, nginx, envoy, direct, ... (``--repeats`` rounds), with th
 run has its own warm-up (excluded), then a measured window; requests *started* in the window
 are the measured ones, and the load is held (closed loop, C outstanding) until every measured
 request has finished. Before each round: a bounded wait for other processes on the host to go
-quiet, and a wake-up-latency probe on both cores (both printed). ``--nice N`` runs every
-benchmark process in a session (scheduling autogroup) of its own at autogroup nice N.
+quiet, a wake-up-latency probe on both cores (both printed), and the price of one sleep on the
+relays' core (`wakeup_cost.py`, ``--wakeup-messages``): the report then gives each relay's CPU
+per event less its wake-ups at that price, its own work apart from what its sleeps cost on the
+host. ``--nice N`` runs every benchmark process in a session (scheduling autogroup) of its own at
+autogroup nice N.
 
 Simulated streams: ``ignore_eos`` and a fixed ``max_tokens``, so every stream has a known
 number of token chunks (1 token each, unless the simulator had to merge deltas, which is
@@ -94,6 +97,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import wakeup_cost  # the price of one sleep on this host (benchmarks/wakeup_cost.py)
 
 HOST = "127.0.0.1"
 MODEL = "bench-model"
@@ -1287,6 +1291,7 @@ def report(
     repeats: int,
     max_tokens: int,
     probes: dict[int, list[dict[str, dict[str, float]]]],
+    wakeup_prices_us: Sequence[float] = (),
 ) -> str:
     lines: list[str] = []
     add = lines.append
@@ -1361,6 +1366,27 @@ def report(
                 f"{med_spread([r['proxy_rss_mib'] for r in rs], '{:.1f}')} | "
                 f"{med_spread([r['proxy_hwm_mib'] for r in rs], '{:.1f}')} |"
             )
+    if wakeup_prices_us:
+        price = statistics.median(wakeup_prices_us)
+        add("")
+        add(
+            f"Less its sleeps: µs/event - wake-ups/event x {price:.1f} µs, the price of one "
+            "sleep and wake-up to the woken process on the relays' core (wakeup_cost.py, once "
+            f"per repeat: {', '.join(f'{p:.1f}' for p in wakeup_prices_us)}): each relay's own "
+            "work per event, apart from what its sleeps cost on this host."
+        )
+        add("")
+        add("| C | relay | µs/event | less its sleeps |")
+        add("|---:|---|---:|---:|")
+        for c in concurrencies:
+            for mode in relays:
+                rs = runs[(c, mode)]
+                less = [r["proxy_us_event"] - r["proxy_wakeups_event"] * price for r in rs]
+                add(
+                    f"| {c} | {MODE_LABELS[mode]} | "
+                    f"{med_spread([r['proxy_us_event'] for r in rs], '{:.1f}')} | "
+                    f"{med_spread(less, '{:.1f}')} |"
+                )
     split = [m for m in relays if m in SIDECAR_MODES]
     if split:
         add("")
@@ -1651,6 +1677,27 @@ def probe_round(
     return probe
 
 
+def measure_sleep_price(args: argparse.Namespace, place: Placement) -> float | None:
+    """What one sleep and its wake-up cost a process on the relays' core, in µs of its CPU
+    (`wakeup_cost.py`, one round, ``--wakeup-messages`` per pattern), or None: not asked for,
+    or not solvable this time (said so)."""
+    if args.wakeup_messages <= 0:
+        return None
+    try:
+        cost = wakeup_cost.measure(
+            1, args.wakeup_messages, reader_core=place.proxy, writer_core=place.sim
+        )[0]
+    except ValueError as exc:  # the patterns slept alike: no price this repeat
+        print(f"  (price of a sleep: not measured this repeat: {exc})", flush=True)
+        return None
+    print(
+        f"  (price of a sleep on the relays' core: {cost.per_wakeup_us:.1f} µs of the woken "
+        "process's CPU, wakeup_cost.py)",
+        flush=True,
+    )
+    return cost.per_wakeup_us
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     global AUTOGROUP_NICE
     AUTOGROUP_NICE = args.nice
@@ -1662,6 +1709,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     raw: list[dict[str, Any]] = []
     steps: dict[int, float] = {}
     probes: dict[int, list[dict[str, dict[str, float]]]] = {}
+    prices: list[float] = []
     started = time.monotonic()
     print(f"# {machine_line()}", flush=True)
     print(
@@ -1699,6 +1747,9 @@ def run_overhead(args: argparse.Namespace) -> int:
             ours = [pid for group in pids.values() for pid in group]
             for rep in range(args.repeats):
                 probes.setdefault(c, []).append(probe_round(args, place, ours, workdir, rep))
+                price = measure_sleep_price(args, place)
+                if price is not None:
+                    prices.append(price)
                 for mode in modes:
                     relay_pids = pids.get(mode, []) if mode != "direct" else []
                     tag = f"{mode}{c}r{rep}"
@@ -1736,7 +1787,9 @@ def run_overhead(args: argparse.Namespace) -> int:
             for proc in reversed(list(procs.values())):
                 stop(proc)
     elapsed = time.monotonic() - started
-    text = report(runs, steps, args.concurrency, modes, args.repeats, args.max_tokens, probes)
+    text = report(
+        runs, steps, args.concurrency, modes, args.repeats, args.max_tokens, probes, prices
+    )
     print()
     print(text)
     print(f"\n(total wall time {elapsed:.0f} s)")
@@ -1752,6 +1805,7 @@ def run_overhead(args: argparse.Namespace) -> int:
                     "repeats": args.repeats,
                     "added": added_summary(runs, args.concurrency, relays),
                     "relative_to_envoy": relative_to_envoy(runs, args.concurrency),
+                    "wakeup_prices_us": prices,
                     "runs": raw,
                 },
                 indent=1,
@@ -2105,6 +2159,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         help="wake-up probe per repeat and core (0: none) [0.5 s]",
     )
+    parser.add_argument(
+        "--wakeup-messages",
+        type=int,
+        default=20_000,
+        help="messages per pattern of the price-of-a-sleep run (wakeup_cost.py) before each "
+        "repeat, 0: none [20000, ~2.5 s]",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument(
         "--nice",
@@ -2205,6 +2266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         args.concurrency, args.repeats, args.max_tokens = [4], 1, 8
         args.warmup_s, args.measure_s, args.quiet_below, args.probe_s = 0.2, 0.5, 0.0, 0.0
+        args.wakeup_messages = min(args.wakeup_messages, 400)
         args.search_concurrency, args.search_start_rate = 4, 2000.0
         args.search_bracket, args.search_bisect = 1, 0
     if args.find_max_rate:

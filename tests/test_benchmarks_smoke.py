@@ -136,6 +136,14 @@ def test_overhead_direct_sidecar_bare(overhead: tuple[dict[str, Any], str]) -> N
     assert "| 4 | sidecar |" in stdout
     # The sidecar's CPU split between its collector and its worker, both counted.
     assert "| C | relay | collector µs/event | worker µs/event |" in stdout
+    # The price of a sleep, measured before the repeat, and each relay's CPU less its sleeps
+    # (on a host so busy that the two patterns slept alike: no price, and it says so).
+    prices = result["wakeup_prices_us"]
+    if prices:
+        assert len(prices) == 1 and finite(prices[0])
+        assert "| C | relay | µs/event | less its sleeps |" in stdout
+    else:
+        assert "not measured this repeat" in stdout
     sidecar = [r["summary"] for r in result["runs"] if r["mode"] == "sidecar"][0]
     assert 0 < sidecar["proxy_us_event_first"] < sidecar["proxy_us_event"]
 
