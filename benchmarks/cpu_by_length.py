@@ -306,7 +306,7 @@ def analyse(measured: Mapping[str, Any], traces: Mapping[str, tuple[float, int]]
     price = statistics.median(prices) if prices else None
     if price is not None:
         for r in runs:
-            r["proxy_us_event_less_sleeps"] = r["proxy_us_event"] - r["proxy_wakeups_event"] * price
+            r["proxy_us_event_less_sleeps"] = po.less_sleeps(r, price)
         for mode, rows in by_length.items():
             for length, row in rows.items():
                 values = [
@@ -362,6 +362,15 @@ def analyse(measured: Mapping[str, Any], traces: Mapping[str, tuple[float, int]]
     }
 
 
+def ratio_cell(ratios: Sequence[float]) -> str:
+    """A paired-ratio column's cell: median [min-max], and in how many pairs below 1."""
+    below = sum(1 for v in ratios if v < 1)
+    return (
+        f" {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}], "
+        f"{below} of {len(ratios)} |"
+    )
+
+
 def report(analysis: Mapping[str, Any], relays: Sequence[str], repeats: int) -> str:
     lengths = analysis["lengths"]
     lines = [
@@ -394,11 +403,7 @@ def report(analysis: Mapping[str, Any], relays: Sequence[str], repeats: int) -> 
         line = f"| {length} | {events if events is not None else '-'} | " + " | ".join(cells) + " |"
         ratio = analysis["ratio_to_envoy"].get("sidecar", {}).get(key)
         if ratio:
-            below = sum(1 for v in ratio if v < 1)
-            line += (
-                f" {statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}], "
-                f"{below} of {len(ratio)} |"
-            )
+            line += ratio_cell(ratio)
         lines.append(line)
     lines += [
         "",
@@ -444,11 +449,7 @@ def report(analysis: Mapping[str, Any], relays: Sequence[str], repeats: int) -> 
             line = f"| {length} | " + " | ".join(cells) + " |"
             ratio = ratio_rows.get(str(length))
             if ratio:
-                below = sum(1 for v in ratio if v < 1)
-                line += (
-                    f" {statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}], "
-                    f"{below} of {len(ratio)} |"
-                )
+                line += ratio_cell(ratio)
             lines.append(line)
     fits = analysis["fits"]
     if fits:
@@ -537,13 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--proxy-arg", action="append", default=[], help="passed to the sidecar")
     po.add_quiet_arguments(parser, 0.15, 3.0, "repeat")
     parser.add_argument("--probe-s", type=float, default=0.5, help="wake-up probe per repeat")
-    parser.add_argument(
-        "--wakeup-messages",
-        type=int,
-        default=20_000,
-        help="messages per pattern of the price-of-a-sleep run (wakeup_cost.py) before each "
-        "repeat, 0: none [20000, ~2.5 s]",
-    )
+    po.add_wakeup_arguments(parser)
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--nice", type=int, default=0, help="autogroup nice of the processes")
     parser.add_argument("--json-out", type=Path, help="every run's summary and the fits as JSON")
@@ -560,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         args.lengths, args.repeats, args.concurrency = [4, 8], 1, 4
         args.warmup_s, args.measure_s, args.quiet_below, args.probe_s = 0.2, 0.6, 0.0, 0.0
-        args.wakeup_messages = min(args.wakeup_messages, 400)
+        args.wakeup_messages = min(args.wakeup_messages, po.SMOKE_WAKEUP_MESSAGES)
     if len(set(args.lengths)) < 2:
         raise SystemExit("--lengths: give at least two stream lengths to fit")
     traces: dict[str, tuple[float, int]] = {}

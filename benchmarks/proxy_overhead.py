@@ -1381,7 +1381,7 @@ def report(
         for c in concurrencies:
             for mode in relays:
                 rs = runs[(c, mode)]
-                less = [r["proxy_us_event"] - r["proxy_wakeups_event"] * price for r in rs]
+                less = [less_sleeps(r, price) for r in rs]
                 add(
                     f"| {c} | {MODE_LABELS[mode]} | "
                     f"{med_spread([r['proxy_us_event'] for r in rs], '{:.1f}')} | "
@@ -1675,6 +1675,26 @@ def probe_round(
         flush=True,
     )
     return probe
+
+
+# Messages per pattern of the price-of-a-sleep run in a --smoke run (the harness only).
+SMOKE_WAKEUP_MESSAGES = 400
+
+
+def add_wakeup_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--wakeup-messages``, for `measure_sleep_price` before each repeat."""
+    parser.add_argument(
+        "--wakeup-messages",
+        type=int,
+        default=20_000,
+        help="messages per pattern of the price-of-a-sleep run (wakeup_cost.py) before each "
+        "repeat, 0: none [20000, ~2.5 s]",
+    )
+
+
+def less_sleeps(summary: dict[str, Any], price_us: float) -> float:
+    """A run's CPU per event less its wake-ups at ``price_us`` each: the relay's own work."""
+    return float(summary["proxy_us_event"] - summary["proxy_wakeups_event"] * price_us)
 
 
 def measure_sleep_price(args: argparse.Namespace, place: Placement) -> float | None:
@@ -2159,13 +2179,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         help="wake-up probe per repeat and core (0: none) [0.5 s]",
     )
-    parser.add_argument(
-        "--wakeup-messages",
-        type=int,
-        default=20_000,
-        help="messages per pattern of the price-of-a-sleep run (wakeup_cost.py) before each "
-        "repeat, 0: none [20000, ~2.5 s]",
-    )
+    add_wakeup_arguments(parser)
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument(
         "--nice",
@@ -2266,7 +2280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         args.concurrency, args.repeats, args.max_tokens = [4], 1, 8
         args.warmup_s, args.measure_s, args.quiet_below, args.probe_s = 0.2, 0.5, 0.0, 0.0
-        args.wakeup_messages = min(args.wakeup_messages, 400)
+        args.wakeup_messages = min(args.wakeup_messages, SMOKE_WAKEUP_MESSAGES)
         args.search_concurrency, args.search_start_rate = 4, 2000.0
         args.search_bracket, args.search_bisect = 1, 0
     if args.find_max_rate:
