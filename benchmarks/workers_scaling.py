@@ -51,13 +51,14 @@ worker, the collector, the upstream, the client, and the host's other CPU); each
 share (/proc/stat, tick-sampled: it reads low on a mostly idle core); per worker the client
 connections it holds (its sockets on the traffic port, at the window's start: how SO_REUSEPORT
 spread them), its requests (``/workers`` of the admin listener) and its CPU; the collector's
-records (``/workers``' records_received); the workers' write syscalls (/proc/<pid>/io syscw).
+records (``/workers``' records_received); the relay's sends to the clients (each client
+connection's TCP ``data_segs_out``, `ss -ti`: one segment per send on loopback).
 Derived: **events per worker-CPU-second** (client events / summed worker CPU: the quantity that
 must stay constant for N workers to relay N times the rate given N cores), µs of worker CPU per
 event, the **collector's CPU per record** and the request rate at which it would fill one core
-(1 s / CPU per record), and events per relay write (client events / the workers' write
-syscalls; the relay writes once per upstream read it relays, plus a few writes per request and
-the channel's: 1.0 is one event per read, more means the relay fell behind and read several
+(1 s / CPU per record), and events per relay write (client events / the relay's sends to
+the clients; the relay sends once per upstream read it relays, plus the response's head per
+request: 1.0 is one event per read, more means the relay fell behind and read several
 events at once, which makes each event cheaper; compare N's at a similar value; the client's
 events per read is printed beside it). Per N, over all its runs: worker µs/event = per_event +
 per_write / (events per relay write), least squares, and the events per worker-CPU-s that gives
@@ -98,6 +99,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -107,6 +109,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -237,14 +240,26 @@ def core_busy_ticks() -> dict[int, tuple[int, int]]:
     return out
 
 
-def proc_syscw(pid: int) -> int:
-    """write(2)-family calls a process made (/proc/<pid>/io ``syscw``: write, writev; a
-    socket's send, sendto and sendmsg are not counted there)."""
-    with open(f"/proc/{pid}/io") as f:
-        for line in f:
-            if line.startswith("syscw:"):
-                return int(line.split()[1])
-    return 0
+_DATA_SEGS_OUT = re.compile(rb"\bdata_segs_out:(\d+)")
+
+
+def relay_sends(port: int) -> int | None:
+    """The data segments the relay has sent on its client connections (established TCP
+    sockets with local ``port``), from each socket's own TCP counters (`ss -ti`:
+    ``data_segs_out``). On loopback a send below the 64 KiB MSS is one segment, so this counts
+    the relay's sends to the clients, whatever the call (the lane's ``sendto``, a transport's
+    ``write``; /proc/<pid>/io ``syscw`` counts only the write(2) family, not a socket's sends).
+    A connection that closed inside the window takes its count with it; the harness's clients
+    keep theirs. None without `ss` (iproute2)."""
+    ss = shutil.which("ss")
+    if ss is None:
+        return None
+    out = subprocess.run(
+        [ss, "-tinH", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        check=False,
+    ).stdout
+    return sum(int(m) for m in _DATA_SEGS_OUT.findall(out))
 
 
 def connections_per_process(pids: Sequence[int], port: int) -> list[int]:
@@ -292,6 +307,17 @@ def metric_sums(port: int, names: Sequence[str]) -> dict[str, float]:
         if name in sums:
             sums[name] += float(line.rsplit(" ", 1)[1])
     return sums
+
+
+def stall_readings_under_load(port: int) -> dict[str, float] | None:
+    """`stall_readings` while the load runs, or None when the collector's /metrics does not
+    answer within `metrics_text`'s timeout: its scrapes run at the lowest CPU priority and yield
+    to traffic, and with every core full (e.g. N = 2 at 320 streams per worker here) one took
+    12-64 s. The run goes on without its stall figures, and says so."""
+    try:
+        return stall_readings(port)
+    except (TimeoutError, urllib.error.URLError, ConnectionError):
+        return None
 
 
 def stall_readings(port: int) -> dict[str, float]:
@@ -588,14 +614,14 @@ def run_once(
         def readings() -> dict[str, Any]:
             return {
                 "cpu_ns": {role: po.proc_cpu_ns(pid) for role, pid in roles.items()},
-                "relay_syscw": sum(proc_syscw(roles[r]) for r in relay_roles),
+                "relay_sends": relay_sends(port),
                 "host_busy_ns": po.host_busy_ns(),
                 "cores": core_busy_ticks(),
             }
 
         admin0 = admin_json(admin_port, "/workers") if workers else None
         conns_per_worker = connections_per_process(worker_pids or [proxy.pid], port)
-        stalls0 = stall_readings(admin_port)
+        stalls0 = stall_readings_under_load(admin_port)
         r0 = readings()
         c0 = client_snap(client, client_out, signal.SIGUSR1)
         time.sleep(args.measure_s)
@@ -604,7 +630,7 @@ def run_once(
         admin1 = admin_json(admin_port, "/workers") if workers else None
         # Read after the window: the workers report every 0.25 s (a collection late in the
         # window may come with the next report, and is then missed here).
-        stalls1 = stall_readings(admin_port)
+        stalls1 = stall_readings_under_load(admin_port)
         perf_data = workdir / f"perf-{tag}.data"
         perf_counts = workdir / f"perf-{tag}.csv"
         profiled_answers = 0
@@ -657,9 +683,13 @@ def run_once(
         "token_events_per_s": delta["tokens"] / wall_s,
         "answers_per_s": delta["answers"] / wall_s,
         "events_per_client_read": delta["events"] / max(1, delta["reads"]),
-        # The relay writes once per upstream read it relays (plus a few writes per request and
-        # the channel's): events per write is how batched its reads were, 1.0 = one event each.
-        "events_per_relay_write": delta["events"] / max(1, r1["relay_syscw"] - r0["relay_syscw"]),
+        # The relay sends once per upstream read it relays (plus the response's head): events
+        # per send is how batched its reads were, 1.0 = one event each.
+        "events_per_relay_write": (
+            delta["events"] / max(1, r1["relay_sends"] - r0["relay_sends"])
+            if r0["relay_sends"] is not None and r1["relay_sends"] is not None
+            else float("nan")
+        ),
         "cpu_cores": {role: s / wall_s for role, s in cpu_s.items()},
         "other_cpu_cores": other_s / wall_s,
         "core_busy": cores,
@@ -669,15 +699,18 @@ def run_once(
         "sidecar_us_per_event": 1e6 * sidecar_cpu_s / max(1, delta["events"]),
         "worker_us_per_request": 1e6 * worker_cpu_s / max(1, delta["answers"]),
     }
-    result["stalls"] = {
-        **{
-            key: stalls1.get(key, 0.0) - stalls0.get(key, 0.0)
-            for key in ("gc0_count", "gc0_s", "gc1_count", "gc1_s", "gc2_count", "gc2_s")
-        },
-        # Largest since the worker started (warm-up included): a maximum has no window.
-        **{key: stalls1.get(key) for key in ("gc0_max_s", "gc1_max_s", "gc2_max_s")},
-        "loop_lag_max_s": stalls1.get("loop_lag_max_s"),
-    }
+    if stalls0 is None or stalls1 is None:
+        result["stalls"] = {"unread": True}
+    else:
+        result["stalls"] = {
+            **{
+                key: stalls1.get(key, 0.0) - stalls0.get(key, 0.0)
+                for key in ("gc0_count", "gc0_s", "gc1_count", "gc1_s", "gc2_count", "gc2_s")
+            },
+            # Largest since the worker started (warm-up included): a maximum has no window.
+            **{key: stalls1.get(key) for key in ("gc0_max_s", "gc1_max_s", "gc2_max_s")},
+            "loop_lag_max_s": stalls1.get("loop_lag_max_s"),
+        }
     gen_count = metrics_end[GEN_COUNT]
     result["records"] = {
         "n_out_mean": metrics_end[GEN_SUM] / gen_count if gen_count else None,
@@ -770,6 +803,32 @@ def placement_words(workers: int, place: dict[str, Any]) -> str:
         return f"sidecar c{place['collector']}; up c{place['upstream']}, cl c{place['client']}"
     ws = " ".join(f"w{i} c{c}" for i, c in enumerate(place["workers"]))
     return f"{ws}; coll c{place['collector']}, up c{place['upstream']}, cl c{place['client']}"
+
+
+def stall_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """The stall table's rows, one per run."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{1e3 * value:.1f}"
+
+    lines = []
+    for r in runs:
+        st = r.get("stalls", {})
+        if st.get("unread"):
+            lines.append(
+                f"| {r['tag']} | {r['workers']} | not read: the collector's /metrics did not "
+                "answer within 60 s under this load (its scrapes yield the CPU to traffic) "
+                "| | | |"
+            )
+            continue
+        lines.append(
+            f"| {r['tag']} | {r['workers']} "
+            f"| {st.get('gc0_count', 0):.0f}, {ms(st.get('gc0_s'))} "
+            f"| {st.get('gc1_count', 0):.0f}, {ms(st.get('gc1_s'))} ({ms(st.get('gc1_max_s'))}) "
+            f"| {st.get('gc2_count', 0):.0f}, {ms(st.get('gc2_s'))} ({ms(st.get('gc2_max_s'))}) "
+            f"| {ms(st.get('loop_lag_max_s'))} |"
+        )
+    return lines
 
 
 def report(meta: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
@@ -866,19 +925,7 @@ def report(meta: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
         "| longest loop lag ms |",
         "|---|---:|---|---|---|---:|",
     ]
-    for r in runs:
-        st = r.get("stalls", {})
-
-        def ms(value: float | None) -> str:
-            return "-" if value is None else f"{1e3 * value:.1f}"
-
-        lines.append(
-            f"| {r['tag']} | {r['workers']} "
-            f"| {st.get('gc0_count', 0):.0f}, {ms(st.get('gc0_s'))} "
-            f"| {st.get('gc1_count', 0):.0f}, {ms(st.get('gc1_s'))} ({ms(st.get('gc1_max_s'))}) "
-            f"| {st.get('gc2_count', 0):.0f}, {ms(st.get('gc2_s'))} ({ms(st.get('gc2_max_s'))}) "
-            f"| {ms(st.get('loop_lag_max_s'))} |"
-        )
+    lines += stall_lines(runs)
     profiled = [r for r in runs if r.get("profile")]
     if profiled:
         lines += [

@@ -10,9 +10,11 @@ both, so CI does not skip). The whole file takes ~110 s of test time on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -852,6 +854,8 @@ def test_workers_scaling_smoke(tmp_path: Path) -> None:
             assert worker["requests_total"] == worker["records_received"], worker
         assert sum(worker["records_received"] for worker in run["accounting"]) > 0
         assert run["worker_us_per_request"] > run["worker_us_per_event"] > 0
+        if shutil.which("ss"):  # the relay's sends, counted by the kernel per connection
+            assert run["events_per_relay_write"] > 0, run["events_per_relay_write"]
         # The workers' own stall figures, read from their /metrics: counts over the window
         # (a short smoke window may hold no collection), maxima since start (present).
         stalls = run["stalls"]
@@ -898,6 +902,59 @@ def test_workers_scaling_reads_perfs_syscall_counts(tmp_path: Path) -> None:
     assert "getpid" not in per
     assert ws.syscalls_per_request(tmp_path / "absent.csv", 200) is None
     assert ws.syscalls_per_request(counts, 0) is None
+
+
+def test_workers_scaling_goes_on_without_stall_figures_when_metrics_does_not_answer() -> None:
+    """A collector whose /metrics cannot be read under load (here: nothing listens) costs the
+    run its stall figures, said in the report, not the run itself."""
+    import socket
+
+    import workers_scaling as ws
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, not listening: the connection is refused
+        assert ws.stall_readings_under_load(port) is None
+    report = "\n".join(
+        ws.stall_lines([{"tag": "r1-s320-n2", "workers": 2, "stalls": {"unread": True}}])
+    )
+    assert "| r1-s320-n2 | 2 | not read: the collector's /metrics did not answer" in report
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="ss (iproute2) counts a socket's sends")
+def test_workers_scaling_counts_the_relays_sends_from_the_kernel() -> None:
+    """The relay's sends to its clients, read from each client connection's TCP counters: a
+    server socket on a port sends 7 small messages by `send` (sendto(2), the call the lane
+    uses, which /proc/<pid>/io's syscw never counted) and one by `write`, each read by the
+    client before the next; the count over that port moves by exactly 8. A socket on another
+    port is not counted."""
+    import socket
+
+    import workers_scaling as ws
+
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        port = listener.getsockname()[1]
+        client = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+        served, _ = listener.accept()
+        stack.enter_context(served)
+        served.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        other = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        other_client = stack.enter_context(socket.create_connection(other.getsockname()))
+        other_served, _ = other.accept()
+        stack.enter_context(other_served)
+        before = ws.relay_sends(port)
+        assert before is not None
+        for i in range(8):
+            message = b"data: %d\n\n" % i
+            if i < 7:
+                served.send(message)  # sendto(2), as the lane sends
+            else:
+                os.write(served.fileno(), message)
+            other_served.send(message)  # another port's sends: not the relay's
+            assert client.recv(64) == message
+            assert other_client.recv(64) == message
+        assert ws.relay_sends(port) == before + 8
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="kernel receive timestamps: Linux")
