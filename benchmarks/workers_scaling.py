@@ -744,6 +744,7 @@ def run_once(
                 "requests_total": w["requests_total"],
                 "records_received": w["records_received"],
                 "dropped": sum(w["dropped"].values()),
+                "dropped_by_reason": {k: v for k, v in w["dropped"].items() if v},
                 "lost": w["lost"],
             }
             for w in admin_end["workers"]
@@ -781,7 +782,12 @@ def checks(result: dict[str, Any], tokens: int) -> list[str]:
         problems.append(f"{result['records']['estimated']:.0f} records with estimated tokens")
     for acc in result.get("accounting", []):
         if acc["dropped"] or acc["lost"]:
-            problems.append(f"worker {acc['worker']}: dropped {acc['dropped']} lost {acc['lost']}")
+            reasons = ", ".join(f"{k} {v}" for k, v in acc.get("dropped_by_reason", {}).items())
+            problems.append(
+                f"worker {acc['worker']}: dropped {acc['dropped']}"
+                + (f" ({reasons})" if reasons else "")
+                + f" lost {acc['lost']}"
+            )
     for p in result.get("per_worker", []):
         if p["restarts"]:
             problems.append(f"worker {p['worker']} restarted {p['restarts']} times")

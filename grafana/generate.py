@@ -1533,7 +1533,8 @@ def health_dashboard() -> dict[str, Any]:
             "Records lost between workers and the collector",
             "sidecar_channel_dropped_records_total per interval, by reason: "
             "channel_full (the collector fell behind), channel_closed, encode_error, "
-            "decode_error, worker_died. None of the sidecar's metrics count these "
+            "decode_error, scrape_backlog (a scrape starved of CPU held the sinks), "
+            "worker_died. None of the sidecar's metrics count these "
             "requests. " + lost + see(DROPS),
             "short",
             targets(

@@ -35,8 +35,9 @@ LOG_EVERY_S = 10.0  # a failure repeated on every request must not flood the log
 # short enough that an orchestrator's grace period (30 s by default in Kubernetes) is not
 # spent waiting on a dead collector.
 SINK_TIMEOUT_S = 25.0
-# Records that may wait for a scrape before delivery waits for the lock (SinkFanout): at the
-# ~10k records/s a collector core takes (benchmarks/results/workers_scaling.md), 5 s of them.
+# Records that may wait for a scrape (SinkFanout); past it a record is dropped and counted:
+# at ~1,000 records/s, 50 s of them (a scrape of a full window on a saturated host took 12-64 s,
+# benchmarks/RESULTS.md "Session 33").
 BACKLOG_MAX = 50_000
 
 # The vocabulary of `Sink.counters()`, so that /metrics reads every sink alike. A sink reports
@@ -129,8 +130,10 @@ class SinkFanout:
     waits in a backlog, delivered in order before the next one or when the scrape ends
     (`drain`): the scrape thread runs at the lowest CPU priority, and on a busy core it can
     hold the lock for seconds; the loop that delivers records (and answers health checks)
-    must not wait that long behind it. Past `BACKLOG_MAX` waiting records the delivery waits
-    for the lock, as memory must stay bounded.
+    must not wait that long behind it. Past `BACKLOG_MAX` waiting records a record is dropped
+    and counted (`on_record` says so, `records_dropped_backlog`), as memory must stay bounded:
+    the loop never waits for the lock. (It once did, and a scrape starved on a saturated host
+    then froze the collector's loop, `/healthz` with it, for as long as the scrape took.)
 
     `close` closes every sink once, the last registered first: the sinks that export (OTel,
     capture, added last) drain while the window and Prometheus, registered first, still hold
@@ -145,6 +148,7 @@ class SinkFanout:
         self.errors: dict[str, int] = {}
         self.records_delivered = 0
         self.records_after_close = 0
+        self.records_dropped_backlog = 0  # a scrape held the sinks past BACKLOG_MAX records
         self.close_failures: list[str] = []  # names of the sinks that raised in close
         self._throttles: dict[str, LogThrottle] = {}
         self._closed = False
@@ -171,21 +175,27 @@ class SinkFanout:
         self._lifecycles.append(sink if isinstance(sink, Sink) else _RecordOnly(sink))
         self.errors[sink.name] = 0
 
-    def on_record(self, record: RequestRecord) -> None:
+    def on_record(self, record: RequestRecord) -> bool:
+        """Deliver ``record`` (or keep it for after a scrape): False when it was dropped
+        instead, a scrape holding the sinks with `BACKLOG_MAX` records already waiting."""
         lock = self.lock
         if lock is None:
             self._deliver(record)
-            return
+            return True
         backlog = self._backlog
-        if not lock.acquire(blocking=len(backlog) >= BACKLOG_MAX):
+        if not lock.acquire(blocking=False):
+            if len(backlog) >= BACKLOG_MAX:
+                self.records_dropped_backlog += 1
+                return False
             backlog.append(record)  # a scrape holds the sinks: delivered after it
-            return
+            return True
         try:
             while backlog:
                 self._deliver(backlog.popleft())
             self._deliver(record)
         finally:
             lock.release()
+        return True
 
     @property
     def waiting(self) -> int:

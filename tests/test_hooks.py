@@ -35,8 +35,8 @@ class Failing:
         raise RuntimeError("disk on fire")
 
 
-def record() -> RequestRecord:
-    return RequestRecord(request_id="x", wall_time_ns=0, outcome=Outcome.OK, endpoint="chat")
+def record(request_id: str = "x") -> RequestRecord:
+    return RequestRecord(request_id=request_id, wall_time_ns=0, outcome=Outcome.OK, endpoint="chat")
 
 
 def test_a_failing_sink_is_counted_and_the_others_still_get_the_record(
@@ -174,6 +174,45 @@ async def test_records_that_come_during_a_threaded_scrape_wait_for_it_without_bl
     finally:
         release.set()
         await asyncio.to_thread(runner.close)
+
+
+def test_past_the_backlog_a_record_is_dropped_and_counted_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scrape that holds the sinks while the backlog is full (a host out of CPU: the scrape
+    thread starves at nice +19) costs the records past the bound, each counted and said so by
+    `on_record`'s answer; the caller never waits for the lock. (It used to wait, and the
+    collector's loop froze behind a starved scrape, `/healthz` with it.) What waited is
+    delivered, in order, once the scrape lets go."""
+    import sidecar.hooks as hooks
+
+    monkeypatch.setattr(hooks, "BACKLOG_MAX", 3)
+    lock = threading.Lock()
+    sink = Collecting("window")
+    fanout = SinkFanout([sink], lock=lock)
+    scrape_holds, scrape_may_end = threading.Event(), threading.Event()
+
+    def scrape() -> None:  # another thread, as the scrape runner's
+        with lock:
+            scrape_holds.set()
+            scrape_may_end.wait(10)
+
+    holder = threading.Thread(target=scrape)
+    holder.start()
+    try:
+        assert scrape_holds.wait(10)
+        answers = [fanout.on_record(record(f"r{i}")) for i in range(5)]
+        # Returned while the scrape still held the sinks: nothing waited for it.
+        assert holder.is_alive()
+        assert answers == [True, True, True, False, False]
+        assert fanout.waiting == 3 and fanout.records_dropped_backlog == 2
+        assert sink.records == []
+    finally:
+        scrape_may_end.set()
+        holder.join(10)
+    assert fanout.on_record(record("r5"))
+    assert [r.request_id for r in sink.records] == ["r0", "r1", "r2", "r5"]
+    assert fanout.waiting == 0 and fanout.records_dropped_backlog == 2
 
 
 def test_flush_and_close_deliver_what_waited_for_a_scrape() -> None:

@@ -851,3 +851,52 @@ async def test_the_channel_sink_drops_and_counts_a_record_the_wire_cannot_hold()
         assert sender.transport is not None
         sender.transport.close()
         theirs.close()
+
+
+async def test_a_record_dropped_behind_a_starved_scrape_is_counted_for_its_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Records that reach the collector while a scrape holds its sinks and the backlog is
+    full are dropped, counted for the worker that sent them (`scrape_backlog` in /workers and
+    in sidecar_channel_dropped_records_total), and the worker's accounts still add up. The
+    collector's own objects over the real frame parser, without processes: the worker's frames
+    fed to its protocol while this test holds the sinks' lock, as a starved scrape would."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import sidecar.hooks as hooks
+    from sidecar.config import ProxyConfig
+    from sidecar.proxy.collector import Collector, WorkerProcess
+    from sidecar.proxy.recordwire import encode_record
+    from sidecar.sinks.prometheus import WorkerCollector, WorkerState
+
+    monkeypatch.setattr(hooks, "BACKLOG_MAX", 2)
+    lock = threading.Lock()
+    taken: list[str] = []
+    window = SimpleNamespace(name="window", on_record=lambda r: taken.append(r.request_id))
+    fanout = SinkFanout([window], lock=lock)
+    collector = Collector(ProxyConfig(upstreams=("http://127.0.0.1:9",)), fanout, workers=1)
+    worker = WorkerProcess(0, SimpleNamespace(pid=1), collector._on_frame, 1)  # type: ignore[arg-type]
+    collector.slots[0].current = worker
+    worker.status = {"requests_total": 5}
+    frames = b"".join(
+        channel.frame(Kind.RECORD, encode_record(channel_record(i))) for i in range(5)
+    )
+    with lock:  # a scrape holds the sinks
+        worker.protocol.data_received(frames)
+    assert fanout.waiting == 2 and taken == []
+    fanout.drain()
+    assert taken == ["c0", "c1"]
+
+    view = collector.worker_view(collector.slots[0])
+    assert view["records_received"] == 2 and view["dropped"]["scrape_backlog"] == 3
+    assert view["requests_total"] == 5
+    assert accounted({"workers": [view]}, 5)
+    registry = CollectorRegistry()
+    registry.register(
+        WorkerCollector(lambda: [WorkerState(**state) for state in collector.worker_states()])
+    )
+    exposition = generate_latest(registry).decode()
+    assert metric(exposition, "sidecar_channel_dropped_records_total", reason="scrape_backlog") == 3
+    assert metric(exposition, "sidecar_channel_records_total") == 2

@@ -102,6 +102,7 @@ class WorkerProcess:
         self.status: dict[str, Any] = {}
         self.received = 0  # records decoded and given to the sinks
         self.decode_errors = 0
+        self.dropped_scrape_backlog = 0  # decoded, then dropped: a scrape held the sinks too long
         self.ejections_seen = [0] * n_replicas
         self.protocol = FrameProtocol(
             lambda kind, payload: on_frame(self, kind, payload), self._lost
@@ -136,6 +137,7 @@ class WorkerProcess:
         )
         counts["received"] = self.received
         counts["decode_errors"] = self.decode_errors
+        counts["dropped_scrape_backlog"] = self.dropped_scrape_backlog
         for i, row in enumerate(status.get("replicas", [])):
             counts[f"replica_requests_total:{i}"] = int(row[1])
             counts[f"replica_ejections:{i}"] = int(row[2])
@@ -186,6 +188,7 @@ def _accounted(counts: Counter[str]) -> int:
         + counts["dropped_closed"]
         + counts["encode_errors"]
         + counts["decode_errors"]
+        + counts["dropped_scrape_backlog"]
     )
 
 
@@ -519,8 +522,10 @@ class Collector:
                         worker.decode_errors,
                     )
                 return
-            worker.received += 1
-            self.fanout.on_record(record)
+            if self.fanout.on_record(record):
+                worker.received += 1
+            else:
+                worker.dropped_scrape_backlog += 1
         elif kind == Kind.STATUS:
             worker.status = parse_json(payload)
             self._note_ejections(worker)
@@ -683,6 +688,7 @@ class Collector:
                 "channel_closed": t["dropped_closed"],
                 "encode_error": t["encode_errors"],
                 "decode_error": t["decode_errors"],
+                "scrape_backlog": t["dropped_scrape_backlog"],
             },
             # Requests an incarnation of this worker counted that ended in no record and no
             # counted drop: in flight when it died.
@@ -729,6 +735,7 @@ class Collector:
                     "dropped_channel_closed": t["dropped_closed"],
                     "encode_errors": t["encode_errors"],
                     "decode_errors": t["decode_errors"],
+                    "dropped_scrape_backlog": t["dropped_scrape_backlog"],
                     "lost": t["lost"],
                     "cpu_user_seconds": t["cpu_user_us"] / 1e6,
                     "cpu_system_seconds": t["cpu_system_us"] / 1e6,

@@ -925,6 +925,8 @@ class WorkerState:
     encode_errors: int
     decode_errors: int
     lost: int  # requests a worker counted and never sent a record for, before it died
+    # Decoded, then dropped: a scrape held the sinks with hooks.BACKLOG_MAX records waiting.
+    dropped_scrape_backlog: int = 0
     # Its processes' own CPU and context switches, all incarnations (proxy/worker.own_cpu).
     cpu_user_seconds: float = 0.0
     cpu_system_seconds: float = 0.0
@@ -969,8 +971,10 @@ class WorkerCollector(Collector):
             "sidecar_channel_dropped_records",
             "Records lost between a worker and the collector, by reason: channel_full (the "
             "collector fell behind by more than --channel-buffer-bytes; the worker dropped "
-            "rather than wait), channel_closed, encode_error, decode_error, and "
-            "worker_died (requests a worker counted before it died with no record sent).",
+            "rather than wait), channel_closed, encode_error, decode_error, scrape_backlog "
+            "(the collector took the record, but a scrape held the sinks with 50,000 records "
+            "already waiting: on a host out of CPU) and worker_died (requests a worker counted "
+            "before it died with no record sent).",
             labels=("worker", "reason"),
         )
         cpu = CounterMetricFamily(
@@ -1000,6 +1004,7 @@ class WorkerCollector(Collector):
                 ("channel_closed", s.dropped_channel_closed),
                 ("encode_error", s.encode_errors),
                 ("decode_error", s.decode_errors),
+                ("scrape_backlog", s.dropped_scrape_backlog),
                 ("worker_died", s.lost),
             ):
                 dropped.add_metric((s.worker, reason), count)
