@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar, runtime_checkable
 
-from sidecar.record import RequestRecord
+from sidecar.record import RequestRecord, approx_record_bytes
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,13 @@ LOG_EVERY_S = 10.0  # a failure repeated on every request must not flood the log
 # short enough that an orchestrator's grace period (30 s by default in Kubernetes) is not
 # spent waiting on a dead collector.
 SINK_TIMEOUT_S = 25.0
-# Records that may wait for a scrape (SinkFanout); past it a record is dropped and counted:
-# at ~1,000 records/s, 50 s of them (a scrape of a full window on a saturated host took 12-64 s,
-# benchmarks/RESULTS.md "Session 33").
+# Records that may wait for a scrape (SinkFanout), and their memory (record.approx_record_bytes);
+# past either a record is dropped and counted. At ~1,000 records/s, 50 s of them (a scrape of a
+# full window on a saturated host took 12-64 s, benchmarks/RESULTS.md "Session 33"); the bytes
+# bound holds when streams are long (50,000 records of 2,000 tokens would be ~2.4 GiB): a quarter
+# of the live window's default cap.
 BACKLOG_MAX = 50_000
+BACKLOG_MAX_BYTES = 64 * 1024 * 1024
 
 # The vocabulary of `Sink.counters()`, so that /metrics reads every sink alike. A sink reports
 # the names that apply to it, and may add its own (the window's ``evicted_over_cap``).
@@ -130,10 +133,11 @@ class SinkFanout:
     waits in a backlog, delivered in order before the next one or when the scrape ends
     (`drain`): the scrape thread runs at the lowest CPU priority, and on a busy core it can
     hold the lock for seconds; the loop that delivers records (and answers health checks)
-    must not wait that long behind it. Past `BACKLOG_MAX` waiting records a record is dropped
-    and counted (`on_record` says so, `records_dropped_backlog`), as memory must stay bounded:
-    the loop never waits for the lock. (It once did, and a scrape starved on a saturated host
-    then froze the collector's loop, `/healthz` with it, for as long as the scrape took.)
+    must not wait that long behind it. Past `BACKLOG_MAX` waiting records, or
+    `BACKLOG_MAX_BYTES` of them, a record is dropped and counted (`on_record` says so,
+    `records_dropped_backlog`), as memory must stay bounded: the loop never waits for the lock.
+    (It once did, and a scrape starved on a saturated host then froze the collector's loop,
+    `/healthz` with it, for as long as the scrape took.)
 
     `close` closes every sink once, the last registered first: the sinks that export (OTel,
     capture, added last) drain while the window and Prometheus, registered first, still hold
@@ -154,6 +158,7 @@ class SinkFanout:
         self._closed = False
         self._close_lock = threading.Lock()
         self._backlog: deque[RequestRecord] = deque()  # appended on the loop only
+        self._backlog_bytes = 0  # their approx_record_bytes
         for sink in sinks:
             self.add(sink)
 
@@ -184,14 +189,16 @@ class SinkFanout:
             return True
         backlog = self._backlog
         if not lock.acquire(blocking=False):
-            if len(backlog) >= BACKLOG_MAX:
+            size = approx_record_bytes(record)
+            if len(backlog) >= BACKLOG_MAX or self._backlog_bytes + size > BACKLOG_MAX_BYTES:
                 self.records_dropped_backlog += 1
                 return False
             backlog.append(record)  # a scrape holds the sinks: delivered after it
+            self._backlog_bytes += size
             return True
         try:
-            while backlog:
-                self._deliver(backlog.popleft())
+            if backlog:
+                self._deliver_backlog()
             self._deliver(record)
         finally:
             lock.release()
@@ -210,10 +217,16 @@ class SinkFanout:
         if lock is None or not backlog or not lock.acquire(blocking=blocking):
             return
         try:
-            while backlog:
-                self._deliver(backlog.popleft())
+            self._deliver_backlog()
         finally:
             lock.release()
+
+    def _deliver_backlog(self) -> None:
+        """What waited for a scrape, in order (the sinks' lock held)."""
+        backlog = self._backlog
+        while backlog:
+            self._deliver(backlog.popleft())
+        self._backlog_bytes = 0
 
     def _deliver(self, record: RequestRecord) -> None:
         if self._closed:

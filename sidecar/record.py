@@ -582,3 +582,18 @@ def untrack_finished(record: RequestRecord) -> bool:
     for part in parts:
         untrack(part)
     return True
+
+
+# What a frozen record costs beyond its columns (the record, its timelines, ids, strings).
+# Measured with tracemalloc on proxy records: 2.4 KiB at 32 tokens, 7.7 KiB at 256; this
+# estimate gives 2.8 and 8.0.
+RECORD_BASE_BYTES = 2048
+
+
+def approx_record_bytes(record: RequestRecord) -> int:
+    """Memory a kept record holds, approximately: a fixed part, 8 bytes per instant on each
+    side, and 8 per token count (one column, which the two sides share). What bounds the live
+    window's memory (sinks.window) and the records waiting for a scrape (hooks.SinkFanout)."""
+    client = record.client.n_marks
+    server = record.server.n_marks if record.server else 0
+    return RECORD_BASE_BYTES + 8 * (client + server) + 8 * max(client, server)

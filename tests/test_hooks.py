@@ -215,6 +215,33 @@ def test_past_the_backlog_a_record_is_dropped_and_counted_not_waited_for(
     assert fanout.waiting == 0 and fanout.records_dropped_backlog == 2
 
 
+def test_the_backlog_is_bounded_by_memory_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records of long streams are large (~8 KiB at 256 tokens, tens at thousands): the
+    backlog also holds at most `BACKLOG_MAX_BYTES` of them by `approx_record_bytes`, however
+    few they are, and its account starts over once what waited was delivered."""
+    import sidecar.hooks as hooks
+    from sidecar.record import RECORD_BASE_BYTES, approx_record_bytes
+
+    one = approx_record_bytes(record())
+    assert one == RECORD_BASE_BYTES  # no instants: the fixed part only
+    monkeypatch.setattr(hooks, "BACKLOG_MAX_BYTES", 2 * one + one // 2)  # room for two
+    lock = threading.Lock()
+    sink = Collecting("window")
+    fanout = SinkFanout([sink], lock=lock)
+    with lock:  # a scrape holds the sinks (this thread: acquire(blocking=False) fails)
+        answers = [fanout.on_record(record(f"a{i}")) for i in range(4)]
+    assert answers == [True, True, False, False]
+    assert fanout.waiting == 2 and fanout.records_dropped_backlog == 2
+    assert fanout.on_record(record("a4"))  # the scrape let go: what waited goes first
+    assert [r.request_id for r in sink.records] == ["a0", "a1", "a4"]
+    with lock:
+        answers = [fanout.on_record(record(f"b{i}")) for i in range(3)]
+    assert answers == [True, True, False]  # room for two again, not zero
+    fanout.drain()
+    assert [r.request_id for r in sink.records][-2:] == ["b0", "b1"]
+    assert fanout.records_dropped_backlog == 3
+
+
 def test_flush_and_close_deliver_what_waited_for_a_scrape() -> None:
     lock = threading.Lock()
     sink = Collecting("window")

@@ -392,7 +392,8 @@ def test_the_live_window_keeps_to_its_memory_bound() -> None:
     """Records of 3 events cost 2048 + 8 x 3 (instants) + 8 x 3 (token counts) = 2096 bytes by
     the estimate (client side only): a bound of 5000 bytes keeps two, evicts (and counts) the
     rest, oldest first. With a server side of 3 events too: + 8 x 3 instants = 2120."""
-    from sidecar.sinks.window import WindowSink, approx_record_bytes
+    from sidecar.record import approx_record_bytes
+    from sidecar.sinks.window import WindowSink
 
     now = [10_000 * MS]
     window = WindowSink(window_s=60.0, max_bytes=5000, wall_ns=lambda: now[0])

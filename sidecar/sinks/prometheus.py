@@ -973,8 +973,8 @@ class WorkerCollector(Collector):
             "collector fell behind by more than --channel-buffer-bytes; the worker dropped "
             "rather than wait), channel_closed, encode_error, decode_error, scrape_backlog "
             "(the collector took the record, but a scrape held the sinks with 50,000 records "
-            "already waiting: on a host out of CPU) and worker_died (requests a worker counted "
-            "before it died with no record sent).",
+            "or 64 MiB already waiting: on a host out of CPU) and worker_died (requests a "
+            "worker counted before it died with no record sent).",
             labels=("worker", "reason"),
         )
         cpu = CounterMetricFamily(

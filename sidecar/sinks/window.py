@@ -23,7 +23,13 @@ import numpy as np
 
 from sidecar import clock, stats
 from sidecar.hooks import SINK_TIMEOUT_S, TAKEN
-from sidecar.record import Outcome, RequestRecord, Vantage, untrack_finished
+from sidecar.record import (
+    Outcome,
+    RequestRecord,
+    Vantage,
+    approx_record_bytes,
+    untrack_finished,
+)
 
 GENERATION_ENDPOINTS = frozenset({"chat", "completions"})
 
@@ -84,24 +90,11 @@ def _end_wall_ns(record: RequestRecord) -> int:
     return record.wall_time_ns + stats.end_offset_ns(record)
 
 
-# What a frozen record costs beyond its columns (the record, its timelines, ids, strings).
-# Measured with tracemalloc on proxy records: 2.4 KiB at 32 tokens, 7.7 KiB at 256; this
-# estimate gives 2.8 and 8.0.
-RECORD_BASE_BYTES = 2048
-
 # Records that left the window leave its table this many at a time, or once they hold
 # `max_bytes` / DROP_BYTES_SHARE (or before a read): the table holds at most that many more
 # records than the window, and ~3 % more memory than its cap.
 DROP_BATCH = 512
 DROP_BYTES_SHARE = 32
-
-
-def approx_record_bytes(record: RequestRecord) -> int:
-    """Memory a kept record holds, approximately: a fixed part, 8 bytes per instant on each
-    side, and 8 per token count (one column, which the two sides share)."""
-    client = record.client.n_marks
-    server = record.server.n_marks if record.server else 0
-    return RECORD_BASE_BYTES + 8 * (client + server) + 8 * max(client, server)
 
 
 class WindowSink:
