@@ -67,6 +67,7 @@ PROCESSES = "workers.md#Processes"
 STAMPS = "metrics.md#How late a stamp may be"
 STAMPS_LATE = "runbooks.md#SidecarStampsLate"
 OWN_DELAY = "metrics.md#The sidecar's own delay"
+SCRAPES_SLOW = "runbooks.md#SidecarScrapesSlow"
 
 
 # --- queries ---------------------------------------------------------------------------------
@@ -1500,6 +1501,20 @@ def health_dashboard() -> dict[str, Any]:
         ),
         stamps_late_panel(),
         own_delay_panel(),
+        timeseries(
+            "How long the sidecar's scrapes take",
+            "scrape_duration_seconds of the sidecars' scrape job, per sidecar: what Prometheus "
+            "waited for each /metrics (a scrape that timed out shows its timeout). A full live "
+            "window's scrape takes tens to a few hundred milliseconds; the scrape runs at the "
+            "lowest CPU priority, so seconds mean the sidecar has no CPU to spare, its records "
+            "wait behind the scrape (dropped past its backlog) and slower scrapes are lost. The "
+            "line at 3 s is SidecarScrapesSlow's bound (a 5-minute average above it for 10 "
+            "minutes)." + see(SCRAPES_SLOW, PROCESSES),
+            "s",
+            targets((f"scrape_duration_seconds{{{TARGET}}}", "{{instance}}")),
+            thresholds=[(3.0, "orange")],
+            w=24,
+        ),
         row("Records lost on the way out"),
         timeseries(
             "Sink errors",
