@@ -182,7 +182,8 @@ class SinkFanout:
 
     def on_record(self, record: RequestRecord) -> bool:
         """Deliver ``record`` (or keep it for after a scrape): False when it was dropped
-        instead, a scrape holding the sinks with `BACKLOG_MAX` records already waiting."""
+        instead, a scrape holding the sinks with the backlog full (`BACKLOG_MAX` records, or
+        `BACKLOG_MAX_BYTES` of them)."""
         lock = self.lock
         if lock is None:
             self._deliver(record)
@@ -225,8 +226,11 @@ class SinkFanout:
         """What waited for a scrape, in order (the sinks' lock held)."""
         backlog = self._backlog
         while backlog:
-            self._deliver(backlog.popleft())
-        self._backlog_bytes = 0
+            record = backlog.popleft()
+            # Per record, not a reset at the end: `flush` and `close` drain from another
+            # thread while the loop may still add to the backlog.
+            self._backlog_bytes -= approx_record_bytes(record)
+            self._deliver(record)
 
     def _deliver(self, record: RequestRecord) -> None:
         if self._closed:
