@@ -38,7 +38,7 @@ SINK_TIMEOUT_S = 25.0
 # Records that may wait for a scrape (SinkFanout), and their memory (record.approx_record_bytes);
 # past either a record is dropped and counted. At ~1,000 records/s, 50 s of them (a scrape of a
 # full window on a saturated host took 12-64 s, benchmarks/RESULTS.md "Session 33"); the bytes
-# bound holds when streams are long (50,000 records of 2,000 tokens would be ~2.4 GiB): a quarter
+# bound holds when streams are long (50,000 records of 2,000 tokens would be ~2.3 GiB): a quarter
 # of the live window's default cap.
 BACKLOG_MAX = 50_000
 BACKLOG_MAX_BYTES = 64 * 1024 * 1024

@@ -925,8 +925,8 @@ class WorkerState:
     encode_errors: int
     decode_errors: int
     lost: int  # requests a worker counted and never sent a record for, before it died
-    # Decoded, then dropped: a scrape held the sinks with hooks.BACKLOG_MAX records waiting.
-    dropped_scrape_backlog: int = 0
+    # Decoded, then dropped: a scrape held the sinks with their backlog full (hooks.py).
+    dropped_scrape_backlog: int
     # Its processes' own CPU and context switches, all incarnations (proxy/worker.own_cpu).
     cpu_user_seconds: float = 0.0
     cpu_system_seconds: float = 0.0
